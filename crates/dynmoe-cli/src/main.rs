@@ -1,0 +1,256 @@
+//! The `dynmoe` command line: parses arguments, calls the library, prints results.
+
+mod demo;
+mod progress;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use dynmoe::backend::Cpu;
+use dynmoe::eval::{inspect, ppl};
+use dynmoe::model::{self, LoadedModel};
+use dynmoe::runtime::generate::{self, Sampling};
+
+/// Mixture-of-Experts models at 1.5-2 resident bits per weight, with a resident expert
+/// set that follows the text.
+#[derive(Parser)]
+#[command(name = "dynmoe", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt.
+    Run(RunArgs),
+    /// Evaluate a model.
+    #[command(subcommand)]
+    Eval(EvalCommand),
+    /// Show a model's architecture, parameters by kind and bytes by dtype.
+    Inspect(InspectArgs),
+    /// Run the pipeline on the bundled small model: load, generate, perplexity per domain.
+    Demo(demo::DemoArgs),
+}
+
+#[derive(Subcommand)]
+enum EvalCommand {
+    /// Perplexity with llama.cpp's semantics (chunks of --ctx tokens, second half scored).
+    Ppl(PplArgs),
+}
+
+/// Which implementation of the ops runs the model.
+#[derive(Clone, Copy, ValueEnum)]
+enum BackendKind {
+    /// Threaded CPU kernels.
+    Cpu,
+    /// Plain single-threaded f32 reference (the oracle; slow).
+    Reference,
+}
+
+impl BackendKind {
+    fn cpu(self) -> Cpu {
+        match self {
+            BackendKind::Cpu => Cpu::fast(),
+            BackendKind::Reference => Cpu::reference(),
+        }
+    }
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// Model directory (Hugging Face layout: config.json, *.safetensors, tokenizer.json).
+    #[arg(long, short)]
+    model: PathBuf,
+    /// Compute backend.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt.
+    #[arg(long, short)]
+    prompt: String,
+    /// Tokens to generate.
+    #[arg(short = 'n', long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep only the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling threshold.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Sampler seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print a JSON report instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct PplArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Text file to score.
+    #[arg(long)]
+    text: PathBuf,
+    /// Chunk length.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// Score at most this many chunks.
+    #[arg(long)]
+    chunks: Option<usize>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct InspectArgs {
+    /// Model directory.
+    dir: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(a) => cmd_run(a),
+        Command::Eval(EvalCommand::Ppl(a)) => cmd_ppl(a),
+        Command::Inspect(a) => cmd_inspect(a),
+        Command::Demo(a) => demo::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// Loads a model directory onto the CPU backend, with a spinner while it loads.
+pub(crate) fn load(dir: &Path, backend: Cpu) -> Result<LoadedModel<Cpu>> {
+    let spinner = progress::spinner(&format!("loading {}", dir.display()));
+    let m =
+        model::load(dir, backend).with_context(|| format!("loading model {}", dir.display()))?;
+    spinner.finish_and_clear();
+    Ok(m)
+}
+
+fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
+}
+
+fn cmd_run(a: RunArgs) -> Result<()> {
+    if a.top_p.is_nan() || a.top_p <= 0.0 || a.top_p > 1.0 {
+        anyhow::bail!("--top-p must be in (0, 1], got {}", a.top_p);
+    }
+    if a.temperature.is_nan() || a.temperature < 0.0 {
+        anyhow::bail!("--temperature must be >= 0, got {}", a.temperature);
+    }
+    let m = load(&a.model.model, a.model.backend.cpu())?;
+    let sampling = Sampling {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+    };
+    let json = a.json;
+    let mut print = |piece: &str| {
+        if !json {
+            use std::io::Write;
+            print!("{piece}");
+            let _ = std::io::stdout().flush();
+        }
+    };
+    if !json {
+        print!("{}", a.prompt);
+    }
+    let g = generate::generate(&m, &a.prompt, a.max_tokens, sampling, &mut print)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&g)?);
+    } else {
+        println!();
+        eprintln!(
+            "[{} prompt tokens at {:.1} tok/s, {} generated at {:.1} tok/s]",
+            g.prompt_tokens,
+            g.prefill_tokens_per_second,
+            g.tokens.len(),
+            g.decode_tokens_per_second
+        );
+    }
+    Ok(())
+}
+
+fn cmd_ppl(a: PplArgs) -> Result<()> {
+    let text = read_text(&a.text)?;
+    let m = load(&a.model.model, a.model.backend.cpu())?;
+    let bar = progress::bar("perplexity");
+    let report = ppl::perplexity(
+        &m,
+        &text,
+        ppl::PplOptions {
+            ctx: a.ctx,
+            max_chunks: a.chunks,
+        },
+        &mut |done, total| progress::update(&bar, done, total),
+    )
+    .with_context(|| format!("perplexity of {}", a.text.display()))?;
+    bar.finish_and_clear();
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "PPL = {:.4} +/- {:.5}  ({} tokens scored in {} chunks of {}; {:.0} tok/s)",
+            report.ppl,
+            report.ppl_stderr,
+            report.tokens_scored,
+            report.chunks,
+            report.ctx,
+            report.tokens_per_second
+        );
+    }
+    Ok(())
+}
+
+fn cmd_inspect(a: InspectArgs) -> Result<()> {
+    let inv =
+        inspect::inspect_dir(&a.dir).with_context(|| format!("inspecting {}", a.dir.display()))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&inv)?);
+        return Ok(());
+    }
+    println!(
+        "{}: {} layers ({} MoE), {} experts per layer, top-{}",
+        inv.arch, inv.layers, inv.moe_layers, inv.experts_per_layer, inv.top_k
+    );
+    println!("{:<16} {:>14} {:>7}", "kind", "parameters", "share");
+    for (kind, n) in &inv.params_by_kind {
+        let name = serde_json::to_value(kind)?
+            .as_str()
+            .unwrap_or("?")
+            .to_string();
+        println!(
+            "{:<16} {:>14} {:>6.1}%",
+            name,
+            n,
+            100.0 * *n as f64 / inv.params_total as f64
+        );
+    }
+    println!("{:<16} {:>14}", "total", inv.params_total);
+    println!("{:<16} {:>14}", "per expert", inv.params_per_expert);
+    println!("{:<16} {:>14}", "active/token", inv.params_active_per_token);
+    for (dtype, bytes) in &inv.bytes_by_dtype {
+        println!("bytes {dtype:<10} {bytes:>14}");
+    }
+    println!("{:<16} {:>14}", "file bytes", inv.file_bytes);
+    Ok(())
+}

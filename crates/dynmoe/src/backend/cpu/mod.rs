@@ -1,0 +1,171 @@
+//! The CPU backend: host memory, the f32 reference of every op, and fast kernels for
+//! the ops that dominate time (matrix products, attention, normalisation).
+
+pub mod fast;
+pub mod reference;
+
+use super::{AttentionShape, Backend};
+
+/// The CPU backend. `Cpu::reference()` runs every op through the plain reference
+/// loops; `Cpu::fast()` uses the threaded kernels where they exist.
+#[derive(Debug, Clone, Copy)]
+pub struct Cpu {
+    fast: bool,
+}
+
+impl Cpu {
+    /// Threaded kernels (the default).
+    pub fn fast() -> Cpu {
+        Cpu { fast: true }
+    }
+
+    /// Plain single-threaded reference loops: the oracle.
+    pub fn reference() -> Cpu {
+        Cpu { fast: false }
+    }
+}
+
+impl Backend for Cpu {
+    type Tensor = Vec<f32>;
+
+    fn name(&self) -> &'static str {
+        if self.fast {
+            "cpu"
+        } else {
+            "cpu-reference"
+        }
+    }
+
+    fn upload(&self, data: &[f32]) -> Vec<f32> {
+        data.to_vec()
+    }
+
+    fn alloc(&self, len: usize) -> Vec<f32> {
+        // NaN, not zero: a read of something no op wrote shows up in the output.
+        vec![f32::NAN; len]
+    }
+
+    fn zeros(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    fn download(&self, t: &Vec<f32>, out: &mut [f32]) {
+        out.copy_from_slice(&t[..out.len()]);
+    }
+
+    fn len(&self, t: &Vec<f32>) -> usize {
+        t.len()
+    }
+
+    fn embed(&self, table: &Vec<f32>, dim: usize, ids: &[u32], out: &mut Vec<f32>) {
+        reference::embed(table, dim, ids, out);
+    }
+
+    fn rms_norm(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) {
+        if self.fast {
+            fast::rms_norm(x, w, rows, dim, eps, out);
+        } else {
+            reference::rms_norm(x, w, rows, dim, eps, out);
+        }
+    }
+
+    fn rms_norm_inplace(&self, x: &mut Vec<f32>, w: &Vec<f32>, rows: usize, dim: usize, eps: f32) {
+        reference::rms_norm_inplace(x, w, rows, dim, eps);
+    }
+
+    fn matmul(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        rows: usize,
+        in_dim: usize,
+        out_dim: usize,
+        out: &mut Vec<f32>,
+    ) {
+        if self.fast {
+            fast::matmul(x, w, rows, in_dim, out_dim, out);
+        } else {
+            reference::matmul(x, w, rows, in_dim, out_dim, out);
+        }
+    }
+
+    fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, rows: usize) {
+        reference::add_bias(x, bias, rows);
+    }
+
+    fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, n: usize) {
+        reference::add(&mut x[..n], &y[..n]);
+    }
+
+    fn silu_mul(&self, gate: &mut Vec<f32>, up: &Vec<f32>, n: usize) {
+        reference::silu_mul(&mut gate[..n], &up[..n]);
+    }
+
+    fn clamp(&self, x: &mut Vec<f32>, limit: f32, n: usize) {
+        reference::clamp(&mut x[..n], limit);
+    }
+
+    fn softmax_rows(&self, x: &mut Vec<f32>, rows: usize, dim: usize) {
+        reference::softmax_rows(x, rows, dim);
+    }
+
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        positions: &[usize],
+        heads: usize,
+        head_dim: usize,
+        inv_freq: &[f32],
+    ) {
+        reference::rope(x, positions, heads, head_dim, inv_freq);
+    }
+
+    fn write_rows(
+        &self,
+        src: &Vec<f32>,
+        dst: &mut Vec<f32>,
+        dst_row: usize,
+        rows: usize,
+        width: usize,
+    ) {
+        reference::write_rows(src, dst, dst_row, rows, width);
+    }
+
+    fn attention(
+        &self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        shape: AttentionShape,
+        out: &mut Vec<f32>,
+    ) {
+        if self.fast {
+            fast::attention(q, k, v, &shape, out);
+        } else {
+            reference::attention(q, k, v, &shape, out);
+        }
+    }
+
+    fn gather_rows(&self, src: &Vec<f32>, rows: &[u32], width: usize, dst: &mut Vec<f32>) {
+        reference::gather_rows(src, rows, width, dst);
+    }
+
+    fn scatter_add_rows(
+        &self,
+        src: &Vec<f32>,
+        rows: &[u32],
+        scales: &[f32],
+        width: usize,
+        dst: &mut Vec<f32>,
+    ) {
+        reference::scatter_add_rows(src, rows, scales, width, dst);
+    }
+}

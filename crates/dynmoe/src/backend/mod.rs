@@ -1,0 +1,153 @@
+//! The operations the forward pass is written against.
+//!
+//! The model code calls only these; a backend owns where tensors live (host memory,
+//! device memory) and how each op runs. Tensors are flat f32 buffers in row-major
+//! order; every op takes the sizes it needs explicitly, so a backend never has to
+//! guess a shape. The CPU backend's reference functions are the oracle every fast
+//! kernel, CPU or GPU, is compared with.
+
+pub mod cpu;
+
+pub use cpu::Cpu;
+
+/// A compute backend.
+pub trait Backend: Send + Sync {
+    /// A buffer of f32 values owned by the backend.
+    type Tensor: Send + Sync;
+
+    /// Short name for reports (`cpu`, `cpu-reference`, ...).
+    fn name(&self) -> &'static str;
+
+    /// Copies host data into a new tensor.
+    fn upload(&self, data: &[f32]) -> Self::Tensor;
+    /// A new tensor of `len` elements whose contents are unspecified until written.
+    fn alloc(&self, len: usize) -> Self::Tensor;
+    /// A new tensor of `len` zeros.
+    fn zeros(&self, len: usize) -> Self::Tensor;
+    /// Copies a tensor's first `out.len()` elements to the host.
+    fn download(&self, t: &Self::Tensor, out: &mut [f32]);
+    /// Number of elements.
+    fn len(&self, t: &Self::Tensor) -> usize;
+
+    /// `out[r] = table[ids[r]]`, rows of width `dim`.
+    fn embed(&self, table: &Self::Tensor, dim: usize, ids: &[u32], out: &mut Self::Tensor);
+
+    /// RMSNorm of each row of width `dim`: `x * rsqrt(mean(x²) + eps) * w`, for the first
+    /// `rows` rows.
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Tensor,
+    );
+    /// RMSNorm in place (q/k normalisation).
+    fn rms_norm_inplace(
+        &self,
+        x: &mut Self::Tensor,
+        w: &Self::Tensor,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    );
+
+    /// `out[r, o] = Σ_i x[r, i] · w[o, i]` for `rows` rows: `x` is `[rows, in_dim]`,
+    /// `w` is `[out_dim, in_dim]` as checkpoints store linear layers.
+    fn matmul(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Tensor,
+        rows: usize,
+        in_dim: usize,
+        out_dim: usize,
+        out: &mut Self::Tensor,
+    );
+    /// `x[r, :] += bias` for the first `rows` rows of width `bias.len()`.
+    fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor, rows: usize);
+    /// `x[..n] += y[..n]`.
+    fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor, n: usize);
+    /// `gate[..n] = silu(gate[..n]) * up[..n]`.
+    fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor, n: usize);
+    /// Clamp `x[..n]` to `[-limit, limit]`.
+    fn clamp(&self, x: &mut Self::Tensor, limit: f32, n: usize);
+    /// Softmax of each of the first `rows` rows of width `dim`.
+    fn softmax_rows(&self, x: &mut Self::Tensor, rows: usize, dim: usize);
+
+    /// Rotary embedding in place ("rotate half" convention): row `r` of `x` holds
+    /// `heads` heads of `head_dim` values at position `positions[r]`; `inv_freq` has
+    /// `head_dim / 2` entries.
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        positions: &[usize],
+        heads: usize,
+        head_dim: usize,
+        inv_freq: &[f32],
+    );
+
+    /// Copies `rows` rows of width `width` from `src` into `dst` starting at row `dst_row`.
+    fn write_rows(
+        &self,
+        src: &Self::Tensor,
+        dst: &mut Self::Tensor,
+        dst_row: usize,
+        rows: usize,
+        width: usize,
+    );
+
+    /// Causal grouped-query attention over a KV cache.
+    ///
+    /// `q` is `[rows, heads * head_dim]` for positions `pos0 .. pos0 + rows`; the caches
+    /// are `[ctx, kv_heads * head_dim]` and already hold positions `0 .. pos0 + rows`.
+    /// Query head `h` reads kv head `h / (heads / kv_heads)`. With a window `w`, position
+    /// `p` sees keys `p - w + 1 ..= p`. Scores are scaled by `1 / sqrt(head_dim)`.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k_cache: &Self::Tensor,
+        v_cache: &Self::Tensor,
+        shape: AttentionShape,
+        out: &mut Self::Tensor,
+    );
+
+    /// `dst[r] = src[rows[r]]` for rows of width `width`.
+    fn gather_rows(&self, src: &Self::Tensor, rows: &[u32], width: usize, dst: &mut Self::Tensor);
+    /// `dst[rows[r]] += scales[r] · src[r]` for rows of width `width`.
+    fn scatter_add_rows(
+        &self,
+        src: &Self::Tensor,
+        rows: &[u32],
+        scales: &[f32],
+        width: usize,
+        dst: &mut Self::Tensor,
+    );
+}
+
+/// The sizes of one attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    /// Query rows (tokens) in this call.
+    pub rows: usize,
+    /// Position of the first query row; the cache holds `pos0 + rows` positions.
+    pub pos0: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Width of a head.
+    pub head_dim: usize,
+    /// Sliding window, if any.
+    pub window: Option<usize>,
+}
+
+impl AttentionShape {
+    /// The first key position query position `p` may see.
+    pub fn first_visible(&self, p: usize) -> usize {
+        match self.window {
+            Some(w) => (p + 1).saturating_sub(w),
+            None => 0,
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Where a model's parameters and bytes are: counts by kind of tensor, bytes by dtype,
+//! and the parameters one token activates.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::model::{Checkpoint, Config, Error};
+
+/// The kinds of tensor a MoE checkpoint holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TensorKind {
+    /// Token embedding.
+    Embedding,
+    /// Output projection.
+    LmHead,
+    /// q, k, v, o projections and their biases.
+    Attention,
+    /// RMSNorm weights (layer, q/k and final norms).
+    Norm,
+    /// Router (and shared-expert gate) weights.
+    Router,
+    /// Routed experts.
+    RoutedExperts,
+    /// Shared experts.
+    SharedExperts,
+    /// Dense MLPs of non-MoE layers.
+    DenseMlp,
+    /// Anything else.
+    Other,
+}
+
+/// Classifies a checkpoint tensor by its name.
+pub fn classify(name: &str) -> TensorKind {
+    if name.contains("embed_tokens") {
+        TensorKind::Embedding
+    } else if name.starts_with("lm_head") {
+        TensorKind::LmHead
+    } else if name.contains("norm") {
+        TensorKind::Norm
+    } else if name.contains("self_attn") {
+        TensorKind::Attention
+    } else if name.contains("shared_expert_gate")
+        || name.ends_with("mlp.gate.weight")
+        || name.ends_with("block_sparse_moe.gate.weight")
+    {
+        TensorKind::Router
+    } else if name.contains("shared_expert") {
+        TensorKind::SharedExperts
+    } else if name.contains(".experts.") {
+        TensorKind::RoutedExperts
+    } else if name.contains(".mlp.") {
+        TensorKind::DenseMlp
+    } else {
+        TensorKind::Other
+    }
+}
+
+/// Parameter and byte accounting of a checkpoint.
+#[derive(Debug, Clone, Serialize)]
+pub struct Inventory {
+    /// `model_type`.
+    pub arch: String,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Of which mixture-of-experts.
+    pub moe_layers: usize,
+    /// Routed experts per MoE layer.
+    pub experts_per_layer: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Parameters in the checkpoint.
+    pub params_total: u64,
+    /// Parameters by kind of tensor.
+    pub params_by_kind: BTreeMap<TensorKind, u64>,
+    /// Bytes on disk by dtype (tensor data only).
+    pub bytes_by_dtype: BTreeMap<String, u64>,
+    /// Parameters of one routed expert.
+    pub params_per_expert: u64,
+    /// Parameters one token runs through: everything but the routed experts it skips
+    /// (and the embedding, which is a lookup).
+    pub params_active_per_token: u64,
+    /// Bytes of the checkpoint files.
+    pub file_bytes: u64,
+}
+
+/// Counts a checkpoint's parameters and bytes.
+pub fn inventory(config: &Config, ckpt: &Checkpoint) -> Result<Inventory, Error> {
+    let mut by_kind: BTreeMap<TensorKind, u64> = BTreeMap::new();
+    let mut by_dtype: BTreeMap<String, u64> = BTreeMap::new();
+    for name in ckpt.names() {
+        let info = ckpt.info(name)?;
+        let n: u64 = info.shape.iter().map(|&d| d as u64).product();
+        *by_kind.entry(classify(name)).or_default() += n;
+        *by_dtype.entry(format!("{:?}", info.dtype)).or_default() +=
+            n * info.dtype.bitsize() as u64 / 8;
+    }
+    let total: u64 = by_kind.values().sum();
+    let moe_layers = config.moe_layers().count();
+    let m = &config.moe;
+    let per_expert = 3 * (config.hidden_size * m.expert_intermediate) as u64;
+    let routed = by_kind
+        .get(&TensorKind::RoutedExperts)
+        .copied()
+        .unwrap_or(0);
+    let embedding = by_kind.get(&TensorKind::Embedding).copied().unwrap_or(0);
+    let lm_head_is_embedding =
+        config.tie_word_embeddings && !by_kind.contains_key(&TensorKind::LmHead);
+    let active = total - routed + (moe_layers * m.top_k) as u64 * per_expert
+        - if lm_head_is_embedding { 0 } else { embedding };
+    let file_bytes = ckpt
+        .files()
+        .map(|p| std::fs::metadata(p).map(|md| md.len()).unwrap_or(0))
+        .sum();
+    Ok(Inventory {
+        arch: config.arch.model_type().to_string(),
+        layers: config.layers.len(),
+        moe_layers,
+        experts_per_layer: m.num_experts,
+        top_k: m.top_k,
+        params_total: total,
+        params_by_kind: by_kind,
+        bytes_by_dtype: by_dtype,
+        params_per_expert: per_expert,
+        params_active_per_token: active,
+        file_bytes,
+    })
+}
+
+/// Opens a model directory and counts it.
+pub fn inspect_dir(dir: &Path) -> Result<Inventory, Error> {
+    let config = Config::from_file(&dir.join("config.json"))?;
+    let ckpt = Checkpoint::open(dir)?;
+    inventory(&config, &ckpt)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classifies_tensor_names_of_every_architecture() {
+        let cases = [
+            ("model.embed_tokens.weight", TensorKind::Embedding),
+            ("lm_head.weight", TensorKind::LmHead),
+            (
+                "model.layers.0.self_attn.q_proj.weight",
+                TensorKind::Attention,
+            ),
+            ("model.layers.0.self_attn.q_norm.weight", TensorKind::Norm),
+            ("model.layers.0.input_layernorm.weight", TensorKind::Norm),
+            ("model.layers.0.mlp.gate.weight", TensorKind::Router),
+            (
+                "model.layers.0.block_sparse_moe.gate.weight",
+                TensorKind::Router,
+            ),
+            (
+                "model.layers.0.mlp.shared_expert_gate.weight",
+                TensorKind::Router,
+            ),
+            (
+                "model.layers.0.mlp.experts.3.up_proj.weight",
+                TensorKind::RoutedExperts,
+            ),
+            (
+                "model.layers.0.block_sparse_moe.experts.3.w1.weight",
+                TensorKind::RoutedExperts,
+            ),
+            (
+                "model.layers.0.mlp.shared_expert.up_proj.weight",
+                TensorKind::SharedExperts,
+            ),
+            ("model.layers.1.mlp.gate_proj.weight", TensorKind::DenseMlp),
+        ];
+        for (name, kind) in cases {
+            assert_eq!(classify(name), kind, "{name}");
+        }
+    }
+}

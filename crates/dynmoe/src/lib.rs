@@ -1,0 +1,23 @@
+//! dynmoe compresses Mixture-of-Experts language models and runs them.
+//!
+//! The modules follow the data flow: [`model`] loads a Hugging Face checkpoint and runs
+//! its forward pass against a [`backend::Backend`]; [`eval`] measures it
+//! (llama.cpp-compatible perplexity, parameter and byte accounting); [`runtime`]
+//! generates text.
+//!
+//! ```no_run
+//! use dynmoe::backend::Cpu;
+//! let m = dynmoe::model::load(std::path::Path::new("fixtures/models/small-moe"), Cpu::fast())?;
+//! let ids = m.tokenizer.encode("The whale")?;
+//! let mut state = m.model.new_state(512);
+//! let logits = m.model.forward(&mut state, &ids, ids.len() - 1)?;
+//! assert_eq!(logits.len(), m.model.config.vocab_size);
+//! # Ok::<(), dynmoe::model::Error>(())
+//! ```
+#![deny(missing_docs)]
+
+pub mod backend;
+pub mod eval;
+pub mod model;
+pub mod runtime;
+pub mod testing;

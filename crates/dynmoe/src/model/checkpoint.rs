@@ -1,0 +1,235 @@
+//! Hugging Face safetensors checkpoints, single-file or sharded, memory-mapped.
+//!
+//! A sharded checkpoint is found through `model.safetensors.index.json`, never by
+//! listing the directory: the index is what says which shard holds which tensor.
+//! Every tensor is checked against the shape the configuration implies before it is
+//! read, and every error names the file and the tensor.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, Metadata};
+use safetensors::SafeTensors;
+
+use super::Error;
+
+/// One memory-mapped shard and its parsed header.
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+    header_len: usize,
+    metadata: Metadata,
+}
+
+/// The tensors of a checkpoint directory.
+pub struct Checkpoint {
+    shards: Vec<Shard>,
+    /// Tensor name to index into `shards`.
+    index: HashMap<String, usize>,
+}
+
+/// Where a tensor lives and what it is, without reading its data.
+#[derive(Debug, Clone)]
+pub struct TensorInfo {
+    /// Shard file holding it.
+    pub file: PathBuf,
+    /// Element type as stored.
+    pub dtype: Dtype,
+    /// Shape as stored.
+    pub shape: Vec<usize>,
+}
+
+impl Checkpoint {
+    /// Opens `model.safetensors`, or the shards named by `model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Checkpoint, Error> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let files: Vec<PathBuf> = if index_path.exists() {
+            read_index(&index_path)?
+                .into_iter()
+                .map(|f| dir.join(f))
+                .collect()
+        } else if single.exists() {
+            vec![single]
+        } else {
+            return Err(Error::NoWeights {
+                dir: dir.to_path_buf(),
+            });
+        };
+
+        let mut shards = Vec::with_capacity(files.len());
+        let mut index = HashMap::new();
+        for path in files {
+            let shard = open_shard(&path)?;
+            for name in shard.metadata.tensors().keys() {
+                if index.insert(name.clone(), shards.len()).is_some() {
+                    return Err(Error::Safetensors {
+                        path: path.clone(),
+                        reason: format!("tensor {name} appears in more than one shard"),
+                    });
+                }
+            }
+            shards.push(shard);
+        }
+        Ok(Checkpoint { shards, index })
+    }
+
+    /// Whether the checkpoint holds a tensor of this name.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// All tensor names, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.index.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// Files this checkpoint was read from.
+    pub fn files(&self) -> impl Iterator<Item = &Path> {
+        self.shards.iter().map(|s| s.path.as_path())
+    }
+
+    /// Dtype and shape of a tensor.
+    pub fn info(&self, name: &str) -> Result<TensorInfo, Error> {
+        let shard = self.shard_of(name)?;
+        let info = shard
+            .metadata
+            .info(name)
+            .expect("indexed tensor has metadata");
+        Ok(TensorInfo {
+            file: shard.path.clone(),
+            dtype: info.dtype,
+            shape: info.shape.clone(),
+        })
+    }
+
+    /// Reads a tensor as f32, checking that its shape is `shape`.
+    pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, Error> {
+        let shard = self.shard_of(name)?;
+        let info = shard
+            .metadata
+            .info(name)
+            .expect("indexed tensor has metadata");
+        if info.shape != shape {
+            return Err(Error::TensorShape {
+                path: shard.path.clone(),
+                tensor: name.to_string(),
+                expected: shape.to_vec(),
+                found: info.shape.clone(),
+            });
+        }
+        let (start, end) = info.data_offsets;
+        let base = 8 + shard.header_len;
+        let bytes = &shard.mmap[base + start..base + end];
+        let n: usize = shape.iter().product();
+        let out = match info.dtype {
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect::<Vec<f32>>(),
+            other => {
+                return Err(Error::TensorDtype {
+                    path: shard.path.clone(),
+                    tensor: name.to_string(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        debug_assert_eq!(out.len(), n);
+        Ok(out)
+    }
+
+    fn shard_of(&self, name: &str) -> Result<&Shard, Error> {
+        self.index
+            .get(name)
+            .map(|&i| &self.shards[i])
+            .ok_or_else(|| Error::MissingTensor {
+                path: self
+                    .shards
+                    .first()
+                    .map(|s| s.path.clone())
+                    .unwrap_or_default(),
+                tensor: name.to_string(),
+            })
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Index {
+    weight_map: BTreeMap<String, String>,
+}
+
+/// The shard files an index names, in first-mention order, each once.
+fn read_index(path: &Path) -> Result<Vec<String>, Error> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let index: Index = serde_json::from_str(&text).map_err(|e| Error::Json {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    let mut files: Vec<String> = index.weight_map.into_values().collect();
+    files.sort();
+    files.dedup();
+    if let Some(bad) = files.iter().find(|f| f.contains('/') || f.contains("..")) {
+        return Err(Error::Json {
+            path: path.to_path_buf(),
+            reason: format!("shard name {bad:?} points outside the checkpoint directory"),
+        });
+    }
+    Ok(files)
+}
+
+fn open_shard(path: &Path) -> Result<Shard, Error> {
+    let file = File::open(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    // SAFETY: the map is read-only; a checkpoint changed underneath a running process is
+    // outside what any reader of memory-mapped weights can defend against.
+    let mmap = unsafe { Mmap::map(&file) }.map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let (header_len, metadata) =
+        SafeTensors::read_metadata(&mmap).map_err(|e| Error::Safetensors {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    // read_metadata checks that offsets are contiguous; the data must also all be there.
+    let data_len = metadata
+        .tensors()
+        .values()
+        .map(|t| t.data_offsets.1)
+        .max()
+        .unwrap_or(0);
+    if 8 + header_len + data_len > mmap.len() {
+        return Err(Error::Safetensors {
+            path: path.to_path_buf(),
+            reason: format!(
+                "truncated: tensors need {} bytes, file has {}",
+                8 + header_len + data_len,
+                mmap.len()
+            ),
+        });
+    }
+    Ok(Shard {
+        path: path.to_path_buf(),
+        mmap,
+        header_len,
+        metadata,
+    })
+}

@@ -1,0 +1,676 @@
+//! Model configuration, read in two steps: a raw serde view of `config.json` that
+//! tolerates both transformers 4.x and 5.x field styles and unknown keys, resolved
+//! into a [`Config`] with no optional fields and every architecture default applied.
+
+use std::path::Path;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::Error;
+
+/// The architectures dynmoe runs, one per `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arch {
+    /// Qwen3-MoE: per-head q/k RMSNorm, softmax router, no shared expert.
+    Qwen3Moe,
+    /// Qwen2-MoE: qkv bias, a shared expert behind a sigmoid gate.
+    Qwen2Moe,
+    /// Mixtral: top-k over softmax, always renormalised.
+    Mixtral,
+    /// OLMoE: q/k RMSNorm over the whole projection, optional qkv clipping.
+    Olmoe,
+}
+
+impl Arch {
+    /// The `model_type` string of `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Arch::Qwen3Moe => "qwen3_moe",
+            Arch::Qwen2Moe => "qwen2_moe",
+            Arch::Mixtral => "mixtral",
+            Arch::Olmoe => "olmoe",
+        }
+    }
+}
+
+/// Where q/k normalisation sits, if anywhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QkNorm {
+    /// No normalisation of queries and keys.
+    None,
+    /// RMSNorm over each head's `head_dim` values (Qwen3).
+    PerHead,
+    /// RMSNorm over the whole q (or k) projection before it is split into heads (OLMoE).
+    Whole,
+}
+
+/// How router logits become expert weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Router {
+    /// Softmax over all experts, top-k of the probabilities, optionally renormalised over
+    /// the k chosen. Mixtral is the renormalised case. (DeepSeek's sigmoid, group-limited
+    /// router with a correction bias will be a further variant.)
+    SoftmaxTopK {
+        /// Divide the k chosen probabilities by their sum.
+        renormalize: bool,
+    },
+}
+
+/// The feed-forward block of one decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnKind {
+    /// A dense SwiGLU MLP of this width.
+    Dense {
+        /// Width of its hidden layer.
+        intermediate: usize,
+    },
+    /// A routed mixture of experts (see [`MoeConfig`]).
+    Moe,
+}
+
+/// One decoder layer's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerConfig {
+    /// Dense MLP or mixture of experts.
+    pub ffn: FfnKind,
+    /// Keys further back than this many positions are not attended to.
+    pub sliding_window: Option<usize>,
+}
+
+/// The routed experts, shared by every MoE layer of the model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeConfig {
+    /// Routed experts per layer.
+    pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+    /// Width of one routed expert's hidden layer.
+    pub expert_intermediate: usize,
+    /// Router semantics.
+    pub router: Router,
+    /// Width of the shared expert, if the architecture has one.
+    pub shared_expert_intermediate: Option<usize>,
+}
+
+/// Rotary position embedding.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeConfig {
+    /// Base of the inverse frequencies.
+    pub theta: f32,
+    /// Positions are divided by this factor ("linear" scaling); 1 for none.
+    pub linear_factor: f32,
+}
+
+/// A resolved configuration: every field present, every default applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Architecture, from `model_type`.
+    pub arch: Arch,
+    /// Token vocabulary (rows of the embedding and LM head).
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than `num_heads`).
+    pub num_kv_heads: usize,
+    /// Width of one attention head; may differ from `hidden_size / num_heads`.
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+    /// Rotary embedding.
+    pub rope: RopeConfig,
+    /// Longest context the model was built for.
+    pub max_position_embeddings: usize,
+    /// The LM head reuses the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// q, k and v projections carry a bias.
+    pub qkv_bias: bool,
+    /// The output projection carries a bias.
+    pub o_bias: bool,
+    /// q/k normalisation.
+    pub qk_norm: QkNorm,
+    /// Queries, keys and values are clamped to ±this (OLMoE).
+    pub clip_qkv: Option<f32>,
+    /// Per layer: dense or MoE, sliding window.
+    pub layers: Vec<LayerConfig>,
+    /// The experts.
+    pub moe: MoeConfig,
+    /// Storage dtype named by the checkpoint (`bfloat16`, `float16`, `float32`).
+    pub dtype: String,
+    /// Token ids that end generation.
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl Config {
+    /// Layers whose feed-forward block is a mixture of experts.
+    pub fn moe_layers(&self) -> impl Iterator<Item = usize> + '_ {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.ffn == FfnKind::Moe)
+            .map(|(i, _)| i)
+    }
+
+    /// Width of the query projection (`num_heads * head_dim`).
+    pub fn q_dim(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    /// Width of the key and value projections (`num_kv_heads * head_dim`).
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Reads and resolves `config.json`.
+    pub fn from_file(path: &Path) -> Result<Config, Error> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::from_json(&text, path)
+    }
+
+    /// Resolves a `config.json` text; `path` only names the file in errors.
+    pub fn from_json(text: &str, path: &Path) -> Result<Config, Error> {
+        let raw: RawConfig = serde_json::from_str(text).map_err(|e| Error::Json {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        raw.resolve(path)
+    }
+}
+
+/// `config.json` as written by transformers 4.x or 5.x, every field optional.
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    model_type: Option<String>,
+    vocab_size: Option<usize>,
+    hidden_size: Option<usize>,
+    intermediate_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    hidden_act: Option<String>,
+    max_position_embeddings: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    tie_word_embeddings: Option<bool>,
+    // 4.x: top-level rope_theta and rope_scaling; 5.x: rope_parameters.
+    rope_theta: Option<f64>,
+    rope_scaling: Option<Value>,
+    rope_parameters: Option<Value>,
+    attention_bias: Option<bool>,
+    qkv_bias: Option<bool>,
+    clip_qkv: Option<f64>,
+    use_sliding_window: Option<bool>,
+    sliding_window: Option<usize>,
+    max_window_layers: Option<usize>,
+    layer_types: Option<Vec<String>>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
+    moe_intermediate_size: Option<usize>,
+    shared_expert_intermediate_size: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    num_experts: Option<usize>,
+    num_local_experts: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    // 4.x: torch_dtype; 5.x: dtype.
+    torch_dtype: Option<String>,
+    dtype: Option<String>,
+    eos_token_id: Option<Value>,
+}
+
+/// Per-architecture defaults, as transformers' config classes define them.
+struct Defaults {
+    rms_norm_eps: f64,
+    rope_theta: f64,
+    norm_topk_prob: bool,
+    qkv_bias: bool,
+}
+
+fn defaults(arch: Arch) -> Defaults {
+    match arch {
+        Arch::Qwen3Moe => Defaults {
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            norm_topk_prob: false,
+            qkv_bias: false,
+        },
+        Arch::Qwen2Moe => Defaults {
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            norm_topk_prob: false,
+            qkv_bias: true,
+        },
+        Arch::Mixtral => Defaults {
+            rms_norm_eps: 1e-5,
+            rope_theta: 1e6,
+            norm_topk_prob: true,
+            qkv_bias: false,
+        },
+        Arch::Olmoe => Defaults {
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            norm_topk_prob: false,
+            qkv_bias: false,
+        },
+    }
+}
+
+impl RawConfig {
+    fn resolve(self, path: &Path) -> Result<Config, Error> {
+        let missing = |field: &str| Error::MissingField {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+        };
+        let invalid = |field: &str, reason: String| Error::InvalidField {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            reason,
+        };
+
+        let model_type = self
+            .model_type
+            .clone()
+            .ok_or_else(|| missing("model_type"))?;
+        let arch = match model_type.as_str() {
+            "qwen3_moe" => Arch::Qwen3Moe,
+            "qwen2_moe" => Arch::Qwen2Moe,
+            "mixtral" => Arch::Mixtral,
+            "olmoe" => Arch::Olmoe,
+            _ => {
+                return Err(Error::UnsupportedArch {
+                    path: path.to_path_buf(),
+                    model_type,
+                })
+            }
+        };
+        let d = defaults(arch);
+
+        let positive = |value: Option<usize>, field: &str| -> Result<usize, Error> {
+            match value {
+                None => Err(missing(field)),
+                Some(0) => Err(invalid(field, "must be positive".into())),
+                Some(v) => Ok(v),
+            }
+        };
+        let vocab_size = positive(self.vocab_size, "vocab_size")?;
+        let hidden_size = positive(self.hidden_size, "hidden_size")?;
+        let num_layers = positive(self.num_hidden_layers, "num_hidden_layers")?;
+        let num_heads = positive(self.num_attention_heads, "num_attention_heads")?;
+        let num_kv_heads = positive(
+            self.num_key_value_heads.or(Some(num_heads)),
+            "num_key_value_heads",
+        )?;
+        if num_heads % num_kv_heads != 0 {
+            return Err(invalid(
+                "num_key_value_heads",
+                format!("{num_kv_heads} does not divide num_attention_heads = {num_heads}"),
+            ));
+        }
+        let head_dim = match self.head_dim {
+            Some(h) => positive(Some(h), "head_dim")?,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => {
+                return Err(invalid(
+                    "head_dim",
+                    format!("absent, and hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}"),
+                ))
+            }
+        };
+        if head_dim % 2 != 0 {
+            return Err(invalid(
+                "head_dim",
+                format!("{head_dim} is odd; rotary embedding needs pairs"),
+            ));
+        }
+        if let Some(act) = &self.hidden_act {
+            if act != "silu" {
+                return Err(invalid(
+                    "hidden_act",
+                    format!("{act:?} is not supported (only \"silu\")"),
+                ));
+            }
+        }
+
+        let rope = self.resolve_rope(path, d.rope_theta)?;
+
+        let num_experts = positive(
+            match arch {
+                Arch::Mixtral => self.num_local_experts.or(self.num_experts),
+                _ => self.num_experts.or(self.num_local_experts),
+            },
+            "num_experts",
+        )?;
+        let top_k = positive(self.num_experts_per_tok, "num_experts_per_tok")?;
+        if top_k > num_experts {
+            return Err(invalid(
+                "num_experts_per_tok",
+                format!("{top_k} exceeds num_experts = {num_experts}"),
+            ));
+        }
+        let expert_intermediate = match arch {
+            // Mixtral's experts are as wide as its (absent) dense MLP.
+            Arch::Mixtral | Arch::Olmoe => positive(self.intermediate_size, "intermediate_size")?,
+            _ => positive(self.moe_intermediate_size, "moe_intermediate_size")?,
+        };
+        let renormalize = match arch {
+            Arch::Mixtral => true,
+            _ => self.norm_topk_prob.unwrap_or(d.norm_topk_prob),
+        };
+        let shared_expert_intermediate = match arch {
+            Arch::Qwen2Moe => Some(positive(
+                self.shared_expert_intermediate_size,
+                "shared_expert_intermediate_size",
+            )?),
+            _ => None,
+        };
+
+        let layers = self.resolve_layers(arch, num_layers, path)?;
+
+        let dtype = self
+            .dtype
+            .clone()
+            .or(self.torch_dtype.clone())
+            .unwrap_or_else(|| "bfloat16".to_string());
+
+        let eos_token_ids = match &self.eos_token_id {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Number(n)) => vec![n
+                .as_u64()
+                .ok_or_else(|| invalid("eos_token_id", format!("{n} is not a token id")))?
+                as u32],
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .map(|n| n as u32)
+                        .ok_or_else(|| invalid("eos_token_id", format!("{v} is not a token id")))
+                })
+                .collect::<Result<_, _>>()?,
+            Some(other) => {
+                return Err(invalid("eos_token_id", format!("unexpected value {other}")))
+            }
+        };
+
+        let attention_bias = self.attention_bias.unwrap_or(false);
+        let qkv_bias = match arch {
+            Arch::Qwen2Moe => self.qkv_bias.unwrap_or(d.qkv_bias),
+            _ => attention_bias,
+        };
+
+        Ok(Config {
+            arch,
+            vocab_size,
+            hidden_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: self.rms_norm_eps.unwrap_or(d.rms_norm_eps) as f32,
+            rope,
+            max_position_embeddings: self.max_position_embeddings.unwrap_or(4096),
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            qkv_bias,
+            o_bias: arch != Arch::Qwen2Moe && attention_bias,
+            qk_norm: match arch {
+                Arch::Qwen3Moe => QkNorm::PerHead,
+                Arch::Olmoe => QkNorm::Whole,
+                _ => QkNorm::None,
+            },
+            clip_qkv: match arch {
+                Arch::Olmoe => self.clip_qkv.map(|c| c as f32),
+                _ => None,
+            },
+            layers,
+            moe: MoeConfig {
+                num_experts,
+                top_k,
+                expert_intermediate,
+                router: Router::SoftmaxTopK { renormalize },
+                shared_expert_intermediate,
+            },
+            dtype,
+            eos_token_ids,
+        })
+    }
+
+    fn resolve_rope(&self, path: &Path, default_theta: f64) -> Result<RopeConfig, Error> {
+        let invalid = |field: &str, reason: String| Error::InvalidField {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            reason,
+        };
+        // 5.x folds theta and scaling into rope_parameters; 4.x keeps them apart.
+        let (params, field) = match (&self.rope_parameters, &self.rope_scaling) {
+            (Some(p), _) if !p.is_null() => (Some(p), "rope_parameters"),
+            (_, Some(s)) if !s.is_null() => (Some(s), "rope_scaling"),
+            _ => (None, "rope_scaling"),
+        };
+        let mut theta = self.rope_theta.unwrap_or(default_theta);
+        let mut linear_factor = 1.0;
+        if let Some(p) = params {
+            let obj = p
+                .as_object()
+                .ok_or_else(|| invalid(field, "expected an object".into()))?;
+            if let Some(t) = obj.get("rope_theta") {
+                theta = t
+                    .as_f64()
+                    .ok_or_else(|| invalid(field, "rope_theta is not a number".into()))?;
+            }
+            let kind = obj
+                .get("rope_type")
+                .or_else(|| obj.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("default");
+            match kind {
+                "default" => {}
+                "linear" => {
+                    linear_factor = obj
+                        .get("factor")
+                        .and_then(Value::as_f64)
+                        .ok_or_else(|| invalid(field, "linear scaling without a factor".into()))?;
+                }
+                other => {
+                    return Err(invalid(
+                        field,
+                        format!("rope type {other:?} is not supported"),
+                    ));
+                }
+            }
+        }
+        if theta.is_nan() || theta <= 0.0 {
+            return Err(invalid("rope_theta", format!("{theta} is not positive")));
+        }
+        Ok(RopeConfig {
+            theta: theta as f32,
+            linear_factor: linear_factor as f32,
+        })
+    }
+
+    fn resolve_layers(
+        &self,
+        arch: Arch,
+        num_layers: usize,
+        path: &Path,
+    ) -> Result<Vec<LayerConfig>, Error> {
+        let invalid = |field: &str, reason: String| Error::InvalidField {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            reason,
+        };
+        let mlp_only = self.mlp_only_layers.clone().unwrap_or_default();
+        if let Some(&bad) = mlp_only.iter().find(|&&l| l >= num_layers) {
+            return Err(invalid(
+                "mlp_only_layers",
+                format!("layer {bad} does not exist"),
+            ));
+        }
+        let sparse_step = self.decoder_sparse_step.unwrap_or(1);
+        if sparse_step == 0 {
+            return Err(invalid("decoder_sparse_step", "must be positive".into()));
+        }
+        if let Some(types) = &self.layer_types {
+            if types.len() != num_layers {
+                return Err(invalid(
+                    "layer_types",
+                    format!("{} entries for {num_layers} layers", types.len()),
+                ));
+            }
+        }
+        let window = self.sliding_window;
+        (0..num_layers)
+            .map(|i| {
+                let ffn = match arch {
+                    Arch::Qwen3Moe | Arch::Qwen2Moe
+                        if mlp_only.contains(&i) || (i + 1) % sparse_step != 0 =>
+                    {
+                        FfnKind::Dense {
+                            intermediate: self.intermediate_size.ok_or_else(|| {
+                                Error::MissingField {
+                                    path: path.to_path_buf(),
+                                    field: "intermediate_size".into(),
+                                }
+                            })?,
+                        }
+                    }
+                    _ => FfnKind::Moe,
+                };
+                let sliding = match (arch, &self.layer_types) {
+                    (_, Some(types)) => match types[i].as_str() {
+                        "full_attention" => false,
+                        "sliding_attention" => true,
+                        other => {
+                            return Err(invalid(
+                                "layer_types",
+                                format!("unknown layer type {other:?}"),
+                            ))
+                        }
+                    },
+                    (Arch::Mixtral, None) => window.is_some(),
+                    (Arch::Qwen3Moe, None) => self.use_sliding_window.unwrap_or(false),
+                    (Arch::Qwen2Moe, None) => {
+                        self.use_sliding_window.unwrap_or(false)
+                            && i >= self.max_window_layers.unwrap_or(28)
+                    }
+                    (Arch::Olmoe, None) => false,
+                };
+                let sliding_window = match (sliding, window) {
+                    (true, Some(w)) => Some(w),
+                    (true, None) => {
+                        return Err(invalid(
+                            "sliding_window",
+                            format!("layer {i} slides but no window is given"),
+                        ))
+                    }
+                    (false, _) => None,
+                };
+                Ok(LayerConfig {
+                    ffn,
+                    sliding_window,
+                })
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resolve(text: &str) -> Result<Config, Error> {
+        Config::from_json(text, Path::new("config.json"))
+    }
+
+    const QWEN3_V4: &str = r#"{
+        "model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1000000.0,
+        "rope_scaling": null, "torch_dtype": "bfloat16", "moe_intermediate_size": 8,
+        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": true,
+        "mlp_only_layers": [1], "eos_token_id": 7, "some_future_key": {"x": 1}
+    }"#;
+
+    #[test]
+    fn reads_transformers_4_style() {
+        let c = resolve(QWEN3_V4).unwrap();
+        assert_eq!(c.arch, Arch::Qwen3Moe);
+        assert_eq!(c.head_dim, 16);
+        assert_eq!(c.rope.theta, 1e6);
+        assert_eq!(c.dtype, "bfloat16");
+        assert_eq!(c.layers[1].ffn, FfnKind::Dense { intermediate: 64 });
+        assert_eq!(c.layers[0].ffn, FfnKind::Moe);
+        assert_eq!(c.moe.router, Router::SoftmaxTopK { renormalize: true });
+        assert_eq!(c.eos_token_ids, vec![7]);
+        assert_eq!(c.qk_norm, QkNorm::PerHead);
+    }
+
+    #[test]
+    fn reads_transformers_5_style() {
+        let text = QWEN3_V4
+            .replace(r#""rope_theta": 1000000.0,"#, "")
+            .replace(
+                r#""rope_scaling": null, "torch_dtype": "bfloat16""#,
+                r#""rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}, "dtype": "float32""#,
+            );
+        let c = resolve(&text).unwrap();
+        assert_eq!(c.rope.theta, 5000.0);
+        assert_eq!(c.dtype, "float32");
+    }
+
+    #[test]
+    fn unsupported_model_type_is_named() {
+        let err = resolve(&QWEN3_V4.replace("qwen3_moe", "deepseek_v3")).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("deepseek_v3") && msg.contains("config.json"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn missing_field_is_named() {
+        let err = resolve(&QWEN3_V4.replace(r#""num_experts": 8,"#, "")).unwrap_err();
+        assert!(err.to_string().contains("num_experts"), "{err}");
+    }
+
+    #[test]
+    fn malformed_json_is_an_error() {
+        let err = resolve("{\"model_type\": ").unwrap_err();
+        assert!(matches!(err, Error::Json { .. }), "{err}");
+    }
+
+    #[test]
+    fn unsupported_rope_scaling_is_refused() {
+        let text = QWEN3_V4.replace(
+            r#""rope_scaling": null"#,
+            r#""rope_scaling": {"type": "yarn", "factor": 4.0}"#,
+        );
+        let err = resolve(&text).unwrap_err();
+        assert!(err.to_string().contains("yarn"), "{err}");
+    }
+
+    #[test]
+    fn inconsistent_heads_are_refused() {
+        let err = resolve(
+            &QWEN3_V4.replace(r#""num_key_value_heads": 2"#, r#""num_key_value_heads": 3"#),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("num_key_value_heads"), "{err}");
+    }
+
+    #[test]
+    fn mixtral_uses_local_experts_and_renormalises() {
+        let text = r#"{"model_type": "mixtral", "vocab_size": 10, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8}"#;
+        let c = resolve(text).unwrap();
+        assert_eq!(c.moe.num_experts, 4);
+        assert_eq!(c.moe.expert_intermediate, 32);
+        assert_eq!(c.moe.router, Router::SoftmaxTopK { renormalize: true });
+        assert_eq!(c.layers[0].sliding_window, Some(8));
+        assert_eq!(c.rms_norm_eps, 1e-5);
+    }
+}

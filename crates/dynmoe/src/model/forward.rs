@@ -1,0 +1,287 @@
+//! The forward pass, written once for every architecture against [`Backend`].
+//!
+//! One call processes a chunk of tokens at consecutive positions (a whole prompt in
+//! prefill, one token in decode), appending their keys and values to the state's
+//! cache. Shapes in comments: `n` tokens in the chunk, `h` hidden size, `q`/`kv` the
+//! query and key/value widths, `E` experts, `V` vocabulary.
+
+use super::arch;
+use super::checkpoint::Checkpoint;
+use super::config::{Config, FfnKind};
+use super::moe::{self, MoeScratch};
+use super::weights::{Ffn, Layer, Linear, Loader};
+use super::Error;
+use crate::backend::{AttentionShape, Backend};
+
+/// A model's weights on a backend, ready to run.
+pub struct Model<B: Backend> {
+    /// Resolved configuration.
+    pub config: Config,
+    backend: B,
+    /// `[V, h]`.
+    embed_tokens: B::Tensor,
+    layers: Vec<Layer<B>>,
+    /// `[h]`.
+    norm: B::Tensor,
+    /// `[V, h]`; `None` when tied to the embedding.
+    lm_head: Option<B::Tensor>,
+    /// `[head_dim / 2]` rotary inverse frequencies.
+    inv_freq: Vec<f32>,
+}
+
+/// Per-sequence run state: the KV cache and what the last call routed.
+pub struct State<B: Backend> {
+    /// Positions already in the cache.
+    pub pos: usize,
+    capacity: usize,
+    /// Per layer `[capacity, kv]`.
+    k_cache: Vec<B::Tensor>,
+    v_cache: Vec<B::Tensor>,
+    /// Per layer, the last call's full router probabilities `[n, E]` (empty for dense
+    /// layers): the evidence calibration and the resident-set runtime work from.
+    pub router_probs: Vec<Vec<f32>>,
+}
+
+impl<B: Backend> State<B> {
+    /// Forgets every cached position (a new sequence).
+    pub fn clear(&mut self) {
+        self.pos = 0;
+    }
+
+    /// Positions the cache can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+/// Inverse frequencies as transformers computes them in float32:
+/// `1 / theta^(2i / d)`, divided by the linear scaling factor.
+pub fn rope_inv_freq(theta: f32, head_dim: usize, linear_factor: f32) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32) / linear_factor)
+        .collect()
+}
+
+impl<B: Backend> Model<B> {
+    /// Builds the model from a checkpoint, checking every tensor's shape.
+    pub fn load(config: Config, ckpt: &Checkpoint, backend: B) -> Result<Model<B>, Error> {
+        let (v, h) = (config.vocab_size, config.hidden_size);
+        let ld = Loader {
+            ckpt,
+            backend: &backend,
+            config: &config,
+        };
+        let embed_tokens = ld.tensor("model.embed_tokens.weight", &[v, h])?;
+        let layers = (0..config.layers.len())
+            .map(|i| arch::load_layer(&ld, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let norm = ld.tensor("model.norm.weight", &[h])?;
+        // Some tied checkpoints still carry lm_head.weight; the tie decides.
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(ld.tensor("lm_head.weight", &[v, h])?)
+        };
+        let inv_freq = rope_inv_freq(
+            config.rope.theta,
+            config.head_dim,
+            config.rope.linear_factor,
+        );
+        Ok(Model {
+            config,
+            backend,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+        })
+    }
+
+    /// The backend the weights live on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// A fresh state whose KV cache holds `capacity` positions.
+    pub fn new_state(&self, capacity: usize) -> State<B> {
+        let kv = self.config.kv_dim();
+        let n = self.layers.len();
+        State {
+            pos: 0,
+            capacity,
+            k_cache: (0..n).map(|_| self.backend.alloc(capacity * kv)).collect(),
+            v_cache: (0..n).map(|_| self.backend.alloc(capacity * kv)).collect(),
+            router_probs: vec![Vec::new(); n],
+        }
+    }
+
+    /// Runs `tokens` at positions `state.pos ..`, appends them to the cache, and returns
+    /// the logits of tokens `logits_from ..` as `[(n - logits_from), V]`.
+    pub fn forward(
+        &self,
+        state: &mut State<B>,
+        tokens: &[u32],
+        logits_from: usize,
+    ) -> Result<Vec<f32>, Error> {
+        let c = &self.config;
+        let b = &self.backend;
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        assert!(
+            logits_from <= n,
+            "logits_from {logits_from} beyond {n} tokens"
+        );
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(Error::TokenOutOfRange {
+                id,
+                vocab: c.vocab_size,
+            });
+        }
+        if state.pos + n > state.capacity {
+            return Err(Error::ContextOverflow {
+                needed: state.pos + n,
+                capacity: state.capacity,
+            });
+        }
+        let (h, q, kv, e) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.moe.num_experts);
+        let widest_ffn = c
+            .layers
+            .iter()
+            .map(|l| match l.ffn {
+                FfnKind::Dense { intermediate } => intermediate,
+                FfnKind::Moe => c
+                    .moe
+                    .expert_intermediate
+                    .max(c.moe.shared_expert_intermediate.unwrap_or(0)),
+            })
+            .max()
+            .unwrap_or(0);
+
+        let positions: Vec<usize> = (state.pos..state.pos + n).collect();
+        let mut x = b.alloc(n * h); // [n, h] residual stream
+        let mut xn = b.alloc(n * h); // [n, h] normalised
+        let mut qs = b.alloc(n * q); // [n, q]
+        let mut ks = b.alloc(n * kv); // [n, kv]
+        let mut vs = b.alloc(n * kv); // [n, kv]
+        let mut attn = b.alloc(n * q); // [n, q]
+        let mut delta = b.alloc(n * h); // [n, h] block output
+        let mut scratch = MoeScratch::new(b, n, h, widest_ffn, e);
+
+        b.embed(&self.embed_tokens, h, tokens, &mut x);
+        for (i, layer) in self.layers.iter().enumerate() {
+            // Attention block.
+            b.rms_norm(&x, &layer.input_layernorm, n, h, c.rms_norm_eps, &mut xn);
+            let a = &layer.self_attn;
+            linear(b, &xn, &a.q_proj, n, &mut qs);
+            linear(b, &xn, &a.k_proj, n, &mut ks);
+            linear(b, &xn, &a.v_proj, n, &mut vs);
+            if let Some((qn, kn)) = &a.qk_norm {
+                match c.qk_norm {
+                    super::config::QkNorm::PerHead => {
+                        b.rms_norm_inplace(
+                            &mut qs,
+                            qn,
+                            n * c.num_heads,
+                            c.head_dim,
+                            c.rms_norm_eps,
+                        );
+                        b.rms_norm_inplace(
+                            &mut ks,
+                            kn,
+                            n * c.num_kv_heads,
+                            c.head_dim,
+                            c.rms_norm_eps,
+                        );
+                    }
+                    super::config::QkNorm::Whole => {
+                        b.rms_norm_inplace(&mut qs, qn, n, q, c.rms_norm_eps);
+                        b.rms_norm_inplace(&mut ks, kn, n, kv, c.rms_norm_eps);
+                    }
+                    super::config::QkNorm::None => {}
+                }
+            }
+            if let Some(limit) = c.clip_qkv {
+                b.clamp(&mut qs, limit, n * q);
+                b.clamp(&mut ks, limit, n * kv);
+                b.clamp(&mut vs, limit, n * kv);
+            }
+            b.rope(&mut qs, &positions, c.num_heads, c.head_dim, &self.inv_freq);
+            b.rope(
+                &mut ks,
+                &positions,
+                c.num_kv_heads,
+                c.head_dim,
+                &self.inv_freq,
+            );
+            b.write_rows(&ks, &mut state.k_cache[i], state.pos, n, kv);
+            b.write_rows(&vs, &mut state.v_cache[i], state.pos, n, kv);
+            let shape = AttentionShape {
+                rows: n,
+                pos0: state.pos,
+                heads: c.num_heads,
+                kv_heads: c.num_kv_heads,
+                head_dim: c.head_dim,
+                window: c.layers[i].sliding_window,
+            };
+            b.attention(&qs, &state.k_cache[i], &state.v_cache[i], shape, &mut attn);
+            linear(b, &attn, &a.o_proj, n, &mut delta);
+            b.add(&mut x, &delta, n * h);
+
+            // Feed-forward block.
+            b.rms_norm(
+                &x,
+                &layer.post_attention_layernorm,
+                n,
+                h,
+                c.rms_norm_eps,
+                &mut xn,
+            );
+            match &layer.mlp {
+                Ffn::Dense(mlp) => {
+                    moe::dense(b, mlp, &xn, n, &mut scratch, &mut delta);
+                    state.router_probs[i].clear();
+                }
+                Ffn::Moe(block) => {
+                    state.router_probs[i] = moe::forward(
+                        b,
+                        block,
+                        c.moe.top_k,
+                        c.moe.router,
+                        &xn,
+                        n,
+                        &mut scratch,
+                        &mut delta,
+                    );
+                }
+            }
+            b.add(&mut x, &delta, n * h);
+        }
+        state.pos += n;
+
+        // Final norm and LM head, only on the rows whose logits are wanted.
+        let m = n - logits_from;
+        if m == 0 {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<u32> = (logits_from as u32..n as u32).collect();
+        b.gather_rows(&x, &rows, h, &mut delta);
+        b.rms_norm(&delta, &self.norm, m, h, c.rms_norm_eps, &mut xn);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        let mut logits = b.alloc(m * c.vocab_size);
+        b.matmul(&xn, head, m, h, c.vocab_size, &mut logits);
+        let mut out = vec![0.0f32; m * c.vocab_size];
+        b.download(&logits, &mut out);
+        Ok(out)
+    }
+}
+
+/// `out = x Wᵀ (+ b)` on `rows` rows.
+fn linear<B: Backend>(b: &B, x: &B::Tensor, l: &Linear<B>, rows: usize, out: &mut B::Tensor) {
+    b.matmul(x, &l.w, rows, l.in_dim, l.out_dim, out);
+    if let Some(bias) = &l.bias {
+        b.add_bias(out, bias, rows);
+    }
+}

@@ -1,0 +1,123 @@
+//! `tokenizer.json` through the `tokenizers` crate, plus what `tokenizer_config.json`
+//! says about special tokens: whether a BOS token is prepended, which tokens end
+//! generation, and the chat template.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::Error;
+
+/// A model's tokenizer and its special-token conventions.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+    /// Prepended to every encoded text, when the tokenizer config asks for it.
+    pub bos: Option<u32>,
+    /// Tokens that end generation (the config's EOS token).
+    pub eos: Vec<u32>,
+    /// Jinja chat template, if the tokenizer config carries one.
+    pub chat_template: Option<String>,
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` and, if present, `tokenizer_config.json` from `dir`.
+    pub fn from_dir(dir: &Path) -> Result<Tokenizer, Error> {
+        let path = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| Error::Tokenizer {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        let mut tok = Tokenizer {
+            inner,
+            path,
+            bos: None,
+            eos: Vec::new(),
+            chat_template: None,
+        };
+        let config_path = dir.join("tokenizer_config.json");
+        if config_path.exists() {
+            tok.apply_config(&config_path)?;
+        }
+        Ok(tok)
+    }
+
+    fn apply_config(&mut self, path: &Path) -> Result<(), Error> {
+        let bad = |reason: String| Error::Tokenizer {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let cfg: Value = serde_json::from_str(&text).map_err(|e| Error::Json {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        // A special token is written either as a string or as {"content": ...}.
+        let token_text = |key: &str| -> Option<String> {
+            match cfg.get(key)? {
+                Value::String(s) => Some(s.clone()),
+                Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+                _ => None,
+            }
+        };
+        let id_of = |key: &str| -> Result<Option<u32>, Error> {
+            match token_text(key) {
+                None => Ok(None),
+                Some(t) => self
+                    .inner
+                    .token_to_id(&t)
+                    .map(Some)
+                    .ok_or_else(|| bad(format!("{key} {t:?} is not in the vocabulary"))),
+            }
+        };
+        if cfg
+            .get("add_bos_token")
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+        {
+            self.bos = Some(
+                id_of("bos_token")?
+                    .ok_or_else(|| bad("add_bos_token is set but bos_token is not".into()))?,
+            );
+        }
+        if let Some(eos) = id_of("eos_token")? {
+            self.eos.push(eos);
+        }
+        self.chat_template = match cfg.get("chat_template") {
+            Some(Value::String(s)) => Some(s.clone()),
+            _ => None,
+        };
+        Ok(())
+    }
+
+    /// Token ids of `text`, with the BOS token first if the tokenizer adds one.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, Error> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer {
+                path: self.path.clone(),
+                reason: e.to_string(),
+            })?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        ids.extend(self.bos);
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Text of `ids`, special tokens dropped.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, Error> {
+        self.inner.decode(ids, true).map_err(|e| Error::Tokenizer {
+            path: self.path.clone(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}

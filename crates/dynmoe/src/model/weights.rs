@@ -1,0 +1,206 @@
+//! The weights of one decoder layer, shared by every architecture. Architecture files
+//! under [`super::arch`] only say which checkpoint tensor goes where.
+
+use super::checkpoint::Checkpoint;
+use super::config::{Config, QkNorm};
+use super::Error;
+use crate::backend::Backend;
+
+/// A linear layer `y = x Wᵀ + b`, `W` stored `[out_dim, in_dim]`.
+pub struct Linear<B: Backend> {
+    /// `[out_dim, in_dim]`.
+    pub w: B::Tensor,
+    /// `[out_dim]`, if the layer has a bias.
+    pub bias: Option<B::Tensor>,
+    /// Input features.
+    pub in_dim: usize,
+    /// Output features.
+    pub out_dim: usize,
+}
+
+/// A SwiGLU MLP: `down(silu(gate(x)) * up(x))`. Dense MLPs, routed experts and shared
+/// experts are all this.
+pub struct Mlp<B: Backend> {
+    /// `[intermediate, hidden]`.
+    pub gate_proj: Linear<B>,
+    /// `[intermediate, hidden]`.
+    pub up_proj: Linear<B>,
+    /// `[hidden, intermediate]`.
+    pub down_proj: Linear<B>,
+}
+
+/// Self-attention projections and optional q/k norms.
+pub struct Attention<B: Backend> {
+    /// `[heads * head_dim, hidden]`.
+    pub q_proj: Linear<B>,
+    /// `[kv_heads * head_dim, hidden]`.
+    pub k_proj: Linear<B>,
+    /// `[kv_heads * head_dim, hidden]`.
+    pub v_proj: Linear<B>,
+    /// `[hidden, heads * head_dim]`.
+    pub o_proj: Linear<B>,
+    /// q and k RMSNorm weights: `[head_dim]` each (per head) or `[q_dim]`/`[kv_dim]` (whole).
+    pub qk_norm: Option<(B::Tensor, B::Tensor)>,
+}
+
+/// A mixture-of-experts block.
+pub struct Moe<B: Backend> {
+    /// Router, `[num_experts, hidden]`.
+    pub gate: Linear<B>,
+    /// Routed experts.
+    pub experts: Vec<Mlp<B>>,
+    /// Shared expert, run on every token (Qwen2-MoE).
+    pub shared_expert: Option<Mlp<B>>,
+    /// Sigmoid gate of the shared expert, `[1, hidden]`.
+    pub shared_expert_gate: Option<Linear<B>>,
+}
+
+/// Feed-forward block of a layer.
+pub enum Ffn<B: Backend> {
+    /// Dense SwiGLU.
+    Dense(Mlp<B>),
+    /// Mixture of experts.
+    Moe(Moe<B>),
+}
+
+/// One decoder layer.
+pub struct Layer<B: Backend> {
+    /// `[hidden]`.
+    pub input_layernorm: B::Tensor,
+    /// Attention.
+    pub self_attn: Attention<B>,
+    /// `[hidden]`.
+    pub post_attention_layernorm: B::Tensor,
+    /// Feed-forward block.
+    pub mlp: Ffn<B>,
+}
+
+/// Reads checkpoint tensors onto a backend, checking every shape.
+pub struct Loader<'a, B: Backend> {
+    /// The checkpoint.
+    pub ckpt: &'a Checkpoint,
+    /// The backend the weights go to.
+    pub backend: &'a B,
+    /// The resolved configuration.
+    pub config: &'a Config,
+}
+
+impl<B: Backend> Loader<'_, B> {
+    /// A tensor of exactly this shape.
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<B::Tensor, Error> {
+        Ok(self.backend.upload(&self.ckpt.f32(name, shape)?))
+    }
+
+    /// `{prefix}.weight` and, if `bias`, `{prefix}.bias`.
+    pub fn linear(
+        &self,
+        prefix: &str,
+        out_dim: usize,
+        in_dim: usize,
+        bias: bool,
+    ) -> Result<Linear<B>, Error> {
+        Ok(Linear {
+            w: self.tensor(&format!("{prefix}.weight"), &[out_dim, in_dim])?,
+            bias: if bias {
+                Some(self.tensor(&format!("{prefix}.bias"), &[out_dim])?)
+            } else {
+                None
+            },
+            in_dim,
+            out_dim,
+        })
+    }
+
+    /// A SwiGLU MLP whose three projections are `{prefix}.{names.0/1/2}` (gate, up, down).
+    pub fn mlp(
+        &self,
+        prefix: &str,
+        names: [&str; 3],
+        intermediate: usize,
+    ) -> Result<Mlp<B>, Error> {
+        let h = self.config.hidden_size;
+        Ok(Mlp {
+            gate_proj: self.linear(&format!("{prefix}.{}", names[0]), intermediate, h, false)?,
+            up_proj: self.linear(&format!("{prefix}.{}", names[1]), intermediate, h, false)?,
+            down_proj: self.linear(&format!("{prefix}.{}", names[2]), h, intermediate, false)?,
+        })
+    }
+
+    /// The routed experts under `{prefix}.experts`, in the per-expert layout published
+    /// checkpoints use (`{prefix}.experts.{e}.{gate,up,down}`), or in the fused 3-D layout
+    /// transformers 5 keeps in memory (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`).
+    pub fn experts(&self, prefix: &str, names: [&str; 3]) -> Result<Vec<Mlp<B>>, Error> {
+        let (e, i, h) = (
+            self.config.moe.num_experts,
+            self.config.moe.expert_intermediate,
+            self.config.hidden_size,
+        );
+        let fused = format!("{prefix}.experts.gate_up_proj");
+        let first = format!("{prefix}.experts.0.{}.weight", names[0]);
+        if !self.ckpt.contains(&first) && self.ckpt.contains(&fused) {
+            let gate_up = self.ckpt.f32(&fused, &[e, 2 * i, h])?;
+            let down = self
+                .ckpt
+                .f32(&format!("{prefix}.experts.down_proj"), &[e, h, i])?;
+            let linear = |data: &[f32], out_dim, in_dim| Linear {
+                w: self.backend.upload(data),
+                bias: None,
+                in_dim,
+                out_dim,
+            };
+            return Ok((0..e)
+                .map(|x| {
+                    let gu = &gate_up[x * 2 * i * h..(x + 1) * 2 * i * h];
+                    Mlp {
+                        gate_proj: linear(&gu[..i * h], i, h),
+                        up_proj: linear(&gu[i * h..], i, h),
+                        down_proj: linear(&down[x * h * i..(x + 1) * h * i], h, i),
+                    }
+                })
+                .collect());
+        }
+        (0..e)
+            .map(|x| self.mlp(&format!("{prefix}.experts.{x}"), names, i))
+            .collect()
+    }
+
+    /// Attention of layer `layer` under `model.layers.{layer}.self_attn`.
+    pub fn attention(&self, layer: usize) -> Result<Attention<B>, Error> {
+        let c = self.config;
+        let p = format!("model.layers.{layer}.self_attn");
+        let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
+        let qk_norm = match c.qk_norm {
+            QkNorm::None => None,
+            QkNorm::PerHead => Some((
+                self.tensor(&format!("{p}.q_norm.weight"), &[c.head_dim])?,
+                self.tensor(&format!("{p}.k_norm.weight"), &[c.head_dim])?,
+            )),
+            QkNorm::Whole => Some((
+                self.tensor(&format!("{p}.q_norm.weight"), &[q])?,
+                self.tensor(&format!("{p}.k_norm.weight"), &[kv])?,
+            )),
+        };
+        Ok(Attention {
+            q_proj: self.linear(&format!("{p}.q_proj"), q, h, c.qkv_bias)?,
+            k_proj: self.linear(&format!("{p}.k_proj"), kv, h, c.qkv_bias)?,
+            v_proj: self.linear(&format!("{p}.v_proj"), kv, h, c.qkv_bias)?,
+            o_proj: self.linear(&format!("{p}.o_proj"), h, q, c.o_bias)?,
+            qk_norm,
+        })
+    }
+
+    /// The two RMSNorm weights around attention of layer `layer`.
+    pub fn layer_norms(&self, layer: usize) -> Result<(B::Tensor, B::Tensor), Error> {
+        let h = self.config.hidden_size;
+        Ok((
+            self.tensor(
+                &format!("model.layers.{layer}.input_layernorm.weight"),
+                &[h],
+            )?,
+            self.tensor(
+                &format!("model.layers.{layer}.post_attention_layernorm.weight"),
+                &[h],
+            )?,
+        ))
+    }
+}

@@ -1,0 +1,4 @@
+//! Running a loaded model: sampling and the generation loop shared by `run`, `chat`
+//! and `serve`.
+
+pub mod generate;

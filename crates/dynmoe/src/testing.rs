@@ -1,0 +1,82 @@
+//! Helpers for checking kernels: fresh random inputs, poisoned outputs, normalised error.
+//! Public so that integration tests and benchmarks use the same definitions.
+
+use std::hash::{BuildHasher, Hasher};
+use std::sync::OnceLock;
+
+/// A seed drawn once per process, so every run checks kernels on inputs no earlier run
+/// used; printed by [`process_seed`] for reproducing a failure.
+pub fn process_seed() -> u64 {
+    static SEED: OnceLock<u64> = OnceLock::new();
+    *SEED.get_or_init(|| {
+        let seed = match std::env::var("DYNMOE_TEST_SEED") {
+            Ok(s) => s.parse().expect("DYNMOE_TEST_SEED must be an integer"),
+            Err(_) => std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish(),
+        };
+        eprintln!("kernel checks use DYNMOE_TEST_SEED={seed}");
+        seed
+    })
+}
+
+/// SplitMix64: a small, well-mixed generator for test data.
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator for this salt, mixed with the process seed.
+    pub fn new(salt: u64) -> Rng {
+        Rng(process_seed() ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    }
+
+    /// A generator that depends on `seed` alone (for samplers, not for test data).
+    pub fn seeded(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// Standard normal (Box–Muller).
+    pub fn normal(&mut self) -> f32 {
+        let u1 = self.uniform().max(1e-7);
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+    }
+}
+
+/// `n` standard-normal values, fresh for this process and salt.
+pub fn fresh(n: usize, salt: u64) -> Vec<f32> {
+    let mut rng = Rng::new(salt);
+    (0..n).map(|_| rng.normal()).collect()
+}
+
+/// An output buffer filled with NaN, so an element no kernel wrote fails the comparison.
+pub fn poisoned(n: usize) -> Vec<f32> {
+    vec![f32::NAN; n]
+}
+
+/// ‖got − want‖ / ‖want‖, computed in f64; infinite if either holds a NaN.
+pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        if g.is_nan() || w.is_nan() {
+            return f64::INFINITY;
+        }
+        num += (g as f64 - w as f64).powi(2);
+        den += (w as f64).powi(2);
+    }
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
