@@ -175,12 +175,30 @@ impl Config {
 
     /// Resolves a `config.json` text; `path` only names the file in errors.
     pub fn from_json(text: &str, path: &Path) -> Result<Config, Error> {
-        let raw: RawConfig = serde_json::from_str(text).map_err(|e| Error::Json {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+        let raw: RawConfig =
+            serde_json::from_str(text).map_err(|e| match field_at(text, e.line(), e.column()) {
+                Some(field) if e.is_data() => Error::InvalidField {
+                    path: path.to_path_buf(),
+                    field,
+                    reason: e.to_string(),
+                },
+                _ => Error::Json {
+                    path: path.to_path_buf(),
+                    reason: e.to_string(),
+                },
+            })?;
         raw.resolve(path)
     }
+}
+
+/// The JSON key whose value a serde error points into: the last `"key":` before the
+/// error's line and column. serde reports positions, not field names.
+fn field_at(text: &str, line: usize, column: usize) -> Option<String> {
+    let row = text.lines().nth(line.checked_sub(1)?)?;
+    let before = row.get(..column.min(row.len()))?;
+    let colon = before.rfind("\":")?;
+    let open = before[..colon].rfind('"')?;
+    Some(before[open + 1..colon].to_string())
 }
 
 /// `config.json` as written by transformers 4.x or 5.x, every field optional.
