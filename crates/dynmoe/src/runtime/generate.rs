@@ -120,8 +120,8 @@ pub struct Generation {
     pub stopped_at_eos: bool,
 }
 
-/// Generates up to `max_tokens` tokens after `prompt`, calling `on_token` with each
-/// token's text as it is produced.
+/// Generates up to `max_tokens` tokens after `prompt`, stopping at the model's
+/// end-of-sequence tokens, calling `on_token` with each piece of text as it is produced.
 pub fn generate<B: Backend>(
     m: &LoadedModel<B>,
     prompt: &str,
@@ -136,10 +136,6 @@ pub fn generate<B: Backend>(
             reason: "the prompt encodes to no tokens".into(),
         });
     }
-    let capacity = ids.len() + max_tokens;
-    let mut state = m.model.new_state(capacity);
-    let mut sampler = Sampler::new(sampling);
-    let vocab = m.model.config.vocab_size;
     let eos: Vec<u32> = m
         .tokenizer
         .eos
@@ -147,47 +143,62 @@ pub fn generate<B: Backend>(
         .chain(&m.model.config.eos_token_ids)
         .copied()
         .collect();
+    generate_ids(m, &ids, max_tokens, sampling, &eos, on_token)
+}
+
+/// Generates up to `max_tokens` tokens after the prompt `ids`, stopping early at any
+/// token of `stop`: one prefill of the whole prompt, then one decode step per token.
+pub fn generate_ids<B: Backend>(
+    m: &LoadedModel<B>,
+    ids: &[u32],
+    max_tokens: usize,
+    sampling: Sampling,
+    stop: &[u32],
+    on_token: &mut dyn FnMut(&str),
+) -> Result<Generation, Error> {
+    let mut state = m.model.new_state(ids.len() + max_tokens);
+    let mut sampler = Sampler::new(sampling);
+    let vocab = m.model.config.vocab_size;
 
     let t0 = std::time::Instant::now();
-    let mut logits = m.model.forward(&mut state, &ids, ids.len() - 1)?;
+    let mut logits = m
+        .model
+        .forward(&mut state, ids, ids.len().saturating_sub(1))?;
     let prefill = t0.elapsed().as_secs_f64();
 
     let t1 = std::time::Instant::now();
-    let mut out = Vec::new();
-    let mut text = String::new();
+    let mut out: Vec<u32> = Vec::new();
+    // Text already handed to on_token; decoding the whole output each time keeps
+    // characters split across tokens whole.
+    let mut shown = 0;
     let mut stopped_at_eos = false;
     while out.len() < max_tokens {
         let next = sampler.sample(&logits[..vocab]);
-        if eos.contains(&next) {
+        if stop.contains(&next) {
             stopped_at_eos = true;
             break;
         }
         out.push(next);
-        // Decode the whole suffix so multi-byte characters split across tokens print whole.
-        let full = m.tokenizer.decode(&out)?;
-        if full.len() > text.len()
-            && full.is_char_boundary(text.len())
-            && !full.ends_with('\u{FFFD}')
-        {
-            on_token(&full[text.len()..]);
-            text = full;
+        let text = m.tokenizer.decode(&out)?;
+        if text.len() > shown && text.is_char_boundary(shown) && !text.ends_with('\u{FFFD}') {
+            on_token(&text[shown..]);
+            shown = text.len();
         }
-        if out.len() == max_tokens {
-            break;
+        if out.len() < max_tokens {
+            logits = m.model.forward(&mut state, &[next], 0)?;
         }
-        logits = m.model.forward(&mut state, &[next], 0)?;
     }
     let decode = t1.elapsed().as_secs_f64();
-    let full = m.tokenizer.decode(&out)?;
-    if full.len() > text.len() && full.is_char_boundary(text.len()) {
-        on_token(&full[text.len()..]);
+    let text = m.tokenizer.decode(&out)?;
+    if text.len() > shown && text.is_char_boundary(shown) {
+        on_token(&text[shown..]);
     }
     Ok(Generation {
-        text: full,
-        tokens: out.clone(),
+        text,
         prompt_tokens: ids.len(),
         prefill_tokens_per_second: ids.len() as f64 / prefill.max(1e-9),
         decode_tokens_per_second: out.len() as f64 / decode.max(1e-9),
+        tokens: out,
         stopped_at_eos,
     })
 }
