@@ -1,0 +1,168 @@
+//! The `dynmoe` binary as a user runs it: JSON output fields, exit codes, and errors
+//! that name what is wrong.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn tiny() -> String {
+    root()
+        .join("fixtures/models/tiny-moe")
+        .display()
+        .to_string()
+}
+
+fn dynmoe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dynmoe"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("the binary runs")
+}
+
+fn json_of(args: &[&str]) -> Value {
+    let out = dynmoe(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e})"))
+}
+
+fn failure_of(args: &[&str]) -> String {
+    let out = dynmoe(args);
+    assert!(!out.status.success(), "{args:?} succeeded");
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{args:?}: a panic would exit 101"
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn eval_ppl_reports_the_llama_cpp_fields() {
+    let text = root()
+        .join("data/corpus/code/test.txt")
+        .display()
+        .to_string();
+    let r = json_of(&[
+        "eval",
+        "ppl",
+        "--model",
+        &tiny(),
+        "--text",
+        &text,
+        "--chunks",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(r["chunks"], 2);
+    assert_eq!(r["tokens_scored"], 510);
+    assert_eq!(r["ctx"], 512);
+    let ppl = r["ppl"].as_f64().unwrap();
+    assert!(ppl.is_finite() && ppl > 1.0 && ppl < 8192.0, "{ppl}");
+    assert!(r["ppl_stderr"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn inspect_counts_parameters_by_kind() {
+    let r = json_of(&["inspect", &tiny(), "--json"]);
+    assert_eq!(r["arch"], "qwen3_moe");
+    assert_eq!(r["experts_per_layer"], 8);
+    let total = r["params_total"].as_u64().unwrap();
+    let by_kind: u64 = r["params_by_kind"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(by_kind, total);
+    // 2 layers x 8 experts x 3 projections of 64x64.
+    assert_eq!(r["params_by_kind"]["routed_experts"], 2 * 8 * 3 * 64 * 64);
+    assert_eq!(r["bytes_by_dtype"]["BF16"], 2 * total);
+}
+
+#[test]
+fn run_generates_deterministically_with_a_seed() {
+    let args = [
+        "run",
+        "--model",
+        &tiny(),
+        "--prompt",
+        "fn main() {",
+        "-n",
+        "12",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "7",
+        "--json",
+    ];
+    let (a, b) = (json_of(&args), json_of(&args));
+    assert_eq!(a["tokens"], b["tokens"]);
+    let n = a["tokens"].as_array().unwrap().len();
+    assert!(
+        n == 12 || a["stopped_at_eos"] == true,
+        "{n} tokens without EOS"
+    );
+}
+
+#[test]
+fn demo_runs_on_a_given_model() {
+    let r = json_of(&[
+        "demo",
+        "--model",
+        &tiny(),
+        "--chunks",
+        "1",
+        "-n",
+        "4",
+        "--json",
+    ]);
+    let domains = r["domains"].as_array().unwrap();
+    assert_eq!(domains.len(), 5);
+    for d in domains {
+        assert!(d["perplexity"]["ppl"].as_f64().unwrap().is_finite());
+    }
+}
+
+#[test]
+fn a_missing_model_directory_is_named() {
+    let err = failure_of(&["run", "--model", "no/such/model", "--prompt", "x"]);
+    assert!(err.contains("no/such/model"), "{err}");
+}
+
+#[test]
+fn a_missing_text_file_is_named() {
+    let err = failure_of(&[
+        "eval",
+        "ppl",
+        "--model",
+        &tiny(),
+        "--text",
+        "no-such-file.txt",
+    ]);
+    assert!(err.contains("no-such-file.txt"), "{err}");
+}
+
+#[test]
+fn out_of_range_sampling_parameters_are_refused() {
+    let err = failure_of(&["run", "--model", &tiny(), "--prompt", "x", "--top-p", "0"]);
+    assert!(err.contains("--top-p"), "{err}");
+    let err = failure_of(&[
+        "run",
+        "--model",
+        &tiny(),
+        "--prompt",
+        "x",
+        "--temperature=-1",
+    ]);
+    assert!(err.contains("--temperature"), "{err}");
+}
