@@ -123,6 +123,63 @@ pub trait Backend: Send + Sync {
         width: usize,
         dst: &mut Self::Tensor,
     );
+
+    /// SwiGLU experts, each on its own rows of `x` (`[*, hidden]`): for every group,
+    /// `out[rows[r]] += weights[r] · down(silu(gate(x[rows[r]])) ⊙ up(x[rows[r]]))`.
+    ///
+    /// This is the whole MoE dispatch in one call, so a backend can run the groups
+    /// concurrently or as one grouped kernel. The default runs them one after another
+    /// through the single ops above.
+    fn swiglu_groups(
+        &self,
+        x: &Self::Tensor,
+        hidden: usize,
+        groups: &[SwiGluGroup<'_, Self::Tensor>],
+        out: &mut Self::Tensor,
+    ) {
+        swiglu_groups_one_by_one(self, x, hidden, groups, out);
+    }
+}
+
+/// [`Backend::swiglu_groups`] through the single ops, one group after another.
+pub fn swiglu_groups_one_by_one<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Tensor,
+    hidden: usize,
+    groups: &[SwiGluGroup<'_, B::Tensor>],
+    out: &mut B::Tensor,
+) {
+    let rows = groups.iter().map(|g| g.rows.len()).max().unwrap_or(0);
+    let width = groups.iter().map(|g| g.intermediate).max().unwrap_or(0);
+    let mut xs = b.alloc(rows * hidden);
+    let mut gate = b.alloc(rows * width);
+    let mut up = b.alloc(rows * width);
+    let mut ys = b.alloc(rows * hidden);
+    for g in groups.iter().filter(|g| !g.rows.is_empty()) {
+        let n = g.rows.len();
+        b.gather_rows(x, g.rows, hidden, &mut xs);
+        b.matmul(&xs, g.gate, n, hidden, g.intermediate, &mut gate);
+        b.matmul(&xs, g.up, n, hidden, g.intermediate, &mut up);
+        b.silu_mul(&mut gate, &up, n * g.intermediate);
+        b.matmul(&gate, g.down, n, g.intermediate, hidden, &mut ys);
+        b.scatter_add_rows(&ys, g.rows, g.weights, hidden, out);
+    }
+}
+
+/// One expert (or dense MLP) and the rows it runs on, for [`Backend::swiglu_groups`].
+pub struct SwiGluGroup<'a, T> {
+    /// `[intermediate, hidden]`.
+    pub gate: &'a T,
+    /// `[intermediate, hidden]`.
+    pub up: &'a T,
+    /// `[hidden, intermediate]`.
+    pub down: &'a T,
+    /// Width of the hidden layer.
+    pub intermediate: usize,
+    /// Rows of `x` routed to this expert.
+    pub rows: &'a [u32],
+    /// Weight of each row's output.
+    pub weights: &'a [f32],
 }
 
 /// The sizes of one attention call.

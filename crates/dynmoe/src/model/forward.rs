@@ -7,8 +7,8 @@
 
 use super::arch;
 use super::checkpoint::Checkpoint;
-use super::config::{Config, FfnKind};
-use super::moe::{self, MoeScratch};
+use super::config::{Config, QkNorm};
+use super::moe;
 use super::weights::{Ffn, Layer, Linear, Loader};
 use super::Error;
 use crate::backend::{AttentionShape, Backend};
@@ -146,19 +146,7 @@ impl<B: Backend> Model<B> {
                 capacity: state.capacity,
             });
         }
-        let (h, q, kv, e) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.moe.num_experts);
-        let widest_ffn = c
-            .layers
-            .iter()
-            .map(|l| match l.ffn {
-                FfnKind::Dense { intermediate } => intermediate,
-                FfnKind::Moe => c
-                    .moe
-                    .expert_intermediate
-                    .max(c.moe.shared_expert_intermediate.unwrap_or(0)),
-            })
-            .max()
-            .unwrap_or(0);
+        let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
 
         let positions: Vec<usize> = (state.pos..state.pos + n).collect();
         let mut x = b.alloc(n * h); // [n, h] residual stream
@@ -168,7 +156,6 @@ impl<B: Backend> Model<B> {
         let mut vs = b.alloc(n * kv); // [n, kv]
         let mut attn = b.alloc(n * q); // [n, q]
         let mut delta = b.alloc(n * h); // [n, h] block output
-        let mut scratch = MoeScratch::new(b, n, h, widest_ffn, e);
 
         b.embed(&self.embed_tokens, h, tokens, &mut x);
         for (i, layer) in self.layers.iter().enumerate() {
@@ -180,7 +167,7 @@ impl<B: Backend> Model<B> {
             linear(b, &xn, &a.v_proj, n, &mut vs);
             if let Some((qn, kn)) = &a.qk_norm {
                 match c.qk_norm {
-                    super::config::QkNorm::PerHead => {
+                    QkNorm::PerHead => {
                         b.rms_norm_inplace(
                             &mut qs,
                             qn,
@@ -196,11 +183,11 @@ impl<B: Backend> Model<B> {
                             c.rms_norm_eps,
                         );
                     }
-                    super::config::QkNorm::Whole => {
+                    QkNorm::Whole => {
                         b.rms_norm_inplace(&mut qs, qn, n, q, c.rms_norm_eps);
                         b.rms_norm_inplace(&mut ks, kn, n, kv, c.rms_norm_eps);
                     }
-                    super::config::QkNorm::None => {}
+                    QkNorm::None => {}
                 }
             }
             if let Some(limit) = c.clip_qkv {
@@ -241,20 +228,12 @@ impl<B: Backend> Model<B> {
             );
             match &layer.mlp {
                 Ffn::Dense(mlp) => {
-                    moe::dense(b, mlp, &xn, n, &mut scratch, &mut delta);
+                    moe::dense(b, mlp, &xn, n, &mut delta);
                     state.router_probs[i].clear();
                 }
                 Ffn::Moe(block) => {
-                    state.router_probs[i] = moe::forward(
-                        b,
-                        block,
-                        c.moe.top_k,
-                        c.moe.router,
-                        &xn,
-                        n,
-                        &mut scratch,
-                        &mut delta,
-                    );
+                    state.router_probs[i] =
+                        moe::forward(b, block, c.moe.top_k, c.moe.router, &xn, n, &mut delta);
                 }
             }
             b.add(&mut x, &delta, n * h);

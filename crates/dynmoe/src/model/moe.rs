@@ -7,7 +7,7 @@
 
 use super::config::Router;
 use super::weights::{Mlp, Moe};
-use crate::backend::Backend;
+use crate::backend::{Backend, SwiGluGroup};
 
 /// The experts chosen for one token and their weights.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,58 +41,29 @@ pub fn route(probs: &[f32], top_k: usize, router: Router) -> Route {
     }
 }
 
-/// Buffers for one MoE call, sized for `rows` tokens.
-pub struct MoeScratch<B: Backend> {
-    logits: B::Tensor,
-    xs: B::Tensor,
-    gate: B::Tensor,
-    up: B::Tensor,
-    ys: B::Tensor,
-    shared_gate: B::Tensor,
-}
-
-impl<B: Backend> MoeScratch<B> {
-    /// Buffers for up to `rows` tokens of width `hidden` through experts of width at most
-    /// `intermediate`, with `experts` router outputs.
-    pub fn new(b: &B, rows: usize, hidden: usize, intermediate: usize, experts: usize) -> Self {
-        MoeScratch {
-            logits: b.alloc(rows * experts),
-            xs: b.alloc(rows * hidden),
-            gate: b.alloc(rows * intermediate),
-            up: b.alloc(rows * intermediate),
-            ys: b.alloc(rows * hidden),
-            shared_gate: b.alloc(rows),
-        }
+/// The group that runs `mlp` on `rows` with output weights `weights`.
+fn group<'a, B: Backend>(
+    mlp: &'a Mlp<B>,
+    rows: &'a [u32],
+    weights: &'a [f32],
+) -> SwiGluGroup<'a, B::Tensor> {
+    SwiGluGroup {
+        gate: &mlp.gate_proj.w,
+        up: &mlp.up_proj.w,
+        down: &mlp.down_proj.w,
+        intermediate: mlp.gate_proj.out_dim,
+        rows,
+        weights,
     }
 }
 
-/// `out = down(silu(gate(x)) * up(x))` on `rows` rows of `x`; `gate` and `up` are scratch.
-fn run_mlp<B: Backend>(
-    b: &B,
-    mlp: &Mlp<B>,
-    x: &B::Tensor,
-    rows: usize,
-    gate: &mut B::Tensor,
-    up: &mut B::Tensor,
-    out: &mut B::Tensor,
-) {
-    let (h, i) = (mlp.gate_proj.in_dim, mlp.gate_proj.out_dim);
-    b.matmul(x, &mlp.gate_proj.w, rows, h, i, gate);
-    b.matmul(x, &mlp.up_proj.w, rows, h, i, up);
-    b.silu_mul(gate, up, rows * i);
-    b.matmul(gate, &mlp.down_proj.w, rows, i, h, out);
-}
-
 /// A dense SwiGLU MLP on `rows` rows: `out = mlp(x)`.
-pub fn dense<B: Backend>(
-    b: &B,
-    mlp: &Mlp<B>,
-    x: &B::Tensor,
-    rows: usize,
-    s: &mut MoeScratch<B>,
-    out: &mut B::Tensor,
-) {
-    run_mlp(b, mlp, x, rows, &mut s.gate, &mut s.up, out);
+pub fn dense<B: Backend>(b: &B, mlp: &Mlp<B>, x: &B::Tensor, rows: usize, out: &mut B::Tensor) {
+    let h = mlp.down_proj.out_dim;
+    let all: Vec<u32> = (0..rows as u32).collect();
+    let ones = vec![1.0f32; rows];
+    b.write_rows(&b.zeros(rows * h), out, 0, rows, h);
+    b.swiglu_groups(x, h, &[group(mlp, &all, &ones)], out);
 }
 
 /// The MoE block on `rows` rows of `x`: `out = Σ_k w_k · expert_k(x) (+ shared)`.
@@ -104,22 +75,14 @@ pub fn forward<B: Backend>(
     router: Router,
     x: &B::Tensor,
     rows: usize,
-    s: &mut MoeScratch<B>,
     out: &mut B::Tensor,
 ) -> Vec<f32> {
-    let MoeScratch {
-        logits,
-        xs,
-        gate,
-        up,
-        ys,
-        shared_gate,
-    } = s;
     let (e, h) = (moe.gate.out_dim, moe.gate.in_dim);
-    b.matmul(x, &moe.gate.w, rows, h, e, logits);
-    b.softmax_rows(logits, rows, e);
+    let mut logits = b.alloc(rows * e);
+    b.matmul(x, &moe.gate.w, rows, h, e, &mut logits);
+    b.softmax_rows(&mut logits, rows, e);
     let mut probs = vec![0.0f32; rows * e];
-    b.download(logits, &mut probs);
+    b.download(&logits, &mut probs);
 
     // Group tokens by expert so each expert runs once, on a matrix of its tokens.
     let mut routed: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); e];
@@ -130,27 +93,32 @@ pub fn forward<B: Backend>(
             routed[x as usize].1.push(w);
         }
     }
-
-    let zeros = b.zeros(rows * h);
-    b.write_rows(&zeros, out, 0, rows, h);
-    for (expert, (tokens, weights)) in moe.experts.iter().zip(&routed) {
-        if tokens.is_empty() {
-            continue;
+    // The shared expert is one more group over every row, weighted by its sigmoid gate.
+    let all: Vec<u32> = (0..rows as u32).collect();
+    let shared_scales: Vec<f32> = match &moe.shared_expert_gate {
+        Some(gate) => {
+            let mut g = b.alloc(rows);
+            b.matmul(x, &gate.w, rows, h, 1, &mut g);
+            let mut scales = vec![0.0f32; rows];
+            b.download(&g, &mut scales);
+            scales.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect()
         }
-        b.gather_rows(x, tokens, h, xs);
-        run_mlp(b, expert, xs, tokens.len(), gate, up, ys);
-        b.scatter_add_rows(ys, tokens, weights, h, out);
+        None => Vec::new(),
+    };
+
+    let mut groups: Vec<SwiGluGroup<'_, B::Tensor>> = moe
+        .experts
+        .iter()
+        .zip(&routed)
+        .filter(|(_, (tokens, _))| !tokens.is_empty())
+        .map(|(expert, (tokens, weights))| group(expert, tokens, weights))
+        .collect();
+    if let Some(shared) = &moe.shared_expert {
+        groups.push(group(shared, &all, &shared_scales));
     }
 
-    if let (Some(shared), Some(shared_gate_proj)) = (&moe.shared_expert, &moe.shared_expert_gate) {
-        b.matmul(x, &shared_gate_proj.w, rows, h, 1, shared_gate);
-        let mut g = vec![0.0f32; rows];
-        b.download(shared_gate, &mut g);
-        let scales: Vec<f32> = g.iter().map(|&v| 1.0 / (1.0 + (-v).exp())).collect();
-        run_mlp(b, shared, x, rows, gate, up, ys);
-        let all: Vec<u32> = (0..rows as u32).collect();
-        b.scatter_add_rows(ys, &all, &scales, h, out);
-    }
+    b.write_rows(&b.zeros(rows * h), out, 0, rows, h);
+    b.swiglu_groups(x, h, &groups, out);
     probs
 }
 

@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use super::reference;
-use crate::backend::AttentionShape;
+use crate::backend::{AttentionShape, SwiGluGroup};
 
 /// Below this many rows a product is a handful of matrix-vector products: splitting the
 /// output features across threads beats gemm's packing, which pays off only for tiles.
@@ -34,9 +34,45 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// See [`crate::backend::Backend::matmul`].
+/// See [`crate::backend::Backend::matmul`]; uses every thread.
 pub fn matmul(x: &[f32], w: &[f32], rows: usize, in_dim: usize, out_dim: usize, out: &mut [f32]) {
+    matmul_with(x, w, rows, in_dim, out_dim, out, true);
+}
+
+/// The same product on the calling thread alone, for callers that are already parallel.
+pub fn matmul_serial(
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    in_dim: usize,
+    out_dim: usize,
+    out: &mut [f32],
+) {
+    matmul_with(x, w, rows, in_dim, out_dim, out, false);
+}
+
+fn matmul_with(
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    in_dim: usize,
+    out_dim: usize,
+    out: &mut [f32],
+    parallel: bool,
+) {
     let out = &mut out[..rows * out_dim];
+    if rows <= GEMV_MAX_ROWS && !parallel {
+        for r in 0..rows {
+            let xr = &x[r * in_dim..(r + 1) * in_dim];
+            for (o, wo) in out[r * out_dim..(r + 1) * out_dim]
+                .iter_mut()
+                .zip(w.chunks_exact(in_dim))
+            {
+                *o = dot(xr, wo);
+            }
+        }
+        return;
+    }
     if rows <= GEMV_MAX_ROWS {
         // out is [rows, out_dim]; transpose the work so each task owns a block of features.
         let mut cols = vec![0.0f32; rows * out_dim];
@@ -81,8 +117,51 @@ pub fn matmul(x: &[f32], w: &[f32], rows: usize, in_dim: usize, out_dim: usize, 
             false,
             false,
             false,
-            gemm::Parallelism::Rayon(0),
+            if parallel {
+                gemm::Parallelism::Rayon(0)
+            } else {
+                gemm::Parallelism::None
+            },
         );
+    }
+}
+
+/// See [`crate::backend::Backend::swiglu_groups`]. With at least as many groups as
+/// threads (prefill, and decode over top-k experts), groups run in parallel with
+/// single-threaded products; with fewer, one group at a time with threaded products.
+/// Outputs are added in group order either way, so the result does not depend on the
+/// thread count.
+pub fn swiglu_groups(
+    x: &[f32],
+    hidden: usize,
+    groups: &[SwiGluGroup<'_, Vec<f32>>],
+    out: &mut [f32],
+) {
+    let parallel_groups = groups.len() >= rayon::current_num_threads();
+    let run = |g: &SwiGluGroup<'_, Vec<f32>>| -> Vec<f32> {
+        let (n, i) = (g.rows.len(), g.intermediate);
+        let product = if parallel_groups {
+            matmul_serial
+        } else {
+            matmul
+        };
+        let mut xs = vec![0.0f32; n * hidden];
+        reference::gather_rows(x, g.rows, hidden, &mut xs);
+        let (mut gate, mut up) = (vec![0.0f32; n * i], vec![0.0f32; n * i]);
+        product(&xs, g.gate, n, hidden, i, &mut gate);
+        product(&xs, g.up, n, hidden, i, &mut up);
+        reference::silu_mul(&mut gate, &up);
+        let mut ys = vec![0.0f32; n * hidden];
+        product(&gate, g.down, n, i, hidden, &mut ys);
+        ys
+    };
+    let outputs: Vec<Vec<f32>> = if parallel_groups {
+        groups.par_iter().map(run).collect()
+    } else {
+        groups.iter().map(run).collect()
+    };
+    for (g, ys) in groups.iter().zip(&outputs) {
+        reference::scatter_add_rows(ys, g.rows, g.weights, hidden, out);
     }
 }
 
@@ -136,6 +215,54 @@ mod tests {
             matmul(&x, &w, rows, k, n, &mut got);
             let e = rel_err(&got, &want);
             assert!(e < 1e-5, "rows {rows}: rel err {e}");
+        }
+    }
+
+    #[test]
+    fn swiglu_groups_match_the_reference_dispatch() {
+        use crate::backend::{Backend, Cpu};
+        let (hidden, inter, rows) = (64, 48, 37);
+        let x = fresh(rows * hidden, 40);
+        let experts: Vec<[Vec<f32>; 3]> = (0..5u64)
+            .map(|e| {
+                [
+                    fresh(inter * hidden, 50 + e),
+                    fresh(inter * hidden, 60 + e),
+                    fresh(hidden * inter, 70 + e),
+                ]
+            })
+            .collect();
+        // Expert e takes every row r with r % (e + 2) == 0; expert 4 takes none.
+        let rows_of: Vec<Vec<u32>> = (0..5u32)
+            .map(|e| {
+                if e == 4 {
+                    vec![]
+                } else {
+                    (0..rows as u32).filter(|r| r % (e + 2) == 0).collect()
+                }
+            })
+            .collect();
+        let weights_of: Vec<Vec<f32>> = rows_of
+            .iter()
+            .map(|r| fresh(r.len(), 80 + r.len() as u64))
+            .collect();
+        for n_groups in [1, 5] {
+            let groups: Vec<SwiGluGroup<'_, Vec<f32>>> = (0..n_groups)
+                .map(|e| SwiGluGroup {
+                    gate: &experts[e][0],
+                    up: &experts[e][1],
+                    down: &experts[e][2],
+                    intermediate: inter,
+                    rows: &rows_of[e],
+                    weights: &weights_of[e],
+                })
+                .collect();
+            let base = fresh(rows * hidden, 90);
+            let (mut want, mut got) = (base.clone(), base.clone());
+            Cpu::reference().swiglu_groups(&x, hidden, &groups, &mut want);
+            swiglu_groups(&x, hidden, &groups, &mut got);
+            let e = rel_err(&got, &want);
+            assert!(e < 1e-5, "{n_groups} groups: rel err {e}");
         }
     }
 

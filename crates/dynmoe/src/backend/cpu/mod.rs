@@ -4,7 +4,7 @@
 pub mod fast;
 pub mod reference;
 
-use super::{AttentionShape, Backend};
+use super::{AttentionShape, Backend, SwiGluGroup};
 
 /// The CPU backend. `Cpu::reference()` runs every op through the plain reference
 /// loops; `Cpu::fast()` uses the threaded kernels where they exist.
@@ -167,5 +167,19 @@ impl Backend for Cpu {
         dst: &mut Vec<f32>,
     ) {
         reference::scatter_add_rows(src, rows, scales, width, dst);
+    }
+
+    fn swiglu_groups(
+        &self,
+        x: &Vec<f32>,
+        hidden: usize,
+        groups: &[SwiGluGroup<'_, Vec<f32>>],
+        out: &mut Vec<f32>,
+    ) {
+        if self.fast {
+            fast::swiglu_groups(x, hidden, groups, out);
+        } else {
+            super::swiglu_groups_one_by_one(self, x, hidden, groups, out);
+        }
     }
 }
