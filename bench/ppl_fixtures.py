@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Perplexity of the bundled fixture models on every corpus domain and WikiText-2.
+
+Runs `dynmoe eval ppl --json` (llama.cpp semantics, ctx 512) for each model and text,
+prints a table, and writes bench/results/ppl_fixtures.json. Beside each number it puts
+the perplexity transformers computed for the same checkpoint when it was trained
+(the table in the model's README), so the two implementations can be compared.
+
+    cargo build --release && python3 bench/ppl_fixtures.py [--models tiny-moe,small-moe]
+"""
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOMAINS = ["en", "code", "zh", "math", "json"]
+
+
+def transformers_ppl(model_dir: Path) -> dict:
+    """Per-domain perplexity from the README table the training script wrote."""
+    readme = model_dir / "README.md"
+    if not readme.exists():
+        return {}
+    rows = re.findall(r"^\| (\w+) \| ([0-9.]+) \| ([0-9.]+) \| (\d+) \|$", readme.read_text(), re.M)
+    return {d: float(p) for d, p, _, _ in rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="tiny-moe,small-moe")
+    ap.add_argument("--binary", default=str(ROOT / "target/release/dynmoe"))
+    ap.add_argument("--wikitext", default=str(ROOT / "../shared/data/wikitext-2-raw/wiki.test.raw"))
+    ap.add_argument("--out", default=str(ROOT / "bench/results/ppl_fixtures.json"))
+    args = ap.parse_args()
+
+    results = []
+    for name in args.models.split(","):
+        model = ROOT / "fixtures/models" / name
+        reference = transformers_ppl(model)
+        texts = [(d, ROOT / "data/corpus" / d / "test.txt") for d in DOMAINS]
+        if Path(args.wikitext).exists():
+            texts.append(("wikitext2", Path(args.wikitext)))
+        for label, path in texts:
+            t = time.time()
+            out = subprocess.run(
+                [args.binary, "eval", "ppl", "--model", str(model), "--text", str(path), "--json"],
+                check=True, capture_output=True, text=True,
+            ).stdout
+            r = json.loads(out)
+            r.update(model=name, text=label, wall_s=round(time.time() - t, 2),
+                     transformers_ppl=reference.get(label))
+            results.append(r)
+            ref = f"{r['transformers_ppl']:.3f}" if r["transformers_ppl"] else "-"
+            print(f"{name:<10} {label:<10} ppl {r['ppl']:>9.3f} ± {r['ppl_stderr']:<7.3f} "
+                  f"transformers {ref:>9}  {r['tokens_scored']:>7} tokens  {r['tokens_per_second']:>7.0f} tok/s",
+                  flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"ctx": 512, "results": results}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
