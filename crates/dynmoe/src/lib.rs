@@ -17,7 +17,9 @@
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod codec;
 pub mod eval;
 pub mod model;
 pub mod runtime;
+pub mod store;
 pub mod testing;

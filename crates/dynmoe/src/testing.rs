@@ -2,6 +2,8 @@
 //! Public so that integration tests and benchmarks use the same definitions.
 
 use std::hash::{BuildHasher, Hasher};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 /// A seed drawn once per process, so every run checks kernels on inputs no earlier run
@@ -79,4 +81,49 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
         den += (w as f64).powi(2);
     }
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// A bundled fixture model directory (`fixtures/models/<name>`), or one under the
+/// directory named by `DYNMOE_FIXTURES`.
+pub fn fixture(name: &str) -> PathBuf {
+    match std::env::var_os("DYNMOE_FIXTURES") {
+        Some(dir) => PathBuf::from(dir).join(name),
+        None => Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../fixtures/models")
+            .join(name),
+    }
+}
+
+/// A fresh, empty directory under the system's temporary directory, removed when dropped.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// A new directory whose name carries `tag`, the process id and a counter.
+    pub fn new(tag: &str) -> TempDir {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "dynmoe-{tag}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        TempDir(dir)
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.0
+    }
+
+    /// A file in the directory.
+    pub fn path(&self, file: &str) -> PathBuf {
+        self.0.join(file)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

@@ -2,48 +2,37 @@
 //! tensor, never a panic. Each test damages a copy of the tiny fixture one way.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use dynmoe::backend::Cpu;
 use dynmoe::model::{self, Error};
+use dynmoe::testing::{fixture, TempDir};
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 
-fn fixture(name: &str) -> PathBuf {
-    match std::env::var_os("DYNMOE_FIXTURES") {
-        Some(dir) => PathBuf::from(dir).join(name),
-        None => Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures/models")
-            .join(name),
-    }
-}
-
-/// A copy of a fixture directory, removed when dropped.
-struct Scratch(PathBuf);
+/// A copy of a fixture directory, to be damaged one way.
+struct Scratch(TempDir);
 
 impl Scratch {
     fn copy_of(name: &str) -> Scratch {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "dynmoe-bad-input-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::SeqCst)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = TempDir::new("bad-input");
         for entry in std::fs::read_dir(fixture(name)).unwrap() {
             let p = entry.unwrap().path();
-            std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+            std::fs::copy(&p, dir.path(p.file_name().unwrap().to_str().unwrap())).unwrap();
         }
         Scratch(dir)
     }
 
+    fn dir(&self) -> &Path {
+        self.0.dir()
+    }
+
     fn path(&self, file: &str) -> PathBuf {
-        self.0.join(file)
+        self.0.path(file)
     }
 
     fn load_err(&self) -> Error {
-        match model::load(&self.0, Cpu::fast()) {
-            Ok(_) => panic!("{} loaded despite the damage", self.0.display()),
+        match model::load(self.dir(), Cpu::fast()) {
+            Ok(_) => panic!("{} loaded despite the damage", self.dir().display()),
             Err(e) => e,
         }
     }
@@ -67,12 +56,6 @@ impl Scratch {
             .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
             .collect();
         safetensors::serialize_to_file(views, None, &path).unwrap();
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -188,7 +171,7 @@ fn no_weights_at_all() {
 #[test]
 fn index_naming_a_missing_shard() {
     let s = Scratch::copy_of("tiny-mixtral");
-    let shard = std::fs::read_dir(&s.0)
+    let shard = std::fs::read_dir(s.dir())
         .unwrap()
         .map(|e| e.unwrap().path())
         .find(|p| p.to_string_lossy().ends_with(".safetensors"))

@@ -42,10 +42,13 @@ pub struct TensorInfo {
 }
 
 impl Checkpoint {
-    /// Opens `model.safetensors`, or the shards named by `model.safetensors.index.json`.
+    /// Opens `model.safetensors`, the shards named by `model.safetensors.index.json`, or,
+    /// in a converted model directory, `dense.safetensors` (everything but the routed
+    /// experts, which live in the expert stores).
     pub fn open(dir: &Path) -> Result<Checkpoint, Error> {
         let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
+        let dense = dir.join("dense.safetensors");
         let files: Vec<PathBuf> = if index_path.exists() {
             read_index(&index_path)?
                 .into_iter()
@@ -53,6 +56,8 @@ impl Checkpoint {
                 .collect()
         } else if single.exists() {
             vec![single]
+        } else if dense.exists() {
+            vec![dense]
         } else {
             return Err(Error::NoWeights {
                 dir: dir.to_path_buf(),
@@ -109,46 +114,51 @@ impl Checkpoint {
 
     /// Reads a tensor as f32, checking that its shape is `shape`.
     pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, Error> {
+        let t = self.raw_checked(name, shape)?;
+        t.f32_range(name, 0, shape.iter().product())
+    }
+
+    /// A tensor's bytes as stored, in place in the mapped shard.
+    pub fn raw(&self, name: &str) -> Result<RawTensor<'_>, Error> {
         let shard = self.shard_of(name)?;
         let info = shard
             .metadata
             .info(name)
             .expect("indexed tensor has metadata");
-        if info.shape != shape {
-            return Err(Error::TensorShape {
-                path: shard.path.clone(),
-                tensor: name.to_string(),
-                expected: shape.to_vec(),
-                found: info.shape.clone(),
-            });
-        }
         let (start, end) = info.data_offsets;
         let base = 8 + shard.header_len;
-        let bytes = &shard.mmap[base + start..base + end];
-        let n: usize = shape.iter().product();
-        let out = match info.dtype {
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect::<Vec<f32>>(),
-            other => {
-                return Err(Error::TensorDtype {
-                    path: shard.path.clone(),
-                    tensor: name.to_string(),
-                    dtype: format!("{other:?}"),
-                })
-            }
-        };
-        debug_assert_eq!(out.len(), n);
-        Ok(out)
+        Ok(RawTensor {
+            path: &shard.path,
+            dtype: info.dtype,
+            shape: &info.shape,
+            bytes: &shard.mmap[base + start..base + end],
+        })
+    }
+
+    /// [`Checkpoint::raw`], if the tensor's shape is `shape`.
+    pub fn raw_checked(&self, name: &str, shape: &[usize]) -> Result<RawTensor<'_>, Error> {
+        let t = self.raw(name)?;
+        if t.shape != shape {
+            return Err(Error::TensorShape {
+                path: t.path.to_path_buf(),
+                tensor: name.to_string(),
+                expected: shape.to_vec(),
+                found: t.shape.to_vec(),
+            });
+        }
+        Ok(t)
+    }
+
+    /// Each shard's path, file size and header bytes (the 8-byte length and the JSON
+    /// header): what identifies the checkpoint without reading its weights.
+    pub fn shard_headers(&self) -> impl Iterator<Item = (&Path, u64, &[u8])> {
+        self.shards.iter().map(|s| {
+            (
+                s.path.as_path(),
+                s.mmap.len() as u64,
+                &s.mmap[..8 + s.header_len],
+            )
+        })
     }
 
     fn shard_of(&self, name: &str) -> Result<&Shard, Error> {
@@ -163,6 +173,51 @@ impl Checkpoint {
                     .unwrap_or_default(),
                 tensor: name.to_string(),
             })
+    }
+}
+
+/// One tensor's bytes as stored.
+pub struct RawTensor<'a> {
+    /// The shard holding it.
+    pub path: &'a Path,
+    /// Element type as stored.
+    pub dtype: Dtype,
+    /// Shape as stored.
+    pub shape: &'a [usize],
+    /// Its bytes, little-endian, row-major.
+    pub bytes: &'a [u8],
+}
+
+impl RawTensor<'_> {
+    /// Elements `start .. start + n` as f32 (bf16, f16 and f32 are read; `name` is for
+    /// the error).
+    pub fn f32_range(&self, name: &str, start: usize, n: usize) -> Result<Vec<f32>, Error> {
+        let size = match self.dtype {
+            Dtype::BF16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+            other => {
+                return Err(Error::TensorDtype {
+                    path: self.path.to_path_buf(),
+                    tensor: name.to_string(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        let bytes = &self.bytes[start * size..(start + n) * size];
+        Ok(match self.dtype {
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            _ => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        })
     }
 }
 

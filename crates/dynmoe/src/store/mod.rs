@@ -1,0 +1,171 @@
+//! On-disk expert stores: record layout, manifests, building, checking and reading.
+//!
+//! A converted model directory holds the dense tensors (`dense.safetensors`, the
+//! tokenizer and config files) and the routed experts in page-aligned records:
+//!
+//! - `experts.bin` + `experts.json`: every expert as MLX affine 4-bit codes, written by
+//!   [`base::convert`] from a Hugging Face checkpoint;
+//! - `experts2.bin` + `experts2.json`, `experts3.bin` + `experts3.json`: the same
+//!   experts at 2 and 3 bits, derived from `experts.bin` in process by [`lowbit`];
+//! - `experts.lock`: the lock writers and readers share (see [`atomic`]).
+//!
+//! [`layout::Layout`] fixes where each part of a record sits, [`manifest::Manifest`]
+//! what a store claims to hold, and [`reader::ExpertStore`] maps a checked store and
+//! hands out [`AffineView`](crate::codec::affine::kernels::AffineView)s over it.
+//! `docs/FORMAT.md` specifies the bytes.
+//!
+//! ```no_run
+//! use std::path::Path;
+//! use dynmoe::store::{base, lowbit, reader::ExpertStore};
+//! let out = Path::new("q30");
+//! base::convert(Path::new("Qwen3-30B-A3B"), out, &mut |_, _| {})?;
+//! lowbit::ensure(out, 2)?;
+//! let store = ExpertStore::open(out, 2)?;
+//! let expert = store.record(0, 5);
+//! assert_eq!(expert.down.rows, store.layout().hidden);
+//! # Ok::<(), dynmoe::store::Error>(())
+//! ```
+
+pub mod atomic;
+pub mod base;
+pub mod layout;
+pub mod lowbit;
+pub mod manifest;
+pub mod reader;
+mod tensors;
+
+use std::path::{Path, PathBuf};
+
+pub use layout::{Layout, Proj, PAGE};
+pub use manifest::Manifest;
+pub use reader::{ExpertRecord, ExpertStore};
+
+/// The 4-bit base store.
+pub const BASE_FILE: &str = "experts.bin";
+
+/// The non-expert tensors of a converted model.
+pub const DENSE_FILE: &str = "dense.safetensors";
+
+/// The data file of the store at `bits`: `experts.bin` at 4 bits, else
+/// `experts{bits}.bin`.
+pub fn data_file_name(bits: u32) -> String {
+    match bits {
+        4 => BASE_FILE.to_string(),
+        b => format!("experts{b}.bin"),
+    }
+}
+
+/// The manifest of the store at `bits`: `experts.json` at 4 bits, else
+/// `experts{bits}.json`.
+pub fn manifest_file_name(bits: u32) -> String {
+    match bits {
+        4 => "experts.json".to_string(),
+        b => format!("experts{b}.json"),
+    }
+}
+
+/// Everything that can go wrong building, checking or reading a store. Each variant
+/// names the file and what is wrong with it.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// The 4-bit store every other one is built from is not there.
+    #[error("{path}: missing; `dynmoe convert` writes the 4-bit expert store")]
+    MissingBase {
+        /// `experts.bin` or `experts.json`.
+        path: PathBuf,
+    },
+    /// A store file is not there.
+    #[error("{path}: missing")]
+    Missing {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A manifest is not JSON of the manifest's structure.
+    #[error("{path}: malformed manifest: {reason}")]
+    ManifestJson {
+        /// The manifest.
+        path: PathBuf,
+        /// What the parser said.
+        reason: String,
+    },
+    /// A manifest field has a value this build cannot use or that disagrees with the
+    /// rest of the manifest.
+    #[error("{path}: field {field:?} {reason}")]
+    Manifest {
+        /// The manifest.
+        path: PathBuf,
+        /// The field.
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A data file's size disagrees with its manifest.
+    #[error("{path}: {found} bytes, the manifest implies {expected} (truncated or overwritten)")]
+    Size {
+        /// The data file.
+        path: PathBuf,
+        /// Bytes the manifest implies.
+        expected: u64,
+        /// Bytes on disk.
+        found: u64,
+    },
+    /// A store whose manifest reads well but whose bytes are not what its source
+    /// packs to, or whose source has changed.
+    #[error("{path}: not usable: {reason}")]
+    Unusable {
+        /// The data file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// A precision no store holds.
+    #[error("{bits}-bit stores are not supported (supported: 2, 3 and 4)")]
+    UnsupportedBits {
+        /// The precision asked for.
+        bits: u32,
+    },
+    /// Expert dimensions that no layout holds.
+    #[error("expert shape: {reason}")]
+    BadShape {
+        /// What is wrong.
+        reason: String,
+    },
+    /// Conversion would write over its own input.
+    #[error("{dir}: the output directory is the checkpoint directory; choose another")]
+    SameDirectory {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// A tensor could not be quantized.
+    #[error("{path}: tensor {tensor}: {reason}")]
+    Codec {
+        /// The shard holding it.
+        path: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// What the codec said.
+        reason: String,
+    },
+    /// The checkpoint could not be read.
+    #[error(transparent)]
+    Model(#[from] crate::model::Error),
+}
+
+impl Error {
+    /// A bad manifest field.
+    pub fn manifest(path: &Path, field: &str, reason: impl Into<String>) -> Error {
+        Error::Manifest {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
