@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
 """Perplexity of the bundled fixture models on every corpus domain and WikiText-2.
 
-Runs `dynmoe eval ppl --json` (llama.cpp semantics, ctx 512) for each model and text,
-prints a table, and writes bench/results/ppl_fixtures.json. Beside each number it puts
-the perplexity transformers computed for the same checkpoint when it was trained
-(the table in the model's README), so the two implementations can be compared.
+Runs `dynmoe eval ppl --json` (llama.cpp semantics, ctx 512) for each model, precision
+and text, prints a table, and writes JSON. Beside each bf16 number it puts the
+perplexity transformers computed for the same checkpoint when it was trained (the table
+in the model's README), so the two implementations can be compared. Precisions other
+than bf16 run a converted copy of the model (`dynmoe convert`, `dynmoe store ensure`)
+with its experts read from the 4-, 3- or 2-bit store.
 
-    cargo build --release && python3 bench/ppl_fixtures.py [--models tiny-moe,small-moe]
+    cargo build --release
+    python3 bench/ppl_fixtures.py                                   # -> bench/results/ppl_fixtures.json
+    python3 bench/ppl_fixtures.py --models small-moe --bits bf16,4,3,2 \
+        --out bench/results/ppl_bits.json
 """
 
 import argparse
@@ -14,6 +19,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,30 +41,41 @@ def main() -> int:
     ap.add_argument("--models", default="tiny-moe,small-moe")
     ap.add_argument("--binary", default=str(ROOT / "target/release/dynmoe"))
     ap.add_argument("--wikitext", default=str(ROOT / "../shared/data/wikitext-2-raw/wiki.test.raw"))
+    ap.add_argument("--bits", default="bf16", help="precisions: bf16 and/or expert bits 4, 3, 2")
     ap.add_argument("--out", default=str(ROOT / "bench/results/ppl_fixtures.json"))
     args = ap.parse_args()
 
     results = []
+    work = tempfile.TemporaryDirectory(prefix="dynmoe-ppl-")
     for name in args.models.split(","):
         model = ROOT / "fixtures/models" / name
         reference = transformers_ppl(model)
         texts = [(d, ROOT / "data/corpus" / d / "test.txt") for d in DOMAINS]
         if Path(args.wikitext).exists():
             texts.append(("wikitext2", Path(args.wikitext)))
-        for label, path in texts:
-            t = time.time()
-            out = subprocess.run(
-                [args.binary, "eval", "ppl", "--model", str(model), "--text", str(path), "--json"],
-                check=True, capture_output=True, text=True,
-            ).stdout
-            r = json.loads(out)
-            r.update(model=name, text=label, wall_s=round(time.time() - t, 2),
-                     transformers_ppl=reference.get(label))
-            results.append(r)
-            ref = f"{r['transformers_ppl']:.3f}" if r["transformers_ppl"] else "-"
-            print(f"{name:<10} {label:<10} ppl {r['ppl']:>9.3f} ± {r['ppl_stderr']:<7.3f} "
-                  f"transformers {ref:>9}  {r['tokens_scored']:>7} tokens  {r['tokens_per_second']:>7.0f} tok/s",
-                  flush=True)
+        converted = None
+        for precision in args.bits.split(","):
+            run_dir, extra = model, []
+            if precision != "bf16":
+                if converted is None:
+                    converted = Path(work.name) / name
+                    subprocess.run([args.binary, "convert", "--model", str(model), "-o", str(converted)],
+                                   check=True, capture_output=True)
+                run_dir, extra = converted, ["--expert-bits", precision]
+            for label, path in texts:
+                t = time.time()
+                out = subprocess.run(
+                    [args.binary, "eval", "ppl", "--model", str(run_dir), "--text", str(path), "--json", *extra],
+                    check=True, capture_output=True, text=True,
+                ).stdout
+                r = json.loads(out)
+                r.update(model=name, precision=precision, text=label, wall_s=round(time.time() - t, 2),
+                         transformers_ppl=reference.get(label) if precision == "bf16" else None)
+                results.append(r)
+                ref = f"{r['transformers_ppl']:.3f}" if r["transformers_ppl"] else "-"
+                print(f"{name:<10} {precision:>4} {label:<10} ppl {r['ppl']:>9.3f} ± {r['ppl_stderr']:<7.3f} "
+                      f"transformers {ref:>9}  {r['tokens_scored']:>7} tokens  {r['tokens_per_second']:>7.0f} tok/s",
+                      flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"ctx": 512, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -84,7 +84,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let corpus = a.corpus.unwrap_or_else(|| root.join("data/corpus"));
     let inv =
         inspect::inspect_dir(&dir).with_context(|| format!("inspecting {}", dir.display()))?;
-    let m = crate::load(&dir, Cpu::fast())?;
+    let m = crate::load(&dir, Cpu::fast(), &Default::default())?;
     if !a.json {
         println!(
             "{}: {} layers, {} experts/layer, top-{}; {:.2} M parameters, {:.2} M active per token",

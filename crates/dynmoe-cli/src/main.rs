@@ -2,6 +2,7 @@
 
 mod demo;
 mod progress;
+mod store;
 
 use std::path::{Path, PathBuf};
 
@@ -9,7 +10,7 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use dynmoe::backend::Cpu;
 use dynmoe::eval::{inspect, ppl};
-use dynmoe::model::{self, LoadedModel};
+use dynmoe::model::{self, ExpertBits, LoadedModel};
 use dynmoe::runtime::generate::{self, Sampling};
 
 /// Mixture-of-Experts models at 1.5-2 resident bits per weight, with a resident expert
@@ -32,6 +33,11 @@ enum Command {
     Inspect(InspectArgs),
     /// Run the pipeline on the bundled small model: load, generate, perplexity per domain.
     Demo(demo::DemoArgs),
+    /// Convert a Hugging Face checkpoint: experts to 4-bit records, the rest copied.
+    Convert(store::ConvertArgs),
+    /// Expert stores of a converted model.
+    #[command(subcommand)]
+    Store(store::StoreCommand),
 }
 
 #[derive(Subcommand)]
@@ -66,6 +72,41 @@ struct ModelArgs {
     /// Compute backend.
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
+    /// Bits of the routed experts of a converted model (4, 3 or 2; default 4).
+    #[arg(long)]
+    expert_bits: Option<u32>,
+    /// Per-layer expert bits overriding --expert-bits, as LAYER=BITS pairs: `0=4,5=4`.
+    #[arg(long, value_delimiter = ',', value_parser = parse_layer_bits)]
+    expert_bits_layer: Vec<(usize, u32)>,
+}
+
+impl ModelArgs {
+    fn expert_bits(&self) -> ExpertBits {
+        ExpertBits {
+            default: self.expert_bits,
+            per_layer: self.expert_bits_layer.iter().copied().collect(),
+        }
+    }
+
+    /// Loads the model these arguments name.
+    fn load(&self) -> Result<LoadedModel<Cpu>> {
+        load(&self.model, self.backend.cpu(), &self.expert_bits())
+    }
+}
+
+fn parse_layer_bits(s: &str) -> Result<(usize, u32), String> {
+    let (layer, bits) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not LAYER=BITS"))?;
+    let layer = layer
+        .trim()
+        .parse()
+        .map_err(|_| format!("{layer:?} is not a layer index"))?;
+    let bits = bits
+        .trim()
+        .parse()
+        .map_err(|_| format!("{bits:?} is not a bit width"))?;
+    Ok((layer, bits))
 }
 
 #[derive(Args)]
@@ -129,6 +170,8 @@ fn main() {
         Command::Eval(EvalCommand::Ppl(a)) => cmd_ppl(a),
         Command::Inspect(a) => cmd_inspect(a),
         Command::Demo(a) => demo::run(a),
+        Command::Convert(a) => store::convert(a),
+        Command::Store(c) => store::store(c),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -136,11 +179,12 @@ fn main() {
     }
 }
 
-/// Loads a model directory onto the CPU backend, with a spinner while it loads.
-pub(crate) fn load(dir: &Path, backend: Cpu) -> Result<LoadedModel<Cpu>> {
+/// Loads a model directory onto the CPU backend, with a spinner while it loads (and
+/// builds any expert store the requested precision needs).
+pub(crate) fn load(dir: &Path, backend: Cpu, bits: &ExpertBits) -> Result<LoadedModel<Cpu>> {
     let spinner = progress::spinner(&format!("loading {}", dir.display()));
-    let m =
-        model::load(dir, backend).with_context(|| format!("loading model {}", dir.display()))?;
+    let m = model::load_with(dir, backend, bits)
+        .with_context(|| format!("loading model {}", dir.display()))?;
     spinner.finish_and_clear();
     Ok(m)
 }
@@ -156,7 +200,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     if a.temperature.is_nan() || a.temperature < 0.0 {
         anyhow::bail!("--temperature must be >= 0, got {}", a.temperature);
     }
-    let m = load(&a.model.model, a.model.backend.cpu())?;
+    let m = a.model.load()?;
     let sampling = Sampling {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -192,7 +236,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
 
 fn cmd_ppl(a: PplArgs) -> Result<()> {
     let text = read_text(&a.text)?;
-    let m = load(&a.model.model, a.model.backend.cpu())?;
+    let m = a.model.load()?;
     let bar = progress::bar("perplexity");
     let report = ppl::perplexity(
         &m,
@@ -252,5 +296,11 @@ fn cmd_inspect(a: InspectArgs) -> Result<()> {
         println!("bytes {dtype:<10} {bytes:>14}");
     }
     println!("{:<16} {:>14}", "file bytes", inv.file_bytes);
+    for st in &inv.expert_stores {
+        println!(
+            "{:<16} {:>14} bytes, {}-bit codes, {:.3} bits per expert weight",
+            st.file, st.bytes, st.bits, st.bits_per_weight
+        );
+    }
     Ok(())
 }

@@ -10,6 +10,8 @@ pub mod cpu;
 
 pub use cpu::Cpu;
 
+use crate::codec::affine::kernels::AffineView;
+
 /// A compute backend.
 pub trait Backend: Send + Sync {
     /// A buffer of f32 values owned by the backend.
@@ -64,6 +66,35 @@ pub trait Backend: Send + Sync {
         out_dim: usize,
         out: &mut Self::Tensor,
     );
+    /// The same product with `w` an affine-quantized matrix (4, 3 or 2 bits) read in
+    /// place from an expert store. `x` has `in_dim` columns; when the stored matrix is
+    /// wider (its columns padded to whole quantization groups), `x` is read as if padded
+    /// with zeros.
+    fn matmul_affine(
+        &self,
+        x: &Self::Tensor,
+        w: &AffineView<'_>,
+        rows: usize,
+        in_dim: usize,
+        out: &mut Self::Tensor,
+    );
+
+    /// `out = x Wᵀ` for a weight in either form.
+    fn linear(
+        &self,
+        x: &Self::Tensor,
+        w: Weight<'_, Self::Tensor>,
+        rows: usize,
+        in_dim: usize,
+        out_dim: usize,
+        out: &mut Self::Tensor,
+    ) {
+        match w {
+            Weight::Dense(t) => self.matmul(x, t, rows, in_dim, out_dim, out),
+            Weight::Affine(v) => self.matmul_affine(x, &v, rows, in_dim, out),
+        }
+    }
+
     /// `x[r, :] += bias` for the first `rows` rows of width `bias.len()`.
     fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor, rows: usize);
     /// `x[..n] += y[..n]`.
@@ -156,30 +187,48 @@ pub fn swiglu_groups_one_by_one<B: Backend + ?Sized>(
     let mut up = b.alloc(rows * width);
     let mut ys = b.alloc(rows * hidden);
     for g in groups.iter().filter(|g| !g.rows.is_empty()) {
-        let n = g.rows.len();
+        let (n, i) = (g.rows.len(), g.intermediate);
         b.gather_rows(x, g.rows, hidden, &mut xs);
-        b.matmul(&xs, g.gate, n, hidden, g.intermediate, &mut gate);
-        b.matmul(&xs, g.up, n, hidden, g.intermediate, &mut up);
-        b.silu_mul(&mut gate, &up, n * g.intermediate);
-        b.matmul(&gate, g.down, n, g.intermediate, hidden, &mut ys);
-        b.scatter_add_rows(&ys, g.rows, g.weights, hidden, out);
+        b.linear(&xs, g.gate, n, hidden, i, &mut gate);
+        b.linear(&xs, g.up, n, hidden, i, &mut up);
+        b.silu_mul(&mut gate, &up, n * i);
+        b.linear(&gate, g.down, n, i, hidden, &mut ys);
+        b.scatter_add_rows(&ys, g.rows, g.scales, hidden, out);
     }
 }
+
+/// A weight matrix `[out_dim, in_dim]`: a dense backend tensor, or an affine-quantized
+/// matrix read in place from an expert store.
+pub enum Weight<'a, T> {
+    /// f32 on the backend.
+    Dense(&'a T),
+    /// Affine codes, scales and biases in host memory.
+    Affine(AffineView<'a>),
+}
+
+// Written out because a derive would require `T: Copy`; only references are copied.
+impl<T> Clone for Weight<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Weight<'_, T> {}
 
 /// One expert (or dense MLP) and the rows it runs on, for [`Backend::swiglu_groups`].
 pub struct SwiGluGroup<'a, T> {
     /// `[intermediate, hidden]`.
-    pub gate: &'a T,
+    pub gate: Weight<'a, T>,
     /// `[intermediate, hidden]`.
-    pub up: &'a T,
+    pub up: Weight<'a, T>,
     /// `[hidden, intermediate]`.
-    pub down: &'a T,
+    pub down: Weight<'a, T>,
     /// Width of the hidden layer.
     pub intermediate: usize,
     /// Rows of `x` routed to this expert.
     pub rows: &'a [u32],
-    /// Weight of each row's output.
-    pub weights: &'a [f32],
+    /// Weight of each row's output (the router's gate value).
+    pub scales: &'a [f32],
 }
 
 /// The sizes of one attention call.

@@ -84,6 +84,21 @@ pub struct Inventory {
     pub params_active_per_token: u64,
     /// Bytes of the checkpoint files.
     pub file_bytes: u64,
+    /// Expert stores of a converted directory (`experts.bin`, `experts3.bin`, `experts2.bin`).
+    pub expert_stores: Vec<StoreInfo>,
+}
+
+/// One expert store on disk.
+#[derive(Debug, Clone, Serialize)]
+pub struct StoreInfo {
+    /// File name.
+    pub file: String,
+    /// Bits per code.
+    pub bits: u32,
+    /// Size of the file.
+    pub bytes: u64,
+    /// File bytes × 8 per routed expert parameter: codes, scales, biases and padding.
+    pub bits_per_weight: f64,
 }
 
 /// Counts a checkpoint's parameters and bytes.
@@ -97,10 +112,15 @@ pub fn inventory(config: &Config, ckpt: &Checkpoint) -> Result<Inventory, Error>
         *by_dtype.entry(format!("{:?}", info.dtype)).or_default() +=
             n * info.dtype.bitsize() as u64 / 8;
     }
-    let total: u64 = by_kind.values().sum();
     let moe_layers = config.moe_layers().count();
     let m = &config.moe;
     let per_expert = 3 * (config.hidden_size * m.expert_intermediate) as u64;
+    // A converted directory keeps its routed experts in the stores, not the checkpoint.
+    let all_experts = (moe_layers * m.num_experts) as u64 * per_expert;
+    by_kind
+        .entry(TensorKind::RoutedExperts)
+        .or_insert(all_experts);
+    let total: u64 = by_kind.values().sum();
     let routed = by_kind
         .get(&TensorKind::RoutedExperts)
         .copied()
@@ -114,6 +134,24 @@ pub fn inventory(config: &Config, ckpt: &Checkpoint) -> Result<Inventory, Error>
         .files()
         .map(|p| std::fs::metadata(p).map(|md| md.len()).unwrap_or(0))
         .sum();
+    let dir = ckpt
+        .files()
+        .next()
+        .and_then(Path::parent)
+        .unwrap_or(Path::new("."));
+    let expert_stores = [4, 3, 2]
+        .into_iter()
+        .filter_map(|bits| {
+            let file = crate::store::data_file_name(bits);
+            let bytes = std::fs::metadata(dir.join(&file)).ok()?.len();
+            Some(StoreInfo {
+                file,
+                bits,
+                bytes,
+                bits_per_weight: bytes as f64 * 8.0 / all_experts as f64,
+            })
+        })
+        .collect();
     Ok(Inventory {
         arch: config.arch.model_type().to_string(),
         layers: config.layers.len(),
@@ -126,6 +164,7 @@ pub fn inventory(config: &Config, ckpt: &Checkpoint) -> Result<Inventory, Error>
         params_per_expert: per_expert,
         params_active_per_token: active,
         file_bytes,
+        expert_stores,
     })
 }
 

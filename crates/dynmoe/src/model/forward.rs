@@ -9,7 +9,7 @@ use super::arch;
 use super::checkpoint::Checkpoint;
 use super::config::{Config, QkNorm};
 use super::moe;
-use super::weights::{Ffn, Layer, Linear, Loader};
+use super::weights::{Ffn, Layer, LayerStores, Linear, Loader};
 use super::Error;
 use crate::backend::{AttentionShape, Backend};
 
@@ -63,11 +63,18 @@ pub fn rope_inv_freq(theta: f32, head_dim: usize, linear_factor: f32) -> Vec<f32
 }
 
 impl<B: Backend> Model<B> {
-    /// Builds the model from a checkpoint, checking every tensor's shape.
-    pub fn load(config: Config, ckpt: &Checkpoint, backend: B) -> Result<Model<B>, Error> {
+    /// Builds the model from a checkpoint (and, for a converted directory, the expert
+    /// store of each MoE layer), checking every tensor's shape.
+    pub fn load(
+        config: Config,
+        ckpt: &Checkpoint,
+        stores: Option<LayerStores>,
+        backend: B,
+    ) -> Result<Model<B>, Error> {
         let (v, h) = (config.vocab_size, config.hidden_size);
         let ld = Loader {
             ckpt,
+            stores: stores.as_ref(),
             backend: &backend,
             config: &config,
         };

@@ -14,7 +14,9 @@ pub mod moe;
 pub mod tokenizer;
 pub mod weights;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 pub use checkpoint::Checkpoint;
 pub use config::{Arch, Config};
@@ -70,7 +72,7 @@ pub enum Error {
         reason: String,
     },
     /// The directory has neither `model.safetensors` nor an index of shards.
-    #[error("{dir}: no model.safetensors and no model.safetensors.index.json")]
+    #[error("{dir}: no model.safetensors, model.safetensors.index.json or dense.safetensors")]
     NoWeights {
         /// The model directory.
         dir: PathBuf,
@@ -129,6 +131,23 @@ pub enum Error {
         /// Vocabulary size.
         vocab: usize,
     },
+    /// An expert store could not be built or opened.
+    #[error(transparent)]
+    Store(Box<crate::store::Error>),
+    /// Expert precision was asked of a directory that has no expert stores.
+    #[error("{dir}: --expert-bits needs a converted model directory (experts.bin); run `dynmoe convert` first")]
+    NoExpertStore {
+        /// The model directory.
+        dir: PathBuf,
+    },
+    /// An expert precision other than 4, 3 or 2 bits.
+    #[error("expert bits {bits} for layer {layer}: stores exist at 4, 3 and 2 bits")]
+    ExpertBits {
+        /// The layer.
+        layer: usize,
+        /// What was asked.
+        bits: u32,
+    },
     /// More tokens than the state's KV cache holds.
     #[error("context overflow: {needed} positions needed, the KV cache holds {capacity}")]
     ContextOverflow {
@@ -149,15 +168,98 @@ pub struct LoadedModel<B: Backend> {
     pub tokenizer: Tokenizer,
 }
 
-/// Loads config, weights and tokenizer from a Hugging Face model directory.
+impl From<crate::store::Error> for Error {
+    fn from(e: crate::store::Error) -> Error {
+        Error::Store(Box::new(e))
+    }
+}
+
+/// Precision of the routed experts when a model directory carries expert stores
+/// (`dynmoe convert`): a default for every MoE layer and per-layer overrides. Unset
+/// means 4 bits, the base store.
+#[derive(Debug, Clone, Default)]
+pub struct ExpertBits {
+    /// Bits of every MoE layer not overridden.
+    pub default: Option<u32>,
+    /// Bits of particular layers.
+    pub per_layer: BTreeMap<usize, u32>,
+}
+
+impl ExpertBits {
+    /// Whether anything was asked.
+    pub fn is_set(&self) -> bool {
+        self.default.is_some() || !self.per_layer.is_empty()
+    }
+
+    /// Bits of `layer`.
+    pub fn of(&self, layer: usize) -> u32 {
+        self.per_layer
+            .get(&layer)
+            .copied()
+            .or(self.default)
+            .unwrap_or(4)
+    }
+}
+
+/// Loads config, weights and tokenizer from a model directory: a Hugging Face checkpoint,
+/// or a converted directory whose experts are read from their 4-bit store.
 pub fn load<B: Backend>(dir: &Path, backend: B) -> Result<LoadedModel<B>, Error> {
+    load_with(dir, backend, &ExpertBits::default())
+}
+
+/// [`load`], with the routed experts of a converted directory at `bits` (stores at 3
+/// and 2 bits are built from the 4-bit one if they are missing or unusable).
+pub fn load_with<B: Backend>(
+    dir: &Path,
+    backend: B,
+    bits: &ExpertBits,
+) -> Result<LoadedModel<B>, Error> {
     let config = Config::from_file(&dir.join("config.json"))?;
     let checkpoint = Checkpoint::open(dir)?;
-    let model = Model::load(config, &checkpoint, backend)?;
+    let stores = if dir.join(crate::store::data_file_name(4)).exists() {
+        Some(open_stores(dir, &config, bits)?)
+    } else if bits.is_set() {
+        return Err(Error::NoExpertStore {
+            dir: dir.to_path_buf(),
+        });
+    } else {
+        None
+    };
+    let model = Model::load(config, &checkpoint, stores, backend)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     Ok(LoadedModel {
         dir: dir.to_path_buf(),
         model,
         tokenizer,
     })
+}
+
+/// The expert store each MoE layer reads, built where missing.
+fn open_stores(
+    dir: &Path,
+    config: &Config,
+    bits: &ExpertBits,
+) -> Result<weights::LayerStores, Error> {
+    let mut wanted: Vec<u32> = Vec::new();
+    for layer in config.moe_layers() {
+        let b = bits.of(layer);
+        if !matches!(b, 2..=4) {
+            return Err(Error::ExpertBits { layer, bits: b });
+        }
+        if !wanted.contains(&b) {
+            wanted.push(b);
+        }
+    }
+    let low: Vec<u32> = wanted.iter().copied().filter(|&b| b < 4).collect();
+    if !low.is_empty() {
+        crate::store::lowbit::ensure_many(dir, &low)?;
+    }
+    let mut opened = BTreeMap::new();
+    for b in wanted {
+        opened.insert(b, Arc::new(crate::store::ExpertStore::open(dir, b)?));
+    }
+    Ok(config
+        .moe_layers()
+        .map(|layer| (layer, opened[&bits.of(layer)].clone()))
+        .collect())
 }

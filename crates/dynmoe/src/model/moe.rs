@@ -6,8 +6,8 @@
 //! calibration and the resident-set runtime read it.
 
 use super::config::Router;
-use super::weights::{Mlp, Moe};
-use crate::backend::{Backend, SwiGluGroup};
+use super::weights::{Experts, Mlp, Moe};
+use crate::backend::{Backend, SwiGluGroup, Weight};
 
 /// The experts chosen for one token and their weights.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,19 +41,42 @@ pub fn route(probs: &[f32], top_k: usize, router: Router) -> Route {
     }
 }
 
-/// The group that runs `mlp` on `rows` with output weights `weights`.
+/// The group that runs `mlp` on `rows` with output weights `scales`.
 fn group<'a, B: Backend>(
     mlp: &'a Mlp<B>,
     rows: &'a [u32],
-    weights: &'a [f32],
+    scales: &'a [f32],
 ) -> SwiGluGroup<'a, B::Tensor> {
     SwiGluGroup {
-        gate: &mlp.gate_proj.w,
-        up: &mlp.up_proj.w,
-        down: &mlp.down_proj.w,
+        gate: Weight::Dense(&mlp.gate_proj.w),
+        up: Weight::Dense(&mlp.up_proj.w),
+        down: Weight::Dense(&mlp.down_proj.w),
         intermediate: mlp.gate_proj.out_dim,
         rows,
-        weights,
+        scales,
+    }
+}
+
+/// The group that runs routed expert `e` on `rows`.
+fn expert_group<'a, B: Backend>(
+    experts: &'a Experts<B>,
+    e: usize,
+    rows: &'a [u32],
+    scales: &'a [f32],
+) -> SwiGluGroup<'a, B::Tensor> {
+    match experts {
+        Experts::Dense(mlps) => group(&mlps[e], rows, scales),
+        Experts::Stored { store, layer } => {
+            let r = store.record(*layer, e);
+            SwiGluGroup {
+                gate: Weight::Affine(r.gate),
+                up: Weight::Affine(r.up),
+                down: Weight::Affine(r.down),
+                intermediate: r.gate.rows,
+                rows,
+                scales,
+            }
+        }
     }
 }
 
@@ -106,12 +129,11 @@ pub fn forward<B: Backend>(
         None => Vec::new(),
     };
 
-    let mut groups: Vec<SwiGluGroup<'_, B::Tensor>> = moe
-        .experts
+    let mut groups: Vec<SwiGluGroup<'_, B::Tensor>> = routed
         .iter()
-        .zip(&routed)
+        .enumerate()
         .filter(|(_, (tokens, _))| !tokens.is_empty())
-        .map(|(expert, (tokens, weights))| group(expert, tokens, weights))
+        .map(|(e, (tokens, scales))| expert_group(&moe.experts, e, tokens, scales))
         .collect();
     if let Some(shared) = &moe.shared_expert {
         groups.push(group(shared, &all, &shared_scales));

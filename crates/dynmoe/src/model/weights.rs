@@ -1,10 +1,14 @@
 //! The weights of one decoder layer, shared by every architecture. Architecture files
 //! under [`super::arch`] only say which checkpoint tensor goes where.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
 use super::checkpoint::Checkpoint;
 use super::config::{Config, QkNorm};
 use super::Error;
 use crate::backend::Backend;
+use crate::store::ExpertStore;
 
 /// A linear layer `y = x Wᵀ + b`, `W` stored `[out_dim, in_dim]`.
 pub struct Linear<B: Backend> {
@@ -43,12 +47,28 @@ pub struct Attention<B: Backend> {
     pub qk_norm: Option<(B::Tensor, B::Tensor)>,
 }
 
+/// The routed experts of one MoE layer.
+pub enum Experts<B: Backend> {
+    /// f32 tensors on the backend, one SwiGLU MLP per expert.
+    Dense(Vec<Mlp<B>>),
+    /// Records of an expert store, read in place; `layer` is the decoder layer.
+    Stored {
+        /// The store (4, 3 or 2 bits).
+        store: Arc<ExpertStore>,
+        /// Decoder layer whose records these are.
+        layer: usize,
+    },
+}
+
+/// The expert store each MoE layer reads, by decoder layer.
+pub type LayerStores = BTreeMap<usize, Arc<ExpertStore>>;
+
 /// A mixture-of-experts block.
 pub struct Moe<B: Backend> {
     /// Router, `[num_experts, hidden]`.
     pub gate: Linear<B>,
     /// Routed experts.
-    pub experts: Vec<Mlp<B>>,
+    pub experts: Experts<B>,
     /// Shared expert, run on every token (Qwen2-MoE).
     pub shared_expert: Option<Mlp<B>>,
     /// Sigmoid gate of the shared expert, `[1, hidden]`.
@@ -79,6 +99,8 @@ pub struct Layer<B: Backend> {
 pub struct Loader<'a, B: Backend> {
     /// The checkpoint.
     pub ckpt: &'a Checkpoint,
+    /// Expert stores by MoE layer, when the model directory was converted.
+    pub stores: Option<&'a LayerStores>,
     /// The backend the weights go to.
     pub backend: &'a B,
     /// The resolved configuration.
@@ -123,6 +145,40 @@ impl<B: Backend> Loader<'_, B> {
             gate_proj: self.linear(&format!("{prefix}.{}", names[0]), intermediate, h, false)?,
             up_proj: self.linear(&format!("{prefix}.{}", names[1]), intermediate, h, false)?,
             down_proj: self.linear(&format!("{prefix}.{}", names[2]), h, intermediate, false)?,
+        })
+    }
+
+    /// The routed experts of decoder layer `layer`: from its expert store when the model
+    /// directory has one, else the checkpoint tensors under `{prefix}.experts`.
+    pub fn routed_experts(
+        &self,
+        layer: usize,
+        prefix: &str,
+        names: [&str; 3],
+    ) -> Result<Experts<B>, Error> {
+        let Some(stores) = self.stores else {
+            return Ok(Experts::Dense(self.experts(prefix, names)?));
+        };
+        let store = stores.get(&layer).expect("a store for every MoE layer");
+        let c = self.config;
+        let layout = store.layout();
+        let found = (
+            store.experts_per_layer(),
+            layout.hidden,
+            layout.intermediate,
+        );
+        let expected = (c.moe.num_experts, c.hidden_size, c.moe.expert_intermediate);
+        if found != expected || store.record_index(layer, 0).is_none() {
+            return Err(Error::TensorShape {
+                path: store.path().to_path_buf(),
+                tensor: format!("experts of layer {layer} (experts, hidden, intermediate)"),
+                expected: vec![expected.0, expected.1, expected.2],
+                found: vec![found.0, found.1, found.2],
+            });
+        }
+        Ok(Experts::Stored {
+            store: store.clone(),
+            layer,
         })
     }
 

@@ -6,7 +6,10 @@
 use rayon::prelude::*;
 
 use super::reference;
-use crate::backend::{AttentionShape, SwiGluGroup};
+use super::with_padded_columns;
+use crate::backend::{AttentionShape, SwiGluGroup, Weight};
+use crate::codec::affine::kernels::{self, AffineView};
+use crate::codec::affine::lowbit;
 
 /// Below this many rows a product is a handful of matrix-vector products: splitting the
 /// output features across threads beats gemm's packing, which pays off only for tiles.
@@ -126,6 +129,33 @@ fn matmul_with(
     }
 }
 
+/// Above this many rows a stored matrix is expanded to f32 once and multiplied with
+/// gemm: the expansion is one pass over the weights shared by every row, and gemm's
+/// tiling beats the matrix-vector kernels once there are enough rows to tile.
+const EXPAND_ABOVE_ROWS: usize = 16;
+
+/// See [`crate::backend::Backend::matmul_affine`]; `parallel` uses every thread.
+pub fn matmul_affine(
+    x: &[f32],
+    rows: usize,
+    in_dim: usize,
+    w: &AffineView<'_>,
+    out: &mut [f32],
+    parallel: bool,
+) {
+    with_padded_columns(x, rows, in_dim, w.cols, |x| {
+        let out = &mut out[..rows * w.rows];
+        if rows > EXPAND_ABOVE_ROWS {
+            let dense = lowbit::dequantize(w.words, w.scales, w.biases, w.rows, w.cols, w.bits);
+            matmul_with(x, &dense, rows, w.cols, w.rows, out, parallel);
+        } else if parallel {
+            kernels::matmul(x, rows, w, out);
+        } else {
+            kernels::matmul_serial(x, rows, w, out);
+        }
+    })
+}
+
 /// See [`crate::backend::Backend::swiglu_groups`]. With at least as many groups as
 /// threads (prefill, and decode over top-k experts), groups run in parallel with
 /// single-threaded products; with fewer, one group at a time with threaded products.
@@ -138,13 +168,19 @@ pub fn swiglu_groups(
     out: &mut [f32],
 ) {
     let parallel_groups = groups.len() >= rayon::current_num_threads();
+    // One thread per group, or every thread inside each product: never both.
+    let product = |x: &[f32],
+                   w: Weight<'_, Vec<f32>>,
+                   rows: usize,
+                   in_dim: usize,
+                   out_dim: usize,
+                   out: &mut [f32]| match w {
+        Weight::Dense(t) if parallel_groups => matmul_serial(x, t, rows, in_dim, out_dim, out),
+        Weight::Dense(t) => matmul(x, t, rows, in_dim, out_dim, out),
+        Weight::Affine(v) => matmul_affine(x, rows, in_dim, &v, out, !parallel_groups),
+    };
     let run = |g: &SwiGluGroup<'_, Vec<f32>>| -> Vec<f32> {
         let (n, i) = (g.rows.len(), g.intermediate);
-        let product = if parallel_groups {
-            matmul_serial
-        } else {
-            matmul
-        };
         let mut xs = vec![0.0f32; n * hidden];
         reference::gather_rows(x, g.rows, hidden, &mut xs);
         let (mut gate, mut up) = (vec![0.0f32; n * i], vec![0.0f32; n * i]);
@@ -161,7 +197,7 @@ pub fn swiglu_groups(
         groups.iter().map(run).collect()
     };
     for (g, ys) in groups.iter().zip(&outputs) {
-        reference::scatter_add_rows(ys, g.rows, g.weights, hidden, out);
+        reference::scatter_add_rows(ys, g.rows, g.scales, hidden, out);
     }
 }
 
@@ -249,12 +285,12 @@ mod tests {
         for n_groups in [1, 5] {
             let groups: Vec<SwiGluGroup<'_, Vec<f32>>> = (0..n_groups)
                 .map(|e| SwiGluGroup {
-                    gate: &experts[e][0],
-                    up: &experts[e][1],
-                    down: &experts[e][2],
+                    gate: Weight::Dense(&experts[e][0]),
+                    up: Weight::Dense(&experts[e][1]),
+                    down: Weight::Dense(&experts[e][2]),
                     intermediate: inter,
                     rows: &rows_of[e],
-                    weights: &weights_of[e],
+                    scales: &weights_of[e],
                 })
                 .collect();
             let base = fresh(rows * hidden, 90);

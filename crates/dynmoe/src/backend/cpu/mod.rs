@@ -5,6 +5,7 @@ pub mod fast;
 pub mod reference;
 
 use super::{AttentionShape, Backend, SwiGluGroup};
+use crate::codec::affine::kernels::{self, AffineView};
 
 /// The CPU backend. `Cpu::reference()` runs every op through the plain reference
 /// loops; `Cpu::fast()` uses the threaded kernels where they exist.
@@ -97,6 +98,23 @@ impl Backend for Cpu {
         }
     }
 
+    fn matmul_affine(
+        &self,
+        x: &Vec<f32>,
+        w: &AffineView<'_>,
+        rows: usize,
+        in_dim: usize,
+        out: &mut Vec<f32>,
+    ) {
+        if self.fast {
+            fast::matmul_affine(x, rows, in_dim, w, out, true);
+        } else {
+            with_padded_columns(x, rows, in_dim, w.cols, |x| {
+                kernels::matmul_reference(x, rows, w, &mut out[..rows * w.rows])
+            });
+        }
+    }
+
     fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, rows: usize) {
         reference::add_bias(x, bias, rows);
     }
@@ -182,4 +200,28 @@ impl Backend for Cpu {
             super::swiglu_groups_one_by_one(self, x, hidden, groups, out);
         }
     }
+}
+
+/// Runs `f` on the first `rows` rows of `x` widened from `in_dim` to `cols` columns with
+/// zeros: stored matrices pad their input dimension to whole quantization groups, and a
+/// zero column contributes nothing to a product, bias term included.
+pub(crate) fn with_padded_columns<R>(
+    x: &[f32],
+    rows: usize,
+    in_dim: usize,
+    cols: usize,
+    f: impl FnOnce(&[f32]) -> R,
+) -> R {
+    if in_dim == cols {
+        return f(&x[..rows * cols]);
+    }
+    assert!(
+        in_dim < cols,
+        "input of {in_dim} columns for a matrix of {cols}"
+    );
+    let mut padded = vec![0.0f32; rows * cols];
+    for (dst, src) in padded.chunks_exact_mut(cols).zip(x.chunks_exact(in_dim)) {
+        dst[..in_dim].copy_from_slice(src);
+    }
+    f(&padded)
 }

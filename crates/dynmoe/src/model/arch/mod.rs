@@ -74,7 +74,7 @@ pub fn layer_with<B: Backend>(
                     c.hidden_size,
                     false,
                 )?,
-                experts: ld.experts(&prefix, names.projections)?,
+                experts: ld.routed_experts(i, &prefix, names.projections)?,
                 shared_expert,
                 shared_expert_gate,
             })
