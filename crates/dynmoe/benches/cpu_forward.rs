@@ -1,5 +1,7 @@
-//! CPU prefill and decode speed of the small fixture, fast kernels against the plain
-//! reference. Prints a table and writes `bench/results/cpu_forward.json`.
+//! CPU prefill and decode speed of the small fixture: fast kernels against the plain
+//! reference on the bf16 checkpoint, and the fast kernels on a converted copy whose
+//! experts are read from the 4-, 3- and 2-bit stores. Prints a table and writes
+//! `bench/results/cpu_forward.json`.
 //!
 //! `cargo bench -p dynmoe --bench cpu_forward [-- MODEL_DIR]`
 
@@ -7,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use dynmoe::backend::{Backend, Cpu};
-use dynmoe::model::{self, LoadedModel};
+use dynmoe::model::{self, ExpertBits, LoadedModel};
 use serde::Serialize;
 
 const PREFILL: usize = 512;
@@ -17,6 +19,7 @@ const REPEATS: usize = 5;
 #[derive(Serialize)]
 struct Row {
     backend: &'static str,
+    experts: String,
     prefill_tokens: usize,
     prefill_tok_s_median: f64,
     prefill_runs_s: Vec<f64>,
@@ -43,7 +46,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Times `REPEATS` prefills of `PREFILL` tokens and decodes of `DECODE` tokens after a
 /// one-token prompt (every step a one-row forward through the KV cache).
-fn measure(m: &LoadedModel<Cpu>, tokens: &[u32], repeats: usize) -> Row {
+fn measure(m: &LoadedModel<Cpu>, experts: &str, tokens: &[u32], repeats: usize) -> Row {
     let mut state = m.model.new_state(PREFILL + DECODE + 1);
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
@@ -68,6 +71,7 @@ fn measure(m: &LoadedModel<Cpu>, tokens: &[u32], repeats: usize) -> Row {
     }
     Row {
         backend: m.model.backend().name(),
+        experts: experts.to_string(),
         prefill_tokens: PREFILL,
         prefill_tok_s_median: PREFILL as f64 / median(prefill.clone()),
         prefill_runs_s: prefill,
@@ -75,17 +79,6 @@ fn measure(m: &LoadedModel<Cpu>, tokens: &[u32], repeats: usize) -> Row {
         decode_tok_s_median: DECODE as f64 / median(decode.clone()),
         decode_runs_s: decode,
     }
-}
-
-fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into())
 }
 
 fn main() {
@@ -108,12 +101,23 @@ fn main() {
         active = inv.params_active_per_token;
         // The reference is slow; fewer repeats keep the run short, the median still holds.
         let repeats = if backend.name() == "cpu" { REPEATS } else { 3 };
-        rows.push(measure(&m, &tokens, repeats));
+        rows.push(measure(&m, "bf16", &tokens, repeats));
+    }
+    let converted = dynmoe::testing::TempDir::new("bench-forward");
+    dynmoe::store::base::convert(&dir, converted.dir(), &mut |_, _| {}).unwrap();
+    for bits in [4, 3, 2] {
+        let want = ExpertBits {
+            default: Some(bits),
+            ..ExpertBits::default()
+        };
+        let m = model::load_with(converted.dir(), Cpu::fast(), &want).unwrap();
+        let tokens = m.tokenizer.encode(&text).unwrap();
+        rows.push(measure(&m, &format!("q{bits}"), &tokens, REPEATS));
     }
     let report = Report {
         model: dir.display().to_string(),
         threads: rayon::current_num_threads(),
-        cpu: cpu_name(),
+        cpu: dynmoe::testing::cpu_name(),
         params_active_per_token: active,
         prefill_speedup: rows[0].prefill_tok_s_median / rows[1].prefill_tok_s_median,
         decode_speedup: rows[0].decode_tok_s_median / rows[1].decode_tok_s_median,
@@ -125,18 +129,18 @@ fn main() {
         report.model, report.cpu, report.threads
     );
     println!(
-        "{:<14} {:>16} {:>16}",
-        "backend", "prefill tok/s", "decode tok/s"
+        "{:<14} {:>8} {:>16} {:>16}",
+        "backend", "experts", "prefill tok/s", "decode tok/s"
     );
     for r in &report.rows {
         println!(
-            "{:<14} {:>16.1} {:>16.1}",
-            r.backend, r.prefill_tok_s_median, r.decode_tok_s_median
+            "{:<14} {:>8} {:>16.1} {:>16.1}",
+            r.backend, r.experts, r.prefill_tok_s_median, r.decode_tok_s_median
         );
     }
     println!(
-        "{:<14} {:>15.2}x {:>15.2}x",
-        "fast/ref", report.prefill_speedup, report.decode_speedup
+        "{:<14} {:>8} {:>15.2}x {:>15.2}x",
+        "fast/ref", "bf16", report.prefill_speedup, report.decode_speedup
     );
 
     let out = root.join("bench/results/cpu_forward.json");

@@ -74,17 +74,6 @@ struct Report {
     ratios: Vec<Ratios>,
 }
 
-fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into())
-}
-
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -178,7 +167,7 @@ fn main() {
     drop(buf);
     println!(
         "{} (AVX2+FMA {}, AVX-512VL {}); read bandwidth {}",
-        cpu_name(),
+        dynmoe::testing::cpu_name(),
         if avx2_fma { "yes" } else { "no" },
         if avx512vl { "yes" } else { "no" },
         bandwidth
@@ -340,7 +329,7 @@ fn main() {
     }
 
     let report = Report {
-        cpu: cpu_name(),
+        cpu: dynmoe::testing::cpu_name(),
         avx2_fma,
         avx512vl,
         bandwidth,

@@ -9,6 +9,7 @@
 pub mod arch;
 pub mod checkpoint;
 pub mod config;
+pub mod experts;
 pub mod forward;
 pub mod moe;
 pub mod tokenizer;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use super::checkpoint::Checkpoint;
 use super::config::{Config, QkNorm};
+use super::experts::{ExpertShape, ExpertTensors};
 use super::Error;
 use crate::backend::Backend;
 use crate::store::ExpertStore;
@@ -154,7 +155,7 @@ impl<B: Backend> Loader<'_, B> {
         &self,
         layer: usize,
         prefix: &str,
-        names: [&str; 3],
+        names: [&'static str; 3],
     ) -> Result<Experts<B>, Error> {
         let Some(stores) = self.stores else {
             return Ok(Experts::Dense(self.experts(prefix, names)?));
@@ -182,41 +183,34 @@ impl<B: Backend> Loader<'_, B> {
         })
     }
 
-    /// The routed experts under `{prefix}.experts`, in the per-expert layout published
-    /// checkpoints use (`{prefix}.experts.{e}.{gate,up,down}`), or in the fused 3-D layout
-    /// transformers 5 keeps in memory (`gate_up_proj` `[E, 2I, H]`, `down_proj` `[E, H, I]`).
-    pub fn experts(&self, prefix: &str, names: [&str; 3]) -> Result<Vec<Mlp<B>>, Error> {
-        let (e, i, h) = (
-            self.config.moe.num_experts,
-            self.config.moe.expert_intermediate,
-            self.config.hidden_size,
-        );
-        let fused = format!("{prefix}.experts.gate_up_proj");
-        let first = format!("{prefix}.experts.0.{}.weight", names[0]);
-        if !self.ckpt.contains(&first) && self.ckpt.contains(&fused) {
-            let gate_up = self.ckpt.f32(&fused, &[e, 2 * i, h])?;
-            let down = self
-                .ckpt
-                .f32(&format!("{prefix}.experts.down_proj"), &[e, h, i])?;
-            let linear = |data: &[f32], out_dim, in_dim| Linear {
-                w: self.backend.upload(data),
+    /// The routed experts under `{prefix}.experts`, wherever [`ExpertTensors`] finds them.
+    pub fn experts(&self, prefix: &str, names: [&'static str; 3]) -> Result<Vec<Mlp<B>>, Error> {
+        let c = self.config;
+        let shape = ExpertShape {
+            experts: c.moe.num_experts,
+            hidden: c.hidden_size,
+            intermediate: c.moe.expert_intermediate,
+        };
+        let tensors = ExpertTensors::find(self.ckpt, prefix, names)?;
+        let linear = |e: usize, p: usize| -> Result<Linear<B>, Error> {
+            let [out_dim, in_dim] = shape.matrix(p);
+            Ok(Linear {
+                w: self
+                    .backend
+                    .upload(&tensors.matrix(self.ckpt, &shape, e, p)?.0),
                 bias: None,
                 in_dim,
                 out_dim,
-            };
-            return Ok((0..e)
-                .map(|x| {
-                    let gu = &gate_up[x * 2 * i * h..(x + 1) * 2 * i * h];
-                    Mlp {
-                        gate_proj: linear(&gu[..i * h], i, h),
-                        up_proj: linear(&gu[i * h..], i, h),
-                        down_proj: linear(&down[x * h * i..(x + 1) * h * i], h, i),
-                    }
+            })
+        };
+        (0..shape.experts)
+            .map(|e| {
+                Ok(Mlp {
+                    gate_proj: linear(e, 0)?,
+                    up_proj: linear(e, 1)?,
+                    down_proj: linear(e, 2)?,
                 })
-                .collect());
-        }
-        (0..e)
-            .map(|x| self.mlp(&format!("{prefix}.experts.{x}"), names, i))
+            })
             .collect()
     }
 

@@ -6,31 +6,37 @@ pub mod olmoe;
 pub mod qwen2_moe;
 pub mod qwen3_moe;
 
+use super::checkpoint::Checkpoint;
 use super::config::{Arch, FfnKind};
 use super::weights::{Ffn, Layer, Loader, Moe};
 use super::Error;
 use crate::backend::Backend;
 
-/// Loads decoder layer `i` with the naming of the configured architecture.
-pub fn load_layer<B: Backend>(ld: &Loader<B>, i: usize) -> Result<Layer<B>, Error> {
-    match ld.config.arch {
-        Arch::Qwen3Moe => qwen3_moe::layer(ld, i),
-        Arch::Qwen2Moe => qwen2_moe::layer(ld, i),
-        Arch::Mixtral => mixtral::layer(ld, i),
-        Arch::Olmoe => olmoe::layer(ld, i),
+/// How the configured architecture names layer `layer`'s feed-forward tensors.
+pub fn ffn_names(arch: Arch, ckpt: &Checkpoint, layer: usize) -> FfnNames {
+    match arch {
+        Arch::Qwen3Moe => qwen3_moe::ffn_names(ckpt, layer),
+        Arch::Qwen2Moe => qwen2_moe::ffn_names(ckpt, layer),
+        Arch::Mixtral => mixtral::ffn_names(ckpt, layer),
+        Arch::Olmoe => olmoe::ffn_names(ckpt, layer),
     }
 }
 
+/// Loads decoder layer `i` with the naming of the configured architecture.
+pub fn load_layer<B: Backend>(ld: &Loader<B>, i: usize) -> Result<Layer<B>, Error> {
+    layer_with(ld, i, &ffn_names(ld.config.arch, ld.ckpt, i))
+}
+
 /// How an architecture names the feed-forward block of a layer.
-pub struct FfnNames<'a> {
+pub struct FfnNames {
     /// Under `model.layers.{i}.`: `mlp` or `block_sparse_moe`.
-    pub block: &'a str,
+    pub block: &'static str,
     /// Router tensor under the block (`gate`).
-    pub router: &'a str,
+    pub router: &'static str,
     /// Gate, up and down projections of an expert (or dense MLP).
-    pub projections: [&'a str; 3],
+    pub projections: [&'static str; 3],
     /// Shared expert and its sigmoid gate under the block, if the architecture has one.
-    pub shared: Option<(&'a str, &'a str)>,
+    pub shared: Option<(&'static str, &'static str)>,
 }
 
 /// The projection names most architectures use.
@@ -38,7 +44,7 @@ pub const SWIGLU: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
 
 /// `mlp.gate` and `mlp.experts.{e}.{gate,up,down}_proj`, no shared expert (Qwen3-MoE,
 /// OLMoE, and Mixtral as newer transformers versions write it).
-pub const ROUTED_MLP: FfnNames<'static> = FfnNames {
+pub const ROUTED_MLP: FfnNames = FfnNames {
     block: "mlp",
     router: "gate",
     projections: SWIGLU,

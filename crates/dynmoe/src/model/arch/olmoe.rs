@@ -4,12 +4,10 @@
 //! clamping of q, k and v to ±`clip_qkv`; softmax router, top-8 of 64 in the released
 //! model, not renormalised by default.
 
-use super::{layer_with, ROUTED_MLP};
-use crate::backend::Backend;
-use crate::model::weights::{Layer, Loader};
-use crate::model::Error;
+use super::{FfnNames, ROUTED_MLP};
+use crate::model::checkpoint::Checkpoint;
 
-/// Layer `i`: `model.layers.{i}.mlp.gate`, `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj`.
-pub fn layer<B: Backend>(ld: &Loader<B>, i: usize) -> Result<Layer<B>, Error> {
-    layer_with(ld, i, &ROUTED_MLP)
+/// Layer `layer`'s feed-forward tensors: `model.layers.{i}.mlp.gate`, `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj`.
+pub fn ffn_names(_: &Checkpoint, _layer: usize) -> FfnNames {
+    ROUTED_MLP
 }
