@@ -83,15 +83,30 @@ pub fn rel_err(got: &[f32], want: &[f32]) -> f64 {
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
 
-/// A bundled fixture model directory (`fixtures/models/<name>`), or one under the
-/// directory named by `DYNMOE_FIXTURES`.
-pub fn fixture(name: &str) -> PathBuf {
+/// The directory of fixture models: `fixtures/models`, or the one named by
+/// `DYNMOE_FIXTURES`.
+pub fn fixtures_root() -> PathBuf {
     match std::env::var_os("DYNMOE_FIXTURES") {
-        Some(dir) => PathBuf::from(dir).join(name),
-        None => Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../fixtures/models")
-            .join(name),
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models"),
     }
+}
+
+/// A fixture model directory by name.
+pub fn fixture(name: &str) -> PathBuf {
+    fixtures_root().join(name)
+}
+
+/// Every fixture model directory (those holding a `config.json`), sorted.
+pub fn fixture_dirs() -> Vec<PathBuf> {
+    let root = fixtures_root();
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
+        .map(|e| e.expect("a readable directory entry").path())
+        .filter(|p| p.join("config.json").exists())
+        .collect();
+    dirs.sort();
+    dirs
 }
 
 /// A fresh, empty directory under the system's temporary directory, removed when dropped.

@@ -3,11 +3,10 @@
 //! the 24 tokens transformers' `generate(do_sample=False)` produced for the same
 //! checkpoint (`greedy.json`, written by `tools/fixtures/train.py greedy`).
 
-use std::path::{Path, PathBuf};
-
 use dynmoe::backend::Cpu;
 use dynmoe::model;
 use dynmoe::runtime::generate::{generate_ids, Sampling};
+use dynmoe::testing::fixture_dirs;
 
 #[derive(serde::Deserialize)]
 struct Golden {
@@ -22,20 +21,9 @@ struct Case {
     generated: Vec<u32>,
 }
 
-fn model_dirs() -> Vec<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("config.json").exists())
-        .collect();
-    dirs.sort();
-    dirs
-}
-
 #[test]
 fn greedy_decode_matches_transformers_on_every_fixture() {
-    let dirs = model_dirs();
+    let dirs = fixture_dirs();
     assert!(dirs.len() >= 5, "expected the five bundled fixtures");
     for dir in dirs {
         let path = dir.join("greedy.json");

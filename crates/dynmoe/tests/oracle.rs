@@ -7,22 +7,14 @@
 //! reference CPU backends; every compared row must agree within 1e-4 relative error.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use dynmoe::backend::{Backend, Cpu};
 use dynmoe::model::{self, LoadedModel};
-use dynmoe::testing::rel_err;
+use dynmoe::testing::{fixture_dirs, rel_err};
 use safetensors::SafeTensors;
 
 const TOLERANCE: f64 = 1e-4;
-
-/// The committed fixtures, or another directory of them named by `DYNMOE_FIXTURES`.
-fn fixtures() -> PathBuf {
-    match std::env::var_os("DYNMOE_FIXTURES") {
-        Some(dir) => PathBuf::from(dir),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/models"),
-    }
-}
 
 struct Case {
     domain: String,
@@ -117,20 +109,10 @@ fn check_model(dir: &Path, backend: Cpu) -> usize {
     rows
 }
 
-fn model_dirs() -> Vec<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures())
-        .expect("fixtures/models exists")
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("config.json").exists())
-        .collect();
-    dirs.sort();
-    dirs
-}
-
 #[test]
 fn every_fixture_has_an_oracle_and_all_architectures_are_covered() {
     let mut archs = BTreeSet::new();
-    for dir in model_dirs() {
+    for dir in fixture_dirs() {
         assert!(
             dir.join("oracle.safetensors").exists(),
             "{} has no oracle",
@@ -147,7 +129,7 @@ fn every_fixture_has_an_oracle_and_all_architectures_are_covered() {
 
 #[test]
 fn fast_backend_matches_transformers_on_every_fixture() {
-    for dir in model_dirs() {
+    for dir in fixture_dirs() {
         let rows = check_model(&dir, Cpu::fast());
         assert!(rows >= 10, "{}: only {rows} rows compared", dir.display());
     }
@@ -157,7 +139,7 @@ fn fast_backend_matches_transformers_on_every_fixture() {
 fn reference_backend_matches_transformers_on_tiny_fixtures() {
     // The reference backend is single-threaded; the small model is covered by the fast
     // backend above and by the parity tests of each kernel.
-    for dir in model_dirs()
+    for dir in fixture_dirs()
         .into_iter()
         .filter(|d| d.file_name().unwrap().to_str().unwrap().starts_with("tiny"))
     {
