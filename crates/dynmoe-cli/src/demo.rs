@@ -6,7 +6,9 @@ use anyhow::{Context, Result};
 use clap::Args;
 use dynmoe::backend::Cpu;
 use dynmoe::eval::{inspect, ppl};
+use dynmoe::model::ExpertBits;
 use dynmoe::runtime::generate::{self, Sampling};
+use dynmoe::store;
 use serde::Serialize;
 
 use crate::progress;
@@ -42,6 +44,17 @@ struct DomainResult {
     perplexity: ppl::PplReport,
 }
 
+/// The model run from its expert stores at one precision.
+#[derive(Serialize)]
+struct StoreResult {
+    /// Bits per expert code.
+    bits: u32,
+    /// Bytes of the store file × 8 per routed expert parameter.
+    bits_per_expert_weight: f64,
+    /// Perplexity per domain, in DOMAINS order.
+    ppl: Vec<f64>,
+}
+
 #[derive(Serialize)]
 struct DemoReport {
     model: PathBuf,
@@ -49,6 +62,7 @@ struct DemoReport {
     params_active_per_token: u64,
     domains: Vec<DomainResult>,
     wikitext2: Option<ppl::PplReport>,
+    stores: Vec<StoreResult>,
 }
 
 /// The repository's root: the working directory if it holds the fixtures, else the
@@ -149,6 +163,11 @@ pub fn run(a: DemoArgs) -> Result<()> {
     } else {
         None
     };
+    let texts: Vec<String> = DOMAINS
+        .iter()
+        .map(|d| std::fs::read_to_string(corpus.join(d).join("test.txt")))
+        .collect::<Result<_, _>>()?;
+    let stores = run_from_stores(&dir, &texts, opts, a.json)?;
     if a.json {
         let report = DemoReport {
             model: dir,
@@ -156,8 +175,63 @@ pub fn run(a: DemoArgs) -> Result<()> {
             params_active_per_token: inv.params_active_per_token,
             domains,
             wikitext2,
+            stores,
         };
         println!("{}", serde_json::to_string_pretty(&report)?);
     }
     Ok(())
+}
+
+/// Converts the model into a scratch directory (experts to 4-bit records, then the 3-
+/// and 2-bit stores derived from them) and measures each domain's perplexity with the
+/// experts read from each store.
+fn run_from_stores(
+    dir: &Path,
+    texts: &[String],
+    opts: ppl::PplOptions,
+    json: bool,
+) -> Result<Vec<StoreResult>> {
+    let scratch = std::env::temp_dir().join(format!("dynmoe-demo-{}", std::process::id()));
+    let result = (|| {
+        store::base::convert(dir, &scratch, &mut |_, _| {})?;
+        store::lowbit::ensure_many(&scratch, &[3, 2])?;
+        let inv = inspect::inspect_dir(&scratch)?;
+        if !json {
+            println!("\nexperts from the stores of a converted copy (perplexity per domain):");
+            println!(
+                "{:<8} {:>10} {}",
+                "store",
+                "disk b/w",
+                DOMAINS.map(|d| format!("{d:>9}")).join("")
+            );
+        }
+        let mut results = Vec::new();
+        for st in &inv.expert_stores {
+            let bits = ExpertBits {
+                default: Some(st.bits),
+                ..ExpertBits::default()
+            };
+            let m = crate::load(&scratch, Cpu::fast(), &bits)?;
+            let ppl: Vec<f64> = texts
+                .iter()
+                .map(|t| ppl::perplexity(&m, t, opts, &mut |_, _| {}).map(|r| r.ppl))
+                .collect::<Result<_, _>>()?;
+            if !json {
+                let cells: String = ppl.iter().map(|p| format!("{p:>9.3}")).collect();
+                println!(
+                    "{:<8} {:>10.3} {cells}",
+                    format!("q{}", st.bits),
+                    st.bits_per_weight
+                );
+            }
+            results.push(StoreResult {
+                bits: st.bits,
+                bits_per_expert_weight: st.bits_per_weight,
+                ppl,
+            });
+        }
+        Ok(results)
+    })();
+    let _ = std::fs::remove_dir_all(&scratch);
+    result
 }

@@ -31,7 +31,8 @@ enum Command {
     Eval(EvalCommand),
     /// Show a model's architecture, parameters by kind and bytes by dtype.
     Inspect(InspectArgs),
-    /// Run the pipeline on the bundled small model: load, generate, perplexity per domain.
+    /// Run the pipeline on the bundled small model: load, generate, perplexity per
+    /// domain, then convert it to expert stores and measure it at 4, 3 and 2 bits.
     Demo(demo::DemoArgs),
     /// Convert a Hugging Face checkpoint: experts to 4-bit records, the rest copied.
     Convert(store::ConvertArgs),

@@ -132,6 +132,14 @@ fn demo_runs_on_a_given_model() {
     for d in domains {
         assert!(d["perplexity"]["ppl"].as_f64().unwrap().is_finite());
     }
+    let stores = r["stores"].as_array().unwrap();
+    let bits: Vec<u64> = stores.iter().map(|s| s["bits"].as_u64().unwrap()).collect();
+    assert_eq!(bits, vec![4, 3, 2]);
+    for s in stores {
+        let ppl = s["ppl"].as_array().unwrap();
+        assert_eq!(ppl.len(), 5);
+        assert!(ppl.iter().all(|p| p.as_f64().unwrap().is_finite()));
+    }
 }
 
 #[test]
