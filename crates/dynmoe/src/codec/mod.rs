@@ -6,6 +6,7 @@
 //! (seed 000, see `docs/FORMAT.md`).
 
 pub mod affine;
+pub mod vq;
 
 /// Why a matrix could not be encoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
