@@ -25,6 +25,7 @@ pub use forward::{Model, State};
 pub use tokenizer::Tokenizer;
 
 use crate::backend::Backend;
+use crate::store::ExpertStore;
 
 /// Everything that can go wrong reading or running a model. Each variant names the
 /// file and the field or tensor involved.
@@ -251,13 +252,24 @@ fn open_stores(
             wanted.push(b);
         }
     }
-    let low: Vec<u32> = wanted.iter().copied().filter(|&b| b < 4).collect();
-    if !low.is_empty() {
-        crate::store::lowbit::ensure_many(dir, &low)?;
-    }
+    // Opening checks a store (manifest, size, a byte-for-byte spot check); only the
+    // derived stores that fail it are built, together, and opened again.
     let mut opened = BTreeMap::new();
-    for b in wanted {
-        opened.insert(b, Arc::new(crate::store::ExpertStore::open(dir, b)?));
+    let mut missing = Vec::new();
+    for &b in &wanted {
+        match ExpertStore::open(dir, b) {
+            Ok(store) => {
+                opened.insert(b, Arc::new(store));
+            }
+            Err(_) if b < 4 => missing.push(b),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if !missing.is_empty() {
+        crate::store::lowbit::ensure_many(dir, &missing)?;
+        for b in missing {
+            opened.insert(b, Arc::new(ExpertStore::open(dir, b)?));
+        }
     }
     Ok(config
         .moe_layers()
