@@ -219,27 +219,12 @@ fn convert_then_ensure_builds_then_keeps() {
 
 #[test]
 fn ensure_without_a_converted_model_names_the_missing_file() {
-    let out = dynmoe(&[
-        "store",
-        "ensure",
-        "--model",
-        "fixtures/models/tiny-moe",
-        "--bits",
-        "2",
-    ]);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let tiny = "fixtures/models/tiny-moe";
+    let err = failure_of(&["store", "ensure", "--model", tiny, "--bits", "2"]);
     assert!(
         err.contains("experts.json") && err.contains("dynmoe convert"),
         "{err}"
     );
-    let out = dynmoe(&[
-        "store",
-        "ensure",
-        "--model",
-        "fixtures/models/tiny-moe",
-        "--bits",
-        "7",
-    ]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("7-bit"));
+    let err = failure_of(&["store", "ensure", "--model", tiny, "--bits", "7"]);
+    assert!(err.contains("7-bit"), "{err}");
 }
