@@ -28,8 +28,6 @@ pub trait Backend: Send + Sync {
     fn zeros(&self, len: usize) -> Self::Tensor;
     /// Copies a tensor's first `out.len()` elements to the host.
     fn download(&self, t: &Self::Tensor, out: &mut [f32]);
-    /// Number of elements.
-    fn len(&self, t: &Self::Tensor) -> usize;
 
     /// `out[r] = table[ids[r]]`, rows of width `dim`.
     fn embed(&self, table: &Self::Tensor, dim: usize, ids: &[u32], out: &mut Self::Tensor);

@@ -115,9 +115,4 @@ impl Tokenizer {
             reason: e.to_string(),
         })
     }
-
-    /// Vocabulary size including added tokens.
-    pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
-    }
 }

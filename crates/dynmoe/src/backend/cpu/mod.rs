@@ -54,10 +54,6 @@ impl Backend for Cpu {
         out.copy_from_slice(&t[..out.len()]);
     }
 
-    fn len(&self, t: &Vec<f32>) -> usize {
-        t.len()
-    }
-
     fn embed(&self, table: &Vec<f32>, dim: usize, ids: &[u32], out: &mut Vec<f32>) {
         reference::embed(table, dim, ids, out);
     }
