@@ -16,6 +16,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod alloc;
 pub mod backend;
 pub mod codec;
 pub mod eval;

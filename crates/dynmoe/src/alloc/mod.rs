@@ -1,0 +1,10 @@
+//! Where the resident bytes go: per layer, a codec for its experts and how many of them
+//! stay resident (DESIGN.md §6).
+//!
+//! [`law`] turns a few probes per layer into a cost for every setting (the distortion
+//! law φ across codecs, the removal law `a_i·f^p` across resident fractions);
+//! [`lagrange`] spends one byte budget across all layers by a multiplier found by
+//! bisection.
+
+pub mod lagrange;
+pub mod law;
