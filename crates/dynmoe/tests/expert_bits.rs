@@ -131,3 +131,31 @@ fn bad_precision_and_unconverted_directories_are_refused() {
     .expect("an unconverted directory has no stores");
     assert!(matches!(e, Error::NoExpertStore { .. }), "{e}");
 }
+
+#[test]
+fn kl_divergence_to_bf16_is_zero_for_itself_and_grows_as_bits_fall() {
+    use dynmoe::eval::kld::kl_divergence;
+    let c = converted("tiny-moe");
+    let text = std::fs::read_to_string(root().join("data/corpus/en/test.txt")).unwrap();
+    let opts = PplOptions {
+        ctx: 128,
+        max_chunks: Some(4),
+    };
+    let full = model::load(&root().join("fixtures/models/tiny-moe"), Cpu::fast()).unwrap();
+    let same = kl_divergence(&full, &full, &text, opts).unwrap();
+    assert!(same.kld_mean.abs() < 1e-9, "{same:?}");
+    assert_eq!(same.top1_agreement, 1.0);
+    assert_eq!(same.ppl, same.ppl_reference);
+    let at = |b| {
+        let m = model::load_with(c.dir(), Cpu::fast(), &bits(b)).unwrap();
+        kl_divergence(&m, &full, &text, opts).unwrap()
+    };
+    let (q4, q2) = (at(4), at(2));
+    assert!(
+        q4.kld_mean > 0.0 && q4.kld_mean < q2.kld_mean,
+        "{q4:?} {q2:?}"
+    );
+    assert!(q4.top1_agreement >= q2.top1_agreement, "{q4:?} {q2:?}");
+    let direct = perplexity(&full, &text, opts, &mut |_, _| {}).unwrap().ppl;
+    assert!((q4.ppl_reference - direct).abs() < 1e-9 * direct);
+}
