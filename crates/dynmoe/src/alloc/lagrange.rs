@@ -3,8 +3,10 @@
 //! Each layer offers a few settings, each with a modelled loss increase and a byte
 //! price. For a multiplier λ ≥ 0 every layer picks, on its own, the setting minimising
 //! `cost + λ·bytes`; a larger λ buys fewer bytes. Bisection finds the smallest λ whose
-//! total fits the budget. Settings are discrete, so the solution can leave bytes unspent;
-//! a final greedy pass spends them on the upgrades with the best loss saved per byte.
+//! total fits the budget. Settings are discrete, so that solution can leave bytes
+//! unspent and miss better combinations that sit between two multipliers; a local
+//! search then takes the best improving move that fits — one layer changing setting, or
+//! two layers trading bytes — until none is left.
 
 /// One setting a layer may take.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -120,7 +122,7 @@ pub fn allocate(
                 .collect();
         }
     }
-    spend_leftover(layers, fixed_bytes, budget, &mut picks);
+    improve(layers, fixed_bytes, budget, &mut picks);
     let (bytes, cost) = totals(layers, &picks);
     Ok(Allocation {
         picks,
@@ -131,29 +133,51 @@ pub fn allocate(
     })
 }
 
-/// Upgrades layers one step at a time, best loss saved per extra byte first, while
-/// the budget allows.
-fn spend_leftover(layers: &[Vec<Choice>], fixed: u64, budget: u64, picks: &mut [usize]) {
+/// Local search from the Lagrangian solution: repeatedly applies the move that lowers
+/// the total cost most while fitting the budget — one layer to another setting, or a
+/// pair of layers, one giving up bytes the other spends — until no move helps.
+fn improve(layers: &[Vec<Choice>], fixed: u64, budget: u64, picks: &mut [usize]) {
+    // Gains below this are float noise, not improvements; ignoring them ends the loop.
+    const EPS: f64 = 1e-12;
     loop {
         let spent = fixed + totals(layers, picks).0;
-        let left = budget - spent;
-        let mut best: Option<(f64, usize, usize)> = None;
-        for (layer, choices) in layers.iter().enumerate() {
-            let now = choices[picks[layer]];
-            for (i, c) in choices.iter().enumerate() {
-                let extra = c.bytes.saturating_sub(now.bytes);
-                let saved = now.cost - c.cost;
-                if saved <= 0.0 || c.bytes > now.bytes + left {
+        let left = (budget - spent) as i64;
+        let delta = |layer: usize, i: usize| {
+            let (now, c) = (layers[layer][picks[layer]], layers[layer][i]);
+            (c.cost - now.cost, c.bytes as i64 - now.bytes as i64)
+        };
+        let mut best: Option<(f64, Vec<(usize, usize)>)> = None;
+        let mut consider = |gain: f64, moves: Vec<(usize, usize)>| {
+            if gain > EPS && best.as_ref().is_none_or(|(g, _)| gain > *g) {
+                best = Some((gain, moves));
+            }
+        };
+        for a in 0..layers.len() {
+            for i in 0..layers[a].len() {
+                let (dc, db) = delta(a, i);
+                if db <= left {
+                    consider(-dc, vec![(a, i)]);
+                }
+                // Pair moves: only worth pairing a move that frees bytes with one that
+                // spends them.
+                if db >= 0 {
                     continue;
                 }
-                let gain = saved / extra.max(1) as f64;
-                if best.is_none_or(|(g, _, _)| gain > g) {
-                    best = Some((gain, layer, i));
+                for (b, choices) in layers.iter().enumerate() {
+                    if b == a {
+                        continue;
+                    }
+                    for j in 0..choices.len() {
+                        let (dc2, db2) = delta(b, j);
+                        if db + db2 <= left {
+                            consider(-(dc + dc2), vec![(a, i), (b, j)]);
+                        }
+                    }
                 }
             }
         }
         match best {
-            Some((_, layer, i)) => picks[layer] = i,
+            Some((_, moves)) => moves.into_iter().for_each(|(l, i)| picks[l] = i),
             None => return,
         }
     }
@@ -216,7 +240,7 @@ mod tests {
             assert!(a.bytes <= budget, "trial {trial}: {} > {budget}", a.bytes);
             assert_eq!(a.unspent, budget - a.bytes);
             let best = brute_force(&layers, budget);
-            // Lagrangian + greedy is not exact on discrete sets; it must stay close.
+            // Lagrangian + local search is not exact on discrete sets; it must stay close.
             assert!(
                 a.cost <= best * 1.5 + 1e-3,
                 "trial {trial}: {} vs {best}",

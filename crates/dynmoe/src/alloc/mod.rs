@@ -4,7 +4,8 @@
 //! [`law`] turns a few probes per layer into a cost for every setting (the distortion
 //! law φ across codecs, the removal law `a_i·f^p` across resident fractions);
 //! [`lagrange`] spends one byte budget across all layers by a multiplier found by
-//! bisection.
+//! bisection; [`isp`] probes, allocates and re-probes around the plan it made.
 
+pub mod isp;
 pub mod lagrange;
 pub mod law;

@@ -1,0 +1,380 @@
+//! Iterative Sensitivity Probing: probe, allocate, re-probe under the new allocation,
+//! re-allocate, until the plan stops changing (DESIGN.md §6).
+//!
+//! A probe is the calibration loss of the whole model with one layer's setting changed
+//! and every other layer left where the current plan put it. Per layer and round: the
+//! coarse and the fine codec (at the layer's current resident fraction) and two removal
+//! levels (at its current codec), plus one baseline. The laws of [`super::law`] fill in
+//! every other setting; [`super::lagrange`] spends the budget. Sensitivities measured on
+//! the uncompressed model add up only under mild compression, which is why the loop
+//! re-probes around the plan it just made.
+
+use rayon::prelude::*;
+use serde::Serialize;
+
+use super::lagrange::{allocate, AllocError, Allocation, Choice};
+use super::law::{CodecSensitivity, RemovalLaw};
+
+/// One layer's setting: a codec (index into [`Problem::codecs`]) and the fraction of
+/// its experts that is not resident.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Setting {
+    /// Index of the codec.
+    pub codec: usize,
+    /// Fraction of the layer's experts removed from the resident set.
+    pub removed: f64,
+}
+
+/// A codec the allocator may choose.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CodecOption {
+    /// Name as plans spell it (`q4`, `vq1.5`, `bf16`).
+    pub name: String,
+    /// Relative mean squared error of the codec on unit Gaussian data (0 for bf16).
+    pub distortion: f64,
+}
+
+/// The allocation problem: what may be chosen and what it costs in bytes.
+pub struct Problem<'a> {
+    /// Layers allocated.
+    pub layers: usize,
+    /// Codecs to choose from.
+    pub codecs: Vec<CodecOption>,
+    /// Removal fractions to choose from (0 must be among them).
+    pub removals: Vec<f64>,
+    /// The coarse and the fine probe codec (indices into `codecs`).
+    pub probe_codecs: (usize, usize),
+    /// The removal fractions probed.
+    pub probe_removals: Vec<f64>,
+    /// Resident bytes of a layer at a setting.
+    pub bytes: &'a (dyn Fn(usize, Setting) -> u64 + Sync),
+    /// Resident bytes outside the allocated layers.
+    pub fixed_bytes: u64,
+    /// The setting every layer starts from (the uncompressed model).
+    pub start: Setting,
+}
+
+/// Evaluates the calibration loss of a whole configuration.
+pub trait Prober: Sync {
+    /// The error a probe may fail with.
+    type Error: Send;
+    /// Mean negative log-likelihood per token of the model configured by `settings`
+    /// (one per layer).
+    fn loss(&self, settings: &[Setting]) -> Result<f64, Self::Error>;
+}
+
+/// One probe and what it measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProbeResult {
+    /// The layer changed.
+    pub layer: usize,
+    /// Its setting during the probe.
+    pub setting: Setting,
+    /// Loss minus the round's baseline.
+    pub delta: f64,
+}
+
+/// What one round saw and decided.
+#[derive(Debug, Clone, Serialize)]
+pub struct Round {
+    /// Budget in bytes this round allocated.
+    pub budget: u64,
+    /// Loss of the configuration the round started from.
+    pub baseline: f64,
+    /// Every probe of the round.
+    pub probes: Vec<ProbeResult>,
+    /// Per layer codec line `α + κ·D`.
+    pub codec_sensitivity: Vec<(f64, f64)>,
+    /// The removal law's shared exponent.
+    pub removal_exponent: f64,
+    /// Its per-layer amplitudes.
+    pub removal_amplitudes: Vec<f64>,
+    /// The plan the round chose.
+    pub plan: Vec<Setting>,
+    /// Modelled loss increase of that plan over the baseline.
+    pub modelled_cost: f64,
+    /// Bytes the plan spends, fixed bytes included.
+    pub bytes: u64,
+    /// Budget minus bytes.
+    pub unspent: u64,
+}
+
+/// Why ISP stopped early.
+#[derive(Debug, thiserror::Error)]
+pub enum IspError<E> {
+    /// A probe failed.
+    #[error("probe failed")]
+    Probe(E),
+    /// No plan fits.
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
+}
+
+/// Runs ISP: one round per budget of `anneal` (each a stepping stone on the way down),
+/// then rounds at `budget` until the plan stops changing or `rounds` of them ran.
+/// `progress(round, done, total)` is called after every probe.
+pub fn isp<P: Prober>(
+    problem: &Problem<'_>,
+    prober: &P,
+    budget: u64,
+    anneal: &[u64],
+    rounds: usize,
+    progress: &(dyn Fn(usize, usize, usize) + Sync),
+) -> Result<Vec<Round>, IspError<P::Error>> {
+    let mut current = vec![problem.start; problem.layers];
+    let mut log: Vec<Round> = Vec::new();
+    let schedule: Vec<u64> = anneal
+        .iter()
+        .copied()
+        .chain(std::iter::repeat_n(budget, rounds.max(1)))
+        .collect();
+    for (r, &b) in schedule.iter().enumerate() {
+        let round = one_round(problem, prober, &current, b, &|done, total| {
+            progress(r, done, total)
+        })?;
+        let unchanged = round.plan == current;
+        current = round.plan.clone();
+        log.push(round);
+        if r >= anneal.len() && unchanged {
+            break;
+        }
+    }
+    Ok(log)
+}
+
+/// The probes of one round around `current`.
+fn probe_settings(problem: &Problem<'_>, current: &[Setting]) -> Vec<(usize, Setting)> {
+    let (coarse, fine) = problem.probe_codecs;
+    let mut out = Vec::new();
+    for (layer, &now) in current.iter().enumerate() {
+        for codec in [coarse, fine] {
+            if codec != now.codec {
+                out.push((layer, Setting { codec, ..now }));
+            }
+        }
+        for &removed in &problem.probe_removals {
+            if removed != now.removed {
+                out.push((layer, Setting { removed, ..now }));
+            }
+        }
+    }
+    out
+}
+
+fn one_round<P: Prober>(
+    problem: &Problem<'_>,
+    prober: &P,
+    current: &[Setting],
+    budget: u64,
+    progress: &(dyn Fn(usize, usize) + Sync),
+) -> Result<Round, IspError<P::Error>> {
+    let baseline = prober.loss(current).map_err(IspError::Probe)?;
+    let wanted = probe_settings(problem, current);
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    let probes: Vec<ProbeResult> = wanted
+        .par_iter()
+        .map(|&(layer, setting)| {
+            let mut config = current.to_vec();
+            config[layer] = setting;
+            let loss = prober.loss(&config).map_err(IspError::Probe)?;
+            let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            progress(n, wanted.len());
+            Ok(ProbeResult {
+                layer,
+                setting,
+                delta: loss - baseline,
+            })
+        })
+        .collect::<Result<_, IspError<P::Error>>>()?;
+
+    let d = |codec: usize| problem.codecs[codec].distortion;
+    let codec_lines: Vec<CodecSensitivity> = (0..problem.layers)
+        .map(|layer| {
+            let points: Vec<(f64, f64)> = probes
+                .iter()
+                .filter(|p| p.layer == layer && p.setting.removed == current[layer].removed)
+                .map(|p| (d(p.setting.codec), p.delta))
+                .collect();
+            CodecSensitivity::fit(d(current[layer].codec), &points)
+        })
+        .collect();
+    let removal_points: Vec<Vec<(f64, f64)>> = (0..problem.layers)
+        .map(|layer| {
+            probes
+                .iter()
+                .filter(|p| p.layer == layer && p.setting.codec == current[layer].codec)
+                .map(|p| (p.setting.removed, p.delta))
+                .collect()
+        })
+        .collect();
+    let current_removed: Vec<f64> = current.iter().map(|s| s.removed).collect();
+    let removal = RemovalLaw::fit(&current_removed, &removal_points);
+
+    let settings: Vec<Setting> = (0..problem.codecs.len())
+        .flat_map(|codec| {
+            problem
+                .removals
+                .iter()
+                .map(move |&removed| Setting { codec, removed })
+        })
+        .collect();
+    let choices: Vec<Vec<Choice>> = (0..problem.layers)
+        .map(|layer| {
+            settings
+                .iter()
+                .map(|&s| Choice {
+                    cost: codec_lines[layer].at(d(s.codec))
+                        + removal.at(layer, s.removed, current[layer].removed),
+                    bytes: (problem.bytes)(layer, s),
+                })
+                .collect()
+        })
+        .collect();
+    let Allocation {
+        picks,
+        bytes,
+        cost,
+        unspent,
+        ..
+    } = allocate(&choices, problem.fixed_bytes, budget)?;
+    Ok(Round {
+        budget,
+        baseline,
+        probes,
+        codec_sensitivity: codec_lines.iter().map(|c| (c.alpha, c.kappa)).collect(),
+        removal_exponent: removal.p,
+        removal_amplitudes: removal.amplitudes,
+        plan: picks.iter().map(|&i| settings[i]).collect(),
+        modelled_cost: cost,
+        bytes,
+        unspent,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A synthetic model: per-layer loss κ_i·D + a_i·f^2, plus an interaction that
+    /// makes neighbouring coarse layers cost more together than apart.
+    struct Synthetic {
+        codecs: Vec<CodecOption>,
+        kappa: Vec<f64>,
+        amp: Vec<f64>,
+        interaction: f64,
+    }
+
+    impl Prober for Synthetic {
+        type Error = ();
+        fn loss(&self, s: &[Setting]) -> Result<f64, ()> {
+            let d: Vec<f64> = s.iter().map(|x| self.codecs[x.codec].distortion).collect();
+            let mut l: f64 = (0..s.len())
+                .map(|i| self.kappa[i] * d[i] + self.amp[i] * s[i].removed.powi(2))
+                .sum();
+            l += self.interaction * d.windows(2).map(|w| w[0] * w[1]).sum::<f64>();
+            Ok(l)
+        }
+    }
+
+    fn codecs() -> Vec<CodecOption> {
+        [("c1", 0.33), ("c2", 0.09), ("c3", 0.025), ("c4", 0.007)]
+            .iter()
+            .map(|&(n, d)| CodecOption {
+                name: n.into(),
+                distortion: d,
+            })
+            .collect()
+    }
+
+    fn bits(codec: usize) -> u64 {
+        codec as u64 + 1
+    }
+
+    #[test]
+    fn plans_fit_the_budget_and_stop_when_unchanged() {
+        let layers = 6;
+        let prober = Synthetic {
+            codecs: codecs(),
+            kappa: vec![1.0, 5.0, 0.5, 2.0, 8.0, 0.2],
+            amp: vec![0.1, 2.0, 0.05, 0.3, 4.0, 0.02],
+            interaction: 0.0,
+        };
+        // Irregular prices, so no two settings tie.
+        let price = |l: usize, s: Setting| {
+            (1000 + 37 * l as u64 + 13 * s.codec as u64)
+                * bits(s.codec)
+                * ((1.0 - s.removed) * 8.0) as u64
+        };
+        let problem = Problem {
+            layers,
+            codecs: codecs(),
+            removals: vec![0.0, 0.25, 0.5, 0.75],
+            probe_codecs: (0, 3),
+            probe_removals: vec![0.25, 0.95],
+            bytes: &price,
+            fixed_bytes: 500,
+            start: Setting {
+                codec: 3,
+                removed: 0.0,
+            },
+        };
+        let budget = 500 + 6 * 8 * 2000;
+        let log = isp(&problem, &prober, budget, &[], 4, &|_, _, _| {}).unwrap();
+        for r in &log {
+            assert!(r.bytes <= budget && r.budget == budget);
+        }
+        // The loss is additive in layers, so the second round finds nothing to change.
+        assert_eq!(
+            log.len(),
+            2,
+            "{:?}",
+            log.iter().map(|r| &r.plan).collect::<Vec<_>>()
+        );
+        let plan = &log[1].plan;
+        // Sensitive layers keep more bits than insensitive ones.
+        assert!(
+            plan[4].codec >= plan[5].codec && plan[1].codec >= plan[2].codec,
+            "{plan:?}"
+        );
+        // The fitted removal law recovers the exponent 2 from two probes per layer.
+        assert!(
+            (log[0].removal_exponent - 2.0).abs() < 1e-2,
+            "{}",
+            log[0].removal_exponent
+        );
+        // Modelled and probed costs agree for an additive loss.
+        let real = prober.loss(plan).unwrap() - log[0].baseline;
+        assert!(
+            (real - log[0].modelled_cost).abs() < 1e-6 + 1e-6 * real.abs(),
+            "{real}"
+        );
+    }
+
+    #[test]
+    fn annealing_runs_one_round_per_stepping_stone() {
+        let prober = Synthetic {
+            codecs: codecs(),
+            kappa: vec![1.0, 3.0, 0.5],
+            amp: vec![0.5, 0.5, 0.5],
+            interaction: 4.0,
+        };
+        let price = |_l: usize, s: Setting| 100 * bits(s.codec) * ((1.0 - s.removed) * 4.0) as u64;
+        let problem = Problem {
+            layers: 3,
+            codecs: codecs(),
+            removals: vec![0.0, 0.5],
+            probe_codecs: (0, 3),
+            probe_removals: vec![0.5],
+            bytes: &price,
+            fixed_bytes: 0,
+            start: Setting {
+                codec: 3,
+                removed: 0.0,
+            },
+        };
+        let log = isp(&problem, &prober, 2400, &[3600, 3000], 1, &|_, _, _| {}).unwrap();
+        let budgets: Vec<u64> = log.iter().map(|r| r.budget).collect();
+        assert_eq!(budgets, vec![3600, 3000, 2400]);
+        assert!(log.iter().all(|r| r.bytes <= r.budget));
+    }
+}
