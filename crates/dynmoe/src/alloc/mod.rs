@@ -9,3 +9,4 @@
 pub mod isp;
 pub mod lagrange;
 pub mod law;
+pub mod plan;

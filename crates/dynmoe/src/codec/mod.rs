@@ -8,6 +8,89 @@
 pub mod affine;
 pub mod vq;
 
+use std::fmt;
+use std::str::FromStr;
+
+/// How a layer's weights are stored, as plans and command lines spell it: `bf16`,
+/// `q4`, `q3`, `q2` (affine, seed 000's layouts) or `vq<bits>` (a rung of the VQ
+/// ladder, e.g. `vq1.5`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Codec {
+    /// The checkpoint's own precision.
+    Bf16,
+    /// MLX affine codes at 4, 3 or 2 bits.
+    Affine {
+        /// Bits per code.
+        bits: u32,
+    },
+    /// A VQ rung, by its nominal rate in thousandths of a bit per weight.
+    Vq {
+        /// Nominal bits per weight × 1000.
+        millibits: u32,
+    },
+}
+
+/// A codec name that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown codec {0:?} (expected bf16, q4, q3, q2 or vq<bits> such as vq1.5)")]
+pub struct BadCodec(pub String);
+
+impl FromStr for Codec {
+    type Err = BadCodec;
+
+    fn from_str(s: &str) -> Result<Codec, BadCodec> {
+        let bad = || BadCodec(s.to_string());
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "bf16" => return Ok(Codec::Bf16),
+            "q4" | "q3" | "q2" => {
+                return Ok(Codec::Affine {
+                    bits: t[1..].parse().map_err(|_| bad())?,
+                })
+            }
+            _ => {}
+        }
+        let rate = t
+            .strip_prefix("vq:")
+            .or_else(|| t.strip_prefix("vq"))
+            .ok_or_else(bad)?;
+        let bits: f64 = rate.parse().map_err(|_| bad())?;
+        if !(bits > 0.0 && bits <= 16.0) {
+            return Err(bad());
+        }
+        Ok(Codec::Vq {
+            millibits: (bits * 1000.0).round() as u32,
+        })
+    }
+}
+
+impl fmt::Display for Codec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Codec::Bf16 => f.write_str("bf16"),
+            Codec::Affine { bits } => write!(f, "q{bits}"),
+            Codec::Vq { millibits } => {
+                // Shortest decimal that round-trips: vq1, vq1.5, vq1.125.
+                let s = format!("{:.3}", *millibits as f64 / 1000.0);
+                write!(f, "vq{}", s.trim_end_matches('0').trim_end_matches('.'))
+            }
+        }
+    }
+}
+
+impl serde::Serialize for Codec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Codec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Codec, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// Why a matrix could not be encoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CodecError {
@@ -35,4 +118,26 @@ pub enum CodecError {
         /// What was passed.
         got: usize,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codec_names_round_trip_and_bad_names_are_refused() {
+        for name in [
+            "bf16", "q4", "q3", "q2", "vq0.7", "vq1", "vq1.125", "vq2.75", "vq5",
+        ] {
+            let c: Codec = name.parse().unwrap();
+            assert_eq!(c.to_string(), name);
+            let json = serde_json::to_string(&c).unwrap();
+            assert_eq!(serde_json::from_str::<Codec>(&json).unwrap(), c);
+        }
+        assert_eq!("vq:1.5".parse::<Codec>().unwrap().to_string(), "vq1.5");
+        for bad in ["q5", "q", "vq", "vq-1", "vqx", "int4", ""] {
+            assert!(bad.parse::<Codec>().is_err(), "{bad}");
+        }
+        assert!(serde_json::from_str::<Codec>("\"q7\"").is_err());
+    }
 }
