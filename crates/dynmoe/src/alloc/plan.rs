@@ -252,7 +252,8 @@ mod tests {
     fn corrupt_plans_name_the_field() {
         let dir = TempDir::new("plan-bad");
         let path = dir.path(PLAN_FILE);
-        let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>)> = vec![
+        type Corrupt = Box<dyn Fn(&mut serde_json::Value)>;
+        let cases: Vec<(&str, Corrupt)> = vec![
             ("format", Box::new(|v| v["format"] = "other".into())),
             ("version", Box::new(|v| v["version"] = 9.into())),
             (
