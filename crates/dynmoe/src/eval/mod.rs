@@ -3,4 +3,5 @@
 
 pub mod inspect;
 pub mod kld;
+pub mod plot;
 pub mod ppl;
