@@ -259,13 +259,14 @@ fn cmd_run(a: RunArgs) -> Result<()> {
 
 fn print_residency(r: &dynmoe::residency::ResidencyReport) {
     eprintln!(
-        "[{:?} residency, {} of {} experts per layer (+{} spare slots), reservoir {:?}: hit rate {:.1}%, {} swaps, {} bytes moved ({:.0} per 1000 tokens, {:.0} MB/s read), {} stalls, {} late boundaries]",
+        "[{:?} residency, {} of {} experts per layer (+{} spare slots), reservoir {:?}: hit rate {:.1}% (ceiling {:.1}%), {} swaps, {} bytes moved ({:.0} per 1000 tokens, {:.0} MB/s read), {} stalls, {} late boundaries]",
         r.mode,
         r.resident_per_layer,
         r.experts_per_layer,
         r.spare_slots_per_layer,
         r.reservoir,
         100.0 * r.hit_rate,
+        100.0 * r.oracle_hit_rate,
         r.counters.swaps,
         r.counters.bytes_moved,
         r.bytes_moved_per_1000_tokens,

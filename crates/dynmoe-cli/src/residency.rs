@@ -59,7 +59,7 @@ pub struct ResidencyArgs {
     #[arg(long, default_value_t = 0.05)]
     pub swap_margin: f32,
     /// Half-lives of the two routing averages, in tokens.
-    #[arg(long, value_delimiter = ',', num_args = 2, default_values_t = [100.0, 1000.0])]
+    #[arg(long, value_delimiter = ',', default_values_t = [100.0, 1000.0])]
     pub half_lives: Vec<f32>,
     /// Threads reading incoming experts from the reservoir.
     #[arg(long, default_value_t = 2)]
@@ -85,7 +85,7 @@ impl ResidencyArgs {
         if self.half_lives.len() != 2 {
             bail!("--half-lives takes two values, got {:?}", self.half_lives);
         }
-        if !(self.swap_margin >= 0.0) {
+        if self.swap_margin.is_nan() || self.swap_margin < 0.0 {
             bail!("--swap-margin must be >= 0, got {}", self.swap_margin);
         }
         Ok(Some(ResidencyConfig {
@@ -181,7 +181,11 @@ fn domain_names(paths: &[PathBuf]) -> Vec<String> {
         })
         .collect();
     let unique = by_dir.iter().all(|n| !n.is_empty())
-        && by_dir.iter().collect::<std::collections::BTreeSet<_>>().len() == by_dir.len();
+        && by_dir
+            .iter()
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+            == by_dir.len();
     if unique {
         return by_dir;
     }
@@ -259,7 +263,11 @@ pub fn print_grid(r: &HitrateReport) {
         for c in row {
             print!(
                 "{:>16}",
-                format!("{:.1}/{:.1}", 100.0 * c.static_.hit_rate, 100.0 * c.dynamic.hit_rate)
+                format!(
+                    "{:.1}/{:.1}",
+                    100.0 * c.static_.hit_rate,
+                    100.0 * c.dynamic.hit_rate
+                )
             );
         }
         println!();
@@ -271,7 +279,10 @@ pub fn print_grid(r: &HitrateReport) {
     for row in r.cells.chunks(names.len()) {
         print!("{:<8}", row[0].calib);
         for c in row {
-            print!("{:>16}", format!("{:.2}/{:.2}", c.static_.ppl, c.dynamic.ppl));
+            print!(
+                "{:>16}",
+                format!("{:.2}/{:.2}", c.static_.ppl, c.dynamic.ppl)
+            );
         }
         println!();
     }
@@ -280,6 +291,14 @@ pub fn print_grid(r: &HitrateReport) {
         .iter()
         .for_each(|n| print!("{:>16}", format!("{:.2}", r.full_ppl[*n])));
     println!();
+    print!("{:<8}", "ceiling");
+    for c in r.cells.iter().take(names.len()) {
+        print!(
+            "{:>16}",
+            format!("{:.1}", 100.0 * c.static_.oracle_hit_rate)
+        );
+    }
+    println!("   (each token's own best K experts; no set of K does better)");
     let swaps: u64 = r.cells.iter().map(|c| c.dynamic.swaps).sum();
     let bytes: u64 = r.cells.iter().map(|c| c.dynamic.bytes_moved).sum();
     let tokens: u64 = r.cells.iter().map(|c| c.dynamic.tokens).sum();

@@ -104,7 +104,12 @@ fn static_set_equals_a_model_of_only_the_residents() {
     let tiny = fixture("tiny-moe");
     let cases: Vec<(&str, &Path, &Path, ExpertBits)> = vec![
         ("bf16", &tiny, sub.dir(), ExpertBits::default()),
-        ("4-bit", full_conv.dir(), sub_conv.dir(), ExpertBits::default()),
+        (
+            "4-bit",
+            full_conv.dir(),
+            sub_conv.dir(),
+            ExpertBits::default(),
+        ),
         (
             "2-bit",
             full_conv.dir(),
@@ -132,9 +137,16 @@ fn static_set_equals_a_model_of_only_the_residents() {
             let err = rel_err(&got, &want);
             assert!(err < 1e-5, "{label} {kind:?}: rel err {err}");
             // And confinement is not a no-op.
-            assert!(rel_err(&unconfined, &want) > 1e-3, "{label}: the residents changed nothing");
+            assert!(
+                rel_err(&unconfined, &want) > 1e-3,
+                "{label}: the residents changed nothing"
+            );
             let r = m.model.residency().unwrap().report();
-            assert!(r.hit_rate > 0.0 && r.hit_rate < 1.0, "{label}: hit rate {}", r.hit_rate);
+            assert!(
+                r.hit_rate > 0.0 && r.hit_rate < 1.0,
+                "{label}: hit rate {}",
+                r.hit_rate
+            );
             assert_eq!(r.counters.swaps, 0);
             assert_eq!(m.model.residency().unwrap().resident_sets(), keep);
         }
@@ -150,7 +162,11 @@ fn all_resident_equals_unconfined() {
     let reservoir = m.model.reservoir(ReservoirKind::Ram).unwrap();
     let res = m
         .model
-        .new_residency(reservoir, config(Mode::Static, 8, ReservoirKind::Ram), &BTreeMap::new())
+        .new_residency(
+            reservoir,
+            config(Mode::Static, 8, ReservoirKind::Ram),
+            &BTreeMap::new(),
+        )
         .unwrap();
     m.model.set_residency(Some(res));
     let got = logits(&m, &ids);
@@ -188,9 +204,8 @@ fn ram_and_disk_reservoirs_deliver_identical_records() {
         let ram = m.model.reservoir(ReservoirKind::Ram).unwrap();
         let disk = m.model.reservoir(ReservoirKind::Disk).unwrap();
         assert!(ram.ram_bytes() > 0 && disk.ram_bytes() == 0);
-        let store = (label != "bf16").then(|| {
-            dynmoe::store::ExpertStore::open(&dir, bits.unwrap_or(4)).unwrap()
-        });
+        let store = (label != "bf16")
+            .then(|| dynmoe::store::ExpertStore::open(&dir, bits.unwrap_or(4)).unwrap());
         let mut scratch = Vec::new();
         for layer in [0, 1] {
             for e in 0..8 {
@@ -202,11 +217,11 @@ fn ram_and_disk_reservoirs_deliver_identical_records() {
                 assert_eq!(a, b, "{label} layer {layer} expert {e}");
                 match (&a, &store) {
                     (Buffer::F32(f), None) => {
-                        let t = ExpertTensors::find(&ckpt, &format!("model.layers.{layer}.mlp"), [
-                            "gate_proj",
-                            "up_proj",
-                            "down_proj",
-                        ])
+                        let t = ExpertTensors::find(
+                            &ckpt,
+                            &format!("model.layers.{layer}.mlp"),
+                            ["gate_proj", "up_proj", "down_proj"],
+                        )
                         .unwrap();
                         let want: Vec<f32> = (0..3)
                             .flat_map(|p| t.matrix(&ckpt, &shape, e, p).unwrap().0)
@@ -240,7 +255,10 @@ fn swaps_commit_only_at_a_token_boundary() {
             margin: 0.0,
             half_lives: [4.0, 16.0],
         };
-        let res = m.model.new_residency(reservoir, cfg, &BTreeMap::new()).unwrap();
+        let res = m
+            .model
+            .new_residency(reservoir, cfg, &BTreeMap::new())
+            .unwrap();
         m.model.set_residency(Some(res));
         let ids = tokens(&m);
         let mut state = m.model.new_state(ids.len() + 1);
@@ -248,7 +266,10 @@ fn swaps_commit_only_at_a_token_boundary() {
         let r = m.model.residency().unwrap();
         let flying = r.in_flight();
         let issued: usize = flying.values().map(Vec::len).sum();
-        assert!(issued > 0, "{kind:?}: no swap planned; ranks never beat a resident?");
+        assert!(
+            issued > 0,
+            "{kind:?}: no swap planned; ranks never beat a resident?"
+        );
         let before = r.resident_sets();
         r.wait_loads();
         // Loaded, not committed.
@@ -279,7 +300,10 @@ fn decode_from_a_disk_reservoir_does_not_stall() {
     let mut cfg = config(Mode::Dynamic, 4, ReservoirKind::Disk);
     cfg.policy.interval = 16;
     cfg.policy.max_swaps = 1;
-    let res = m.model.new_residency(reservoir, cfg, &BTreeMap::new()).unwrap();
+    let res = m
+        .model
+        .new_residency(reservoir, cfg, &BTreeMap::new())
+        .unwrap();
     m.model.set_residency(Some(res));
     let ids = tokens(&m);
     let sampling = Sampling {

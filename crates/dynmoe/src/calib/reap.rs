@@ -113,7 +113,12 @@ impl<B: Backend> MoeObserver<B> for Reap {
             // f_j alone on its tokens: unit scales into a zeroed buffer.
             let ones = vec![1.0f32; tokens.len()];
             b.write_rows(&b.zeros(rows * h), &mut out, 0, rows, h);
-            b.swiglu_groups(x, h, &[expert_group(&block.experts, j, tokens, &ones)], &mut out);
+            b.swiglu_groups(
+                x,
+                h,
+                &[expert_group(&block.experts, j, tokens, &ones)],
+                &mut out,
+            );
             b.download(&out, &mut host);
             for (&r, &g) in tokens.iter().zip(gates) {
                 let row = &host[r as usize * h..(r as usize + 1) * h];
@@ -172,7 +177,10 @@ mod tests {
     use crate::testing::{fresh, rel_err};
 
     fn linear(b: &Cpu, out_dim: usize, in_dim: usize, salt: u64) -> (Linear<Cpu>, Vec<f32>) {
-        let w: Vec<f32> = fresh(out_dim * in_dim, salt).iter().map(|v| v * 0.3).collect();
+        let w: Vec<f32> = fresh(out_dim * in_dim, salt)
+            .iter()
+            .map(|v| v * 0.3)
+            .collect();
         (
             Linear {
                 w: b.upload(&w),
@@ -218,14 +226,14 @@ mod tests {
             experts: Experts::Dense(mlps),
             shared_expert: None,
             shared_expert_gate: None,
-            source: LayerSource {
+            source: Box::new(LayerSource {
                 format: RecordFormat::Dense {
                     dtype: safetensors::Dtype::F32,
                     hidden: h,
                     intermediate: inter,
                 },
                 experts: Vec::new(),
-            },
+            }),
         };
         let x = fresh(rows * h, 2);
         let logits = mul(&x, &wg, rows, h, e);
@@ -267,10 +275,19 @@ mod tests {
             }
         }
         let want: Vec<f32> = (0..e)
-            .map(|j| if n[j] > 0 { (sum[j] / n[j] as f64) as f32 } else { 0.0 })
+            .map(|j| {
+                if n[j] > 0 {
+                    (sum[j] / n[j] as f64) as f32
+                } else {
+                    0.0
+                }
+            })
             .collect();
         let got32: Vec<f32> = got.iter().map(|&v| v as f32).collect();
-        assert!(want.iter().filter(|&&v| v > 0.0).count() >= 3, "too few experts routed");
+        assert!(
+            want.iter().filter(|&&v| v > 0.0).count() >= 3,
+            "too few experts routed"
+        );
         assert!(rel_err(&got32, &want) < 1e-5, "{got32:?} vs {want:?}");
         assert_eq!(reap.saliency().routed[&3], n);
         let ranking = reap.saliency().ranking()[&3].clone();

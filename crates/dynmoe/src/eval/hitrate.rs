@@ -43,6 +43,8 @@ pub struct Run {
     pub hit_rate: f64,
     /// Per MoE layer.
     pub hit_rate_per_layer: BTreeMap<usize, f64>,
+    /// Probability on each token's own K best experts: the ceiling of any set.
+    pub oracle_hit_rate: f64,
     /// Perplexity on the test text.
     pub ppl: f64,
     /// Its standard error.
@@ -64,6 +66,7 @@ impl Run {
         Run {
             hit_rate: r.hit_rate,
             hit_rate_per_layer: r.hit_rate_per_layer.clone(),
+            oracle_hit_rate: r.oracle_hit_rate,
             ppl,
             ppl_stderr,
             swaps: r.counters.swaps,
@@ -168,8 +171,16 @@ pub fn hitrate_grid<B: Backend>(
     let mut rankings = Vec::with_capacity(n);
     for d in domains {
         tick(format!("full model on {}", d.name));
-        let r = perplexity(m, &d.test, PplOptions { micro_batch: None, ..opts.ppl }, &mut |_, _| {})
-            .map_err(ppl_err(d))?;
+        let r = perplexity(
+            m,
+            &d.test,
+            PplOptions {
+                micro_batch: None,
+                ..opts.ppl
+            },
+            &mut |_, _| {},
+        )
+        .map_err(ppl_err(d))?;
         full_ppl.insert(d.name.clone(), r.ppl);
         tick(format!("REAP saliency on {}", d.name));
         let s = reap_saliency(m, &d.calib, opts.ppl.ctx, opts.calib_chunks, &mut |_, _| {})
@@ -197,7 +208,9 @@ pub fn hitrate_grid<B: Backend>(
                     .new_residency(Arc::clone(&reservoir), config, ranking)?;
                 m.model.set_residency(Some(res));
                 let ppl_opts = PplOptions {
-                    micro_batch: (mode == Mode::Dynamic).then_some(opts.ppl.micro_batch).flatten(),
+                    micro_batch: (mode == Mode::Dynamic)
+                        .then_some(opts.ppl.micro_batch)
+                        .flatten(),
                     ..opts.ppl
                 };
                 let r = perplexity(m, &b.test, ppl_opts, &mut |_, _| {}).map_err(ppl_err(b));

@@ -206,7 +206,12 @@ pub fn float_size(dtype: Dtype) -> Option<usize> {
 /// If `dtype` is not one of those or the lengths disagree.
 pub fn widen(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
     let size = float_size(dtype).expect("a float dtype");
-    assert_eq!(bytes.len(), out.len() * size, "{dtype:?} bytes for {} floats", out.len());
+    assert_eq!(
+        bytes.len(),
+        out.len() * size,
+        "{dtype:?} bytes for {} floats",
+        out.len()
+    );
     match dtype {
         Dtype::BF16 => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
@@ -232,7 +237,11 @@ impl RawTensor<'_> {
     pub fn f32_range(&self, name: &str, start: usize, n: usize) -> Result<Vec<f32>, Error> {
         let size = self.float_size(name)?;
         let mut out = vec![0.0f32; n];
-        widen(self.dtype, &self.bytes[start * size..(start + n) * size], &mut out);
+        widen(
+            self.dtype,
+            &self.bytes[start * size..(start + n) * size],
+            &mut out,
+        );
         Ok(out)
     }
 

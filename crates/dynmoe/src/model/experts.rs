@@ -127,9 +127,11 @@ impl ExpertTensors {
         let [rows, cols] = shape.matrix(p);
         let n = rows * cols;
         let (name, full, start) = match self {
-            ExpertTensors::PerExpert { prefix, names } => {
-                (format!("{prefix}.{e}.{}.weight", names[p]), [1, rows, cols], 0)
-            }
+            ExpertTensors::PerExpert { prefix, names } => (
+                format!("{prefix}.{e}.{}.weight", names[p]),
+                [1, rows, cols],
+                0,
+            ),
             ExpertTensors::Fused { gate_up, down } => {
                 let (x, i, h) = (shape.experts, shape.intermediate, shape.hidden);
                 match p {

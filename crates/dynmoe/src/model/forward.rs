@@ -118,7 +118,7 @@ impl<B: Backend> Model<B> {
             .iter()
             .enumerate()
             .filter_map(|(i, l)| match &l.mlp {
-                Ffn::Moe(m) => Some((i, m.source.clone())),
+                Ffn::Moe(m) => Some((i, (*m.source).clone())),
                 Ffn::Dense(_) => None,
             })
             .collect()

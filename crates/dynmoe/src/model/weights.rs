@@ -77,7 +77,7 @@ pub struct Moe<B: Backend> {
     /// Sigmoid gate of the shared expert, `[1, hidden]`.
     pub shared_expert_gate: Option<Linear<B>>,
     /// Where each routed expert's record lives on disk: what a resident set reads.
-    pub source: LayerSource,
+    pub source: Box<LayerSource>,
 }
 
 /// Feed-forward block of a layer.
@@ -224,7 +224,10 @@ impl<B: Backend> Loader<'_, B> {
                     return Err(Error::TensorDtype {
                         path: extent.file,
                         tensor: format!("{prefix}.experts ({e}, projection {p})"),
-                        dtype: format!("{dt:?}, while other experts of the layer are {:?}", dtype.unwrap()),
+                        dtype: format!(
+                            "{dt:?}, while other experts of the layer are {:?}",
+                            dtype.unwrap()
+                        ),
                     });
                 }
                 runs.push(extent);

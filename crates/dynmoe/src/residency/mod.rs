@@ -96,7 +96,7 @@ impl ResidencyConfig {
     pub fn count(&self, experts: usize, top_k: usize) -> Result<usize, Error> {
         let k = match self.resident {
             ResidentCount::Fraction(f) => {
-                if !(f > 0.0 && f <= 1.0) {
+                if f.is_nan() || f <= 0.0 || f > 1.0 {
                     return Err(Error::Config(format!(
                         "resident fraction {f} is not in (0, 1]"
                     )));
@@ -113,7 +113,12 @@ impl ResidencyConfig {
         if self.mode == Mode::Dynamic && self.policy.interval == 0 {
             return Err(Error::Config("swap interval 0".into()));
         }
-        if self.policy.half_lives.iter().any(|h| !(*h > 0.0)) {
+        if self
+            .policy
+            .half_lives
+            .iter()
+            .any(|h| !h.is_finite() || *h <= 0.0)
+        {
             return Err(Error::Config("half-lives must be positive".into()));
         }
         Ok(k)
@@ -176,6 +181,9 @@ pub struct ResidencyReport {
     pub hit_rate: f64,
     /// The same per MoE layer.
     pub hit_rate_per_layer: BTreeMap<usize, f64>,
+    /// The ceiling of any set of K: probability on each token's own K most probable
+    /// experts, over all of it.
+    pub oracle_hit_rate: f64,
     /// Counters.
     #[serde(flatten)]
     pub counters: Counters,
@@ -308,7 +316,10 @@ impl<B: Backend> Residency<B> {
             arrived.extend(loader.ready());
         }
         for loaded in arrived {
-            let set = inner_ref.layers.get_mut(&loaded.layer).expect("a resident layer");
+            let set = inner_ref
+                .layers
+                .get_mut(&loaded.layer)
+                .expect("a resident layer");
             let i = set
                 .in_flight
                 .iter()
@@ -378,16 +389,16 @@ impl<B: Backend> Residency<B> {
         for s in inner.layers.values_mut() {
             s.hit = 0.0;
             s.mass = 0.0;
+            s.oracle = 0.0;
         }
     }
 
     /// What the run so far measured.
     pub fn report(&self) -> ResidencyReport {
         let inner = self.lock();
-        let (hit, mass) = inner
-            .layers
-            .values()
-            .fold((0.0, 0.0), |(h, m), s| (h + s.hit, m + s.mass));
+        let (hit, mass, oracle) = inner.layers.values().fold((0.0, 0.0, 0.0), |(h, m, o), s| {
+            (h + s.hit, m + s.mass, o + s.oracle)
+        });
         let c = inner.counters.clone();
         ResidencyReport {
             mode: self.config.mode,
@@ -398,6 +409,7 @@ impl<B: Backend> Residency<B> {
             slot_bytes: inner.layers.values().map(|s| s.slot_bytes()).sum(),
             reservoir_ram_bytes: self.reservoir.ram_bytes(),
             hit_rate: hit / mass.max(f64::MIN_POSITIVE),
+            oracle_hit_rate: oracle / mass.max(f64::MIN_POSITIVE),
             hit_rate_per_layer: inner
                 .layers
                 .iter()
@@ -446,7 +458,9 @@ impl<B: Backend> Step<'_, B> {
             let plan = plan_swaps(&set.evidence.ranks(), &set.resident, &set.frozen, &p);
             set.frozen.iter_mut().for_each(|f| *f = false);
             for (out, inc) in plan {
-                let Some(buffer) = set.spares.pop() else { break };
+                let Some(buffer) = set.spares.pop() else {
+                    break;
+                };
                 set.frozen[out as usize] = true;
                 set.frozen[inc as usize] = true;
                 set.in_flight.push((out, inc));

@@ -85,9 +85,17 @@ pub fn plan_swaps(
             .collect()
     };
     let mut incoming = eligible(false);
-    incoming.sort_by(|&a, &b| ranks[b as usize].total_cmp(&ranks[a as usize]).then(a.cmp(&b)));
+    incoming.sort_by(|&a, &b| {
+        ranks[b as usize]
+            .total_cmp(&ranks[a as usize])
+            .then(a.cmp(&b))
+    });
     let mut outgoing = eligible(true);
-    outgoing.sort_by(|&a, &b| ranks[a as usize].total_cmp(&ranks[b as usize]).then(a.cmp(&b)));
+    outgoing.sort_by(|&a, &b| {
+        ranks[a as usize]
+            .total_cmp(&ranks[b as usize])
+            .then(a.cmp(&b))
+    });
     let pairs: Vec<(u32, u32)> = outgoing
         .into_iter()
         .zip(incoming)
@@ -173,7 +181,10 @@ mod tests {
         // Eight domain-B experts are out at the drift; four move per checkpoint, every
         // other checkpoint (swapped experts sit out one), so they are all in by the
         // fourth checkpoint after it.
-        assert!(b.iter().all(|&e| resident[e]), "B experts left out: {resident:?}");
+        assert!(
+            b.iter().all(|&e| resident[e]),
+            "B experts left out: {resident:?}"
+        );
         let moved: usize = swaps[8..].iter().sum();
         assert!(moved >= 8, "swaps after the drift: {swaps:?}");
         let first_full = swaps[8..].iter().scan(0, |acc, &n| {
@@ -181,7 +192,10 @@ mod tests {
             Some(*acc)
         });
         let checkpoints = first_full.take_while(|&n| n < 8).count() + 1;
-        assert!(checkpoints <= 4, "took {checkpoints} checkpoints: {swaps:?}");
+        assert!(
+            checkpoints <= 4,
+            "took {checkpoints} checkpoints: {swaps:?}"
+        );
     }
 
     #[test]
@@ -199,12 +213,14 @@ mod tests {
         assert!((0..K).all(|e| resident[e]));
         // The same rule moves them once a fourth qualifies, proving the pairs were
         // there to be taken.
-        let ranks: Vec<f32> = (0..E).map(|e| if e < 3 || e >= 28 { 1.0 } else { 0.5 }).collect();
+        let ranks: Vec<f32> = (0..E)
+            .map(|e| if !(3..28).contains(&e) { 1.0 } else { 0.5 })
+            .collect();
         let mut res = vec![false; E];
         (3..19).for_each(|e| res[e] = true);
-        assert_eq!(plan_swaps(&ranks, &res, &vec![false; E], &p).len(), 4);
+        assert_eq!(plan_swaps(&ranks, &res, &[false; E], &p).len(), 4);
         let ranks: Vec<f32> = (0..E).map(|e| if e < 3 { 1.0 } else { 0.5 }).collect();
-        assert!(plan_swaps(&ranks, &res, &vec![false; E], &p).is_empty());
+        assert!(plan_swaps(&ranks, &res, &[false; E], &p).is_empty());
     }
 
     #[test]

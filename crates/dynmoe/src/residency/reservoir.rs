@@ -35,6 +35,8 @@ pub enum ReservoirKind {
 }
 
 /// How one layer's records are encoded.
+// One per layer and copied freely; boxing the layout would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RecordFormat {
     /// Gate, up and down in a float dtype: `[i, h]`, `[i, h]`, `[h, i]`.
@@ -360,7 +362,12 @@ impl Loader {
                             let Ok(mut job) = job else { return };
                             let t = Instant::now();
                             let result = res
-                                .read(job.layer, job.expert as usize, &mut job.buffer, &mut scratch)
+                                .read(
+                                    job.layer,
+                                    job.expert as usize,
+                                    &mut job.buffer,
+                                    &mut scratch,
+                                )
                                 .map_err(|e| e.to_string());
                             let loaded = Loaded {
                                 layer: job.layer,

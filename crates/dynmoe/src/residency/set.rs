@@ -33,6 +33,9 @@ pub struct LayerSet<B: Backend> {
     /// Unmasked routing probability on residents, and in all.
     pub(super) hit: f64,
     pub(super) mass: f64,
+    /// Probability on each token's own K most probable experts: what no set of K
+    /// experts can beat.
+    pub(super) oracle: f64,
 }
 
 /// The probabilities of one token with routing confined to `resident`: the router
@@ -75,6 +78,7 @@ impl<B: Backend> LayerSet<B> {
             evidence,
             hit: 0.0,
             mass: 0.0,
+            oracle: 0.0,
         };
         for (&e, buf) in experts.iter().zip(buffers) {
             // A dense record's staging buffer is not kept: the slot is the upload.
@@ -152,9 +156,14 @@ impl<B: Backend> LayerSet<B> {
         track: bool,
     ) -> Vec<Route> {
         let e = self.resident.len();
+        let k = self.slots.len();
+        let mut sorted = vec![0.0f32; e];
         (0..rows)
             .map(|r| {
                 let p = &probs[r * e..(r + 1) * e];
+                sorted.copy_from_slice(p);
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                self.oracle += sorted[..k].iter().map(|&v| v as f64).sum::<f64>();
                 for (&pe, &res) in p.iter().zip(&self.resident) {
                     self.mass += pe as f64;
                     if res {
@@ -182,10 +191,7 @@ impl<B: Backend> LayerSet<B> {
         let s = self.slot_of[e];
         assert!(s != usize::MAX, "expert {e} routed but not resident");
         match (&self.slots[s], self.format) {
-            (
-                Slot::Dense([g, u, d]),
-                RecordFormat::Dense { intermediate, .. },
-            ) => SwiGluGroup {
+            (Slot::Dense([g, u, d]), RecordFormat::Dense { intermediate, .. }) => SwiGluGroup {
                 gate: Weight::Dense(g),
                 up: Weight::Dense(u),
                 down: Weight::Dense(d),
@@ -195,7 +201,8 @@ impl<B: Backend> LayerSet<B> {
             },
             (Slot::Affine(w), RecordFormat::Affine(layout)) => {
                 // SAFETY: as in `reservoir`: u32 words viewed as their bytes.
-                let bytes = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * 4) };
+                let bytes =
+                    unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * 4) };
                 let r = record_view(&layout, bytes);
                 SwiGluGroup {
                     gate: Weight::Affine(r.gate),
@@ -241,7 +248,12 @@ mod tests {
             let r = route(&confine(&p, &resident), 4, router);
             assert!(r.experts.iter().all(|&e| resident[e as usize]), "{r:?}");
             // Renormalised over the residents, as a softmax over masked logits is.
-            let sr: f32 = p.iter().zip(&resident).filter(|(_, &r)| r).map(|(p, _)| p).sum();
+            let sr: f32 = p
+                .iter()
+                .zip(&resident)
+                .filter(|(_, &r)| r)
+                .map(|(p, _)| p)
+                .sum();
             for (&e, &w) in r.experts.iter().zip(&r.weights) {
                 assert!((w - p[e as usize] / sr).abs() < 1e-6);
             }

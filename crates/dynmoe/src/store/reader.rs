@@ -151,7 +151,11 @@ impl ExpertStore {
 /// # Panics
 /// If `bytes` is shorter than a record or not aligned to 4 bytes.
 pub fn record_view<'a>(layout: &Layout, bytes: &'a [u8]) -> ExpertRecord<'a> {
-    assert!(bytes.len() >= layout.record_size, "a record is {} bytes", layout.record_size);
+    assert!(
+        bytes.len() >= layout.record_size,
+        "a record is {} bytes",
+        layout.record_size
+    );
     let [gate, up, down] = layout.matrices.map(|m| view(bytes, &m, layout.bits));
     ExpertRecord { gate, up, down }
 }

@@ -84,7 +84,7 @@ pub fn layer_with<B: Backend>(
                 experts,
                 shared_expert,
                 shared_expert_gate,
-                source,
+                source: Box::new(source),
             })
         }
     };
