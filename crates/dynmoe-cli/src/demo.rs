@@ -113,6 +113,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let opts = ppl::PplOptions {
         ctx: 512,
         max_chunks: (a.chunks > 0).then_some(a.chunks),
+        micro_batch: None,
     };
     let mut domains = Vec::new();
     for d in DOMAINS {

@@ -2,6 +2,7 @@
 
 mod demo;
 mod progress;
+mod residency;
 mod store;
 
 use std::path::{Path, PathBuf};
@@ -45,6 +46,9 @@ enum Command {
 enum EvalCommand {
     /// Perplexity with llama.cpp's semantics (chunks of --ctx tokens, second half scored).
     Ppl(PplArgs),
+    /// Routing hit rate and perplexity of static REAP sets calibrated on each domain,
+    /// against dynamic sets, evaluated on every domain.
+    Hitrate(residency::HitrateArgs),
 }
 
 /// Which implementation of the ops runs the model.
@@ -66,7 +70,7 @@ impl BackendKind {
 }
 
 #[derive(Args)]
-struct ModelArgs {
+pub(crate) struct ModelArgs {
     /// Model directory (Hugging Face layout: config.json, *.safetensors, tokenizer.json).
     #[arg(long, short)]
     model: PathBuf,
@@ -90,7 +94,7 @@ impl ModelArgs {
     }
 
     /// Loads the model these arguments name.
-    fn load(&self) -> Result<LoadedModel<Cpu>> {
+    pub(crate) fn load(&self) -> Result<LoadedModel<Cpu>> {
         load(&self.model, self.backend.cpu(), &self.expert_bits())
     }
 }
@@ -132,6 +136,8 @@ struct RunArgs {
     /// Sampler seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    #[command(flatten)]
+    residency: residency::ResidencyArgs,
     /// Print a JSON report instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -150,6 +156,12 @@ struct PplArgs {
     /// Score at most this many chunks.
     #[arg(long)]
     chunks: Option<usize>,
+    /// Tokens per forward call within a chunk (default: the whole chunk, or 32 with a
+    /// dynamic resident set so swaps take effect inside a chunk).
+    #[arg(long)]
+    micro_batch: Option<usize>,
+    #[command(flatten)]
+    residency: residency::ResidencyArgs,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -169,6 +181,7 @@ fn main() {
     let result = match cli.command {
         Command::Run(a) => cmd_run(a),
         Command::Eval(EvalCommand::Ppl(a)) => cmd_ppl(a),
+        Command::Eval(EvalCommand::Hitrate(a)) => residency::cmd_hitrate(a),
         Command::Inspect(a) => cmd_inspect(a),
         Command::Demo(a) => demo::run(a),
         Command::Convert(a) => store::convert(a),
@@ -190,7 +203,7 @@ pub(crate) fn load(dir: &Path, backend: Cpu, bits: &ExpertBits) -> Result<Loaded
     Ok(m)
 }
 
-fn read_text(path: &Path) -> Result<String> {
+pub(crate) fn read_text(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))
 }
 
@@ -201,7 +214,8 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     if a.temperature.is_nan() || a.temperature < 0.0 {
         anyhow::bail!("--temperature must be >= 0, got {}", a.temperature);
     }
-    let m = a.model.load()?;
+    let mut m = a.model.load()?;
+    a.residency.install(&mut m)?;
     let sampling = Sampling {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -220,8 +234,13 @@ fn cmd_run(a: RunArgs) -> Result<()> {
         print!("{}", a.prompt);
     }
     let g = generate::generate(&m, &a.prompt, a.max_tokens, sampling, &mut print)?;
+    let report = m.model.residency().map(|r| r.report());
     if json {
-        println!("{}", serde_json::to_string_pretty(&g)?);
+        let mut v = serde_json::to_value(&g)?;
+        if let Some(r) = &report {
+            v["residency"] = serde_json::to_value(r)?;
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         println!();
         eprintln!(
@@ -231,13 +250,38 @@ fn cmd_run(a: RunArgs) -> Result<()> {
             g.tokens.len(),
             g.decode_tokens_per_second
         );
+        if let Some(r) = &report {
+            print_residency(r);
+        }
     }
     Ok(())
 }
 
+fn print_residency(r: &dynmoe::residency::ResidencyReport) {
+    eprintln!(
+        "[{:?} residency, {} of {} experts per layer (+{} spare slots), reservoir {:?}: hit rate {:.1}% (ceiling {:.1}%), {} swaps, {} bytes moved ({:.0} per 1000 tokens, {:.0} MB/s read), {} stalls, {} late boundaries]",
+        r.mode,
+        r.resident_per_layer,
+        r.experts_per_layer,
+        r.spare_slots_per_layer,
+        r.reservoir,
+        100.0 * r.hit_rate,
+        100.0 * r.oracle_hit_rate,
+        r.counters.swaps,
+        r.counters.bytes_moved,
+        r.bytes_moved_per_1000_tokens,
+        r.read_bandwidth_mb_s,
+        r.counters.stalls,
+        r.counters.late_boundaries
+    );
+}
+
 fn cmd_ppl(a: PplArgs) -> Result<()> {
     let text = read_text(&a.text)?;
-    let m = a.model.load()?;
+    let mut m = a.model.load()?;
+    let resident = a.residency.install(&mut m)?;
+    let dynamic = resident.is_some_and(|c| c.mode == dynmoe::residency::Mode::Dynamic);
+    let micro_batch = a.micro_batch.or(dynamic.then_some(32));
     let bar = progress::bar("perplexity");
     let report = ppl::perplexity(
         &m,
@@ -245,13 +289,19 @@ fn cmd_ppl(a: PplArgs) -> Result<()> {
         ppl::PplOptions {
             ctx: a.ctx,
             max_chunks: a.chunks,
+            micro_batch,
         },
         &mut |done, total| progress::update(&bar, done, total),
     )
     .with_context(|| format!("perplexity of {}", a.text.display()))?;
     bar.finish_and_clear();
+    let res = m.model.residency().map(|r| r.report());
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        let mut v = serde_json::to_value(&report)?;
+        if let Some(r) = &res {
+            v["residency"] = serde_json::to_value(r)?;
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         println!(
             "PPL = {:.4} +/- {:.5}  ({} tokens scored in {} chunks of {}; {:.0} tok/s)",
@@ -262,6 +312,9 @@ fn cmd_ppl(a: PplArgs) -> Result<()> {
             report.ctx,
             report.tokens_per_second
         );
+        if let Some(r) = &res {
+            print_residency(r);
+        }
     }
     Ok(())
 }

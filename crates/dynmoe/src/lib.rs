@@ -2,8 +2,9 @@
 //!
 //! The modules follow the data flow: [`model`] loads a Hugging Face checkpoint and runs
 //! its forward pass against a [`backend::Backend`]; [`eval`] measures it
-//! (llama.cpp-compatible perplexity, parameter and byte accounting); [`runtime`]
-//! generates text.
+//! (llama.cpp-compatible perplexity, routing hit rate, parameter and byte
+//! accounting); [`calib`] hooks the forward for REAP saliency; [`residency`] keeps a
+//! resident expert set per layer that follows the text; [`runtime`] generates text.
 //!
 //! ```no_run
 //! use dynmoe::backend::Cpu;
@@ -18,9 +19,11 @@
 
 pub mod alloc;
 pub mod backend;
+pub mod calib;
 pub mod codec;
 pub mod eval;
 pub mod model;
+pub mod residency;
 pub mod runtime;
 pub mod store;
 pub mod testing;

@@ -83,6 +83,7 @@ fn perplexity_is_ordered_bf16_4_3_2() {
     let opts = PplOptions {
         ctx: 512,
         max_chunks: Some(4),
+        micro_batch: None,
     };
     let ppl = |dir: &Path, b: Option<u32>| {
         let m = model::load_with(dir, Cpu::fast(), &b.map(bits).unwrap_or_default()).unwrap();

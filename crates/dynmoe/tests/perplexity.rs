@@ -29,6 +29,7 @@ fn ppl(m: &LoadedModel<Cpu>, text: &str, chunks: Option<usize>) -> PplReport {
         PplOptions {
             ctx: 512,
             max_chunks: chunks,
+            micro_batch: None,
         },
         &mut |_, _| {},
     )

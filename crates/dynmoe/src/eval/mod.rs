@@ -1,6 +1,9 @@
 //! Measuring a model: llama.cpp-compatible perplexity ([`ppl`]), KL divergence to the
-//! uncompressed model ([`kld`]) and where its parameters and bytes are ([`inspect`]).
+//! uncompressed model ([`kld`]), the routing hit rate of static and dynamic resident
+//! sets ([`hitrate`]), where its parameters and bytes are ([`inspect`]), and plots of
+//! the results ([`plot`]).
 
+pub mod hitrate;
 pub mod inspect;
 pub mod kld;
 pub mod plot;

@@ -39,6 +39,9 @@ pub struct PplOptions {
     pub ctx: usize,
     /// Evaluate at most this many chunks.
     pub max_chunks: Option<usize>,
+    /// Run each chunk in forward calls of this many tokens (the KV cache carried on),
+    /// so that a dynamic resident set can change inside a chunk; `None`: one call.
+    pub micro_batch: Option<usize>,
 }
 
 impl Default for PplOptions {
@@ -46,6 +49,7 @@ impl Default for PplOptions {
         PplOptions {
             ctx: 512,
             max_chunks: None,
+            micro_batch: None,
         }
     }
 }
@@ -109,7 +113,7 @@ pub fn perplexity<B: Backend>(
             chunk[0] = bos;
         }
         state.clear();
-        let logits = m.model.forward(&mut state, &chunk, first)?;
+        let logits = forward_in_steps(m, &mut state, &chunk, first, opts.micro_batch)?;
         // Row r holds the logits at position first + r, predicting token first + r + 1.
         for r in 0..ctx - 1 - first {
             let target = tokens[c * ctx + first + r + 1];
@@ -140,6 +144,27 @@ pub fn perplexity<B: Backend>(
         seconds,
         tokens_per_second: (chunks * ctx) as f64 / seconds.max(1e-9),
     })
+}
+
+/// The logits of `tokens[from..]`, running `tokens` in calls of `step` tokens.
+fn forward_in_steps<B: Backend>(
+    m: &LoadedModel<B>,
+    state: &mut crate::model::State<B>,
+    tokens: &[u32],
+    from: usize,
+    step: Option<usize>,
+) -> Result<Vec<f32>, Error> {
+    let step = step.unwrap_or(tokens.len()).max(1);
+    if step >= tokens.len() {
+        return m.model.forward(state, tokens, from);
+    }
+    let mut logits = Vec::new();
+    for (i, part) in tokens.chunks(step).enumerate() {
+        let start = i * step;
+        let local = from.saturating_sub(start).min(part.len());
+        logits.extend(m.model.forward(state, part, local)?);
+    }
+    Ok(logits)
 }
 
 #[cfg(test)]

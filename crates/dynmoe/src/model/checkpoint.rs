@@ -131,6 +131,7 @@ impl Checkpoint {
             path: &shard.path,
             dtype: info.dtype,
             shape: &info.shape,
+            offset: (base + start) as u64,
             bytes: &shard.mmap[base + start..base + end],
         })
     }
@@ -184,39 +185,72 @@ pub struct RawTensor<'a> {
     pub dtype: Dtype,
     /// Shape as stored.
     pub shape: &'a [usize],
+    /// Where its bytes start in the shard file.
+    pub offset: u64,
     /// Its bytes, little-endian, row-major.
     pub bytes: &'a [u8],
+}
+
+/// Bytes per element of a dtype dynmoe reads as f32, or `None`.
+pub fn float_size(dtype: Dtype) -> Option<usize> {
+    match dtype {
+        Dtype::BF16 | Dtype::F16 => Some(2),
+        Dtype::F32 => Some(4),
+        _ => None,
+    }
+}
+
+/// Widens little-endian bf16, f16 or f32 `bytes` into `out` (one element each).
+///
+/// # Panics
+/// If `dtype` is not one of those or the lengths disagree.
+pub fn widen(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
+    let size = float_size(dtype).expect("a float dtype");
+    assert_eq!(
+        bytes.len(),
+        out.len() * size,
+        "{dtype:?} bytes for {} floats",
+        out.len()
+    );
+    match dtype {
+        Dtype::BF16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        Dtype::F16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        _ => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+    }
 }
 
 impl RawTensor<'_> {
     /// Elements `start .. start + n` as f32 (bf16, f16 and f32 are read; `name` is for
     /// the error).
     pub fn f32_range(&self, name: &str, start: usize, n: usize) -> Result<Vec<f32>, Error> {
-        let size = match self.dtype {
-            Dtype::BF16 | Dtype::F16 => 2,
-            Dtype::F32 => 4,
-            other => {
-                return Err(Error::TensorDtype {
-                    path: self.path.to_path_buf(),
-                    tensor: name.to_string(),
-                    dtype: format!("{other:?}"),
-                })
-            }
-        };
-        let bytes = &self.bytes[start * size..(start + n) * size];
-        Ok(match self.dtype {
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            _ => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
+        let size = self.float_size(name)?;
+        let mut out = vec![0.0f32; n];
+        widen(
+            self.dtype,
+            &self.bytes[start * size..(start + n) * size],
+            &mut out,
+        );
+        Ok(out)
+    }
+
+    /// Bytes per element, if the dtype is one dynmoe reads (`name` is for the error).
+    pub fn float_size(&self, name: &str) -> Result<usize, Error> {
+        float_size(self.dtype).ok_or_else(|| Error::TensorDtype {
+            path: self.path.to_path_buf(),
+            tensor: name.to_string(),
+            dtype: format!("{:?}", self.dtype),
         })
     }
 }

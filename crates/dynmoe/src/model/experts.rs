@@ -3,8 +3,23 @@
 //! may save them so. Loading the model and converting it to expert stores both read
 //! experts through this one resolver.
 
+use std::path::PathBuf;
+
+use safetensors::tensor::Dtype;
+
 use super::checkpoint::Checkpoint;
 use super::Error;
+
+/// A run of bytes in a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Extent {
+    /// The file.
+    pub file: PathBuf,
+    /// Where the run starts.
+    pub offset: u64,
+    /// Its length in bytes.
+    pub len: usize,
+}
 
 /// Gate, up and down: the order of projections everywhere in dynmoe.
 pub const PROJECTIONS: usize = 3;
@@ -96,6 +111,49 @@ impl ExpertTensors {
                 Ok((t.f32_range(name, start, n)?, name.clone()))
             }
         }
+    }
+
+    /// Where projection `p` of expert `e` sits in its shard: the bytes [`matrix`]
+    /// widens, for reading them again later without the checkpoint.
+    ///
+    /// [`matrix`]: ExpertTensors::matrix
+    pub fn extent(
+        &self,
+        ckpt: &Checkpoint,
+        shape: &ExpertShape,
+        e: usize,
+        p: usize,
+    ) -> Result<(Extent, Dtype), Error> {
+        let [rows, cols] = shape.matrix(p);
+        let n = rows * cols;
+        let (name, full, start) = match self {
+            ExpertTensors::PerExpert { prefix, names } => (
+                format!("{prefix}.{e}.{}.weight", names[p]),
+                [1, rows, cols],
+                0,
+            ),
+            ExpertTensors::Fused { gate_up, down } => {
+                let (x, i, h) = (shape.experts, shape.intermediate, shape.hidden);
+                match p {
+                    0 => (gate_up.clone(), [x, 2 * i, h], e * 2 * n),
+                    1 => (gate_up.clone(), [x, 2 * i, h], e * 2 * n + n),
+                    _ => (down.clone(), [x, h, i], e * n),
+                }
+            }
+        };
+        let t = match self {
+            ExpertTensors::PerExpert { .. } => ckpt.raw_checked(&name, &full[1..])?,
+            ExpertTensors::Fused { .. } => ckpt.raw_checked(&name, &full)?,
+        };
+        let size = t.float_size(&name)?;
+        Ok((
+            Extent {
+                file: t.path.to_path_buf(),
+                offset: t.offset + (start * size) as u64,
+                len: n * size,
+            },
+            t.dtype,
+        ))
     }
 
     /// Every tensor these experts occupy.
@@ -193,6 +251,12 @@ mod tests {
                         want,
                         "{label} e{e} p{p}"
                     );
+                    let (ext, dtype) = t.extent(&ckpt, &shape, e, p).unwrap();
+                    let file = std::fs::read(&ext.file).unwrap();
+                    let at = ext.offset as usize;
+                    let mut got = vec![0.0f32; want.len()];
+                    crate::model::checkpoint::widen(dtype, &file[at..at + ext.len], &mut got);
+                    assert_eq!(&got, want, "extent {label} e{e} p{p}");
                 }
             }
             let mut listed = t.tensor_names(x);

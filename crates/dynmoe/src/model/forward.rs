@@ -8,10 +8,14 @@
 use super::arch;
 use super::checkpoint::Checkpoint;
 use super::config::{Config, QkNorm};
-use super::moe;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use super::moe::{self, MoeObserver, Routing};
 use super::weights::{Ffn, Layer, LayerStores, Linear, Loader};
 use super::Error;
 use crate::backend::{AttentionShape, Backend};
+use crate::residency::{self, LayerSource, Reservoir, ReservoirKind, Residency, ResidencyConfig};
 
 /// A model's weights on a backend, ready to run.
 pub struct Model<B: Backend> {
@@ -27,6 +31,8 @@ pub struct Model<B: Backend> {
     lm_head: Option<B::Tensor>,
     /// `[head_dim / 2]` rotary inverse frequencies.
     inv_freq: Vec<f32>,
+    /// The resident expert sets, shared by every sequence; `None` runs every expert.
+    residency: Option<Residency<B>>,
 }
 
 /// Per-sequence run state: the KV cache and what the last call routed.
@@ -102,7 +108,56 @@ impl<B: Backend> Model<B> {
             norm,
             lm_head,
             inv_freq,
+            residency: None,
         })
+    }
+
+    /// Where each MoE layer's routed experts live on disk, by decoder layer.
+    pub fn expert_sources(&self) -> BTreeMap<usize, LayerSource> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| match &l.mlp {
+                Ffn::Moe(m) => Some((i, (*m.source).clone())),
+                Ffn::Dense(_) => None,
+            })
+            .collect()
+    }
+
+    /// A reservoir of every routed expert of this model, in RAM or on disk.
+    pub fn reservoir(&self, kind: ReservoirKind) -> Result<Arc<Reservoir>, residency::Error> {
+        Ok(Arc::new(Reservoir::open(kind, &self.expert_sources())?))
+    }
+
+    /// Resident sets for this model over `reservoir` (see [`Residency::new`]); install
+    /// them with [`set_residency`](Self::set_residency).
+    pub fn new_residency(
+        &self,
+        reservoir: Arc<Reservoir>,
+        config: ResidencyConfig,
+        initial: &BTreeMap<usize, Vec<u32>>,
+    ) -> Result<Residency<B>, residency::Error> {
+        let layers: Vec<usize> = self.config.moe_layers().collect();
+        Residency::new(
+            &self.backend,
+            reservoir,
+            &layers,
+            self.config.moe.num_experts,
+            self.config.moe.top_k,
+            config,
+            initial,
+        )
+    }
+
+    /// Confines routing to `residency`'s sets from the next forward call on (`None`:
+    /// every expert, the model's own weights). Returns the previous sets.
+    pub fn set_residency(&mut self, residency: Option<Residency<B>>) -> Option<Residency<B>> {
+        std::mem::replace(&mut self.residency, residency)
+    }
+
+    /// The resident sets in use.
+    pub fn residency(&self) -> Option<&Residency<B>> {
+        self.residency.as_ref()
     }
 
     /// The backend the weights live on.
@@ -130,6 +185,17 @@ impl<B: Backend> Model<B> {
         state: &mut State<B>,
         tokens: &[u32],
         logits_from: usize,
+    ) -> Result<Vec<f32>, Error> {
+        self.forward_observed(state, tokens, logits_from, None)
+    }
+
+    /// [`forward`](Self::forward), showing every MoE block to `observer`.
+    pub fn forward_observed(
+        &self,
+        state: &mut State<B>,
+        tokens: &[u32],
+        logits_from: usize,
+        mut observer: Option<&mut dyn MoeObserver<B>>,
     ) -> Result<Vec<f32>, Error> {
         let c = &self.config;
         let b = &self.backend;
@@ -164,6 +230,14 @@ impl<B: Backend> Model<B> {
         let mut attn = b.alloc(n * q); // [n, q]
         let mut delta = b.alloc(n * h); // [n, h] block output
 
+        // A token boundary: loads that have arrived commit now, and the sets stay as
+        // they are until this call ends.
+        let mut step = self.residency.as_ref().map(|r| r.begin(b));
+        let track = step.as_ref().is_some_and(|s| s.tracks());
+        let routing = Routing {
+            top_k: c.moe.top_k,
+            router: c.moe.router,
+        };
         b.embed(&self.embed_tokens, h, tokens, &mut x);
         for (i, layer) in self.layers.iter().enumerate() {
             // Attention block.
@@ -239,13 +313,20 @@ impl<B: Backend> Model<B> {
                     state.router_probs[i].clear();
                 }
                 Ffn::Moe(block) => {
+                    let set = step.as_mut().and_then(|s| s.layer(i));
                     state.router_probs[i] =
-                        moe::forward(b, block, c.moe.top_k, c.moe.router, &xn, n, &mut delta);
+                        moe::forward(b, block, routing, &xn, n, &mut delta, set, track);
+                    if let Some(o) = observer.as_deref_mut() {
+                        o.observe(b, i, block, &xn, n, &state.router_probs[i]);
+                    }
                 }
             }
             b.add(&mut x, &delta, n * h);
         }
         state.pos += n;
+        if let Some(s) = step {
+            s.finish(n);
+        }
 
         // Final norm and LM head, only on the rows whose logits are wanted.
         let m = n - logits_from;

@@ -3,11 +3,29 @@
 //! it (gathered into one matrix), and scatter the weighted outputs back.
 //!
 //! The full, unmasked probability vector of every token is returned to the caller:
-//! calibration and the resident-set runtime read it.
+//! calibration and the resident-set runtime read it. With a resident set, routing is
+//! confined to the residents and their weights are read from the set's slots.
 
 use super::config::Router;
 use super::weights::{Experts, Mlp, Moe};
 use crate::backend::{Backend, SwiGluGroup, Weight};
+use crate::residency::LayerSet;
+
+/// Sees every MoE block of a forward call: the block, its input rows `x`
+/// (`[rows, hidden]`, normalised) and their unmasked router probabilities
+/// (`[rows, E]`). Calibration (REAP saliency) is written against this.
+pub trait MoeObserver<B: Backend> {
+    /// Called once per MoE layer, after the block ran.
+    fn observe(
+        &mut self,
+        b: &B,
+        layer: usize,
+        block: &Moe<B>,
+        x: &B::Tensor,
+        rows: usize,
+        probs: &[f32],
+    );
+}
 
 /// The experts chosen for one token and their weights.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,8 +75,8 @@ fn group<'a, B: Backend>(
     }
 }
 
-/// The group that runs routed expert `e` on `rows`.
-fn expert_group<'a, B: Backend>(
+/// The group that runs routed expert `e` on `rows`, from the layer's own weights.
+pub fn expert_group<'a, B: Backend>(
     experts: &'a Experts<B>,
     e: usize,
     rows: &'a [u32],
@@ -89,17 +107,30 @@ pub fn dense<B: Backend>(b: &B, mlp: &Mlp<B>, x: &B::Tensor, rows: usize, out: &
     b.swiglu_groups(x, h, &[group(mlp, &all, &ones)], out);
 }
 
-/// The MoE block on `rows` rows of `x`: `out = Σ_k w_k · expert_k(x) (+ shared)`.
-/// Returns the full router probabilities, `[rows, num_experts]`.
+/// The routing options of a block.
+#[derive(Debug, Clone, Copy)]
+pub struct Routing {
+    /// Experts per token.
+    pub top_k: usize,
+    /// How weights are formed.
+    pub router: Router,
+}
+
+/// The MoE block on `rows` rows of `x`: `out = Σ_k w_k · expert_k(x) (+ shared)`,
+/// confined to `set`'s residents when given (`track`: feed its evidence). Returns the
+/// full, unmasked router probabilities, `[rows, num_experts]`.
+#[allow(clippy::too_many_arguments)]
 pub fn forward<B: Backend>(
     b: &B,
     moe: &Moe<B>,
-    top_k: usize,
-    router: Router,
+    routing: Routing,
     x: &B::Tensor,
     rows: usize,
     out: &mut B::Tensor,
+    mut set: Option<&mut LayerSet<B>>,
+    track: bool,
 ) -> Vec<f32> {
+    let Routing { top_k, router } = routing;
     let (e, h) = (moe.gate.out_dim, moe.gate.in_dim);
     let mut logits = b.alloc(rows * e);
     b.matmul(x, &moe.gate.w, rows, h, e, &mut logits);
@@ -109,8 +140,14 @@ pub fn forward<B: Backend>(
 
     // Group tokens by expert so each expert runs once, on a matrix of its tokens.
     let mut routed: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); e];
-    for r in 0..rows {
-        let chosen = route(&probs[r * e..(r + 1) * e], top_k, router);
+    let routes: Vec<Route> = match set {
+        Some(ref mut s) => s.route(&probs, rows, top_k, router, track),
+        None => (0..rows)
+            .map(|r| route(&probs[r * e..(r + 1) * e], top_k, router))
+            .collect(),
+    };
+    let set = set.map(|s| &*s);
+    for (r, chosen) in routes.iter().enumerate() {
         for (&x, &w) in chosen.experts.iter().zip(&chosen.weights) {
             routed[x as usize].0.push(r as u32);
             routed[x as usize].1.push(w);
@@ -133,7 +170,10 @@ pub fn forward<B: Backend>(
         .iter()
         .enumerate()
         .filter(|(_, (tokens, _))| !tokens.is_empty())
-        .map(|(e, (tokens, scales))| expert_group(&moe.experts, e, tokens, scales))
+        .map(|(e, (tokens, scales))| match set {
+            Some(s) => s.group(e, tokens, scales),
+            None => expert_group(&moe.experts, e, tokens, scales),
+        })
         .collect();
     if let Some(shared) = &moe.shared_expert {
         groups.push(group(shared, &all, &shared_scales));

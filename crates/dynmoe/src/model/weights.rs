@@ -9,6 +9,8 @@ use super::config::{Config, QkNorm};
 use super::experts::{ExpertShape, ExpertTensors};
 use super::Error;
 use crate::backend::Backend;
+use crate::model::experts::Extent;
+use crate::residency::{LayerSource, RecordFormat};
 use crate::store::ExpertStore;
 
 /// A linear layer `y = x Wᵀ + b`, `W` stored `[out_dim, in_dim]`.
@@ -74,6 +76,8 @@ pub struct Moe<B: Backend> {
     pub shared_expert: Option<Mlp<B>>,
     /// Sigmoid gate of the shared expert, `[1, hidden]`.
     pub shared_expert_gate: Option<Linear<B>>,
+    /// Where each routed expert's record lives on disk: what a resident set reads.
+    pub source: Box<LayerSource>,
 }
 
 /// Feed-forward block of a layer.
@@ -150,15 +154,17 @@ impl<B: Backend> Loader<'_, B> {
     }
 
     /// The routed experts of decoder layer `layer`: from its expert store when the model
-    /// directory has one, else the checkpoint tensors under `{prefix}.experts`.
+    /// directory has one, else the checkpoint tensors under `{prefix}.experts`; and
+    /// where each expert's record sits in its file.
     pub fn routed_experts(
         &self,
         layer: usize,
         prefix: &str,
         names: [&'static str; 3],
-    ) -> Result<Experts<B>, Error> {
+    ) -> Result<(Experts<B>, LayerSource), Error> {
         let Some(stores) = self.stores else {
-            return Ok(Experts::Dense(self.experts(prefix, names)?));
+            let source = self.expert_source(prefix, names)?;
+            return Ok((Experts::Dense(self.experts(prefix, names)?), source));
         };
         let store = stores.get(&layer).expect("a store for every MoE layer");
         let c = self.config;
@@ -177,9 +183,64 @@ impl<B: Backend> Loader<'_, B> {
                 found: vec![found.0, found.1, found.2],
             });
         }
-        Ok(Experts::Stored {
-            store: store.clone(),
-            layer,
+        let source = LayerSource {
+            format: RecordFormat::Affine(*layout),
+            experts: (0..c.moe.num_experts)
+                .map(|e| {
+                    let index = store.record_index(layer, e).expect("checked above");
+                    vec![Extent {
+                        file: store.path().to_path_buf(),
+                        offset: layout.record_offset(index),
+                        len: layout.record_size,
+                    }]
+                })
+                .collect(),
+        };
+        Ok((
+            Experts::Stored {
+                store: store.clone(),
+                layer,
+            },
+            source,
+        ))
+    }
+
+    /// Where the checkpoint keeps each routed expert under `{prefix}.experts`.
+    fn expert_source(&self, prefix: &str, names: [&'static str; 3]) -> Result<LayerSource, Error> {
+        let c = self.config;
+        let shape = ExpertShape {
+            experts: c.moe.num_experts,
+            hidden: c.hidden_size,
+            intermediate: c.moe.expert_intermediate,
+        };
+        let tensors = ExpertTensors::find(self.ckpt, prefix, names)?;
+        let mut dtype = None;
+        let mut experts = Vec::with_capacity(shape.experts);
+        for e in 0..shape.experts {
+            let mut runs = Vec::with_capacity(3);
+            for p in 0..3 {
+                let (extent, dt) = tensors.extent(self.ckpt, &shape, e, p)?;
+                if *dtype.get_or_insert(dt) != dt {
+                    return Err(Error::TensorDtype {
+                        path: extent.file,
+                        tensor: format!("{prefix}.experts ({e}, projection {p})"),
+                        dtype: format!(
+                            "{dt:?}, while other experts of the layer are {:?}",
+                            dtype.unwrap()
+                        ),
+                    });
+                }
+                runs.push(extent);
+            }
+            experts.push(runs);
+        }
+        Ok(LayerSource {
+            format: RecordFormat::Dense {
+                dtype: dtype.unwrap_or(safetensors::Dtype::F32),
+                hidden: shape.hidden,
+                intermediate: shape.intermediate,
+            },
+            experts,
         })
     }
 

@@ -142,13 +142,22 @@ impl ExpertStore {
             "record {index} of {}",
             self.num_records()
         );
-        let bytes = self.record_bytes(index);
-        let [gate, up, down] = self
-            .layout
-            .matrices
-            .map(|m| view(bytes, &m, self.layout.bits));
-        ExpertRecord { gate, up, down }
+        record_view(&self.layout, self.record_bytes(index))
     }
+}
+
+/// A record of `layout` held anywhere (a resident slot, say), viewed in place.
+///
+/// # Panics
+/// If `bytes` is shorter than a record or not aligned to 4 bytes.
+pub fn record_view<'a>(layout: &Layout, bytes: &'a [u8]) -> ExpertRecord<'a> {
+    assert!(
+        bytes.len() >= layout.record_size,
+        "a record is {} bytes",
+        layout.record_size
+    );
+    let [gate, up, down] = layout.matrices.map(|m| view(bytes, &m, layout.bits));
+    ExpertRecord { gate, up, down }
 }
 
 /// One projection of a record, in place.

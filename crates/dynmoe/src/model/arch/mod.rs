@@ -73,6 +73,7 @@ pub fn layer_with<B: Backend>(
                     ),
                     _ => (None, None),
                 };
+            let (experts, source) = ld.routed_experts(i, &prefix, names.projections)?;
             Ffn::Moe(Moe {
                 gate: ld.linear(
                     &format!("{prefix}.{}", names.router),
@@ -80,9 +81,10 @@ pub fn layer_with<B: Backend>(
                     c.hidden_size,
                     false,
                 )?,
-                experts: ld.routed_experts(i, &prefix, names.projections)?,
+                experts,
                 shared_expert,
                 shared_expert_gate,
+                source: Box::new(source),
             })
         }
     };

@@ -1,0 +1,311 @@
+//! The resident-set flags every running command shares (`run`, `eval ppl`,
+//! `eval hitrate`, and later `chat` and `serve`), and `eval hitrate` itself.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use dynmoe::backend::Cpu;
+use dynmoe::calib::reap_saliency;
+use dynmoe::eval::hitrate::{self, Domain, HitrateOptions, HitrateReport};
+use dynmoe::eval::ppl::PplOptions;
+use dynmoe::model::LoadedModel;
+use dynmoe::residency::{Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount};
+
+use crate::{progress, read_text, ModelArgs};
+
+/// Whether the resident set follows the text.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum ModeArg {
+    /// Dynamic REAP: swaps at checkpoints.
+    Dynamic,
+    /// A fixed set: the K most salient experts of --calib.
+    Static,
+}
+
+/// Where non-resident experts live.
+#[derive(Clone, Copy, ValueEnum)]
+pub enum ReservoirArg {
+    /// A copy in host memory.
+    Ram,
+    /// The model's own files (checkpoint shard or expert store), read with pread.
+    Disk,
+}
+
+/// Resident expert sets. Without --resident-fraction/--resident-count (or at 1.0)
+/// every expert runs and nothing else here applies.
+#[derive(Args, Clone)]
+pub struct ResidencyArgs {
+    /// Share of each MoE layer's experts kept resident, in (0, 1].
+    #[arg(long)]
+    pub resident_fraction: Option<f32>,
+    /// Resident experts per MoE layer (instead of --resident-fraction).
+    #[arg(long, conflicts_with = "resident_fraction")]
+    pub resident_count: Option<usize>,
+    /// Follow the text (dynamic REAP) or keep a fixed set.
+    #[arg(long, value_enum, default_value = "dynamic")]
+    pub residency: ModeArg,
+    /// Where non-resident experts live.
+    #[arg(long, value_enum, default_value = "ram")]
+    pub reservoir: ReservoirArg,
+    /// Routed tokens between swap checkpoints.
+    #[arg(long, default_value_t = 256)]
+    pub swap_interval: usize,
+    /// Exchanges per checkpoint (and the fewest qualifying pairs for any to happen).
+    #[arg(long, default_value_t = 4)]
+    pub max_swaps: usize,
+    /// Relative margin an incoming expert's rank must beat the outgoing one's by.
+    #[arg(long, default_value_t = 0.05)]
+    pub swap_margin: f32,
+    /// Half-lives of the two routing averages, in tokens.
+    #[arg(long, value_delimiter = ',', default_values_t = [100.0, 1000.0])]
+    pub half_lives: Vec<f32>,
+    /// Threads reading incoming experts from the reservoir.
+    #[arg(long, default_value_t = 2)]
+    pub loader_threads: usize,
+    /// Calibration text for REAP saliency: the static set, and where a dynamic set
+    /// starts (without it a dynamic set starts from the lowest expert ids).
+    #[arg(long)]
+    pub calib: Option<PathBuf>,
+    /// Calibration chunks of 512 tokens.
+    #[arg(long, default_value_t = 8)]
+    pub calib_chunks: usize,
+}
+
+impl ResidencyArgs {
+    /// The configuration, or `None` when every expert stays resident.
+    pub fn config(&self) -> Result<Option<ResidencyConfig>> {
+        let resident = match (self.resident_fraction, self.resident_count) {
+            (Some(f), _) if f >= 1.0 => return Ok(None),
+            (Some(f), _) => ResidentCount::Fraction(f),
+            (None, Some(k)) => ResidentCount::Count(k),
+            (None, None) => return Ok(None),
+        };
+        if self.half_lives.len() != 2 {
+            bail!("--half-lives takes two values, got {:?}", self.half_lives);
+        }
+        if self.swap_margin.is_nan() || self.swap_margin < 0.0 {
+            bail!("--swap-margin must be >= 0, got {}", self.swap_margin);
+        }
+        Ok(Some(ResidencyConfig {
+            resident,
+            mode: match self.residency {
+                ModeArg::Dynamic => Mode::Dynamic,
+                ModeArg::Static => Mode::Static,
+            },
+            reservoir: match self.reservoir {
+                ReservoirArg::Ram => ReservoirKind::Ram,
+                ReservoirArg::Disk => ReservoirKind::Disk,
+            },
+            policy: PolicyParams {
+                interval: self.swap_interval,
+                max_swaps: self.max_swaps,
+                margin: self.swap_margin,
+                half_lives: [self.half_lives[0], self.half_lives[1]],
+            },
+            loader_threads: self.loader_threads,
+        }))
+    }
+
+    /// Installs the resident sets these flags ask for on `m`; returns whether any.
+    pub fn install(&self, m: &mut LoadedModel<Cpu>) -> Result<Option<ResidencyConfig>> {
+        let Some(config) = self.config()? else {
+            return Ok(None);
+        };
+        if config.is_full(m.model.config.moe.num_experts) {
+            return Ok(None);
+        }
+        let initial = match &self.calib {
+            Some(path) => {
+                let text = read_text(path)?;
+                let bar = progress::bar("REAP saliency");
+                let s = reap_saliency(m, &text, 512, Some(self.calib_chunks), &mut |d, t| {
+                    progress::update(&bar, d, t)
+                })
+                .with_context(|| format!("calibrating on {}", path.display()))?;
+                bar.finish_and_clear();
+                s.ranking()
+            }
+            None if config.mode == Mode::Static => {
+                bail!("--residency static needs --calib TEXT to choose its experts")
+            }
+            None => BTreeMap::new(),
+        };
+        let reservoir = m.model.reservoir(config.reservoir)?;
+        let res = m.model.new_residency(reservoir, config, &initial)?;
+        m.model.set_residency(Some(res));
+        Ok(Some(config))
+    }
+}
+
+/// `eval hitrate` arguments.
+#[derive(Args)]
+pub struct HitrateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Test texts, one per domain, comma-separated (a domain is named after the file's
+    /// directory, or the file when that is ambiguous).
+    #[arg(long, value_delimiter = ',', required = true)]
+    domains: Vec<PathBuf>,
+    /// Calibration texts in the same order (default: the test texts themselves).
+    #[arg(long, value_delimiter = ',')]
+    calib_texts: Vec<PathBuf>,
+    #[command(flatten)]
+    residency: ResidencyArgs,
+    /// Chunk length.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// Test chunks per domain (default: all).
+    #[arg(long)]
+    chunks: Option<usize>,
+    /// Tokens per forward call in the dynamic runs.
+    #[arg(long, default_value_t = 32)]
+    micro_batch: usize,
+    /// Also write the JSON report here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn domain_names(paths: &[PathBuf]) -> Vec<String> {
+    let by_dir: Vec<String> = paths
+        .iter()
+        .map(|p| {
+            p.parent()
+                .and_then(|d| d.file_name())
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        })
+        .collect();
+    let unique = by_dir.iter().all(|n| !n.is_empty())
+        && by_dir
+            .iter()
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+            == by_dir.len();
+    if unique {
+        return by_dir;
+    }
+    paths.iter().map(|p| p.display().to_string()).collect()
+}
+
+/// `dynmoe eval hitrate`.
+pub fn cmd_hitrate(a: HitrateArgs) -> Result<()> {
+    let Some(config) = a.residency.config()? else {
+        bail!("eval hitrate needs --resident-fraction below 1 or --resident-count");
+    };
+    if !a.calib_texts.is_empty() && a.calib_texts.len() != a.domains.len() {
+        bail!(
+            "--calib-texts names {} files for {} --domains",
+            a.calib_texts.len(),
+            a.domains.len()
+        );
+    }
+    let names = domain_names(&a.domains);
+    let mut domains = Vec::new();
+    for (i, (name, test)) in names.iter().zip(&a.domains).enumerate() {
+        let calib = a.calib_texts.get(i).unwrap_or(test);
+        domains.push(Domain {
+            name: name.clone(),
+            calib: read_text(calib)?,
+            test: read_text(test)?,
+        });
+    }
+    let mut m = a.model.load()?;
+    let bar = progress::bar("hit rate");
+    let opts = HitrateOptions {
+        residency: config,
+        ppl: PplOptions {
+            ctx: a.ctx,
+            max_chunks: a.chunks,
+            micro_batch: Some(a.micro_batch),
+        },
+        calib_chunks: Some(a.residency.calib_chunks),
+    };
+    let report = hitrate::hitrate_grid(&mut m, &domains, opts, &mut |d, t, what| {
+        progress::update(&bar, d - 1, t);
+        bar.set_message(what.to_string());
+    })?;
+    bar.finish_and_clear();
+    let json = serde_json::to_string_pretty(&report)?;
+    if let Some(out) = &a.out {
+        dynmoe::store::atomic::write_file(out, json.as_bytes())
+            .with_context(|| format!("writing {}", out.display()))?;
+    }
+    if a.json {
+        println!("{json}");
+    } else {
+        print_grid(&report);
+    }
+    Ok(())
+}
+
+/// The grid as tables: rows are calibration domains, columns test domains.
+pub fn print_grid(r: &HitrateReport) {
+    let names: Vec<&str> = r
+        .cells
+        .iter()
+        .map(|c| c.test.as_str())
+        .take(r.full_ppl.len())
+        .collect();
+    println!(
+        "hit rate, static / dynamic, {} of {} experts resident (rows: calibrated on, columns: evaluated on)",
+        r.resident_per_layer, r.experts_per_layer
+    );
+    print!("{:<8}", "");
+    names.iter().for_each(|n| print!("{n:>16}"));
+    println!();
+    for row in r.cells.chunks(names.len()) {
+        print!("{:<8}", row[0].calib);
+        for c in row {
+            print!(
+                "{:>16}",
+                format!(
+                    "{:.1}/{:.1}",
+                    100.0 * c.static_.hit_rate,
+                    100.0 * c.dynamic.hit_rate
+                )
+            );
+        }
+        println!();
+    }
+    println!("perplexity, static / dynamic (full model in the last row)");
+    print!("{:<8}", "");
+    names.iter().for_each(|n| print!("{n:>16}"));
+    println!();
+    for row in r.cells.chunks(names.len()) {
+        print!("{:<8}", row[0].calib);
+        for c in row {
+            print!(
+                "{:>16}",
+                format!("{:.2}/{:.2}", c.static_.ppl, c.dynamic.ppl)
+            );
+        }
+        println!();
+    }
+    print!("{:<8}", "full");
+    names
+        .iter()
+        .for_each(|n| print!("{:>16}", format!("{:.2}", r.full_ppl[*n])));
+    println!();
+    print!("{:<8}", "ceiling");
+    for c in r.cells.iter().take(names.len()) {
+        print!(
+            "{:>16}",
+            format!("{:.1}", 100.0 * c.static_.oracle_hit_rate)
+        );
+    }
+    println!("   (each token's own best K experts; no set of K does better)");
+    let swaps: u64 = r.cells.iter().map(|c| c.dynamic.swaps).sum();
+    let bytes: u64 = r.cells.iter().map(|c| c.dynamic.bytes_moved).sum();
+    let tokens: u64 = r.cells.iter().map(|c| c.dynamic.tokens).sum();
+    let stalls: u64 = r.cells.iter().map(|c| c.dynamic.stalls).sum();
+    println!(
+        "dynamic: {swaps} swaps, {bytes} bytes moved ({:.0} per 1000 tokens), {stalls} stalls, over {tokens} tokens; {:.0} s",
+        bytes as f64 * 1000.0 / tokens.max(1) as f64,
+        r.seconds
+    );
+}

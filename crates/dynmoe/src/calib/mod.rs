@@ -1,0 +1,7 @@
+//! Calibration: hooks on the forward pass that measure what offline decisions need.
+//! [`reap`] computes REAP saliency, which ranks the experts a static resident set keeps
+//! and seeds a dynamic one.
+
+pub mod reap;
+
+pub use reap::{reap_saliency, Reap, Saliency};

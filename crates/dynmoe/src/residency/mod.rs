@@ -1,0 +1,476 @@
+//! Resident expert sets and dynamic REAP (DESIGN.md §7).
+//!
+//! Per MoE layer a fixed number K of slots holds the resident experts at the layer's
+//! codec, and routing is confined to them ([`set`]). Every token's unmasked routing
+//! probabilities feed two exponential averages per expert ([`policy`]); every
+//! `interval` routed tokens the policy picks up to `max_swaps` exchanges, the loader
+//! threads read the incoming experts from the [`reservoir`] (RAM, or the files they
+//! already live in) into spare slot buffers, and each exchange commits at the first
+//! token boundary after its data has arrived. A token never waits for a load: until
+//! the commit the outgoing expert keeps serving.
+//!
+//! One [`Residency`] belongs to a model and is shared by every sequence running on it:
+//! its state sits behind a mutex that a forward call holds from start to end, so
+//! commits happen only between forward calls.
+
+pub mod policy;
+pub mod reservoir;
+pub mod set;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use serde::Serialize;
+
+pub use policy::{plan_swaps, Evidence, PolicyParams};
+pub use reservoir::{Buffer, LayerSource, Loaded, Loader, RecordFormat, Reservoir, ReservoirKind};
+pub use set::{confine, LayerSet};
+
+use crate::backend::Backend;
+
+/// What can go wrong setting up residency.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An option or a combination of them that cannot work.
+    #[error("residency: {0}")]
+    Config(String),
+    /// A reservoir file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+}
+
+/// Whether the resident set follows the text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Dynamic REAP: swaps at checkpoints.
+    Dynamic,
+    /// A fixed set (static REAP when it comes from a calibration).
+    Static,
+}
+
+/// How many experts per layer are resident.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ResidentCount {
+    /// A share of each layer's experts, rounded to the nearest count.
+    Fraction(f32),
+    /// A count per layer.
+    Count(usize),
+}
+
+/// Everything a resident set is run with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ResidencyConfig {
+    /// Resident experts per layer.
+    pub resident: ResidentCount,
+    /// Dynamic or static.
+    pub mode: Mode,
+    /// Where non-resident experts live.
+    pub reservoir: ReservoirKind,
+    /// The swap policy.
+    pub policy: PolicyParams,
+    /// Loader threads.
+    pub loader_threads: usize,
+}
+
+impl Default for ResidencyConfig {
+    fn default() -> Self {
+        ResidencyConfig {
+            resident: ResidentCount::Fraction(1.0),
+            mode: Mode::Dynamic,
+            reservoir: ReservoirKind::Ram,
+            policy: PolicyParams::default(),
+            loader_threads: 2,
+        }
+    }
+}
+
+impl ResidencyConfig {
+    /// Resident experts per layer of `experts`, at least `top_k`.
+    pub fn count(&self, experts: usize, top_k: usize) -> Result<usize, Error> {
+        let k = match self.resident {
+            ResidentCount::Fraction(f) => {
+                if f.is_nan() || f <= 0.0 || f > 1.0 {
+                    return Err(Error::Config(format!(
+                        "resident fraction {f} is not in (0, 1]"
+                    )));
+                }
+                (f as f64 * experts as f64).round() as usize
+            }
+            ResidentCount::Count(k) => k,
+        };
+        if k < top_k || k > experts {
+            return Err(Error::Config(format!(
+                "{k} resident experts per layer: routing picks {top_k} of {experts}, so between {top_k} and {experts} must be resident"
+            )));
+        }
+        if self.mode == Mode::Dynamic && self.policy.interval == 0 {
+            return Err(Error::Config("swap interval 0".into()));
+        }
+        if self
+            .policy
+            .half_lives
+            .iter()
+            .any(|h| !h.is_finite() || *h <= 0.0)
+        {
+            return Err(Error::Config("half-lives must be positive".into()));
+        }
+        Ok(k)
+    }
+
+    /// Whether every expert would be resident (nothing to do).
+    pub fn is_full(&self, experts: usize) -> bool {
+        match self.resident {
+            ResidentCount::Fraction(f) => f >= 1.0,
+            ResidentCount::Count(k) => k >= experts,
+        }
+    }
+}
+
+/// Counters of a residency run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Counters {
+    /// Tokens routed (per layer, so one per token).
+    pub tokens: u64,
+    /// Checkpoints reached.
+    pub checkpoints: u64,
+    /// Loads issued to the loader.
+    pub loads_issued: u64,
+    /// Exchanges committed.
+    pub swaps: u64,
+    /// Loads that failed (the outgoing expert stayed).
+    pub loads_failed: u64,
+    /// Bytes read out of the reservoir by committed loads.
+    pub bytes_moved: u64,
+    /// Seconds the loader threads spent reading them.
+    pub read_seconds: f64,
+    /// Bytes read to fill the slots at the start (not swaps).
+    pub initial_fill_bytes: u64,
+    /// Loads still in flight when the next checkpoint came: keeping the schedule would
+    /// have made a token wait.
+    pub stalls: u64,
+    /// Token boundaries at which a load was still in flight, so the outgoing expert
+    /// served one more token (no token waited).
+    pub late_boundaries: u64,
+}
+
+/// What a residency run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct ResidencyReport {
+    /// Dynamic or static.
+    pub mode: Mode,
+    /// Where non-resident experts live.
+    pub reservoir: ReservoirKind,
+    /// Experts per MoE layer.
+    pub experts_per_layer: usize,
+    /// Resident slots per MoE layer.
+    pub resident_per_layer: usize,
+    /// Spare slots per MoE layer, for loads in flight.
+    pub spare_slots_per_layer: usize,
+    /// Bytes of every slot buffer, resident and spare, over all layers.
+    pub slot_bytes: usize,
+    /// Bytes the reservoir holds in RAM (0 on disk).
+    pub reservoir_ram_bytes: usize,
+    /// Unmasked routing probability on resident experts over all of it.
+    pub hit_rate: f64,
+    /// The same per MoE layer.
+    pub hit_rate_per_layer: BTreeMap<usize, f64>,
+    /// The ceiling of any set of K: probability on each token's own K most probable
+    /// experts, over all of it.
+    pub oracle_hit_rate: f64,
+    /// Counters.
+    #[serde(flatten)]
+    pub counters: Counters,
+    /// Bytes moved per 1000 routed tokens.
+    pub bytes_moved_per_1000_tokens: f64,
+    /// Bytes moved per second of reading, MB/s.
+    pub read_bandwidth_mb_s: f64,
+    /// The policy.
+    pub policy: PolicyParams,
+    /// The first failed load's error, if any.
+    pub first_load_error: Option<String>,
+}
+
+struct Inner<B: Backend> {
+    layers: BTreeMap<usize, LayerSet<B>>,
+    loader: Option<Loader>,
+    /// Loads that arrived while waiting for them outside a forward call.
+    arrived: Vec<Loaded>,
+    since_checkpoint: usize,
+    counters: Counters,
+    first_error: Option<String>,
+}
+
+/// The resident sets of a model's MoE layers, and everything that changes them.
+pub struct Residency<B: Backend> {
+    config: ResidencyConfig,
+    k: usize,
+    spare: usize,
+    experts: usize,
+    reservoir: Arc<Reservoir>,
+    inner: Mutex<Inner<B>>,
+}
+
+/// A forward call's hold on the resident sets (see [`Residency::begin`]).
+pub struct Step<'a, B: Backend> {
+    residency: &'a Residency<B>,
+    inner: MutexGuard<'a, Inner<B>>,
+}
+
+impl<B: Backend> Residency<B> {
+    /// Resident sets over `reservoir` for MoE layers of `experts` experts routing
+    /// `top_k`: the first K of `initial[layer]` (a ranking, best first; experts
+    /// `0..K` where absent), read into the slots here.
+    pub fn new(
+        b: &B,
+        reservoir: Arc<Reservoir>,
+        layers: &[usize],
+        experts: usize,
+        top_k: usize,
+        config: ResidencyConfig,
+        initial: &BTreeMap<usize, Vec<u32>>,
+    ) -> Result<Residency<B>, Error> {
+        let k = config.count(experts, top_k)?;
+        let spare = match config.mode {
+            Mode::Dynamic => config.policy.max_swaps,
+            Mode::Static => 0,
+        };
+        let mut counters = Counters::default();
+        let mut sets = BTreeMap::new();
+        let mut scratch = Vec::new();
+        for &layer in layers {
+            let format = reservoir.format(layer);
+            let mut chosen: Vec<u32> = Vec::with_capacity(k);
+            for &e in initial.get(&layer).into_iter().flatten() {
+                if (e as usize) >= experts {
+                    return Err(Error::Config(format!(
+                        "layer {layer}: initial expert {e} of {experts}"
+                    )));
+                }
+                if chosen.len() < k && !chosen.contains(&e) {
+                    chosen.push(e);
+                }
+            }
+            for e in 0..experts as u32 {
+                if chosen.len() < k && !chosen.contains(&e) {
+                    chosen.push(e);
+                }
+            }
+            let mut buffers = Vec::with_capacity(k);
+            for &e in &chosen {
+                let mut buf = format.buffer();
+                counters.initial_fill_bytes +=
+                    reservoir.read(layer, e as usize, &mut buf, &mut scratch)? as u64;
+                buffers.push(buf);
+            }
+            let spares = (0..spare).map(|_| format.buffer()).collect();
+            let evidence = Evidence::new(experts, config.policy.half_lives);
+            sets.insert(
+                layer,
+                LayerSet::new(b, format, experts, &chosen, buffers, spares, evidence),
+            );
+        }
+        let loader = (config.mode == Mode::Dynamic)
+            .then(|| Loader::new(reservoir.clone(), config.loader_threads));
+        Ok(Residency {
+            config,
+            k,
+            spare,
+            experts,
+            reservoir,
+            inner: Mutex::new(Inner {
+                layers: sets,
+                loader,
+                arrived: Vec::new(),
+                since_checkpoint: 0,
+                counters,
+                first_error: None,
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ResidencyConfig {
+        &self.config
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner<B>> {
+        // A panic mid-forward leaves consistent sets (commits are whole), so a
+        // poisoned lock is still usable.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes the sets for one forward call: a token boundary, so every load that has
+    /// arrived is committed first.
+    pub fn begin(&self, b: &B) -> Step<'_, B> {
+        let mut inner = self.lock();
+        let inner_ref = &mut *inner;
+        let mut arrived = std::mem::take(&mut inner_ref.arrived);
+        if let Some(loader) = &inner_ref.loader {
+            arrived.extend(loader.ready());
+        }
+        for loaded in arrived {
+            let set = inner_ref
+                .layers
+                .get_mut(&loaded.layer)
+                .expect("a resident layer");
+            let i = set
+                .in_flight
+                .iter()
+                .position(|&(_, inc)| inc == loaded.expert)
+                .expect("a load that was issued");
+            let (out, inc) = set.in_flight.swap_remove(i);
+            match loaded.result {
+                Ok(bytes) => {
+                    let freed = set.commit(b, out, inc, loaded.buffer);
+                    set.spares.push(freed);
+                    inner_ref.counters.swaps += 1;
+                    inner_ref.counters.bytes_moved += bytes as u64;
+                    inner_ref.counters.read_seconds += loaded.seconds;
+                }
+                Err(e) => {
+                    set.spares.push(loaded.buffer);
+                    inner_ref.counters.loads_failed += 1;
+                    inner_ref.first_error.get_or_insert(e);
+                }
+            }
+        }
+        let waiting: usize = inner_ref.layers.values().map(|s| s.in_flight.len()).sum();
+        if waiting > 0 {
+            inner_ref.counters.late_boundaries += 1;
+        }
+        Step {
+            residency: self,
+            inner,
+        }
+    }
+
+    /// Blocks until every load in flight has arrived. They still commit only at the
+    /// next token boundary ([`begin`](Self::begin)).
+    pub fn wait_loads(&self) {
+        let mut inner = self.lock();
+        let inner = &mut *inner;
+        let waiting: usize = inner.layers.values().map(|s| s.in_flight.len()).sum();
+        let Some(loader) = &inner.loader else { return };
+        let pending = waiting - inner.arrived.len();
+        for _ in 0..pending {
+            inner.arrived.push(loader.wait());
+        }
+    }
+
+    /// The resident experts of every MoE layer, ascending.
+    pub fn resident_sets(&self) -> BTreeMap<usize, Vec<u32>> {
+        self.lock()
+            .layers
+            .iter()
+            .map(|(&l, s)| (l, s.residents()))
+            .collect()
+    }
+
+    /// Loads issued and not committed, per layer, `(outgoing, incoming)`.
+    pub fn in_flight(&self) -> BTreeMap<usize, Vec<(u32, u32)>> {
+        self.lock()
+            .layers
+            .iter()
+            .map(|(&l, s)| (l, s.in_flight.clone()))
+            .collect()
+    }
+
+    /// Zeroes the counters and hit rates (the sets and the evidence stay).
+    pub fn reset_counters(&self) {
+        let mut inner = self.lock();
+        inner.counters = Counters::default();
+        for s in inner.layers.values_mut() {
+            s.hit = 0.0;
+            s.mass = 0.0;
+            s.oracle = 0.0;
+        }
+    }
+
+    /// What the run so far measured.
+    pub fn report(&self) -> ResidencyReport {
+        let inner = self.lock();
+        let (hit, mass, oracle) = inner.layers.values().fold((0.0, 0.0, 0.0), |(h, m, o), s| {
+            (h + s.hit, m + s.mass, o + s.oracle)
+        });
+        let c = inner.counters.clone();
+        ResidencyReport {
+            mode: self.config.mode,
+            reservoir: self.reservoir.kind(),
+            experts_per_layer: self.experts,
+            resident_per_layer: self.k,
+            spare_slots_per_layer: self.spare,
+            slot_bytes: inner.layers.values().map(|s| s.slot_bytes()).sum(),
+            reservoir_ram_bytes: self.reservoir.ram_bytes(),
+            hit_rate: hit / mass.max(f64::MIN_POSITIVE),
+            oracle_hit_rate: oracle / mass.max(f64::MIN_POSITIVE),
+            hit_rate_per_layer: inner
+                .layers
+                .iter()
+                .map(|(&l, s)| (l, s.hit / s.mass.max(f64::MIN_POSITIVE)))
+                .collect(),
+            bytes_moved_per_1000_tokens: c.bytes_moved as f64 * 1000.0 / (c.tokens.max(1)) as f64,
+            read_bandwidth_mb_s: c.bytes_moved as f64 / 1e6 / c.read_seconds.max(1e-12),
+            counters: c,
+            policy: self.config.policy,
+            first_load_error: inner.first_error.clone(),
+        }
+    }
+}
+
+impl<B: Backend> Step<'_, B> {
+    /// The set of decoder layer `layer`, if it is a MoE layer.
+    pub fn layer(&mut self, layer: usize) -> Option<&mut LayerSet<B>> {
+        self.inner.layers.get_mut(&layer)
+    }
+
+    /// Whether routing feeds the evidence.
+    pub fn tracks(&self) -> bool {
+        self.residency.config.mode == Mode::Dynamic
+    }
+
+    /// Ends the forward call after `tokens` routed tokens: at a checkpoint, plans the
+    /// exchanges of every layer and hands their loads to the loader threads.
+    pub fn finish(mut self, tokens: usize) {
+        let inner = &mut *self.inner;
+        inner.counters.tokens += tokens as u64;
+        let Some(loader) = &inner.loader else { return };
+        let p = self.residency.config.policy;
+        inner.since_checkpoint += tokens;
+        if inner.since_checkpoint < p.interval {
+            return;
+        }
+        inner.since_checkpoint = 0;
+        inner.counters.checkpoints += 1;
+        for (&layer, set) in inner.layers.iter_mut() {
+            if !set.in_flight.is_empty() {
+                // The last checkpoint's loads have not all arrived: this layer plans
+                // nothing new, and the schedule has slipped.
+                inner.counters.stalls += set.in_flight.len() as u64;
+                continue;
+            }
+            let plan = plan_swaps(&set.evidence.ranks(), &set.resident, &set.frozen, &p);
+            set.frozen.iter_mut().for_each(|f| *f = false);
+            for (out, inc) in plan {
+                let Some(buffer) = set.spares.pop() else {
+                    break;
+                };
+                set.frozen[out as usize] = true;
+                set.frozen[inc as usize] = true;
+                set.in_flight.push((out, inc));
+                inner.counters.loads_issued += 1;
+                loader.submit(reservoir::Job {
+                    layer,
+                    expert: inc,
+                    buffer,
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,422 @@
+//! Where non-resident experts live, and the loader threads that bring them into a spare
+//! slot without the decode loop waiting.
+//!
+//! A record is whatever one expert is at its layer's codec: for a checkpoint layer the
+//! three projections as stored (bf16, f16 or f32), widened to f32 in the slot; for an
+//! expert-store layer the whole affine record (codes, scales, biases), copied as is.
+//! The reservoir holds every record in RAM, or reads it from the file it already lives
+//! in (the checkpoint shard, or the expert store itself) with `pread`.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use safetensors::tensor::Dtype;
+use serde::Serialize;
+
+use super::Error;
+use crate::model::checkpoint::{float_size, widen};
+use crate::model::experts::Extent;
+use crate::store::Layout;
+
+/// Where the reservoir keeps non-resident experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReservoirKind {
+    /// A copy of every record in host memory.
+    Ram,
+    /// The files the records already live in, read with `pread`.
+    Disk,
+}
+
+/// How one layer's records are encoded.
+// One per layer and copied freely; boxing the layout would buy nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RecordFormat {
+    /// Gate, up and down in a float dtype: `[i, h]`, `[i, h]`, `[h, i]`.
+    Dense {
+        /// Dtype as stored.
+        dtype: Dtype,
+        /// Residual width.
+        hidden: usize,
+        /// Expert width.
+        intermediate: usize,
+    },
+    /// A record of an expert store.
+    Affine(Layout),
+}
+
+impl RecordFormat {
+    /// Bytes of one record as stored.
+    pub fn record_bytes(&self) -> usize {
+        match *self {
+            RecordFormat::Dense {
+                dtype,
+                hidden,
+                intermediate,
+            } => 3 * hidden * intermediate * float_size(dtype).expect("a float dtype"),
+            RecordFormat::Affine(l) => l.record_size,
+        }
+    }
+
+    /// An empty slot buffer for one record.
+    pub fn buffer(&self) -> Buffer {
+        match *self {
+            RecordFormat::Dense {
+                hidden,
+                intermediate,
+                ..
+            } => Buffer::F32(vec![0.0; 3 * hidden * intermediate]),
+            RecordFormat::Affine(l) => Buffer::Words(vec![0; l.record_size.div_ceil(4)]),
+        }
+    }
+}
+
+/// The data of one slot: f32 weights (gate, up, down back to back) or the words of an
+/// affine record (kept as u32 so the codes can be viewed in place).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Buffer {
+    /// Widened weights.
+    F32(Vec<f32>),
+    /// A record's bytes.
+    Words(Vec<u32>),
+}
+
+impl Buffer {
+    /// The record bytes of an affine slot.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Buffer::Words(w) => words_as_bytes(w),
+            Buffer::F32(_) => panic!("a dense slot has no record bytes"),
+        }
+    }
+}
+
+fn words_as_bytes(w: &[u32]) -> &[u8] {
+    // SAFETY: u8 has no alignment requirement and every u32 is four valid bytes.
+    unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * 4) }
+}
+
+fn words_as_bytes_mut(w: &mut [u32]) -> &mut [u8] {
+    // SAFETY: as above; every byte pattern is a valid u32.
+    unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr().cast::<u8>(), w.len() * 4) }
+}
+
+/// Where each expert of one layer is: its format and, per expert, the runs of bytes
+/// that make its record (three for a dense layer, one for an affine record).
+#[derive(Debug, Clone)]
+pub struct LayerSource {
+    /// The layer's records.
+    pub format: RecordFormat,
+    /// Per expert, the runs in record order.
+    pub experts: Vec<Vec<Extent>>,
+}
+
+struct LayerReservoir {
+    format: RecordFormat,
+    /// Per expert, runs as (file index, offset, length).
+    runs: Vec<Vec<(usize, u64, usize)>>,
+    /// Per expert, the record's bytes (RAM reservoir).
+    ram: Vec<Vec<u8>>,
+}
+
+/// Files kept open by a disk reservoir, shared by all layers.
+struct Files {
+    paths: Vec<PathBuf>,
+    files: Vec<File>,
+}
+
+impl Files {
+    fn index(&mut self, path: &Path) -> Result<usize, Error> {
+        if let Some(i) = self.paths.iter().position(|p| p == path) {
+            return Ok(i);
+        }
+        let file = File::open(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        self.paths.push(path.to_path_buf());
+        self.files.push(file);
+        Ok(self.files.len() - 1)
+    }
+}
+
+/// Every non-resident expert, in RAM or on disk; shared with the loader threads.
+pub struct Reservoir {
+    kind: ReservoirKind,
+    layers: BTreeMap<usize, LayerReservoir>,
+    files: Vec<File>,
+    paths: Vec<PathBuf>,
+}
+
+impl Reservoir {
+    /// A reservoir of `kind` over `sources` (by decoder layer). A RAM reservoir reads
+    /// every record once, here; a disk reservoir only checks that each run lies inside
+    /// its file.
+    pub fn open(
+        kind: ReservoirKind,
+        sources: &BTreeMap<usize, LayerSource>,
+    ) -> Result<Reservoir, Error> {
+        let mut files = Files {
+            paths: Vec::new(),
+            files: Vec::new(),
+        };
+        let mut layers = BTreeMap::new();
+        for (&layer, src) in sources {
+            let mut runs = Vec::with_capacity(src.experts.len());
+            for (e, extents) in src.experts.iter().enumerate() {
+                let total: usize = extents.iter().map(|x| x.len).sum();
+                if total != src.format.record_bytes() {
+                    return Err(Error::Config(format!(
+                        "layer {layer} expert {e}: {total} bytes of record, the format has {}",
+                        src.format.record_bytes()
+                    )));
+                }
+                let mut r = Vec::new();
+                for x in extents {
+                    let i = files.index(&x.file)?;
+                    let size = files.files[i]
+                        .metadata()
+                        .map_err(|source| Error::Io {
+                            path: x.file.clone(),
+                            source,
+                        })?
+                        .len();
+                    if x.offset + x.len as u64 > size {
+                        return Err(Error::Io {
+                            path: x.file.clone(),
+                            source: std::io::Error::new(
+                                std::io::ErrorKind::UnexpectedEof,
+                                format!(
+                                    "layer {layer} expert {e} needs bytes {}..{}, the file has {size}",
+                                    x.offset,
+                                    x.offset + x.len as u64
+                                ),
+                            ),
+                        });
+                    }
+                    r.push((i, x.offset, x.len));
+                }
+                runs.push(r);
+            }
+            layers.insert(
+                layer,
+                LayerReservoir {
+                    format: src.format,
+                    runs,
+                    ram: Vec::new(),
+                },
+            );
+        }
+        let mut shared = Reservoir {
+            kind,
+            layers,
+            files: files.files,
+            paths: files.paths,
+        };
+        if kind == ReservoirKind::Ram {
+            let keys: Vec<usize> = shared.layers.keys().copied().collect();
+            for layer in keys {
+                let n = shared.layers[&layer].runs.len();
+                let mut ram = Vec::with_capacity(n);
+                for e in 0..n {
+                    ram.push(shared.read_raw(layer, e)?);
+                }
+                shared.layers.get_mut(&layer).expect("layer").ram = ram;
+            }
+        }
+        Ok(shared)
+    }
+
+    /// Where the records live.
+    pub fn kind(&self) -> ReservoirKind {
+        self.kind
+    }
+
+    /// The record format of `layer`.
+    pub fn format(&self, layer: usize) -> RecordFormat {
+        self.layers[&layer].format
+    }
+
+    /// Bytes the reservoir holds in RAM.
+    pub fn ram_bytes(&self) -> usize {
+        self.layers
+            .values()
+            .flat_map(|l| l.ram.iter().map(Vec::len))
+            .sum()
+    }
+
+    /// A record's bytes as stored, read from its files.
+    fn read_raw(&self, layer: usize, e: usize) -> Result<Vec<u8>, Error> {
+        let l = &self.layers[&layer];
+        let mut out = vec![0u8; l.format.record_bytes()];
+        self.pread(&l.runs[e], &mut out)?;
+        Ok(out)
+    }
+
+    fn pread(&self, runs: &[(usize, u64, usize)], out: &mut [u8]) -> Result<(), Error> {
+        let mut at = 0;
+        for &(f, offset, len) in runs {
+            self.files[f]
+                .read_exact_at(&mut out[at..at + len], offset)
+                .map_err(|source| Error::Io {
+                    path: self.paths[f].clone(),
+                    source,
+                })?;
+            at += len;
+        }
+        Ok(())
+    }
+
+    /// Reads expert `e` of `layer` into `buf` (a buffer of the layer's format) and
+    /// returns the bytes moved out of the reservoir. `scratch` holds a dense record's
+    /// stored bytes on their way to f32.
+    pub fn read(
+        &self,
+        layer: usize,
+        e: usize,
+        buf: &mut Buffer,
+        scratch: &mut Vec<u8>,
+    ) -> Result<usize, Error> {
+        let l = &self.layers[&layer];
+        let n = l.format.record_bytes();
+        let ram = self.kind == ReservoirKind::Ram;
+        match (l.format, buf) {
+            (RecordFormat::Affine(_), Buffer::Words(w)) => {
+                let dst = &mut words_as_bytes_mut(w)[..n];
+                if ram {
+                    dst.copy_from_slice(&l.ram[e]);
+                } else {
+                    self.pread(&l.runs[e], dst)?;
+                }
+            }
+            (RecordFormat::Dense { dtype, .. }, Buffer::F32(f)) => {
+                let src: &[u8] = if ram {
+                    &l.ram[e]
+                } else {
+                    scratch.resize(n, 0);
+                    self.pread(&l.runs[e], scratch)?;
+                    scratch
+                };
+                widen(dtype, src, f);
+            }
+            _ => panic!("a slot buffer of another format for layer {layer}"),
+        }
+        Ok(n)
+    }
+}
+
+/// A request to fill `buffer` with expert `expert` of `layer`.
+pub struct Job {
+    /// Decoder layer.
+    pub layer: usize,
+    /// Expert id.
+    pub expert: u32,
+    /// A spare slot buffer, handed to the loader and back.
+    pub buffer: Buffer,
+}
+
+/// A finished [`Job`].
+pub struct Loaded {
+    /// Decoder layer.
+    pub layer: usize,
+    /// Expert id.
+    pub expert: u32,
+    /// The buffer, filled if `result` is `Ok`.
+    pub buffer: Buffer,
+    /// Bytes read, or why the read failed.
+    pub result: Result<usize, String>,
+    /// Seconds the read took.
+    pub seconds: f64,
+}
+
+/// A pool of loader threads reading the reservoir into spare slots.
+pub struct Loader {
+    jobs: Option<Sender<Job>>,
+    done: Receiver<Loaded>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Loader {
+    /// `threads` loader threads (at least one) over `reservoir`.
+    pub fn new(reservoir: Arc<Reservoir>, threads: usize) -> Loader {
+        let (jobs, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        let (tx, done) = mpsc::channel();
+        let threads = (0..threads.max(1))
+            .map(|i| {
+                let (rx, tx, res) = (rx.clone(), tx.clone(), reservoir.clone());
+                std::thread::Builder::new()
+                    .name(format!("dynmoe-loader-{i}"))
+                    .spawn(move || {
+                        let mut scratch = Vec::new();
+                        loop {
+                            // The lock is held only while taking a job, not while reading.
+                            let job = rx.lock().expect("loader queue").recv();
+                            let Ok(mut job) = job else { return };
+                            let t = Instant::now();
+                            let result = res
+                                .read(
+                                    job.layer,
+                                    job.expert as usize,
+                                    &mut job.buffer,
+                                    &mut scratch,
+                                )
+                                .map_err(|e| e.to_string());
+                            let loaded = Loaded {
+                                layer: job.layer,
+                                expert: job.expert,
+                                buffer: job.buffer,
+                                result,
+                                seconds: t.elapsed().as_secs_f64(),
+                            };
+                            if tx.send(loaded).is_err() {
+                                return;
+                            }
+                        }
+                    })
+                    .expect("spawning a loader thread")
+            })
+            .collect();
+        Loader {
+            jobs: Some(jobs),
+            done,
+            threads,
+        }
+    }
+
+    /// Queues a load.
+    pub fn submit(&self, job: Job) {
+        self.jobs
+            .as_ref()
+            .expect("loader running")
+            .send(job)
+            .expect("loader threads alive");
+    }
+
+    /// Every load finished so far, without waiting.
+    pub fn ready(&self) -> Vec<Loaded> {
+        self.done.try_iter().collect()
+    }
+
+    /// The next finished load, waiting for it (tests and draining only; the forward
+    /// pass never waits).
+    pub fn wait(&self) -> Loaded {
+        self.done.recv().expect("loader threads alive")
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        self.jobs.take();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

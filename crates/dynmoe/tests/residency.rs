@@ -1,0 +1,326 @@
+//! Resident expert sets on real fixtures: confined routing against a model that only
+//! has the resident experts, the reservoir's records against the checkpoint and the
+//! stores, swaps committing only at token boundaries, and a decode run from disk.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use dynmoe::backend::Cpu;
+use dynmoe::model::checkpoint::Checkpoint;
+use dynmoe::model::experts::{ExpertShape, ExpertTensors};
+use dynmoe::model::{self, ExpertBits};
+use dynmoe::residency::{
+    Buffer, Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount,
+};
+use dynmoe::runtime::generate::{generate_ids, Sampling};
+use dynmoe::testing::{fixture, rel_err, TempDir};
+use safetensors::tensor::TensorView;
+
+/// Resident experts of tiny-moe (8 experts, top-2, 2 layers) used below: a different
+/// half in each layer.
+fn residents() -> BTreeMap<usize, Vec<u32>> {
+    BTreeMap::from([(0, vec![1, 2, 5, 7]), (1, vec![0, 3, 4, 6])])
+}
+
+fn config(mode: Mode, k: usize, reservoir: ReservoirKind) -> ResidencyConfig {
+    ResidencyConfig {
+        resident: ResidentCount::Count(k),
+        mode,
+        reservoir,
+        policy: PolicyParams::default(),
+        loader_threads: 2,
+    }
+}
+
+/// A copy of the tiny-moe checkpoint that has only `keep[layer]` as its experts
+/// (renumbered in ascending order) and the matching router rows: routing over it is
+/// a softmax over exactly those experts' logits.
+fn subset_model(keep: &BTreeMap<usize, Vec<u32>>) -> TempDir {
+    let src = fixture("tiny-moe");
+    let dir = TempDir::new("residency-subset");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dir.path(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let k = keep[&0].len();
+    cfg["num_local_experts"] = k.into();
+    std::fs::write(dir.path("config.json"), cfg.to_string()).unwrap();
+
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, t) in st.tensors() {
+        let parts: Vec<&str> = name.split('.').collect();
+        if name.contains(".mlp.experts.") {
+            let layer: usize = parts[2].parse().unwrap();
+            let e: u32 = parts[5].parse().unwrap();
+            if let Some(i) = keep[&layer].iter().position(|&x| x == e) {
+                let renamed = format!("model.layers.{layer}.mlp.experts.{i}.{}.weight", parts[6]);
+                out.push((renamed, t.dtype(), t.shape().to_vec(), t.data().to_vec()));
+            }
+        } else if name.ends_with(".mlp.gate.weight") {
+            let layer: usize = parts[2].parse().unwrap();
+            let row = t.shape()[1] * 2;
+            let data: Vec<u8> = keep[&layer]
+                .iter()
+                .flat_map(|&e| t.data()[e as usize * row..(e as usize + 1) * row].to_vec())
+                .collect();
+            out.push((name, t.dtype(), vec![k, t.shape()[1]], data));
+        } else {
+            out.push((name, t.dtype(), t.shape().to_vec(), t.data().to_vec()));
+        }
+    }
+    let views: Vec<(String, TensorView)> = out
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.path("model.safetensors")).unwrap();
+    dir
+}
+
+fn tokens(m: &model::LoadedModel<Cpu>) -> Vec<u32> {
+    m.tokenizer
+        .encode("The whale swam past the lighthouse while gulls argued over the harbour. 1 + 2 = 3; print(x)")
+        .unwrap()
+}
+
+fn logits(m: &model::LoadedModel<Cpu>, ids: &[u32]) -> Vec<f32> {
+    let mut state = m.model.new_state(ids.len());
+    m.model.forward(&mut state, ids, 0).unwrap()
+}
+
+/// With a static set, the forward pass equals that of a model whose non-resident
+/// experts do not exist, for the bf16 checkpoint and for its 4- and 2-bit stores,
+/// from a RAM and a disk reservoir.
+#[test]
+fn static_set_equals_a_model_of_only_the_residents() {
+    let keep = residents();
+    let sub = subset_model(&keep);
+    let full_conv = TempDir::new("residency-full-conv");
+    let sub_conv = TempDir::new("residency-sub-conv");
+    dynmoe::store::base::convert(&fixture("tiny-moe"), full_conv.dir(), &mut |_, _| {}).unwrap();
+    dynmoe::store::base::convert(sub.dir(), sub_conv.dir(), &mut |_, _| {}).unwrap();
+    let tiny = fixture("tiny-moe");
+    let cases: Vec<(&str, &Path, &Path, ExpertBits)> = vec![
+        ("bf16", &tiny, sub.dir(), ExpertBits::default()),
+        (
+            "4-bit",
+            full_conv.dir(),
+            sub_conv.dir(),
+            ExpertBits::default(),
+        ),
+        (
+            "2-bit",
+            full_conv.dir(),
+            sub_conv.dir(),
+            ExpertBits {
+                default: Some(2),
+                ..ExpertBits::default()
+            },
+        ),
+    ];
+    for (label, full, subset, bits) in cases {
+        let want_m = model::load_with(subset, Cpu::fast(), &bits).unwrap();
+        let ids = tokens(&want_m);
+        let want = logits(&want_m, &ids);
+        for kind in [ReservoirKind::Ram, ReservoirKind::Disk] {
+            let mut m = model::load_with(full, Cpu::fast(), &bits).unwrap();
+            let unconfined = logits(&m, &ids);
+            let reservoir = m.model.reservoir(kind).unwrap();
+            let res = m
+                .model
+                .new_residency(reservoir, config(Mode::Static, 4, kind), &keep)
+                .unwrap();
+            m.model.set_residency(Some(res));
+            let got = logits(&m, &ids);
+            let err = rel_err(&got, &want);
+            assert!(err < 1e-5, "{label} {kind:?}: rel err {err}");
+            // And confinement is not a no-op.
+            assert!(
+                rel_err(&unconfined, &want) > 1e-3,
+                "{label}: the residents changed nothing"
+            );
+            let r = m.model.residency().unwrap().report();
+            assert!(
+                r.hit_rate > 0.0 && r.hit_rate < 1.0,
+                "{label}: hit rate {}",
+                r.hit_rate
+            );
+            assert_eq!(r.counters.swaps, 0);
+            assert_eq!(m.model.residency().unwrap().resident_sets(), keep);
+        }
+    }
+}
+
+/// Every expert resident gives the unconfined forward pass.
+#[test]
+fn all_resident_equals_unconfined() {
+    let mut m = model::load(&fixture("tiny-moe"), Cpu::fast()).unwrap();
+    let ids = tokens(&m);
+    let want = logits(&m, &ids);
+    let reservoir = m.model.reservoir(ReservoirKind::Ram).unwrap();
+    let res = m
+        .model
+        .new_residency(
+            reservoir,
+            config(Mode::Static, 8, ReservoirKind::Ram),
+            &BTreeMap::new(),
+        )
+        .unwrap();
+    m.model.set_residency(Some(res));
+    let got = logits(&m, &ids);
+    assert!(rel_err(&got, &want) < 1e-6);
+    let r = m.model.residency().unwrap().report();
+    assert!((r.hit_rate - 1.0).abs() < 1e-9);
+}
+
+/// RAM and disk reservoirs deliver the same records: for a checkpoint, the
+/// checkpoint's own weights widened to f32; for a store, the store's record bytes.
+#[test]
+fn ram_and_disk_reservoirs_deliver_identical_records() {
+    let conv = TempDir::new("residency-records");
+    dynmoe::store::base::convert(&fixture("tiny-moe"), conv.dir(), &mut |_, _| {}).unwrap();
+    let ckpt = Checkpoint::open(&fixture("tiny-moe")).unwrap();
+    let shape = ExpertShape {
+        experts: 8,
+        hidden: 64,
+        intermediate: 64,
+    };
+    for (label, dir, bits) in [
+        ("bf16", fixture("tiny-moe"), None),
+        ("4-bit", conv.dir().to_path_buf(), None),
+        ("3-bit", conv.dir().to_path_buf(), Some(3)),
+    ] {
+        let m = model::load_with(
+            &dir,
+            Cpu::fast(),
+            &ExpertBits {
+                default: bits,
+                ..ExpertBits::default()
+            },
+        )
+        .unwrap();
+        let ram = m.model.reservoir(ReservoirKind::Ram).unwrap();
+        let disk = m.model.reservoir(ReservoirKind::Disk).unwrap();
+        assert!(ram.ram_bytes() > 0 && disk.ram_bytes() == 0);
+        let store = (label != "bf16")
+            .then(|| dynmoe::store::ExpertStore::open(&dir, bits.unwrap_or(4)).unwrap());
+        let mut scratch = Vec::new();
+        for layer in [0, 1] {
+            for e in 0..8 {
+                let mut a = ram.format(layer).buffer();
+                let mut b = disk.format(layer).buffer();
+                let na = ram.read(layer, e, &mut a, &mut scratch).unwrap();
+                let nb = disk.read(layer, e, &mut b, &mut scratch).unwrap();
+                assert_eq!(na, nb);
+                assert_eq!(a, b, "{label} layer {layer} expert {e}");
+                match (&a, &store) {
+                    (Buffer::F32(f), None) => {
+                        let t = ExpertTensors::find(
+                            &ckpt,
+                            &format!("model.layers.{layer}.mlp"),
+                            ["gate_proj", "up_proj", "down_proj"],
+                        )
+                        .unwrap();
+                        let want: Vec<f32> = (0..3)
+                            .flat_map(|p| t.matrix(&ckpt, &shape, e, p).unwrap().0)
+                            .collect();
+                        assert_eq!(f, &want, "{label} layer {layer} expert {e}");
+                        assert_eq!(na, want.len() * 2, "bf16 bytes moved");
+                    }
+                    (Buffer::Words(_), Some(s)) => {
+                        let idx = s.record_index(layer, e).unwrap();
+                        assert_eq!(&a.bytes()[..na], s.record_bytes(idx), "{label} {layer} {e}");
+                    }
+                    _ => panic!("{label}: unexpected buffer kind"),
+                }
+            }
+        }
+    }
+}
+
+/// A swap's data arrives on a loader thread, but the set changes only at the next
+/// token boundary (the start of a forward call), and then the new expert serves.
+#[test]
+fn swaps_commit_only_at_a_token_boundary() {
+    for kind in [ReservoirKind::Ram, ReservoirKind::Disk] {
+        let mut m = model::load(&fixture("tiny-moe"), Cpu::fast()).unwrap();
+        let reservoir = m.model.reservoir(kind).unwrap();
+        let mut cfg = config(Mode::Dynamic, 4, kind);
+        // Any better-ranked non-resident qualifies, one pair at a time, every 8 tokens.
+        cfg.policy = PolicyParams {
+            interval: 8,
+            max_swaps: 1,
+            margin: 0.0,
+            half_lives: [4.0, 16.0],
+        };
+        let res = m
+            .model
+            .new_residency(reservoir, cfg, &BTreeMap::new())
+            .unwrap();
+        m.model.set_residency(Some(res));
+        let ids = tokens(&m);
+        let mut state = m.model.new_state(ids.len() + 1);
+        m.model.forward(&mut state, &ids[..8], 8).unwrap();
+        let r = m.model.residency().unwrap();
+        let flying = r.in_flight();
+        let issued: usize = flying.values().map(Vec::len).sum();
+        assert!(
+            issued > 0,
+            "{kind:?}: no swap planned; ranks never beat a resident?"
+        );
+        let before = r.resident_sets();
+        r.wait_loads();
+        // Loaded, not committed.
+        assert_eq!(r.resident_sets(), before);
+        assert_eq!(r.report().counters.swaps, 0);
+        // The next forward call is the boundary.
+        m.model.forward(&mut state, &ids[8..9], 1).unwrap();
+        let r = m.model.residency().unwrap();
+        let after = r.resident_sets();
+        for (layer, pairs) in &flying {
+            for &(out, inc) in pairs {
+                assert!(!after[layer].contains(&out) && after[layer].contains(&inc));
+            }
+            assert_eq!(after[layer].len(), 4, "the budget never grows");
+        }
+        let rep = r.report();
+        assert_eq!(rep.counters.swaps as usize, issued);
+        assert_eq!(rep.counters.bytes_moved as usize, issued * 3 * 64 * 64 * 2);
+    }
+}
+
+/// Decoding with the reservoir on disk: swaps happen, no load is still in flight at
+/// the checkpoint after it was issued (no stall), and the budget holds.
+#[test]
+fn decode_from_a_disk_reservoir_does_not_stall() {
+    let mut m = model::load(&fixture("tiny-moe"), Cpu::fast()).unwrap();
+    let reservoir = m.model.reservoir(ReservoirKind::Disk).unwrap();
+    let mut cfg = config(Mode::Dynamic, 4, ReservoirKind::Disk);
+    cfg.policy.interval = 16;
+    cfg.policy.max_swaps = 1;
+    let res = m
+        .model
+        .new_residency(reservoir, cfg, &BTreeMap::new())
+        .unwrap();
+    m.model.set_residency(Some(res));
+    let ids = tokens(&m);
+    let sampling = Sampling {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 7,
+    };
+    let g = generate_ids(&m, &ids, 300, sampling, &[], &mut |_| {}).unwrap();
+    assert_eq!(g.tokens.len(), 300);
+    let r = m.model.residency().unwrap().report();
+    assert_eq!(r.counters.stalls, 0, "{r:?}");
+    assert!(r.counters.checkpoints >= 18);
+    assert_eq!(r.counters.loads_failed, 0);
+    assert!(r.counters.swaps > 0, "{r:?}");
+    assert_eq!(r.resident_per_layer, 4);
+    for set in m.model.residency().unwrap().resident_sets().values() {
+        assert_eq!(set.len(), 4);
+    }
+}
