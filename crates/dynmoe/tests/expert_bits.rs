@@ -141,6 +141,7 @@ fn kl_divergence_to_bf16_is_zero_for_itself_and_grows_as_bits_fall() {
     let opts = PplOptions {
         ctx: 128,
         max_chunks: Some(4),
+        ..PplOptions::default()
     };
     let full = model::load(&root().join("fixtures/models/tiny-moe"), Cpu::fast()).unwrap();
     let same = kl_divergence(&full, &full, &text, opts).unwrap();

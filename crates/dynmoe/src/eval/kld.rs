@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use super::ppl::{nll, PplError, PplOptions};
+use super::ppl::{chunk, chunking, forward_in_steps, nll, PplError, PplOptions};
 use crate::backend::Backend;
 use crate::model::LoadedModel;
 
@@ -58,7 +58,9 @@ fn argmax(row: &[f32]) -> usize {
 
 /// Runs `model` and `reference` over the chunks perplexity would score (llama.cpp's
 /// chunking, [`super::ppl`]) and compares their distributions at every scored position.
-/// Both models must share the tokenizer.
+/// Both models must share the tokenizer. `opts.micro_batch` applies to `model` (a
+/// dynamic resident set changes between its forward calls); the reference runs each
+/// chunk in one call.
 pub fn kl_divergence<B: Backend, R: Backend>(
     model: &LoadedModel<B>,
     reference: &LoadedModel<R>,
@@ -66,30 +68,17 @@ pub fn kl_divergence<B: Backend, R: Backend>(
     opts: PplOptions,
 ) -> Result<KldReport, PplError> {
     let ctx = opts.ctx;
-    if ctx < 4 || !ctx.is_multiple_of(2) {
-        return Err(PplError::BadCtx(ctx));
-    }
-    let tokens = model.tokenizer.encode(text)?;
-    if tokens.len() < 2 * ctx {
-        return Err(PplError::TooShort {
-            tokens: tokens.len(),
-            ctx,
-        });
-    }
-    let chunks = (tokens.len() / ctx).min(opts.max_chunks.unwrap_or(usize::MAX));
+    let (tokens, chunks) = chunking(model, text, opts)?;
     let first = ctx / 2;
     let vocab = model.model.config.vocab_size;
     let mut state = model.model.new_state(ctx);
     let mut ref_state = reference.model.new_state(ctx);
     let (mut kld, mut agree, mut nll_m, mut nll_r, mut n) = (0.0, 0usize, 0.0, 0.0, 0usize);
     for c in 0..chunks {
-        let mut chunk = tokens[c * ctx..(c + 1) * ctx].to_vec();
-        if let Some(bos) = model.tokenizer.bos {
-            chunk[0] = bos;
-        }
+        let chunk = chunk(model, &tokens, c, ctx);
         state.clear();
         ref_state.clear();
-        let logits = model.model.forward(&mut state, &chunk, first)?;
+        let logits = forward_in_steps(model, &mut state, &chunk, first, opts.micro_batch)?;
         let ref_logits = reference.model.forward(&mut ref_state, &chunk, first)?;
         for r in 0..ctx - 1 - first {
             let row = &logits[r * vocab..(r + 1) * vocab];

@@ -88,30 +88,14 @@ pub fn perplexity<B: Backend>(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<PplReport, PplError> {
     let ctx = opts.ctx;
-    if ctx < 4 || !ctx.is_multiple_of(2) {
-        return Err(PplError::BadCtx(ctx));
-    }
-    let tokens = m.tokenizer.encode(text)?;
-    if tokens.len() < 2 * ctx {
-        return Err(PplError::TooShort {
-            tokens: tokens.len(),
-            ctx,
-        });
-    }
-    let mut chunks = tokens.len() / ctx;
-    if let Some(max) = opts.max_chunks {
-        chunks = chunks.min(max);
-    }
+    let (tokens, chunks) = chunking(m, text, opts)?;
     let first = ctx / 2;
     let vocab = m.model.config.vocab_size;
     let mut state = m.model.new_state(ctx);
     let (mut sum, mut sum_sq, mut count) = (0.0f64, 0.0f64, 0usize);
     let start = std::time::Instant::now();
     for c in 0..chunks {
-        let mut chunk = tokens[c * ctx..(c + 1) * ctx].to_vec();
-        if let Some(bos) = m.tokenizer.bos {
-            chunk[0] = bos;
-        }
+        let chunk = chunk(m, &tokens, c, ctx);
         state.clear();
         let logits = forward_in_steps(m, &mut state, &chunk, first, opts.micro_batch)?;
         // Row r holds the logits at position first + r, predicting token first + r + 1.
@@ -146,8 +130,44 @@ pub fn perplexity<B: Backend>(
     })
 }
 
+/// The text tokenised once and the number of whole chunks of `opts.ctx` tokens to
+/// evaluate, after checking that at least one can be scored.
+pub(crate) fn chunking<B: Backend>(
+    m: &LoadedModel<B>,
+    text: &str,
+    opts: PplOptions,
+) -> Result<(Vec<u32>, usize), PplError> {
+    let ctx = opts.ctx;
+    if ctx < 4 || !ctx.is_multiple_of(2) {
+        return Err(PplError::BadCtx(ctx));
+    }
+    let tokens = m.tokenizer.encode(text)?;
+    if tokens.len() < 2 * ctx {
+        return Err(PplError::TooShort {
+            tokens: tokens.len(),
+            ctx,
+        });
+    }
+    let chunks = (tokens.len() / ctx).min(opts.max_chunks.unwrap_or(usize::MAX));
+    Ok((tokens, chunks))
+}
+
+/// Chunk `c`: its `ctx` tokens, the first replaced by BOS when the tokenizer uses one.
+pub(crate) fn chunk<B: Backend>(
+    m: &LoadedModel<B>,
+    tokens: &[u32],
+    c: usize,
+    ctx: usize,
+) -> Vec<u32> {
+    let mut chunk = tokens[c * ctx..(c + 1) * ctx].to_vec();
+    if let Some(bos) = m.tokenizer.bos {
+        chunk[0] = bos;
+    }
+    chunk
+}
+
 /// The logits of `tokens[from..]`, running `tokens` in calls of `step` tokens.
-fn forward_in_steps<B: Backend>(
+pub(crate) fn forward_in_steps<B: Backend>(
     m: &LoadedModel<B>,
     state: &mut crate::model::State<B>,
     tokens: &[u32],
