@@ -3,7 +3,7 @@
 //! The modules follow the data flow: [`model`] loads a Hugging Face checkpoint and runs
 //! its forward pass against a [`backend::Backend`]; [`eval`] measures it
 //! (llama.cpp-compatible perplexity, parameter and byte accounting); [`runtime`]
-//! generates text.
+//! generates text; [`serve`] answers OpenAI-style HTTP requests.
 //!
 //! ```no_run
 //! use dynmoe::backend::Cpu;
@@ -21,5 +21,6 @@ pub mod codec;
 pub mod eval;
 pub mod model;
 pub mod runtime;
+pub mod serve;
 pub mod store;
 pub mod testing;
