@@ -444,7 +444,7 @@ fn models_health_and_metrics_answer() {
 }
 
 #[test]
-fn a_dropped_stream_frees_its_sequence_at_once() {
+fn a_client_that_disconnects_frees_its_sequence_at_once() {
     let s = server_with(|o| o.context = LONG + 16);
     let body = json!({"prompt": "The whale", "max_tokens": LONG, "temperature": 0.8, "seed": 3, "stream": true});
     let resp = open_stream(&s, "/v1/completions", &body);
@@ -464,6 +464,21 @@ fn a_dropped_stream_frees_its_sequence_at_once() {
         metric(&s, "dynmoe_generated_tokens_total") < LONG as f64,
         "generation ran on to the end"
     );
+
+    // A client that gives up on a whole (unstreamed) reply frees its sequence too.
+    let impatient: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_millis(300)))
+        .build()
+        .into();
+    let body = json!({"prompt": "The whale", "max_tokens": LONG, "temperature": 0.8, "seed": 3});
+    let gave_up = impatient
+        .post(url(&s, "/v1/completions"))
+        .header("Content-Type", "application/json")
+        .send(body.to_string());
+    assert!(gave_up.is_err(), "the reply came within the timeout");
+    wait_for(&s, "dynmoe_active_sequences", 0.0, Duration::from_secs(5));
+    assert_eq!(metric(&s, "dynmoe_requests_cancelled_total"), 2.0);
+
     let v = greedy_completion(&s, "The whale", 4);
     assert_eq!(v["choices"][0]["index"], 0);
 }
@@ -482,6 +497,12 @@ fn concurrent_greedy_requests_equal_the_same_requests_one_at_a_time() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
+    assert!(
+        one_at_a_time
+            .iter()
+            .all(|c| c["text"].as_str().is_some_and(|t| t.len() > 8)),
+        "replies too short to compare: {one_at_a_time:?}"
+    );
     assert_eq!(together, one_at_a_time);
     assert_eq!(
         metric(&s, "dynmoe_requests_completed_total"),
