@@ -241,7 +241,10 @@ struct Report {
 }
 
 fn main() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .expect("the repository root");
     let o = options(&root);
     let prompts: Vec<String> = ["en", "code", "zh", "math", "json"]
         .iter()
