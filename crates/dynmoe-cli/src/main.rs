@@ -3,6 +3,7 @@
 mod demo;
 mod progress;
 mod residency;
+mod serve;
 mod store;
 
 use std::path::{Path, PathBuf};
@@ -27,6 +28,10 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt.
     Run(RunArgs),
+    /// Chat in the terminal: one message per line on stdin, replies streamed.
+    Chat(serve::ChatArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
     /// Evaluate a model.
     #[command(subcommand)]
     Eval(EvalCommand),
@@ -124,6 +129,18 @@ struct RunArgs {
     /// Tokens to generate.
     #[arg(short = 'n', long, default_value_t = 64)]
     max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    #[command(flatten)]
+    residency: residency::ResidencyArgs,
+    /// Print a JSON report instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Sampler settings shared by `run` and `chat`.
+#[derive(Args)]
+pub(crate) struct SamplingArgs {
     /// Sampling temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
@@ -136,11 +153,24 @@ struct RunArgs {
     /// Sampler seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    #[command(flatten)]
-    residency: residency::ResidencyArgs,
-    /// Print a JSON report instead of streaming text.
-    #[arg(long)]
-    json: bool,
+}
+
+impl SamplingArgs {
+    /// The settings, refused when out of range.
+    pub(crate) fn checked(&self) -> Result<Sampling> {
+        if self.top_p.is_nan() || self.top_p <= 0.0 || self.top_p > 1.0 {
+            anyhow::bail!("--top-p must be in (0, 1], got {}", self.top_p);
+        }
+        if self.temperature.is_nan() || self.temperature < 0.0 {
+            anyhow::bail!("--temperature must be >= 0, got {}", self.temperature);
+        }
+        Ok(Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        })
+    }
 }
 
 #[derive(Args)]
@@ -180,6 +210,8 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(a) => cmd_run(a),
+        Command::Chat(a) => serve::chat(a),
+        Command::Serve(a) => serve::serve(a),
         Command::Eval(EvalCommand::Ppl(a)) => cmd_ppl(a),
         Command::Eval(EvalCommand::Hitrate(a)) => residency::cmd_hitrate(a),
         Command::Inspect(a) => cmd_inspect(a),
@@ -208,20 +240,9 @@ pub(crate) fn read_text(path: &Path) -> Result<String> {
 }
 
 fn cmd_run(a: RunArgs) -> Result<()> {
-    if a.top_p.is_nan() || a.top_p <= 0.0 || a.top_p > 1.0 {
-        anyhow::bail!("--top-p must be in (0, 1], got {}", a.top_p);
-    }
-    if a.temperature.is_nan() || a.temperature < 0.0 {
-        anyhow::bail!("--temperature must be >= 0, got {}", a.temperature);
-    }
+    let sampling = a.sampling.checked()?;
     let mut m = a.model.load()?;
     a.residency.install(&mut m)?;
-    let sampling = Sampling {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        seed: a.seed,
-    };
     let json = a.json;
     let mut print = |piece: &str| {
         if !json {

@@ -228,3 +228,107 @@ fn ensure_without_a_converted_model_names_the_missing_file() {
     let err = failure_of(&["store", "ensure", "--model", tiny, "--bits", "7"]);
     assert!(err.contains("7-bit"), "{err}");
 }
+
+/// Runs `dynmoe chat` with `input` piped to stdin.
+fn chat_with(input: &str, extra: &[&str]) -> Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dynmoe"))
+        .args(["chat", "--model", &tiny(), "-n", "12"])
+        .args(extra)
+        .current_dir(root())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    // A refusal can exit before reading stdin; the exit status tells.
+    let _ = child.stdin.take().unwrap().write_all(input.as_bytes());
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn chat_reads_piped_lines_keeps_history_and_reports_speed() {
+    use dynmoe::backend::Cpu;
+    use dynmoe::runtime::chat::{stop_tokens, ChatTemplate, Message};
+    use dynmoe::runtime::generate::{generate_ids, Sampling};
+
+    let out = chat_with("Hello there\n\nWrite a loop\n", &["--system", "Be brief."]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The same conversation through the library, greedy: the second reply is generated
+    // with the first exchange in the prompt.
+    let m = dynmoe::model::load(&root().join("fixtures/models/tiny-moe"), Cpu::fast()).unwrap();
+    let template = ChatTemplate::for_tokenizer(&m.tokenizer).unwrap();
+    let stop = stop_tokens(&m.tokenizer, &m.model.config.eos_token_ids);
+    let mut history = vec![Message::new("system", "Be brief.")];
+    let mut expected = String::new();
+    for user in ["Hello there", "Write a loop"] {
+        history.push(Message::new("user", user));
+        let ids = m
+            .tokenizer
+            .encode(&template.render(&history).unwrap())
+            .unwrap();
+        let g = generate_ids(&m, &ids, 12, Sampling::default(), &stop, &mut |_| {}).unwrap();
+        expected.push_str(&g.text);
+        expected.push('\n');
+        history.push(Message::new("assistant", &g.text));
+    }
+    assert_eq!(String::from_utf8_lossy(&out.stdout), expected);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let status_lines: Vec<&str> = stderr.lines().filter(|l| l.contains("tok/s")).collect();
+    assert_eq!(status_lines.len(), 2, "{stderr}");
+    assert!(status_lines[0].starts_with('['), "{stderr}");
+}
+
+#[test]
+fn chat_refuses_bad_sampling_before_loading() {
+    let out = chat_with("hi\n", &["--top-p", "0"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--top-p"));
+}
+
+#[test]
+fn serve_answers_on_the_printed_address_and_stops_on_sigterm() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dynmoe"))
+        .args(["serve", "--model", &tiny(), "--port", "0", "--name", "tiny"])
+        .current_dir(root())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let url = loop {
+        let line = lines.next().expect("an address line").unwrap();
+        if let Some(rest) = line.strip_prefix("dynmoe serving tiny on ") {
+            break rest.to_string();
+        }
+    };
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let models = agent
+        .get(format!("{url}/v1/models"))
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap();
+    let v: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(v["data"][0]["id"], "tiny");
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = child.wait().unwrap();
+    assert!(
+        status.success(),
+        "SIGTERM should shut down cleanly: {status}"
+    );
+}

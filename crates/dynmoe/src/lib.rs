@@ -4,7 +4,9 @@
 //! its forward pass against a [`backend::Backend`]; [`eval`] measures it
 //! (llama.cpp-compatible perplexity, routing hit rate, parameter and byte
 //! accounting); [`calib`] hooks the forward for REAP saliency; [`residency`] keeps a
-//! resident expert set per layer that follows the text; [`runtime`] generates text.
+//! resident expert set per layer that follows the text; [`alloc`] decides per layer
+//! the codec and the resident count under a byte budget; [`runtime`] generates text;
+//! [`serve`] answers OpenAI-style HTTP requests.
 //!
 //! ```no_run
 //! use dynmoe::backend::Cpu;
@@ -25,5 +27,6 @@ pub mod eval;
 pub mod model;
 pub mod residency;
 pub mod runtime;
+pub mod serve;
 pub mod store;
 pub mod testing;

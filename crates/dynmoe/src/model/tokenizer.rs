@@ -108,6 +108,16 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// The id of a token written exactly as `text` (special tokens included).
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        self.inner.token_to_id(text)
+    }
+
+    /// The vocabulary entry of `id`.
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     /// Text of `ids`, special tokens dropped.
     pub fn decode(&self, ids: &[u32]) -> Result<String, Error> {
         self.inner.decode(ids, true).map_err(|e| Error::Tokenizer {

@@ -4,11 +4,11 @@
 use serde::Serialize;
 
 use crate::backend::Backend;
-use crate::model::{Error, LoadedModel};
+use crate::model::{Error, LoadedModel, Tokenizer};
 use crate::testing::Rng;
 
 /// Sampling parameters.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sampling {
     /// 0 means greedy.
     pub temperature: f32,
@@ -167,40 +167,104 @@ pub fn generate_ids<B: Backend>(
     let prefill = t0.elapsed().as_secs_f64();
 
     let t1 = std::time::Instant::now();
-    let mut out: Vec<u32> = Vec::new();
-    // Text already handed to on_token; decoding the whole output each time keeps
-    // characters split across tokens whole.
-    let mut shown = 0;
+    let mut out = TextStream::default();
     let mut stopped_at_eos = false;
-    while out.len() < max_tokens {
+    while out.tokens().len() < max_tokens {
         let next = sampler.sample(&logits[..vocab]);
         if stop.contains(&next) {
             stopped_at_eos = true;
             break;
         }
-        out.push(next);
-        let text = m.tokenizer.decode(&out)?;
-        if text.len() > shown && text.is_char_boundary(shown) && !text.ends_with('\u{FFFD}') {
-            on_token(&text[shown..]);
-            shown = text.len();
+        out.push(&m.tokenizer, next)?;
+        let piece = out.take(0);
+        if !piece.is_empty() {
+            on_token(piece);
         }
-        if out.len() < max_tokens {
+        if out.tokens().len() < max_tokens {
             logits = m.model.forward(&mut state, &[next], 0)?;
         }
     }
     let decode = t1.elapsed().as_secs_f64();
-    let text = m.tokenizer.decode(&out)?;
-    if text.len() > shown && text.is_char_boundary(shown) {
-        on_token(&text[shown..]);
+    let rest = out.take_rest();
+    if !rest.is_empty() {
+        on_token(rest);
     }
     Ok(Generation {
-        text,
+        text: out.text().to_string(),
         prompt_tokens: ids.len(),
         prefill_tokens_per_second: ids.len() as f64 / prefill.max(1e-9),
-        decode_tokens_per_second: out.len() as f64 / decode.max(1e-9),
-        tokens: out,
+        decode_tokens_per_second: out.tokens().len() as f64 / decode.max(1e-9),
+        tokens: out.tokens().to_vec(),
         stopped_at_eos,
     })
+}
+
+/// Generated tokens turned into text as they arrive. The whole output is decoded
+/// again after each token, so a character split across tokens comes out whole; text
+/// is handed out only up to a complete character.
+#[derive(Debug, Default)]
+pub struct TextStream {
+    tokens: Vec<u32>,
+    text: String,
+    /// Bytes of `text` already taken.
+    shown: usize,
+}
+
+impl TextStream {
+    /// Appends a token and decodes the output again.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<(), Error> {
+        self.tokens.push(id);
+        self.text = tok.decode(&self.tokens)?;
+        // A later token can rewrite earlier text (a merged character); never hand
+        // out less than was already shown.
+        if !self.text.is_char_boundary(self.shown.min(self.text.len())) {
+            self.shown = self.text.len();
+        }
+        Ok(())
+    }
+
+    /// Tokens so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// All text so far.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Bytes of the text already taken.
+    pub fn shown(&self) -> usize {
+        self.shown
+    }
+
+    /// Text not yet taken, keeping back its last `hold` bytes (a possible start of a
+    /// stop sequence); nothing while the text ends inside a character.
+    pub fn take(&mut self, hold: usize) -> &str {
+        if self.text.ends_with('\u{FFFD}') || self.shown > self.text.len() {
+            return "";
+        }
+        let mut end = self.text.len().saturating_sub(hold).max(self.shown);
+        while !self.text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let from = self.shown;
+        self.shown = end;
+        &self.text[from..end]
+    }
+
+    /// Everything not yet taken, up to byte `end` of the text (the start of a stop
+    /// sequence, or its length).
+    pub fn take_until(&mut self, end: usize) -> &str {
+        let from = self.shown.min(end);
+        self.shown = self.shown.max(end);
+        &self.text[from..end]
+    }
+
+    /// Everything not yet taken.
+    pub fn take_rest(&mut self) -> &str {
+        self.take_until(self.text.len())
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,177 @@
+//! `dynmoe serve` (the OpenAI-compatible HTTP server) and `dynmoe chat` (a terminal
+//! conversation); both share the runtime's chat template and generation loop.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use dynmoe::runtime::chat::{self, ChatTemplate, Message};
+use dynmoe::runtime::generate::generate_ids;
+use dynmoe::serve::engine::EngineOptions;
+use dynmoe::serve::{self, ServeOptions};
+
+use crate::{ModelArgs, SamplingArgs};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Model id served in /v1/models and expected in requests (default: the
+    /// directory's name).
+    #[arg(long)]
+    name: Option<String>,
+    /// Sequences generated at the same time.
+    #[arg(long, default_value_t = 4)]
+    max_seqs: usize,
+    /// Requests that may wait for a free sequence; more are answered 429.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    /// Positions per sequence (prompt and reply); default: the model's
+    /// max_position_embeddings.
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// max_tokens of a request that gives none.
+    #[arg(long, default_value_t = 256)]
+    default_max_tokens: usize,
+    /// Request bodies larger than this are refused with 413.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+}
+
+pub fn serve(a: ServeArgs) -> Result<()> {
+    if a.max_seqs == 0 {
+        anyhow::bail!("--max-seqs must be at least 1");
+    }
+    let m = a.model.load()?;
+    let name = match a.name {
+        Some(n) => n,
+        None => dir_name(&a.model.model),
+    };
+    let mut opts = ServeOptions::for_model(&m, &name);
+    opts.context = a.ctx.unwrap_or(opts.context);
+    opts.default_max_tokens = a.default_max_tokens;
+    opts.max_body_bytes = a.max_body_bytes;
+    opts.engine = EngineOptions {
+        max_sequences: a.max_seqs,
+        queue_capacity: a.queue,
+    };
+    let addr = format!("{}:{}", a.host, a.port);
+    serve::run(
+        Arc::new(m),
+        opts,
+        &addr,
+        |bound| eprintln!("dynmoe serving {name} on http://{bound}"),
+        serve::interrupted(),
+    )?;
+    Ok(())
+}
+
+fn dir_name(dir: &std::path::Path) -> String {
+    dir.canonicalize()
+        .ok()
+        .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "model".into())
+}
+
+#[derive(Args)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// A system message opening the conversation.
+    #[arg(long)]
+    system: Option<String>,
+    /// Tokens per reply at most.
+    #[arg(short = 'n', long, default_value_t = 256)]
+    max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+}
+
+/// Reads one user message per line from stdin, prints each reply as it is generated
+/// and a status line on stderr. `/reset` forgets the conversation.
+pub fn chat(a: ChatArgs) -> Result<()> {
+    let sampling = a.sampling.checked()?;
+    let m = a.model.load()?;
+    let template = ChatTemplate::for_tokenizer(&m.tokenizer)?;
+    let stop = chat::stop_tokens(&m.tokenizer, &m.model.config.eos_token_ids);
+    let ctx = m.model.config.max_position_embeddings;
+    let interactive = std::io::stdin().is_terminal();
+    if interactive {
+        eprintln!(
+            "chatting with {} ({} template); /reset forgets, Ctrl-D ends",
+            m.dir.display(),
+            template.origin()
+        );
+    }
+    let opening: Vec<Message> = a.system.iter().map(|s| Message::new("system", s)).collect();
+    let mut history = opening.clone();
+    let mut out = std::io::stdout();
+    let mut turn = 0u64;
+    let prompt_mark = || {
+        if interactive {
+            eprint!("> ");
+        }
+    };
+    prompt_mark();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.context("reading stdin")?;
+        let line = line.trim();
+        if line.is_empty() {
+            prompt_mark();
+            continue;
+        }
+        if line == "/reset" {
+            history = opening.clone();
+            eprintln!("[conversation reset]");
+            prompt_mark();
+            continue;
+        }
+        history.push(Message::new("user", line));
+        // Forget the oldest exchanges until the prompt and a full reply fit.
+        let ids = loop {
+            let ids = m.tokenizer.encode(&template.render(&history)?)?;
+            if ids.len() + a.max_tokens <= ctx {
+                break Some(ids);
+            }
+            let first = opening.len();
+            if history.len() - first <= 1 {
+                break None;
+            }
+            history.drain(first..(first + 2).min(history.len() - 1));
+        };
+        let Some(ids) = ids else {
+            eprintln!(
+                "[that message does not fit in the context of {ctx} tokens with a {}-token reply]",
+                a.max_tokens
+            );
+            history.pop();
+            prompt_mark();
+            continue;
+        };
+        let mut s = sampling;
+        s.seed = sampling.seed.wrapping_add(turn);
+        turn += 1;
+        let g = generate_ids(&m, &ids, a.max_tokens, s, &stop, &mut |piece| {
+            print!("{piece}");
+            let _ = out.flush();
+        })?;
+        println!();
+        eprintln!(
+            "[{} tokens at {:.1} tok/s; prompt {} tokens at {:.1} tok/s]",
+            g.tokens.len(),
+            g.decode_tokens_per_second,
+            g.prompt_tokens,
+            g.prefill_tokens_per_second
+        );
+        history.push(Message::new("assistant", &g.text));
+        prompt_mark();
+    }
+    Ok(())
+}

@@ -1,0 +1,196 @@
+//! Chat prompts: a conversation rendered through the model's Jinja chat template
+//! (`tokenizer_config.json`), shared by `dynmoe chat` and the HTTP server.
+//!
+//! Templates are Hugging Face's: Jinja run by minijinja with Python string methods
+//! (`.strip()`, `.startswith()`, ...) and `raise_exception`, as transformers provides them.
+//! A model whose tokenizer config has no template gets [`CHATML`], the format the
+//! project's fixtures and the Qwen family use.
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::Tokenizer;
+
+/// The template used when a model has none: ChatML, each turn between `<|im_start|>`
+/// and `<|im_end|>`.
+pub const CHATML: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+/// Tokens that end an assistant turn in the common chat formats (ChatML, Llama 3,
+/// Phi); those the vocabulary has stop generation alongside the EOS tokens.
+const END_OF_TURN: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end|>"];
+
+/// One turn of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// What was said.
+    pub content: String,
+}
+
+impl Message {
+    /// A message with this role and content.
+    pub fn new(role: &str, content: &str) -> Message {
+        Message {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// Why a template could not be compiled or rendered.
+#[derive(Debug, thiserror::Error)]
+#[error("chat template ({origin}): {reason}")]
+pub struct TemplateError {
+    /// `tokenizer_config.json` or `default ChatML`.
+    pub origin: &'static str,
+    /// What minijinja or the template said.
+    pub reason: String,
+}
+
+/// A compiled chat template with the special tokens templates refer to.
+pub struct ChatTemplate {
+    env: minijinja::Environment<'static>,
+    origin: &'static str,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl ChatTemplate {
+    /// The tokenizer's template, or [`CHATML`] when it has none.
+    pub fn for_tokenizer(tok: &Tokenizer) -> Result<ChatTemplate, TemplateError> {
+        let (source, origin) = match &tok.chat_template {
+            Some(t) => (t.clone(), "tokenizer_config.json"),
+            None => (CHATML.to_string(), "default ChatML"),
+        };
+        let text_of = |id: Option<u32>| id.and_then(|i| tok.token_text(i)).unwrap_or_default();
+        ChatTemplate::new(
+            source,
+            origin,
+            text_of(tok.bos),
+            text_of(tok.eos.first().copied()),
+        )
+    }
+
+    /// Compiles `source`; `origin` names where it came from in errors.
+    pub fn new(
+        source: String,
+        origin: &'static str,
+        bos_token: String,
+        eos_token: String,
+    ) -> Result<ChatTemplate, TemplateError> {
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<(), minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template_owned("chat", source)
+            .map_err(|e| TemplateError {
+                origin,
+                reason: e.to_string(),
+            })?;
+        Ok(ChatTemplate {
+            env,
+            origin,
+            bos_token,
+            eos_token,
+        })
+    }
+
+    /// Where the template came from: `tokenizer_config.json` or `default ChatML`.
+    pub fn origin(&self) -> &'static str {
+        self.origin
+    }
+
+    /// The prompt text for `messages`, ending with the opening of the assistant's turn.
+    pub fn render(&self, messages: &[Message]) -> Result<String, TemplateError> {
+        let tmpl = self.env.get_template("chat").map_err(|e| self.error(e))?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => true,
+            bos_token => self.bos_token,
+            eos_token => self.eos_token,
+        })
+        .map_err(|e| self.error(e))
+    }
+
+    fn error(&self, e: minijinja::Error) -> TemplateError {
+        let mut reason = e.to_string();
+        let mut source = std::error::Error::source(&e);
+        while let Some(s) = source {
+            reason.push_str(&format!(": {s}"));
+            source = s.source();
+        }
+        TemplateError {
+            origin: self.origin,
+            reason,
+        }
+    }
+}
+
+/// Tokens that end generation in a chat: the tokenizer's and the config's EOS tokens,
+/// and the end-of-turn markers the vocabulary has.
+pub fn stop_tokens(tok: &Tokenizer, config_eos: &[u32]) -> Vec<u32> {
+    let mut ids: Vec<u32> = tok.eos.iter().chain(config_eos).copied().collect();
+    ids.extend(END_OF_TURN.iter().filter_map(|t| tok.token_id(t)));
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn template(source: &str) -> ChatTemplate {
+        ChatTemplate::new(source.into(), "test", "<s>".into(), "</s>".into()).unwrap()
+    }
+
+    #[test]
+    fn chatml_wraps_each_turn_and_opens_the_reply() {
+        let t = template(CHATML);
+        let text = t
+            .render(&[
+                Message::new("system", "Be brief."),
+                Message::new("user", "Hi"),
+            ])
+            .unwrap();
+        assert_eq!(
+            text,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn python_string_methods_and_special_tokens_work() {
+        let t = template(
+            "{{ bos_token }}{% for m in messages %}{% if m.content.startswith('x') %}[{{ m.content.strip() | upper }}]{% endif %}{% endfor %}{{ eos_token }}",
+        );
+        let text = t
+            .render(&[Message::new("user", "x y  "), Message::new("user", "no")])
+            .unwrap();
+        assert_eq!(text, "<s>[X Y]</s>");
+    }
+
+    #[test]
+    fn raise_exception_becomes_an_error_naming_the_template() {
+        let t = template("{{ raise_exception('roles must alternate') }}");
+        let e = t.render(&[Message::new("user", "a")]).unwrap_err();
+        assert_eq!(e.origin, "test");
+        assert!(e.to_string().contains("roles must alternate"), "{e}");
+    }
+
+    #[test]
+    fn a_malformed_template_is_refused_when_compiled() {
+        let e = ChatTemplate::new("{% for %}".into(), "test", String::new(), String::new())
+            .err()
+            .expect("refused");
+        assert!(e.to_string().starts_with("chat template (test)"), "{e}");
+    }
+}

@@ -1,0 +1,124 @@
+//! `GET /metrics` in the Prometheus text exposition format.
+
+use std::fmt::Write;
+
+use super::engine::Counters;
+
+/// The exposition text for `c`. Tokens per second is generated tokens over the
+/// scheduler's busy time, so idle time between requests does not dilute it.
+pub fn render(c: &Counters) -> String {
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        let _ = writeln!(out, "{name} {value}");
+    };
+    metric(
+        "dynmoe_requests_total",
+        "counter",
+        "Requests accepted into the queue.",
+        c.requests as f64,
+    );
+    metric(
+        "dynmoe_requests_rejected_total",
+        "counter",
+        "Requests refused with 429 because the queue was full.",
+        c.rejected as f64,
+    );
+    metric(
+        "dynmoe_requests_cancelled_total",
+        "counter",
+        "Requests whose client disconnected before the end.",
+        c.cancelled as f64,
+    );
+    metric(
+        "dynmoe_requests_failed_total",
+        "counter",
+        "Requests ended by a forward-pass error.",
+        c.failed as f64,
+    );
+    metric(
+        "dynmoe_requests_completed_total",
+        "counter",
+        "Requests generated to the end.",
+        c.completed as f64,
+    );
+    metric(
+        "dynmoe_prompt_tokens_total",
+        "counter",
+        "Prompt tokens run through the model.",
+        c.prompt_tokens as f64,
+    );
+    metric(
+        "dynmoe_generated_tokens_total",
+        "counter",
+        "Tokens generated.",
+        c.generated_tokens as f64,
+    );
+    metric(
+        "dynmoe_busy_seconds_total",
+        "counter",
+        "Seconds the scheduler spent running the model.",
+        c.busy_seconds,
+    );
+    let tps = if c.busy_seconds > 0.0 {
+        c.generated_tokens as f64 / c.busy_seconds
+    } else {
+        0.0
+    };
+    metric(
+        "dynmoe_tokens_per_second",
+        "gauge",
+        "Generated tokens per busy second since start.",
+        tps,
+    );
+    metric(
+        "dynmoe_queue_depth",
+        "gauge",
+        "Requests waiting for a free sequence.",
+        c.queue_depth as f64,
+    );
+    metric(
+        "dynmoe_active_sequences",
+        "gauge",
+        "Sequences being generated.",
+        c.active_sequences as f64,
+    );
+    out
+}
+
+/// The value of an unlabelled metric in exposition text.
+pub fn value_of(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_counter_is_exposed_with_help_and_type() {
+        let c = Counters {
+            requests: 7,
+            generated_tokens: 30,
+            busy_seconds: 1.5,
+            active_sequences: 2,
+            ..Counters::default()
+        };
+        let text = render(&c);
+        assert_eq!(value_of(&text, "dynmoe_requests_total"), Some(7.0));
+        assert_eq!(value_of(&text, "dynmoe_tokens_per_second"), Some(20.0));
+        assert_eq!(value_of(&text, "dynmoe_active_sequences"), Some(2.0));
+        assert_eq!(value_of(&text, "dynmoe_requests"), None);
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split(' ').next().unwrap();
+            assert!(text.contains(&format!("# TYPE {name} ")), "{name} untyped");
+            assert!(
+                text.contains(&format!("# HELP {name} ")),
+                "{name} undocumented"
+            );
+        }
+    }
+}
