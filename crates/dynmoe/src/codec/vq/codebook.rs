@@ -122,6 +122,7 @@ pub struct Codebook {
     rung: Rung,
     params: BuildParams,
     values: Vec<f32>,
+    half: OnceLock<Vec<f16>>,
     search: OnceLock<Search>,
 }
 
@@ -138,6 +139,7 @@ impl Codebook {
             rung,
             params,
             values: values.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+            half: OnceLock::new(),
             search: OnceLock::new(),
         }
     }
@@ -155,6 +157,13 @@ impl Codebook {
     /// All codewords, `[2^k, p]`.
     pub fn values(&self) -> &[f32] {
         &self.values
+    }
+
+    /// All codewords as fp16 (the same values: each is exactly an fp16), half the
+    /// cache footprint of [`values`](Self::values) for the kernels.
+    pub fn values_f16(&self) -> &[f16] {
+        self.half
+            .get_or_init(|| self.values.iter().map(|&v| f16::from_f32(v)).collect())
     }
 
     /// Codeword `i`.
@@ -244,6 +253,7 @@ impl Codebook {
             rung,
             params,
             values,
+            half: OnceLock::new(),
             search: OnceLock::new(),
         })
     }
@@ -662,6 +672,7 @@ pub fn build(rung: Rung, params: BuildParams) -> Codebook {
             rung,
             params,
             values: values.clone(),
+            half: OnceLock::new(),
             search: OnceLock::new(),
         };
         let assign: Vec<u32> = samples.par_chunks(p).map(|v| book.nearest(v)).collect();

@@ -11,9 +11,9 @@
 //!
 //! Up to [`EXPAND_ABOVE_ROWS`] activation rows the kernels run straight from the codes,
 //! four activation rows per pass over a weight row, so each looked-up codeword serves
-//! all four; above, the matrix is decoded once and multiplied with gemm. With AVX2 and
-//! FMA (or AVX-512) the loops are compiled for those instructions, picked at run time;
-//! every variant is tested against [`matmul_reference`].
+//! all four; above, the matrix is decoded once and multiplied with gemm. With AVX2, FMA
+//! and F16C, hand-written kernels read an fp16 copy of the codebook (picked at run
+//! time); every variant is tested against [`matmul_reference`].
 
 use super::codebook::Codebook;
 use super::rotation::{fwht, signs};
@@ -33,18 +33,17 @@ const PREFETCH_ROWS: usize = 4;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Isa {
     Portable,
+    /// AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
     Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
 }
 
 fn detect() -> Isa {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl") {
-            return Isa::Avx512;
-        }
+    if is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
         return Isa::Avx2;
     }
     Isa::Portable
@@ -74,6 +73,8 @@ struct RowArgs<'a> {
     codes: &'a [u8],
     k: usize,
     table: &'a [f32],
+    /// The same codebook as fp16, for the x86 kernels.
+    half: &'a [half::f16],
     mult: &'a [f32],
     block: usize,
     xp: &'a [f32],
@@ -146,23 +147,95 @@ type RowFn = fn(&RowArgs<'_>) -> [f32; TILE];
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{row_body, RowArgs, TILE};
+    //! Kernels for 4-, 8- and 16-value codewords with AVX2, FMA and F16C: the codebook
+    //! is read as fp16 (half the cache footprint; a 2^16 × 8 book is 1 MiB) and each
+    //! 8 looked-up values are converted in one instruction and multiplied with 8
+    //! activations of each row of the tile. Two accumulators per row alternate, so
+    //! consecutive multiply-adds are independent.
+
+    use std::arch::x86_64::*;
+
+    use super::{index, RowArgs, TILE};
+
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+    }
+
+    /// The 8 codebook values of chunk `c` of a block (`at`: bit of the block's first
+    /// index): one 8-value codeword, two 4-value ones, or half of a 16-value one.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn chunk<const P: usize>(a: &RowArgs<'_>, at: usize, c: usize) -> __m256 {
+        let half = a.half.as_ptr().cast::<u16>();
+        match P {
+            8 => {
+                let i = index(a.codes, at + c * a.k, a.k);
+                _mm256_cvtph_ps(_mm_loadu_si128(half.add(8 * i).cast()))
+            }
+            4 => {
+                let i0 = index(a.codes, at + 2 * c * a.k, a.k);
+                let i1 = index(a.codes, at + (2 * c + 1) * a.k, a.k);
+                let lo = _mm_loadl_epi64(half.add(4 * i0).cast());
+                let hi = _mm_loadl_epi64(half.add(4 * i1).cast());
+                _mm256_cvtph_ps(_mm_unpacklo_epi64(lo, hi))
+            }
+            _ => {
+                let i = index(a.codes, at + (c / 2) * a.k, a.k);
+                _mm256_cvtph_ps(_mm_loadu_si128(half.add(16 * i + 8 * (c % 2)).cast()))
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; `a.half` must hold `2^k · P` values and
+    /// `a.xp` `T` rows `a.xs` apart of `a.mult.len() · a.block` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn row_raw<const P: usize, const T: usize>(a: &RowArgs<'_>) -> [f32; TILE] {
+        let chunks = a.block / 8;
+        let bits_per_block = a.block / P * a.k;
+        let xp = a.xp.as_ptr();
+        let mut tot = [0.0f32; TILE];
+        for (b, &m) in a.mult.iter().enumerate() {
+            let at = b * bits_per_block;
+            let mut acc0 = [_mm256_setzero_ps(); T];
+            let mut acc1 = [_mm256_setzero_ps(); T];
+            let x0 = b * a.block;
+            // `block` is a power of two of at least 16: whole pairs of chunks.
+            for c in (0..chunks).step_by(2) {
+                let w0 = chunk::<P>(a, at, c);
+                let w1 = chunk::<P>(a, at, c + 1);
+                for t in 0..T {
+                    let x = xp.add(t * a.xs + x0 + 8 * c);
+                    acc0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc0[t]);
+                    acc1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x.add(8)), acc1[t]);
+                }
+            }
+            for t in 0..T {
+                tot[t] += m * hsum(_mm256_add_ps(acc0[t], acc1[t]));
+            }
+        }
+        tot
+    }
+
+    pub(super) fn f16c<const P: usize, const T: usize>(a: &RowArgs<'_>) -> [f32; TILE] {
+        assert!(a.half.len() >= P << a.k, "codebook of 2^{} × {P}", a.k);
+        assert!(
+            a.block.is_multiple_of(16) && a.xp.len() >= (T - 1) * a.xs + a.mult.len() * a.block
+        );
+        // SAFETY: handed out by `row_fn` only when `detect` found AVX2, FMA and F16C;
+        // the asserts cover every codebook index (`k` bits) and activation read.
+        unsafe { row_raw::<P, T>(a) }
+    }
 
     pub(super) fn avx2<const P: usize, const T: usize>(a: &RowArgs<'_>) -> [f32; TILE] {
         #[target_feature(enable = "avx2,fma")]
         fn inner<const P: usize, const T: usize>(a: &RowArgs<'_>) -> [f32; TILE] {
-            row_body::<P, T, true>(a)
+            super::row_body::<P, T, true>(a)
         }
         // SAFETY: handed out by `row_fn` only when `detect` found AVX2 and FMA.
-        unsafe { inner::<P, T>(a) }
-    }
-
-    pub(super) fn avx512<const P: usize, const T: usize>(a: &RowArgs<'_>) -> [f32; TILE] {
-        #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
-        fn inner<const P: usize, const T: usize>(a: &RowArgs<'_>) -> [f32; TILE] {
-            row_body::<P, T, true>(a)
-        }
-        // SAFETY: handed out by `row_fn` only when `detect` found AVX-512F and VL.
         unsafe { inner::<P, T>(a) }
     }
 }
@@ -196,14 +269,18 @@ fn row_fn(isa: Isa, p: usize, t: usize) -> RowFn {
     match isa {
         Isa::Portable => by_dim!(portable),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
+        Isa::Avx2 if p == 2 => {
             use x86::avx2;
             by_dim!(avx2)
         }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => {
-            use x86::avx512;
-            by_dim!(avx512)
+        Isa::Avx2 => {
+            use x86::f16c;
+            match p {
+                4 => by_tile!(f16c, 4),
+                8 => by_tile!(f16c, 8),
+                _ => by_tile!(f16c, 16),
+            }
         }
     }
 }
@@ -276,6 +353,7 @@ fn run(
                     codes: &w.codes[o * rb..],
                     k,
                     table: book.values(),
+                    half: book.values_f16(),
                     mult,
                     block,
                     xp: &xp[t0 * xs..],
@@ -338,9 +416,6 @@ mod tests {
         {
             if detect() != Isa::Portable {
                 v.push(Isa::Avx2);
-            }
-            if detect() == Isa::Avx512 {
-                v.push(Isa::Avx512);
             }
         }
         v

@@ -1,8 +1,7 @@
 //! The randomized Hadamard rotation that makes weight blocks look Gaussian.
 //!
-//! A row is cut into blocks of `R` values (1024, or the row's width rounded up to a power
-//! of two when that is smaller, so narrow matrices are not padded fourfold, but at least
-//! 16 so that every codebook dimension divides it); the tail
+//! A row is cut into blocks of `R` values ([`block_size`]: 1024, or less where that
+//! avoids padding, but at least 16 so that every codebook dimension divides it); the tail
 //! block is padded with zeros. Each block is divided by its L2 norm (kept as fp16), its
 //! signs flipped by a fixed seeded ±1 vector, transformed by the orthonormal
 //! Walsh–Hadamard matrix and multiplied by √R: whatever the weights' outliers, the
@@ -19,9 +18,17 @@ pub const MAX_BLOCK: usize = 1024;
 /// The smallest block: the largest codebook dimension.
 pub const MIN_BLOCK: usize = 16;
 
-/// The block size for rows of `cols` values.
+/// The block size for rows of `cols` values: the largest power of two dividing `cols`
+/// (at most 1024) when that is at least 256, so rows such as 768 wide are cut into
+/// whole blocks instead of being padded by a third; otherwise `cols` rounded up to a
+/// power of two, clamped to 16..1024.
 pub fn block_size(cols: usize) -> usize {
-    cols.next_power_of_two().clamp(MIN_BLOCK, MAX_BLOCK)
+    let divisor = 1usize << cols.trailing_zeros().min(10);
+    if cols > 0 && divisor >= 256 {
+        divisor
+    } else {
+        cols.next_power_of_two().clamp(MIN_BLOCK, MAX_BLOCK)
+    }
 }
 
 /// In-place orthonormal fast Walsh–Hadamard transform (`x.len()` a power of two). It is
@@ -259,7 +266,8 @@ mod tests {
     fn block_sizes() {
         assert_eq!(block_size(80), 128);
         assert_eq!(block_size(3), 16);
-        assert_eq!(block_size(768), 1024);
+        assert_eq!(block_size(768), 256);
+        assert_eq!(block_size(1536), 512);
         assert_eq!(block_size(2048), 1024);
         assert_eq!(block_size(5000), 1024);
     }
