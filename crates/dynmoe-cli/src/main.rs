@@ -1,5 +1,6 @@
 //! The `dynmoe` command line: parses arguments, calls the library, prints results.
 
+mod codecs;
 mod demo;
 mod progress;
 mod residency;
@@ -45,6 +46,12 @@ enum Command {
     /// Expert stores of a converted model.
     #[command(subcommand)]
     Store(store::StoreCommand),
+    /// Codebooks of the VQ codec ladder.
+    #[command(subcommand)]
+    Codebooks(codecs::CodebooksCommand),
+    /// Measurements.
+    #[command(subcommand)]
+    Bench(codecs::BenchCommand),
 }
 
 #[derive(Subcommand)]
@@ -218,6 +225,8 @@ fn main() {
         Command::Demo(a) => demo::run(a),
         Command::Convert(a) => store::convert(a),
         Command::Store(c) => store::store(c),
+        Command::Codebooks(c) => codecs::codebooks(c),
+        Command::Bench(c) => codecs::bench(c),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

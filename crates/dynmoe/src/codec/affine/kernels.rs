@@ -870,9 +870,9 @@ impl Call<'_> {
 const PREFETCH_ROWS: usize = 4;
 
 /// Asks for `words` to be brought into cache, one request per 64-byte line.
-fn prefetch(words: &[u32]) {
+pub(crate) fn prefetch<T>(words: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    for line in words.chunks(16) {
+    for line in words.chunks((64 / std::mem::size_of::<T>()).max(1)) {
         // SAFETY: a prefetch is a hint and never faults; the address is in `words`.
         unsafe {
             std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
@@ -884,13 +884,17 @@ fn prefetch(words: &[u32]) {
     let _ = words;
 }
 
+/// Computes output rows `o0 ..` into `dst` (`[n_rows, batch]`, one row's batch values
+/// together) with a scratch buffer of the worker's.
+pub(crate) type RowsFn<'a> = dyn Fn(usize, &mut [f32], &mut Vec<f32>) + Sync + 'a;
+
 /// Splits the rows over the calling thread and the rayon pool.
 ///
 /// The calling thread starts on the rows at once and pool threads join as they come,
 /// all taking chunks from one counter. Waking a sleeping pool thread can take tens of
 /// microseconds (far more in a virtual machine), as long as a whole expert product at
 /// batch 1; with `par_chunks` the caller would only wait for it.
-fn share_rows(call: &Call<'_>, dst: &mut [f32], rows: usize, batch: usize) {
+fn share_rows(dst: &mut [f32], rows: usize, batch: usize, rows_fn: &RowsFn<'_>) {
     let helpers = rayon::current_num_threads().saturating_sub(1);
     // Enough chunks that threads arriving late still find work, each at least 8 rows
     // so the per-chunk cost stays small next to the product.
@@ -906,7 +910,7 @@ fn share_rows(call: &Call<'_>, dst: &mut [f32], rows: usize, batch: usize) {
             let c = next.fetch_add(1, Ordering::Relaxed);
             let Some(slot) = slots.get(c) else { break };
             if let Some(d) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                call.rows(c * chunk, d, &mut scratch);
+                rows_fn(c * chunk, d, &mut scratch);
             }
         }
     };
@@ -920,6 +924,37 @@ fn share_rows(call: &Call<'_>, dst: &mut [f32], rows: usize, batch: usize) {
         }
         work();
     });
+}
+
+/// Runs `rows_fn` over all `rows` output rows, threaded when `parallel`, and puts the
+/// results in `out` as `[batch, rows]`.
+pub(crate) fn by_rows(
+    out: &mut [f32],
+    rows: usize,
+    batch: usize,
+    parallel: bool,
+    rows_fn: &RowsFn<'_>,
+) {
+    // With one activation row the `[rows, batch]` order the row loop writes is `out`'s
+    // own; otherwise it goes through a transpose, which costs rows × batch copies.
+    let mut transposed = if batch == 1 {
+        Vec::new()
+    } else {
+        vec![0.0f32; rows * batch]
+    };
+    let dst: &mut [f32] = if batch == 1 { out } else { &mut transposed };
+    if parallel {
+        share_rows(dst, rows, batch, rows_fn);
+    } else {
+        rows_fn(0, dst, &mut Vec::new());
+    }
+    if batch > 1 {
+        for (o, vals) in transposed.chunks_exact(batch).enumerate() {
+            for (b, &v) in vals.iter().enumerate() {
+                out[b * rows + o] = v;
+            }
+        }
+    }
 }
 
 fn run(
@@ -968,26 +1003,7 @@ fn run(
         act: prepare(x, batch, cols, layout),
         batch,
     };
-    // With one activation row the `[rows, batch]` order the row loop writes is `out`'s
-    // own; otherwise it goes through a transpose, which costs rows × batch copies.
-    let mut transposed = if batch == 1 {
-        Vec::new()
-    } else {
-        vec![0.0f32; rows * batch]
-    };
-    let dst: &mut [f32] = if batch == 1 { out } else { &mut transposed };
-    if parallel {
-        share_rows(&call, dst, rows, batch);
-    } else {
-        call.rows(0, dst, &mut Vec::new());
-    }
-    if batch > 1 {
-        for (o, vals) in transposed.chunks_exact(batch).enumerate() {
-            for (b, &v) in vals.iter().enumerate() {
-                out[b * rows + o] = v;
-            }
-        }
-    }
+    by_rows(out, rows, batch, parallel, &|o0, d, s| call.rows(o0, d, s));
 }
 
 /// `out[b * rows + o] = Σ_i x[b * cols + i] · w[o, i]` for `batch` activation rows,

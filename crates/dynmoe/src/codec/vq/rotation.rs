@@ -1,7 +1,7 @@
 //! The randomized Hadamard rotation that makes weight blocks look Gaussian.
 //!
-//! A row is cut into blocks of `R` values (1024, or the row's width rounded up to a power
-//! of two when that is smaller, so narrow matrices are not padded fourfold); the tail
+//! A row is cut into blocks of `R` values ([`block_size`]: 1024, or less where that
+//! avoids padding, but at least 16 so that every codebook dimension divides it); the tail
 //! block is padded with zeros. Each block is divided by its L2 norm (kept as fp16), its
 //! signs flipped by a fixed seeded ±1 vector, transformed by the orthonormal
 //! Walsh–Hadamard matrix and multiplied by √R: whatever the weights' outliers, the
@@ -15,9 +15,20 @@ use half::f16;
 /// The largest block: 16 bits of fp16 norm per 1024 weights is 0.016 bits per weight.
 pub const MAX_BLOCK: usize = 1024;
 
-/// The block size for rows of `cols` values.
+/// The smallest block: the largest codebook dimension.
+pub const MIN_BLOCK: usize = 16;
+
+/// The block size for rows of `cols` values: the largest power of two dividing `cols`
+/// (at most 1024) when that is at least 256, so rows such as 768 wide are cut into
+/// whole blocks instead of being padded by a third; otherwise `cols` rounded up to a
+/// power of two, clamped to 16..1024.
 pub fn block_size(cols: usize) -> usize {
-    cols.next_power_of_two().clamp(2, MAX_BLOCK)
+    let divisor = 1usize << cols.trailing_zeros().min(10);
+    if cols > 0 && divisor >= 256 {
+        divisor
+    } else {
+        cols.next_power_of_two().clamp(MIN_BLOCK, MAX_BLOCK)
+    }
 }
 
 /// In-place orthonormal fast Walsh–Hadamard transform (`x.len()` a power of two). It is
@@ -91,29 +102,11 @@ pub fn rotate(w: &[f32], rows: usize, cols: usize, seed: u64) -> Rotated {
     let block = block_size(cols);
     let blocks = cols.div_ceil(block);
     let s = signs(seed, block);
-    let root = (block as f32).sqrt();
     let mut norms = Vec::with_capacity(rows * blocks);
     let mut values = vec![0.0f32; rows * blocks * block];
-    for r in 0..rows {
+    for (r, dst) in values.chunks_exact_mut(blocks * block).enumerate() {
         let row = &w[r * cols..(r + 1) * cols];
-        for b in 0..blocks {
-            let src = &row[b * block..((b + 1) * block).min(cols)];
-            let norm = src.iter().map(|v| v * v).sum::<f32>().sqrt();
-            let stored = f16::from_f32(norm);
-            norms.push(stored);
-            let dst = &mut values[(r * blocks + b) * block..(r * blocks + b + 1) * block];
-            // Divide by the norm that will be stored, so decoding multiplies back exactly.
-            let inv = if stored.to_f32() > 0.0 {
-                1.0 / stored.to_f32()
-            } else {
-                0.0
-            };
-            for (i, d) in dst.iter_mut().enumerate() {
-                *d = src.get(i).map_or(0.0, |v| v * inv * s[i]);
-            }
-            fwht(dst);
-            dst.iter_mut().for_each(|v| *v *= root);
-        }
+        rotate_row(row, &s, dst, |n| norms.push(n));
     }
     Rotated {
         rows,
@@ -122,6 +115,30 @@ pub fn rotate(w: &[f32], rows: usize, cols: usize, seed: u64) -> Rotated {
         seed,
         norms,
         values,
+    }
+}
+
+/// Rotates one row into `dst` (whole blocks of `signs.len()` values), handing each
+/// block's stored norm to `norm` in order.
+pub fn rotate_row(row: &[f32], signs: &[f32], dst: &mut [f32], mut norm: impl FnMut(f16)) {
+    let block = signs.len();
+    let root = (block as f32).sqrt();
+    for (b, dst) in dst.chunks_exact_mut(block).enumerate() {
+        let src = &row[(b * block).min(row.len())..((b + 1) * block).min(row.len())];
+        let n = src.iter().map(|v| v * v).sum::<f32>().sqrt();
+        let stored = f16::from_f32(n);
+        norm(stored);
+        // Divide by the norm that will be stored, so decoding multiplies back exactly.
+        let inv = if stored.to_f32() > 0.0 {
+            1.0 / stored.to_f32()
+        } else {
+            0.0
+        };
+        for (i, d) in dst.iter_mut().enumerate() {
+            *d = src.get(i).map_or(0.0, |v| v * inv * signs[i]);
+        }
+        fwht(dst);
+        dst.iter_mut().for_each(|v| *v *= root);
     }
 }
 
@@ -248,7 +265,9 @@ mod tests {
     #[test]
     fn block_sizes() {
         assert_eq!(block_size(80), 128);
-        assert_eq!(block_size(768), 1024);
+        assert_eq!(block_size(3), 16);
+        assert_eq!(block_size(768), 256);
+        assert_eq!(block_size(1536), 512);
         assert_eq!(block_size(2048), 1024);
         assert_eq!(block_size(5000), 1024);
     }

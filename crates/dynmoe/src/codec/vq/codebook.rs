@@ -1,0 +1,885 @@
+//! Codebooks for unit Gaussian vectors: how they are built, stored and searched.
+//!
+//! Each rung of the ladder has one codebook of `2^k` codewords of `p` values, built for
+//! N(0, I_p) by k-means (Lloyd's algorithm) on seeded Gaussian samples. The builder uses
+//! no floating-point function of the platform's maths library (the normal sampler's
+//! logarithm is computed here) and sums in a fixed order, so rebuilding gives the same
+//! bytes on any machine; the files are shipped in `crates/dynmoe/codebooks/` and
+//! embedded in the library (format in `docs/FORMAT.md`).
+//!
+//! # Search
+//!
+//! Up to `2^11` codewords the nearest one is found by scanning them all. Above that the
+//! codewords are grouped into `2^(k/2)` cells by k-means over the codewords themselves,
+//! and a vector is compared with the cell centroids first, then with the codewords of
+//! its nearest few cells only ([`Codebook::nearest`]). That is 16 times fewer distances
+//! at `k` = 16 and not always the true nearest codeword; [`Codebook::nearest_exact`]
+//! scans them all, and `dynmoe bench codecs` reports how often the two differ and what
+//! it costs in distortion.
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::{Rung, LADDER};
+
+/// First 8 bytes of a codebook file.
+pub const MAGIC: [u8; 8] = *b"DMVQCB01";
+/// Bytes before the codewords.
+pub const HEADER_BYTES: usize = 40;
+
+/// Why a codebook could not be loaded or written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodebookError {
+    /// The file does not start with [`MAGIC`].
+    #[error("{name}: not a dynmoe codebook (magic {found:02x?})")]
+    Magic {
+        /// The file or embedded codebook.
+        name: String,
+        /// The first bytes found.
+        found: Vec<u8>,
+    },
+    /// A header field disagrees with the rung the file is for.
+    #[error("{name}: header field `{field}` is {got}, expected {expected}")]
+    Field {
+        /// The file or embedded codebook.
+        name: String,
+        /// The field.
+        field: &'static str,
+        /// Its value in the file.
+        got: u64,
+        /// The value the rung needs.
+        expected: u64,
+    },
+    /// The file is not header plus `2^k · p` fp16 values.
+    #[error("{name}: {got} bytes, expected {expected}")]
+    Length {
+        /// The file or embedded codebook.
+        name: String,
+        /// Its length.
+        got: usize,
+        /// Header plus codewords.
+        expected: usize,
+    },
+    /// The codewords do not hash to the header's checksum.
+    #[error("{name}: checksum {got:#018x} does not match the header's {expected:#018x}")]
+    Checksum {
+        /// The file or embedded codebook.
+        name: String,
+        /// FNV-1a of the codewords read.
+        got: u64,
+        /// The header's value.
+        expected: u64,
+    },
+    /// A codeword holds an infinity or NaN.
+    #[error("{name}: codeword {index} is not finite")]
+    NonFinite {
+        /// The file or embedded codebook.
+        name: String,
+        /// The codeword.
+        index: usize,
+    },
+    /// A file could not be read or written.
+    #[error("{0}")]
+    Io(String),
+}
+
+/// How a codebook is built; recorded in its header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BuildParams {
+    /// Seed of the Gaussian training samples.
+    pub seed: u64,
+    /// Training samples per codeword.
+    pub samples_per_codeword: u32,
+    /// Lloyd iterations.
+    pub iterations: u32,
+}
+
+impl BuildParams {
+    /// The parameters the shipped codebook of `rung` was built with. Fewer samples per
+    /// codeword for the largest books keep the build to minutes; each still sees at
+    /// least 48 samples per codeword, and start from a structured codebook.
+    pub fn for_rung(rung: Rung) -> BuildParams {
+        let (samples_per_codeword, iterations) = match rung.index_bits {
+            0..=10 => (256, 30),
+            11..=12 => (128, 20),
+            13..=14 => (64, 15),
+            _ => (48, 12),
+        };
+        BuildParams {
+            seed: 0x5EED_0000 + ((rung.dim as u64) << 8) + rung.index_bits as u64,
+            samples_per_codeword,
+            iterations,
+        }
+    }
+}
+
+/// A codebook: `2^k` codewords of `p` values, each exactly an fp16 value.
+#[derive(Debug)]
+pub struct Codebook {
+    rung: Rung,
+    params: BuildParams,
+    values: Vec<f32>,
+    half: OnceLock<Vec<f16>>,
+    search: OnceLock<Search>,
+}
+
+impl Codebook {
+    /// A codebook of `rung` from its `2^k · p` values (rounded to fp16).
+    pub fn new(rung: Rung, params: BuildParams, values: &[f32]) -> Codebook {
+        assert_eq!(
+            values.len(),
+            rung.codewords() * rung.dim,
+            "{} values",
+            rung.name()
+        );
+        Codebook {
+            rung,
+            params,
+            values: values.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+            half: OnceLock::new(),
+            search: OnceLock::new(),
+        }
+    }
+
+    /// The rung.
+    pub fn rung(&self) -> Rung {
+        self.rung
+    }
+
+    /// How it was built.
+    pub fn params(&self) -> BuildParams {
+        self.params
+    }
+
+    /// All codewords, `[2^k, p]`.
+    pub fn values(&self) -> &[f32] {
+        &self.values
+    }
+
+    /// All codewords as fp16 (the same values: each is exactly an fp16), half the
+    /// cache footprint of [`values`](Self::values) for the kernels.
+    pub fn values_f16(&self) -> &[f16] {
+        self.half
+            .get_or_init(|| self.values.iter().map(|&v| f16::from_f32(v)).collect())
+    }
+
+    /// Codeword `i`.
+    pub fn codeword(&self, i: usize) -> &[f32] {
+        let p = self.rung.dim;
+        &self.values[i * p..(i + 1) * p]
+    }
+
+    /// The file's bytes: header, then the codewords as little-endian fp16.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let payload: Vec<u8> = self
+            .values
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect();
+        let mut out = Vec::with_capacity(HEADER_BYTES + payload.len());
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&(self.rung.dim as u32).to_le_bytes());
+        out.extend_from_slice(&self.rung.index_bits.to_le_bytes());
+        out.extend_from_slice(&self.params.seed.to_le_bytes());
+        out.extend_from_slice(&self.params.samples_per_codeword.to_le_bytes());
+        out.extend_from_slice(&self.params.iterations.to_le_bytes());
+        out.extend_from_slice(&fnv1a(&payload).to_le_bytes());
+        debug_assert_eq!(out.len(), HEADER_BYTES);
+        out.extend_from_slice(&payload);
+        out
+    }
+
+    /// Parses and checks the bytes of `rung`'s codebook; `name` (a path or the embedded
+    /// file's name) is for error messages.
+    pub fn from_bytes(name: &str, bytes: &[u8], rung: Rung) -> Result<Codebook, CodebookError> {
+        let name = name.to_string();
+        if bytes.len() < HEADER_BYTES || bytes[..8] != MAGIC {
+            return Err(CodebookError::Magic {
+                found: bytes[..bytes.len().min(8)].to_vec(),
+                name,
+            });
+        }
+        let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+        let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+        for (field, got, expected) in [
+            ("dim", u32_at(8), rung.dim as u32),
+            ("index_bits", u32_at(12), rung.index_bits),
+        ] {
+            if got != expected {
+                return Err(CodebookError::Field {
+                    name,
+                    field,
+                    got: got.into(),
+                    expected: expected.into(),
+                });
+            }
+        }
+        let params = BuildParams {
+            seed: u64_at(16),
+            samples_per_codeword: u32_at(24),
+            iterations: u32_at(28),
+        };
+        let expected = HEADER_BYTES + 2 * rung.codewords() * rung.dim;
+        if bytes.len() != expected {
+            return Err(CodebookError::Length {
+                name,
+                got: bytes.len(),
+                expected,
+            });
+        }
+        let payload = &bytes[HEADER_BYTES..];
+        let (got, want) = (fnv1a(payload), u64_at(32));
+        if got != want {
+            return Err(CodebookError::Checksum {
+                name,
+                got,
+                expected: want,
+            });
+        }
+        let values: Vec<f32> = payload
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect();
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(CodebookError::NonFinite {
+                name,
+                index: i / rung.dim,
+            });
+        }
+        Ok(Codebook {
+            rung,
+            params,
+            values,
+            half: OnceLock::new(),
+            search: OnceLock::new(),
+        })
+    }
+
+    /// Reads and checks `rung`'s codebook from `path`.
+    pub fn read(path: &Path, rung: Rung) -> Result<Codebook, CodebookError> {
+        let bytes = std::fs::read(path)
+            .map_err(|e| CodebookError::Io(format!("{}: {e}", path.display())))?;
+        Codebook::from_bytes(&path.display().to_string(), &bytes, rung)
+    }
+
+    /// Writes the file atomically (temporary file, flushed, renamed).
+    pub fn write(&self, path: &Path) -> Result<(), CodebookError> {
+        crate::store::atomic::write_file(path, &self.to_bytes())
+            .map_err(|e| CodebookError::Io(e.to_string()))
+    }
+
+    fn search(&self) -> &Search {
+        self.search
+            .get_or_init(|| Search::new(self.rung, &self.values))
+    }
+
+    /// The index of the nearest codeword to `v` (`p` values), through the cell
+    /// structure when there is one; ties go to the lowest index.
+    pub fn nearest(&self, v: &[f32]) -> u32 {
+        self.search().nearest(v)
+    }
+
+    /// The index of the nearest codeword to `v` by scanning every codeword.
+    pub fn nearest_exact(&self, v: &[f32]) -> u32 {
+        self.search().all.best(v, 0..self.search().all.groups()).1
+    }
+}
+
+/// FNV-1a, 64 bits.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Codewords (or cell centroids) in groups of 8, transposed within a group (`[group,
+/// dim, lane]`), so that one pass scores 8 of them with vector arithmetic. Groups are
+/// padded with entries that never win.
+#[derive(Debug)]
+struct Scan {
+    dim: usize,
+    /// `[groups, dim, 8]`.
+    values: Vec<f32>,
+    /// Half squared norm per entry, `+inf` for padding.
+    half_norms: Vec<f32>,
+    /// The codeword index of each entry.
+    ids: Vec<u32>,
+}
+
+impl Scan {
+    /// Entries `ids` of the `[n, dim]` matrix `values`, in that order.
+    fn new(dim: usize, values: &[f32], ids: &[u32]) -> Scan {
+        let mut s = Scan {
+            dim,
+            values: Vec::new(),
+            half_norms: Vec::new(),
+            ids: Vec::new(),
+        };
+        s.push(values, ids);
+        s
+    }
+
+    fn groups(&self) -> usize {
+        self.ids.len() / 8
+    }
+
+    /// Appends entries, padded to a whole group.
+    fn push(&mut self, values: &[f32], ids: &[u32]) {
+        let dim = self.dim;
+        for chunk in ids.chunks(8) {
+            let mut block = vec![0.0f32; dim * 8];
+            for l in 0..8 {
+                match chunk.get(l) {
+                    Some(&id) => {
+                        let c = &values[id as usize * dim..(id as usize + 1) * dim];
+                        for d in 0..dim {
+                            block[d * 8 + l] = c[d];
+                        }
+                        self.half_norms
+                            .push(0.5 * c.iter().map(|v| v * v).sum::<f32>());
+                        self.ids.push(id);
+                    }
+                    None => {
+                        self.half_norms.push(f32::INFINITY);
+                        self.ids.push(u32::MAX);
+                    }
+                }
+            }
+            self.values.extend_from_slice(&block);
+        }
+    }
+
+    /// `½‖c‖² − v·c` (smaller is nearer) of every entry of `groups` into `out`.
+    ///
+    /// Each lane's sum runs over the dimensions in the same order whatever the vector
+    /// width, and no multiply-add is fused, so the AVX2 build gives the same bits as
+    /// the portable one: codebooks built on any x86-64 machine are identical.
+    fn scores(&self, v: &[f32], groups: std::ops::Range<usize>, out: &mut [f32]) {
+        macro_rules! by_dim {
+            ($f:ident) => {
+                match self.dim {
+                    1 => $f::<1>(self, v, groups, out),
+                    2 => $f::<2>(self, v, groups, out),
+                    4 => $f::<4>(self, v, groups, out),
+                    8 => $f::<8>(self, v, groups, out),
+                    16 => $f::<16>(self, v, groups, out),
+                    d => unreachable!("no codebook of dimension {d}"),
+                }
+            };
+        }
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            by_dim!(scores_avx2);
+            return;
+        }
+        by_dim!(scores_p)
+    }
+
+    /// The best (score, id) over `groups`; ties go to the lowest id (ids ascend within
+    /// each lane of a range).
+    fn best(&self, v: &[f32], groups: std::ops::Range<usize>) -> (f32, u32) {
+        let mut buf = [0.0f32; 8 * 64];
+        let mut bs = [f32::INFINITY; 8];
+        let mut bg = [0u32; 8];
+        let mut g = groups.start;
+        while g < groups.end {
+            let n = (groups.end - g).min(64);
+            self.scores(v, g..g + n, &mut buf[..8 * n]);
+            // Per-lane minimum with selects rather than branches, so it vectorises.
+            for (i, s) in buf[..8 * n].chunks_exact(8).enumerate() {
+                for l in 0..8 {
+                    let better = s[l] < bs[l];
+                    bs[l] = if better { s[l] } else { bs[l] };
+                    bg[l] = if better { (g + i) as u32 } else { bg[l] };
+                }
+            }
+            g += n;
+        }
+        let mut best = (f32::INFINITY, u32::MAX);
+        for l in 0..8 {
+            if bs[l] < f32::INFINITY {
+                let id = self.ids[8 * bg[l] as usize + l];
+                if bs[l] < best.0 || (bs[l] == best.0 && id < best.1) {
+                    best = (bs[l], id);
+                }
+            }
+        }
+        best
+    }
+}
+
+#[inline(always)]
+fn scores_p<const P: usize>(
+    scan: &Scan,
+    v: &[f32],
+    groups: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
+    let v: &[f32; P] = v
+        .try_into()
+        .expect("vector length is the codebook's dimension");
+    let vals = &scan.values[groups.start * P * 8..groups.end * P * 8];
+    let hn = &scan.half_norms[groups.start * 8..groups.end * 8];
+    for ((g, h), o) in vals
+        .chunks_exact(P * 8)
+        .zip(hn.chunks_exact(8))
+        .zip(out.chunks_exact_mut(8))
+    {
+        let mut s = [0.0f32; 8];
+        for d in 0..P {
+            let vd = v[d];
+            for l in 0..8 {
+                s[l] += g[d * 8 + l] * vd;
+            }
+        }
+        for l in 0..8 {
+            o[l] = h[l] - s[l];
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn scores_avx2<const P: usize>(
+    scan: &Scan,
+    v: &[f32],
+    groups: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
+    #[target_feature(enable = "avx2")]
+    fn inner<const P: usize>(
+        scan: &Scan,
+        v: &[f32],
+        groups: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
+        scores_p::<P>(scan, v, groups, out)
+    }
+    // SAFETY: called only after AVX2 was detected.
+    unsafe { inner::<P>(scan, v, groups, out) }
+}
+
+/// Scanning all codewords above this many is replaced by the cell search.
+const SCAN_ALL_UP_TO: usize = 1 << 11;
+
+/// The search structure of one codebook.
+#[derive(Debug)]
+struct Search {
+    /// Every codeword in index order.
+    all: Scan,
+    /// With more than [`SCAN_ALL_UP_TO`] codewords: the cell structure.
+    cells: Option<Cells>,
+}
+
+#[derive(Debug)]
+struct Cells {
+    /// Cell centroids (ids are cell numbers).
+    centroids: Scan,
+    /// Codewords in cell order, each cell padded to whole groups.
+    members: Scan,
+    /// Group range of cell `c`: `start[c]..start[c + 1]`.
+    start: Vec<usize>,
+    /// Cells searched per vector.
+    probes: usize,
+}
+
+impl Search {
+    fn new(rung: Rung, values: &[f32]) -> Search {
+        let p = rung.dim;
+        let n = values.len() / p;
+        let ids: Vec<u32> = (0..n as u32).collect();
+        let all = Scan::new(p, values, &ids);
+        if n <= SCAN_ALL_UP_TO {
+            return Search { all, cells: None };
+        }
+        let n_cells = 1usize << (rung.index_bits / 2);
+        let probes = (n_cells / 16).max(8);
+        // The cell centroids: k-means over the codewords, started from every
+        // (n / n_cells)-th codeword.
+        let mut cent: Vec<f32> = (0..n_cells)
+            .flat_map(|c| values[c * (n / n_cells) * p..(c * (n / n_cells) + 1) * p].to_vec())
+            .collect();
+        let mut assign = vec![0u32; n];
+        for it in 0..=8 {
+            let cells: Vec<u32> = (0..n_cells as u32).collect();
+            let scan = Scan::new(p, &cent, &cells);
+            assign = values
+                .par_chunks(p)
+                .map(|v| scan.best(v, 0..scan.groups()).1)
+                .collect();
+            if it == 8 {
+                break;
+            }
+            cent = centroids(values, p, &assign, &cent);
+        }
+        let mut by_cell: Vec<Vec<u32>> = vec![Vec::new(); n_cells];
+        for (i, &c) in assign.iter().enumerate() {
+            by_cell[c as usize].push(i as u32);
+        }
+        let cells: Vec<u32> = (0..n_cells as u32).collect();
+        let mut members = Scan::new(p, &[], &[]);
+        let mut start = vec![0];
+        for m in &by_cell {
+            members.push(values, m);
+            start.push(members.groups());
+        }
+        Search {
+            all,
+            cells: Some(Cells {
+                centroids: Scan::new(p, &cent, &cells),
+                members,
+                start,
+                probes,
+            }),
+        }
+    }
+
+    fn nearest(&self, v: &[f32]) -> u32 {
+        let Some(c) = &self.cells else {
+            return self.all.best(v, 0..self.all.groups()).1;
+        };
+        let n_cells = c.start.len() - 1;
+        let mut scores = [0.0f32; 256];
+        c.centroids
+            .scores(v, 0..c.centroids.groups(), &mut scores[..n_cells]);
+        // The `probes` best cells, by partial selection.
+        let mut order: Vec<u32> = (0..n_cells as u32).collect();
+        order.select_nth_unstable_by(c.probes - 1, |&a, &b| {
+            scores[a as usize]
+                .total_cmp(&scores[b as usize])
+                .then(a.cmp(&b))
+        });
+        let mut best = (f32::INFINITY, u32::MAX);
+        for &cell in &order[..c.probes] {
+            let (s, id) = c
+                .members
+                .best(v, c.start[cell as usize]..c.start[cell as usize + 1]);
+            if s < best.0 || (s == best.0 && id < best.1) {
+                best = (s, id);
+            }
+        }
+        best.1
+    }
+}
+
+/// Means of the points assigned to each of `old.len() / p` centroids, summed in f64 in
+/// point order; a centroid with no points keeps its old value.
+fn centroids(points: &[f32], p: usize, assign: &[u32], old: &[f32]) -> Vec<f32> {
+    let k = old.len() / p;
+    let mut sum = vec![0.0f64; k * p];
+    let mut count = vec![0u32; k];
+    for (v, &a) in points.chunks_exact(p).zip(assign) {
+        let a = a as usize;
+        count[a] += 1;
+        for (s, &x) in sum[a * p..(a + 1) * p].iter_mut().zip(v) {
+            *s += x as f64;
+        }
+    }
+    let mut out = old.to_vec();
+    for c in 0..k {
+        if count[c] > 0 {
+            for d in 0..p {
+                out[c * p + d] = (sum[c * p + d] / count[c] as f64) as f32;
+            }
+        }
+    }
+    out
+}
+
+/// Natural logarithm of a positive normal `x`, from its exponent and an atanh series:
+/// the same bits on every platform, unlike the maths library's.
+fn ln(x: f64) -> f64 {
+    let bits = x.to_bits();
+    let mut e = ((bits >> 52) & 0x7ff) as i64 - 1023;
+    let mut m = f64::from_bits((bits & ((1u64 << 52) - 1)) | (1023u64 << 52));
+    if m > std::f64::consts::SQRT_2 {
+        m *= 0.5;
+        e += 1;
+    }
+    // |s| ≤ 0.172, so 13 terms reach s^27 < 1e-20.
+    let s = (m - 1.0) / (m + 1.0);
+    let s2 = s * s;
+    let (mut term, mut sum) = (s, 0.0f64);
+    for i in 0..13 {
+        sum += term / (2 * i + 1) as f64;
+        term *= s2;
+    }
+    2.0 * sum + e as f64 * std::f64::consts::LN_2
+}
+
+/// `n` standard normal values for `seed` (SplitMix64 and Marsaglia's polar method),
+/// bit-identical on every platform.
+pub fn gaussian(seed: u64, n: usize) -> Vec<f32> {
+    let mut rng = crate::testing::Rng::seeded(seed);
+    let mut uniform =
+        move || ((rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)) * 2.0 - 1.0;
+    let mut out = Vec::with_capacity(n + 1);
+    while out.len() < n {
+        let (u, v) = (uniform(), uniform());
+        let s = u * u + v * v;
+        if s >= 1.0 || s == 0.0 {
+            continue;
+        }
+        let f = (-2.0 * ln(s) / s).sqrt();
+        out.push((u * f) as f32);
+        out.push((v * f) as f32);
+    }
+    out.truncate(n);
+    out
+}
+
+/// Builds `rung`'s codebook: `params.samples_per_codeword · 2^k` Gaussian vectors,
+/// `params.iterations` Lloyd steps (assignment through the same search as encoding),
+/// then rounding to fp16.
+///
+/// Lloyd's algorithm only finds a local optimum near where it starts, and from `2^k`
+/// random samples a large codebook starts far from a good one. So a codebook of `p ≥ 2`
+/// dimensions and `k ≥ 4` bits starts from the product of two codebooks of `p / 2`
+/// dimensions and `⌊k/2⌋`, `⌈k/2⌉` bits (built the same way): a structured quantizer
+/// whose distortion is already that of the smaller dimension, which the iterations
+/// then improve on. Smaller ones start from their first `2^k` training vectors.
+pub fn build(rung: Rung, params: BuildParams) -> Codebook {
+    let (p, n_cw) = (rung.dim, rung.codewords());
+    let n = params.samples_per_codeword as usize * n_cw;
+    let samples = gaussian(params.seed, n * p);
+    let mut values = if p >= 2 && rung.index_bits >= 4 {
+        let half = |index_bits| {
+            let r = Rung {
+                nominal: "",
+                dim: p / 2,
+                index_bits,
+            };
+            build(r, BuildParams::for_rung(r))
+        };
+        let (lo, hi) = (
+            half(rung.index_bits / 2),
+            half(rung.index_bits - rung.index_bits / 2),
+        );
+        let n_lo = lo.values.len() / (p / 2);
+        let mut v = Vec::with_capacity(n_cw * p);
+        for i in 0..n_cw {
+            v.extend_from_slice(lo.codeword(i % n_lo));
+            v.extend_from_slice(hi.codeword(i / n_lo));
+        }
+        v
+    } else {
+        samples[..n_cw * p].to_vec()
+    };
+    for it in 0..params.iterations as usize {
+        let book = Codebook {
+            rung,
+            params,
+            values: values.clone(),
+            half: OnceLock::new(),
+            search: OnceLock::new(),
+        };
+        let assign: Vec<u32> = samples.par_chunks(p).map(|v| book.nearest(v)).collect();
+        let mut next = centroids(&samples, p, &assign, &values);
+        // An empty cell takes a training vector instead, picked by a fixed rule.
+        let mut count = vec![0u32; n_cw];
+        assign.iter().for_each(|&a| count[a as usize] += 1);
+        for (c, _) in count.iter().enumerate().filter(|(_, &k)| k == 0) {
+            let s = (c * 7919 + it * 104_729) % n;
+            next[c * p..(c + 1) * p].copy_from_slice(&samples[s * p..(s + 1) * p]);
+        }
+        values = next;
+    }
+    Codebook::new(rung, params, &values)
+}
+
+/// The shipped codebook files, in [`LADDER`] order.
+const SHIPPED: [(&str, &[u8]); 13] = [
+    (
+        "vq-p16-k11.bin",
+        include_bytes!("../../../codebooks/vq-p16-k11.bin"),
+    ),
+    (
+        "vq-p8-k8.bin",
+        include_bytes!("../../../codebooks/vq-p8-k8.bin"),
+    ),
+    (
+        "vq-p8-k9.bin",
+        include_bytes!("../../../codebooks/vq-p8-k9.bin"),
+    ),
+    (
+        "vq-p8-k10.bin",
+        include_bytes!("../../../codebooks/vq-p8-k10.bin"),
+    ),
+    (
+        "vq-p8-k12.bin",
+        include_bytes!("../../../codebooks/vq-p8-k12.bin"),
+    ),
+    (
+        "vq-p8-k14.bin",
+        include_bytes!("../../../codebooks/vq-p8-k14.bin"),
+    ),
+    (
+        "vq-p8-k16.bin",
+        include_bytes!("../../../codebooks/vq-p8-k16.bin"),
+    ),
+    (
+        "vq-p4-k9.bin",
+        include_bytes!("../../../codebooks/vq-p4-k9.bin"),
+    ),
+    (
+        "vq-p4-k10.bin",
+        include_bytes!("../../../codebooks/vq-p4-k10.bin"),
+    ),
+    (
+        "vq-p4-k11.bin",
+        include_bytes!("../../../codebooks/vq-p4-k11.bin"),
+    ),
+    (
+        "vq-p4-k12.bin",
+        include_bytes!("../../../codebooks/vq-p4-k12.bin"),
+    ),
+    (
+        "vq-p4-k16.bin",
+        include_bytes!("../../../codebooks/vq-p4-k16.bin"),
+    ),
+    (
+        "vq-p2-k10.bin",
+        include_bytes!("../../../codebooks/vq-p2-k10.bin"),
+    ),
+];
+
+/// The file name of `rung`'s codebook.
+pub fn file_name(rung: Rung) -> String {
+    format!("vq-p{}-k{}.bin", rung.dim, rung.index_bits)
+}
+
+/// `rung`'s shipped codebook, parsed and checked on first use.
+pub fn shipped(rung: Rung) -> Result<&'static Codebook, CodebookError> {
+    static BOOKS: [OnceLock<Result<Codebook, CodebookError>>; 13] = [const { OnceLock::new() }; 13];
+    let i = rung.position();
+    let (name, bytes) = SHIPPED[i];
+    debug_assert_eq!(name, file_name(rung));
+    BOOKS[i]
+        .get_or_init(|| Codebook::from_bytes(name, bytes, LADDER[i]))
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::TempDir;
+
+    fn rung(s: &str) -> Rung {
+        Rung::parse(s).unwrap()
+    }
+
+    #[test]
+    fn ln_matches_the_maths_library_closely() {
+        for x in [1e-12, 0.001, 0.3, 0.5, 0.70703, 0.99999, 1.0, 1.5] {
+            let (a, b) = (ln(x), f64::ln(x));
+            assert!(
+                (a - b).abs() <= 1e-15 * b.abs().max(1.0),
+                "ln {x}: {a} vs {b}"
+            );
+        }
+    }
+
+    #[test]
+    fn gaussian_samples_are_standard_normal_and_fixed_by_the_seed() {
+        let g = gaussian(1, 200_000);
+        assert_eq!(g, gaussian(1, 200_000));
+        let n = g.len() as f64;
+        let mean = g.iter().map(|&v| v as f64).sum::<f64>() / n;
+        let var = g.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / n;
+        let kurt = g.iter().map(|&v| (v as f64).powi(4)).sum::<f64>() / n;
+        assert!(
+            mean.abs() < 0.01 && (var - 1.0).abs() < 0.01,
+            "{mean} {var}"
+        );
+        assert!((kurt - 3.0).abs() < 0.05, "kurtosis {kurt}");
+    }
+
+    #[test]
+    fn rebuilding_small_rungs_gives_the_shipped_bytes() {
+        for r in [rung("1"), rung("2.25")] {
+            let built = build(r, BuildParams::for_rung(r)).to_bytes();
+            let (name, bytes) = SHIPPED[r.position()];
+            assert!(built == bytes, "{name} differs from a rebuild");
+        }
+    }
+
+    #[test]
+    fn every_shipped_codebook_loads() {
+        for r in LADDER {
+            let b = shipped(r).unwrap_or_else(|e| panic!("{}: {e}", r.name()));
+            assert_eq!(b.values().len(), r.codewords() * r.dim);
+            assert_eq!(b.params(), BuildParams::for_rung(r));
+        }
+    }
+
+    #[test]
+    fn file_round_trips_and_rejects_corruption() {
+        let r = rung("1");
+        let book = shipped(r).unwrap();
+        let dir = TempDir::new("codebook");
+        let path = dir.path(&file_name(r));
+        book.write(&path).unwrap();
+        let back = Codebook::read(&path, r).unwrap();
+        assert_eq!(back.values(), book.values());
+        assert_eq!(back.to_bytes(), book.to_bytes());
+
+        let good = book.to_bytes();
+        let name = "t.bin";
+        let mut bad = good.clone();
+        bad[0] ^= 1;
+        assert!(matches!(
+            Codebook::from_bytes(name, &bad, r),
+            Err(CodebookError::Magic { .. })
+        ));
+        let err = Codebook::from_bytes(name, &good, rung("1.125")).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CodebookError::Field {
+                    field: "index_bits",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(matches!(
+            Codebook::from_bytes(name, &good[..good.len() - 2], r),
+            Err(CodebookError::Length { .. })
+        ));
+        let mut bad = good.clone();
+        *bad.last_mut().unwrap() ^= 0x10;
+        let err = Codebook::from_bytes(name, &bad, r).unwrap_err();
+        assert!(matches!(err, CodebookError::Checksum { .. }), "{err}");
+        assert!(err.to_string().starts_with("t.bin: checksum"), "{err}");
+        // A NaN with a matching checksum is still refused.
+        let mut bad = good.clone();
+        bad[HEADER_BYTES..HEADER_BYTES + 2].copy_from_slice(&f16::NAN.to_le_bytes());
+        let sum = fnv1a(&bad[HEADER_BYTES..]);
+        bad[32..40].copy_from_slice(&sum.to_le_bytes());
+        assert!(matches!(
+            Codebook::from_bytes(name, &bad, r),
+            Err(CodebookError::NonFinite { index: 0, .. })
+        ));
+        let err = Codebook::read(&dir.path("missing.bin"), r).unwrap_err();
+        assert!(err.to_string().contains("missing.bin"), "{err}");
+    }
+
+    #[test]
+    fn cell_search_mostly_finds_the_nearest_codeword() {
+        let r = rung("1.5");
+        let book = shipped(r).unwrap();
+        let v = crate::testing::fresh(8 * 2000, 77);
+        let same = v
+            .chunks(8)
+            .filter(|v| book.nearest(v) == book.nearest_exact(v))
+            .count();
+        assert!(same > 1800, "{same} of 2000 exact");
+        // A codeword is its own nearest.
+        for i in [0usize, 17, 4095] {
+            assert_eq!(book.nearest(book.codeword(i)), i as u32);
+        }
+    }
+}
