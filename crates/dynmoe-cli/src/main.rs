@@ -1,5 +1,6 @@
 //! The `dynmoe` command line: parses arguments, calls the library, prints results.
 
+mod bench;
 mod demo;
 mod progress;
 mod store;
@@ -39,6 +40,11 @@ enum Command {
     /// Expert stores of a converted model.
     #[command(subcommand)]
     Store(store::StoreCommand),
+    /// Write a checkpoint with a published model's shapes and random weights.
+    Synth(bench::SynthArgs),
+    /// Speed benchmarks.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
 }
 
 #[derive(Subcommand)]
@@ -173,6 +179,8 @@ fn main() {
         Command::Demo(a) => demo::run(a),
         Command::Convert(a) => store::convert(a),
         Command::Store(c) => store::store(c),
+        Command::Synth(a) => bench::synth(a),
+        Command::Bench(c) => bench::bench(c),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
