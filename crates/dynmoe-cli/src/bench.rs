@@ -114,8 +114,8 @@ fn llama_cpp(c: &Config, bits: u32) -> Option<(f64, f64)> {
         return None;
     }
     match bits {
-        4 => Some((809.0, 28000.0)),
-        2 => Some((747.0, 22000.0)),
+        4 => Some((809.0, 27993.0)),
+        2 => Some((747.0, 22165.0)),
         _ => None,
     }
 }

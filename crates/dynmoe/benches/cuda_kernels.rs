@@ -12,7 +12,7 @@
 
 use std::path::PathBuf;
 
-use dynmoe::backend::{Backend, Cuda};
+use dynmoe::backend::{Backend, Cuda, SwiGluGroup, Weight};
 use dynmoe::codec::affine::kernels::AffineView;
 use dynmoe::codec::affine::lowbit::words_per_row;
 use dynmoe::testing::{fresh, Rng};
@@ -60,6 +60,19 @@ struct HostAffine {
     words: Vec<u32>,
     scales: Vec<bf16>,
     biases: Vec<bf16>,
+}
+
+impl HostAffine {
+    fn view(&self, bits: u32, rows: usize, cols: usize) -> AffineView<'_> {
+        AffineView {
+            bits,
+            rows,
+            cols,
+            words: &self.words,
+            scales: &self.scales,
+            biases: &self.biases,
+        }
+    }
 }
 
 fn main() {
@@ -174,6 +187,93 @@ fn main() {
                 fraction_of_copy: gb_s / copy_gb_s,
             });
         }
+    }
+
+    // The MoE dispatch of one decode token: top-8 of 128 experts (gate, up, down at
+    // 768 x 2048), each token's 8 drawn anew, through `swiglu_groups` (one grouped
+    // launch for gate and up, one for down).
+    let (hidden, inter, experts, top_k, tokens) = (2048, 768, 128, 8, 64);
+    for bits in [4u32, 3, 2] {
+        let mk = |rows: usize, cols: usize, rng: &mut Rng| {
+            let groups = rows * cols / 64;
+            HostAffine {
+                words: (0..rows * words_per_row(cols, bits))
+                    .map(|_| rng.next_u64() as u32)
+                    .collect(),
+                scales: (0..groups)
+                    .map(|_| bf16::from_f32(0.01 + 0.01 * rng.uniform()))
+                    .collect(),
+                biases: (0..groups)
+                    .map(|_| bf16::from_f32(-0.08 * rng.uniform()))
+                    .collect(),
+            }
+        };
+        let mats: Vec<[HostAffine; 3]> = (0..experts)
+            .map(|_| {
+                [
+                    mk(inter, hidden, &mut rng),
+                    mk(inter, hidden, &mut rng),
+                    mk(hidden, inter, &mut rng),
+                ]
+            })
+            .collect();
+        let picks: Vec<Vec<usize>> = (0..tokens)
+            .map(|_| {
+                let mut p: Vec<usize> = (0..experts).collect();
+                for i in 0..top_k {
+                    let j = i + (rng.next_u64() % (experts - i) as u64) as usize;
+                    p.swap(i, j);
+                }
+                p.truncate(top_k);
+                p
+            })
+            .collect();
+        let row0 = [0u32];
+        let scales = vec![0.125f32; top_k];
+        let x = g.upload(&fresh(hidden, 11));
+        let mut out = g.zeros(hidden);
+        let ms = time_ms(&g, || {
+            for p in &picks {
+                let groups: Vec<SwiGluGroup<'_, _>> = p
+                    .iter()
+                    .map(|&e| SwiGluGroup {
+                        gate: Weight::Affine(mats[e][0].view(bits, inter, hidden)),
+                        up: Weight::Affine(mats[e][1].view(bits, inter, hidden)),
+                        down: Weight::Affine(mats[e][2].view(bits, hidden, inter)),
+                        intermediate: inter,
+                        rows: &row0,
+                        scales: &scales[..1],
+                    })
+                    .collect();
+                g.swiglu_groups(&x, hidden, &groups, &mut out);
+            }
+        });
+        let per_token = ms * 1e3 / tokens as f64;
+        let bytes = top_k
+            * (2 * (inter * words_per_row(hidden, bits) * 4 + inter * hidden / 64 * 4)
+                + hidden * words_per_row(inter, bits) * 4
+                + hidden * inter / 64 * 4);
+        let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
+        println!(
+            "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
+            format!("moe8 q{bits}"),
+            inter,
+            hidden,
+            1,
+            gb_s / copy_gb_s
+        );
+        rows_out.push(Row {
+            kernel: format!("moe_decode_top8_q{bits}"),
+            rows: inter,
+            cols: hidden,
+            batch: 1,
+            weight_bytes: bytes,
+            copies: tokens,
+            median_us_per_call: per_token,
+            gb_s,
+            fraction_of_copy: gb_s / copy_gb_s,
+        });
+        g.clear_weight_cache();
     }
 
     let report = Report {

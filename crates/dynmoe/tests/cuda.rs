@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use dynmoe::backend::{AttentionShape, Backend, Cpu, Cuda};
+use dynmoe::backend::{AttentionShape, Backend, Cpu, Cuda, SwiGluGroup, Weight};
 use dynmoe::codec::affine::kernels::AffineView;
 use dynmoe::codec::affine::{lowbit, quantize};
 use dynmoe::eval::ppl::{perplexity, PplOptions};
@@ -176,17 +176,23 @@ fn rope_matches_the_reference() {
     for (rows, heads, head_dim, pos0) in [(1, 32, 128, 4000), (17, 4, 64, 0), (5, 8, 256, 33)] {
         let x = fresh(rows * heads * head_dim, 10);
         let inv_freq = dynmoe::model::forward::rope_inv_freq(1e6, head_dim, 1.0);
-        let positions: Vec<usize> = (pos0..pos0 + rows).collect();
-        both!(
-            &format!("rope {rows}x{heads}x{head_dim} @{pos0}"),
-            &[&x],
-            x.len(),
-            1e-5,
-            |b, t, o| {
-                b.write_rows(&t[0], o, 0, rows, heads * head_dim);
-                b.rope(o, &positions, heads, head_dim, &inv_freq)
+        // Consecutive positions (computed on the device) and reversed ones (uploaded).
+        for reversed in [false, true] {
+            let mut positions: Vec<usize> = (pos0..pos0 + rows).collect();
+            if reversed {
+                positions.reverse();
             }
-        );
+            both!(
+                &format!("rope {rows}x{heads}x{head_dim} @{pos0} reversed {reversed}"),
+                &[&x],
+                x.len(),
+                1e-5,
+                |b, t, o| {
+                    b.write_rows(&t[0], o, 0, rows, heads * head_dim);
+                    b.rope(o, &positions, heads, head_dim, &inv_freq)
+                }
+            );
+        }
     }
 }
 
@@ -304,6 +310,79 @@ fn affine_products_match_the_reference_at_every_width_and_batch() {
                 );
             }
         }
+    }
+}
+
+#[test]
+fn moe_dispatch_matches_the_reference() {
+    let Some(_) = gpu() else { return };
+    // Experts 80 wide (the down input padded to 128) over 256-wide rows, with 1 to 20
+    // rows each: the grouped launch takes those of at most 8 rows, the rest run one
+    // by one (expand then GEMM); a dense group rides along.
+    let (hidden, inter, tokens) = (256, 80, 24);
+    let x = fresh(tokens * hidden, 70);
+    let base = fresh(tokens * hidden, 71);
+    let mut rng = Rng::new(72);
+    let counts = [1usize, 3, 5, 8, 9, 20, 2];
+    for bits in [4, 3, 2] {
+        let mats: Vec<[Affine; 3]> = (0..counts.len() as u64)
+            .map(|e| {
+                [
+                    Affine::new(inter, hidden, bits, 80 + 3 * e),
+                    Affine::new(inter, hidden, bits, 81 + 3 * e),
+                    Affine::new(hidden, 128, bits, 82 + 3 * e),
+                ]
+            })
+            .collect();
+        let rows: Vec<Vec<u32>> = counts
+            .iter()
+            .map(|&n| {
+                let mut r: Vec<u32> = (0..tokens as u32).collect();
+                for i in (1..r.len()).rev() {
+                    r.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+                }
+                r.truncate(n);
+                r
+            })
+            .collect();
+        let scales: Vec<Vec<f32>> = counts.iter().map(|&n| fresh(n, 90 + n as u64)).collect();
+        let dense = [
+            fresh(inter * hidden, 95),
+            fresh(inter * hidden, 96),
+            fresh(hidden * inter, 97),
+        ];
+        let dense_rows: Vec<u32> = (0..tokens as u32).step_by(3).collect();
+        let dense_scales = fresh(dense_rows.len(), 98);
+        both!(
+            &format!("swiglu_groups q{bits} rows {counts:?} + dense"),
+            &[&x, &base, &dense[0], &dense[1], &dense[2]],
+            tokens * hidden,
+            1e-5,
+            |b, t, o| {
+                b.write_rows(&t[1], o, 0, tokens, hidden);
+                let mut groups: Vec<SwiGluGroup<'_, _>> = mats
+                    .iter()
+                    .zip(rows.iter().zip(&scales))
+                    .map(|(m, (r, s))| SwiGluGroup {
+                        gate: Weight::Affine(m[0].view()),
+                        up: Weight::Affine(m[1].view()),
+                        down: Weight::Affine(m[2].view()),
+                        intermediate: inter,
+                        rows: r,
+                        scales: s,
+                    })
+                    .collect();
+                groups.push(SwiGluGroup {
+                    gate: Weight::Dense(&t[2]),
+                    up: Weight::Dense(&t[3]),
+                    down: Weight::Dense(&t[4]),
+                    intermediate: inter,
+                    rows: &dense_rows,
+                    scales: &dense_scales,
+                });
+                b.swiglu_groups(&t[0], hidden, &groups, o)
+            }
+        );
     }
 }
 

@@ -118,13 +118,14 @@ extern "C" __global__ void softmax_rows(float* x, int dim) {
     for (int d = threadIdx.x; d < dim; d += blockDim.x) row[d] /= s;
 }
 
-// One block per (row, head); threads over the first half of the head.
-extern "C" __global__ void rope(float* x, const unsigned* positions, const float* inv_freq,
-                                int heads, int head_dim) {
+// One block per (row, head); threads over the first half of the head. Row r is at
+// position positions[r], or pos0 + r when `positions` is null.
+extern "C" __global__ void rope(float* x, const unsigned* positions, unsigned pos0,
+                                const float* inv_freq, int heads, int head_dim) {
     int r = blockIdx.x / heads, h = blockIdx.x % heads;
     int half = head_dim / 2;
     float* v = x + ((size_t)r * heads + h) * head_dim;
-    float p = (float)positions[r];
+    float p = (float)(positions ? positions[r] : pos0 + r);
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
         sincosf(p * inv_freq[i], &s, &c);
@@ -271,24 +272,16 @@ template <int BITS> __device__ __forceinline__ size_t row_words(int cols) {
 #define AFF_MAXB 4
 #define AFF_WARPS 8
 
-// out[b·rows + o] = Σ_i x[b·in_dim + i]·w[o, i] for `batch` (≤ AFF_MAXB) rows of x, which
-// has `in_dim` ≤ cols columns (the rest read as zeros). A warp per output row, lanes
-// over chunks; x sits in shared memory, each chunk padded to 33 floats so that lanes
-// reading the same column of neighbouring chunks hit different banks.
+// One warp's share of output row `o` for `nb` (≤ AFF_MAXB) rows of x staged in shared
+// memory `xs` (each 32-column chunk padded to 33 floats, so that lanes reading the same
+// column of neighbouring chunks hit different banks): lanes stride over the row's
+// chunks, the warp sum is written to `out[b·out_stride]` by lane 0.
 template <int BITS>
-__device__ void affine_matvec(const unsigned* words, const unsigned short* scales,
-                              const unsigned short* biases, const float* x, float* out,
-                              int rows, int cols, int in_dim, int batch) {
-    extern __shared__ float xs[];
+__device__ __forceinline__ void matvec_row(const unsigned* words, const unsigned short* scales,
+                                           const unsigned short* biases, const float* xs,
+                                           float* out, size_t out_stride, int o, int cols, int nb) {
+    int lane = threadIdx.x % WARP;
     int chunks = cols / 32;
-    for (int i = threadIdx.x; i < batch * chunks * 32; i += blockDim.x) {
-        int b = i / cols, c = i % cols;
-        xs[b * chunks * 33 + (c / 32) * 33 + c % 32] = c < in_dim ? x[(size_t)b * in_dim + c] : 0.0f;
-    }
-    __syncthreads();
-    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    int o = blockIdx.x * AFF_WARPS + warp;
-    if (o >= rows) return;
     const unsigned* wr = words + (size_t)o * row_words<BITS>(cols);
     const unsigned short* sr = scales + (size_t)o * (cols / 64);
     const unsigned short* br = biases + (size_t)o * (cols / 64);
@@ -303,7 +296,7 @@ __device__ void affine_matvec(const unsigned* words, const unsigned short* scale
         float ws = a * s, wb = off * s + bias;
 #pragma unroll
         for (int b = 0; b < AFF_MAXB; b++) {
-            if (b < batch) {
+            if (b < nb) {
                 const float* xc = xs + b * chunks * 33 + c * 33;
                 float sqx = 0.0f, sx = 0.0f;
 #pragma unroll
@@ -317,10 +310,65 @@ __device__ void affine_matvec(const unsigned* words, const unsigned short* scale
     }
 #pragma unroll
     for (int b = 0; b < AFF_MAXB; b++) {
-        if (b < batch) {
+        if (b < nb) {
             float t = warp_sum(acc[b]);
-            if (lane == 0) out[(size_t)b * rows + o] = t;
+            if (lane == 0) out[(size_t)b * out_stride] = t;
         }
+    }
+}
+
+// Stages rows `src_row(0 .. nb)` of x (`in_dim` wide, zeros up to `cols`) into `xs`.
+template <typename RowOf>
+__device__ __forceinline__ void stage_rows(float* xs, const float* x, RowOf src_row, int nb,
+                                           int cols, int in_dim) {
+    int chunks = cols / 32;
+    for (int i = threadIdx.x; i < nb * cols; i += blockDim.x) {
+        int b = i / cols, c = i % cols;
+        xs[b * chunks * 33 + (c / 32) * 33 + c % 32] =
+            c < in_dim ? x[(size_t)src_row(b) * in_dim + c] : 0.0f;
+    }
+}
+
+// out[b·rows + o] = Σ_i x[b·in_dim + i]·w[o, i] for `batch` (≤ AFF_MAXB) rows of x, which
+// has `in_dim` ≤ cols columns (the rest read as zeros). A warp per output row.
+template <int BITS>
+__device__ void affine_matvec(const unsigned* words, const unsigned short* scales,
+                              const unsigned short* biases, const float* x, float* out,
+                              int rows, int cols, int in_dim, int batch) {
+    extern __shared__ float xs[];
+    stage_rows(xs, x, [](int b) { return b; }, batch, cols, in_dim);
+    __syncthreads();
+    int o = blockIdx.x * AFF_WARPS + threadIdx.x / WARP;
+    if (o < rows) matvec_row<BITS>(words, scales, biases, xs, out + o, rows, o, cols, batch);
+}
+
+// Many experts in one launch (the MoE dispatch of a decode step): blockIdx.y is the
+// group, whose entry in `table` holds device pointers to the words, scales and biases
+// of its gate, up and down matrices, then the first of its rows in the pair list and
+// their count. Pair p reads row `x_rows[p]` of x (row p when `x_rows` is null) and
+// writes row p of `out`. Rows go `tile` (≤ AFF_MAXB) at a time.
+#define GROUP_ENTRY 11
+template <int BITS>
+__device__ void affine_grouped(const unsigned long long* table, int proj, const unsigned* x_rows,
+                               const float* x, float* out, int rows, int cols, int in_dim,
+                               int tile) {
+    extern __shared__ float xs[];
+    const unsigned long long* e = table + (size_t)blockIdx.y * GROUP_ENTRY;
+    const unsigned* words = (const unsigned*)e[3 * proj];
+    const unsigned short* scales = (const unsigned short*)e[3 * proj + 1];
+    const unsigned short* biases = (const unsigned short*)e[3 * proj + 2];
+    int first = (int)e[9], count = (int)e[10];
+    int o = blockIdx.x * AFF_WARPS + threadIdx.x / WARP;
+    for (int t0 = 0; t0 < count; t0 += tile) {
+        int nb = min(tile, count - t0);
+        int p0 = first + t0;
+        __syncthreads();  // the previous tile's reads of xs are done
+        stage_rows(xs, x, [&](int b) { return x_rows ? x_rows[p0 + b] : (unsigned)(p0 + b); },
+                   nb, cols, in_dim);
+        __syncthreads();
+        if (o < rows)
+            matvec_row<BITS>(words, scales, biases, xs, out + (size_t)p0 * rows + o, rows, o,
+                             cols, nb);
     }
 }
 
@@ -356,6 +404,18 @@ __device__ void affine_dequant(const unsigned* words, const unsigned short* scal
                                                   float* out, int rows, int cols, int in_dim,  \
                                                   int batch) {                                 \
         affine_matvec<B>(w, s, bi, x, out, rows, cols, in_dim, batch);                         \
+    }                                                                                          \
+    extern "C" __global__ void affine_gate_up_q##B(                                           \
+        const unsigned long long* table, const unsigned* x_rows, const float* x, float* gate,  \
+        float* up, int rows, int cols, int in_dim, int tile) {                                 \
+        int proj = blockIdx.z;                                                                 \
+        affine_grouped<B>(table, proj, x_rows, x, proj == 0 ? gate : up, rows, cols, in_dim,   \
+                          tile);                                                               \
+    }                                                                                          \
+    extern "C" __global__ void affine_down_q##B(const unsigned long long* table, const float* x, \
+                                                float* out, int rows, int cols, int in_dim,    \
+                                                int tile) {                                    \
+        affine_grouped<B>(table, 2, nullptr, x, out, rows, cols, in_dim, tile);                \
     }                                                                                          \
     extern "C" __global__ void affine_dequant_q##B(const unsigned* w, const unsigned short* s, \
                                                    const unsigned short* bi, float* out,       \

@@ -26,7 +26,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use half::slice::HalfFloatSliceExt;
 
-use super::{AttentionShape, Backend};
+use super::{swiglu_groups_one_by_one, AttentionShape, Backend, SwiGluGroup, Weight};
 use crate::codec::affine::kernels::AffineView;
 use crate::codec::affine::lowbit::words_per_row;
 use crate::codec::affine::GROUP_SIZE;
@@ -43,6 +43,8 @@ const AFFINE_WARPS: usize = 8;
 pub const AFFINE_GEMM_ROWS: usize = 8;
 /// Dynamic shared memory a block may take without opting in.
 const SHARED_LIMIT: usize = 48 << 10;
+/// u64 words per group in the grouped kernels' table (the kernel's `GROUP_ENTRY`).
+const GROUP_ENTRY: usize = 11;
 
 /// Why the CUDA backend could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -132,7 +134,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 20] = [
+const KERNEL_NAMES: [&str; 26] = [
     "fill",
     "embed",
     "rms_norm",
@@ -152,6 +154,12 @@ const KERNEL_NAMES: [&str; 20] = [
     "affine_dequant_q4",
     "affine_dequant_q3",
     "affine_dequant_q2",
+    "affine_gate_up_q4",
+    "affine_gate_up_q3",
+    "affine_gate_up_q2",
+    "affine_down_q4",
+    "affine_down_q3",
+    "affine_down_q2",
     "copy_f4",
 ];
 
@@ -180,6 +188,9 @@ fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
     Ok(ptx)
 }
 
+/// Host values and their device copy.
+type Constant = (Vec<f32>, Arc<CudaSlice<f32>>);
+
 /// The CUDA backend on one device.
 pub struct Cuda {
     ctx: Arc<CudaContext>,
@@ -189,6 +200,8 @@ pub struct Cuda {
     arch: String,
     device_name: String,
     affine: Mutex<HashMap<AffineKey, Arc<DeviceAffine>>>,
+    /// Small host arrays passed to every call of an op (RoPE frequencies), uploaded once.
+    constants: Mutex<Vec<Constant>>,
 }
 
 fn driver<T>(r: Result<T, cudarc::driver::DriverError>) -> Result<T, CudaError> {
@@ -201,6 +214,24 @@ fn ok<T, E: std::fmt::Debug>(r: Result<T, E>, what: &str) -> T {
         Ok(v) => v,
         Err(e) => panic!("CUDA {what} failed: {e:?}"),
     }
+}
+
+/// The three matrices of a group whose weights are all affine.
+fn affine_of<'a>(g: &SwiGluGroup<'a, CudaSlice<f32>>) -> Option<[AffineView<'a>; 3]> {
+    match (g.gate, g.up, g.down) {
+        (Weight::Affine(a), Weight::Affine(b), Weight::Affine(c)) => Some([a, b, c]),
+        _ => None,
+    }
+}
+
+/// Rows of x a matrix-vector block stages at once for a matrix of `cols` columns, and
+/// the shared memory one row takes.
+fn affine_tile(cols: usize) -> (usize, usize) {
+    let row_bytes = (cols / 32) * 33 * 4;
+    (
+        (SHARED_LIMIT / row_bytes).clamp(1, AFFINE_MAX_BATCH),
+        row_bytes,
+    )
 }
 
 fn blocks(n: usize, threads: usize) -> u32 {
@@ -248,6 +279,7 @@ impl Cuda {
             arch,
             device_name,
             affine: Mutex::new(HashMap::new()),
+            constants: Mutex::new(Vec::new()),
         })
     }
 
@@ -356,6 +388,17 @@ impl Cuda {
         );
     }
 
+    /// A device copy of `v`, uploaded the first time these values are seen.
+    fn constant(&self, v: &[f32]) -> Arc<CudaSlice<f32>> {
+        let mut c = self.constants.lock().expect("constants lock");
+        if let Some((_, d)) = c.iter().find(|(h, _)| h.as_slice() == v) {
+            return d.clone();
+        }
+        let d = Arc::new(self.upload(v));
+        c.push((v.to_vec(), d.clone()));
+        d
+    }
+
     /// The device copy of `w`, made on first use.
     fn device_affine(&self, w: &AffineView<'_>) -> Arc<DeviceAffine> {
         let key = affine_key(w);
@@ -435,8 +478,7 @@ impl Cuda {
             2 => "affine_matvec_q2",
             b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
         };
-        let chunk_bytes = (w.cols / 32) * 33 * 4;
-        let tile = (SHARED_LIMIT / chunk_bytes).clamp(1, AFFINE_MAX_BATCH);
+        let (tile, chunk_bytes) = affine_tile(w.cols);
         let grid = w.rows.div_ceil(AFFINE_WARPS);
         let (r, c, i) = (w.rows as i32, w.cols as i32, in_dim as i32);
         let mut t0 = 0;
@@ -461,6 +503,128 @@ impl Cuda {
             );
             t0 += nb;
         }
+    }
+
+    /// The MoE dispatch of [`Backend::swiglu_groups`] for affine groups of at most
+    /// [`AFFINE_GEMM_ROWS`] rows sharing one shape: one upload of the group table, one
+    /// launch for every gate and up product, one SiLU, one launch for every down
+    /// product, one scatter. Returns the groups it did not take.
+    fn swiglu_grouped<'g, 'a>(
+        &self,
+        x: &CudaSlice<f32>,
+        hidden: usize,
+        groups: &'g [SwiGluGroup<'a, CudaSlice<f32>>],
+        out: &mut CudaSlice<f32>,
+    ) -> Vec<&'g SwiGluGroup<'a, CudaSlice<f32>>> {
+        let key = |m: &[AffineView<'_>; 3]| (m[0].bits, m[0].rows, m[0].cols, m[2].rows, m[2].cols);
+        let mut shape = None;
+        let (mut take, mut rest) = (Vec::new(), Vec::new());
+        for g in groups.iter().filter(|g| !g.rows.is_empty()) {
+            match affine_of(g) {
+                Some(m)
+                    if g.rows.len() <= AFFINE_GEMM_ROWS
+                        && m[1].rows == m[0].rows
+                        && m[1].cols == m[0].cols
+                        && m[0].cols >= hidden
+                        && m[2].rows == hidden
+                        && m[2].cols >= g.intermediate
+                        && *shape.get_or_insert(key(&m)) == key(&m) =>
+                {
+                    take.push((g, m))
+                }
+                _ => rest.push(g),
+            }
+        }
+        if take.is_empty() {
+            return rest;
+        }
+        let (bits, inter, up_cols, _, down_cols) = shape.expect("set with the first group");
+        let n_groups = take.len();
+        let pairs: usize = take.iter().map(|(g, _)| g.rows.len()).sum();
+        // One u64 buffer: the table, then row ids and scales two to a word.
+        let mut table: Vec<u64> = Vec::with_capacity(n_groups * GROUP_ENTRY + pairs);
+        let mut row_ids: Vec<u32> = Vec::with_capacity(pairs);
+        let mut scales: Vec<f32> = Vec::with_capacity(pairs);
+        let mut keep = Vec::with_capacity(n_groups);
+        for (g, m) in &take {
+            for w in m {
+                let d = self.device_affine(w);
+                table.push(d.words.device_ptr(&self.stream).0);
+                table.push(d.scales.device_ptr(&self.stream).0);
+                table.push(d.biases.device_ptr(&self.stream).0);
+                keep.push(d);
+            }
+            table.push(row_ids.len() as u64);
+            table.push(g.rows.len() as u64);
+            row_ids.extend_from_slice(g.rows);
+            scales.extend_from_slice(g.scales);
+        }
+        let rows_at = table.len() * 2;
+        let mut words: Vec<u32> = table
+            .iter()
+            .flat_map(|&v| [v as u32, (v >> 32) as u32])
+            .collect();
+        words.extend_from_slice(&row_ids);
+        words.extend(scales.iter().map(|s| s.to_bits()));
+        let meta = self.upload_u32(&words);
+        let table_v = meta.slice(..rows_at);
+        let rows_v = meta.slice(rows_at..rows_at + pairs);
+        let scales_v = meta.slice(rows_at + pairs..);
+
+        let raw = |n: usize| ok(unsafe { self.stream.alloc::<f32>(n.max(1)) }, "alloc");
+        let (mut gate, mut up, mut down) =
+            (raw(pairs * inter), raw(pairs * inter), raw(pairs * hidden));
+        let suffix = match bits {
+            4 => "q4",
+            3 => "q3",
+            2 => "q2",
+            b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
+        };
+        let (tile, row_bytes) = affine_tile(up_cols);
+        let (r, c, i, t) = (inter as i32, up_cols as i32, hidden as i32, tile as i32);
+        let f = self.func(&format!("affine_gate_up_{suffix}"));
+        let mut l = self.stream.launch_builder(f);
+        l.arg(&table_v)
+            .arg(&rows_v)
+            .arg(x)
+            .arg(&mut gate)
+            .arg(&mut up);
+        l.arg(&r).arg(&c).arg(&i).arg(&t);
+        let grid = LaunchConfig {
+            grid_dim: (inter.div_ceil(AFFINE_WARPS) as u32, n_groups as u32, 2),
+            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: (tile * row_bytes) as u32,
+        };
+        ok(unsafe { l.launch(grid) }, "affine gate/up");
+
+        let n = pairs * inter;
+        let n64 = n as i64;
+        let mut l = self.stream.launch_builder(self.func("silu_mul"));
+        l.arg(&mut gate).arg(&up).arg(&n64);
+        self.launch_1d(l, n, "silu_mul");
+
+        let (tile, row_bytes) = affine_tile(down_cols);
+        let (r, c, i, t) = (hidden as i32, down_cols as i32, inter as i32, tile as i32);
+        let f = self.func(&format!("affine_down_{suffix}"));
+        let mut l = self.stream.launch_builder(f);
+        l.arg(&table_v).arg(&gate).arg(&mut down);
+        l.arg(&r).arg(&c).arg(&i).arg(&t);
+        let grid = LaunchConfig {
+            grid_dim: (hidden.div_ceil(AFFINE_WARPS) as u32, n_groups as u32, 1),
+            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: (tile * row_bytes) as u32,
+        };
+        ok(unsafe { l.launch(grid) }, "affine down");
+
+        let w = hidden as i32;
+        let mut l = self.stream.launch_builder(self.func("scatter_add_rows"));
+        l.arg(&down).arg(&rows_v).arg(&scales_v).arg(out).arg(&w);
+        ok(
+            unsafe { l.launch(cfg(pairs, row_threads(hidden), 0)) },
+            "scatter_add_rows",
+        );
+        drop(keep);
+        rest
     }
 
     /// `out[rows, n] = x[rows, k] · w[n, :k]ᵀ` with `w` row-major of row stride `ldw`.
@@ -677,12 +841,23 @@ impl Backend for Cuda {
         if positions.is_empty() {
             return;
         }
-        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
-        let pos = self.upload_u32(&pos);
-        let freq = ok(self.stream.clone_htod(inv_freq), "upload");
-        let (h, d) = (heads as i32, head_dim as i32);
+        // The forward pass always asks for consecutive positions: no upload then.
+        let p0 = positions[0];
+        let consecutive = positions.iter().enumerate().all(|(i, &p)| p == p0 + i);
+        let pos = (!consecutive).then(|| {
+            let v: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+            self.upload_u32(&v)
+        });
+        let freq = self.constant(inv_freq);
+        let (h, d, p0) = (heads as i32, head_dim as i32, p0 as u32);
+        let null = 0u64;
         let mut l = self.stream.launch_builder(self.func("rope"));
-        l.arg(x).arg(&pos).arg(&freq).arg(&h).arg(&d);
+        l.arg(x);
+        match &pos {
+            Some(p) => l.arg(p),
+            None => l.arg(&null),
+        };
+        l.arg(&p0).arg(&*freq).arg(&h).arg(&d);
         ok(
             unsafe { l.launch(cfg(positions.len() * heads, row_threads(head_dim / 2), 0)) },
             "rope",
@@ -785,5 +960,30 @@ impl Backend for Cuda {
             unsafe { l.launch(cfg(rows.len(), row_threads(width), 0)) },
             "scatter_add_rows",
         );
+    }
+
+    fn swiglu_groups(
+        &self,
+        x: &CudaSlice<f32>,
+        hidden: usize,
+        groups: &[SwiGluGroup<'_, CudaSlice<f32>>],
+        out: &mut CudaSlice<f32>,
+    ) {
+        let rest = self.swiglu_grouped(x, hidden, groups, out);
+        if rest.is_empty() {
+            return;
+        }
+        let rest: Vec<SwiGluGroup<'_, CudaSlice<f32>>> = rest
+            .into_iter()
+            .map(|g| SwiGluGroup {
+                gate: g.gate,
+                up: g.up,
+                down: g.down,
+                intermediate: g.intermediate,
+                rows: g.rows,
+                scales: g.scales,
+            })
+            .collect();
+        swiglu_groups_one_by_one(self, x, hidden, &rest, out);
     }
 }
