@@ -4,10 +4,11 @@
 # the executables are built on a Linux x86-64 machine and placed in $BIN by
 # scripts/gpu/build.sh. Results go to $OUT (default gpu-results/).
 #
-#   bash scripts/gpu/run.sh [checks] [kernels] [model]     (all three by default)
+#   bash scripts/gpu/run.sh [checks] [kernels] [cli] [model]     (all by default)
 #
 # checks   every kernel against the CPU reference, fixture perplexity and greedy decode
 # kernels  quantized matvec GB/s against the copy kernel (cuda_kernels.json)
+# cli      `dynmoe eval ppl` and `dynmoe run` with --backend cuda beside --backend cpu
 # model    a random checkpoint of Qwen3-30B-A3B's shape (first $LAYERS layers), converted
 #          to 4/3/2-bit stores, decode and prefill tok/s at each (model_speed.json)
 set -uo pipefail
@@ -16,7 +17,7 @@ OUT=${OUT:-gpu-results}
 LAYERS=${LAYERS:-12}
 WORK=${WORK:-/tmp/dynmoe-gpu}
 mkdir -p "$OUT" "$WORK"
-steps=${*:-checks kernels model}
+steps=${*:-checks kernels cli model}
 
 # NVRTC and cuBLAS are loaded by name: put the toolkit's library directories on the path.
 for lib in libnvrtc.so libcublas.so; do
@@ -40,6 +41,15 @@ for step in $steps; do
         echo "== kernel bandwidth"
         "$BIN/cuda_kernels" 2>&1 | tee "$OUT/kernels.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        ;;
+    cli)
+        echo "== command line, cpu then cuda"
+        for b in cpu cuda; do
+            "$BIN/dynmoe" eval ppl --model fixtures/models/small-moe --backend $b \
+                --text data/corpus/en/test.txt --chunks 8 || status=1
+            "$BIN/dynmoe" run --model fixtures/models/small-moe --backend $b -n 32 \
+                --prompt "Call me Ishmael" || status=1
+        done 2>&1 | tee "$OUT/cli.log"
         ;;
     model)
         echo "== Qwen3-30B-A3B shape, $LAYERS layers"

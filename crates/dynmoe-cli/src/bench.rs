@@ -1,15 +1,17 @@
 //! `dynmoe synth` and `dynmoe bench decode`: random checkpoints of published shapes,
 //! and batch-1 prefill and decode speed on them at each expert precision.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
-use dynmoe::backend::{Backend, Cpu};
+
+use crate::{cuda_backend, BackendKind};
+use dynmoe::backend::Backend;
 use dynmoe::codec::affine::lowbit::words_per_row;
 use dynmoe::codec::affine::GROUP_SIZE;
-use dynmoe::model::{self, synth, Config, ExpertBits, LoadedModel};
+use dynmoe::model::{synth, Config, ExpertBits, LoadedModel};
 use dynmoe::runtime::generate::argmax;
 use dynmoe::testing::Rng;
 use serde::Serialize;
@@ -65,19 +67,13 @@ pub enum BenchCommand {
     Decode(DecodeArgs),
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-enum BenchBackend {
-    Cpu,
-    Cuda,
-}
-
 #[derive(Args)]
 pub struct DecodeArgs {
     /// A converted model directory (`dynmoe convert`).
     model: PathBuf,
+    /// Compute backend.
     #[arg(long, value_enum, default_value = "cpu")]
-    backend: BenchBackend,
+    backend: BackendKind,
     /// Expert precisions to measure.
     #[arg(long, value_delimiter = ',', default_value = "4,3,2")]
     bits: Vec<u32>,
@@ -139,7 +135,7 @@ struct Case {
 #[derive(Serialize)]
 struct Report {
     model: PathBuf,
-    backend: BenchBackend,
+    backend: String,
     device: String,
     layers: usize,
     prompt: usize,
@@ -237,14 +233,16 @@ fn decode(a: DecodeArgs) -> Result<()> {
             default: Some(bits),
             ..ExpertBits::default()
         };
+        // A backend per model, so that each precision's device weights go with it.
         let (pre, dec) = match a.backend {
-            BenchBackend::Cpu => measure(
-                &load(&a.model, Cpu::fast(), &eb)?,
-                a.prompt,
-                a.generate,
-                a.repeats,
-            )?,
-            BenchBackend::Cuda => cuda_measure(&a, &eb)?,
+            BackendKind::Cuda => {
+                let m = crate::load(&a.model, cuda_backend()?, &eb)?;
+                measure(&m, a.prompt, a.generate, a.repeats)?
+            }
+            other => {
+                let m = crate::load(&a.model, other.cpu(), &eb)?;
+                measure(&m, a.prompt, a.generate, a.repeats)?
+            }
         };
         let bytes = decode_bytes(&config, bits);
         let floor = copy_gb_s.map(|bw| bw * 1e9 / bytes as f64);
@@ -274,7 +272,10 @@ fn decode(a: DecodeArgs) -> Result<()> {
     }
     let report = Report {
         model: a.model.clone(),
-        backend: a.backend,
+        backend: a
+            .backend
+            .to_possible_value()
+            .map_or_else(String::new, |v| v.get_name().to_string()),
         device,
         layers: config.layers.len(),
         prompt: a.prompt,
@@ -290,37 +291,23 @@ fn decode(a: DecodeArgs) -> Result<()> {
     Ok(())
 }
 
-fn load<B: Backend>(dir: &Path, b: B, bits: &ExpertBits) -> Result<LoadedModel<B>> {
-    model::load_with(dir, b, bits).with_context(|| format!("loading model {}", dir.display()))
-}
-
+/// The device's name and copy bandwidth (GB/s) for the report.
 #[cfg(feature = "cuda")]
-fn device_info(backend: BenchBackend) -> Result<(String, Option<f64>)> {
+fn device_info(backend: BackendKind) -> Result<(String, Option<f64>)> {
     match backend {
-        BenchBackend::Cpu => Ok((dynmoe::testing::cpu_name(), None)),
-        BenchBackend::Cuda => {
-            let g = dynmoe::backend::Cuda::new(0)?;
+        BackendKind::Cuda => {
+            let g = cuda_backend()?;
             Ok((g.device_name().to_string(), Some(g.copy_bandwidth())))
         }
+        _ => Ok((dynmoe::testing::cpu_name(), None)),
     }
 }
 
-#[cfg(feature = "cuda")]
-fn cuda_measure(a: &DecodeArgs, eb: &ExpertBits) -> Result<(Vec<f64>, Vec<f64>)> {
-    // A backend per model, so that each precision's device weights are freed with it.
-    let m = load(&a.model, dynmoe::backend::Cuda::new(0)?, eb)?;
-    measure(&m, a.prompt, a.generate, a.repeats)
-}
-
+/// The processor's name; `--backend cuda` fails here without the feature.
 #[cfg(not(feature = "cuda"))]
-fn device_info(backend: BenchBackend) -> Result<(String, Option<f64>)> {
-    match backend {
-        BenchBackend::Cpu => Ok((dynmoe::testing::cpu_name(), None)),
-        BenchBackend::Cuda => bail!("this dynmoe was built without the `cuda` feature"),
+fn device_info(backend: BackendKind) -> Result<(String, Option<f64>)> {
+    if let BackendKind::Cuda = backend {
+        cuda_backend()?;
     }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_measure(_: &DecodeArgs, _: &ExpertBits) -> Result<(Vec<f64>, Vec<f64>)> {
-    bail!("this dynmoe was built without the `cuda` feature")
+    Ok((dynmoe::testing::cpu_name(), None))
 }

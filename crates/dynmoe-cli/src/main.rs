@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use dynmoe::backend::Cpu;
+use dynmoe::backend::{Backend, Cpu};
 use dynmoe::eval::{inspect, ppl};
 use dynmoe::model::{self, ExpertBits, LoadedModel};
 use dynmoe::runtime::generate::{self, Sampling};
@@ -55,20 +55,53 @@ enum EvalCommand {
 
 /// Which implementation of the ops runs the model.
 #[derive(Clone, Copy, ValueEnum)]
-enum BackendKind {
+pub(crate) enum BackendKind {
     /// Threaded CPU kernels.
     Cpu,
     /// Plain single-threaded f32 reference (the oracle; slow).
     Reference,
+    /// The first CUDA GPU (needs a build with `--features cuda`).
+    Cuda,
 }
 
 impl BackendKind {
+    /// The CPU backend this names (the fast one for `cuda`, which callers handle first).
     fn cpu(self) -> Cpu {
         match self {
-            BackendKind::Cpu => Cpu::fast(),
             BackendKind::Reference => Cpu::reference(),
+            BackendKind::Cpu | BackendKind::Cuda => Cpu::fast(),
         }
     }
+}
+
+/// The first CUDA device.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_backend() -> Result<dynmoe::backend::Cuda> {
+    Ok(dynmoe::backend::Cuda::new(0)?)
+}
+
+/// Without the feature there is no device type; the `Cpu` type only lets callers be
+/// written once, as this never returns one.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn cuda_backend() -> Result<Cpu> {
+    anyhow::bail!("this dynmoe was built without the `cuda` feature (cargo build --features cuda)")
+}
+
+/// Loads the model the arguments name on their backend and evaluates `$body` with it
+/// bound to `$m`: the body is generic code instantiated once per backend type.
+macro_rules! with_model {
+    ($args:expr, |$m:ident| $body:expr) => {
+        match $args.backend {
+            BackendKind::Cuda => {
+                let $m = load(&$args.model, cuda_backend()?, &$args.expert_bits())?;
+                $body
+            }
+            other => {
+                let $m = load(&$args.model, other.cpu(), &$args.expert_bits())?;
+                $body
+            }
+        }
+    };
 }
 
 #[derive(Args)]
@@ -93,11 +126,6 @@ impl ModelArgs {
             default: self.expert_bits,
             per_layer: self.expert_bits_layer.iter().copied().collect(),
         }
-    }
-
-    /// Loads the model these arguments name.
-    fn load(&self) -> Result<LoadedModel<Cpu>> {
-        load(&self.model, self.backend.cpu(), &self.expert_bits())
     }
 }
 
@@ -188,9 +216,13 @@ fn main() {
     }
 }
 
-/// Loads a model directory onto the CPU backend, with a spinner while it loads (and
-/// builds any expert store the requested precision needs).
-pub(crate) fn load(dir: &Path, backend: Cpu, bits: &ExpertBits) -> Result<LoadedModel<Cpu>> {
+/// Loads a model directory onto a backend, with a spinner while it loads (and builds any
+/// expert store the requested precision needs).
+pub(crate) fn load<B: Backend>(
+    dir: &Path,
+    backend: B,
+    bits: &ExpertBits,
+) -> Result<LoadedModel<B>> {
     let spinner = progress::spinner(&format!("loading {}", dir.display()));
     let m = model::load_with(dir, backend, bits)
         .with_context(|| format!("loading model {}", dir.display()))?;
@@ -209,7 +241,10 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     if a.temperature.is_nan() || a.temperature < 0.0 {
         anyhow::bail!("--temperature must be >= 0, got {}", a.temperature);
     }
-    let m = a.model.load()?;
+    with_model!(a.model, |m| run_on(&m, &a))
+}
+
+fn run_on<B: Backend>(m: &LoadedModel<B>, a: &RunArgs) -> Result<()> {
     let sampling = Sampling {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -227,7 +262,7 @@ fn cmd_run(a: RunArgs) -> Result<()> {
     if !json {
         print!("{}", a.prompt);
     }
-    let g = generate::generate(&m, &a.prompt, a.max_tokens, sampling, &mut print)?;
+    let g = generate::generate(m, &a.prompt, a.max_tokens, sampling, &mut print)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&g)?);
     } else {
@@ -245,11 +280,14 @@ fn cmd_run(a: RunArgs) -> Result<()> {
 
 fn cmd_ppl(a: PplArgs) -> Result<()> {
     let text = read_text(&a.text)?;
-    let m = a.model.load()?;
+    with_model!(a.model, |m| ppl_on(&m, &a, &text))
+}
+
+fn ppl_on<B: Backend>(m: &LoadedModel<B>, a: &PplArgs, text: &str) -> Result<()> {
     let bar = progress::bar("perplexity");
     let report = ppl::perplexity(
-        &m,
-        &text,
+        m,
+        text,
         ppl::PplOptions {
             ctx: a.ctx,
             max_chunks: a.chunks,
