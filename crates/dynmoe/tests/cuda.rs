@@ -414,9 +414,8 @@ fn test_text(domain: &str) -> String {
 }
 
 /// Perplexity over 4 chunks of 512 on the CPU and the device, and the greedy decode of
-/// 24 tokens after a 16-token prompt on both.
+/// 24 tokens after a 16-token prompt on both. The caller has checked for a device.
 fn compare_end_to_end(label: &str, dir: &std::path::Path, bits: Option<u32>) {
-    let g = gpu().expect("checked by the caller");
     let eb = ExpertBits {
         default: bits,
         ..ExpertBits::default()
@@ -425,7 +424,6 @@ fn compare_end_to_end(label: &str, dir: &std::path::Path, bits: Option<u32>) {
     // The device backend is borrowed by every model; `Cuda` is not `Clone`, so each
     // model gets its own backend on the same device.
     let dev = model::load_with(dir, Cuda::new(0).unwrap(), &eb).unwrap();
-    let _ = g;
     let opts = PplOptions {
         ctx: 512,
         max_chunks: Some(4),
