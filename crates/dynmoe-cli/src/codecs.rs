@@ -50,13 +50,6 @@ pub fn codebooks(c: CodebooksCommand) -> Result<()> {
     Ok(())
 }
 
-#[derive(Subcommand)]
-pub enum BenchCommand {
-    /// The VQ ladder: bits per weight, distortion on Gaussian and real weights beside
-    /// the bound and the bitsandbytes constants, encode and decode speed, fit of φ(b).
-    Codecs(CodecsArgs),
-}
-
 #[derive(Args)]
 pub struct CodecsArgs {
     /// Checkpoint whose routed experts give the real-weight distortion.
@@ -79,8 +72,7 @@ pub struct CodecsArgs {
     json: bool,
 }
 
-pub fn bench(c: BenchCommand) -> Result<()> {
-    let BenchCommand::Codecs(a) = c;
+pub fn bench_codecs(a: CodecsArgs) -> Result<()> {
     let rungs = parse_rungs(&a.rungs)?;
     let real = report::expert_matrices(&a.model, a.stride)
         .with_context(|| format!("reading expert weights of {}", a.model.display()))?;

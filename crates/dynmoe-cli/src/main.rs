@@ -1,5 +1,6 @@
 //! The `dynmoe` command line: parses arguments, calls the library, prints results.
 
+mod bench;
 mod codecs;
 mod demo;
 mod progress;
@@ -11,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use dynmoe::backend::Cpu;
+use dynmoe::backend::{Backend, Cpu};
 use dynmoe::eval::{inspect, ppl};
 use dynmoe::model::{self, ExpertBits, LoadedModel};
 use dynmoe::runtime::generate::{self, Sampling};
@@ -49,9 +50,11 @@ enum Command {
     /// Codebooks of the VQ codec ladder.
     #[command(subcommand)]
     Codebooks(codecs::CodebooksCommand),
-    /// Measurements.
+    /// Write a checkpoint with a published model's shapes and random weights.
+    Synth(bench::SynthArgs),
+    /// Measurements: codecs, decode speed.
     #[command(subcommand)]
-    Bench(codecs::BenchCommand),
+    Bench(bench::BenchCommand),
 }
 
 #[derive(Subcommand)]
@@ -65,20 +68,53 @@ enum EvalCommand {
 
 /// Which implementation of the ops runs the model.
 #[derive(Clone, Copy, ValueEnum)]
-enum BackendKind {
+pub(crate) enum BackendKind {
     /// Threaded CPU kernels.
     Cpu,
     /// Plain single-threaded f32 reference (the oracle; slow).
     Reference,
+    /// The first CUDA GPU (needs a build with `--features cuda`).
+    Cuda,
 }
 
 impl BackendKind {
+    /// The CPU backend this names (the fast one for `cuda`, which callers handle first).
     fn cpu(self) -> Cpu {
         match self {
-            BackendKind::Cpu => Cpu::fast(),
             BackendKind::Reference => Cpu::reference(),
+            BackendKind::Cpu | BackendKind::Cuda => Cpu::fast(),
         }
     }
+}
+
+/// The first CUDA device.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_backend() -> Result<dynmoe::backend::Cuda> {
+    Ok(dynmoe::backend::Cuda::new(0)?)
+}
+
+/// Without the feature there is no device type; the `Cpu` type only lets callers be
+/// written once, as this never returns one.
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn cuda_backend() -> Result<Cpu> {
+    anyhow::bail!("this dynmoe was built without the `cuda` feature (cargo build --features cuda)")
+}
+
+/// Loads the model the arguments name on their backend and evaluates `$body` with it
+/// bound to `$m`: the body is generic code instantiated once per backend type.
+macro_rules! with_model {
+    ($args:expr, |$m:ident| $body:expr) => {
+        match $args.backend {
+            BackendKind::Cuda => {
+                let $m = load(&$args.model, cuda_backend()?, &$args.expert_bits())?;
+                $body
+            }
+            other => {
+                let $m = load(&$args.model, other.cpu(), &$args.expert_bits())?;
+                $body
+            }
+        }
+    };
 }
 
 #[derive(Args)]
@@ -105,8 +141,11 @@ impl ModelArgs {
         }
     }
 
-    /// Loads the model these arguments name.
+    /// Loads the model these arguments name, for commands that run on the CPU only.
     pub(crate) fn load(&self) -> Result<LoadedModel<Cpu>> {
+        if matches!(self.backend, BackendKind::Cuda) {
+            anyhow::bail!("this command runs on the CPU; --backend cuda is for run and eval ppl");
+        }
         load(&self.model, self.backend.cpu(), &self.expert_bits())
     }
 }
@@ -226,7 +265,8 @@ fn main() {
         Command::Convert(a) => store::convert(a),
         Command::Store(c) => store::store(c),
         Command::Codebooks(c) => codecs::codebooks(c),
-        Command::Bench(c) => codecs::bench(c),
+        Command::Synth(a) => bench::synth(a),
+        Command::Bench(c) => bench::bench(c),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -234,9 +274,13 @@ fn main() {
     }
 }
 
-/// Loads a model directory onto the CPU backend, with a spinner while it loads (and
-/// builds any expert store the requested precision needs).
-pub(crate) fn load(dir: &Path, backend: Cpu, bits: &ExpertBits) -> Result<LoadedModel<Cpu>> {
+/// Loads a model directory onto a backend, with a spinner while it loads (and builds any
+/// expert store the requested precision needs).
+pub(crate) fn load<B: Backend>(
+    dir: &Path,
+    backend: B,
+    bits: &ExpertBits,
+) -> Result<LoadedModel<B>> {
     let spinner = progress::spinner(&format!("loading {}", dir.display()));
     let m = model::load_with(dir, backend, bits)
         .with_context(|| format!("loading model {}", dir.display()))?;
@@ -250,7 +294,10 @@ pub(crate) fn read_text(path: &Path) -> Result<String> {
 
 fn cmd_run(a: RunArgs) -> Result<()> {
     let sampling = a.sampling.checked()?;
-    let mut m = a.model.load()?;
+    with_model!(a.model, |m| run_on(m, &a, sampling))
+}
+
+fn run_on<B: Backend>(mut m: LoadedModel<B>, a: &RunArgs, sampling: Sampling) -> Result<()> {
     a.residency.install(&mut m)?;
     let json = a.json;
     let mut print = |piece: &str| {
@@ -308,14 +355,17 @@ fn print_residency(r: &dynmoe::residency::ResidencyReport) {
 
 fn cmd_ppl(a: PplArgs) -> Result<()> {
     let text = read_text(&a.text)?;
-    let mut m = a.model.load()?;
+    with_model!(a.model, |m| ppl_on(m, &a, &text))
+}
+
+fn ppl_on<B: Backend>(mut m: LoadedModel<B>, a: &PplArgs, text: &str) -> Result<()> {
     let resident = a.residency.install(&mut m)?;
     let dynamic = resident.is_some_and(|c| c.mode == dynmoe::residency::Mode::Dynamic);
     let micro_batch = a.micro_batch.or(dynamic.then_some(32));
     let bar = progress::bar("perplexity");
     let report = ppl::perplexity(
         &m,
-        &text,
+        text,
         ppl::PplOptions {
             ctx: a.ctx,
             max_chunks: a.chunks,

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use dynmoe::backend::Cpu;
+use dynmoe::backend::Backend;
 use dynmoe::calib::reap_saliency;
 use dynmoe::eval::hitrate::{self, Domain, HitrateOptions, HitrateReport};
 use dynmoe::eval::ppl::PplOptions;
@@ -109,7 +109,7 @@ impl ResidencyArgs {
     }
 
     /// Installs the resident sets these flags ask for on `m`; returns whether any.
-    pub fn install(&self, m: &mut LoadedModel<Cpu>) -> Result<Option<ResidencyConfig>> {
+    pub fn install<B: Backend>(&self, m: &mut LoadedModel<B>) -> Result<Option<ResidencyConfig>> {
         let Some(config) = self.config()? else {
             return Ok(None);
         };

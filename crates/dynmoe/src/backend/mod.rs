@@ -7,8 +7,12 @@
 //! kernel, CPU or GPU, is compared with.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 pub use cpu::Cpu;
+#[cfg(feature = "cuda")]
+pub use cuda::Cuda;
 
 use crate::codec::affine::kernels::AffineView;
 

@@ -12,6 +12,7 @@ pub mod config;
 pub mod experts;
 pub mod forward;
 pub mod moe;
+pub mod synth;
 pub mod tokenizer;
 pub mod weights;
 

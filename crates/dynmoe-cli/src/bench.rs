@@ -1,0 +1,317 @@
+//! `dynmoe synth` and `dynmoe bench decode`: random checkpoints of published shapes,
+//! and batch-1 prefill and decode speed on them at each expert precision.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand, ValueEnum};
+
+use crate::{cuda_backend, BackendKind};
+use dynmoe::backend::Backend;
+use dynmoe::codec::affine::lowbit::words_per_row;
+use dynmoe::codec::affine::GROUP_SIZE;
+use dynmoe::model::{synth, Config, ExpertBits, LoadedModel};
+use dynmoe::runtime::generate::argmax;
+use dynmoe::testing::Rng;
+use serde::Serialize;
+
+use crate::progress;
+
+#[derive(Args)]
+pub struct SynthArgs {
+    /// Shape to copy: qwen3-30b-a3b or qwen3-235b-a22b.
+    #[arg(long)]
+    like: String,
+    /// Keep only the first N decoder layers.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Output directory.
+    #[arg(long, short)]
+    out: PathBuf,
+    /// Model directory whose tokenizer files are copied (default: the bundled small-moe).
+    #[arg(long)]
+    tokenizer_from: Option<PathBuf>,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+pub fn synth(a: SynthArgs) -> Result<()> {
+    let shape = synth::shape(&a.like)?;
+    let tok = a
+        .tokenizer_from
+        .unwrap_or_else(|| dynmoe::testing::fixture("small-moe"));
+    let bar = progress::bar("synth");
+    let start = Instant::now();
+    let r = synth::synth(&shape, a.layers, &tok, &a.out, a.seed, &mut |d, t| {
+        progress::update(&bar, d, t)
+    })
+    .with_context(|| format!("writing {}", a.out.display()))?;
+    bar.finish_and_clear();
+    println!(
+        "{}: {} layers of {}, {:.2} B parameters, {:.1} GB bf16 in {:.0} s",
+        r.dir.display(),
+        r.layers,
+        shape.name,
+        r.params as f64 / 1e9,
+        r.bytes as f64 / 1e9,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Batch-1 prefill and decode tokens per second at each expert precision.
+    Decode(DecodeArgs),
+    /// The VQ ladder: bits per weight, distortion on Gaussian and real weights beside
+    /// the bound and the bitsandbytes constants, encode and decode speed, fit of φ(b).
+    Codecs(crate::codecs::CodecsArgs),
+}
+
+#[derive(Args)]
+pub struct DecodeArgs {
+    /// A converted model directory (`dynmoe convert`).
+    model: PathBuf,
+    /// Compute backend.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
+    /// Expert precisions to measure.
+    #[arg(long, value_delimiter = ',', default_value = "4,3,2")]
+    bits: Vec<u32>,
+    /// Prompt tokens (random ids), processed as one prefill.
+    #[arg(long, default_value_t = 512)]
+    prompt: usize,
+    /// Tokens decoded one at a time after the prompt (greedy).
+    #[arg(long, default_value_t = 128)]
+    generate: usize,
+    /// Timed repetitions; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Also write the report here as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+pub fn bench(c: BenchCommand) -> Result<()> {
+    match c {
+        BenchCommand::Decode(a) => decode(a),
+        BenchCommand::Codecs(a) => crate::codecs::bench_codecs(a),
+    }
+}
+
+/// llama.cpp's CUDA build on an H200 on the 12-layer Qwen3-30B-A3B shape at batch 1
+/// (decode of 128, prefill of 512 tokens) at Q4_K_M and Q2_K, as (decode, prefill)
+/// tokens per second; `None` for other shapes and precisions.
+fn llama_cpp(c: &Config, bits: u32) -> Option<(f64, f64)> {
+    let shape = synth::shape("qwen3-30b-a3b").ok()?;
+    let same = c.hidden_size == shape.hidden
+        && c.layers.len() == 12
+        && c.moe.num_experts == shape.experts
+        && c.moe.expert_intermediate == shape.moe_intermediate;
+    if !same {
+        return None;
+    }
+    match bits {
+        4 => Some((809.0, 27993.0)),
+        2 => Some((747.0, 22165.0)),
+        _ => None,
+    }
+}
+
+#[derive(Serialize)]
+struct Case {
+    bits: u32,
+    prefill_tok_s: f64,
+    decode_tok_s: f64,
+    prefill_runs_tok_s: Vec<f64>,
+    decode_runs_tok_s: Vec<f64>,
+    /// Weight bytes one decode step must read: dense tensors as stored on the backend
+    /// (f32), the LM head, and top-k experts of every MoE layer at `bits`.
+    decode_bytes_per_token: usize,
+    /// Copy bandwidth over those bytes.
+    decode_floor_tok_s: Option<f64>,
+    llama_cpp_decode_tok_s: Option<f64>,
+    llama_cpp_prefill_tok_s: Option<f64>,
+}
+
+#[derive(Serialize)]
+struct Report {
+    model: PathBuf,
+    backend: String,
+    device: String,
+    layers: usize,
+    prompt: usize,
+    generate: usize,
+    repeats: usize,
+    copy_gb_s: Option<f64>,
+    cases: Vec<Case>,
+}
+
+fn affine_bytes(rows: usize, cols: usize, bits: u32) -> usize {
+    let cols = cols.div_ceil(GROUP_SIZE) * GROUP_SIZE;
+    rows * words_per_row(cols, bits) * 4 + rows * (cols / GROUP_SIZE) * 4
+}
+
+/// Bytes a decode step reads, from the configuration (see [`Case`]).
+fn decode_bytes(c: &Config, bits: u32) -> usize {
+    let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
+    let (e, i) = (c.moe.num_experts, c.moe.expert_intermediate);
+    let attention = 4 * (2 * q * h + 2 * kv * h);
+    let expert = 2 * affine_bytes(i, h, bits) + affine_bytes(h, i, bits);
+    let moe = c.moe_layers().count();
+    c.layers.len() * attention + moe * (4 * e * h + c.moe.top_k * expert) + 4 * c.vocab_size * h
+}
+
+/// Median of prefill and decode tokens per second over `repeats` runs, after a warm-up
+/// run (which also brings every touched expert onto the device).
+fn measure<B: Backend>(
+    m: &LoadedModel<B>,
+    prompt: usize,
+    generate: usize,
+    repeats: usize,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let vocab = m.model.config.vocab_size as u64;
+    let mut rng = Rng::seeded(1);
+    let ids: Vec<u32> = (0..prompt)
+        .map(|_| (rng.next_u64() % vocab) as u32)
+        .collect();
+    let mut state = m.model.new_state(prompt + generate);
+    let (mut pre, mut dec) = (Vec::new(), Vec::new());
+    for run in 0..=repeats {
+        state.clear();
+        let t = Instant::now();
+        // Downloading the logits waits for the device.
+        let logits = m.model.forward(&mut state, &ids, prompt - 1)?;
+        let prefill = t.elapsed().as_secs_f64();
+        let mut next = argmax(&logits);
+        let t = Instant::now();
+        for _ in 0..generate {
+            let logits = m.model.forward(&mut state, &[next], 0)?;
+            next = argmax(&logits);
+        }
+        let decode = t.elapsed().as_secs_f64();
+        if run > 0 {
+            pre.push(prompt as f64 / prefill);
+            dec.push(generate as f64 / decode);
+        }
+    }
+    Ok((pre, dec))
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+fn decode(a: DecodeArgs) -> Result<()> {
+    if a.prompt == 0 || a.repeats == 0 {
+        bail!("--prompt and --repeats must be positive");
+    }
+    let config = Config::from_file(&a.model.join("config.json"))
+        .with_context(|| format!("reading {}", a.model.display()))?;
+    let (device, copy_gb_s) = device_info(a.backend)?;
+    let mut cases = Vec::new();
+    println!(
+        "{} ({} layers) on {device}, prefill {} / decode {} tokens, batch 1, median of {}",
+        a.model.display(),
+        config.layers.len(),
+        a.prompt,
+        a.generate,
+        a.repeats
+    );
+    println!(
+        "{:>4} {:>12} {:>11} {:>11} {:>11} {:>13} {:>14}",
+        "bits",
+        "prefill t/s",
+        "decode t/s",
+        "floor t/s",
+        "MB/token",
+        "llama.cpp dec",
+        "llama.cpp pre"
+    );
+    for &bits in &a.bits {
+        let eb = ExpertBits {
+            default: Some(bits),
+            ..ExpertBits::default()
+        };
+        // A backend per model, so that each precision's device weights go with it.
+        let (pre, dec) = match a.backend {
+            BackendKind::Cuda => {
+                let m = crate::load(&a.model, cuda_backend()?, &eb)?;
+                measure(&m, a.prompt, a.generate, a.repeats)?
+            }
+            other => {
+                let m = crate::load(&a.model, other.cpu(), &eb)?;
+                measure(&m, a.prompt, a.generate, a.repeats)?
+            }
+        };
+        let bytes = decode_bytes(&config, bits);
+        let floor = copy_gb_s.map(|bw| bw * 1e9 / bytes as f64);
+        let ll = llama_cpp(&config, bits);
+        let case = Case {
+            bits,
+            prefill_tok_s: median(&pre),
+            decode_tok_s: median(&dec),
+            prefill_runs_tok_s: pre,
+            decode_runs_tok_s: dec,
+            decode_bytes_per_token: bytes,
+            decode_floor_tok_s: floor,
+            llama_cpp_decode_tok_s: ll.map(|l| l.0),
+            llama_cpp_prefill_tok_s: ll.map(|l| l.1),
+        };
+        let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
+        println!(
+            "{bits:>4} {:>12.0} {:>11.1} {:>11} {:>11.1} {:>13} {:>14}",
+            case.prefill_tok_s,
+            case.decode_tok_s,
+            opt(floor),
+            bytes as f64 / 1e6,
+            opt(case.llama_cpp_decode_tok_s),
+            opt(case.llama_cpp_prefill_tok_s)
+        );
+        cases.push(case);
+    }
+    let report = Report {
+        model: a.model.clone(),
+        backend: a
+            .backend
+            .to_possible_value()
+            .map_or_else(String::new, |v| v.get_name().to_string()),
+        device,
+        layers: config.layers.len(),
+        prompt: a.prompt,
+        generate: a.generate,
+        repeats: a.repeats,
+        copy_gb_s,
+        cases,
+    };
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// The device's name and copy bandwidth (GB/s) for the report.
+#[cfg(feature = "cuda")]
+fn device_info(backend: BackendKind) -> Result<(String, Option<f64>)> {
+    match backend {
+        BackendKind::Cuda => {
+            let g = cuda_backend()?;
+            Ok((g.device_name().to_string(), Some(g.copy_bandwidth())))
+        }
+        _ => Ok((dynmoe::testing::cpu_name(), None)),
+    }
+}
+
+/// The processor's name; `--backend cuda` fails here without the feature.
+#[cfg(not(feature = "cuda"))]
+fn device_info(backend: BackendKind) -> Result<(String, Option<f64>)> {
+    if let BackendKind::Cuda = backend {
+        cuda_backend()?;
+    }
+    Ok((dynmoe::testing::cpu_name(), None))
+}

@@ -1,0 +1,293 @@
+//! Quantized expert kernels on the GPU against the copy bandwidth measured in the same
+//! run: affine q4/q3/q2 products at Qwen3-30B-A3B's expert shapes (768 × 2048 gate/up,
+//! 2048 × 768 down) and decode-sized batches, and dense f32 cuBLAS for context.
+//!
+//! Each kernel rotates over enough copies of its matrix to exceed the 60 MB L2 several
+//! times, so weights come from device memory. Times are CUDA-event medians of 15 runs of
+//! one pass over all copies, after a warm-up pass (which also uploads the weights).
+//! Prints a table and writes `cuda_kernels.json` to `bench/results/` (or to the
+//! directory `DYNMOE_BENCH_OUT` names).
+//!
+//! `cargo bench -p dynmoe --features cuda --bench cuda_kernels`
+
+use std::path::PathBuf;
+
+use dynmoe::backend::{Backend, Cuda, SwiGluGroup, Weight};
+use dynmoe::codec::affine::kernels::AffineView;
+use dynmoe::codec::affine::lowbit::words_per_row;
+use dynmoe::testing::{fresh, Rng};
+use half::bf16;
+use serde::Serialize;
+
+const SHAPES: [(usize, usize); 2] = [(768, 2048), (2048, 768)];
+const BATCHES: [usize; 3] = [1, 4, 8];
+/// Bytes of weights each case rotates over.
+const WORKING_SET: usize = 512 << 20;
+const REPEATS: usize = 15;
+
+#[derive(Serialize)]
+struct Row {
+    kernel: String,
+    rows: usize,
+    cols: usize,
+    batch: usize,
+    weight_bytes: usize,
+    copies: usize,
+    median_us_per_call: f64,
+    gb_s: f64,
+    fraction_of_copy: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    device: String,
+    arch: String,
+    copy_gb_s: f64,
+    copy_bytes: usize,
+    rows: Vec<Row>,
+}
+
+/// Median milliseconds of `f` over `REPEATS` event-timed runs, after one warm-up.
+fn time_ms(g: &Cuda, mut f: impl FnMut()) -> f64 {
+    f();
+    g.synchronize();
+    let mut ts: Vec<f64> = (0..REPEATS).map(|_| g.time_ms(&mut f)).collect();
+    ts.sort_by(f64::total_cmp);
+    ts[REPEATS / 2]
+}
+
+struct HostAffine {
+    words: Vec<u32>,
+    scales: Vec<bf16>,
+    biases: Vec<bf16>,
+}
+
+impl HostAffine {
+    fn view(&self, bits: u32, rows: usize, cols: usize) -> AffineView<'_> {
+        AffineView {
+            bits,
+            rows,
+            cols,
+            words: &self.words,
+            scales: &self.scales,
+            biases: &self.biases,
+        }
+    }
+}
+
+fn main() {
+    let g = match Cuda::new(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            return;
+        }
+    };
+    println!("{} ({})", g.device_name(), g.arch());
+
+    // Copy ceiling: 1 GiB read + 1 GiB written per pass.
+    let copy_bytes = 2 << 30;
+    let copy_gb_s = g.copy_bandwidth();
+    println!("copy kernel: {copy_gb_s:.0} GB/s (read + write, 1 GiB each way)");
+
+    let mut rows_out = Vec::new();
+    println!(
+        "{:<10} {:>6} {:>6} {:>5} {:>10} {:>8} {:>7}",
+        "kernel", "rows", "cols", "batch", "us/call", "GB/s", "of copy"
+    );
+    let mut rng = Rng::new(7);
+    for (rows, cols) in SHAPES {
+        let groups = rows * cols / 64;
+        for bits in [4u32, 3, 2] {
+            let nw = rows * words_per_row(cols, bits);
+            let bytes = nw * 4 + groups * 4;
+            let copies = WORKING_SET.div_ceil(bytes);
+            let mats: Vec<HostAffine> = (0..copies)
+                .map(|_| HostAffine {
+                    words: (0..nw).map(|_| rng.next_u64() as u32).collect(),
+                    scales: (0..groups)
+                        .map(|_| bf16::from_f32(0.01 + 0.01 * rng.uniform()))
+                        .collect(),
+                    biases: (0..groups)
+                        .map(|_| bf16::from_f32(-0.08 * rng.uniform()))
+                        .collect(),
+                })
+                .collect();
+            let views: Vec<AffineView<'_>> = mats
+                .iter()
+                .map(|m| AffineView {
+                    bits,
+                    rows,
+                    cols,
+                    words: &m.words,
+                    scales: &m.scales,
+                    biases: &m.biases,
+                })
+                .collect();
+            for batch in BATCHES {
+                let x = g.upload(&fresh(batch * cols, 9));
+                let mut out = g.alloc(batch * rows);
+                let ms = time_ms(&g, || {
+                    for v in &views {
+                        g.matmul_affine(&x, v, batch, cols, &mut out);
+                    }
+                });
+                let per_call = ms * 1e3 / copies as f64;
+                let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
+                println!(
+                    "{:<10} {rows:>6} {cols:>6} {batch:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
+                    format!("q{bits}"),
+                    gb_s / copy_gb_s
+                );
+                rows_out.push(Row {
+                    kernel: format!("affine_q{bits}"),
+                    rows,
+                    cols,
+                    batch,
+                    weight_bytes: bytes,
+                    copies,
+                    median_us_per_call: per_call,
+                    gb_s,
+                    fraction_of_copy: gb_s / copy_gb_s,
+                });
+            }
+            drop(views);
+            g.clear_weight_cache();
+        }
+        // Dense f32 through cuBLAS, fewer copies (4 bytes a weight).
+        let bytes = rows * cols * 4;
+        let copies = WORKING_SET.div_ceil(bytes);
+        let ws: Vec<_> = (0..copies)
+            .map(|i| g.upload(&fresh(rows * cols, 100 + i as u64)))
+            .collect();
+        for batch in BATCHES {
+            let x = g.upload(&fresh(batch * cols, 9));
+            let mut out = g.alloc(batch * rows);
+            let ms = time_ms(&g, || {
+                for w in &ws {
+                    g.matmul(&x, w, batch, cols, rows, &mut out);
+                }
+            });
+            let per_call = ms * 1e3 / copies as f64;
+            let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
+            println!(
+                "{:<10} {rows:>6} {cols:>6} {batch:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
+                "f32 sgemm",
+                gb_s / copy_gb_s
+            );
+            rows_out.push(Row {
+                kernel: "cublas_sgemm_f32".into(),
+                rows,
+                cols,
+                batch,
+                weight_bytes: bytes,
+                copies,
+                median_us_per_call: per_call,
+                gb_s,
+                fraction_of_copy: gb_s / copy_gb_s,
+            });
+        }
+    }
+
+    // The MoE dispatch of one decode token: top-8 of 128 experts (gate, up, down at
+    // 768 x 2048), each token's 8 drawn anew, through `swiglu_groups` (one grouped
+    // launch for gate and up, one for down).
+    let (hidden, inter, experts, top_k, tokens) = (2048, 768, 128, 8, 64);
+    for bits in [4u32, 3, 2] {
+        let mk = |rows: usize, cols: usize, rng: &mut Rng| {
+            let groups = rows * cols / 64;
+            HostAffine {
+                words: (0..rows * words_per_row(cols, bits))
+                    .map(|_| rng.next_u64() as u32)
+                    .collect(),
+                scales: (0..groups)
+                    .map(|_| bf16::from_f32(0.01 + 0.01 * rng.uniform()))
+                    .collect(),
+                biases: (0..groups)
+                    .map(|_| bf16::from_f32(-0.08 * rng.uniform()))
+                    .collect(),
+            }
+        };
+        let mats: Vec<[HostAffine; 3]> = (0..experts)
+            .map(|_| {
+                [
+                    mk(inter, hidden, &mut rng),
+                    mk(inter, hidden, &mut rng),
+                    mk(hidden, inter, &mut rng),
+                ]
+            })
+            .collect();
+        let picks: Vec<Vec<usize>> = (0..tokens)
+            .map(|_| {
+                let mut p: Vec<usize> = (0..experts).collect();
+                for i in 0..top_k {
+                    let j = i + (rng.next_u64() % (experts - i) as u64) as usize;
+                    p.swap(i, j);
+                }
+                p.truncate(top_k);
+                p
+            })
+            .collect();
+        let row0 = [0u32];
+        let scales = vec![0.125f32; top_k];
+        let x = g.upload(&fresh(hidden, 11));
+        let mut out = g.zeros(hidden);
+        let ms = time_ms(&g, || {
+            for p in &picks {
+                let groups: Vec<SwiGluGroup<'_, _>> = p
+                    .iter()
+                    .map(|&e| SwiGluGroup {
+                        gate: Weight::Affine(mats[e][0].view(bits, inter, hidden)),
+                        up: Weight::Affine(mats[e][1].view(bits, inter, hidden)),
+                        down: Weight::Affine(mats[e][2].view(bits, hidden, inter)),
+                        intermediate: inter,
+                        rows: &row0,
+                        scales: &scales[..1],
+                    })
+                    .collect();
+                g.swiglu_groups(&x, hidden, &groups, &mut out);
+            }
+        });
+        let per_token = ms * 1e3 / tokens as f64;
+        let bytes = top_k
+            * (2 * (inter * words_per_row(hidden, bits) * 4 + inter * hidden / 64 * 4)
+                + hidden * words_per_row(inter, bits) * 4
+                + hidden * inter / 64 * 4);
+        let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
+        println!(
+            "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
+            format!("moe8 q{bits}"),
+            inter,
+            hidden,
+            1,
+            gb_s / copy_gb_s
+        );
+        rows_out.push(Row {
+            kernel: format!("moe_decode_top8_q{bits}"),
+            rows: inter,
+            cols: hidden,
+            batch: 1,
+            weight_bytes: bytes,
+            copies: tokens,
+            median_us_per_call: per_token,
+            gb_s,
+            fraction_of_copy: gb_s / copy_gb_s,
+        });
+        g.clear_weight_cache();
+    }
+
+    let report = Report {
+        device: g.device_name().to_string(),
+        arch: g.arch().to_string(),
+        copy_gb_s,
+        copy_bytes,
+        rows: rows_out,
+    };
+    let dir = std::env::var_os("DYNMOE_BENCH_OUT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results"));
+    std::fs::create_dir_all(&dir).expect("results directory");
+    let path = dir.join("cuda_kernels.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap()).expect("write results");
+    println!("wrote {}", path.display());
+}

@@ -1,0 +1,435 @@
+// Kernels of the CUDA backend, compiled by NVRTC for the device's architecture when
+// the backend is made. Every one is checked against the CPU reference of the same op
+// (crates/dynmoe/tests/cuda.rs). Tensors are row-major f32; bf16 scales and biases
+// arrive as their raw 16 bits.
+
+#define WARP 32
+// NVRTC compiles without the C headers that define INFINITY.
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = WARP / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = WARP / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    int warps = (blockDim.x + WARP - 1) / WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+__device__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    int warps = (blockDim.x + WARP - 1) / WARP;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : NEG_INF;
+    return warp_max(t);
+}
+
+__device__ __forceinline__ float bf16_bits(unsigned short h) {
+    return __uint_as_float(((unsigned)h) << 16);
+}
+
+extern "C" __global__ void fill(float* x, float v, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (; i < n; i += stride) x[i] = v;
+}
+
+// Grid: one block per row.
+extern "C" __global__ void embed(const float* table, const unsigned* ids, float* out, int dim) {
+    const float* src = table + (size_t)ids[blockIdx.x] * dim;
+    float* dst = out + (size_t)blockIdx.x * dim;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) dst[d] = src[d];
+}
+
+// One block per row. In place when `out == x`: each thread writes only what it read,
+// after the reduction.
+__device__ void rms_norm_row(const float* x, const float* w, float* out, int dim, float eps) {
+    __shared__ float scratch[32];
+    float s = 0.0f;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) s += x[d] * x[d];
+    s = block_sum(s, scratch);
+    float inv = 1.0f / sqrtf(s / (float)dim + eps);
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) out[d] = w[d] * (x[d] * inv);
+}
+
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int dim, float eps) {
+    size_t r = blockIdx.x;
+    rms_norm_row(x + r * dim, w, out + r * dim, dim, eps);
+}
+
+extern "C" __global__ void rms_norm_inplace(float* x, const float* w, int dim, float eps) {
+    size_t r = blockIdx.x;
+    rms_norm_row(x + r * dim, w, x + r * dim, dim, eps);
+}
+
+extern "C" __global__ void add_bias(float* x, const float* bias, int dim, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += bias[i % dim];
+}
+
+extern "C" __global__ void add(float* x, const float* y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+extern "C" __global__ void silu_mul(float* gate, const float* up, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = gate[i];
+        gate[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+}
+
+extern "C" __global__ void clamp_values(float* x, float limit, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = fminf(fmaxf(x[i], -limit), limit);
+}
+
+// One block per row.
+extern "C" __global__ void softmax_rows(float* x, int dim) {
+    __shared__ float scratch[32];
+    float* row = x + (size_t)blockIdx.x * dim;
+    float m = NEG_INF;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) m = fmaxf(m, row[d]);
+    m = block_max(m, scratch);
+    float s = 0.0f;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+        float e = expf(row[d] - m);
+        row[d] = e;
+        s += e;
+    }
+    s = block_sum(s, scratch);
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) row[d] /= s;
+}
+
+// One block per (row, head); threads over the first half of the head. Row r is at
+// position positions[r], or pos0 + r when `positions` is null.
+extern "C" __global__ void rope(float* x, const unsigned* positions, unsigned pos0,
+                                const float* inv_freq, int heads, int head_dim) {
+    int r = blockIdx.x / heads, h = blockIdx.x % heads;
+    int half = head_dim / 2;
+    float* v = x + ((size_t)r * heads + h) * head_dim;
+    float p = (float)(positions ? positions[r] : pos0 + r);
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float s, c;
+        sincosf(p * inv_freq[i], &s, &c);
+        float a = v[i], b = v[i + half];
+        v[i] = a * c - b * s;
+        v[i + half] = b * c + a * s;
+    }
+}
+
+// One block per row.
+extern "C" __global__ void gather_rows(const float* src, const unsigned* rows, float* dst, int width) {
+    const float* s = src + (size_t)rows[blockIdx.x] * width;
+    float* d = dst + (size_t)blockIdx.x * width;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) d[i] = s[i];
+}
+
+// One block per source row. Atomic, since nothing forbids a row appearing twice.
+extern "C" __global__ void scatter_add_rows(const float* src, const unsigned* rows,
+                                            const float* scales, float* dst, int width) {
+    const float* s = src + (size_t)blockIdx.x * width;
+    float* d = dst + (size_t)rows[blockIdx.x] * width;
+    float k = scales[blockIdx.x];
+    for (int i = threadIdx.x; i < width; i += blockDim.x) atomicAdd(&d[i], k * s[i]);
+}
+
+// Causal grouped-query attention, one block of 128 threads per (query row, head), keys
+// in tiles with an online softmax so any context fits in shared memory. A warp takes a
+// key at a time (lanes across the head: coalesced reads); each thread owns up to two
+// output dimensions (head_dim <= 256).
+#define ATT_TILE 1024
+extern "C" __global__ void attention(const float* q, const float* k, const float* v, float* out,
+                                     int pos0, int heads, int kv_heads, int head_dim, int window) {
+    __shared__ float scratch[32];
+    __shared__ float qs[256];
+    __shared__ float sc[ATT_TILE];
+    int r = blockIdx.x / heads, h = blockIdx.x % heads;
+    int p = pos0 + r;
+    int lo = window > 0 ? max(0, p + 1 - window) : 0;
+    int kvh = h / (heads / kv_heads);
+    size_t kvw = (size_t)kv_heads * head_dim;
+    const float* qrow = q + ((size_t)r * heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qrow[d];
+    __syncthreads();
+    float scale = 1.0f / sqrtf((float)head_dim);
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    int d0 = threadIdx.x, d1 = threadIdx.x + blockDim.x;
+    float m = NEG_INF, l = 0.0f, acc0 = 0.0f, acc1 = 0.0f;
+    for (int t0 = lo; t0 <= p; t0 += ATT_TILE) {
+        int tn = min(ATT_TILE, p + 1 - t0);
+        for (int j = warp; j < tn; j += warps) {
+            const float* kr = k + (size_t)(t0 + j) * kvw + (size_t)kvh * head_dim;
+            float s = 0.0f;
+            for (int d = lane; d < head_dim; d += WARP) s += qs[d] * kr[d];
+            s = warp_sum(s);
+            if (lane == 0) sc[j] = s * scale;
+        }
+        __syncthreads();
+        float tm = NEG_INF;
+        for (int j = threadIdx.x; j < tn; j += blockDim.x) tm = fmaxf(tm, sc[j]);
+        tm = block_max(tm, scratch);
+        float nm = fmaxf(m, tm);
+        float ts = 0.0f;
+        for (int j = threadIdx.x; j < tn; j += blockDim.x) {
+            float e = expf(sc[j] - nm);
+            sc[j] = e;
+            ts += e;
+        }
+        ts = block_sum(ts, scratch);  // its barriers also publish sc
+        float corr = expf(m - nm);
+        l = l * corr + ts;
+        acc0 *= corr;
+        acc1 *= corr;
+        const float* vb = v + (size_t)t0 * kvw + (size_t)kvh * head_dim;
+        for (int j = 0; j < tn; j++) {
+            float w = sc[j];
+            const float* vr = vb + (size_t)j * kvw;
+            if (d0 < head_dim) acc0 += w * vr[d0];
+            if (d1 < head_dim) acc1 += w * vr[d1];
+        }
+        m = nm;
+        __syncthreads();
+    }
+    float* o = out + ((size_t)r * heads + h) * head_dim;
+    if (d0 < head_dim) o[d0] = acc0 / l;
+    if (d1 < head_dim) o[d1] = acc1 / l;
+}
+
+// ---- Affine-quantized weights (MLX 4-bit, the 3- and 2-bit layouts of seed 000) ----
+//
+// A row is cut into chunks of 32 columns; a thread decodes one chunk: 4 words at 4 bits,
+// 2 at 2 bits, 3 at 3 bits (two of upper bits in the 2-bit layout, one of lowest bits).
+// `codes[j]` is the code of column j of the chunk. Scales and biases are per 64 columns:
+// value = (a·q + o)·scale + bias with (a, o) = (1, 0), (2, ½), (4, 1½) at 4, 3, 2 bits.
+
+// Column of the code at word k, 2-bit group p, byte b of a 2-bit chunk (lowbit::column).
+__device__ __forceinline__ int q2_column(int k, int p, int b) {
+    return p < 2 ? 2 * (8 * k + 4 * p + b) : 2 * (8 * k + 4 * (p - 2) + b) + 1;
+}
+
+template <int BITS>
+__device__ __forceinline__ void decode_chunk(const unsigned* words, size_t chunk, float* codes) {
+    if (BITS == 4) {
+        uint4 w = *reinterpret_cast<const uint4*>(words + 4 * chunk);
+        unsigned ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int l = 0; l < 4; l++)
+#pragma unroll
+            for (int n = 0; n < 8; n++) codes[8 * l + n] = (float)((ws[l] >> (4 * n)) & 15u);
+    } else if (BITS == 2) {
+        uint2 w = *reinterpret_cast<const uint2*>(words + 2 * chunk);
+        unsigned ws[2] = {w.x, w.y};
+#pragma unroll
+        for (int k = 0; k < 2; k++)
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+#pragma unroll
+                for (int b = 0; b < 4; b++)
+                    codes[q2_column(k, p, b)] = (float)((ws[k] >> (8 * b + 2 * p)) & 3u);
+    } else {
+        const unsigned* c = words + 3 * chunk;
+        unsigned ws[2] = {c[0], c[1]};
+        unsigned low = c[2];
+#pragma unroll
+        for (int k = 0; k < 2; k++)
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+#pragma unroll
+                for (int b = 0; b < 4; b++) {
+                    unsigned up = (ws[k] >> (8 * b + 2 * p)) & 3u;
+                    unsigned lo = (low >> (8 * b + 4 * k + p)) & 1u;
+                    codes[q2_column(k, p, b)] = (float)(2u * up + lo);
+                }
+    }
+}
+
+template <int BITS> __device__ __forceinline__ float recon_a() { return BITS == 4 ? 1.0f : (BITS == 3 ? 2.0f : 4.0f); }
+template <int BITS> __device__ __forceinline__ float recon_o() { return BITS == 4 ? 0.0f : (BITS == 3 ? 0.5f : 1.5f); }
+
+// Words per row: cols/8, 3·cols/32, cols/16.
+template <int BITS> __device__ __forceinline__ size_t row_words(int cols) {
+    return BITS == 4 ? cols / 8 : (BITS == 3 ? 3 * cols / 32 : cols / 16);
+}
+
+#define AFF_MAXB 4
+#define AFF_WARPS 8
+
+// One warp's share of output row `o` for `nb` (≤ AFF_MAXB) rows of x staged in shared
+// memory `xs` (each 32-column chunk padded to 33 floats, so that lanes reading the same
+// column of neighbouring chunks hit different banks): lanes stride over the row's
+// chunks, the warp sum is written to `out[b·out_stride]` by lane 0.
+template <int BITS>
+__device__ __forceinline__ void matvec_row(const unsigned* words, const unsigned short* scales,
+                                           const unsigned short* biases, const float* xs,
+                                           float* out, size_t out_stride, int o, int cols, int nb) {
+    int lane = threadIdx.x % WARP;
+    int chunks = cols / 32;
+    const unsigned* wr = words + (size_t)o * row_words<BITS>(cols);
+    const unsigned short* sr = scales + (size_t)o * (cols / 64);
+    const unsigned short* br = biases + (size_t)o * (cols / 64);
+    float acc[AFF_MAXB];
+#pragma unroll
+    for (int b = 0; b < AFF_MAXB; b++) acc[b] = 0.0f;
+    const float a = recon_a<BITS>(), off = recon_o<BITS>();
+    for (int c = lane; c < chunks; c += WARP) {
+        float codes[32];
+        decode_chunk<BITS>(wr, c, codes);
+        float s = bf16_bits(sr[c / 2]), bias = bf16_bits(br[c / 2]);
+        float ws = a * s, wb = off * s + bias;
+#pragma unroll
+        for (int b = 0; b < AFF_MAXB; b++) {
+            if (b < nb) {
+                const float* xc = xs + b * chunks * 33 + c * 33;
+                float sqx = 0.0f, sx = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 32; j++) {
+                    sqx += codes[j] * xc[j];
+                    sx += xc[j];
+                }
+                acc[b] += ws * sqx + wb * sx;
+            }
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < AFF_MAXB; b++) {
+        if (b < nb) {
+            float t = warp_sum(acc[b]);
+            if (lane == 0) out[(size_t)b * out_stride] = t;
+        }
+    }
+}
+
+// Stages rows `src_row(0 .. nb)` of x (`in_dim` wide, zeros up to `cols`) into `xs`.
+template <typename RowOf>
+__device__ __forceinline__ void stage_rows(float* xs, const float* x, RowOf src_row, int nb,
+                                           int cols, int in_dim) {
+    int chunks = cols / 32;
+    for (int i = threadIdx.x; i < nb * cols; i += blockDim.x) {
+        int b = i / cols, c = i % cols;
+        xs[b * chunks * 33 + (c / 32) * 33 + c % 32] =
+            c < in_dim ? x[(size_t)src_row(b) * in_dim + c] : 0.0f;
+    }
+}
+
+// out[b·rows + o] = Σ_i x[b·in_dim + i]·w[o, i] for `batch` (≤ AFF_MAXB) rows of x, which
+// has `in_dim` ≤ cols columns (the rest read as zeros). A warp per output row.
+template <int BITS>
+__device__ void affine_matvec(const unsigned* words, const unsigned short* scales,
+                              const unsigned short* biases, const float* x, float* out,
+                              int rows, int cols, int in_dim, int batch) {
+    extern __shared__ float xs[];
+    stage_rows(xs, x, [](int b) { return b; }, batch, cols, in_dim);
+    __syncthreads();
+    int o = blockIdx.x * AFF_WARPS + threadIdx.x / WARP;
+    if (o < rows) matvec_row<BITS>(words, scales, biases, xs, out + o, rows, o, cols, batch);
+}
+
+// Many experts in one launch (the MoE dispatch of a decode step): blockIdx.y is the
+// group, whose entry in `table` holds device pointers to the words, scales and biases
+// of its gate, up and down matrices, then the first of its rows in the pair list and
+// their count. Pair p reads row `x_rows[p]` of x (row p when `x_rows` is null) and
+// writes row p of `out`. Rows go `tile` (≤ AFF_MAXB) at a time.
+#define GROUP_ENTRY 11
+template <int BITS>
+__device__ void affine_grouped(const unsigned long long* table, int proj, const unsigned* x_rows,
+                               const float* x, float* out, int rows, int cols, int in_dim,
+                               int tile) {
+    extern __shared__ float xs[];
+    const unsigned long long* e = table + (size_t)blockIdx.y * GROUP_ENTRY;
+    const unsigned* words = (const unsigned*)e[3 * proj];
+    const unsigned short* scales = (const unsigned short*)e[3 * proj + 1];
+    const unsigned short* biases = (const unsigned short*)e[3 * proj + 2];
+    int first = (int)e[9], count = (int)e[10];
+    int o = blockIdx.x * AFF_WARPS + threadIdx.x / WARP;
+    for (int t0 = 0; t0 < count; t0 += tile) {
+        int nb = min(tile, count - t0);
+        int p0 = first + t0;
+        __syncthreads();  // the previous tile's reads of xs are done
+        stage_rows(xs, x, [&](int b) { return x_rows ? x_rows[p0 + b] : (unsigned)(p0 + b); },
+                   nb, cols, in_dim);
+        __syncthreads();
+        if (o < rows)
+            matvec_row<BITS>(words, scales, biases, xs, out + (size_t)p0 * rows + o, rows, o,
+                             cols, nb);
+    }
+}
+
+// The matrix expanded to f32 `[rows, cols]`, a thread per chunk: for products with
+// many rows, which then run as one dense GEMM.
+template <int BITS>
+__device__ void affine_dequant(const unsigned* words, const unsigned short* scales,
+                               const unsigned short* biases, float* out, int rows, int cols) {
+    size_t chunks = (size_t)rows * (cols / 32);
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= chunks) return;
+    size_t o = i / (cols / 32), c = i % (cols / 32);
+    float codes[32];
+    decode_chunk<BITS>(words + o * row_words<BITS>(cols), c, codes);
+    size_t g = o * (cols / 64) + c / 2;
+    float s = bf16_bits(scales[g]), bias = bf16_bits(biases[g]);
+    const float a = recon_a<BITS>(), off = recon_o<BITS>();
+    float4* dst = reinterpret_cast<float4*>(out + o * cols + c * 32);
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        float4 v;
+        v.x = (a * codes[4 * j] + off) * s + bias;
+        v.y = (a * codes[4 * j + 1] + off) * s + bias;
+        v.z = (a * codes[4 * j + 2] + off) * s + bias;
+        v.w = (a * codes[4 * j + 3] + off) * s + bias;
+        dst[j] = v;
+    }
+}
+
+#define AFFINE_ENTRY(B)                                                                       \
+    extern "C" __global__ void affine_matvec_q##B(const unsigned* w, const unsigned short* s,  \
+                                                  const unsigned short* bi, const float* x,    \
+                                                  float* out, int rows, int cols, int in_dim,  \
+                                                  int batch) {                                 \
+        affine_matvec<B>(w, s, bi, x, out, rows, cols, in_dim, batch);                         \
+    }                                                                                          \
+    extern "C" __global__ void affine_gate_up_q##B(                                           \
+        const unsigned long long* table, const unsigned* x_rows, const float* x, float* gate,  \
+        float* up, int rows, int cols, int in_dim, int tile) {                                 \
+        int proj = blockIdx.z;                                                                 \
+        affine_grouped<B>(table, proj, x_rows, x, proj == 0 ? gate : up, rows, cols, in_dim,   \
+                          tile);                                                               \
+    }                                                                                          \
+    extern "C" __global__ void affine_down_q##B(const unsigned long long* table, const float* x, \
+                                                float* out, int rows, int cols, int in_dim,    \
+                                                int tile) {                                    \
+        affine_grouped<B>(table, 2, nullptr, x, out, rows, cols, in_dim, tile);                \
+    }                                                                                          \
+    extern "C" __global__ void affine_dequant_q##B(const unsigned* w, const unsigned short* s, \
+                                                   const unsigned short* bi, float* out,       \
+                                                   int rows, int cols) {                       \
+        affine_dequant<B>(w, s, bi, out, rows, cols);                                          \
+    }
+
+AFFINE_ENTRY(4)
+AFFINE_ENTRY(3)
+AFFINE_ENTRY(2)
+
+// Device-to-device copy at full width, the bandwidth ceiling kernels are compared with.
+extern "C" __global__ void copy_f4(const float4* src, float4* dst, long long n4) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (; i < n4; i += stride) dst[i] = src[i];
+}

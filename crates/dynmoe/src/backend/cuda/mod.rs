@@ -1,0 +1,989 @@
+//! The CUDA backend: tensors in device memory, kernels compiled by NVRTC for the
+//! device's architecture when the backend is made, cuBLAS for dense products.
+//!
+//! Nothing of CUDA is linked: the driver, NVRTC and cuBLAS are loaded when
+//! [`Cuda::new`] runs, which probes for each library first and returns
+//! [`CudaError::Unavailable`] on a machine without them (cudarc itself would panic).
+//!
+//! Affine expert weights arrive as [`AffineView`]s over host memory (an expert
+//! store's mapping). The first product with a matrix copies its words, scales and
+//! biases to the device; later products find the copy by the view's host addresses,
+//! confirmed against a few of its words so that a store mapped again at the same
+//! address is never served stale weights. A model therefore reads each expert from host
+//! memory once; [`Cuda::clear_weight_cache`] drops the copies.
+//!
+//! Ops have no error path in [`Backend`]; a failing CUDA call after the backend was
+//! made (out of memory, a kernel fault) panics with the call's error.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    LaunchArgs, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use half::slice::HalfFloatSliceExt;
+
+use super::{swiglu_groups_one_by_one, AttentionShape, Backend, SwiGluGroup, Weight};
+use crate::codec::affine::kernels::AffineView;
+use crate::codec::affine::lowbit::words_per_row;
+use crate::codec::affine::GROUP_SIZE;
+
+/// The kernels' CUDA C source.
+pub const SOURCE: &str = include_str!("kernels.cu");
+
+/// Rows of `x` one affine matrix-vector launch takes (the kernel's `AFF_MAXB`).
+const AFFINE_MAX_BATCH: usize = 4;
+/// Output rows per affine matrix-vector block (the kernel's `AFF_WARPS`).
+const AFFINE_WARPS: usize = 8;
+/// Above this many rows an affine product expands the matrix to f32 and runs one GEMM:
+/// the matrix-vector kernel would read the weights once per 4 rows.
+pub const AFFINE_GEMM_ROWS: usize = 8;
+/// Dynamic shared memory a block may take without opting in.
+const SHARED_LIMIT: usize = 48 << 10;
+/// u64 words per group in the grouped kernels' table (the kernel's `GROUP_ENTRY`).
+const GROUP_ENTRY: usize = 11;
+
+/// Why the CUDA backend could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// A CUDA library is not installed or not on the loader's path.
+    #[error("CUDA is not available: {library} could not be loaded ({hint})")]
+    Unavailable {
+        /// The library looked for.
+        library: &'static str,
+        /// What to check.
+        hint: &'static str,
+    },
+    /// The driver refused a call (no device, a device fault).
+    #[error("CUDA driver: {0}")]
+    Driver(String),
+    /// NVRTC rejected the kernels.
+    #[error("NVRTC could not compile the kernels for {arch}: {log}")]
+    Compile {
+        /// Target architecture.
+        arch: String,
+        /// Compiler output.
+        log: String,
+    },
+    /// cuBLAS could not be set up.
+    #[error("cuBLAS: {0}")]
+    Blas(String),
+}
+
+/// Whether the driver, NVRTC and cuBLAS libraries can be loaded, without touching a
+/// device. `Err` names the first one missing.
+pub fn probe() -> Result<(), CudaError> {
+    // SAFETY: each call only tries to open the shared library by its usual names.
+    let present = unsafe {
+        [
+            (
+                cudarc::driver::sys::is_culib_present(),
+                "libcuda (the NVIDIA driver)",
+            ),
+            (cudarc::nvrtc::sys::is_culib_present(), "libnvrtc"),
+            (cudarc::cublas::sys::is_culib_present(), "libcublas"),
+        ]
+    };
+    for (ok, library) in present {
+        if !ok {
+            return Err(CudaError::Unavailable {
+                library,
+                hint: "install the CUDA 13 runtime or add its lib directory to LD_LIBRARY_PATH",
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A device copy of an affine matrix.
+struct DeviceAffine {
+    words: CudaSlice<u32>,
+    scales: CudaSlice<u16>,
+    biases: CudaSlice<u16>,
+    /// Host words sampled when it was copied (first, middle, last).
+    fingerprint: [u32; 3],
+}
+
+/// Host addresses and lengths of a view: what the weight cache is keyed by.
+type AffineKey = (usize, usize, usize, usize, u32);
+
+fn affine_key(w: &AffineView<'_>) -> AffineKey {
+    (
+        w.words.as_ptr() as usize,
+        w.words.len(),
+        w.scales.as_ptr() as usize,
+        w.biases.as_ptr() as usize,
+        w.bits,
+    )
+}
+
+fn fingerprint(w: &AffineView<'_>) -> [u32; 3] {
+    let n = w.words.len();
+    if n == 0 {
+        return [0; 3];
+    }
+    [w.words[0], w.words[n / 2], w.words[n - 1]]
+}
+
+/// The kernels of [`SOURCE`], by name.
+struct Kernels {
+    _module: Arc<CudaModule>,
+    f: HashMap<&'static str, CudaFunction>,
+}
+
+const KERNEL_NAMES: [&str; 26] = [
+    "fill",
+    "embed",
+    "rms_norm",
+    "rms_norm_inplace",
+    "add_bias",
+    "add",
+    "silu_mul",
+    "clamp_values",
+    "softmax_rows",
+    "rope",
+    "gather_rows",
+    "scatter_add_rows",
+    "attention",
+    "affine_matvec_q4",
+    "affine_matvec_q3",
+    "affine_matvec_q2",
+    "affine_dequant_q4",
+    "affine_dequant_q3",
+    "affine_dequant_q2",
+    "affine_gate_up_q4",
+    "affine_gate_up_q3",
+    "affine_gate_up_q2",
+    "affine_down_q4",
+    "affine_down_q3",
+    "affine_down_q2",
+    "copy_f4",
+];
+
+/// PTX of [`SOURCE`] per architecture, compiled once per process.
+fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
+    static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut cache = cache.lock().expect("PTX cache lock");
+    if let Some(src) = cache.get(arch) {
+        return Ok(cudarc::nvrtc::Ptx::from_src(src.clone()));
+    }
+    let opts = CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        ..CompileOptions::default()
+    };
+    let ptx = compile_ptx_with_opts(SOURCE, opts).map_err(|e| CudaError::Compile {
+        arch: arch.to_string(),
+        log: match &e {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                log.to_string_lossy().into_owned()
+            }
+            other => format!("{other:?}"),
+        },
+    })?;
+    cache.insert(arch.to_string(), ptx.to_src());
+    Ok(ptx)
+}
+
+/// Host values and their device copy.
+type Constant = (Vec<f32>, Arc<CudaSlice<f32>>);
+
+/// The CUDA backend on one device.
+pub struct Cuda {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    k: Kernels,
+    arch: String,
+    device_name: String,
+    affine: Mutex<HashMap<AffineKey, Arc<DeviceAffine>>>,
+    /// Small host arrays passed to every call of an op (RoPE frequencies), uploaded once.
+    constants: Mutex<Vec<Constant>>,
+}
+
+fn driver<T>(r: Result<T, cudarc::driver::DriverError>) -> Result<T, CudaError> {
+    r.map_err(|e| CudaError::Driver(format!("{e:?}")))
+}
+
+/// Unwraps a CUDA result inside an op, which has no error path.
+fn ok<T, E: std::fmt::Debug>(r: Result<T, E>, what: &str) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => panic!("CUDA {what} failed: {e:?}"),
+    }
+}
+
+/// The three matrices of a group whose weights are all affine.
+fn affine_of<'a>(g: &SwiGluGroup<'a, CudaSlice<f32>>) -> Option<[AffineView<'a>; 3]> {
+    match (g.gate, g.up, g.down) {
+        (Weight::Affine(a), Weight::Affine(b), Weight::Affine(c)) => Some([a, b, c]),
+        _ => None,
+    }
+}
+
+/// Rows of x a matrix-vector block stages at once for a matrix of `cols` columns, and
+/// the shared memory one row takes.
+fn affine_tile(cols: usize) -> (usize, usize) {
+    let row_bytes = (cols / 32) * 33 * 4;
+    (
+        (SHARED_LIMIT / row_bytes).clamp(1, AFFINE_MAX_BATCH),
+        row_bytes,
+    )
+}
+
+fn blocks(n: usize, threads: usize) -> u32 {
+    n.div_ceil(threads).max(1) as u32
+}
+
+fn cfg(grid: usize, threads: u32, shared: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared as u32,
+    }
+}
+
+/// Threads for a kernel that loops over a row of `width`.
+fn row_threads(width: usize) -> u32 {
+    (width.next_power_of_two().clamp(32, 256)) as u32
+}
+
+impl Cuda {
+    /// The backend on device `ordinal`: probes for the libraries, makes the context,
+    /// compiles the kernels for the device's compute capability and loads them.
+    pub fn new(ordinal: usize) -> Result<Cuda, CudaError> {
+        probe()?;
+        let ctx = driver(CudaContext::new(ordinal))?;
+        // One stream carries every op in order; per-buffer events would only add work.
+        // SAFETY: no buffer of this context is ever used on another stream.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = driver(ctx.compute_capability())?;
+        let arch = format!("sm_{major}{minor}");
+        let device_name = driver(ctx.name())?;
+        let ptx = ptx_for(&arch)?;
+        let module = driver(ctx.load_module(ptx))?;
+        let mut f = HashMap::new();
+        for name in KERNEL_NAMES {
+            f.insert(name, driver(module.load_function(name))?);
+        }
+        let stream = ctx.default_stream();
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
+        Ok(Cuda {
+            ctx,
+            stream,
+            blas,
+            k: Kernels { _module: module, f },
+            arch,
+            device_name,
+            affine: Mutex::new(HashMap::new()),
+            constants: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The device's name, as the driver reports it.
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// The architecture the kernels were compiled for (`sm_90`, ...).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// Waits for every queued op.
+    pub fn synchronize(&self) {
+        ok(self.stream.synchronize(), "stream synchronize");
+    }
+
+    /// The stream every op runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The context (for memory queries).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Milliseconds the device spent on the work `f` queues, between two timing events
+    /// on the stream; waits for it to finish.
+    pub fn time_ms(&self, f: impl FnOnce()) -> f64 {
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let a = ok(self.ctx.new_event(flags), "event");
+        let b = ok(self.ctx.new_event(flags), "event");
+        ok(a.record(&self.stream), "event record");
+        f();
+        ok(b.record(&self.stream), "event record");
+        ok(b.synchronize(), "event synchronize");
+        ok(a.elapsed_ms(&b), "event elapsed") as f64
+    }
+
+    /// Device-to-device copy bandwidth in GB/s (bytes read plus bytes written), the
+    /// median of 15 passes of the copy kernel over 2 × 1 GiB.
+    pub fn copy_bandwidth(&self) -> f64 {
+        let n = 256 << 20;
+        let src = self.alloc(n);
+        let mut dst = self.alloc(n);
+        self.copy_kernel(&src, &mut dst, n);
+        let mut ts: Vec<f64> = (0..15)
+            .map(|_| self.time_ms(|| self.copy_kernel(&src, &mut dst, n)))
+            .collect();
+        ts.sort_by(f64::total_cmp);
+        (2 * n * 4) as f64 / (ts[7] * 1e-3) / 1e9
+    }
+
+    /// Drops every device copy of affine weights.
+    pub fn clear_weight_cache(&self) {
+        self.affine.lock().expect("weight cache lock").clear();
+    }
+
+    /// Bytes of affine weights held on the device.
+    pub fn weight_cache_bytes(&self) -> usize {
+        self.affine
+            .lock()
+            .expect("weight cache lock")
+            .values()
+            .map(|a| a.words.len() * 4 + (a.scales.len() + a.biases.len()) * 2)
+            .sum()
+    }
+
+    fn func(&self, name: &str) -> &CudaFunction {
+        &self.k.f[name]
+    }
+
+    fn upload_u32(&self, v: &[u32]) -> CudaSlice<u32> {
+        ok(self.stream.clone_htod(v), "upload")
+    }
+
+    /// `x[..n] = v` on the device.
+    pub fn fill(&self, x: &mut CudaSlice<f32>, v: f32, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let n64 = n as i64;
+        let mut l = self.stream.launch_builder(self.func("fill"));
+        l.arg(x).arg(&v).arg(&n64);
+        ok(
+            unsafe { l.launch(cfg(blocks(n, 256).min(4096) as usize, 256, 0)) },
+            "fill",
+        );
+    }
+
+    /// `dst[..n] = src[..n]` through the copy kernel (16-byte accesses), the reference
+    /// bandwidth quantized kernels are measured against. `n` must be a multiple of 4.
+    pub fn copy_kernel(&self, src: &CudaSlice<f32>, dst: &mut CudaSlice<f32>, n: usize) {
+        assert!(
+            n.is_multiple_of(4),
+            "copy of {n} floats is not whole float4s"
+        );
+        let n4 = (n / 4) as i64;
+        let mut l = self.stream.launch_builder(self.func("copy_f4"));
+        l.arg(src).arg(dst).arg(&n4);
+        ok(
+            unsafe { l.launch(cfg(blocks(n / 4, 256).min(132 * 16) as usize, 256, 0)) },
+            "copy",
+        );
+    }
+
+    /// A device copy of `v`, uploaded the first time these values are seen.
+    fn constant(&self, v: &[f32]) -> Arc<CudaSlice<f32>> {
+        let mut c = self.constants.lock().expect("constants lock");
+        if let Some((_, d)) = c.iter().find(|(h, _)| h.as_slice() == v) {
+            return d.clone();
+        }
+        let d = Arc::new(self.upload(v));
+        c.push((v.to_vec(), d.clone()));
+        d
+    }
+
+    /// The device copy of `w`, made on first use.
+    fn device_affine(&self, w: &AffineView<'_>) -> Arc<DeviceAffine> {
+        let key = affine_key(w);
+        let print = fingerprint(w);
+        let mut cache = self.affine.lock().expect("weight cache lock");
+        if let Some(d) = cache.get(&key) {
+            if d.fingerprint == print {
+                return d.clone();
+            }
+        }
+        let groups = w.rows * (w.cols / GROUP_SIZE);
+        let words = &w.words[..w.rows * words_per_row(w.cols, w.bits)];
+        let d = Arc::new(DeviceAffine {
+            words: self.upload_u32(words),
+            scales: ok(
+                self.stream
+                    .clone_htod(w.scales[..groups].reinterpret_cast()),
+                "upload",
+            ),
+            biases: ok(
+                self.stream
+                    .clone_htod(w.biases[..groups].reinterpret_cast()),
+                "upload",
+            ),
+            fingerprint: print,
+        });
+        cache.insert(key, d.clone());
+        d
+    }
+
+    /// [`Backend::matmul_affine`] on a device copy, with the row count deciding between
+    /// the matrix-vector kernel and expand-then-GEMM.
+    fn affine_product(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &AffineView<'_>,
+        d: &DeviceAffine,
+        rows: usize,
+        in_dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        assert!(
+            in_dim <= w.cols && w.cols.is_multiple_of(GROUP_SIZE),
+            "input of {in_dim} columns for a matrix of {}",
+            w.cols
+        );
+        if rows > AFFINE_GEMM_ROWS {
+            let mut dense = ok(
+                unsafe { self.stream.alloc::<f32>(w.rows * w.cols) },
+                "alloc",
+            );
+            let name = match w.bits {
+                4 => "affine_dequant_q4",
+                3 => "affine_dequant_q3",
+                2 => "affine_dequant_q2",
+                b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
+            };
+            let (r, c) = (w.rows as i32, w.cols as i32);
+            let chunks = w.rows * w.cols / 32;
+            let mut l = self.stream.launch_builder(self.func(name));
+            l.arg(&d.words)
+                .arg(&d.scales)
+                .arg(&d.biases)
+                .arg(&mut dense)
+                .arg(&r)
+                .arg(&c);
+            ok(
+                unsafe { l.launch(cfg(blocks(chunks, 256) as usize, 256, 0)) },
+                "affine dequant",
+            );
+            self.gemm_xwt(x, &dense, rows, in_dim, w.cols, w.rows, out);
+            return;
+        }
+        let name = match w.bits {
+            4 => "affine_matvec_q4",
+            3 => "affine_matvec_q3",
+            2 => "affine_matvec_q2",
+            b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
+        };
+        let (tile, chunk_bytes) = affine_tile(w.cols);
+        let grid = w.rows.div_ceil(AFFINE_WARPS);
+        let (r, c, i) = (w.rows as i32, w.cols as i32, in_dim as i32);
+        let mut t0 = 0;
+        while t0 < rows {
+            let nb = tile.min(rows - t0);
+            let b = nb as i32;
+            let xs = x.slice(t0 * in_dim..(t0 + nb) * in_dim);
+            let mut os = out.slice_mut(t0 * w.rows..(t0 + nb) * w.rows);
+            let mut l = self.stream.launch_builder(self.func(name));
+            l.arg(&d.words)
+                .arg(&d.scales)
+                .arg(&d.biases)
+                .arg(&xs)
+                .arg(&mut os)
+                .arg(&r)
+                .arg(&c)
+                .arg(&i)
+                .arg(&b);
+            ok(
+                unsafe { l.launch(cfg(grid, (AFFINE_WARPS * 32) as u32, nb * chunk_bytes)) },
+                "affine matvec",
+            );
+            t0 += nb;
+        }
+    }
+
+    /// The MoE dispatch of [`Backend::swiglu_groups`] for affine groups of at most
+    /// [`AFFINE_GEMM_ROWS`] rows sharing one shape: one upload of the group table, one
+    /// launch for every gate and up product, one SiLU, one launch for every down
+    /// product, one scatter. Returns the groups it did not take.
+    fn swiglu_grouped<'g, 'a>(
+        &self,
+        x: &CudaSlice<f32>,
+        hidden: usize,
+        groups: &'g [SwiGluGroup<'a, CudaSlice<f32>>],
+        out: &mut CudaSlice<f32>,
+    ) -> Vec<&'g SwiGluGroup<'a, CudaSlice<f32>>> {
+        let key = |m: &[AffineView<'_>; 3]| (m[0].bits, m[0].rows, m[0].cols, m[2].rows, m[2].cols);
+        let mut shape = None;
+        let (mut take, mut rest) = (Vec::new(), Vec::new());
+        for g in groups.iter().filter(|g| !g.rows.is_empty()) {
+            match affine_of(g) {
+                Some(m)
+                    if g.rows.len() <= AFFINE_GEMM_ROWS
+                        && m[1].rows == m[0].rows
+                        && m[1].cols == m[0].cols
+                        && m[0].cols >= hidden
+                        && m[2].rows == hidden
+                        && m[2].cols >= g.intermediate
+                        && *shape.get_or_insert(key(&m)) == key(&m) =>
+                {
+                    take.push((g, m))
+                }
+                _ => rest.push(g),
+            }
+        }
+        if take.is_empty() {
+            return rest;
+        }
+        let (bits, inter, up_cols, _, down_cols) = shape.expect("set with the first group");
+        let n_groups = take.len();
+        let pairs: usize = take.iter().map(|(g, _)| g.rows.len()).sum();
+        // One u64 buffer: the table, then row ids and scales two to a word.
+        let mut table: Vec<u64> = Vec::with_capacity(n_groups * GROUP_ENTRY + pairs);
+        let mut row_ids: Vec<u32> = Vec::with_capacity(pairs);
+        let mut scales: Vec<f32> = Vec::with_capacity(pairs);
+        let mut keep = Vec::with_capacity(n_groups);
+        for (g, m) in &take {
+            for w in m {
+                let d = self.device_affine(w);
+                table.push(d.words.device_ptr(&self.stream).0);
+                table.push(d.scales.device_ptr(&self.stream).0);
+                table.push(d.biases.device_ptr(&self.stream).0);
+                keep.push(d);
+            }
+            table.push(row_ids.len() as u64);
+            table.push(g.rows.len() as u64);
+            row_ids.extend_from_slice(g.rows);
+            scales.extend_from_slice(g.scales);
+        }
+        let rows_at = table.len() * 2;
+        let mut words: Vec<u32> = table
+            .iter()
+            .flat_map(|&v| [v as u32, (v >> 32) as u32])
+            .collect();
+        words.extend_from_slice(&row_ids);
+        words.extend(scales.iter().map(|s| s.to_bits()));
+        let meta = self.upload_u32(&words);
+        let table_v = meta.slice(..rows_at);
+        let rows_v = meta.slice(rows_at..rows_at + pairs);
+        let scales_v = meta.slice(rows_at + pairs..);
+
+        let raw = |n: usize| ok(unsafe { self.stream.alloc::<f32>(n.max(1)) }, "alloc");
+        let (mut gate, mut up, mut down) =
+            (raw(pairs * inter), raw(pairs * inter), raw(pairs * hidden));
+        let suffix = match bits {
+            4 => "q4",
+            3 => "q3",
+            2 => "q2",
+            b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
+        };
+        let (tile, row_bytes) = affine_tile(up_cols);
+        let (r, c, i, t) = (inter as i32, up_cols as i32, hidden as i32, tile as i32);
+        let f = self.func(&format!("affine_gate_up_{suffix}"));
+        let mut l = self.stream.launch_builder(f);
+        l.arg(&table_v)
+            .arg(&rows_v)
+            .arg(x)
+            .arg(&mut gate)
+            .arg(&mut up);
+        l.arg(&r).arg(&c).arg(&i).arg(&t);
+        let grid = LaunchConfig {
+            grid_dim: (inter.div_ceil(AFFINE_WARPS) as u32, n_groups as u32, 2),
+            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: (tile * row_bytes) as u32,
+        };
+        ok(unsafe { l.launch(grid) }, "affine gate/up");
+
+        let n = pairs * inter;
+        let n64 = n as i64;
+        let mut l = self.stream.launch_builder(self.func("silu_mul"));
+        l.arg(&mut gate).arg(&up).arg(&n64);
+        self.launch_1d(l, n, "silu_mul");
+
+        let (tile, row_bytes) = affine_tile(down_cols);
+        let (r, c, i, t) = (hidden as i32, down_cols as i32, inter as i32, tile as i32);
+        let f = self.func(&format!("affine_down_{suffix}"));
+        let mut l = self.stream.launch_builder(f);
+        l.arg(&table_v).arg(&gate).arg(&mut down);
+        l.arg(&r).arg(&c).arg(&i).arg(&t);
+        let grid = LaunchConfig {
+            grid_dim: (hidden.div_ceil(AFFINE_WARPS) as u32, n_groups as u32, 1),
+            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: (tile * row_bytes) as u32,
+        };
+        ok(unsafe { l.launch(grid) }, "affine down");
+
+        let w = hidden as i32;
+        let mut l = self.stream.launch_builder(self.func("scatter_add_rows"));
+        l.arg(&down).arg(&rows_v).arg(&scales_v).arg(out).arg(&w);
+        ok(
+            unsafe { l.launch(cfg(pairs, row_threads(hidden), 0)) },
+            "scatter_add_rows",
+        );
+        drop(keep);
+        rest
+    }
+
+    /// `out[rows, n] = x[rows, k] · w[n, :k]ᵀ` with `w` row-major of row stride `ldw`.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_xwt<W: DevicePtr<f32>>(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &W,
+        rows: usize,
+        k: usize,
+        ldw: usize,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if rows == 0 || n == 0 {
+            return;
+        }
+        // Column-major view: outᵀ (n × rows) = wᵀᵀ (n × k, from w seen as k × n with
+        // leading dimension ldw, transposed) · xᵀ (k × rows).
+        let g = GemmConfig {
+            transa: cublasOperation_t::CUBLAS_OP_T,
+            transb: cublasOperation_t::CUBLAS_OP_N,
+            m: n as i32,
+            n: rows as i32,
+            k: k as i32,
+            alpha: 1.0f32,
+            lda: ldw as i32,
+            ldb: k as i32,
+            beta: 0.0f32,
+            ldc: n as i32,
+        };
+        ok(unsafe { self.blas.gemm(g, w, x, out) }, "cuBLAS sgemm");
+    }
+
+    /// Launches `l` with a thread per element of `n`.
+    fn launch_1d(&self, mut l: LaunchArgs<'_>, n: usize, what: &str) {
+        if n == 0 {
+            return;
+        }
+        ok(
+            unsafe { l.launch(cfg(blocks(n, 256) as usize, 256, 0)) },
+            what,
+        );
+    }
+}
+
+impl Backend for Cuda {
+    type Tensor = CudaSlice<f32>;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn upload(&self, data: &[f32]) -> CudaSlice<f32> {
+        if data.is_empty() {
+            return self.alloc(0);
+        }
+        ok(self.stream.clone_htod(data), "upload")
+    }
+
+    fn alloc(&self, len: usize) -> CudaSlice<f32> {
+        // NaN, as on the CPU: a read of something no op wrote shows up in the output.
+        let mut t = ok(unsafe { self.stream.alloc::<f32>(len.max(1)) }, "alloc");
+        self.fill(&mut t, f32::NAN, len);
+        t
+    }
+
+    fn zeros(&self, len: usize) -> CudaSlice<f32> {
+        ok(self.stream.alloc_zeros::<f32>(len.max(1)), "alloc")
+    }
+
+    fn download(&self, t: &CudaSlice<f32>, out: &mut [f32]) {
+        if out.is_empty() {
+            return;
+        }
+        let src: CudaView<'_, f32> = t.slice(..out.len());
+        ok(self.stream.memcpy_dtoh(&src, out), "download");
+        self.synchronize();
+    }
+
+    fn embed(&self, table: &CudaSlice<f32>, dim: usize, ids: &[u32], out: &mut CudaSlice<f32>) {
+        if ids.is_empty() {
+            return;
+        }
+        let ids = self.upload_u32(ids);
+        let d = dim as i32;
+        let mut l = self.stream.launch_builder(self.func("embed"));
+        l.arg(table).arg(&ids).arg(out).arg(&d);
+        ok(
+            unsafe { l.launch(cfg(ids.len(), row_threads(dim), 0)) },
+            "embed",
+        );
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if rows == 0 {
+            return;
+        }
+        let d = dim as i32;
+        let mut l = self.stream.launch_builder(self.func("rms_norm"));
+        l.arg(x).arg(w).arg(out).arg(&d).arg(&eps);
+        ok(
+            unsafe { l.launch(cfg(rows, row_threads(dim), 0)) },
+            "rms_norm",
+        );
+    }
+
+    fn rms_norm_inplace(
+        &self,
+        x: &mut CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) {
+        if rows == 0 {
+            return;
+        }
+        let d = dim as i32;
+        let mut l = self.stream.launch_builder(self.func("rms_norm_inplace"));
+        l.arg(x).arg(w).arg(&d).arg(&eps);
+        ok(
+            unsafe { l.launch(cfg(rows, row_threads(dim), 0)) },
+            "rms_norm_inplace",
+        );
+    }
+
+    fn matmul(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        in_dim: usize,
+        out_dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        self.gemm_xwt(x, w, rows, in_dim, in_dim, out_dim, out);
+    }
+
+    fn matmul_affine(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &AffineView<'_>,
+        rows: usize,
+        in_dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if rows == 0 || w.rows == 0 {
+            return;
+        }
+        let d = self.device_affine(w);
+        self.affine_product(x, w, &d, rows, in_dim, out);
+    }
+
+    fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, rows: usize) {
+        let dim = bias.len();
+        let n = rows * dim;
+        let (d, n64) = (dim as i32, n as i64);
+        let mut l = self.stream.launch_builder(self.func("add_bias"));
+        l.arg(x).arg(bias).arg(&d).arg(&n64);
+        self.launch_1d(l, n, "add_bias");
+    }
+
+    fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, n: usize) {
+        let n64 = n as i64;
+        let mut l = self.stream.launch_builder(self.func("add"));
+        l.arg(x).arg(y).arg(&n64);
+        self.launch_1d(l, n, "add");
+    }
+
+    fn silu_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>, n: usize) {
+        let n64 = n as i64;
+        let mut l = self.stream.launch_builder(self.func("silu_mul"));
+        l.arg(gate).arg(up).arg(&n64);
+        self.launch_1d(l, n, "silu_mul");
+    }
+
+    fn clamp(&self, x: &mut CudaSlice<f32>, limit: f32, n: usize) {
+        let n64 = n as i64;
+        let mut l = self.stream.launch_builder(self.func("clamp_values"));
+        l.arg(x).arg(&limit).arg(&n64);
+        self.launch_1d(l, n, "clamp_values");
+    }
+
+    fn softmax_rows(&self, x: &mut CudaSlice<f32>, rows: usize, dim: usize) {
+        if rows == 0 {
+            return;
+        }
+        let d = dim as i32;
+        let mut l = self.stream.launch_builder(self.func("softmax_rows"));
+        l.arg(x).arg(&d);
+        ok(
+            unsafe { l.launch(cfg(rows, row_threads(dim), 0)) },
+            "softmax_rows",
+        );
+    }
+
+    fn rope(
+        &self,
+        x: &mut CudaSlice<f32>,
+        positions: &[usize],
+        heads: usize,
+        head_dim: usize,
+        inv_freq: &[f32],
+    ) {
+        if positions.is_empty() {
+            return;
+        }
+        // The forward pass always asks for consecutive positions: no upload then.
+        let p0 = positions[0];
+        let consecutive = positions.iter().enumerate().all(|(i, &p)| p == p0 + i);
+        let pos = (!consecutive).then(|| {
+            let v: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+            self.upload_u32(&v)
+        });
+        let freq = self.constant(inv_freq);
+        let (h, d, p0) = (heads as i32, head_dim as i32, p0 as u32);
+        let null = 0u64;
+        let mut l = self.stream.launch_builder(self.func("rope"));
+        l.arg(x);
+        match &pos {
+            Some(p) => l.arg(p),
+            None => l.arg(&null),
+        };
+        l.arg(&p0).arg(&*freq).arg(&h).arg(&d);
+        ok(
+            unsafe { l.launch(cfg(positions.len() * heads, row_threads(head_dim / 2), 0)) },
+            "rope",
+        );
+    }
+
+    fn write_rows(
+        &self,
+        src: &CudaSlice<f32>,
+        dst: &mut CudaSlice<f32>,
+        dst_row: usize,
+        rows: usize,
+        width: usize,
+    ) {
+        let n = rows * width;
+        if n == 0 {
+            return;
+        }
+        let s = src.slice(..n);
+        let mut d: CudaViewMut<'_, f32> = dst.slice_mut(dst_row * width..dst_row * width + n);
+        ok(self.stream.memcpy_dtod(&s, &mut d), "copy");
+    }
+
+    fn attention(
+        &self,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<f32>,
+        v_cache: &CudaSlice<f32>,
+        shape: AttentionShape,
+        out: &mut CudaSlice<f32>,
+    ) {
+        assert!(
+            shape.head_dim <= 256,
+            "head_dim {} over the attention kernel's 256",
+            shape.head_dim
+        );
+        if shape.rows == 0 {
+            return;
+        }
+        let (p0, h, kvh, d) = (
+            shape.pos0 as i32,
+            shape.heads as i32,
+            shape.kv_heads as i32,
+            shape.head_dim as i32,
+        );
+        let window = shape.window.map_or(0, |w| w as i32);
+        let mut l = self.stream.launch_builder(self.func("attention"));
+        l.arg(q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(out)
+            .arg(&p0)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&d)
+            .arg(&window);
+        ok(
+            unsafe { l.launch(cfg(shape.rows * shape.heads, 128, 0)) },
+            "attention",
+        );
+    }
+
+    fn gather_rows(
+        &self,
+        src: &CudaSlice<f32>,
+        rows: &[u32],
+        width: usize,
+        dst: &mut CudaSlice<f32>,
+    ) {
+        if rows.is_empty() {
+            return;
+        }
+        let r = self.upload_u32(rows);
+        let w = width as i32;
+        let mut l = self.stream.launch_builder(self.func("gather_rows"));
+        l.arg(src).arg(&r).arg(dst).arg(&w);
+        ok(
+            unsafe { l.launch(cfg(rows.len(), row_threads(width), 0)) },
+            "gather_rows",
+        );
+    }
+
+    fn scatter_add_rows(
+        &self,
+        src: &CudaSlice<f32>,
+        rows: &[u32],
+        scales: &[f32],
+        width: usize,
+        dst: &mut CudaSlice<f32>,
+    ) {
+        if rows.is_empty() {
+            return;
+        }
+        let r = self.upload_u32(rows);
+        let s = ok(self.stream.clone_htod(scales), "upload");
+        let w = width as i32;
+        let mut l = self.stream.launch_builder(self.func("scatter_add_rows"));
+        l.arg(src).arg(&r).arg(&s).arg(dst).arg(&w);
+        ok(
+            unsafe { l.launch(cfg(rows.len(), row_threads(width), 0)) },
+            "scatter_add_rows",
+        );
+    }
+
+    fn swiglu_groups(
+        &self,
+        x: &CudaSlice<f32>,
+        hidden: usize,
+        groups: &[SwiGluGroup<'_, CudaSlice<f32>>],
+        out: &mut CudaSlice<f32>,
+    ) {
+        let rest = self.swiglu_grouped(x, hidden, groups, out);
+        if rest.is_empty() {
+            return;
+        }
+        let rest: Vec<SwiGluGroup<'_, CudaSlice<f32>>> = rest
+            .into_iter()
+            .map(|g| SwiGluGroup {
+                gate: g.gate,
+                up: g.up,
+                down: g.down,
+                intermediate: g.intermediate,
+                rows: g.rows,
+                scales: g.scales,
+            })
+            .collect();
+        swiglu_groups_one_by_one(self, x, hidden, &rest, out);
+    }
+}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Builds the executables scripts/gpu/run.sh needs (Linux x86-64, CUDA not required) and
+# copies them, stripped, with run.sh, into the directory given (default .gpu/).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dest=${1:-.gpu}
+mkdir -p "$dest"
+cargo build --release --features cuda -p dynmoe-cli
+tests=$(cargo test --release -p dynmoe --features cuda --test cuda --no-run --message-format=json 2>/dev/null |
+    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
+bench=$(cargo bench -p dynmoe --features cuda --bench cuda_kernels --no-run --message-format=json 2>/dev/null |
+    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
+cp target/release/dynmoe "$dest/dynmoe"
+cp "$tests" "$dest/cuda-tests"
+cp "$bench" "$dest/cuda_kernels"
+strip "$dest/dynmoe" "$dest/cuda-tests" "$dest/cuda_kernels"
+cp scripts/gpu/run.sh "$dest/run.sh"
+du -sh "$dest"

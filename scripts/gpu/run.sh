@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Checks and benchmarks of the CUDA backend, on a machine with an NVIDIA GPU, from the
+# repository root (the fixtures and data/ are read from there). No Rust is needed there:
+# the executables are built on a Linux x86-64 machine and placed in $BIN by
+# scripts/gpu/build.sh. Results go to $OUT (default gpu-results/).
+#
+#   bash scripts/gpu/run.sh [checks] [kernels] [cli] [model]     (all by default)
+#
+# checks   every kernel against the CPU reference, fixture perplexity and greedy decode
+# kernels  quantized matvec GB/s against the copy kernel (cuda_kernels.json)
+# cli      `dynmoe eval ppl` and `dynmoe run` with --backend cuda beside --backend cpu
+# model    a random checkpoint of Qwen3-30B-A3B's shape (first $LAYERS layers), converted
+#          to 4/3/2-bit stores, decode and prefill tok/s at each (model_speed.json)
+set -uo pipefail
+BIN=${BIN:-.gpu}
+OUT=${OUT:-gpu-results}
+LAYERS=${LAYERS:-12}
+WORK=${WORK:-/tmp/dynmoe-gpu}
+mkdir -p "$OUT" "$WORK"
+steps=${*:-checks kernels cli model}
+
+# NVRTC and cuBLAS are loaded by name: put the toolkit's library directories on the path.
+for lib in libnvrtc.so libcublas.so; do
+    d=$(find /usr/local /usr/lib /opt -name "$lib*" -not -path '*/stubs/*' 2>/dev/null | head -1)
+    [ -n "$d" ] && LD_LIBRARY_PATH="$(dirname "$d"):${LD_LIBRARY_PATH:-}"
+done
+export LD_LIBRARY_PATH
+export DYNMOE_FIXTURES="$PWD/fixtures/models" DYNMOE_BENCH_OUT="$OUT"
+{ nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; } > "$OUT/device.txt" 2>&1
+head -15 "$OUT/device.txt"
+
+status=0
+for step in $steps; do
+    case $step in
+    checks)
+        echo "== kernel checks and fixtures"
+        "$BIN/cuda-tests" --test-threads=1 --nocapture 2>&1 | tee "$OUT/checks.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        ;;
+    kernels)
+        echo "== kernel bandwidth"
+        "$BIN/cuda_kernels" 2>&1 | tee "$OUT/kernels.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        ;;
+    cli)
+        echo "== command line, cpu then cuda"
+        for b in cpu cuda; do
+            "$BIN/dynmoe" eval ppl --model fixtures/models/small-moe --backend $b \
+                --text data/corpus/en/test.txt --chunks 8 || status=1
+            "$BIN/dynmoe" run --model fixtures/models/small-moe --backend $b -n 32 \
+                --prompt "Call me Ishmael" || status=1
+        done 2>&1 | tee "$OUT/cli.log"
+        ;;
+    model)
+        echo "== Qwen3-30B-A3B shape, $LAYERS layers"
+        m="$WORK/qwen3-30b-a3b-l$LAYERS"
+        if [ ! -e "$m/experts.json" ]; then
+            time "$BIN/dynmoe" synth --like qwen3-30b-a3b --layers "$LAYERS" -o "$m.hf" \
+                --tokenizer-from fixtures/models/small-moe || status=1
+            time "$BIN/dynmoe" convert -m "$m.hf" -o "$m" || status=1
+            rm -rf "$m.hf"
+        fi
+        "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4,3,2 \
+            --prompt 512 --generate 128 --json "$OUT/model_speed.json" 2>&1 | tee "$OUT/model.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        ;;
+    *) echo "unknown step $step"; status=1 ;;
+    esac
+done
+exit $status
