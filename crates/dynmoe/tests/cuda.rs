@@ -427,6 +427,7 @@ fn compare_end_to_end(label: &str, dir: &std::path::Path, bits: Option<u32>) {
     let opts = PplOptions {
         ctx: 512,
         max_chunks: Some(4),
+        ..PplOptions::default()
     };
     for domain in ["en", "code"] {
         let text = test_text(domain);
