@@ -240,11 +240,11 @@ fn decode(a: DecodeArgs) -> Result<()> {
         // A backend per model, so that each precision's device weights go with it.
         let (pre, dec) = match a.backend {
             BackendKind::Cuda => {
-                let m = crate::load(&a.model, cuda_backend()?, &eb)?;
+                let m = crate::load(&a.model, cuda_backend()?, &(&eb).into())?;
                 measure(&m, a.prompt, a.generate, a.repeats)?
             }
             other => {
-                let m = crate::load(&a.model, other.cpu(), &eb)?;
+                let m = crate::load(&a.model, other.cpu(), &(&eb).into())?;
                 measure(&m, a.prompt, a.generate, a.repeats)?
             }
         };

@@ -212,7 +212,7 @@ fn run_from_stores(
                 default: Some(st.bits),
                 ..ExpertBits::default()
             };
-            let m = crate::load(&scratch, Cpu::fast(), &bits)?;
+            let m = crate::load(&scratch, Cpu::fast(), &(&bits).into())?;
             let ppl: Vec<f64> = texts
                 .iter()
                 .map(|t| ppl::perplexity(&m, t, opts, &mut |_, _| {}).map(|r| r.ppl))

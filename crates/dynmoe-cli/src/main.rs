@@ -13,8 +13,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use dynmoe::backend::{Backend, Cpu};
+use dynmoe::codec::Codec;
 use dynmoe::eval::{inspect, ppl};
-use dynmoe::model::{self, ExpertBits, LoadedModel};
+use dynmoe::model::{self, ExpertBits, ExpertCodecs, LoadedModel};
 use dynmoe::runtime::generate::{self, Sampling};
 
 /// Mixture-of-Experts models at 1.5-2 resident bits per weight, with a resident expert
@@ -106,11 +107,11 @@ macro_rules! with_model {
     ($args:expr, |$m:ident| $body:expr) => {
         match $args.backend {
             BackendKind::Cuda => {
-                let $m = load(&$args.model, cuda_backend()?, &$args.expert_bits())?;
+                let $m = load(&$args.model, cuda_backend()?, &$args.expert_codecs())?;
                 $body
             }
             other => {
-                let $m = load(&$args.model, other.cpu(), &$args.expert_bits())?;
+                let $m = load(&$args.model, other.cpu(), &$args.expert_codecs())?;
                 $body
             }
         }
@@ -131,14 +132,28 @@ pub(crate) struct ModelArgs {
     /// Per-layer expert bits overriding --expert-bits, as LAYER=BITS pairs: `0=4,5=4`.
     #[arg(long, value_delimiter = ',', value_parser = parse_layer_bits)]
     expert_bits_layer: Vec<(usize, u32)>,
+    /// Codec of the routed experts: q4, q3, q2 (a converted directory's stores) or a VQ
+    /// rung such as vq1.5 (encoded at load from a checkpoint's bf16 experts).
+    #[arg(long, conflicts_with_all = ["expert_bits", "expert_bits_layer"])]
+    codec: Option<Codec>,
+    /// Per-layer codecs overriding --codec, as LAYER=CODEC pairs: `0=vq4,5=vq2`.
+    #[arg(long, value_delimiter = ',', value_parser = parse_layer_codec,
+          conflicts_with_all = ["expert_bits", "expert_bits_layer"])]
+    codec_layer: Vec<(usize, Codec)>,
 }
 
 impl ModelArgs {
-    fn expert_bits(&self) -> ExpertBits {
-        ExpertBits {
+    fn expert_codecs(&self) -> ExpertCodecs {
+        if self.codec.is_some() || !self.codec_layer.is_empty() {
+            return ExpertCodecs {
+                default: self.codec,
+                per_layer: self.codec_layer.iter().copied().collect(),
+            };
+        }
+        ExpertCodecs::from(&ExpertBits {
             default: self.expert_bits,
             per_layer: self.expert_bits_layer.iter().copied().collect(),
-        }
+        })
     }
 
     /// Loads the model these arguments name, for commands that run on the CPU only.
@@ -146,8 +161,19 @@ impl ModelArgs {
         if matches!(self.backend, BackendKind::Cuda) {
             anyhow::bail!("this command runs on the CPU; --backend cuda is for run and eval ppl");
         }
-        load(&self.model, self.backend.cpu(), &self.expert_bits())
+        load(&self.model, self.backend.cpu(), &self.expert_codecs())
     }
+}
+
+fn parse_layer_codec(s: &str) -> Result<(usize, Codec), String> {
+    let (layer, codec) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not LAYER=CODEC"))?;
+    let layer = layer
+        .trim()
+        .parse()
+        .map_err(|_| format!("{layer:?} is not a layer index"))?;
+    Ok((layer, codec.parse().map_err(|e| format!("{e}"))?))
 }
 
 fn parse_layer_bits(s: &str) -> Result<(usize, u32), String> {
@@ -279,10 +305,10 @@ fn main() {
 pub(crate) fn load<B: Backend>(
     dir: &Path,
     backend: B,
-    bits: &ExpertBits,
+    codecs: &ExpertCodecs,
 ) -> Result<LoadedModel<B>> {
     let spinner = progress::spinner(&format!("loading {}", dir.display()));
-    let m = model::load_with(dir, backend, bits)
+    let m = model::load_with_codecs(dir, backend, codecs)
         .with_context(|| format!("loading model {}", dir.display()))?;
     spinner.finish_and_clear();
     Ok(m)

@@ -15,6 +15,7 @@ pub use cpu::Cpu;
 pub use cuda::Cuda;
 
 use crate::codec::affine::kernels::AffineView;
+use crate::codec::vq::VqView;
 
 /// A compute backend.
 pub trait Backend: Send + Sync {
@@ -81,7 +82,11 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Tensor,
     );
 
-    /// `out = x Wᵀ` for a weight in either form.
+    /// The same product with `w` a matrix of the VQ ladder: `x` is `[rows, w.cols]`,
+    /// `out` `[rows, w.rows]`.
+    fn matmul_vq(&self, x: &Self::Tensor, w: &VqView<'_>, rows: usize, out: &mut Self::Tensor);
+
+    /// `out = x Wᵀ` for a weight in any form.
     fn linear(
         &self,
         x: &Self::Tensor,
@@ -94,6 +99,10 @@ pub trait Backend: Send + Sync {
         match w {
             Weight::Dense(t) => self.matmul(x, t, rows, in_dim, out_dim, out),
             Weight::Affine(v) => self.matmul_affine(x, &v, rows, in_dim, out),
+            Weight::Vq(v) => {
+                debug_assert_eq!(v.cols, in_dim);
+                self.matmul_vq(x, &v, rows, out)
+            }
         }
     }
 
@@ -206,6 +215,8 @@ pub enum Weight<'a, T> {
     Dense(&'a T),
     /// Affine codes, scales and biases in host memory.
     Affine(AffineView<'a>),
+    /// VQ codes and block norms in host memory.
+    Vq(VqView<'a>),
 }
 
 // Written out because a derive would require `T: Copy`; only references are copied.

@@ -12,9 +12,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::moe::{self, MoeObserver, Routing};
-use super::weights::{Ffn, Layer, LayerStores, Linear, Loader};
+use super::weights::{Experts, Ffn, Layer, LayerStores, Linear, Loader};
 use super::Error;
 use crate::backend::{AttentionShape, Backend};
+use crate::codec::vq::Rung;
 use crate::residency::{self, LayerSource, Reservoir, ReservoirKind, Residency, ResidencyConfig};
 
 /// A model's weights on a backend, ready to run.
@@ -70,17 +71,20 @@ pub fn rope_inv_freq(theta: f32, head_dim: usize, linear_factor: f32) -> Vec<f32
 
 impl<B: Backend> Model<B> {
     /// Builds the model from a checkpoint (and, for a converted directory, the expert
-    /// store of each MoE layer), checking every tensor's shape.
+    /// store of each MoE layer), checking every tensor's shape. The MoE layers in `vq`
+    /// get their routed experts encoded at that rung of the VQ ladder.
     pub fn load(
         config: Config,
         ckpt: &Checkpoint,
         stores: Option<LayerStores>,
+        vq: &BTreeMap<usize, Rung>,
         backend: B,
     ) -> Result<Model<B>, Error> {
         let (v, h) = (config.vocab_size, config.hidden_size);
         let ld = Loader {
             ckpt,
             stores: stores.as_ref(),
+            vq,
             backend: &backend,
             config: &config,
         };
@@ -126,6 +130,16 @@ impl<B: Backend> Model<B> {
 
     /// A reservoir of every routed expert of this model, in RAM or on disk.
     pub fn reservoir(&self, kind: ReservoirKind) -> Result<Arc<Reservoir>, residency::Error> {
+        let vq_layer = self
+            .layers
+            .iter()
+            .position(|l| matches!(&l.mlp, Ffn::Moe(m) if matches!(m.experts, Experts::Vq(_))));
+        if let Some(layer) = vq_layer {
+            return Err(residency::Error::Config(format!(
+                "layer {layer} runs VQ-coded experts; resident sets cover bf16 and affine \
+                 experts so far"
+            )));
+        }
         Ok(Arc::new(Reservoir::open(kind, &self.expert_sources())?))
     }
 

@@ -143,6 +143,26 @@ pub enum Error {
         /// The model directory.
         dir: PathBuf,
     },
+    /// A codec that cannot be had from this directory.
+    #[error("{dir}: layer {layer} asks for {codec}: {why}")]
+    Codec {
+        /// The model directory.
+        dir: PathBuf,
+        /// The layer.
+        layer: usize,
+        /// The codec asked for.
+        codec: crate::codec::Codec,
+        /// Why not.
+        why: String,
+    },
+    /// A matrix could not be encoded.
+    #[error("{tensor}: {source}")]
+    Encode {
+        /// The matrix.
+        tensor: String,
+        /// What the codec said.
+        source: crate::codec::CodecError,
+    },
     /// An expert precision other than 4, 3 or 2 bits.
     #[error("expert bits {bits} for layer {layer}: stores exist at 4, 3 and 2 bits")]
     ExpertBits {
@@ -204,6 +224,39 @@ impl ExpertBits {
     }
 }
 
+/// The codec of the routed experts per MoE layer: a default and per-layer overrides.
+/// Unset means the directory's own form: bf16 for a Hugging Face checkpoint, the 4-bit
+/// store for a converted directory. Affine codecs (`q4`, `q3`, `q2`) need a converted
+/// directory; VQ rungs are encoded at load from a checkpoint's bf16 experts.
+#[derive(Debug, Clone, Default)]
+pub struct ExpertCodecs {
+    /// Codec of every MoE layer not overridden.
+    pub default: Option<crate::codec::Codec>,
+    /// Codecs of particular layers.
+    pub per_layer: BTreeMap<usize, crate::codec::Codec>,
+}
+
+impl ExpertCodecs {
+    /// The codec asked for `layer`, if any.
+    pub fn of(&self, layer: usize) -> Option<crate::codec::Codec> {
+        self.per_layer.get(&layer).copied().or(self.default)
+    }
+}
+
+impl From<&ExpertBits> for ExpertCodecs {
+    fn from(b: &ExpertBits) -> ExpertCodecs {
+        let affine = |bits| crate::codec::Codec::Affine { bits };
+        ExpertCodecs {
+            default: b.default.map(affine),
+            per_layer: b
+                .per_layer
+                .iter()
+                .map(|(&l, &bits)| (l, affine(bits)))
+                .collect(),
+        }
+    }
+}
+
 /// Loads config, weights and tokenizer from a model directory: a Hugging Face checkpoint,
 /// or a converted directory whose experts are read from their 4-bit store.
 pub fn load<B: Backend>(dir: &Path, backend: B) -> Result<LoadedModel<B>, Error> {
@@ -217,18 +270,65 @@ pub fn load_with<B: Backend>(
     backend: B,
     bits: &ExpertBits,
 ) -> Result<LoadedModel<B>, Error> {
+    load_with_codecs(dir, backend, &ExpertCodecs::from(bits))
+}
+
+/// [`load`], with each MoE layer's routed experts in the codec `codecs` asks for.
+pub fn load_with_codecs<B: Backend>(
+    dir: &Path,
+    backend: B,
+    codecs: &ExpertCodecs,
+) -> Result<LoadedModel<B>, Error> {
+    use crate::codec::Codec;
     let config = Config::from_file(&dir.join("config.json"))?;
     let checkpoint = Checkpoint::open(dir)?;
-    let stores = if dir.join(crate::store::data_file_name(4)).exists() {
-        Some(open_stores(dir, &config, bits)?)
-    } else if bits.is_set() {
-        return Err(Error::NoExpertStore {
+    let converted = dir.join(crate::store::data_file_name(4)).exists();
+    let mut bits = ExpertBits::default();
+    let mut vq = BTreeMap::new();
+    for layer in config.moe_layers() {
+        let refuse = |codec, why: &str| Error::Codec {
             dir: dir.to_path_buf(),
-        });
+            layer,
+            codec,
+            why: why.to_string(),
+        };
+        match codecs.of(layer) {
+            None => {}
+            Some(Codec::Affine { bits: b }) => {
+                if !converted {
+                    return Err(Error::NoExpertStore {
+                        dir: dir.to_path_buf(),
+                    });
+                }
+                bits.per_layer.insert(layer, b);
+            }
+            Some(c @ Codec::Vq { .. }) => {
+                if converted {
+                    return Err(refuse(
+                        c,
+                        "VQ rungs are encoded from the bf16 experts of a Hugging Face checkpoint, \
+                         and a converted directory keeps only the 4-bit store",
+                    ));
+                }
+                let rung = crate::codec::vq::Rung::parse(&c.to_string())
+                    .map_err(|e| refuse(c, &e.to_string()))?;
+                vq.insert(layer, rung);
+            }
+            Some(Codec::Bf16) if converted => {
+                return Err(refuse(
+                    Codec::Bf16,
+                    "a converted directory keeps its experts in the 4-bit store",
+                ))
+            }
+            Some(Codec::Bf16) => {}
+        }
+    }
+    let stores = if converted {
+        Some(open_stores(dir, &config, &bits)?)
     } else {
         None
     };
-    let model = Model::load(config, &checkpoint, stores, backend)?;
+    let model = Model::load(config, &checkpoint, stores, &vq, backend)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     Ok(LoadedModel {
         dir: dir.to_path_buf(),

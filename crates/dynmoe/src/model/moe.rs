@@ -95,6 +95,14 @@ pub fn expert_group<'a, B: Backend>(
                 scales,
             }
         }
+        Experts::Vq(m) => SwiGluGroup {
+            gate: Weight::Vq(m[e][0].view()),
+            up: Weight::Vq(m[e][1].view()),
+            down: Weight::Vq(m[e][2].view()),
+            intermediate: m[e][0].rows,
+            rows,
+            scales,
+        },
     }
 }
 

@@ -9,6 +9,7 @@ use super::config::{Config, QkNorm};
 use super::experts::{ExpertShape, ExpertTensors};
 use super::Error;
 use crate::backend::Backend;
+use crate::codec::vq::{Rung, VqMatrix};
 use crate::model::experts::Extent;
 use crate::residency::{LayerSource, RecordFormat};
 use crate::store::ExpertStore;
@@ -61,6 +62,9 @@ pub enum Experts<B: Backend> {
         /// Decoder layer whose records these are.
         layer: usize,
     },
+    /// Encoded at a rung of the VQ ladder, in host memory: per expert its gate, up and
+    /// down projections.
+    Vq(Vec<[VqMatrix; 3]>),
 }
 
 /// The expert store each MoE layer reads, by decoder layer.
@@ -106,6 +110,8 @@ pub struct Loader<'a, B: Backend> {
     pub ckpt: &'a Checkpoint,
     /// Expert stores by MoE layer, when the model directory was converted.
     pub stores: Option<&'a LayerStores>,
+    /// MoE layers whose experts are encoded at a VQ rung, from the checkpoint.
+    pub vq: &'a BTreeMap<usize, Rung>,
     /// The backend the weights go to.
     pub backend: &'a B,
     /// The resolved configuration.
@@ -162,6 +168,13 @@ impl<B: Backend> Loader<'_, B> {
         prefix: &str,
         names: [&'static str; 3],
     ) -> Result<(Experts<B>, LayerSource), Error> {
+        if let Some(&rung) = self.vq.get(&layer) {
+            let source = self.expert_source(prefix, names)?;
+            return Ok((
+                Experts::Vq(self.vq_experts(layer, prefix, names, rung)?),
+                source,
+            ));
+        }
         let Some(stores) = self.stores else {
             let source = self.expert_source(prefix, names)?;
             return Ok((Experts::Dense(self.experts(prefix, names)?), source));
@@ -272,6 +285,36 @@ impl<B: Backend> Loader<'_, B> {
                     down_proj: linear(e, 2)?,
                 })
             })
+            .collect()
+    }
+
+    /// Every routed expert of a layer encoded at `rung`. Each matrix gets its own sign
+    /// seed, so no two share a rotation.
+    fn vq_experts(
+        &self,
+        layer: usize,
+        prefix: &str,
+        names: [&'static str; 3],
+        rung: Rung,
+    ) -> Result<Vec<[VqMatrix; 3]>, Error> {
+        let c = self.config;
+        let shape = ExpertShape {
+            experts: c.moe.num_experts,
+            hidden: c.hidden_size,
+            intermediate: c.moe.expert_intermediate,
+        };
+        let tensors = ExpertTensors::find(self.ckpt, prefix, names)?;
+        let encode = |e: usize, p: usize| -> Result<VqMatrix, Error> {
+            let [rows, cols] = shape.matrix(p);
+            let w = tensors.matrix(self.ckpt, &shape, e, p)?.0;
+            let seed = ((layer * shape.experts + e) * 3 + p) as u64;
+            VqMatrix::encode(&w, rows, cols, rung, seed).map_err(|source| Error::Encode {
+                tensor: format!("{prefix}.experts.{e}.{}", names[p]),
+                source,
+            })
+        };
+        (0..shape.experts)
+            .map(|e| Ok([encode(e, 0)?, encode(e, 1)?, encode(e, 2)?]))
             .collect()
     }
 

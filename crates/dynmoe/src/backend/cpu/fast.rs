@@ -10,6 +10,7 @@ use super::with_padded_columns;
 use crate::backend::{AttentionShape, SwiGluGroup, Weight};
 use crate::codec::affine::kernels::{self, AffineView};
 use crate::codec::affine::lowbit;
+use crate::codec::vq;
 
 /// Below this many rows a product is a handful of matrix-vector products: splitting the
 /// output features across threads beats gemm's packing, which pays off only for tiles.
@@ -178,6 +179,12 @@ pub fn swiglu_groups(
         Weight::Dense(t) if parallel_groups => matmul_serial(x, t, rows, in_dim, out_dim, out),
         Weight::Dense(t) => matmul(x, t, rows, in_dim, out_dim, out),
         Weight::Affine(v) => matmul_affine(x, rows, in_dim, &v, out, !parallel_groups),
+        Weight::Vq(v) if parallel_groups => {
+            vq::kernels::matmul_serial(&x[..rows * in_dim], rows, &v, &mut out[..rows * out_dim])
+        }
+        Weight::Vq(v) => {
+            vq::kernels::matmul(&x[..rows * in_dim], rows, &v, &mut out[..rows * out_dim])
+        }
     };
     let run = |g: &SwiGluGroup<'_, Vec<f32>>| -> Vec<f32> {
         let (n, i) = (g.rows.len(), g.intermediate);

@@ -6,6 +6,7 @@ pub mod reference;
 
 use super::{AttentionShape, Backend, SwiGluGroup};
 use crate::codec::affine::kernels::{self, AffineView};
+use crate::codec::vq::{self, VqView};
 
 /// The CPU backend. `Cpu::reference()` runs every op through the plain reference
 /// loops; `Cpu::fast()` uses the threaded kernels where they exist.
@@ -108,6 +109,15 @@ impl Backend for Cpu {
             with_padded_columns(x, rows, in_dim, w.cols, |x| {
                 kernels::matmul_reference(x, rows, w, &mut out[..rows * w.rows])
             });
+        }
+    }
+
+    fn matmul_vq(&self, x: &Vec<f32>, w: &VqView<'_>, rows: usize, out: &mut Vec<f32>) {
+        let (x, out) = (&x[..rows * w.cols], &mut out[..rows * w.rows]);
+        if self.fast {
+            vq::kernels::matmul(x, rows, w, out);
+        } else {
+            vq::kernels::matmul_reference(x, rows, w, out);
         }
     }
 

@@ -30,6 +30,7 @@ use super::{swiglu_groups_one_by_one, AttentionShape, Backend, SwiGluGroup, Weig
 use crate::codec::affine::kernels::AffineView;
 use crate::codec::affine::lowbit::words_per_row;
 use crate::codec::affine::GROUP_SIZE;
+use crate::codec::vq::VqView;
 
 /// The kernels' CUDA C source.
 pub const SOURCE: &str = include_str!("kernels.cu");
@@ -96,6 +97,25 @@ pub fn probe() -> Result<(), CudaError> {
         }
     }
     Ok(())
+}
+
+/// A VQ matrix decoded to f32 on the device.
+struct DeviceVq {
+    dense: CudaSlice<f32>,
+    /// Host code bytes sampled when it was decoded (first, middle, last) and the norms'
+    /// first bits, so a re-mapped record is never served stale weights.
+    fingerprint: [u16; 4],
+}
+
+fn vq_fingerprint(w: &VqView<'_>) -> [u16; 4] {
+    let c = w.codes;
+    let at = |i: usize| c.get(i).copied().unwrap_or(0) as u16;
+    [
+        at(0),
+        at(c.len() / 2),
+        at(c.len().saturating_sub(1)),
+        w.norms.first().map(|n| n.to_bits()).unwrap_or(0),
+    ]
 }
 
 /// A device copy of an affine matrix.
@@ -200,6 +220,9 @@ pub struct Cuda {
     arch: String,
     device_name: String,
     affine: Mutex<HashMap<AffineKey, Arc<DeviceAffine>>>,
+    /// VQ matrices decoded to f32 on the device, by host address of their codes. There
+    /// are no VQ kernels on the GPU yet: products run as dense GEMMs on these copies.
+    vq: Mutex<HashMap<(usize, usize), Arc<DeviceVq>>>,
     /// Small host arrays passed to every call of an op (RoPE frequencies), uploaded once.
     constants: Mutex<Vec<Constant>>,
 }
@@ -279,6 +302,7 @@ impl Cuda {
             arch,
             device_name,
             affine: Mutex::new(HashMap::new()),
+            vq: Mutex::new(HashMap::new()),
             constants: Mutex::new(Vec::new()),
         })
     }
@@ -335,9 +359,31 @@ impl Cuda {
         (2 * n * 4) as f64 / (ts[7] * 1e-3) / 1e9
     }
 
-    /// Drops every device copy of affine weights.
+    /// Drops every device copy of quantized weights.
     pub fn clear_weight_cache(&self) {
         self.affine.lock().expect("weight cache lock").clear();
+        self.vq.lock().expect("weight cache lock").clear();
+    }
+
+    /// The device copy of a VQ matrix, decoded on the host the first time it is seen.
+    fn device_vq(&self, w: &VqView<'_>) -> Arc<DeviceVq> {
+        let key = (w.codes.as_ptr() as usize, w.codes.len());
+        let print = vq_fingerprint(w);
+        let mut cache = self.vq.lock().expect("weight cache lock");
+        if let Some(d) = cache.get(&key) {
+            if d.fingerprint == print {
+                return d.clone();
+            }
+        }
+        let dense = w
+            .decode()
+            .unwrap_or_else(|e| panic!("VQ matrix of {} rows: {e}", w.rows));
+        let d = Arc::new(DeviceVq {
+            dense: ok(self.stream.clone_htod(&dense), "upload"),
+            fingerprint: print,
+        });
+        cache.insert(key, d.clone());
+        d
     }
 
     /// Bytes of affine weights held on the device.
@@ -785,6 +831,14 @@ impl Backend for Cuda {
         }
         let d = self.device_affine(w);
         self.affine_product(x, w, &d, rows, in_dim, out);
+    }
+
+    fn matmul_vq(&self, x: &CudaSlice<f32>, w: &VqView<'_>, rows: usize, out: &mut CudaSlice<f32>) {
+        if rows == 0 || w.rows == 0 {
+            return;
+        }
+        let d = self.device_vq(w);
+        self.gemm_xwt(x, &d.dense, rows, w.cols, w.cols, w.rows, out);
     }
 
     fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, rows: usize) {
