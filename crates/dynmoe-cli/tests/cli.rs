@@ -331,4 +331,117 @@ fn serve_answers_on_the_printed_address_and_stops_on_sigterm() {
         status.success(),
         "SIGTERM should shut down cleanly: {status}"
     );
+#[test]
+fn eval_hitrate_prints_the_grid_as_json() {
+    let text = |d: &str| {
+        root()
+            .join(format!("data/corpus/{d}/test.txt"))
+            .display()
+            .to_string()
+    };
+    let domains = format!("{},{}", text("en"), text("code"));
+    let out = TempDir::new("cli-hitrate");
+    let path = out.path("hitrate.json").display().to_string();
+    let r = json_of(&[
+        "eval",
+        "hitrate",
+        "--model",
+        &tiny(),
+        "--domains",
+        &domains,
+        "--resident-fraction",
+        "0.5",
+        "--ctx",
+        "64",
+        "--chunks",
+        "4",
+        "--calib-chunks",
+        "2",
+        "--swap-interval",
+        "32",
+        "--half-lives",
+        "20,200",
+        "--out",
+        &path,
+        "--json",
+    ]);
+    assert_eq!(r["resident_per_layer"], 4);
+    assert_eq!(r["spare_slots_per_layer"], 4);
+    let cells = r["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 4);
+    assert_eq!(
+        (cells[1]["calib"].as_str(), cells[1]["test"].as_str()),
+        (Some("en"), Some("code"))
+    );
+    for c in cells {
+        for run in ["static", "dynamic"] {
+            let h = c[run]["hit_rate"].as_f64().unwrap();
+            assert!(
+                h > 0.0 && h <= c[run]["oracle_hit_rate"].as_f64().unwrap() + 1e-9,
+                "{c}"
+            );
+            assert!(c[run]["ppl"].as_f64().unwrap() > 1.0);
+        }
+        assert_eq!(c["static"]["swaps"], 0);
+    }
+    let written: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(written["cells"], r["cells"]);
+}
+
+#[test]
+fn residency_flags_run_and_report() {
+    let r = json_of(&[
+        "run",
+        "--model",
+        &tiny(),
+        "--prompt",
+        "Once upon a time",
+        "-n",
+        "40",
+        "--json",
+        "--resident-count",
+        "4",
+        "--reservoir",
+        "disk",
+        "--swap-interval",
+        "8",
+    ]);
+    assert_eq!(r["tokens"].as_array().unwrap().len(), 40);
+    assert_eq!(r["residency"]["resident_per_layer"], 4);
+    assert_eq!(r["residency"]["reservoir"], "disk");
+    assert_eq!(r["residency"]["stalls"], 0);
+    // Without the flags, no residency report and the plain path.
+    let r = json_of(&[
+        "run",
+        "--model",
+        &tiny(),
+        "--prompt",
+        "Once upon a time",
+        "-n",
+        "4",
+        "--json",
+    ]);
+    assert!(r.get("residency").is_none());
+    let e = failure_of(&[
+        "run",
+        "--model",
+        &tiny(),
+        "--prompt",
+        "x",
+        "--resident-count",
+        "1",
+    ]);
+    assert!(e.contains("between 2 and 8 must be resident"), "{e}");
+    let e = failure_of(&[
+        "run",
+        "--model",
+        &tiny(),
+        "--prompt",
+        "x",
+        "--resident-fraction",
+        "0.5",
+        "--residency",
+        "static",
+    ]);
+    assert!(e.contains("--calib"), "{e}");
 }

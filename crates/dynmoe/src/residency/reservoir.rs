@@ -98,7 +98,8 @@ impl Buffer {
     }
 }
 
-fn words_as_bytes(w: &[u32]) -> &[u8] {
+/// The bytes of `w`, for viewing an affine record held as words.
+pub(crate) fn words_as_bytes(w: &[u32]) -> &[u8] {
     // SAFETY: u8 has no alignment requirement and every u32 is four valid bytes.
     unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * 4) }
 }

@@ -2,7 +2,7 @@
 //! them from, the spare buffers loads land in, and routing confined to the residents.
 
 use super::policy::Evidence;
-use super::reservoir::{Buffer, RecordFormat};
+use super::reservoir::{words_as_bytes, Buffer, RecordFormat};
 use crate::backend::{Backend, SwiGluGroup, Weight};
 use crate::model::config::Router;
 use crate::model::moe::{route, Route};
@@ -200,10 +200,7 @@ impl<B: Backend> LayerSet<B> {
                 scales,
             },
             (Slot::Affine(w), RecordFormat::Affine(layout)) => {
-                // SAFETY: as in `reservoir`: u32 words viewed as their bytes.
-                let bytes =
-                    unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), w.len() * 4) };
-                let r = record_view(&layout, bytes);
+                let r = record_view(&layout, words_as_bytes(w));
                 SwiGluGroup {
                     gate: Weight::Affine(r.gate),
                     up: Weight::Affine(r.up),
