@@ -331,6 +331,8 @@ fn serve_answers_on_the_printed_address_and_stops_on_sigterm() {
         status.success(),
         "SIGTERM should shut down cleanly: {status}"
     );
+}
+
 #[test]
 fn eval_hitrate_prints_the_grid_as_json() {
     let text = |d: &str| {
