@@ -11,6 +11,7 @@ use dynmoe::runtime::generate::generate_ids;
 use dynmoe::serve::engine::EngineOptions;
 use dynmoe::serve::{self, ServeOptions};
 
+use crate::residency::ResidencyArgs;
 use crate::{ModelArgs, SamplingArgs};
 
 #[derive(Args)]
@@ -43,13 +44,17 @@ pub struct ServeArgs {
     /// Request bodies larger than this are refused with 413.
     #[arg(long, default_value_t = 1 << 20)]
     max_body_bytes: usize,
+    /// One resident set, shared by every request served.
+    #[command(flatten)]
+    residency: ResidencyArgs,
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
     if a.max_seqs == 0 {
         anyhow::bail!("--max-seqs must be at least 1");
     }
-    let m = a.model.load()?;
+    let mut m = a.model.load()?;
+    a.residency.install(&mut m)?;
     let name = match a.name {
         Some(n) => n,
         None => dir_name(&a.model.model),
@@ -92,13 +97,16 @@ pub struct ChatArgs {
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    residency: ResidencyArgs,
 }
 
 /// Reads one user message per line from stdin, prints each reply as it is generated
 /// and a status line on stderr. `/reset` forgets the conversation.
 pub fn chat(a: ChatArgs) -> Result<()> {
     let sampling = a.sampling.checked()?;
-    let m = a.model.load()?;
+    let mut m = a.model.load()?;
+    a.residency.install(&mut m)?;
     let template = ChatTemplate::for_tokenizer(&m.tokenizer)?;
     let stop = chat::stop_tokens(&m.tokenizer, &m.model.config.eos_token_ids);
     let ctx = m.model.config.max_position_embeddings;
@@ -163,8 +171,13 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             let _ = out.flush();
         })?;
         println!();
+        let hit_rate = m
+            .model
+            .residency()
+            .map(|r| format!("; hit rate {:.1}%", 100.0 * r.report().hit_rate))
+            .unwrap_or_default();
         eprintln!(
-            "[{} tokens at {:.1} tok/s; prompt {} tokens at {:.1} tok/s]",
+            "[{} tokens at {:.1} tok/s; prompt {} tokens at {:.1} tok/s{hit_rate}]",
             g.tokens.len(),
             g.decode_tokens_per_second,
             g.prompt_tokens,

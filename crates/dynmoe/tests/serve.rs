@@ -570,3 +570,34 @@ fn the_chat_template_is_read_from_tokenizer_config_and_chatml_is_the_fallback() 
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     );
 }
+
+#[test]
+fn a_shared_resident_set_reports_its_hit_rate_in_metrics() {
+    use dynmoe::residency::{Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount};
+    let mut m = model::load(&fixture("tiny-moe"), Cpu::fast()).unwrap();
+    let reservoir = m.model.reservoir(ReservoirKind::Ram).unwrap();
+    let config = ResidencyConfig {
+        resident: ResidentCount::Count(4),
+        mode: Mode::Dynamic,
+        reservoir: ReservoirKind::Ram,
+        policy: PolicyParams::default(),
+        loader_threads: 1,
+    };
+    let res = m
+        .model
+        .new_residency(reservoir, config, &Default::default())
+        .unwrap();
+    m.model.set_residency(Some(res));
+    let s = spawn(
+        Arc::new(m),
+        ServeOptions::for_model(&model(), NAME),
+        "127.0.0.1:0",
+    )
+    .unwrap();
+    assert!(get(&s, "/metrics").1.contains("dynmoe_hit_rate"));
+    greedy_completion(&s, "The whale", 8);
+    let hit = metric(&s, "dynmoe_hit_rate");
+    // Half of tiny-moe's 8 experts are resident: some routing mass misses them.
+    assert!(hit > 0.0 && hit < 1.0, "hit rate {hit}");
+    assert!(metric(&s, "dynmoe_routed_tokens_total") > 0.0);
+}

@@ -3,10 +3,11 @@
 use std::fmt::Write;
 
 use super::engine::Counters;
+use crate::residency::ResidencyReport;
 
 /// The exposition text for `c`. Tokens per second is generated tokens over the
 /// scheduler's busy time, so idle time between requests does not dilute it.
-pub fn render(c: &Counters) -> String {
+pub fn render(c: &Counters, residency: Option<&ResidencyReport>) -> String {
     let mut out = String::new();
     let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
         let _ = writeln!(out, "# HELP {name} {help}");
@@ -84,6 +85,43 @@ pub fn render(c: &Counters) -> String {
         "Sequences being generated.",
         c.active_sequences as f64,
     );
+    // Only with resident sets installed: a model running every expert has no hit rate.
+    if let Some(r) = residency {
+        for (name, kind, help, value) in [
+            (
+                "dynmoe_hit_rate",
+                "gauge",
+                "Share of unmasked routing probability on resident experts.",
+                r.hit_rate,
+            ),
+            (
+                "dynmoe_swaps_total",
+                "counter",
+                "Experts swapped into resident sets.",
+                r.counters.swaps as f64,
+            ),
+            (
+                "dynmoe_bytes_moved_total",
+                "counter",
+                "Bytes read from the reservoir into resident slots.",
+                r.counters.bytes_moved as f64,
+            ),
+            (
+                "dynmoe_stalls_total",
+                "counter",
+                "Loads still in flight when their swap was due.",
+                r.counters.stalls as f64,
+            ),
+            (
+                "dynmoe_routed_tokens_total",
+                "counter",
+                "Tokens routed through the resident sets.",
+                r.counters.tokens as f64,
+            ),
+        ] {
+            metric(name, kind, help, value);
+        }
+    }
     out
 }
 
@@ -107,7 +145,8 @@ mod tests {
             active_sequences: 2,
             ..Counters::default()
         };
-        let text = render(&c);
+        let text = render(&c, None);
+        assert_eq!(value_of(&text, "dynmoe_hit_rate"), None);
         assert_eq!(value_of(&text, "dynmoe_requests_total"), Some(7.0));
         assert_eq!(value_of(&text, "dynmoe_tokens_per_second"), Some(20.0));
         assert_eq!(value_of(&text, "dynmoe_active_sequences"), Some(2.0));

@@ -432,7 +432,10 @@ async fn health() -> Json<Value> {
 async fn prometheus<B: Backend + 'static>(State(app): State<Arc<App<B>>>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        metrics::render(&app.engine.counters()),
+        metrics::render(
+            &app.engine.counters(),
+            app.model.model.residency().map(|r| r.report()).as_ref(),
+        ),
     )
         .into_response()
 }
