@@ -79,6 +79,53 @@ impl fmt::Display for Codec {
     }
 }
 
+impl Codec {
+    /// The VQ rung this names, for `Vq` codecs.
+    pub fn rung(self) -> Result<Option<vq::Rung>, CodecError> {
+        match self {
+            Codec::Vq { .. } => vq::Rung::parse(&self.to_string()).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Bytes a `[rows, cols]` matrix takes in this codec, as it sits in memory for the
+    /// kernels (no file padding): bf16 values; affine codes with a bf16 scale and bias per
+    /// group of 64 (columns padded to whole groups); VQ codes (whole bytes per row) and an
+    /// fp16 norm per rotation block.
+    pub fn matrix_bytes(self, rows: usize, cols: usize) -> Result<u64, CodecError> {
+        let (r, c) = (rows as u64, cols as u64);
+        Ok(match self {
+            Codec::Bf16 => 2 * r * c,
+            Codec::Affine { bits } => {
+                if !(2..=4).contains(&bits) {
+                    return Err(CodecError::Bits {
+                        bits,
+                        supported: "2, 3, 4",
+                    });
+                }
+                let padded = cols.div_ceil(affine::GROUP_SIZE) * affine::GROUP_SIZE;
+                let words = affine::lowbit::words_per_row(padded, bits) as u64;
+                let groups = (padded / affine::GROUP_SIZE) as u64;
+                r * (4 * words + 2 * 2 * groups)
+            }
+            Codec::Vq { .. } => {
+                let rung = self.rung()?.expect("a VQ codec has a rung");
+                let blocks = cols.div_ceil(vq::rotation::block_size(cols)) as u64;
+                r * (vq::row_bytes(rung, cols) as u64 + 2 * blocks)
+            }
+        })
+    }
+
+    /// Bytes of the codebook this codec needs resident once, whatever uses it: fp16
+    /// codewords for a VQ rung, nothing otherwise.
+    pub fn codebook_bytes(self) -> Result<u64, CodecError> {
+        Ok(match self.rung()? {
+            Some(r) => (r.codewords() * r.dim * 2) as u64,
+            None => 0,
+        })
+    }
+}
+
 impl serde::Serialize for Codec {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(self)
@@ -175,5 +222,21 @@ mod tests {
             assert!(bad.parse::<Codec>().is_err(), "{bad}");
         }
         assert!(serde_json::from_str::<Codec>("\"q7\"").is_err());
+    }
+
+    #[test]
+    fn matrix_bytes_follow_each_layout() {
+        let c = |s: &str| s.parse::<Codec>().unwrap();
+        assert_eq!(c("bf16").matrix_bytes(3, 100).unwrap(), 600);
+        // 128 padded columns: q4 16 words, 2 groups of scale + bias per row.
+        assert_eq!(c("q4").matrix_bytes(3, 100).unwrap(), 3 * (64 + 8));
+        // vq2 on 1024 columns: one block, 128 vectors of 16 bits, one fp16 norm.
+        assert_eq!(c("vq2").matrix_bytes(2, 1024).unwrap(), 2 * (256 + 2));
+        let bpw = |s: &str| c(s).matrix_bytes(512, 2048).unwrap() as f64 * 8.0 / (512.0 * 2048.0);
+        assert!((bpw("vq1.5") - (1.5 + 16.0 / 1024.0)).abs() < 1e-9);
+        assert!(bpw("q2") > 2.0 && bpw("q2") < bpw("q3") && bpw("q3") < bpw("q4"));
+        assert_eq!(c("vq2").codebook_bytes().unwrap(), 65536 * 8 * 2);
+        assert_eq!(c("q2").codebook_bytes().unwrap(), 0);
+        assert!(c("vq1.3").matrix_bytes(2, 64).is_err());
     }
 }
