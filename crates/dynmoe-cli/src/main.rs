@@ -14,7 +14,7 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use dynmoe::backend::{Backend, Cpu};
 use dynmoe::codec::Codec;
-use dynmoe::eval::{inspect, ppl};
+use dynmoe::eval::{bits, inspect, ppl};
 use dynmoe::model::{self, ExpertBits, ExpertCodecs, LoadedModel};
 use dynmoe::runtime::generate::{self, Sampling};
 
@@ -273,6 +273,18 @@ struct PplArgs {
 struct InspectArgs {
     /// Model directory.
     dir: PathBuf,
+    /// Price the routed experts in this codec (bf16, q4, q3, q2, vq<bits>).
+    #[arg(long, default_value = "bf16")]
+    codec: Codec,
+    /// Price the dense linear layers (attention, shared experts) in this codec.
+    #[arg(long, default_value = "bf16")]
+    dense_codec: Codec,
+    /// Share of each MoE layer's experts kept resident; the rest is reservoir.
+    #[arg(long, default_value_t = 1.0)]
+    resident_fraction: f64,
+    /// Also price the KV cache of one sequence of this many tokens.
+    #[arg(long)]
+    kv_context: Option<usize>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -428,8 +440,30 @@ fn ppl_on<B: Backend>(mut m: LoadedModel<B>, a: &PplArgs, text: &str) -> Result<
 fn cmd_inspect(a: InspectArgs) -> Result<()> {
     let inv =
         inspect::inspect_dir(&a.dir).with_context(|| format!("inspecting {}", a.dir.display()))?;
+    if !(a.resident_fraction > 0.0 && a.resident_fraction <= 1.0) {
+        anyhow::bail!(
+            "--resident-fraction must be in (0, 1], got {}",
+            a.resident_fraction
+        );
+    }
+    let config = model::Config::from_file(&a.dir.join("config.json"))?;
+    let ckpt = model::Checkpoint::open(&a.dir)?;
+    let e = config.moe.num_experts;
+    let resident =
+        ((e as f64 * a.resident_fraction).round() as usize).clamp(config.moe.top_k.min(e), e);
+    let assignment = bits::Assignment {
+        dense: a.dense_codec,
+        layers: config
+            .moe_layers()
+            .map(|l| (l, (a.codec, resident)))
+            .collect(),
+        default_experts: a.codec,
+    };
+    let priced = bits::account(&config, &ckpt, &assignment, a.kv_context)?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&inv)?);
+        let mut v = serde_json::to_value(&inv)?;
+        v["bits"] = serde_json::to_value(&priced)?;
+        println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     println!(
@@ -462,5 +496,37 @@ fn cmd_inspect(a: InspectArgs) -> Result<()> {
             st.file, st.bytes, st.bits, st.bits_per_weight
         );
     }
+    println!(
+        "\nexperts {}, dense {}, {resident} of {e} experts resident per MoE layer:",
+        a.codec, a.dense_codec
+    );
+    println!(
+        "{:<6} {:>12} {:>14} {:>14} {:>12}",
+        "layer", "expert B", "resident B", "reservoir B", "dense B"
+    );
+    for l in &priced.layers {
+        println!(
+            "{:<6} {:>12} {:>14} {:>14} {:>12}",
+            l.layer, l.expert_bytes, l.resident_bytes, l.reservoir_bytes, l.dense_bytes
+        );
+    }
+    for (kind, bytes) in &priced.resident_by_kind {
+        let name = serde_json::to_value(kind)?
+            .as_str()
+            .unwrap_or("?")
+            .to_string();
+        println!("resident {name:<16} {bytes:>14}");
+    }
+    println!("resident {:<16} {:>14}", "codebooks", priced.codebook_bytes);
+    if let Some(kv) = priced.kv_cache_bytes {
+        println!("KV cache {:<16} {kv:>14}", "(f32)");
+    }
+    println!(
+        "resident {} bytes = {:.3} bits per weight; reservoir {} bytes; stored {:.3} bits per weight",
+        priced.resident_bytes,
+        priced.resident_bits_per_weight,
+        priced.reservoir_bytes,
+        priced.stored_bits_per_weight
+    );
     Ok(())
 }

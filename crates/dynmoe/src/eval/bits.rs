@@ -1,0 +1,237 @@
+//! Bits accounting: the bytes of every tensor at the codec it is given, split into what
+//! stays resident and what waits in the reservoir, and bits per weight = resident
+//! bytes × 8 / all parameters (DESIGN.md §6). Attention, routers, norms, embeddings
+//! and the LM head are priced too, not only the experts.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::Serialize;
+
+use super::inspect::{classify, TensorKind};
+use crate::codec::{Codec, CodecError};
+use crate::model::{Checkpoint, Config, Error};
+
+/// What each part of the model is stored as.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Assignment {
+    /// Codec of the dense linear layers: attention projections, shared experts, dense
+    /// MLPs. Embeddings, LM head, norms and routers stay bf16.
+    pub dense: Codec,
+    /// Per MoE layer: the routed experts' codec and how many of them are resident.
+    /// Layers not listed keep every expert resident at `default_experts`.
+    pub layers: BTreeMap<usize, (Codec, usize)>,
+    /// Codec of MoE layers the map does not list.
+    pub default_experts: Codec,
+}
+
+impl Assignment {
+    /// Everything at the checkpoint's precision, every expert resident.
+    pub fn uncompressed() -> Assignment {
+        Assignment {
+            dense: Codec::Bf16,
+            layers: BTreeMap::new(),
+            default_experts: Codec::Bf16,
+        }
+    }
+}
+
+/// One MoE layer's bytes.
+#[derive(Debug, Clone, Serialize)]
+pub struct LayerBits {
+    /// Decoder layer.
+    pub layer: usize,
+    /// Codec of its routed experts.
+    pub codec: Codec,
+    /// Routed experts.
+    pub experts: usize,
+    /// Of which resident.
+    pub resident: usize,
+    /// Bytes of one expert at the codec.
+    pub expert_bytes: u64,
+    /// Resident expert bytes.
+    pub resident_bytes: u64,
+    /// Reservoir expert bytes.
+    pub reservoir_bytes: u64,
+    /// Everything else of the layer (attention, norms, router, shared expert).
+    pub dense_bytes: u64,
+}
+
+/// A model's bytes under an assignment.
+#[derive(Debug, Clone, Serialize)]
+pub struct BitsReport {
+    /// Every parameter, routed experts included.
+    pub params_total: u64,
+    /// Resident bytes by kind of tensor (routed experts: resident ones only).
+    pub resident_by_kind: BTreeMap<TensorKind, u64>,
+    /// Codebooks of the VQ rungs in use, resident once each.
+    pub codebook_bytes: u64,
+    /// Σ resident bytes.
+    pub resident_bytes: u64,
+    /// Σ reservoir bytes.
+    pub reservoir_bytes: u64,
+    /// Resident bytes × 8 / parameters.
+    pub resident_bits_per_weight: f64,
+    /// (Resident + reservoir) × 8 / parameters.
+    pub stored_bits_per_weight: f64,
+    /// Per MoE layer.
+    pub layers: Vec<LayerBits>,
+    /// Bytes of the KV cache at the context asked for (f32, as the CPU backend keeps it).
+    pub kv_cache_bytes: Option<u64>,
+}
+
+fn layer_of(name: &str) -> Option<usize> {
+    let rest = name.split("layers.").nth(1)?;
+    rest.split('.').next()?.parse().ok()
+}
+
+/// Prices a model under `assignment`. `kv_context`, if given, adds the KV cache of one
+/// sequence of that many tokens.
+pub fn account(
+    config: &Config,
+    ckpt: &Checkpoint,
+    assignment: &Assignment,
+    kv_context: Option<usize>,
+) -> Result<BitsReport, Error> {
+    let codec_err = |name: &str, source: CodecError| Error::Encode {
+        tensor: name.to_string(),
+        source,
+    };
+    let mut resident_by_kind: BTreeMap<TensorKind, u64> = BTreeMap::new();
+    let mut params_total = 0u64;
+    let mut layer_dense: BTreeMap<usize, u64> = BTreeMap::new();
+    for name in ckpt.names() {
+        let kind = classify(name);
+        if kind == TensorKind::RoutedExperts {
+            continue; // priced from the config below, converted or not
+        }
+        let shape = ckpt.info(name)?.shape.clone();
+        let params: u64 = shape.iter().map(|&d| d as u64).product();
+        params_total += params;
+        let dense_linear = matches!(
+            kind,
+            TensorKind::Attention | TensorKind::SharedExperts | TensorKind::DenseMlp
+        ) && shape.len() == 2;
+        let bytes = if dense_linear {
+            assignment
+                .dense
+                .matrix_bytes(shape[0], shape[1])
+                .map_err(|e| codec_err(name, e))?
+        } else {
+            2 * params
+        };
+        *resident_by_kind.entry(kind).or_default() += bytes;
+        if let Some(l) = layer_of(name) {
+            *layer_dense.entry(l).or_default() += bytes;
+        }
+    }
+    let (h, i, e) = (
+        config.hidden_size,
+        config.moe.expert_intermediate,
+        config.moe.num_experts,
+    );
+    let mut rungs = BTreeSet::new();
+    let mut layers = Vec::new();
+    for l in config.moe_layers() {
+        let (codec, resident) = assignment
+            .layers
+            .get(&l)
+            .copied()
+            .unwrap_or((assignment.default_experts, e));
+        let name = format!("model.layers.{l}.experts");
+        let expert_bytes = 2 * codec.matrix_bytes(i, h).map_err(|x| codec_err(&name, x))?
+            + codec.matrix_bytes(h, i).map_err(|x| codec_err(&name, x))?;
+        if let Codec::Vq { .. } = codec {
+            rungs.insert(codec);
+        }
+        params_total += (e * 3 * h * i) as u64;
+        let resident = resident.min(e);
+        let row = LayerBits {
+            layer: l,
+            codec,
+            experts: e,
+            resident,
+            expert_bytes,
+            resident_bytes: resident as u64 * expert_bytes,
+            reservoir_bytes: (e - resident) as u64 * expert_bytes,
+            dense_bytes: layer_dense.get(&l).copied().unwrap_or(0),
+        };
+        *resident_by_kind
+            .entry(TensorKind::RoutedExperts)
+            .or_default() += row.resident_bytes;
+        layers.push(row);
+    }
+    if let Codec::Vq { .. } = assignment.dense {
+        rungs.insert(assignment.dense);
+    }
+    let codebook_bytes = rungs
+        .iter()
+        .map(|c| c.codebook_bytes().map_err(|x| codec_err("codebook", x)))
+        .sum::<Result<u64, _>>()?;
+    let resident_bytes = resident_by_kind.values().sum::<u64>() + codebook_bytes;
+    let reservoir_bytes = layers.iter().map(|l| l.reservoir_bytes).sum();
+    let kv_cache_bytes = kv_context.map(|ctx| {
+        (config.layers.len() * 2 * config.num_kv_heads * config.head_dim * ctx * 4) as u64
+    });
+    Ok(BitsReport {
+        params_total,
+        resident_by_kind,
+        codebook_bytes,
+        resident_bytes,
+        reservoir_bytes,
+        resident_bits_per_weight: resident_bytes as f64 * 8.0 / params_total as f64,
+        stored_bits_per_weight: (resident_bytes + reservoir_bytes) as f64 * 8.0
+            / params_total as f64,
+        layers,
+        kv_cache_bytes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::fixture;
+
+    #[test]
+    fn bits_add_up_and_fall_with_codec_and_residency() {
+        let dir = fixture("small-moe");
+        let config = Config::from_file(&dir.join("config.json")).unwrap();
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let full = account(&config, &ckpt, &Assignment::uncompressed(), Some(512)).unwrap();
+        let inv = crate::eval::inspect::inventory(&config, &ckpt).unwrap();
+        assert_eq!(full.params_total, inv.params_total);
+        // bf16 everywhere, every expert resident: 16 bits per weight exactly.
+        assert_eq!(full.resident_bytes, 2 * full.params_total);
+        assert_eq!(full.reservoir_bytes, 0);
+        assert!((full.resident_bits_per_weight - 16.0).abs() < 1e-12);
+        assert!(full.kv_cache_bytes.unwrap() > 0);
+
+        let e = config.moe.num_experts;
+        let at = |codec: &str, resident: usize| {
+            let codec: Codec = codec.parse().unwrap();
+            let a = Assignment {
+                dense: Codec::Bf16,
+                layers: config
+                    .moe_layers()
+                    .map(|l| (l, (codec, resident)))
+                    .collect(),
+                default_experts: Codec::Bf16,
+            };
+            account(&config, &ckpt, &a, None).unwrap()
+        };
+        let (q4, q2, vq2, half) = (at("q4", e), at("q2", e), at("vq2", e), at("vq2", e / 2));
+        assert!(q2.resident_bytes < q4.resident_bytes);
+        assert_eq!(vq2.codebook_bytes, 65536 * 8 * 2);
+        assert_eq!(
+            half.reservoir_bytes,
+            vq2.resident_bytes - half.resident_bytes
+        );
+        for r in [&q4, &q2, &vq2, &half] {
+            let layers: u64 = r.layers.iter().map(|l| l.resident_bytes).sum();
+            assert_eq!(r.resident_by_kind[&TensorKind::RoutedExperts], layers);
+            assert_eq!(
+                r.resident_bytes,
+                r.resident_by_kind.values().sum::<u64>() + r.codebook_bytes
+            );
+        }
+    }
+}
