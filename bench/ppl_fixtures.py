@@ -12,6 +12,8 @@ with its experts read from the 4-, 3- or 2-bit store.
     python3 bench/ppl_fixtures.py                                   # -> bench/results/ppl_fixtures.json
     python3 bench/ppl_fixtures.py --models small-moe --bits bf16,4,3,2 \
         --out bench/results/ppl_bits.json
+    python3 bench/ppl_fixtures.py --models small-moe --chunks 16 \
+        --bits bf16,vq1,vq1.5,vq2,vq3,vq4,2,3,4 --out bench/results/ppl_codecs.json
 """
 
 import argparse
@@ -36,12 +38,25 @@ def transformers_ppl(model_dir: Path) -> dict:
     return {d: float(p) for d, p, _, _ in rows}
 
 
+def expert_bits(binary: str, model: Path, precision: str) -> float:
+    """Bits per routed-expert weight of a precision as `dynmoe inspect` prices it."""
+    codec = "bf16" if precision == "bf16" else precision if precision.startswith("vq") else f"q{precision}"
+    out = subprocess.run([binary, "inspect", str(model), "--codec", codec, "--json"],
+                         check=True, capture_output=True, text=True).stdout
+    bits = json.loads(out)["bits"]
+    expert_bytes = sum(l["resident_bytes"] for l in bits["layers"])
+    expert_params = json.loads(out)["params_by_kind"]["routed_experts"]
+    return round(expert_bytes * 8 / expert_params, 4)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="tiny-moe,small-moe")
     ap.add_argument("--binary", default=str(ROOT / "target/release/dynmoe"))
     ap.add_argument("--wikitext", default=str(ROOT / "../shared/data/wikitext-2-raw/wiki.test.raw"))
-    ap.add_argument("--bits", default="bf16", help="precisions: bf16 and/or expert bits 4, 3, 2")
+    ap.add_argument("--bits", default="bf16",
+                    help="precisions: bf16, expert bits 4, 3, 2 (affine stores) and/or VQ rungs vq1.5, vq2, ...")
+    ap.add_argument("--chunks", type=int, default=None, help="evaluate at most this many chunks per text")
     ap.add_argument("--out", default=str(ROOT / "bench/results/ppl_fixtures.json"))
     args = ap.parse_args()
 
@@ -56,7 +71,9 @@ def main() -> int:
         converted = None
         for precision in args.bits.split(","):
             run_dir, extra = model, []
-            if precision != "bf16":
+            if precision.startswith("vq"):
+                extra = ["--codec", precision]
+            elif precision != "bf16":
                 if converted is None:
                     converted = Path(work.name) / name
                     subprocess.run([args.binary, "convert", "--model", str(model), "-o", str(converted)],
@@ -65,17 +82,27 @@ def main() -> int:
             for label, path in texts:
                 t = time.time()
                 out = subprocess.run(
-                    [args.binary, "eval", "ppl", "--model", str(run_dir), "--text", str(path), "--json", *extra],
+                    [args.binary, "eval", "ppl", "--model", str(run_dir), "--text", str(path), "--json", *extra,
+                     *(["--chunks", str(args.chunks)] if args.chunks else [])],
                     check=True, capture_output=True, text=True,
                 ).stdout
                 r = json.loads(out)
                 r.update(model=name, precision=precision, text=label, wall_s=round(time.time() - t, 2),
+                         expert_bits_per_weight=expert_bits(args.binary, model, precision),
                          transformers_ppl=reference.get(label) if precision == "bf16" else None)
                 results.append(r)
                 ref = f"{r['transformers_ppl']:.3f}" if r["transformers_ppl"] else "-"
                 print(f"{name:<10} {precision:>4} {label:<10} ppl {r['ppl']:>9.3f} ± {r['ppl_stderr']:<7.3f} "
                       f"transformers {ref:>9}  {r['tokens_scored']:>7} tokens  {r['tokens_per_second']:>7.0f} tok/s",
                       flush=True)
+    by = {}
+    for r in results:
+        by.setdefault((r["model"], r["precision"]), {})[r["text"]] = r["ppl"]
+    labels = [t for t, _ in texts]
+    print(f"\n{'model':<10} {'codec':>6} {'bits/w':>7} " + " ".join(f"{t:>9}" for t in labels))
+    for (m, p), row in by.items():
+        bpw = next(r["expert_bits_per_weight"] for r in results if r["model"] == m and r["precision"] == p)
+        print(f"{m:<10} {p:>6} {bpw:>7.3f} " + " ".join(f"{row.get(t, float('nan')):>9.3f}" for t in labels))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"ctx": 512, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -314,6 +314,32 @@ fn affine_products_match_the_reference_at_every_width_and_batch() {
 }
 
 #[test]
+fn vq_products_match_the_reference() {
+    let Some(_) = gpu() else { return };
+    use dynmoe::codec::vq::{Rung, VqMatrix};
+    // A ragged width (80 columns, one block of 128) and an expert shape, at a coarse, a
+    // middle and a fine rung.
+    for rung in ["1", "2", "4"] {
+        let rung = Rung::parse(rung).unwrap();
+        for (i, &(rows, cols)) in [(96usize, 80usize), (768, 2048)].iter().enumerate() {
+            let w = fresh(rows * cols, 90 + i as u64);
+            let m = VqMatrix::encode(&w, rows, cols, rung, 7).unwrap();
+            let view = m.view();
+            for batch in [1, 5, 40] {
+                let x = fresh(batch * cols, 95 + batch as u64);
+                both!(
+                    &format!("vq{} {rows}x{cols} batch {batch}", rung.nominal),
+                    &[&x],
+                    batch * rows,
+                    1e-5,
+                    |b, t, o| b.matmul_vq(&t[0], &view, batch, o)
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn moe_dispatch_matches_the_reference() {
     let Some(_) = gpu() else { return };
     // Experts 80 wide (the down input padded to 128) over 256-wide rows, with 1 to 20
