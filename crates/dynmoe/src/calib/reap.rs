@@ -226,6 +226,7 @@ mod tests {
             experts: Experts::Dense(mlps),
             shared_expert: None,
             shared_expert_gate: None,
+            keep: None,
             source: Box::new(LayerSource {
                 format: RecordFormat::Dense {
                     dtype: safetensors::Dtype::F32,

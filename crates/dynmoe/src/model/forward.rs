@@ -12,10 +12,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::moe::{self, MoeObserver, Routing};
-use super::weights::{Experts, Ffn, Layer, LayerStores, Linear, Loader};
+use super::weights::{Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts};
 use super::Error;
 use crate::backend::{AttentionShape, Backend};
-use crate::codec::vq::Rung;
 use crate::residency::{self, LayerSource, Reservoir, ReservoirKind, Residency, ResidencyConfig};
 
 /// A model's weights on a backend, ready to run.
@@ -72,12 +71,12 @@ pub fn rope_inv_freq(theta: f32, head_dim: usize, linear_factor: f32) -> Vec<f32
 impl<B: Backend> Model<B> {
     /// Builds the model from a checkpoint (and, for a converted directory, the expert
     /// store of each MoE layer), checking every tensor's shape. The MoE layers in `vq`
-    /// get their routed experts encoded at that rung of the VQ ladder.
+    /// run those VQ-encoded experts.
     pub fn load(
         config: Config,
         ckpt: &Checkpoint,
         stores: Option<LayerStores>,
-        vq: &BTreeMap<usize, Rung>,
+        vq: &BTreeMap<usize, VqExperts>,
         backend: B,
     ) -> Result<Model<B>, Error> {
         let (v, h) = (config.vocab_size, config.hidden_size);
@@ -167,6 +166,30 @@ impl<B: Backend> Model<B> {
     /// every expert, the model's own weights). Returns the previous sets.
     pub fn set_residency(&mut self, residency: Option<Residency<B>>) -> Option<Residency<B>> {
         std::mem::replace(&mut self.residency, residency)
+    }
+
+    /// Confines MoE layer `layer`'s routing to the experts marked in `keep` (a plan's
+    /// static removal, no slots involved); `None` restores every expert.
+    pub fn set_expert_mask(&mut self, layer: usize, keep: Option<Vec<bool>>) -> Result<(), Error> {
+        let e = self.config.moe.num_experts;
+        match self.layers.get_mut(layer).map(|l| &mut l.mlp) {
+            Some(Ffn::Moe(m)) => {
+                if let Some(k) = &keep {
+                    let kept = k.iter().filter(|&&b| b).count();
+                    if k.len() != e || kept < self.config.moe.top_k {
+                        return Err(Error::Config(format!(
+                            "layer {layer}: a mask of {} entries keeping {kept} experts; \
+                             {e} entries keeping at least top-k {} are needed",
+                            k.len(),
+                            self.config.moe.top_k
+                        )));
+                    }
+                }
+                m.keep = keep;
+                Ok(())
+            }
+            _ => Err(Error::Config(format!("layer {layer} is not a MoE layer"))),
+        }
     }
 
     /// The resident sets in use.

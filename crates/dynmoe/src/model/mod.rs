@@ -32,6 +32,9 @@ use crate::store::ExpertStore;
 /// file and the field or tensor involved.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// A run-time setting that cannot apply to this model.
+    #[error("{0}")]
+    Config(String),
     /// A file could not be read.
     #[error("{path}: {source}")]
     Io {
@@ -310,9 +313,11 @@ pub fn load_with_codecs<B: Backend>(
                          and a converted directory keeps only the 4-bit store",
                     ));
                 }
-                let rung = crate::codec::vq::Rung::parse(&c.to_string())
-                    .map_err(|e| refuse(c, &e.to_string()))?;
-                vq.insert(layer, rung);
+                let rung = c
+                    .rung()
+                    .map_err(|e| refuse(c, &e.to_string()))?
+                    .expect("a VQ codec has a rung");
+                vq.insert(layer, weights::encode_experts(&config, &checkpoint, layer, rung)?);
             }
             Some(Codec::Bf16) if converted => {
                 return Err(refuse(

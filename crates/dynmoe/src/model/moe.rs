@@ -151,7 +151,13 @@ pub fn forward<B: Backend>(
     let routes: Vec<Route> = match set {
         Some(ref mut s) => s.route(&probs, rows, top_k, router, track),
         None => (0..rows)
-            .map(|r| route(&probs[r * e..(r + 1) * e], top_k, router))
+            .map(|r| {
+                let p = &probs[r * e..(r + 1) * e];
+                match &moe.keep {
+                    Some(keep) => route(&crate::residency::confine(p, keep), top_k, router),
+                    None => route(p, top_k, router),
+                }
+            })
             .collect(),
     };
     let set = set.map(|s| &*s);

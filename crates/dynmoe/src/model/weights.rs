@@ -63,8 +63,42 @@ pub enum Experts<B: Backend> {
         layer: usize,
     },
     /// Encoded at a rung of the VQ ladder, in host memory: per expert its gate, up and
-    /// down projections.
-    Vq(Vec<[VqMatrix; 3]>),
+    /// down projections (shared, so several models can hold one encoding).
+    Vq(VqExperts),
+}
+
+/// One layer's routed experts at a VQ rung: per expert, gate, up and down.
+pub type VqExperts = Arc<Vec<[VqMatrix; 3]>>;
+
+/// Every routed expert of MoE layer `layer` encoded at `rung`, from the checkpoint's
+/// weights. Each matrix gets its own sign seed, so no two share a rotation.
+pub fn encode_experts(
+    config: &Config,
+    ckpt: &Checkpoint,
+    layer: usize,
+    rung: Rung,
+) -> Result<VqExperts, Error> {
+    let names = super::arch::ffn_names(config.arch, ckpt, layer);
+    let prefix = format!("model.layers.{layer}.{}", names.block);
+    let shape = ExpertShape {
+        experts: config.moe.num_experts,
+        hidden: config.hidden_size,
+        intermediate: config.moe.expert_intermediate,
+    };
+    let tensors = ExpertTensors::find(ckpt, &prefix, names.projections)?;
+    let encode = |e: usize, p: usize| -> Result<VqMatrix, Error> {
+        let [rows, cols] = shape.matrix(p);
+        let w = tensors.matrix(ckpt, &shape, e, p)?.0;
+        let seed = ((layer * shape.experts + e) * 3 + p) as u64;
+        VqMatrix::encode(&w, rows, cols, rung, seed).map_err(|source| Error::Encode {
+            tensor: format!("{prefix}.experts.{e}.{}", names.projections[p]),
+            source,
+        })
+    };
+    let experts = (0..shape.experts)
+        .map(|e| Ok([encode(e, 0)?, encode(e, 1)?, encode(e, 2)?]))
+        .collect::<Result<Vec<_>, Error>>()?;
+    Ok(Arc::new(experts))
 }
 
 /// The expert store each MoE layer reads, by decoder layer.
@@ -82,6 +116,9 @@ pub struct Moe<B: Backend> {
     pub shared_expert_gate: Option<Linear<B>>,
     /// Where each routed expert's record lives on disk: what a resident set reads.
     pub source: Box<LayerSource>,
+    /// Experts a plan removed, without resident slots: routing is confined to the ones
+    /// marked `true` (their logits kept, the others' set to −∞). `None`: every expert.
+    pub keep: Option<Vec<bool>>,
 }
 
 /// Feed-forward block of a layer.
@@ -110,8 +147,8 @@ pub struct Loader<'a, B: Backend> {
     pub ckpt: &'a Checkpoint,
     /// Expert stores by MoE layer, when the model directory was converted.
     pub stores: Option<&'a LayerStores>,
-    /// MoE layers whose experts are encoded at a VQ rung, from the checkpoint.
-    pub vq: &'a BTreeMap<usize, Rung>,
+    /// MoE layers whose experts come encoded at a VQ rung ([`encode_experts`]).
+    pub vq: &'a BTreeMap<usize, VqExperts>,
     /// The backend the weights go to.
     pub backend: &'a B,
     /// The resolved configuration.
@@ -168,12 +205,9 @@ impl<B: Backend> Loader<'_, B> {
         prefix: &str,
         names: [&'static str; 3],
     ) -> Result<(Experts<B>, LayerSource), Error> {
-        if let Some(&rung) = self.vq.get(&layer) {
+        if let Some(encoded) = self.vq.get(&layer) {
             let source = self.expert_source(prefix, names)?;
-            return Ok((
-                Experts::Vq(self.vq_experts(layer, prefix, names, rung)?),
-                source,
-            ));
+            return Ok((Experts::Vq(encoded.clone()), source));
         }
         let Some(stores) = self.stores else {
             let source = self.expert_source(prefix, names)?;
@@ -285,36 +319,6 @@ impl<B: Backend> Loader<'_, B> {
                     down_proj: linear(e, 2)?,
                 })
             })
-            .collect()
-    }
-
-    /// Every routed expert of a layer encoded at `rung`. Each matrix gets its own sign
-    /// seed, so no two share a rotation.
-    fn vq_experts(
-        &self,
-        layer: usize,
-        prefix: &str,
-        names: [&'static str; 3],
-        rung: Rung,
-    ) -> Result<Vec<[VqMatrix; 3]>, Error> {
-        let c = self.config;
-        let shape = ExpertShape {
-            experts: c.moe.num_experts,
-            hidden: c.hidden_size,
-            intermediate: c.moe.expert_intermediate,
-        };
-        let tensors = ExpertTensors::find(self.ckpt, prefix, names)?;
-        let encode = |e: usize, p: usize| -> Result<VqMatrix, Error> {
-            let [rows, cols] = shape.matrix(p);
-            let w = tensors.matrix(self.ckpt, &shape, e, p)?.0;
-            let seed = ((layer * shape.experts + e) * 3 + p) as u64;
-            VqMatrix::encode(&w, rows, cols, rung, seed).map_err(|source| Error::Encode {
-                tensor: format!("{prefix}.experts.{e}.{}", names[p]),
-                source,
-            })
-        };
-        (0..shape.experts)
-            .map(|e| Ok([encode(e, 0)?, encode(e, 1)?, encode(e, 2)?]))
             .collect()
     }
 

@@ -85,6 +85,7 @@ pub fn layer_with<B: Backend>(
                 shared_expert,
                 shared_expert_gate,
                 source: Box::new(source),
+                keep: None,
             })
         }
     };
