@@ -2,6 +2,7 @@
 
 mod bench;
 mod codecs;
+mod compress;
 mod demo;
 mod progress;
 mod residency;
@@ -48,6 +49,8 @@ enum Command {
     /// Expert stores of a converted model.
     #[command(subcommand)]
     Store(store::StoreCommand),
+    /// Spend a resident bit budget across the MoE layers (ISP) and write plan.json.
+    Compress(compress::CompressArgs),
     /// Codebooks of the VQ codec ladder.
     #[command(subcommand)]
     Codebooks(codecs::CodebooksCommand),
@@ -264,6 +267,10 @@ struct PplArgs {
     micro_batch: Option<usize>,
     #[command(flatten)]
     residency: residency::ResidencyArgs,
+    /// Run the checkpoint as this plan (`dynmoe compress`) configures it: per-layer
+    /// codecs and the experts each layer keeps.
+    #[arg(long, conflicts_with_all = ["codec", "codec_layer", "expert_bits", "expert_bits_layer"])]
+    plan: Option<PathBuf>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -302,6 +309,7 @@ fn main() {
         Command::Demo(a) => demo::run(a),
         Command::Convert(a) => store::convert(a),
         Command::Store(c) => store::store(c),
+        Command::Compress(a) => compress::compress(a),
         Command::Codebooks(c) => codecs::codebooks(c),
         Command::Synth(a) => bench::synth(a),
         Command::Bench(c) => bench::bench(c),
@@ -393,6 +401,13 @@ fn print_residency(r: &dynmoe::residency::ResidencyReport) {
 
 fn cmd_ppl(a: PplArgs) -> Result<()> {
     let text = read_text(&a.text)?;
+    if let Some(path) = &a.plan {
+        let plan = dynmoe::alloc::plan::Plan::load(path)?;
+        let m = dynmoe::calib::probe::load_plan(&a.model.model, &plan).with_context(|| {
+            format!("loading {} as {}", a.model.model.display(), path.display())
+        })?;
+        return ppl_on(m, &a, &text);
+    }
     with_model!(a.model, |m| ppl_on(m, &a, &text))
 }
 

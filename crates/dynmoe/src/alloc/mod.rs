@@ -9,6 +9,7 @@
 //! [`plan`] is the file the result is written to.
 
 pub mod cache;
+pub mod compress;
 pub mod isp;
 pub mod lagrange;
 pub mod law;

@@ -32,6 +32,10 @@ pub struct LayerPlan {
     pub resident_bytes: u64,
     /// Bytes of its other experts, kept in the reservoir (RAM or disk).
     pub reservoir_bytes: u64,
+    /// The resident experts (by REAP saliency when the plan removes some), `resident`
+    /// of them.
+    #[serde(default)]
+    pub keep: Vec<u32>,
 }
 
 /// A whole model's plan.
@@ -43,11 +47,14 @@ pub struct Plan {
     pub version: u32,
     /// `model_type` of the source checkpoint.
     pub model_type: String,
+    /// The checkpoint directory the plan applies to.
+    pub source: String,
     /// Target resident bits per weight.
     pub budget_bits: f64,
     /// Target resident bytes.
     pub budget_bytes: u64,
-    /// Every parameter of the model, the denominator of bits per weight.
+    /// The denominator of bits per weight: every parameter of the model (or only the
+    /// routed experts', for a budget scoped to the experts; see `rounds.scope`).
     pub params_total: u64,
     /// Codec of the dense linear layers (attention, shared experts, dense MLPs).
     pub dense_codec: Codec,
@@ -145,6 +152,17 @@ impl Plan {
                     format!("{} resident of {} experts", l.resident, l.experts),
                 ));
             }
+            if l.resident < l.experts
+                && (l.keep.len() != l.resident || l.keep.iter().any(|&x| x as usize >= l.experts))
+            {
+                return Err(field(
+                    format!("layers[{i}].keep"),
+                    format!(
+                        "{:?} is not {} experts below {}",
+                        l.keep, l.resident, l.experts
+                    ),
+                ));
+            }
             resident += l.resident_bytes;
             reservoir += l.reservoir_bytes;
         }
@@ -219,6 +237,7 @@ mod tests {
                 resident: 16 + i,
                 resident_bytes: 1000 + i as u64,
                 reservoir_bytes: 900,
+                keep: (0..16 + i as u32).collect(),
             })
             .collect();
         let resident = 500 + layers.iter().map(|l| l.resident_bytes).sum::<u64>();
@@ -226,6 +245,7 @@ mod tests {
             format: FORMAT.into(),
             version: VERSION,
             model_type: "qwen3_moe".into(),
+            source: "fixtures/models/small-moe".into(),
             budget_bits: 2.0,
             budget_bytes: resident + 7,
             params_total: 20_000,

@@ -87,8 +87,19 @@ pub fn perplexity<B: Backend>(
     opts: PplOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<PplReport, PplError> {
+    let tokens = m.tokenizer.encode(text)?;
+    perplexity_tokens(m, &tokens, opts, progress)
+}
+
+/// [`perplexity`] of a text tokenised already.
+pub fn perplexity_tokens<B: Backend>(
+    m: &LoadedModel<B>,
+    tokens: &[u32],
+    opts: PplOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<PplReport, PplError> {
     let ctx = opts.ctx;
-    let (tokens, chunks) = chunking(m, text, opts)?;
+    let chunks = chunk_count(tokens.len(), opts)?;
     let first = ctx / 2;
     let vocab = m.model.config.vocab_size;
     let mut state = m.model.new_state(ctx);
@@ -137,19 +148,21 @@ pub(crate) fn chunking<B: Backend>(
     text: &str,
     opts: PplOptions,
 ) -> Result<(Vec<u32>, usize), PplError> {
+    let tokens = m.tokenizer.encode(text)?;
+    let chunks = chunk_count(tokens.len(), opts)?;
+    Ok((tokens, chunks))
+}
+
+/// Whole chunks of `opts.ctx` among `tokens` tokens, capped by `opts.max_chunks`.
+fn chunk_count(tokens: usize, opts: PplOptions) -> Result<usize, PplError> {
     let ctx = opts.ctx;
     if ctx < 4 || !ctx.is_multiple_of(2) {
         return Err(PplError::BadCtx(ctx));
     }
-    let tokens = m.tokenizer.encode(text)?;
-    if tokens.len() < 2 * ctx {
-        return Err(PplError::TooShort {
-            tokens: tokens.len(),
-            ctx,
-        });
+    if tokens < 2 * ctx {
+        return Err(PplError::TooShort { tokens, ctx });
     }
-    let chunks = (tokens.len() / ctx).min(opts.max_chunks.unwrap_or(usize::MAX));
-    Ok((tokens, chunks))
+    Ok((tokens / ctx).min(opts.max_chunks.unwrap_or(usize::MAX)))
 }
 
 /// Chunk `c`: its `ctx` tokens, the first replaced by BOS when the tokenizer uses one.

@@ -317,7 +317,10 @@ pub fn load_with_codecs<B: Backend>(
                     .rung()
                     .map_err(|e| refuse(c, &e.to_string()))?
                     .expect("a VQ codec has a rung");
-                vq.insert(layer, weights::encode_experts(&config, &checkpoint, layer, rung)?);
+                vq.insert(
+                    layer,
+                    weights::encode_experts(&config, &checkpoint, layer, rung)?,
+                );
             }
             Some(Codec::Bf16) if converted => {
                 return Err(refuse(

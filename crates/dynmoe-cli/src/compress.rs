@@ -1,0 +1,108 @@
+//! `dynmoe compress`: ISP over a checkpoint's MoE layers, written as plan.json.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use dynmoe::alloc::compress::{self, BudgetScope, CompressOptions};
+
+use crate::read_text;
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum ScopeArg {
+    /// Bits per weight of the whole model, every tensor priced.
+    Model,
+    /// Bits per routed-expert weight; the rest of the model stays as it is.
+    Experts,
+}
+
+#[derive(Args)]
+pub struct CompressArgs {
+    /// Hugging Face checkpoint directory.
+    #[arg(long, short)]
+    model: PathBuf,
+    /// Target resident bits per weight.
+    #[arg(long)]
+    bits: f64,
+    /// What --bits is measured over.
+    #[arg(long, value_enum, default_value = "model")]
+    scope: ScopeArg,
+    /// Calibration texts, comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    calib: Vec<PathBuf>,
+    /// Output directory (plan.json, probes.jsonl).
+    #[arg(short = 'o', long)]
+    out: PathBuf,
+    /// Rounds at the final budget; fewer when the plan stops changing.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    /// Stepping-stone budgets in bits per weight, one round each, e.g. 4.5,2.25.
+    #[arg(long, value_delimiter = ',')]
+    anneal: Vec<f64>,
+    /// Calibration chunks of 512 tokens scored per text and probe.
+    #[arg(long, default_value_t = 4)]
+    chunks: usize,
+    /// Print the plan as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn compress(a: CompressArgs) -> Result<()> {
+    if !(a.bits > 0.0 && a.bits.is_finite()) || a.anneal.iter().any(|b| !(*b > 0.0)) {
+        anyhow::bail!("--bits and --anneal must be positive bits per weight");
+    }
+    if a.rounds == 0 || a.chunks == 0 {
+        anyhow::bail!("--rounds and --chunks must be at least 1");
+    }
+    let texts = a
+        .calib
+        .iter()
+        .map(|p| Ok((p.display().to_string(), read_text(p)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let opts = CompressOptions {
+        bits: a.bits,
+        scope: match a.scope {
+            ScopeArg::Model => BudgetScope::Model,
+            ScopeArg::Experts => BudgetScope::Experts,
+        },
+        rounds: a.rounds,
+        anneal: a.anneal.clone(),
+        chunks: a.chunks,
+        ctx: 512,
+    };
+    let quiet = a.json;
+    let plan = compress::compress(&a.model, &texts, &a.out, &opts, &|msg| {
+        if !quiet {
+            eprintln!("{msg}");
+        }
+    })
+    .with_context(|| format!("compressing {}", a.model.display()))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&plan)?);
+        return Ok(());
+    }
+    println!(
+        "{:<6} {:>8} {:>10} {:>14}",
+        "layer", "codec", "resident", "resident B"
+    );
+    for l in &plan.layers {
+        println!(
+            "{:<6} {:>8} {:>6} / {:<3} {:>12}",
+            l.layer,
+            l.codec.to_string(),
+            l.resident,
+            l.experts,
+            l.resident_bytes
+        );
+    }
+    println!(
+        "resident {} of {} budget bytes ({:.3} of {:.3} bits per weight, {} unspent); plan in {}",
+        plan.resident_bytes,
+        plan.budget_bytes,
+        plan.resident_bits(),
+        plan.budget_bits,
+        plan.unspent_bytes,
+        a.out.join(dynmoe::alloc::plan::PLAN_FILE).display()
+    );
+    Ok(())
+}

@@ -1,0 +1,304 @@
+//! `dynmoe compress`: probe a checkpoint, spend a resident byte budget across its MoE
+//! layers by ISP, and write the plan (DESIGN.md §6).
+//!
+//! Candidates per layer are bf16 and every rung of the VQ ladder, times a ladder of
+//! removal levels (eighths of the experts, never fewer than top-k resident). The coarse
+//! and fine probe codecs are the ladder's ends below and at 4 bits. Every probe is
+//! journalled in the output directory, so an interrupted run resumes where it stopped.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use super::cache::{CacheError, CachedProber};
+use super::isp::{isp, CodecOption, IspError, Problem, Round, Setting};
+use super::plan::{LayerPlan, Plan, PlanError, FORMAT, PLAN_FILE, VERSION};
+use crate::calib::probe::{resident_count, ModelProber};
+use crate::codec::vq::{codebook, VqMatrix, LADDER};
+use crate::codec::{Codec, CodecError};
+use crate::eval::bits::{account, Assignment};
+use crate::eval::inspect::TensorKind;
+use crate::eval::ppl::{PplError, PplOptions};
+use crate::model::Error;
+
+/// What the budget is a share of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BudgetScope {
+    /// Resident bytes of the whole model, every tensor priced, over all parameters
+    /// (DESIGN.md's bits per weight).
+    Model,
+    /// Resident bytes of the routed experts (and the codebooks they use) over the routed
+    /// experts' parameters; everything else stays as the checkpoint has it.
+    Experts,
+}
+
+/// Settings of a compression.
+#[derive(Debug, Clone)]
+pub struct CompressOptions {
+    /// Target resident bits per weight.
+    pub bits: f64,
+    /// What `bits` is measured over.
+    pub scope: BudgetScope,
+    /// Rounds at the final budget (the loop stops earlier when the plan is unchanged).
+    pub rounds: usize,
+    /// Stepping-stone budgets in bits per weight, one round each, before the final one.
+    pub anneal: Vec<f64>,
+    /// Calibration chunks of `ctx` tokens scored per text and probe.
+    pub chunks: usize,
+    /// Chunk length.
+    pub ctx: usize,
+}
+
+/// Why compression stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum CompressError {
+    /// The model could not be read or run.
+    #[error(transparent)]
+    Model(#[from] Error),
+    /// A probe failed.
+    #[error("probe: {0}")]
+    Probe(String),
+    /// A codec could not be priced or measured.
+    #[error(transparent)]
+    Codec(#[from] CodecError),
+    /// No plan fits the budget, or the plan could not be written.
+    #[error("{0}")]
+    Plan(String),
+    /// Writing failed.
+    #[error(transparent)]
+    Write(#[from] PlanError),
+}
+
+/// Relative mean squared error of `codec` on unit Gaussian data (0 for bf16): the
+/// distortion the laws interpolate through.
+pub fn gaussian_distortion(codec: Codec) -> Result<f64, CodecError> {
+    let Some(rung) = codec.rung()? else {
+        return Ok(0.0);
+    };
+    let (rows, cols) = (64, 1024);
+    let w = codebook::gaussian(0xD15, rows * cols);
+    let m = VqMatrix::encode(&w, rows, cols, rung, 1)?;
+    let d = m.decode()?;
+    let err: f64 = w
+        .iter()
+        .zip(&d)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let var: f64 = w.iter().map(|a| (*a as f64).powi(2)).sum();
+    Ok(err / var)
+}
+
+/// Runs ISP on the checkpoint at `model` with the calibration `texts` (name, text) and
+/// writes `out/plan.json` (and the probe journal `out/probes.jsonl`).
+pub fn compress(
+    model: &Path,
+    texts: &[(String, String)],
+    out: &Path,
+    opts: &CompressOptions,
+    progress: &(dyn Fn(&str) + Sync),
+) -> Result<Plan, CompressError> {
+    std::fs::create_dir_all(out).map_err(|source| {
+        CompressError::Model(Error::Io {
+            path: out.to_path_buf(),
+            source,
+        })
+    })?;
+    let codecs: Vec<Codec> = std::iter::once(Codec::Bf16)
+        .chain(
+            LADDER
+                .iter()
+                .map(|r| r.name().parse().expect("rung names parse")),
+        )
+        .collect();
+    progress("measuring codec distortions");
+    let options = codecs
+        .iter()
+        .map(|&c| {
+            Ok(CodecOption {
+                name: c.to_string(),
+                distortion: gaussian_distortion(c)?,
+            })
+        })
+        .collect::<Result<Vec<_>, CodecError>>()?;
+    progress("REAP saliency of the calibration texts");
+    let calib: Vec<String> = texts.iter().map(|(_, t)| t.clone()).collect();
+    let ppl = PplOptions {
+        ctx: opts.ctx,
+        max_chunks: Some(opts.chunks),
+        micro_batch: None,
+    };
+    let prober = ModelProber::new(model, codecs.clone(), &calib, ppl)?;
+    let config = crate::model::Config::from_file(&model.join("config.json"))?;
+    let ckpt = crate::model::Checkpoint::open(model)?;
+    let (e, top_k) = (config.moe.num_experts, config.moe.top_k);
+    let (h, inter) = (config.hidden_size, config.moe.expert_intermediate);
+    let priced = account(&config, &ckpt, &Assignment::uncompressed(), None)?;
+    let expert_params = (config.moe_layers().count() * e * 3 * h * inter) as u64;
+    let (dense_bytes, denominator) = match opts.scope {
+        BudgetScope::Model => (
+            priced.resident_bytes - priced.resident_by_kind[&TensorKind::RoutedExperts],
+            priced.params_total,
+        ),
+        BudgetScope::Experts => (0, expert_params),
+    };
+    let budget_of = |bits: f64| (bits * denominator as f64 / 8.0).floor() as u64;
+    let expert_bytes = codecs
+        .iter()
+        .map(|c| Ok(2 * c.matrix_bytes(inter, h)? + c.matrix_bytes(h, inter)?))
+        .collect::<Result<Vec<u64>, CodecError>>()?;
+    let max_removed = 1.0 - top_k as f64 / e as f64;
+    let mut removals: Vec<f64> = (0..8)
+        .map(|i| i as f64 / 8.0)
+        .filter(|&f| f <= max_removed + 1e-9)
+        .collect();
+    if !removals.contains(&max_removed) {
+        removals.push(max_removed);
+    }
+    let price = |_layer: usize, s: Setting| {
+        resident_count(e, top_k, s.removed) as u64 * expert_bytes[s.codec]
+    };
+    let coarse = codecs
+        .iter()
+        .position(|c| c.to_string() == "vq0.7")
+        .unwrap_or(1);
+    let fine = codecs
+        .iter()
+        .position(|c| c.to_string() == "vq4")
+        .unwrap_or(0);
+
+    let context = format!(
+        "{} | {} | ctx {} chunks {} | {:?}",
+        model.display(),
+        texts
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>()
+            .join(","),
+        opts.ctx,
+        opts.chunks,
+        codecs.iter().map(|c| c.to_string()).collect::<Vec<_>>()
+    );
+    let journal = out.join("probes.jsonl");
+    let cached = CachedProber::open(prober, &journal, &context).map_err(|e| match e {
+        CacheError::Io { path, source } => CompressError::Model(Error::Io { path, source }),
+        CacheError::Probe(p) => CompressError::Probe(p.to_string()),
+    })?;
+
+    // Codebooks are resident once per rung in use: allocate, add those the plan uses to
+    // the fixed bytes, and allocate again until they fit.
+    let mut codebook_bytes = 0u64;
+    let mut rounds: Vec<Round> = Vec::new();
+    for _ in 0..4 {
+        let problem = Problem {
+            layers: cached.inner().layers().len(),
+            codecs: options.clone(),
+            removals: removals.clone(),
+            probe_codecs: (coarse, fine),
+            probe_removals: vec![0.25, max_removed.min(0.95)],
+            bytes: &price,
+            fixed_bytes: dense_bytes + codebook_bytes,
+            start: Setting {
+                codec: 0,
+                removed: 0.0,
+            },
+        };
+        let anneal: Vec<u64> = opts.anneal.iter().map(|&b| budget_of(b)).collect();
+        let report = |round: usize, done: usize, total: usize| {
+            progress(&format!("round {}: probe {done}/{total}", round + 1))
+        };
+        rounds = isp(
+            &problem,
+            &cached,
+            budget_of(opts.bits),
+            &anneal,
+            opts.rounds,
+            &report,
+        )
+        .map_err(|e| match e {
+            IspError::Probe(p) => CompressError::Probe(p.to_string()),
+            IspError::Alloc(a) => CompressError::Plan(a.to_string()),
+        })?;
+        let used: u64 = used_codecs(&codecs, &rounds)
+            .iter()
+            .map(|c| c.codebook_bytes())
+            .sum::<Result<u64, _>>()?;
+        if used <= codebook_bytes {
+            break;
+        }
+        codebook_bytes = used;
+    }
+    let last = rounds.last().expect("ISP runs at least one round");
+    let prober = cached.inner();
+    let layers: Vec<LayerPlan> = prober
+        .layers()
+        .iter()
+        .zip(&last.plan)
+        .map(|(&layer, s)| {
+            let resident = resident_count(e, top_k, s.removed);
+            LayerPlan {
+                layer,
+                codec: codecs[s.codec],
+                experts: e,
+                resident,
+                resident_bytes: resident as u64 * expert_bytes[s.codec],
+                reservoir_bytes: (e - resident) as u64 * expert_bytes[s.codec],
+                keep: if resident < e {
+                    prober.kept(layer, s.removed)
+                } else {
+                    Vec::new()
+                },
+            }
+        })
+        .collect();
+    let resident_bytes =
+        dense_bytes + codebook_bytes + layers.iter().map(|l| l.resident_bytes).sum::<u64>();
+    let budget_bytes = budget_of(opts.bits);
+    let plan = Plan {
+        format: FORMAT.into(),
+        version: VERSION,
+        model_type: config.arch.model_type().to_string(),
+        source: model.display().to_string(),
+        budget_bits: opts.bits,
+        budget_bytes,
+        params_total: denominator,
+        dense_codec: Codec::Bf16,
+        dense_bytes: dense_bytes + codebook_bytes,
+        resident_bytes,
+        reservoir_bytes: layers.iter().map(|l| l.reservoir_bytes).sum(),
+        unspent_bytes: budget_bytes.saturating_sub(resident_bytes),
+        layers,
+        rounds: serde_json::json!({
+            "scope": opts.scope,
+            "codebook_bytes": codebook_bytes,
+            "probes_from_journal": cached.hits(),
+            "codecs": options,
+            "removals": removals,
+            "rounds": rounds,
+        }),
+    };
+    if plan.resident_bytes > plan.budget_bytes {
+        return Err(CompressError::Plan(format!(
+            "the plan needs {} resident bytes, over the budget of {}",
+            plan.resident_bytes, plan.budget_bytes
+        )));
+    }
+    plan.save(&out.join(PLAN_FILE))?;
+    Ok(plan)
+}
+
+fn used_codecs(codecs: &[Codec], rounds: &[Round]) -> Vec<Codec> {
+    let mut used: Vec<Codec> = rounds
+        .last()
+        .map(|r| r.plan.iter().map(|s| codecs[s.codec]).collect())
+        .unwrap_or_default();
+    used.sort();
+    used.dedup();
+    used
+}
+
+impl From<PplError> for CompressError {
+    fn from(e: PplError) -> CompressError {
+        CompressError::Probe(e.to_string())
+    }
+}

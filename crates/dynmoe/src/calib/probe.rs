@@ -1,0 +1,256 @@
+//! The allocator's probes on a real model: the calibration loss of a checkpoint with
+//! each MoE layer's routed experts at a chosen codec and a chosen share of them removed
+//! (DESIGN.md §6).
+//!
+//! Removal follows REAP: a layer keeps its most salient experts (saliency measured once,
+//! on the uncompressed model and the calibration text) and its routing is confined to
+//! them. VQ encodings are made once per layer and rung and shared by every probe that
+//! uses them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use super::reap::{reap_saliency, Saliency};
+use crate::alloc::isp::{Prober, Setting};
+use crate::backend::Cpu;
+use crate::codec::Codec;
+use crate::eval::ppl::{perplexity_tokens, PplError, PplOptions};
+use crate::model::weights::{encode_experts, VqExperts};
+use crate::model::{Checkpoint, Config, Error, LoadedModel, Model, Tokenizer};
+
+/// Probes one Hugging Face checkpoint.
+pub struct ModelProber {
+    dir: PathBuf,
+    config: Config,
+    ckpt: Checkpoint,
+    /// The codecs a [`Setting`] indexes.
+    codecs: Vec<Codec>,
+    /// The MoE layers a settings vector lists, in order.
+    layers: Vec<usize>,
+    /// Per MoE layer, experts by descending REAP saliency.
+    ranking: BTreeMap<usize, Vec<u32>>,
+    /// Calibration texts, tokenised.
+    calib: Vec<Vec<u32>>,
+    opts: PplOptions,
+    encoded: Mutex<HashMap<(usize, Codec), VqExperts>>,
+}
+
+/// Saliency over several texts: per expert, the token-weighted mean of each text's.
+pub fn merge_saliency(parts: &[Saliency]) -> Saliency {
+    let mut out = Saliency::default();
+    for p in parts {
+        out.tokens += p.tokens;
+        for (&l, s) in &p.layers {
+            let n = &p.routed[&l];
+            let sums = out.layers.entry(l).or_insert_with(|| vec![0.0; s.len()]);
+            let counts = out.routed.entry(l).or_insert_with(|| vec![0; s.len()]);
+            for e in 0..s.len() {
+                sums[e] += s[e] * n[e] as f64;
+                counts[e] += n[e];
+            }
+        }
+    }
+    for (l, sums) in out.layers.iter_mut() {
+        for (v, &n) in sums.iter_mut().zip(&out.routed[l]) {
+            *v = if n > 0 { *v / n as f64 } else { 0.0 };
+        }
+    }
+    out
+}
+
+impl ModelProber {
+    /// Opens the checkpoint at `dir`, tokenises the calibration texts and measures REAP
+    /// saliency on them. Each probe scores `opts.max_chunks` chunks of every text.
+    pub fn new(
+        dir: &Path,
+        codecs: Vec<Codec>,
+        calib: &[String],
+        opts: PplOptions,
+    ) -> Result<ModelProber, Error> {
+        let config = Config::from_file(&dir.join("config.json"))?;
+        let ckpt = Checkpoint::open(dir)?;
+        let full = crate::model::load(dir, Cpu::fast())?;
+        let parts = calib
+            .iter()
+            .map(|t| reap_saliency(&full, t, opts.ctx, opts.max_chunks, &mut |_, _| {}))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ranking = merge_saliency(&parts).ranking();
+        let calib = calib
+            .iter()
+            .map(|t| full.tokenizer.encode(t))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(ModelProber {
+            dir: dir.to_path_buf(),
+            layers: config.moe_layers().collect(),
+            config,
+            ckpt,
+            codecs,
+            ranking,
+            calib,
+            opts,
+            encoded: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The MoE layers, in the order settings list them.
+    pub fn layers(&self) -> &[usize] {
+        &self.layers
+    }
+
+    /// The codecs settings index.
+    pub fn codecs(&self) -> &[Codec] {
+        &self.codecs
+    }
+
+    /// The experts a layer keeps when `removed` of them go: its most salient, at least
+    /// top-k.
+    pub fn kept(&self, layer: usize, removed: f64) -> Vec<u32> {
+        let e = self.config.moe.num_experts;
+        let k = resident_count(e, self.config.moe.top_k, removed);
+        self.ranking[&layer][..k].to_vec()
+    }
+
+    fn experts_at(&self, layer: usize, codec: Codec) -> Result<Option<VqExperts>, Error> {
+        let Some(rung) = codec.rung().map_err(|source| Error::Encode {
+            tensor: format!("layer {layer}"),
+            source,
+        })?
+        else {
+            return Ok(None);
+        };
+        if let Some(e) = self
+            .encoded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(layer, codec))
+        {
+            return Ok(Some(e.clone()));
+        }
+        // Encoding outside the lock lets other probes proceed; a race encodes twice.
+        let e = encode_experts(&self.config, &self.ckpt, layer, rung)?;
+        self.encoded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((layer, codec), e.clone());
+        Ok(Some(e))
+    }
+
+    /// The model configured by `settings` (one per MoE layer, in [`layers`] order).
+    ///
+    /// [`layers`]: Self::layers
+    pub fn model(&self, settings: &[Setting]) -> Result<LoadedModel<Cpu>, Error> {
+        if settings.len() != self.layers.len() {
+            return Err(Error::Config(format!(
+                "{} settings for {} MoE layers",
+                settings.len(),
+                self.layers.len()
+            )));
+        }
+        let mut vq = BTreeMap::new();
+        for (&layer, s) in self.layers.iter().zip(settings) {
+            match self.codecs.get(s.codec) {
+                Some(Codec::Bf16) => {}
+                Some(&c @ Codec::Vq { .. }) => {
+                    vq.insert(layer, self.experts_at(layer, c)?.expect("a VQ codec"));
+                }
+                other => {
+                    return Err(Error::Config(format!(
+                        "layer {layer}: probes run bf16 and VQ rungs, not {other:?}"
+                    )))
+                }
+            }
+        }
+        let keep: BTreeMap<usize, Vec<u32>> = self
+            .layers
+            .iter()
+            .zip(settings)
+            .filter(|(_, s)| s.removed > 0.0)
+            .map(|(&layer, s)| (layer, self.kept(layer, s.removed)))
+            .collect();
+        assemble(&self.dir, self.config.clone(), &self.ckpt, &vq, &keep)
+    }
+}
+
+/// A model of `ckpt` whose MoE layers in `vq` run those encodings and whose layers in
+/// `keep` route only to those experts.
+pub fn assemble(
+    dir: &Path,
+    config: Config,
+    ckpt: &Checkpoint,
+    vq: &BTreeMap<usize, VqExperts>,
+    keep: &BTreeMap<usize, Vec<u32>>,
+) -> Result<LoadedModel<Cpu>, Error> {
+    let e = config.moe.num_experts;
+    let mut model = Model::load(config, ckpt, None, vq, Cpu::fast())?;
+    for (&layer, experts) in keep {
+        let mut mask = vec![false; e];
+        for &x in experts {
+            let slot = mask
+                .get_mut(x as usize)
+                .ok_or_else(|| Error::Config(format!("layer {layer}: expert {x} of {e} kept")))?;
+            *slot = true;
+        }
+        model.set_expert_mask(layer, Some(mask))?;
+    }
+    Ok(LoadedModel {
+        dir: dir.to_path_buf(),
+        model,
+        tokenizer: Tokenizer::from_dir(dir)?,
+    })
+}
+
+/// Loads the model a plan describes from its checkpoint at `dir` (normally
+/// `plan.source`): each MoE layer's experts at the plan's codec (VQ rungs encoded here),
+/// routing confined to the experts it keeps.
+pub fn load_plan(dir: &Path, plan: &crate::alloc::plan::Plan) -> Result<LoadedModel<Cpu>, Error> {
+    let config = Config::from_file(&dir.join("config.json"))?;
+    let ckpt = Checkpoint::open(dir)?;
+    let mut vq = BTreeMap::new();
+    let mut keep = BTreeMap::new();
+    for l in &plan.layers {
+        match l.codec {
+            Codec::Bf16 => {}
+            c @ Codec::Vq { .. } => {
+                let rung = c
+                    .rung()
+                    .map_err(|source| Error::Encode {
+                        tensor: format!("layer {}", l.layer),
+                        source,
+                    })?
+                    .expect("a VQ codec has a rung");
+                vq.insert(l.layer, encode_experts(&config, &ckpt, l.layer, rung)?);
+            }
+            c => {
+                return Err(Error::Config(format!(
+                    "layer {}: plans run bf16 and VQ rungs, not {c}",
+                    l.layer
+                )))
+            }
+        }
+        if l.resident < l.experts {
+            keep.insert(l.layer, l.keep.clone());
+        }
+    }
+    assemble(dir, config, &ckpt, &vq, &keep)
+}
+
+/// Resident experts of a layer of `experts` when a share `removed` goes: rounded to the
+/// nearest count, never fewer than `top_k`.
+pub fn resident_count(experts: usize, top_k: usize, removed: f64) -> usize {
+    let k = ((1.0 - removed) * experts as f64).round() as usize;
+    k.clamp(top_k.min(experts), experts)
+}
+
+impl Prober for ModelProber {
+    type Error = PplError;
+
+    fn loss(&self, settings: &[Setting]) -> Result<f64, PplError> {
+        let m = self.model(settings)?;
+        let mut sum = 0.0;
+        for tokens in &self.calib {
+            sum += perplexity_tokens(&m, tokens, self.opts, &mut |_, _| {})?.nll_mean;
+        }
+        Ok(sum / self.calib.len() as f64)
+    }
+}
