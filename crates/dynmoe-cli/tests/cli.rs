@@ -447,3 +447,81 @@ fn residency_flags_run_and_report() {
     ]);
     assert!(e.contains("--calib"), "{e}");
 }
+
+#[test]
+fn compress_fits_the_budget_resumes_from_its_journal_and_the_plan_runs() {
+    let out = dynmoe::testing::TempDir::new("compress");
+    let dir = out.dir().display().to_string();
+    let calib = "data/corpus/en/calib.txt,data/corpus/code/calib.txt";
+    let args = [
+        "compress",
+        "--model",
+        &tiny(),
+        "--bits",
+        "2",
+        "--scope",
+        "experts",
+        "--calib",
+        calib,
+        "--chunks",
+        "1",
+        "-o",
+        &dir,
+        "--json",
+    ];
+    let plan = json_of(&args);
+    let (resident, budget) = (
+        plan["resident_bytes"].as_u64().unwrap(),
+        plan["budget_bytes"].as_u64().unwrap(),
+    );
+    assert!(resident <= budget, "{resident} > {budget}");
+    let probes = std::fs::read_to_string(out.path("probes.jsonl")).unwrap();
+    let lines = probes.lines().count();
+    assert!(lines > 4, "{lines} probes journalled");
+
+    // An interruption: the plan never written, the last probe torn mid-line.
+    std::fs::remove_file(out.path("plan.json")).unwrap();
+    let torn = &probes[..probes.len() - probes.lines().last().unwrap().len() / 2 - 1];
+    std::fs::write(out.path("probes.jsonl"), torn).unwrap();
+    let again = json_of(&args);
+    assert_eq!(
+        again["layers"], plan["layers"],
+        "a resumed run reaches the same plan"
+    );
+    let reused = again["rounds"]["probes_from_journal"].as_u64().unwrap();
+    assert!(
+        reused as usize >= lines - 1,
+        "{reused} of {lines} probes reused"
+    );
+
+    let ppl = json_of(&[
+        "eval",
+        "ppl",
+        "--model",
+        &tiny(),
+        "--plan",
+        &out.path("plan.json").display().to_string(),
+        "--text",
+        "data/corpus/en/test.txt",
+        "--chunks",
+        "2",
+        "--json",
+    ]);
+    assert!(ppl["ppl"].as_f64().unwrap().is_finite());
+    // A budget no plan can meet is refused, not written.
+    let e = failure_of(&[
+        "compress",
+        "--model",
+        &tiny(),
+        "--bits",
+        "0.01",
+        "--calib",
+        calib,
+        "--chunks",
+        "1",
+        "-o",
+        &out.path("none").display().to_string(),
+    ]);
+    assert!(e.contains("budget"), "{e}");
+    assert!(!out.path("none/plan.json").exists());
+}

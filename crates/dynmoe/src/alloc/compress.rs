@@ -2,8 +2,9 @@
 //! layers by ISP, and write the plan (DESIGN.md §6).
 //!
 //! Candidates per layer are bf16 and every rung of the VQ ladder, times a ladder of
-//! removal levels (eighths of the experts, never fewer than top-k resident). The coarse
-//! and fine probe codecs are the ladder's ends below and at 4 bits. Every probe is
+//! removal levels (eighths of the experts, never fewer than top-k resident); a rung
+//! whose codebook would take more than a tenth of the budget is left out. The coarse
+//! and fine probe codecs are the ladder's 0.7- and 4-bit rungs. Every probe is
 //! journalled in the output directory, so an interrupted run resumes where it stopped.
 
 use std::path::Path;
@@ -155,8 +156,19 @@ pub fn compress(
     if !removals.contains(&max_removed) {
         removals.push(max_removed);
     }
+    // A rung whose codebook alone would take a tenth of the budget is no candidate (it
+    // still serves as a probe): on small models the big codebooks cost more than they save.
+    let budget = budget_of(opts.bits);
+    let allowed = codecs
+        .iter()
+        .map(|c| Ok(c.codebook_bytes()? <= budget / 10))
+        .collect::<Result<Vec<bool>, CodecError>>()?;
     let price = |_layer: usize, s: Setting| {
-        resident_count(e, top_k, s.removed) as u64 * expert_bytes[s.codec]
+        if allowed[s.codec] {
+            resident_count(e, top_k, s.removed) as u64 * expert_bytes[s.codec]
+        } else {
+            u64::MAX / 1024
+        }
     };
     let coarse = codecs
         .iter()
@@ -273,6 +285,7 @@ pub fn compress(
             "codebook_bytes": codebook_bytes,
             "probes_from_journal": cached.hits(),
             "codecs": options,
+            "candidates": codecs.iter().zip(&allowed).filter(|(_, &a)| a).map(|(c, _)| c.to_string()).collect::<Vec<_>>(),
             "removals": removals,
             "rounds": rounds,
         }),
