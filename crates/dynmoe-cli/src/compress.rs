@@ -48,7 +48,7 @@ pub struct CompressArgs {
 }
 
 pub fn compress(a: CompressArgs) -> Result<()> {
-    if !(a.bits > 0.0 && a.bits.is_finite()) || a.anneal.iter().any(|b| !(*b > 0.0)) {
+    if !(a.bits > 0.0 && a.bits.is_finite()) || a.anneal.iter().any(|b| b.is_nan() || *b <= 0.0) {
         anyhow::bail!("--bits and --anneal must be positive bits per weight");
     }
     if a.rounds == 0 || a.chunks == 0 {

@@ -31,15 +31,13 @@ impl DistortionLaw {
     /// Least-squares fit of `log2 D = a − c·b` to `(bits, distortion)` points. `None`
     /// with fewer than two distinct rates or a non-positive distortion.
     pub fn fit(points: &[(f64, f64)]) -> Option<DistortionLaw> {
-        if points.iter().any(|&(_, d)| d <= 0.0 || !d.is_finite()) {
+        let distinct = points.iter().any(|p| p.0 != points[0].0);
+        if !distinct || points.iter().any(|&(_, d)| d <= 0.0 || !d.is_finite()) {
             return None;
         }
-        let xy: Vec<(f64, f64)> = points.iter().map(|&(b, d)| (b, d.log2())).collect();
-        let (slope, intercept) = least_squares_line(&xy)?;
-        Some(DistortionLaw {
-            a: intercept,
-            c: -slope,
-        })
+        // One fit for the ladder's report and the allocator.
+        let f = crate::codec::vq::report::fit(points);
+        Some(DistortionLaw { a: f.a, c: f.c })
     }
 }
 

@@ -106,7 +106,7 @@ pub fn perplexity_tokens<B: Backend>(
     let (mut sum, mut sum_sq, mut count) = (0.0f64, 0.0f64, 0usize);
     let start = std::time::Instant::now();
     for c in 0..chunks {
-        let chunk = chunk(m, &tokens, c, ctx);
+        let chunk = chunk(m, tokens, c, ctx);
         state.clear();
         let logits = forward_in_steps(m, &mut state, &chunk, first, opts.micro_batch)?;
         // Row r holds the logits at position first + r, predicting token first + r + 1.

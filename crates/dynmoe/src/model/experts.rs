@@ -55,6 +55,15 @@ pub struct ExpertShape {
 }
 
 impl ExpertShape {
+    /// The routed experts' shape a configuration gives every MoE layer.
+    pub fn of(config: &super::config::Config) -> ExpertShape {
+        ExpertShape {
+            experts: config.moe.num_experts,
+            hidden: config.hidden_size,
+            intermediate: config.moe.expert_intermediate,
+        }
+    }
+
     /// `[rows, cols]` of projection `p` (0 gate, 1 up, 2 down) as checkpoints store it.
     pub fn matrix(&self, p: usize) -> [usize; 2] {
         match p {

@@ -80,11 +80,7 @@ pub fn encode_experts(
 ) -> Result<VqExperts, Error> {
     let names = super::arch::ffn_names(config.arch, ckpt, layer);
     let prefix = format!("model.layers.{layer}.{}", names.block);
-    let shape = ExpertShape {
-        experts: config.moe.num_experts,
-        hidden: config.hidden_size,
-        intermediate: config.moe.expert_intermediate,
-    };
+    let shape = ExpertShape::of(config);
     let tensors = ExpertTensors::find(ckpt, &prefix, names.projections)?;
     let encode = |e: usize, p: usize| -> Result<VqMatrix, Error> {
         let [rows, cols] = shape.matrix(p);
@@ -254,12 +250,7 @@ impl<B: Backend> Loader<'_, B> {
 
     /// Where the checkpoint keeps each routed expert under `{prefix}.experts`.
     fn expert_source(&self, prefix: &str, names: [&'static str; 3]) -> Result<LayerSource, Error> {
-        let c = self.config;
-        let shape = ExpertShape {
-            experts: c.moe.num_experts,
-            hidden: c.hidden_size,
-            intermediate: c.moe.expert_intermediate,
-        };
+        let shape = ExpertShape::of(self.config);
         let tensors = ExpertTensors::find(self.ckpt, prefix, names)?;
         let mut dtype = None;
         let mut experts = Vec::with_capacity(shape.experts);
@@ -293,12 +284,7 @@ impl<B: Backend> Loader<'_, B> {
 
     /// The routed experts under `{prefix}.experts`, wherever [`ExpertTensors`] finds them.
     pub fn experts(&self, prefix: &str, names: [&'static str; 3]) -> Result<Vec<Mlp<B>>, Error> {
-        let c = self.config;
-        let shape = ExpertShape {
-            experts: c.moe.num_experts,
-            hidden: c.hidden_size,
-            intermediate: c.moe.expert_intermediate,
-        };
+        let shape = ExpertShape::of(self.config);
         let tensors = ExpertTensors::find(self.ckpt, prefix, names)?;
         let linear = |e: usize, p: usize| -> Result<Linear<B>, Error> {
             let [out_dim, in_dim] = shape.matrix(p);

@@ -74,11 +74,7 @@ impl Experts {
                 Ok((l, ExpertTensors::find(ckpt, &block, names.projections)?))
             })
             .collect::<Result<Vec<_>, Error>>()?;
-        let shape = ExpertShape {
-            experts: config.moe.num_experts,
-            hidden: config.hidden_size,
-            intermediate: config.moe.expert_intermediate,
-        };
+        let shape = ExpertShape::of(config);
         Ok(Experts {
             layers,
             shape,
