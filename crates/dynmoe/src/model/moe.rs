@@ -84,17 +84,7 @@ pub fn expert_group<'a, B: Backend>(
 ) -> SwiGluGroup<'a, B::Tensor> {
     match experts {
         Experts::Dense(mlps) => group(&mlps[e], rows, scales),
-        Experts::Stored { store, layer } => {
-            let r = store.record(*layer, e);
-            SwiGluGroup {
-                gate: Weight::Affine(r.gate),
-                up: Weight::Affine(r.up),
-                down: Weight::Affine(r.down),
-                intermediate: r.gate.rows,
-                rows,
-                scales,
-            }
-        }
+        Experts::Stored { store, layer } => record_group(store.record(*layer, e), rows, scales),
         Experts::Vq(m) => SwiGluGroup {
             gate: Weight::Vq(m[e][0].view()),
             up: Weight::Vq(m[e][1].view()),
@@ -103,6 +93,23 @@ pub fn expert_group<'a, B: Backend>(
             rows,
             scales,
         },
+    }
+}
+
+/// The group that runs an affine expert record (a store's, or a resident slot's) on
+/// `rows`.
+pub fn record_group<'a, T>(
+    r: crate::store::ExpertRecord<'a>,
+    rows: &'a [u32],
+    scales: &'a [f32],
+) -> SwiGluGroup<'a, T> {
+    SwiGluGroup {
+        gate: Weight::Affine(r.gate),
+        up: Weight::Affine(r.up),
+        down: Weight::Affine(r.down),
+        intermediate: r.gate.rows,
+        rows,
+        scales,
     }
 }
 

@@ -199,17 +199,11 @@ impl<B: Backend> LayerSet<B> {
                 rows,
                 scales,
             },
-            (Slot::Affine(w), RecordFormat::Affine(layout)) => {
-                let r = record_view(&layout, words_as_bytes(w));
-                SwiGluGroup {
-                    gate: Weight::Affine(r.gate),
-                    up: Weight::Affine(r.up),
-                    down: Weight::Affine(r.down),
-                    intermediate: r.gate.rows,
-                    rows,
-                    scales,
-                }
-            }
+            (Slot::Affine(w), RecordFormat::Affine(layout)) => crate::model::moe::record_group(
+                record_view(&layout, words_as_bytes(w)),
+                rows,
+                scales,
+            ),
             _ => unreachable!("slots match their layer's format"),
         }
     }
