@@ -153,6 +153,65 @@ fn static_set_equals_a_model_of_only_the_residents() {
     }
 }
 
+/// A plan's expert mask (no slots) routes exactly as a model of only the kept experts,
+/// and at VQ rungs too, where resident slots are not available.
+#[test]
+fn expert_masks_equal_a_model_of_only_the_kept_experts() {
+    use dynmoe::codec::Codec;
+    use dynmoe::model::ExpertCodecs;
+    let keep = residents();
+    let sub = subset_model(&keep);
+    let mask = |m: &mut model::LoadedModel<Cpu>| {
+        for (&layer, kept) in &keep {
+            let mut mask = vec![false; m.model.config.moe.num_experts];
+            kept.iter().for_each(|&e| mask[e as usize] = true);
+            m.model.set_expert_mask(layer, Some(mask)).unwrap();
+        }
+    };
+    let want_m = model::load(sub.dir(), Cpu::fast()).unwrap();
+    let ids = tokens(&want_m);
+    let mut m = model::load(&fixture("tiny-moe"), Cpu::fast()).unwrap();
+    mask(&mut m);
+    let err = rel_err(&logits(&m, &ids), &logits(&want_m, &ids));
+    assert!(err < 1e-5, "bf16: rel err {err}");
+
+    // At a VQ rung the kept experts' encodings are the same in both models (the seed of
+    // an expert's rotation follows its index, which the subset renumbers, so compare the
+    // masked model with itself unmasked instead: masking must change it, and a mask
+    // keeping every expert must not).
+    let codecs = ExpertCodecs {
+        default: Some("vq2.25".parse::<Codec>().unwrap()),
+        ..ExpertCodecs::default()
+    };
+    let mut vq = model::load_with_codecs(&fixture("tiny-moe"), Cpu::fast(), &codecs).unwrap();
+    let open = logits(&vq, &ids);
+    let layer = *keep.keys().next().unwrap();
+    vq.model
+        .set_expert_mask(layer, Some(vec![true; vq.model.config.moe.num_experts]))
+        .unwrap();
+    // Confining renormalises by a sum that is 1 up to rounding.
+    let same = rel_err(&logits(&vq, &ids), &open);
+    assert!(
+        same < 1e-6,
+        "a mask keeping every expert changed the logits by {same}"
+    );
+    mask(&mut vq);
+    assert!(
+        rel_err(&logits(&vq, &ids), &open) > 1e-3,
+        "the mask changed nothing"
+    );
+    // Too few experts kept for top-k, and a dense layer, are refused.
+    let k = vq.model.config.moe.top_k;
+    let e = vq.model.config.moe.num_experts;
+    let mut few = vec![false; e];
+    few[..k - 1].iter_mut().for_each(|b| *b = true);
+    assert!(vq.model.set_expert_mask(layer, Some(few)).is_err());
+    assert!(vq
+        .model
+        .set_expert_mask(layer, Some(vec![true; e + 1]))
+        .is_err());
+}
+
 /// Every expert resident gives the unconfined forward pass.
 #[test]
 fn all_resident_equals_unconfined() {
