@@ -3,8 +3,9 @@
 //!
 //! Candidates per layer are bf16 and every rung of the VQ ladder, times a ladder of
 //! removal levels (eighths of the experts, never fewer than top-k resident); a rung
-//! whose codebook would take more than a tenth of the budget is left out. The coarse
-//! and fine probe codecs are the ladder's 0.7- and 4-bit rungs. Every probe is
+//! whose codebook would take more than a tenth of the budget is left out. Codec probes
+//! run at the 0.7-, 1.5- and 4-bit rungs (the middle one lets the cost curve bend);
+//! removal probes at 25%, 50% and the most top-k allows (at most 95%). Every probe is
 //! journalled in the output directory, so an interrupted run resumes where it stopped.
 
 use std::path::Path;
@@ -170,14 +171,10 @@ pub fn compress(
             u64::MAX / 1024
         }
     };
-    let coarse = codecs
+    let probe_codecs: Vec<usize> = ["vq0.7", "vq1.5", "vq4"]
         .iter()
-        .position(|c| c.to_string() == "vq0.7")
-        .unwrap_or(1);
-    let fine = codecs
-        .iter()
-        .position(|c| c.to_string() == "vq4")
-        .unwrap_or(0);
+        .filter_map(|name| codecs.iter().position(|c| c.to_string() == *name))
+        .collect();
 
     let context = format!(
         "{} | {} | ctx {} chunks {} | {:?}",
@@ -206,8 +203,8 @@ pub fn compress(
             layers: cached.inner().layers().len(),
             codecs: options.clone(),
             removals: removals.clone(),
-            probe_codecs: (coarse, fine),
-            probe_removals: vec![0.25, max_removed.min(0.95)],
+            probe_codecs: probe_codecs.clone(),
+            probe_removals: vec![0.25, 0.5, max_removed.min(0.95)],
             bytes: &price,
             fixed_bytes: dense_bytes + codebook_bytes,
             start: Setting {

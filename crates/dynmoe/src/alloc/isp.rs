@@ -2,9 +2,9 @@
 //! re-allocate, until the plan stops changing (DESIGN.md §6).
 //!
 //! A probe is the calibration loss of the whole model with one layer's setting changed
-//! and every other layer left where the current plan put it. Per layer and round: the
-//! coarse and the fine codec (at the layer's current resident fraction) and two removal
-//! levels (at its current codec), plus one baseline. The laws of [`super::law`] fill in
+//! and every other layer left where the current plan put it. Per layer and round: each
+//! probe codec (at the layer's current resident fraction) and each probe removal level
+//! (at its current codec), plus one baseline. The laws of [`super::law`] fill in
 //! every other setting; [`super::lagrange`] spends the budget. Sensitivities measured on
 //! the uncompressed model add up only under mild compression, which is why the loop
 //! re-probes around the plan it just made.
@@ -42,8 +42,8 @@ pub struct Problem<'a> {
     pub codecs: Vec<CodecOption>,
     /// Removal fractions to choose from (0 must be among them).
     pub removals: Vec<f64>,
-    /// The coarse and the fine probe codec (indices into `codecs`).
-    pub probe_codecs: (usize, usize),
+    /// The probe codecs, coarse to fine (indices into `codecs`).
+    pub probe_codecs: Vec<usize>,
     /// The removal fractions probed.
     pub probe_removals: Vec<f64>,
     /// Resident bytes of a layer at a setting.
@@ -83,8 +83,8 @@ pub struct Round {
     pub baseline: f64,
     /// Every probe of the round.
     pub probes: Vec<ProbeResult>,
-    /// Per layer codec line `α + κ·D`.
-    pub codec_sensitivity: Vec<(f64, f64)>,
+    /// Per layer, the codec curve's points `(distortion, loss change)`.
+    pub codec_sensitivity: Vec<Vec<(f64, f64)>>,
     /// The removal law's shared exponent.
     pub removal_exponent: f64,
     /// Its per-layer amplitudes.
@@ -144,10 +144,9 @@ pub fn isp<P: Prober>(
 
 /// The probes of one round around `current`.
 fn probe_settings(problem: &Problem<'_>, current: &[Setting]) -> Vec<(usize, Setting)> {
-    let (coarse, fine) = problem.probe_codecs;
     let mut out = Vec::new();
     for (layer, &now) in current.iter().enumerate() {
-        for codec in [coarse, fine] {
+        for &codec in &problem.probe_codecs {
             if codec != now.codec {
                 out.push((layer, Setting { codec, ..now }));
             }
@@ -241,7 +240,7 @@ fn one_round<P: Prober>(
         budget,
         baseline,
         probes,
-        codec_sensitivity: codec_lines.iter().map(|c| (c.alpha, c.kappa)).collect(),
+        codec_sensitivity: codec_lines.iter().map(|c| c.points.clone()).collect(),
         removal_exponent: removal.p,
         removal_amplitudes: removal.amplitudes,
         plan: picks.iter().map(|&i| settings[i]).collect(),
@@ -309,7 +308,7 @@ mod tests {
             layers,
             codecs: codecs(),
             removals: vec![0.0, 0.25, 0.5, 0.75],
-            probe_codecs: (0, 3),
+            probe_codecs: vec![0, 3],
             probe_removals: vec![0.25, 0.95],
             bytes: &price,
             fixed_bytes: 500,
@@ -363,7 +362,7 @@ mod tests {
             layers: 3,
             codecs: codecs(),
             removals: vec![0.0, 0.5],
-            probe_codecs: (0, 3),
+            probe_codecs: vec![0, 3],
             probe_removals: vec![0.5],
             bytes: &price,
             fixed_bytes: 0,

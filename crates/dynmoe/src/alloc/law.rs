@@ -2,9 +2,10 @@
 //!
 //! **Distortion.** After the rotation every codec's relative mean squared error is a
 //! constant of the codec, and across the VQ ladder those constants follow
-//! φ(b) = 2^(a − c·b). A layer's loss increase grows about linearly with its weights'
-//! distortion, so two codec probes (one coarse, one fine) plus the current setting fix
-//! a line `s(D) = α + κ·D` from which every other codec's cost is read.
+//! φ(b) = 2^(a − c·b). A layer's loss increase grows with its weights' distortion, a
+//! little faster than linearly at the low-bit end, so a few codec probes (coarse,
+//! middle, fine) plus the current setting give a piecewise-linear curve `s(D)` from
+//! which every other codec's cost is read.
 //!
 //! **Removal.** Masking the least salient fraction `f` of a layer's experts costs
 //! about `a_i · f^p`: one exponent for the whole network, one amplitude per layer,
@@ -59,34 +60,54 @@ pub fn least_squares_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
     Some((slope, my - slope * mx))
 }
 
-/// A layer's loss increase as a line in its codec's distortion: `α + κ·D`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// A layer's loss increase as a function of its codec's distortion: piecewise linear
+/// through the probes and the current setting (zero change), extended past the ends
+/// along the outermost segments. With two probes and the current setting this is close
+/// to a line; a middle probe lets it bend, as the loss does (it grows faster than the
+/// distortion at the low-bit end).
+#[derive(Debug, Clone, PartialEq)]
 pub struct CodecSensitivity {
-    /// Loss change at zero distortion, relative to the configuration probed.
-    pub alpha: f64,
-    /// Loss change per unit of relative distortion.
-    pub kappa: f64,
+    /// `(distortion, loss change)` by ascending distortion, one point per distortion.
+    pub points: Vec<(f64, f64)>,
 }
 
 impl CodecSensitivity {
-    /// Fits the line to probes `(distortion, loss change)`; the current setting enters
-    /// as a point of zero change. Falls back to the line through the origin and the
-    /// mean ratio when the distortions coincide.
+    /// Fits to probes `(distortion, loss change)` measured around a setting of
+    /// distortion `current`; probes at the same distortion are averaged.
     pub fn fit(current: f64, probes: &[(f64, f64)]) -> CodecSensitivity {
-        let mut points = vec![(current, 0.0)];
-        points.extend_from_slice(probes);
-        match least_squares_line(&points) {
-            Some((kappa, alpha)) => CodecSensitivity { alpha, kappa },
-            None => CodecSensitivity {
-                alpha: 0.0,
-                kappa: 0.0,
-            },
+        let mut all = vec![(current, 0.0)];
+        all.extend(
+            probes
+                .iter()
+                .copied()
+                .filter(|p| p.0.is_finite() && p.1.is_finite()),
+        );
+        all.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut points: Vec<(f64, f64)> = Vec::new();
+        let mut i = 0;
+        while i < all.len() {
+            let j = (i..all.len()).take_while(|&j| all[j].0 == all[i].0).count() + i;
+            let mean = all[i..j].iter().map(|p| p.1).sum::<f64>() / (j - i) as f64;
+            points.push((all[i].0, mean));
+            i = j;
         }
+        CodecSensitivity { points }
     }
 
     /// The modelled loss change at distortion `d`.
     pub fn at(&self, d: f64) -> f64 {
-        self.alpha + self.kappa * d
+        let p = &self.points;
+        if p.len() == 1 {
+            return p[0].1;
+        }
+        // The segment holding d, or the outermost one on its side.
+        let k = p
+            .iter()
+            .position(|q| q.0 >= d)
+            .unwrap_or(p.len())
+            .clamp(1, p.len() - 1);
+        let ((x0, y0), (x1, y1)) = (p[k - 1], p[k]);
+        y0 + (y1 - y0) * (d - x0) / (x1 - x0)
     }
 }
 
@@ -184,15 +205,19 @@ mod tests {
     }
 
     #[test]
-    fn codec_line_passes_through_current_and_probes() {
-        // Exact line s = 0.5 · (D − 0.01): current D = 0.01 costs nothing.
+    fn codec_curve_passes_through_current_and_probes() {
+        // An exact line s = 0.5 · (D − 0.01) is reproduced everywhere, ends included.
         let s = CodecSensitivity::fit(0.01, &[(0.4, 0.5 * 0.39), (0.007, 0.5 * -0.003)]);
-        assert!(
-            (s.kappa - 0.5).abs() < 1e-12 && (s.at(0.01)).abs() < 1e-12,
-            "{s:?}"
-        );
-        let flat = CodecSensitivity::fit(0.1, &[(0.1, 0.0)]);
-        assert_eq!(flat.at(0.5), 0.0);
+        for d in [0.0, 0.007, 0.01, 0.2, 0.4, 0.6] {
+            assert!((s.at(d) - 0.5 * (d - 0.01)).abs() < 1e-12, "{d}: {s:?}");
+        }
+        // A convex curve bends through a middle probe.
+        let c = CodecSensitivity::fit(0.0, &[(0.1, 0.1), (0.4, 1.0)]);
+        assert!((c.at(0.05) - 0.05).abs() < 1e-12 && (c.at(0.25) - 0.55).abs() < 1e-12);
+        // Repeated distortions are averaged; a single point is flat.
+        let r = CodecSensitivity::fit(0.0, &[(0.2, 1.0), (0.2, 3.0)]);
+        assert!((r.at(0.2) - 2.0).abs() < 1e-12);
+        assert_eq!(CodecSensitivity::fit(0.1, &[]).at(0.5), 0.0);
     }
 
     #[test]
