@@ -7,7 +7,7 @@ and evaluated with `dynmoe eval ppl --plan` on the first `--eval-chunks` chunks 
 domain's test split; the uniform rungs on the same chunks. Writes JSON and prints a table.
 
     cargo build --release
-    python3 bench/quality.py --bits 1.5,2 --out bench/results/quality.json
+    python3 bench/quality.py --bits 1.5,2 --uniform vq1.25,vq1.5 --out bench/results/quality_v2.json
 """
 
 import argparse
