@@ -243,6 +243,19 @@ pub fn cmd_hitrate(a: HitrateArgs) -> Result<()> {
     Ok(())
 }
 
+/// One table of the grid: a header of test domains, then a row per calibration domain
+/// with `cell` of each pair.
+fn print_table(names: &[&str], cells: &[hitrate::Cell], cell: impl Fn(&hitrate::Cell) -> String) {
+    print!("{:<8}", "");
+    names.iter().for_each(|n| print!("{n:>16}"));
+    println!();
+    for row in cells.chunks(names.len()) {
+        print!("{:<8}", row[0].calib);
+        row.iter().for_each(|c| print!("{:>16}", cell(c)));
+        println!();
+    }
+}
+
 /// The grid as tables: rows are calibration domains, columns test domains.
 pub fn print_grid(r: &HitrateReport) {
     let names: Vec<&str> = r
@@ -255,37 +268,17 @@ pub fn print_grid(r: &HitrateReport) {
         "hit rate, static / dynamic, {} of {} experts resident (rows: calibrated on, columns: evaluated on)",
         r.resident_per_layer, r.experts_per_layer
     );
-    print!("{:<8}", "");
-    names.iter().for_each(|n| print!("{n:>16}"));
-    println!();
-    for row in r.cells.chunks(names.len()) {
-        print!("{:<8}", row[0].calib);
-        for c in row {
-            print!(
-                "{:>16}",
-                format!(
-                    "{:.1}/{:.1}",
-                    100.0 * c.static_.hit_rate,
-                    100.0 * c.dynamic.hit_rate
-                )
-            );
-        }
-        println!();
-    }
+    print_table(&names, &r.cells, |c| {
+        format!(
+            "{:.1}/{:.1}",
+            100.0 * c.static_.hit_rate,
+            100.0 * c.dynamic.hit_rate
+        )
+    });
     println!("perplexity, static / dynamic (full model in the last row)");
-    print!("{:<8}", "");
-    names.iter().for_each(|n| print!("{n:>16}"));
-    println!();
-    for row in r.cells.chunks(names.len()) {
-        print!("{:<8}", row[0].calib);
-        for c in row {
-            print!(
-                "{:>16}",
-                format!("{:.2}/{:.2}", c.static_.ppl, c.dynamic.ppl)
-            );
-        }
-        println!();
-    }
+    print_table(&names, &r.cells, |c| {
+        format!("{:.2}/{:.2}", c.static_.ppl, c.dynamic.ppl)
+    });
     print!("{:<8}", "full");
     names
         .iter()
