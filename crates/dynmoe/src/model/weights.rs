@@ -78,6 +78,17 @@ pub fn encode_experts(
     layer: usize,
     rung: Rung,
 ) -> Result<VqExperts, Error> {
+    encode_experts_by_projection(config, ckpt, layer, [rung; 3])
+}
+
+/// [`encode_experts`] with a rung per projection (gate, up, down): mixes that give the
+/// down projection more bits, as hand-made dynamic quants do.
+pub fn encode_experts_by_projection(
+    config: &Config,
+    ckpt: &Checkpoint,
+    layer: usize,
+    rungs: [Rung; 3],
+) -> Result<VqExperts, Error> {
     let names = super::arch::ffn_names(config.arch, ckpt, layer);
     let prefix = format!("model.layers.{layer}.{}", names.block);
     let shape = ExpertShape::of(config);
@@ -86,7 +97,7 @@ pub fn encode_experts(
         let [rows, cols] = shape.matrix(p);
         let w = tensors.matrix(ckpt, &shape, e, p)?.0;
         let seed = ((layer * shape.experts + e) * 3 + p) as u64;
-        VqMatrix::encode(&w, rows, cols, rung, seed).map_err(|source| Error::Encode {
+        VqMatrix::encode(&w, rows, cols, rungs[p], seed).map_err(|source| Error::Encode {
             tensor: format!("{prefix}.experts.{e}.{}", names.projections[p]),
             source,
         })
