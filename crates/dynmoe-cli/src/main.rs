@@ -136,7 +136,8 @@ pub(crate) struct ModelArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_layer_bits)]
     expert_bits_layer: Vec<(usize, u32)>,
     /// Codec of the routed experts: q4, q3, q2 (a converted directory's stores) or a VQ
-    /// rung such as vq1.5 (encoded at load from a checkpoint's bf16 experts).
+    /// rung such as vq1.5 (from the VQ store beside a checkpoint, encoded from its bf16
+    /// experts on first use).
     #[arg(long, conflicts_with_all = ["expert_bits", "expert_bits_layer"])]
     codec: Option<Codec>,
     /// Per-layer codecs overriding --codec, as LAYER=CODEC pairs: `0=vq4,5=vq2`.

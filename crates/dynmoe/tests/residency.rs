@@ -183,7 +183,9 @@ fn expert_masks_equal_a_model_of_only_the_kept_experts() {
         default: Some("vq2.25".parse::<Codec>().unwrap()),
         ..ExpertCodecs::default()
     };
-    let mut vq = model::load_with_codecs(&fixture("tiny-moe"), Cpu::fast(), &codecs).unwrap();
+    // The VQ experts are stored beside the checkpoint: a copy keeps the fixture clean.
+    let copy = dynmoe::testing::fixture_copy("tiny-moe");
+    let mut vq = model::load_with_codecs(copy.dir(), Cpu::fast(), &codecs).unwrap();
     let open = logits(&vq, &ids);
     let layer = *keep.keys().next().unwrap();
     vq.model
