@@ -329,10 +329,33 @@ pub(crate) fn load<B: Backend>(
     codecs: &ExpertCodecs,
 ) -> Result<LoadedModel<B>> {
     let spinner = progress::spinner(&format!("loading {}", dir.display()));
-    let m = model::load_with_codecs(dir, backend, codecs)
+    let bar = VqBuildBar::default();
+    let m = model::load_with_progress(dir, backend, codecs, &mut |d, t| bar.update(&spinner, d, t))
         .with_context(|| format!("loading model {}", dir.display()))?;
+    bar.finish();
     spinner.finish_and_clear();
     Ok(m)
+}
+
+/// The bar of a VQ expert store being built during a load, shown (in place of the
+/// loading spinner) only once a build starts.
+#[derive(Default)]
+pub(crate) struct VqBuildBar(std::cell::OnceCell<indicatif::ProgressBar>);
+
+impl VqBuildBar {
+    fn update(&self, spinner: &indicatif::ProgressBar, done: usize, total: usize) {
+        let bar = self.0.get_or_init(|| {
+            spinner.finish_and_clear();
+            progress::bar("VQ experts")
+        });
+        progress::update(bar, done, total);
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = self.0.get() {
+            bar.finish_and_clear();
+        }
+    }
 }
 
 pub(crate) fn read_text(path: &Path) -> Result<String> {
@@ -404,9 +427,14 @@ fn cmd_ppl(a: PplArgs) -> Result<()> {
     let text = read_text(&a.text)?;
     if let Some(path) = &a.plan {
         let plan = dynmoe::alloc::plan::Plan::load(path)?;
-        let m = dynmoe::calib::probe::load_plan(&a.model.model, &plan).with_context(|| {
-            format!("loading {} as {}", a.model.model.display(), path.display())
-        })?;
+        let spinner = progress::spinner(&format!("loading {}", a.model.model.display()));
+        let bar = VqBuildBar::default();
+        let m = dynmoe::calib::probe::load_plan(&a.model.model, &plan, &mut |d, t| {
+            bar.update(&spinner, d, t)
+        })
+        .with_context(|| format!("loading {} as {}", a.model.model.display(), path.display()))?;
+        bar.finish();
+        spinner.finish_and_clear();
         return ppl_on(m, &a, &text);
     }
     with_model!(a.model, |m| ppl_on(m, &a, &text))

@@ -203,8 +203,13 @@ pub fn assemble(
 /// Loads the model a plan describes from its checkpoint at `dir` (normally
 /// `plan.source`): each MoE layer's experts at the plan's codec (VQ rungs from the VQ
 /// expert stores beside the checkpoint, encoded on first use), routing confined to the
-/// experts it keeps.
-pub fn load_plan(dir: &Path, plan: &crate::alloc::plan::Plan) -> Result<LoadedModel<Cpu>, Error> {
+/// experts it keeps. `progress(done, total)` counts the records written while a VQ
+/// store is built.
+pub fn load_plan(
+    dir: &Path,
+    plan: &crate::alloc::plan::Plan,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<LoadedModel<Cpu>, Error> {
     let config = Config::from_file(&dir.join("config.json"))?;
     let ckpt = Checkpoint::open(dir)?;
     let mut rungs = BTreeMap::new();
@@ -233,7 +238,7 @@ pub fn load_plan(dir: &Path, plan: &crate::alloc::plan::Plan) -> Result<LoadedMo
             keep.insert(l.layer, l.keep.clone());
         }
     }
-    let vq = crate::model::stored_vq_experts(dir, &config, &ckpt, &rungs)?;
+    let vq = crate::model::stored_vq_experts(dir, &config, &ckpt, &rungs, progress)?;
     assemble(dir, config, &ckpt, &vq, &keep)
 }
 

@@ -283,6 +283,17 @@ pub fn load_with_codecs<B: Backend>(
     backend: B,
     codecs: &ExpertCodecs,
 ) -> Result<LoadedModel<B>, Error> {
+    load_with_progress(dir, backend, codecs, &mut |_, _| {})
+}
+
+/// [`load_with_codecs`], calling `progress(done, total)` with the expert records written
+/// while a VQ expert store is built (a one-time cost of the first load at a rung).
+pub fn load_with_progress<B: Backend>(
+    dir: &Path,
+    backend: B,
+    codecs: &ExpertCodecs,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<LoadedModel<B>, Error> {
     use crate::codec::Codec;
     let config = Config::from_file(&dir.join("config.json"))?;
     let checkpoint = Checkpoint::open(dir)?;
@@ -334,7 +345,7 @@ pub fn load_with_codecs<B: Backend>(
     } else {
         None
     };
-    let vq = stored_vq_experts(dir, &config, &checkpoint, &rungs)?;
+    let vq = stored_vq_experts(dir, &config, &checkpoint, &rungs, progress)?;
     let model = Model::load(config, &checkpoint, stores, &vq, backend)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     Ok(LoadedModel {
@@ -346,17 +357,19 @@ pub fn load_with_codecs<B: Backend>(
 
 /// The VQ experts of the layers in `rungs` (decoder layer → rung), read from the VQ
 /// expert stores of the checkpoint directory `dir`: encoded once, on the first load that
-/// asks for a layer at a rung, and reused by every later one (see `store::vq`).
+/// asks for a layer at a rung, and reused by every later one (see `store::vq`);
+/// `progress(done, total)` counts the records written while building.
 pub fn stored_vq_experts(
     dir: &Path,
     config: &Config,
     ckpt: &Checkpoint,
     rungs: &BTreeMap<usize, crate::codec::vq::Rung>,
+    progress: &mut dyn FnMut(usize, usize),
 ) -> Result<BTreeMap<usize, weights::VqExperts>, Error> {
     if rungs.is_empty() {
         return Ok(BTreeMap::new());
     }
-    let ensured = crate::store::vq::ensure(dir, config, ckpt, rungs, &mut |_, _| {})?;
+    let ensured = crate::store::vq::ensure(dir, config, ckpt, rungs, progress)?;
     Ok(ensured
         .stores
         .into_iter()
