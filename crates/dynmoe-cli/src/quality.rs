@@ -16,7 +16,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -173,7 +172,7 @@ impl Bench {
                 let e = encode_experts_by_projection(&self.config, &self.ckpt, l.layer, [g, u, d])?;
                 self.encoded.insert(key, e);
             }
-            vq.insert(l.layer, Arc::clone(&self.encoded[&key]));
+            vq.insert(l.layer, self.encoded[&key].clone());
         }
         Ok(assemble(
             &self.dir,

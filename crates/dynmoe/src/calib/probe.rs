@@ -202,12 +202,18 @@ pub fn assemble(
 }
 
 /// Loads the model a plan describes from its checkpoint at `dir` (normally
-/// `plan.source`): each MoE layer's experts at the plan's codec (VQ rungs encoded here),
-/// routing confined to the experts it keeps.
-pub fn load_plan(dir: &Path, plan: &crate::alloc::plan::Plan) -> Result<LoadedModel<Cpu>, Error> {
+/// `plan.source`): each MoE layer's experts at the plan's codec (VQ rungs from the VQ
+/// expert stores beside the checkpoint, encoded on first use), routing confined to the
+/// experts it keeps. `progress(done, total)` counts the records written while a VQ
+/// store is built.
+pub fn load_plan(
+    dir: &Path,
+    plan: &crate::alloc::plan::Plan,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<LoadedModel<Cpu>, Error> {
     let config = Config::from_file(&dir.join("config.json"))?;
     let ckpt = Checkpoint::open(dir)?;
-    let mut vq = BTreeMap::new();
+    let mut rungs = BTreeMap::new();
     let mut keep = BTreeMap::new();
     for l in &plan.layers {
         match l.codec {
@@ -220,7 +226,7 @@ pub fn load_plan(dir: &Path, plan: &crate::alloc::plan::Plan) -> Result<LoadedMo
                         source,
                     })?
                     .expect("a VQ codec has a rung");
-                vq.insert(l.layer, encode_experts(&config, &ckpt, l.layer, rung)?);
+                rungs.insert(l.layer, rung);
             }
             c => {
                 return Err(Error::Config(format!(
@@ -233,6 +239,7 @@ pub fn load_plan(dir: &Path, plan: &crate::alloc::plan::Plan) -> Result<LoadedMo
             keep.insert(l.layer, l.keep.clone());
         }
     }
+    let vq = crate::model::stored_vq_experts(dir, &config, &ckpt, &rungs, progress)?;
     assemble(dir, config, &ckpt, &vq, &keep)
 }
 
