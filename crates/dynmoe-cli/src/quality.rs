@@ -20,22 +20,23 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::read_text;
 use dynmoe::alloc::compress::{self, BudgetScope, CompressOptions};
 use dynmoe::alloc::plan::Plan;
 use dynmoe::backend::Cpu;
-use dynmoe::calib::probe::{assemble, follow_plan};
+use dynmoe::calib::probe::{assemble, follow_plan, load_plan};
 use dynmoe::codec::vq::{Rung, LADDER};
 use dynmoe::codec::Codec;
-use dynmoe::eval::kld::kl_divergence;
+use dynmoe::eval::kld::{kl_divergence_to, reference_logits, ReferenceLogits};
 use dynmoe::eval::plot::{Plot, Series};
 use dynmoe::eval::ppl::PplOptions;
 use dynmoe::model::experts::ExpertShape;
 use dynmoe::model::weights::{encode_experts_by_projection, VqExperts};
 use dynmoe::model::{self, Checkpoint, Config, ExpertBits, LoadedModel};
 use dynmoe::residency::{Mode, ResidencyConfig};
+use dynmoe::store::journal::Journal;
 
 const DOMAINS: [&str; 5] = ["en", "code", "zh", "math", "json"];
 
@@ -78,17 +79,17 @@ pub struct QualityArgs {
 }
 
 /// One layer's setting in a row: codecs of gate, up and down, and resident experts.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct LayerSetting {
     layer: usize,
     codecs: [Codec; 3],
     resident: usize,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 struct Row {
     method: String,
-    family: &'static str,
+    family: String,
     budget_bits: Option<f64>,
     /// Resident bits per routed-expert weight.
     expert_bits: f64,
@@ -115,16 +116,23 @@ struct Report {
 }
 
 /// The model under test and everything that makes its rows: the checkpoint, the
-/// reference, the texts and a cache of encodings shared by every method.
+/// reference's logits on every text, a cache of encodings shared by every method, and
+/// the rows measured so far (kept in `rows.jsonl` so an interrupted run resumes).
 struct Bench {
     dir: PathBuf,
     config: Config,
     ckpt: Checkpoint,
     shape: ExpertShape,
-    reference: LoadedModel<Cpu>,
-    texts: Vec<(String, String)>,
-    opts: PplOptions,
+    texts: Vec<(String, ReferenceLogits)>,
     encoded: HashMap<(usize, [Codec; 3]), VqExperts>,
+    journal: Journal,
+    done: HashMap<String, Row>,
+}
+
+/// A journal entry: one measured row.
+#[derive(Serialize, Deserialize)]
+struct Measured {
+    row: Row,
 }
 
 impl Bench {
@@ -186,25 +194,29 @@ impl Bench {
     /// Perplexity, KL divergence and top-1 agreement on every text; `reset` runs before
     /// each text (fresh resident sets, so no text starts from another's).
     fn score(
-        &self,
+        &mut self,
         m: &mut LoadedModel<Cpu>,
         method: String,
-        family: &'static str,
+        family: &str,
         budget_bits: Option<f64>,
         layers: Vec<LayerSetting>,
         reset: &dyn Fn(&mut LoadedModel<Cpu>) -> Result<()>,
     ) -> Result<Row> {
+        if let Some(row) = self.done.get(&method) {
+            eprintln!(
+                "{method:<44} measured before ({})",
+                self.journal.path().display()
+            );
+            return Ok(row.clone());
+        }
         let start = Instant::now();
         let expert_bits = self.expert_bits(&layers)?;
         let (mut ppl, mut kld, mut top1) = (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
         let mut hits = Vec::new();
-        for (name, text) in &self.texts {
+        for (name, reference) in &self.texts {
             reset(m)?;
-            let opts = PplOptions {
-                micro_batch: m.model.residency().map(|_| 32),
-                ..self.opts
-            };
-            let r = kl_divergence(m, &self.reference, text, opts)
+            let micro_batch = m.model.residency().map(|_| 32);
+            let r = kl_divergence_to(m, reference, micro_batch)
                 .with_context(|| format!("{method} on {name}"))?;
             ppl.insert(name.clone(), r.ppl);
             kld.insert(name.clone(), r.kld_mean);
@@ -216,7 +228,7 @@ impl Bench {
         let n = self.texts.len() as f64;
         let row = Row {
             method,
-            family,
+            family: family.to_string(),
             budget_bits,
             expert_bits,
             layers,
@@ -232,6 +244,10 @@ impl Bench {
             "{:<44} {:>6.3} bits  geomean ppl {:>8.3}  KLD {:.4}  ({:.0} s)",
             row.method, row.expert_bits, row.geomean_ppl, row.mean_kld, row.seconds
         );
+        self.journal
+            .append(&Measured { row: row.clone() })
+            .with_context(|| format!("writing {}", self.journal.path().display()))?;
+        self.done.insert(row.method.clone(), row.clone());
         Ok(row)
     }
 
@@ -289,19 +305,45 @@ pub fn quality(a: QualityArgs) -> Result<()> {
     } else {
         eprintln!("{} not found: WikiText-2 left out", a.wikitext.display());
     }
+    let opts = PplOptions {
+        ctx: 512,
+        max_chunks: Some(a.eval_chunks),
+        micro_batch: None,
+    };
+    let reference = model::load(&dir, Cpu::fast())?;
+    let mut refs = Vec::new();
+    for (name, text) in &texts {
+        eprintln!("reference logits on {name}");
+        let r = reference_logits(&reference, text, opts)
+            .with_context(|| format!("the uncompressed model on {name}"))?;
+        refs.push((name.clone(), r));
+    }
+    drop(reference);
+    std::fs::create_dir_all(&a.work).with_context(|| format!("creating {}", a.work.display()))?;
+    let path = a.work.join("rows.jsonl");
+    // Rows are reused only under the same model, texts and chunking.
+    let context = format!(
+        "{} texts={:?} eval_chunks={} calib_chunks={}",
+        dir.display(),
+        texts.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+        a.eval_chunks,
+        a.calib_chunks
+    );
+    let (journal, rows) = Journal::open::<Measured>(&path, &context)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let done = rows
+        .into_iter()
+        .map(|m| (m.row.method.clone(), m.row))
+        .collect();
     let mut b = Bench {
         shape: ExpertShape::of(&config),
-        reference: model::load(&dir, Cpu::fast())?,
         dir: dir.clone(),
         config,
         ckpt,
-        texts,
-        opts: PplOptions {
-            ctx: 512,
-            max_chunks: Some(a.eval_chunks),
-            micro_batch: None,
-        },
+        texts: refs,
         encoded: HashMap::new(),
+        journal,
+        done,
     };
     let mut rows = Vec::new();
     let no_reset = |_: &mut LoadedModel<Cpu>| Ok(());
@@ -337,7 +379,8 @@ pub fn quality(a: QualityArgs) -> Result<()> {
         }
         for (rounds, plan) in &plans {
             let layers = Bench::plan_layers(plan);
-            let mut m = b.vq_model(&layers)?;
+            // Resident sets read VQ records from a store: the plan's, beside the model.
+            let mut m = load_plan(&dir, plan, &mut |_, _| {})?;
             let modes: &[Mode] = if *rounds == 2 {
                 &[Mode::Dynamic, Mode::Static]
             } else {
