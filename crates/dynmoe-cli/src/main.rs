@@ -5,6 +5,7 @@ mod codecs;
 mod compress;
 mod demo;
 mod progress;
+mod quality;
 mod residency;
 mod serve;
 mod store;
@@ -107,7 +108,7 @@ pub(crate) fn cuda_backend() -> Result<Cpu> {
 /// Loads the model the arguments name on their backend and evaluates `$body` with it
 /// bound to `$m`: the body is generic code instantiated once per backend type.
 macro_rules! with_model {
-    ($args:expr, |$m:ident| $body:expr) => {
+    ($args:expr, |$m:pat_param| $body:expr) => {
         match $args.backend {
             BackendKind::Cuda => {
                 let $m = load(&$args.model, cuda_backend()?, &$args.expert_codecs())?;
@@ -269,7 +270,8 @@ struct PplArgs {
     #[command(flatten)]
     residency: residency::ResidencyArgs,
     /// Run the checkpoint as this plan (`dynmoe compress`) configures it: per-layer
-    /// codecs and the experts each layer keeps.
+    /// codecs, and per layer as many resident experts as the plan keeps, starting from
+    /// its choice and following the text (`--residency static` keeps them fixed).
     #[arg(long, conflicts_with_all = ["codec", "codec_layer", "expert_bits", "expert_bits_layer"])]
     plan: Option<PathBuf>,
     /// Print JSON.
@@ -429,19 +431,27 @@ fn cmd_ppl(a: PplArgs) -> Result<()> {
         let plan = dynmoe::alloc::plan::Plan::load(path)?;
         let spinner = progress::spinner(&format!("loading {}", a.model.model.display()));
         let bar = VqBuildBar::default();
-        let m = dynmoe::calib::probe::load_plan(&a.model.model, &plan, &mut |d, t| {
+        let mut m = dynmoe::calib::probe::load_plan(&a.model.model, &plan, &mut |d, t| {
             bar.update(&spinner, d, t)
         })
         .with_context(|| format!("loading {} as {}", a.model.model.display(), path.display()))?;
         bar.finish();
         spinner.finish_and_clear();
-        return ppl_on(m, &a, &text);
+        let config = a.residency.install_plan(&mut m, &plan)?;
+        return ppl_on(m, &a, &text, Some(config));
     }
-    with_model!(a.model, |m| ppl_on(m, &a, &text))
+    with_model!(a.model, |mut m| {
+        let config = a.residency.install(&mut m)?;
+        ppl_on(m, &a, &text, config)
+    })
 }
 
-fn ppl_on<B: Backend>(mut m: LoadedModel<B>, a: &PplArgs, text: &str) -> Result<()> {
-    let resident = a.residency.install(&mut m)?;
+fn ppl_on<B: Backend>(
+    m: LoadedModel<B>,
+    a: &PplArgs,
+    text: &str,
+    resident: Option<dynmoe::residency::ResidencyConfig>,
+) -> Result<()> {
     let dynamic = resident.is_some_and(|c| c.mode == dynmoe::residency::Mode::Dynamic);
     let micro_batch = a.micro_batch.or(dynamic.then_some(32));
     let bar = progress::bar("perplexity");

@@ -386,6 +386,44 @@ fn decode_from_a_disk_reservoir_does_not_stall() {
     }
 }
 
+#[test]
+fn per_layer_counts_from_initial_sets_equal_masks_of_those_sets() {
+    // A plan gives each layer its own count: 3 resident experts in layer 0, 5 in layer 1.
+    let sets = BTreeMap::from([(0, vec![6, 1, 3]), (1, vec![0, 2, 4, 5, 7])]);
+    let tiny = fixture("tiny-moe");
+    let mut masked = model::load(&tiny, Cpu::fast()).unwrap();
+    for (&layer, set) in &sets {
+        let mut keep = vec![false; masked.model.config.moe.num_experts];
+        set.iter().for_each(|&e| keep[e as usize] = true);
+        masked.model.set_expert_mask(layer, Some(keep)).unwrap();
+    }
+    let ids = tokens(&masked);
+    let want = logits(&masked, &ids);
+
+    let mut m = model::load(&tiny, Cpu::fast()).unwrap();
+    let mut cfg = config(Mode::Static, 0, ReservoirKind::Ram);
+    cfg.resident = ResidentCount::Initial;
+    let reservoir = m.model.reservoir(cfg.reservoir).unwrap();
+    let res = m
+        .model
+        .new_residency(reservoir.clone(), cfg, &sets)
+        .unwrap();
+    m.model.set_residency(Some(res));
+    let err = rel_err(&logits(&m, &ids), &want);
+    assert!(err < 1e-5, "rel err {err}");
+    let report = m.model.residency().unwrap().report();
+    assert_eq!(report.resident_by_layer, BTreeMap::from([(0, 3), (1, 5)]));
+    assert_eq!(report.resident_per_layer, 5);
+
+    // Without a set for layer 1 there is no count for it.
+    let partial = BTreeMap::from([(0, vec![6, 1, 3])]);
+    let err = match m.model.new_residency(reservoir, cfg, &partial) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a layer without an initial set was accepted"),
+    };
+    assert!(err.contains("layer 1"), "{err}");
+}
+
 // ---- Resident sets over VQ layers ----
 
 /// tiny-moe (in a copy, where its VQ stores are written) with layer 0 at `l0` and

@@ -13,11 +13,12 @@ use std::sync::Mutex;
 
 use super::reap::{reap_saliency, Saliency};
 use crate::alloc::isp::{Prober, Setting};
-use crate::backend::Cpu;
+use crate::backend::{Backend, Cpu};
 use crate::codec::Codec;
 use crate::eval::ppl::{perplexity_tokens, PplError, PplOptions};
 use crate::model::weights::{encode_experts, VqExperts};
 use crate::model::{Checkpoint, Config, Error, LoadedModel, Model, Tokenizer};
+use crate::residency::{self, ResidencyConfig, ResidentCount};
 
 /// Probes one Hugging Face checkpoint.
 pub struct ModelProber {
@@ -240,6 +241,32 @@ pub fn load_plan(
     }
     let vq = crate::model::stored_vq_experts(dir, &config, &ckpt, &rungs, progress)?;
     assemble(dir, config, &ckpt, &vq, &keep)
+}
+
+/// Turns the static masks [`load_plan`] sets into resident sets holding the same
+/// experts, each layer with as many slots as the plan keeps resident: under
+/// [`Mode::Dynamic`](crate::residency::Mode::Dynamic) they then follow the text, the rest
+/// streamed from `config.reservoir`. `config.resident` is replaced by the plan's counts.
+pub fn follow_plan<B: Backend>(
+    m: &mut LoadedModel<B>,
+    plan: &crate::alloc::plan::Plan,
+    config: ResidencyConfig,
+) -> Result<(), residency::Error> {
+    let config = ResidencyConfig {
+        resident: ResidentCount::Initial,
+        ..config
+    };
+    for l in &plan.layers {
+        m.model
+            .set_expert_mask(l.layer, None)
+            .map_err(|e| residency::Error::Config(e.to_string()))?;
+    }
+    let reservoir = m.model.reservoir(config.reservoir)?;
+    let sets = m
+        .model
+        .new_residency(reservoir, config, &plan.resident_sets())?;
+    m.model.set_residency(Some(sets));
+    Ok(())
 }
 
 /// Resident experts of a layer of `experts` when a share `removed` goes: rounded to the

@@ -113,23 +113,24 @@ pub fn expert_tensors(
     Ok((tensors, prefix, names.projections))
 }
 
-/// Gate, up and down of expert `e` of MoE layer `layer` encoded at `rung`, from the
-/// checkpoint's weights, with the seeds of [`vq_seed`]. The one encoder of expert
-/// weights: in-memory encodings and VQ expert stores are both made by it.
+/// Gate, up and down of expert `e` of MoE layer `layer` encoded at `rungs` (one per
+/// projection), from the checkpoint's weights, with the seeds of [`vq_seed`]. The one
+/// encoder of expert weights: in-memory encodings and VQ expert stores are both made by
+/// it.
 pub fn encode_expert(
     config: &Config,
     ckpt: &Checkpoint,
     tensors: &ExpertTensors,
     layer: usize,
     e: usize,
-    rung: Rung,
+    rungs: [Rung; 3],
 ) -> Result<[VqMatrix; 3], Error> {
     let shape = ExpertShape::of(config);
     let encode = |p: usize| -> Result<VqMatrix, Error> {
         let [rows, cols] = shape.matrix(p);
         let (w, name) = tensors.matrix(ckpt, &shape, e, p)?;
         let seed = vq_seed(layer, shape.experts, e, p);
-        VqMatrix::encode(&w, rows, cols, rung, seed).map_err(|source| Error::Encode {
+        VqMatrix::encode(&w, rows, cols, rungs[p], seed).map_err(|source| Error::Encode {
             tensor: name,
             source,
         })
@@ -146,9 +147,20 @@ pub fn encode_experts(
     layer: usize,
     rung: Rung,
 ) -> Result<VqExperts, Error> {
+    encode_experts_by_projection(config, ckpt, layer, [rung; 3])
+}
+
+/// [`encode_experts`] with a rung per projection (gate, up, down): mixes that give the
+/// down projection more bits, as hand-made dynamic quants do.
+pub fn encode_experts_by_projection(
+    config: &Config,
+    ckpt: &Checkpoint,
+    layer: usize,
+    rungs: [Rung; 3],
+) -> Result<VqExperts, Error> {
     let (tensors, ..) = expert_tensors(config, ckpt, layer)?;
     let experts = (0..config.moe.num_experts)
-        .map(|e| encode_expert(config, ckpt, &tensors, layer, e, rung))
+        .map(|e| encode_expert(config, ckpt, &tensors, layer, e, rungs))
         .collect::<Result<Vec<_>, Error>>()?;
     Ok(VqExperts::Encoded(Arc::new(experts)))
 }

@@ -939,7 +939,7 @@ fn build(
                     .clone()
                     .into_par_iter()
                     .map(|e| {
-                        let mats = encode_expert(config, ckpt, t, layer, e, rung)?;
+                        let mats = encode_expert(config, ckpt, t, layer, e, [rung; 3])?;
                         Ok(pack_record(&layout, layer, e, &mats))
                     })
                     .collect::<Result<_, crate::model::Error>>()?,
