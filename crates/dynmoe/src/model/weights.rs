@@ -91,14 +91,6 @@ impl VqExperts {
             VqExperts::Stored { store, layer } => store.record(*layer, e),
         }
     }
-
-    /// The rung of the layer's experts.
-    pub fn rung(&self) -> Rung {
-        match self {
-            VqExperts::Encoded(m) => m[0][0].rung,
-            VqExperts::Stored { store, .. } => store.rung(),
-        }
-    }
 }
 
 /// The seed of the rotation of projection `p` (0 gate, 1 up, 2 down) of expert `e` of

@@ -846,7 +846,6 @@ pub fn ensure(
                     );
                     (Some(store), reason)
                 }
-                Err(Error::Missing { .. }) => (None, "missing".to_string()),
                 Err(e) => (None, e.to_string()),
             };
             let mut all = layers.clone();
