@@ -139,7 +139,18 @@ impl ResidencyArgs {
     }
 
     /// Installs the resident sets these flags ask for on `m`; returns whether any.
+    ///
+    /// A compressed model (`dynmoe compress -o DIR`) runs its plan's resident sets unless
+    /// --resident-fraction or --resident-count say otherwise (1.0: every expert).
     pub fn install<B: Backend>(&self, m: &mut LoadedModel<B>) -> Result<Option<ResidencyConfig>> {
+        let explicit = self.resident_fraction.is_some() || self.resident_count.is_some();
+        if !explicit && dynmoe::store::compressed::is_compressed(&m.dir) {
+            let (_, plan) = dynmoe::store::compressed::open(&m.dir)?;
+            if plan.layers.iter().all(|l| l.resident >= l.experts) {
+                return Ok(None);
+            }
+            return self.install_plan(m, &plan).map(Some);
+        }
         let Some(config) = self.config()? else {
             return Ok(None);
         };

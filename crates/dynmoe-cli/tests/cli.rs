@@ -508,6 +508,51 @@ fn compress_fits_the_budget_resumes_from_its_journal_and_the_plan_runs() {
         "--json",
     ]);
     assert!(ppl["ppl"].as_f64().unwrap().is_finite());
+
+    // The output directory is itself the compressed model: it runs without the
+    // checkpoint, with the plan's resident sets following the text by default, exactly
+    // as the checkpoint run with the plan.
+    let compressed = json_of(&[
+        "eval",
+        "ppl",
+        "--model",
+        &dir,
+        "--text",
+        "data/corpus/en/test.txt",
+        "--chunks",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(compressed["ppl"], ppl["ppl"]);
+    assert_eq!(compressed["residency"]["mode"], "dynamic");
+    assert_eq!(
+        compressed["residency"]["resident_by_layer"],
+        ppl["residency"]["resident_by_layer"]
+    );
+    // A plan edited after compression no longer matches the directory.
+    let plan_path = out.path("plan.json");
+    let text = std::fs::read_to_string(&plan_path).unwrap();
+    std::fs::write(
+        &plan_path,
+        text.replacen("\"version\": 1", "\"version\":  1", 1),
+    )
+    .unwrap();
+    let e = failure_of(&[
+        "eval",
+        "ppl",
+        "--model",
+        &dir,
+        "--text",
+        "data/corpus/en/test.txt",
+        "--chunks",
+        "1",
+    ]);
+    assert!(
+        e.contains("compressed.json") && e.contains("plan_checksum"),
+        "{e}"
+    );
+    std::fs::write(&plan_path, text).unwrap();
+
     // A budget no plan can meet is refused, not written.
     let e = failure_of(&[
         "compress",

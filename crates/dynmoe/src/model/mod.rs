@@ -232,7 +232,7 @@ impl ExpertBits {
 /// store for a converted directory. Affine codecs (`q4`, `q3`, `q2`) need a converted
 /// directory; VQ rungs are read from the VQ expert stores beside a checkpoint, encoded
 /// from its bf16 experts on first use ([`stored_vq_experts`]).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ExpertCodecs {
     /// Codec of every MoE layer not overridden.
     pub default: Option<crate::codec::Codec>,
@@ -295,6 +295,15 @@ pub fn load_with_progress<B: Backend>(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<LoadedModel<B>, Error> {
     use crate::codec::Codec;
+    if crate::store::compressed::is_compressed(dir) {
+        if codecs != &ExpertCodecs::default() {
+            return Err(Error::Config(format!(
+                "{} is a compressed model: it runs the codecs of its plan.json",
+                dir.display()
+            )));
+        }
+        return Ok(crate::store::compressed::load(dir, backend)?.0);
+    }
     let config = Config::from_file(&dir.join("config.json"))?;
     let checkpoint = Checkpoint::open(dir)?;
     let converted = dir.join(crate::store::data_file_name(4)).exists();

@@ -31,6 +31,7 @@
 
 pub mod atomic;
 pub mod base;
+pub mod compressed;
 pub mod journal;
 pub mod layout;
 pub mod lowbit;

@@ -539,7 +539,16 @@ struct Expected {
 impl Expected {
     fn of(dir: &Path, config: &Config, ckpt: &Checkpoint) -> Result<Expected, Error> {
         let (fingerprint, files) = tensors::fingerprint(ckpt, &dir.join("config.json"))?;
-        Ok(Expected {
+        Ok(Expected::with_source(dir, config, fingerprint, files))
+    }
+
+    fn with_source(
+        dir: &Path,
+        config: &Config,
+        fingerprint: String,
+        files: Vec<super::manifest::SourceFile>,
+    ) -> Expected {
+        Expected {
             shape: ExpertShape::of(config),
             moe_layers: config.moe_layers().collect(),
             model_type: config.arch.model_type().to_string(),
@@ -553,7 +562,7 @@ impl Expected {
                 fingerprint,
                 files,
             },
-        })
+        }
     }
 }
 
@@ -575,6 +584,16 @@ impl VqStore {
         let config = Config::from_file(&dir.join("config.json"))?;
         let ckpt = Checkpoint::open(dir)?;
         let want = Expected::of(dir, &config, &ckpt)?;
+        let _lock = atomic::lock_shared(dir)?;
+        open_checked(dir, rung, &want)
+    }
+
+    /// Opens and checks `rung`'s store in `dir` when the checkpoint it was encoded from
+    /// is not beside it (a compressed model directory, [`super::compressed`]): the
+    /// store must name `fingerprint`, which the directory's own manifest records.
+    pub fn open_encoded_from(dir: &Path, rung: Rung, fingerprint: &str) -> Result<VqStore, Error> {
+        let config = Config::from_file(&dir.join("config.json"))?;
+        let want = Expected::with_source(dir, &config, fingerprint.to_string(), Vec::new());
         let _lock = atomic::lock_shared(dir)?;
         open_checked(dir, rung, &want)
     }
