@@ -156,11 +156,14 @@ extern "C" __global__ void scatter_add_rows(const float* src, const unsigned* ro
 // key at a time (lanes across the head: coalesced reads); each thread owns up to two
 // output dimensions (head_dim <= 256).
 #define ATT_TILE 1024
+// With `pos_at` non-null, pos0 is read from it (a decode step replayed from a graph).
 extern "C" __global__ void attention(const float* q, const float* k, const float* v, float* out,
-                                     int pos0, int heads, int kv_heads, int head_dim, int window) {
+                                     int pos0, int heads, int kv_heads, int head_dim, int window,
+                                     const unsigned* pos_at) {
     __shared__ float scratch[32];
     __shared__ float qs[256];
     __shared__ float sc[ATT_TILE];
+    if (pos_at) pos0 = (int)*pos_at;
     int r = blockIdx.x / heads, h = blockIdx.x % heads;
     int p = pos0 + r;
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
@@ -432,4 +435,205 @@ extern "C" __global__ void copy_f4(const float4* src, float4* dst, long long n4)
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long stride = (long long)gridDim.x * blockDim.x;
     for (; i < n4; i += stride) dst[i] = src[i];
+}
+
+// ---- A MoE block routed on the device (decode): no host round trip ----
+
+// The best (value, index) over the block, ties to the lower index; every thread gets it.
+__device__ void block_argmax(float& v, int& i, float* sv, int* si) {
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    int warps = (blockDim.x + WARP - 1) / WARP;
+    for (int o = WARP / 2; o > 0; o /= 2) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    }
+    __syncthreads();
+    if (lane == 0) { sv[warp] = v; si[warp] = i; }
+    __syncthreads();
+    v = lane < warps ? sv[lane] : NEG_INF;
+    i = lane < warps ? si[lane] : 0x7fffffff;
+    for (int o = WARP / 2; o > 0; o /= 2) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    }
+}
+
+// One block per row of router logits `probs` ([rows, experts], replaced by their softmax,
+// unmasked): the top_k experts among those `keep` marks (all when null), best first, ties
+// to the lower id, into ids[row·top_k ..], and their weights. As on the host (moe::route
+// after residency::confine), a mask first rescales the kept probabilities to sum to one;
+// `renormalize` divides the chosen ones by their sum. Dynamic shared memory: experts floats.
+extern "C" __global__ void moe_route(float* probs, const unsigned char* keep, int* ids,
+                                     float* weights, int experts, int top_k, int renormalize) {
+    extern __shared__ float cand[];
+    __shared__ float scratch[32];
+    __shared__ int iscratch[32];
+    float* row = probs + (size_t)blockIdx.x * experts;
+    float m = NEG_INF;
+    for (int d = threadIdx.x; d < experts; d += blockDim.x) m = fmaxf(m, row[d]);
+    m = block_max(m, scratch);
+    float s = 0.0f;
+    for (int d = threadIdx.x; d < experts; d += blockDim.x) {
+        float e = expf(row[d] - m);
+        row[d] = e;
+        s += e;
+    }
+    s = block_sum(s, scratch);
+    float kept = 0.0f;
+    for (int d = threadIdx.x; d < experts; d += blockDim.x) {
+        float p = row[d] / s;
+        row[d] = p;
+        if (!keep || keep[d]) kept += p;
+    }
+    if (keep) kept = block_sum(kept, scratch);
+    for (int d = threadIdx.x; d < experts; d += blockDim.x)
+        cand[d] = !keep ? row[d] : (keep[d] ? row[d] / kept : NEG_INF);
+    __syncthreads();
+    int* out_ids = ids + (size_t)blockIdx.x * top_k;
+    float* out_w = weights + (size_t)blockIdx.x * top_k;
+    for (int k = 0; k < top_k; k++) {
+        float v = NEG_INF;
+        int i = 0x7fffffff;
+        for (int d = threadIdx.x; d < experts; d += blockDim.x)
+            if (cand[d] > v || (cand[d] == v && d < i)) { v = cand[d]; i = d; }
+        block_argmax(v, i, scratch, iscratch);
+        if (threadIdx.x == 0) {
+            out_ids[k] = i;
+            out_w[k] = v;
+            cand[i] = NEG_INF;
+        }
+        __syncthreads();
+    }
+    if (renormalize && threadIdx.x == 0) {
+        float t = 0.0f;
+        for (int k = 0; k < top_k; k++) t += out_w[k];
+        for (int k = 0; k < top_k; k++) out_w[k] /= t;
+    }
+}
+
+// One routed expert product per (AFF_WARPS · ROUTED_ROWS output rows, pair): blockIdx.y is the pair
+// (row pair / top_k of x, rank pair % top_k), whose expert ids[pair] picks a 9-pointer
+// entry of `table` (gate, up, down: words, scales, biases). With `up` null the input is
+// row pair / top_k of x; otherwise it is silu(x[pair]) ⊙ up[pair] (the down projection,
+// the SwiGLU fused into its staging). Writes row `pair` of `out`.
+#define ROUTED_ENTRY 9
+#define ROUTED_ROWS 4
+template <int BITS>
+__device__ void affine_routed(const unsigned long long* table, const int* ids, int top_k, int proj,
+                              const float* x, const float* up, float* out, int rows, int cols,
+                              int in_dim) {
+    extern __shared__ float xs[];
+    int pair = blockIdx.y;
+    const unsigned long long* e = table + (size_t)ids[pair] * ROUTED_ENTRY;
+    const unsigned* words = (const unsigned*)e[3 * proj];
+    const unsigned short* scales = (const unsigned short*)e[3 * proj + 1];
+    const unsigned short* biases = (const unsigned short*)e[3 * proj + 2];
+    size_t src = (size_t)(up ? pair : pair / top_k) * in_dim;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = 0.0f;
+        if (c < in_dim) {
+            v = x[src + c];
+            if (up) v = v / (1.0f + expf(-v)) * up[src + c];
+        }
+        xs[(c / 32) * 33 + c % 32] = v;
+    }
+    __syncthreads();
+    // ROUTED_ROWS output rows a warp, so the staged input serves more of the matrix.
+    int first = (blockIdx.x * AFF_WARPS + threadIdx.x / WARP) * ROUTED_ROWS;
+#pragma unroll
+    for (int j = 0; j < ROUTED_ROWS; j++) {
+        int o = first + j;
+        if (o < rows)
+            matvec_row<BITS>(words, scales, biases, xs, out + (size_t)pair * rows + o, rows, o,
+                             cols, 1);
+    }
+}
+
+#define ROUTED_AFFINE(B)                                                                      \
+    extern "C" __global__ void affine_routed_gate_up_q##B(                                    \
+        const unsigned long long* table, const int* ids, int top_k, const float* x,            \
+        float* gate, float* up, int rows, int cols, int in_dim) {                              \
+        int proj = blockIdx.z;                                                                 \
+        affine_routed<B>(table, ids, top_k, proj, x, nullptr, proj == 0 ? gate : up, rows,     \
+                         cols, in_dim);                                                        \
+    }                                                                                          \
+    extern "C" __global__ void affine_routed_down_q##B(                                       \
+        const unsigned long long* table, const int* ids, int top_k, const float* gate,         \
+        const float* up, float* out, int rows, int cols, int in_dim) {                         \
+        affine_routed<B>(table, ids, top_k, 2, gate, up, out, rows, cols, in_dim);             \
+    }
+
+ROUTED_AFFINE(4)
+ROUTED_AFFINE(3)
+ROUTED_AFFINE(2)
+
+// out[r] = Σ_k weights[r·top_k + k] · down[r·top_k + k], one block per row; overwrites.
+extern "C" __global__ void moe_combine(const float* down, const float* weights, float* out,
+                                       int top_k, int width) {
+    size_t r = blockIdx.x;
+    const float* w = weights + r * top_k;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        float s = 0.0f;
+        for (int k = 0; k < top_k; k++) s += w[k] * down[(r * top_k + k) * width + i];
+        out[r * width + i] = s;
+    }
+}
+
+// ---- Decode steps whose per-call values live in device memory ----
+
+// dst row *pos = src row 0.
+extern "C" __global__ void write_row_at(const float* src, float* dst, const unsigned* pos, int width) {
+    float* d = dst + (size_t)*pos * width;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < width; i += gridDim.x * blockDim.x)
+        d[i] = src[i];
+}
+
+// One block per row: the index of the row's largest value (the lowest on ties), its
+// bits stored in out[r].
+extern "C" __global__ void argmax_rows(const float* x, unsigned* out, int dim) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const float* row = x + (size_t)blockIdx.x * dim;
+    float v = NEG_INF;
+    int i = 0x7fffffff;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x)
+        if (row[d] > v || (row[d] == v && d < i)) { v = row[d]; i = d; }
+    block_argmax(v, i, sv, si);
+    if (threadIdx.x == 0) out[blockIdx.x] = (unsigned)(i == 0x7fffffff ? 0 : i);
+}
+
+// out[b·rows + o] = Σ_i x[b·cols + i]·w[o·cols + i] for `batch` (≤ 4) rows of x: a warp
+// per output row, 16-byte loads of w (cols a multiple of 4), x read through the cache.
+// For decode, where cuBLAS' GEMM runs far under bandwidth.
+#define MV_MAXB 4
+extern "C" __global__ void matvec_f32(const float* w, const float* x, float* out, int rows,
+                                      int cols, int batch) {
+    int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    int lane = threadIdx.x % WARP;
+    if (o >= rows) return;
+    const float4* wr = reinterpret_cast<const float4*>(w + (size_t)o * cols);
+    int n4 = cols / 4;
+    float acc[MV_MAXB];
+#pragma unroll
+    for (int b = 0; b < MV_MAXB; b++) acc[b] = 0.0f;
+#pragma unroll 4
+    for (int j = lane; j < n4; j += WARP) {
+        float4 a = wr[j];
+#pragma unroll
+        for (int b = 0; b < MV_MAXB; b++) {
+            if (b < batch) {
+                float4 c = reinterpret_cast<const float4*>(x + (size_t)b * cols)[j];
+                acc[b] += a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w;
+            }
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < MV_MAXB; b++) {
+        if (b < batch) {
+            float t = warp_sum(acc[b]);
+            if (lane == 0) out[(size_t)b * rows + o] = t;
+        }
+    }
 }
