@@ -308,7 +308,9 @@ fn decode_step_ops_match_the_reference() {
                 b.write_row_at(&t[1], o, &t[2], kvw)
             }
         );
-        let (k, v) = (fresh(ctx * kvw, 604), fresh(ctx * kvw, 605));
+        // Caches longer than the context, as a state's are: chunks past the position
+        // must count for nothing.
+        let (k, v) = (fresh((ctx + 300) * kvw, 604), fresh((ctx + 300) * kvw, 605));
         let q = fresh(heads * head_dim, 606 + pos as u64);
         for window in [None, Some(100)] {
             let shape = AttentionShape {

@@ -637,3 +637,98 @@ extern "C" __global__ void matvec_f32(const float* w, const float* x, float* out
         }
     }
 }
+
+// ---- Decode attention split over the keys ----
+//
+// One query row has only `heads` (query head) blocks of work; each would walk the whole
+// context alone. Here the context is cut into chunks of `chunk` keys, a block per (head,
+// chunk) writes its partial softmax (max, sum, unnormalised output) to `part`, and
+// attention_combine merges them. Chunks past the position (or before a window) write an
+// empty partial, so the grid can be fixed by the cache's capacity and the position read
+// from `pos_at` (when non-null) in a replayed step.
+#define SPLIT_CHUNK_MAX 1024
+extern "C" __global__ void attention_split(const float* q, const float* k, const float* v,
+                                           float* part, int pos0, int heads, int kv_heads,
+                                           int head_dim, int window, const unsigned* pos_at,
+                                           int chunk) {
+    __shared__ float scratch[32];
+    __shared__ float qs[256];
+    __shared__ float sc[SPLIT_CHUNK_MAX];
+    int h = blockIdx.x, s = blockIdx.y;
+    int p = pos_at ? (int)*pos_at : pos0;
+    int lo = window > 0 ? max(0, p + 1 - window) : 0;
+    int t0 = max(lo, s * chunk), t1 = min(p + 1, (s + 1) * chunk);
+    float* o = part + ((size_t)h * gridDim.y + s) * (head_dim + 2);
+    int d0 = threadIdx.x, d1 = threadIdx.x + blockDim.x;
+    if (t0 >= t1) {
+        if (threadIdx.x == 0) {
+            o[0] = NEG_INF;
+            o[1] = 0.0f;
+        }
+        if (d0 < head_dim) o[2 + d0] = 0.0f;
+        if (d1 < head_dim) o[2 + d1] = 0.0f;
+        return;
+    }
+    int kvh = h / (heads / kv_heads);
+    size_t kvw = (size_t)kv_heads * head_dim;
+    const float* qrow = q + (size_t)h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qrow[d];
+    __syncthreads();
+    float scale = 1.0f / sqrtf((float)head_dim);
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    int tn = t1 - t0;
+    for (int j = warp; j < tn; j += warps) {
+        const float* kr = k + (size_t)(t0 + j) * kvw + (size_t)kvh * head_dim;
+        float acc = 0.0f;
+        for (int d = lane; d < head_dim; d += WARP) acc += qs[d] * kr[d];
+        acc = warp_sum(acc);
+        if (lane == 0) sc[j] = acc * scale;
+    }
+    __syncthreads();
+    float m = NEG_INF;
+    for (int j = threadIdx.x; j < tn; j += blockDim.x) m = fmaxf(m, sc[j]);
+    m = block_max(m, scratch);
+    float l = 0.0f;
+    for (int j = threadIdx.x; j < tn; j += blockDim.x) {
+        float e = expf(sc[j] - m);
+        sc[j] = e;
+        l += e;
+    }
+    l = block_sum(l, scratch);  // its barriers also publish sc
+    const float* vb = v + (size_t)t0 * kvw + (size_t)kvh * head_dim;
+    float acc0 = 0.0f, acc1 = 0.0f;
+    for (int j = 0; j < tn; j++) {
+        float w = sc[j];
+        const float* vr = vb + (size_t)j * kvw;
+        if (d0 < head_dim) acc0 += w * vr[d0];
+        if (d1 < head_dim) acc1 += w * vr[d1];
+    }
+    if (threadIdx.x == 0) {
+        o[0] = m;
+        o[1] = l;
+    }
+    if (d0 < head_dim) o[2 + d0] = acc0;
+    if (d1 < head_dim) o[2 + d1] = acc1;
+}
+
+// One block per head: out = Σ_s acc_s·e^(m_s − M) / Σ_s l_s·e^(m_s − M).
+extern "C" __global__ void attention_combine(const float* part, float* out, int splits,
+                                             int head_dim) {
+    int h = blockIdx.x;
+    const float* ph = part + (size_t)h * splits * (head_dim + 2);
+    float mx = NEG_INF;
+    for (int s = 0; s < splits; s++) mx = fmaxf(mx, ph[(size_t)s * (head_dim + 2)]);
+    float l = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        float ms = ph[(size_t)s * (head_dim + 2)];
+        if (ms != NEG_INF) l += ph[(size_t)s * (head_dim + 2) + 1] * expf(ms - mx);
+    }
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float a = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            const float* ps = ph + (size_t)s * (head_dim + 2);
+            if (ps[0] != NEG_INF) a += ps[2 + d] * expf(ps[0] - mx);
+        }
+        out[(size_t)h * head_dim + d] = a / l;
+    }
+}

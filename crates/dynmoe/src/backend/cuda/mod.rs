@@ -167,7 +167,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 37] = [
+const KERNEL_NAMES: [&str; 39] = [
     "fill",
     "embed",
     "rms_norm",
@@ -205,6 +205,8 @@ const KERNEL_NAMES: [&str; 37] = [
     "write_row_at",
     "argmax_rows",
     "matvec_f32",
+    "attention_split",
+    "attention_combine",
 ];
 
 /// PTX of [`SOURCE`] per architecture, compiled once per process.
@@ -285,6 +287,11 @@ pub struct Cuda {
     graphs: Mutex<Vec<((usize, u64), Recorded)>>,
     /// Whether [`Backend::replay_step`] records graphs (`DYNMOE_CUDA_GRAPHS=0`: never).
     use_graphs: std::sync::atomic::AtomicBool,
+    /// Partial results of one-row attention split over the keys, grown as needed.
+    attn_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// Whether one-row attention is split over the keys (`DYNMOE_CUDA_SPLIT_ATTENTION=0`:
+    /// one block per head walks the whole context, as for many rows).
+    split_attention: bool,
 }
 
 /// A recorded step.
@@ -381,6 +388,9 @@ impl Cuda {
             use_graphs: std::sync::atomic::AtomicBool::new(
                 std::env::var("DYNMOE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             ),
+            attn_scratch: Mutex::new(None),
+            split_attention: std::env::var("DYNMOE_CUDA_SPLIT_ATTENTION")
+                .map_or(true, |v| v != "0"),
         })
     }
 
@@ -911,6 +921,65 @@ impl Cuda {
         self.gemm_xwt(x, w, rows, in_dim, in_dim, out_dim, out);
     }
 
+    /// Attention of one query row (position `pos0`, or the `u32` at device address
+    /// `pos_at` when non-zero) with the keys cut into chunks, a block per (head, chunk),
+    /// then merged: one block per head would walk the whole context alone. The chunks
+    /// follow the cache's capacity, not the position, so a recorded step stays valid.
+    fn attention_one_row(
+        &self,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<f32>,
+        v_cache: &CudaSlice<f32>,
+        shape: AttentionShape,
+        pos_at: u64,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let kvw = shape.kv_heads * shape.head_dim;
+        let capacity = (k_cache.len() / kvw).max(1);
+        let chunk = capacity.div_ceil(128).clamp(64, 1024);
+        let splits = capacity.div_ceil(chunk);
+        let need = shape.heads * splits * (shape.head_dim + 2);
+        let mut scratch = self.attn_scratch.lock().expect("scratch lock");
+        if scratch.as_ref().is_none_or(|s| s.len() < need) {
+            self.drop_graphs();
+            *scratch = Some(ok(unsafe { self.stream.alloc::<f32>(need) }, "alloc"));
+        }
+        let part = scratch.as_mut().expect("set above");
+        let (p0, h, kvh, d) = (
+            shape.pos0 as i32,
+            shape.heads as i32,
+            shape.kv_heads as i32,
+            shape.head_dim as i32,
+        );
+        let window = shape.window.map_or(0, |w| w as i32);
+        let c = chunk as i32;
+        let mut l = self.stream.launch_builder(self.func("attention_split"));
+        l.arg(q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(&mut *part)
+            .arg(&p0)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&d)
+            .arg(&window)
+            .arg(&pos_at)
+            .arg(&c);
+        let grid = LaunchConfig {
+            grid_dim: (shape.heads as u32, splits as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        ok(unsafe { l.launch(grid) }, "attention_split");
+        let n = splits as i32;
+        let mut l = self.stream.launch_builder(self.func("attention_combine"));
+        l.arg(&*part).arg(out).arg(&n).arg(&d);
+        ok(
+            unsafe { l.launch(cfg(shape.heads, row_threads(shape.head_dim), 0)) },
+            "attention_combine",
+        );
+    }
+
     /// Launches `l` with a thread per element of `n`.
     fn launch_1d(&self, mut l: LaunchArgs<'_>, n: usize, what: &str) {
         if n == 0 {
@@ -1157,6 +1226,10 @@ impl Backend for Cuda {
         if shape.rows == 0 {
             return;
         }
+        if shape.rows == 1 && self.split_attention {
+            self.attention_one_row(q, k_cache, v_cache, shape, 0, out);
+            return;
+        }
         let (p0, h, kvh, d) = (
             shape.pos0 as i32,
             shape.heads as i32,
@@ -1309,6 +1382,11 @@ impl Backend for Cuda {
         );
         let window = shape.window.map_or(0, |w| w as i32);
         let pos = step.slice(1..2);
+        if self.split_attention {
+            let at = pos.device_ptr(&self.stream).0;
+            self.attention_one_row(q, k_cache, v_cache, shape, at, out);
+            return;
+        }
         let mut l = self.stream.launch_builder(self.func("attention"));
         l.arg(q)
             .arg(k_cache)
