@@ -517,7 +517,8 @@ extern "C" __global__ void moe_route(float* probs, const unsigned char* keep, in
 // (row pair / top_k of x, rank pair % top_k), whose expert ids[pair] picks a 9-pointer
 // entry of `table` (gate, up, down: words, scales, biases). With `up` null the input is
 // row pair / top_k of x; otherwise it is silu(x[pair]) ⊙ up[pair] (the down projection,
-// the SwiGLU fused into its staging). Writes row `pair` of `out`.
+// the SwiGLU fused into its staging). Writes row `pair` of `out`. Dynamic shared memory:
+// the staged input (33 floats a chunk) and a sum per chunk.
 #define ROUTED_ENTRY 9
 #define ROUTED_ROWS 4
 template <int BITS>
@@ -539,15 +540,48 @@ __device__ void affine_routed(const unsigned long long* table, const int* ids, i
         }
         xs[(c / 32) * 33 + c % 32] = v;
     }
+    // Sums of each staged chunk, shared by every row (the bias term of a group).
+    int chunks = cols / 32;
+    float* csum = xs + chunks * 33;
     __syncthreads();
-    // ROUTED_ROWS output rows a warp, so the staged input serves more of the matrix.
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        float t = 0.0f;
+        for (int j = 0; j < 32; j++) t += xs[c * 33 + j];
+        csum[c] = t;
+    }
+    __syncthreads();
+    // ROUTED_ROWS output rows a warp, their chunks loaded together so more loads are in
+    // flight, and the staged input serves more of the matrix.
+    int lane = threadIdx.x % WARP;
     int first = (blockIdx.x * AFF_WARPS + threadIdx.x / WARP) * ROUTED_ROWS;
+    const float a = recon_a<BITS>(), off = recon_o<BITS>();
+    float acc[ROUTED_ROWS];
+#pragma unroll
+    for (int j = 0; j < ROUTED_ROWS; j++) acc[j] = 0.0f;
+    for (int c = lane; c < chunks; c += WARP) {
+        const float* xc = xs + c * 33;
+#pragma unroll
+        for (int j = 0; j < ROUTED_ROWS; j++) {
+            int o = first + j;
+            if (o < rows) {
+                float codes[32];
+                decode_chunk<BITS>(words + (size_t)o * row_words<BITS>(cols), c, codes);
+                size_t g = (size_t)o * (cols / 64) + c / 2;
+                float sc = bf16_bits(scales[g]), bias = bf16_bits(biases[g]);
+                float sqx = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 32; k++) sqx += codes[k] * xc[k];
+                acc[j] += a * sc * sqx + (off * sc + bias) * csum[c];
+            }
+        }
+    }
 #pragma unroll
     for (int j = 0; j < ROUTED_ROWS; j++) {
         int o = first + j;
-        if (o < rows)
-            matvec_row<BITS>(words, scales, biases, xs, out + (size_t)pair * rows + o, rows, o,
-                             cols, 1);
+        if (o < rows) {
+            float t = warp_sum(acc[j]);
+            if (lane == 0) out[(size_t)pair * rows + o] = t;
+        }
     }
 }
 

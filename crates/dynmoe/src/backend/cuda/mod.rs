@@ -334,6 +334,11 @@ fn affine_tile(cols: usize) -> (usize, usize) {
     )
 }
 
+/// Shared memory of a routed expert block: one staged row and a sum per 32 columns.
+fn routed_shared(cols: usize) -> usize {
+    affine_tile(cols).1 + (cols / 32) * 4
+}
+
 fn blocks(n: usize, threads: usize) -> u32 {
     n.div_ceil(threads).max(1) as u32
 }
@@ -847,7 +852,7 @@ impl Cuda {
         };
         let (bits, inter, up_cols, down_cols) =
             (first.0.bits, first.0.rows, first.0.cols, first.1.cols);
-        let fits = |cols: usize| affine_tile(cols).1 <= SHARED_LIMIT;
+        let fits = |cols: usize| routed_shared(cols) <= SHARED_LIMIT;
         if !matches!(bits, 2..=4)
             || up_cols < hidden
             || down_cols < inter
@@ -1564,7 +1569,7 @@ impl Backend for Cuda {
                 2,
             ),
             block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: affine_tile(block.up_cols).1 as u32,
+            shared_mem_bytes: routed_shared(block.up_cols) as u32,
         };
         ok(unsafe { l.launch(grid) }, "routed gate/up");
 
@@ -1585,7 +1590,7 @@ impl Backend for Cuda {
                 1,
             ),
             block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: affine_tile(block.down_cols).1 as u32,
+            shared_mem_bytes: routed_shared(block.down_cols) as u32,
         };
         ok(unsafe { l.launch(grid) }, "routed down");
 
