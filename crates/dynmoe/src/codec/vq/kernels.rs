@@ -13,9 +13,9 @@
 //! up to eight activation rows per pass over a weight row, so each looked-up codeword
 //! serves all of them; above, the matrix is decoded once and multiplied with gemm. A
 //! kernel call covers a run of weight rows. With AVX2, FMA and F16C, kernels built for
-//! each rung's `(p, k)` read an fp16 copy of the codebook (picked at run time); other
-//! shapes (blocks under 128 values) take a generic loop. Every variant is tested
-//! against [`matmul_reference`].
+//! each rung's `(p, k)` read an fp16 copy of the codebook (picked at run time); blocks
+//! too short for their steps (only in rows under 128 columns) take a generic loop.
+//! Every variant is tested against [`matmul_reference`].
 //!
 //! At 2 bits (`k` = 16) the codebook is 1 MiB, as large as a core's L2 cache, and
 //! nearly every lookup misses L1; that, not the arithmetic, is what the 2-bit product
