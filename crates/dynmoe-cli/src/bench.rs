@@ -68,6 +68,9 @@ pub enum BenchCommand {
     /// The VQ ladder: bits per weight, distortion on Gaussian and real weights beside
     /// the bound and the bitsandbytes constants, encode and decode speed, fit of φ(b).
     Codecs(crate::codecs::CodecsArgs),
+    /// Perplexity and KL divergence against resident bits: ISP plans beside uniform
+    /// codecs, static REAP and a hand heuristic; a table, JSON and an SVG plot.
+    Quality(crate::quality::QualityArgs),
 }
 
 #[derive(Args)]
@@ -98,6 +101,7 @@ pub fn bench(c: BenchCommand) -> Result<()> {
     match c {
         BenchCommand::Decode(a) => decode(a),
         BenchCommand::Codecs(a) => crate::codecs::bench_codecs(a),
+        BenchCommand::Quality(a) => crate::quality::quality(a),
     }
 }
 

@@ -129,14 +129,13 @@ impl<B: Backend> Model<B> {
 
     /// A reservoir of every routed expert of this model, in RAM or on disk.
     pub fn reservoir(&self, kind: ReservoirKind) -> Result<Arc<Reservoir>, residency::Error> {
-        let vq_layer = self
-            .layers
-            .iter()
-            .position(|l| matches!(&l.mlp, Ffn::Moe(m) if matches!(m.experts, Experts::Vq(_))));
-        if let Some(layer) = vq_layer {
+        let encoded = self.layers.iter().position(|l| {
+            matches!(&l.mlp, Ffn::Moe(m) if matches!(m.experts, Experts::Vq(VqExperts::Encoded(_))))
+        });
+        if let Some(layer) = encoded {
             return Err(residency::Error::Config(format!(
-                "layer {layer} runs VQ-coded experts; resident sets cover bf16 and affine \
-                 experts so far"
+                "layer {layer} runs VQ experts encoded in memory, which no reservoir can \
+                 read; load them from a VQ expert store (store::vq)"
             )));
         }
         Ok(Arc::new(Reservoir::open(kind, &self.expert_sources())?))

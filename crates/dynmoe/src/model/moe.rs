@@ -85,14 +85,23 @@ pub fn expert_group<'a, B: Backend>(
     match experts {
         Experts::Dense(mlps) => group(&mlps[e], rows, scales),
         Experts::Stored { store, layer } => record_group(store.record(*layer, e), rows, scales),
-        Experts::Vq(m) => SwiGluGroup {
-            gate: Weight::Vq(m[e][0].view()),
-            up: Weight::Vq(m[e][1].view()),
-            down: Weight::Vq(m[e][2].view()),
-            intermediate: m[e][0].rows,
-            rows,
-            scales,
-        },
+        Experts::Vq(m) => vq_group(m.expert(e), rows, scales),
+    }
+}
+
+/// The group that runs a VQ-coded expert (gate, up, down) on `rows`.
+pub fn vq_group<'a, T>(
+    [gate, up, down]: [crate::codec::vq::VqView<'a>; 3],
+    rows: &'a [u32],
+    scales: &'a [f32],
+) -> SwiGluGroup<'a, T> {
+    SwiGluGroup {
+        gate: Weight::Vq(gate),
+        up: Weight::Vq(up),
+        down: Weight::Vq(down),
+        intermediate: gate.rows,
+        rows,
+        scales,
     }
 }
 
