@@ -169,20 +169,21 @@ pub struct BuildParams {
 impl BuildParams {
     /// The parameters the shipped codebook of `rung` was built with.
     ///
-    /// Books of at most 4 dimensions with at least 128 codewords per orthant (2.75, 3,
-    /// 4 and 5 bits) are sign-symmetric: measured on fresh Gaussian vectors, that gave
+    /// Books of at most 4 dimensions with at least 128 codewords per orthant (2.75, 4
+    /// and 5 bits) are sign-symmetric: measured on fresh Gaussian vectors, that gave
     /// lower distortion than the unconstrained books, which see `2^p` times fewer
     /// samples per codeword for the same work. With 32 and 64 per orthant (2.25 and 2.5
     /// bits) the constraint costs more than it gains (0.0736 against 0.0713, 0.0525
     /// against 0.0512), and the eight- and sixteen-dimensional books, with at most a few
-    /// codewords per orthant, stay unconstrained too. Fewer samples per codeword for
-    /// the largest books keep the build to minutes; all start from a structured
-    /// codebook (see [`build`]).
+    /// codewords per orthant, stay unconstrained too. At 3 bits the sign-symmetric book
+    /// stops at 0.0263, above the bitsandbytes constant, however long it is trained;
+    /// letting it go free afterwards reaches 0.0258 ([`Symmetry::SignsThenFree`]).
+    /// Fewer samples per codeword for the largest books keep the build to minutes.
     pub fn for_rung(rung: Rung) -> BuildParams {
-        let symmetry = if rung.dim <= 4 && rung.index_bits >= rung.dim as u32 + 7 {
-            Symmetry::Signs
-        } else {
-            Symmetry::None
+        let symmetry = match (rung.dim, rung.index_bits) {
+            (4, 12) => Symmetry::SignsThenFree,
+            (p, k) if p <= 4 && k >= p as u32 + 7 => Symmetry::Signs,
+            _ => Symmetry::None,
         };
         BuildParams::with_symmetry(rung, symmetry)
     }
