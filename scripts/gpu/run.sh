@@ -11,6 +11,8 @@
 # cli      `dynmoe eval ppl` and `dynmoe run` with --backend cuda beside --backend cpu
 # model    a random checkpoint of Qwen3-30B-A3B's shape (first $LAYERS layers), converted
 #          to 4/3/2-bit stores, decode and prefill tok/s at each (model_speed.json)
+# variants after `model`, at 4 bits: decode with one-row attention not split over the
+#          keys, and decode after a 16-token prompt (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -62,6 +64,18 @@ for step in $steps; do
         fi
         "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4,3,2 \
             --prompt 512 --generate 128 --json "$OUT/model_speed.json" 2>&1 | tee "$OUT/model.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        ;;
+    variants)
+        echo "== decode variants, 4 bits"
+        m="$WORK/qwen3-30b-a3b-l$LAYERS"
+        {
+            echo "-- one block per head walking the whole context"
+            DYNMOE_CUDA_SPLIT_ATTENTION=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
+                --prompt 512 --generate 128
+            echo "-- 16-token prompt"
+            "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128
+        } 2>&1 | tee "$OUT/model_variants.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     *) echo "unknown step $step"; status=1 ;;

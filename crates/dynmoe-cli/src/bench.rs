@@ -68,6 +68,9 @@ pub enum BenchCommand {
     /// The VQ ladder: bits per weight, distortion on Gaussian and real weights beside
     /// the bound and the bitsandbytes constants, encode and decode speed, fit of φ(b).
     Codecs(crate::codecs::CodecsArgs),
+    /// Perplexity and KL divergence against resident bits: ISP plans beside uniform
+    /// codecs, static REAP and a hand heuristic; a table, JSON and an SVG plot.
+    Quality(crate::quality::QualityArgs),
 }
 
 #[derive(Args)]
@@ -98,6 +101,7 @@ pub fn bench(c: BenchCommand) -> Result<()> {
     match c {
         BenchCommand::Decode(a) => decode(a),
         BenchCommand::Codecs(a) => crate::codecs::bench_codecs(a),
+        BenchCommand::Quality(a) => crate::quality::quality(a),
     }
 }
 
@@ -124,9 +128,18 @@ fn llama_cpp(c: &Config, bits: u32) -> Option<(f64, f64)> {
 struct Case {
     bits: u32,
     prefill_tok_s: f64,
+    /// Greedy decode with the token picked on the backend (`Model::decode_greedy`; on
+    /// CUDA each step replayed from a graph).
     decode_tok_s: f64,
     prefill_runs_tok_s: Vec<f64>,
     decode_runs_tok_s: Vec<f64>,
+    /// The same steps run eagerly (CUDA with graphs off; `None` elsewhere).
+    decode_eager_tok_s: Option<f64>,
+    /// Decode through `Model::forward`, the logits read back and the argmax taken on the
+    /// host every step.
+    decode_logits_tok_s: f64,
+    /// Whether the two decode paths chose the same tokens in every run.
+    decode_paths_agree: bool,
     /// Weight bytes one decode step must read: dense tensors as stored on the backend
     /// (f32), the LM head, and top-k experts of every MoE layer at `bits`.
     decode_bytes_per_token: usize,
@@ -164,40 +177,70 @@ fn decode_bytes(c: &Config, bits: u32) -> usize {
     c.layers.len() * attention + moe * (4 * e * h + c.moe.top_k * expert) + 4 * c.vocab_size * h
 }
 
-/// Median of prefill and decode tokens per second over `repeats` runs, after a warm-up
-/// run (which also brings every touched expert onto the device).
+/// Tokens per second of each run of one way of decoding.
+#[derive(Default)]
+struct Runs {
+    prefill: Vec<f64>,
+    /// Through `Model::decode_greedy`.
+    greedy: Vec<f64>,
+    /// Through `Model::forward` and a host argmax.
+    logits: Vec<f64>,
+    agree: bool,
+}
+
+/// Prefill and decode tokens per second over `repeats` runs, after a warm-up run (which
+/// also brings every touched expert onto the device, and records the decode step where
+/// the backend does). Each run decodes twice from the same prefill position: greedy on
+/// the backend, then through the logits.
 fn measure<B: Backend>(
     m: &LoadedModel<B>,
     prompt: usize,
     generate: usize,
     repeats: usize,
-) -> Result<(Vec<f64>, Vec<f64>)> {
+) -> Result<Runs> {
     let vocab = m.model.config.vocab_size as u64;
     let mut rng = Rng::seeded(1);
     let ids: Vec<u32> = (0..prompt)
         .map(|_| (rng.next_u64() % vocab) as u32)
         .collect();
     let mut state = m.model.new_state(prompt + generate);
-    let (mut pre, mut dec) = (Vec::new(), Vec::new());
+    let mut runs = Runs {
+        agree: true,
+        ..Runs::default()
+    };
     for run in 0..=repeats {
         state.clear();
         let t = Instant::now();
         // Downloading the logits waits for the device.
         let logits = m.model.forward(&mut state, &ids, prompt - 1)?;
         let prefill = t.elapsed().as_secs_f64();
-        let mut next = argmax(&logits);
+        let first = argmax(&logits);
+        let mut tokens = [Vec::new(), Vec::new()];
+        let mut next = first;
+        let t = Instant::now();
+        for _ in 0..generate {
+            next = m.model.decode_greedy(&mut state, next)?;
+            tokens[0].push(next);
+        }
+        let greedy = t.elapsed().as_secs_f64();
+        // The same positions again: the cache rows are rewritten as they are reached.
+        state.pos = prompt;
+        next = first;
         let t = Instant::now();
         for _ in 0..generate {
             let logits = m.model.forward(&mut state, &[next], 0)?;
             next = argmax(&logits);
+            tokens[1].push(next);
         }
-        let decode = t.elapsed().as_secs_f64();
+        let through_logits = t.elapsed().as_secs_f64();
+        runs.agree &= tokens[0] == tokens[1];
         if run > 0 {
-            pre.push(prompt as f64 / prefill);
-            dec.push(generate as f64 / decode);
+            runs.prefill.push(prompt as f64 / prefill);
+            runs.greedy.push(generate as f64 / greedy);
+            runs.logits.push(generate as f64 / through_logits);
         }
     }
-    Ok((pre, dec))
+    Ok(runs)
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -223,10 +266,12 @@ fn decode(a: DecodeArgs) -> Result<()> {
         a.repeats
     );
     println!(
-        "{:>4} {:>12} {:>11} {:>11} {:>11} {:>13} {:>14}",
+        "{:>4} {:>12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>13} {:>14}",
         "bits",
         "prefill t/s",
         "decode t/s",
+        "eager t/s",
+        "logits t/s",
         "floor t/s",
         "MB/token",
         "llama.cpp dec",
@@ -238,16 +283,20 @@ fn decode(a: DecodeArgs) -> Result<()> {
             ..ExpertBits::default()
         };
         // A backend per model, so that each precision's device weights go with it.
-        let (pre, dec) = match a.backend {
+        let (runs, eager) = match a.backend {
             BackendKind::Cuda => {
                 let m = crate::load(&a.model, cuda_backend()?, &(&eb).into())?;
-                measure(&m, a.prompt, a.generate, a.repeats)?
+                let runs = measure(&m, a.prompt, a.generate, a.repeats)?;
+                let eager = eager_runs(&m, a.prompt, a.generate, a.repeats)?;
+                (runs, eager)
             }
             other => {
                 let m = crate::load(&a.model, other.cpu(), &(&eb).into())?;
-                measure(&m, a.prompt, a.generate, a.repeats)?
+                (measure(&m, a.prompt, a.generate, a.repeats)?, None)
             }
         };
+        let agree = runs.agree && eager.as_ref().is_none_or(|e| e.agree);
+        let (pre, dec) = (runs.prefill, runs.greedy);
         let bytes = decode_bytes(&config, bits);
         let floor = copy_gb_s.map(|bw| bw * 1e9 / bytes as f64);
         let ll = llama_cpp(&config, bits);
@@ -257,16 +306,25 @@ fn decode(a: DecodeArgs) -> Result<()> {
             decode_tok_s: median(&dec),
             prefill_runs_tok_s: pre,
             decode_runs_tok_s: dec,
+            decode_eager_tok_s: eager.map(|e| median(&e.greedy)),
+            decode_logits_tok_s: median(&runs.logits),
+            decode_paths_agree: agree,
             decode_bytes_per_token: bytes,
             decode_floor_tok_s: floor,
             llama_cpp_decode_tok_s: ll.map(|l| l.0),
             llama_cpp_prefill_tok_s: ll.map(|l| l.1),
         };
         let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
+        if !case.decode_paths_agree {
+            eprintln!("warning: {bits}-bit greedy decode differs between the two decode paths");
+        }
         println!(
-            "{bits:>4} {:>12.0} {:>11.1} {:>11} {:>11.1} {:>13} {:>14}",
+            "{bits:>4} {:>12.0} {:>11.1} {:>11} {:>11.1} {:>11} {:>11.1} {:>13} {:>14}",
             case.prefill_tok_s,
             case.decode_tok_s,
+            case.decode_eager_tok_s
+                .map_or("-".to_string(), |v| format!("{v:.1}")),
+            case.decode_logits_tok_s,
             opt(floor),
             bytes as f64 / 1e6,
             opt(case.llama_cpp_decode_tok_s),
@@ -293,6 +351,31 @@ fn decode(a: DecodeArgs) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The decode runs again with CUDA graphs off: what recording the step buys.
+#[cfg(feature = "cuda")]
+fn eager_runs(
+    m: &LoadedModel<dynmoe::backend::Cuda>,
+    prompt: usize,
+    generate: usize,
+    repeats: usize,
+) -> Result<Option<Runs>> {
+    m.model.backend().set_graphs(false);
+    let runs = measure(m, prompt, generate, repeats);
+    m.model.backend().set_graphs(true);
+    Ok(Some(runs?))
+}
+
+/// Without the feature the "CUDA" model is never made (see `cuda_backend`).
+#[cfg(not(feature = "cuda"))]
+fn eager_runs<B: Backend>(
+    _: &LoadedModel<B>,
+    _: usize,
+    _: usize,
+    _: usize,
+) -> Result<Option<Runs>> {
+    Ok(None)
 }
 
 /// The device's name and copy bandwidth (GB/s) for the report.

@@ -30,9 +30,13 @@ pub struct CompressArgs {
     /// Calibration texts, comma-separated.
     #[arg(long, value_delimiter = ',', required = true)]
     calib: Vec<PathBuf>,
-    /// Output directory (plan.json, probes.jsonl).
+    /// Output directory: the compressed model (plan.json, dense.safetensors, the VQ
+    /// stores, compressed.json) and the probe journal.
     #[arg(short = 'o', long)]
     out: PathBuf,
+    /// Write plan.json (and the journal) only, not the model.
+    #[arg(long)]
+    plan_only: bool,
     /// Rounds at the final budget; fewer when the plan stops changing.
     #[arg(long, default_value_t = 2)]
     rounds: usize,
@@ -77,6 +81,17 @@ pub fn compress(a: CompressArgs) -> Result<()> {
         }
     })
     .with_context(|| format!("compressing {}", a.model.display()))?;
+    if !a.plan_only {
+        if !quiet {
+            eprintln!("writing the compressed model");
+        }
+        let bar = crate::progress::bar("encoding experts");
+        dynmoe::store::compressed::write(&a.model, &a.out, &plan, &mut |d, t| {
+            crate::progress::update(&bar, d, t)
+        })
+        .with_context(|| format!("writing the compressed model to {}", a.out.display()))?;
+        bar.finish_and_clear();
+    }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&plan)?);
         return Ok(());
@@ -96,13 +111,14 @@ pub fn compress(a: CompressArgs) -> Result<()> {
         );
     }
     println!(
-        "resident {} of {} budget bytes ({:.3} of {:.3} bits per weight, {} unspent); plan in {}",
+        "resident {} of {} budget bytes ({:.3} of {:.3} bits per weight, {} unspent); {} in {}",
         plan.resident_bytes,
         plan.budget_bytes,
         plan.resident_bits(),
         plan.budget_bits,
         plan.unspent_bytes,
-        a.out.join(dynmoe::alloc::plan::PLAN_FILE).display()
+        if a.plan_only { "plan" } else { "model" },
+        a.out.display()
     );
     Ok(())
 }

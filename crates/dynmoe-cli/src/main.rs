@@ -5,6 +5,7 @@ mod codecs;
 mod compress;
 mod demo;
 mod progress;
+mod quality;
 mod residency;
 mod serve;
 mod store;
@@ -107,7 +108,7 @@ pub(crate) fn cuda_backend() -> Result<Cpu> {
 /// Loads the model the arguments name on their backend and evaluates `$body` with it
 /// bound to `$m`: the body is generic code instantiated once per backend type.
 macro_rules! with_model {
-    ($args:expr, |$m:ident| $body:expr) => {
+    ($args:expr, |$m:pat_param| $body:expr) => {
         match $args.backend {
             BackendKind::Cuda => {
                 let $m = load(&$args.model, cuda_backend()?, &$args.expert_codecs())?;
@@ -136,7 +137,8 @@ pub(crate) struct ModelArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_layer_bits)]
     expert_bits_layer: Vec<(usize, u32)>,
     /// Codec of the routed experts: q4, q3, q2 (a converted directory's stores) or a VQ
-    /// rung such as vq1.5 (encoded at load from a checkpoint's bf16 experts).
+    /// rung such as vq1.5 (from the VQ store beside a checkpoint, encoded from its bf16
+    /// experts on first use).
     #[arg(long, conflicts_with_all = ["expert_bits", "expert_bits_layer"])]
     codec: Option<Codec>,
     /// Per-layer codecs overriding --codec, as LAYER=CODEC pairs: `0=vq4,5=vq2`.
@@ -268,7 +270,8 @@ struct PplArgs {
     #[command(flatten)]
     residency: residency::ResidencyArgs,
     /// Run the checkpoint as this plan (`dynmoe compress`) configures it: per-layer
-    /// codecs and the experts each layer keeps.
+    /// codecs, and per layer as many resident experts as the plan keeps, starting from
+    /// its choice and following the text (`--residency static` keeps them fixed).
     #[arg(long, conflicts_with_all = ["codec", "codec_layer", "expert_bits", "expert_bits_layer"])]
     plan: Option<PathBuf>,
     /// Print JSON.
@@ -328,10 +331,33 @@ pub(crate) fn load<B: Backend>(
     codecs: &ExpertCodecs,
 ) -> Result<LoadedModel<B>> {
     let spinner = progress::spinner(&format!("loading {}", dir.display()));
-    let m = model::load_with_codecs(dir, backend, codecs)
+    let bar = VqBuildBar::default();
+    let m = model::load_with_progress(dir, backend, codecs, &mut |d, t| bar.update(&spinner, d, t))
         .with_context(|| format!("loading model {}", dir.display()))?;
+    bar.finish();
     spinner.finish_and_clear();
     Ok(m)
+}
+
+/// The bar of a VQ expert store being built during a load, shown (in place of the
+/// loading spinner) only once a build starts.
+#[derive(Default)]
+pub(crate) struct VqBuildBar(std::cell::OnceCell<indicatif::ProgressBar>);
+
+impl VqBuildBar {
+    fn update(&self, spinner: &indicatif::ProgressBar, done: usize, total: usize) {
+        let bar = self.0.get_or_init(|| {
+            spinner.finish_and_clear();
+            progress::bar("VQ experts")
+        });
+        progress::update(bar, done, total);
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = self.0.get() {
+            bar.finish_and_clear();
+        }
+    }
 }
 
 pub(crate) fn read_text(path: &Path) -> Result<String> {
@@ -403,16 +429,29 @@ fn cmd_ppl(a: PplArgs) -> Result<()> {
     let text = read_text(&a.text)?;
     if let Some(path) = &a.plan {
         let plan = dynmoe::alloc::plan::Plan::load(path)?;
-        let m = dynmoe::calib::probe::load_plan(&a.model.model, &plan).with_context(|| {
-            format!("loading {} as {}", a.model.model.display(), path.display())
-        })?;
-        return ppl_on(m, &a, &text);
+        let spinner = progress::spinner(&format!("loading {}", a.model.model.display()));
+        let bar = VqBuildBar::default();
+        let mut m = dynmoe::calib::probe::load_plan(&a.model.model, &plan, &mut |d, t| {
+            bar.update(&spinner, d, t)
+        })
+        .with_context(|| format!("loading {} as {}", a.model.model.display(), path.display()))?;
+        bar.finish();
+        spinner.finish_and_clear();
+        let config = a.residency.install_plan(&mut m, &plan)?;
+        return ppl_on(m, &a, &text, Some(config));
     }
-    with_model!(a.model, |m| ppl_on(m, &a, &text))
+    with_model!(a.model, |mut m| {
+        let config = a.residency.install(&mut m)?;
+        ppl_on(m, &a, &text, config)
+    })
 }
 
-fn ppl_on<B: Backend>(mut m: LoadedModel<B>, a: &PplArgs, text: &str) -> Result<()> {
-    let resident = a.residency.install(&mut m)?;
+fn ppl_on<B: Backend>(
+    m: LoadedModel<B>,
+    a: &PplArgs,
+    text: &str,
+    resident: Option<dynmoe::residency::ResidencyConfig>,
+) -> Result<()> {
     let dynamic = resident.is_some_and(|c| c.mode == dynmoe::residency::Mode::Dynamic);
     let micro_batch = a.micro_batch.or(dynamic.then_some(32));
     let bar = progress::bar("perplexity");

@@ -82,13 +82,18 @@ impl ResidencyArgs {
             (None, Some(k)) => ResidentCount::Count(k),
             (None, None) => return Ok(None),
         };
+        self.config_with(resident).map(Some)
+    }
+
+    /// The configuration with `resident` experts per layer and the other flags.
+    fn config_with(&self, resident: ResidentCount) -> Result<ResidencyConfig> {
         if self.half_lives.len() != 2 {
             bail!("--half-lives takes two values, got {:?}", self.half_lives);
         }
         if self.swap_margin.is_nan() || self.swap_margin < 0.0 {
             bail!("--swap-margin must be >= 0, got {}", self.swap_margin);
         }
-        Ok(Some(ResidencyConfig {
+        Ok(ResidencyConfig {
             resident,
             mode: match self.residency {
                 ModeArg::Dynamic => Mode::Dynamic,
@@ -105,11 +110,47 @@ impl ResidencyArgs {
                 half_lives: [self.half_lives[0], self.half_lives[1]],
             },
             loader_threads: self.loader_threads,
-        }))
+        })
+    }
+
+    /// Installs the resident sets of `plan` on `m` (loaded by `load_plan`): each layer
+    /// starts from the experts the plan keeps, with as many slots, and follows the text
+    /// unless `--residency static`. The plan's static masks are lifted, since the sets
+    /// now confine routing. Returns the configuration.
+    pub fn install_plan<B: Backend>(
+        &self,
+        m: &mut LoadedModel<B>,
+        plan: &dynmoe::alloc::plan::Plan,
+    ) -> Result<ResidencyConfig> {
+        if self.resident_fraction.is_some() || self.resident_count.is_some() || self.calib.is_some()
+        {
+            bail!("a plan sets each layer's resident experts; drop --resident-fraction, --resident-count and --calib");
+        }
+        let config = self.config_with(ResidentCount::Initial)?;
+        for l in &plan.layers {
+            m.model.set_expert_mask(l.layer, None)?;
+        }
+        let reservoir = m.model.reservoir(config.reservoir)?;
+        let res = m
+            .model
+            .new_residency(reservoir, config, &plan.resident_sets())?;
+        m.model.set_residency(Some(res));
+        Ok(config)
     }
 
     /// Installs the resident sets these flags ask for on `m`; returns whether any.
+    ///
+    /// A compressed model (`dynmoe compress -o DIR`) runs its plan's resident sets unless
+    /// --resident-fraction or --resident-count say otherwise (1.0: every expert).
     pub fn install<B: Backend>(&self, m: &mut LoadedModel<B>) -> Result<Option<ResidencyConfig>> {
+        let explicit = self.resident_fraction.is_some() || self.resident_count.is_some();
+        if !explicit && dynmoe::store::compressed::is_compressed(&m.dir) {
+            let (_, plan) = dynmoe::store::compressed::open(&m.dir)?;
+            if plan.layers.iter().all(|l| l.resident >= l.experts) {
+                return Ok(None);
+            }
+            return self.install_plan(m, &plan).map(Some);
+        }
         let Some(config) = self.config()? else {
             return Ok(None);
         };

@@ -508,6 +508,51 @@ fn compress_fits_the_budget_resumes_from_its_journal_and_the_plan_runs() {
         "--json",
     ]);
     assert!(ppl["ppl"].as_f64().unwrap().is_finite());
+
+    // The output directory is itself the compressed model: it runs without the
+    // checkpoint, with the plan's resident sets following the text by default, exactly
+    // as the checkpoint run with the plan.
+    let compressed = json_of(&[
+        "eval",
+        "ppl",
+        "--model",
+        &dir,
+        "--text",
+        "data/corpus/en/test.txt",
+        "--chunks",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(compressed["ppl"], ppl["ppl"]);
+    assert_eq!(compressed["residency"]["mode"], "dynamic");
+    assert_eq!(
+        compressed["residency"]["resident_by_layer"],
+        ppl["residency"]["resident_by_layer"]
+    );
+    // A plan edited after compression no longer matches the directory.
+    let plan_path = out.path("plan.json");
+    let text = std::fs::read_to_string(&plan_path).unwrap();
+    std::fs::write(
+        &plan_path,
+        text.replacen("\"version\": 1", "\"version\":  1", 1),
+    )
+    .unwrap();
+    let e = failure_of(&[
+        "eval",
+        "ppl",
+        "--model",
+        &dir,
+        "--text",
+        "data/corpus/en/test.txt",
+        "--chunks",
+        "1",
+    ]);
+    assert!(
+        e.contains("compressed.json") && e.contains("plan_checksum"),
+        "{e}"
+    );
+    std::fs::write(&plan_path, text).unwrap();
+
     // A budget no plan can meet is refused, not written.
     let e = failure_of(&[
         "compress",
@@ -524,4 +569,61 @@ fn compress_fits_the_budget_resumes_from_its_journal_and_the_plan_runs() {
     ]);
     assert!(e.contains("budget"), "{e}");
     assert!(!out.path("none/plan.json").exists());
+}
+
+/// `--codec vq2` writes the VQ store beside the checkpoint on the first run and reads it
+/// on the second, which scores the same; residency runs over it from disk.
+#[test]
+fn vq_codec_builds_its_store_once_and_runs_resident_sets_over_it() {
+    let copy = dynmoe::testing::fixture_copy("tiny-moe");
+    let dir = copy.dir().display().to_string();
+    let args = [
+        "eval",
+        "ppl",
+        "--model",
+        &dir,
+        "--codec",
+        "vq2",
+        "--codec-layer",
+        "1=vq1.5",
+        "--text",
+        "data/corpus/en/test.txt",
+        "--chunks",
+        "1",
+        "--json",
+    ];
+    let first = json_of(&args);
+    let manifests = ["experts-vq2.json", "experts-vq1.5.json"].map(|f| copy.path(f));
+    let stamps = manifests
+        .clone()
+        .map(|m| std::fs::metadata(m).unwrap().modified().unwrap());
+    let second = json_of(&args);
+    assert_eq!(first["ppl"], second["ppl"]);
+    for (m, t) in manifests.iter().zip(stamps) {
+        assert_eq!(
+            std::fs::metadata(m).unwrap().modified().unwrap(),
+            t,
+            "{m:?} rewritten"
+        );
+    }
+    let resident = json_of(&[
+        "run",
+        "--model",
+        &dir,
+        "--codec",
+        "vq2",
+        "--prompt",
+        "The whale",
+        "-n",
+        "40",
+        "--resident-fraction",
+        "0.5",
+        "--reservoir",
+        "disk",
+        "--swap-interval",
+        "8",
+        "--json",
+    ]);
+    assert_eq!(resident["residency"]["resident_per_layer"], 4, "{resident}");
+    assert_eq!(resident["residency"]["loads_failed"], 0, "{resident}");
 }

@@ -12,7 +12,9 @@
 
 use std::path::PathBuf;
 
-use dynmoe::backend::{Backend, Cuda, SwiGluGroup, Weight};
+use dynmoe::backend::{
+    AttentionShape, Backend, Cuda, DeviceRoute, RoutedExperts, SwiGluGroup, Weight,
+};
 use dynmoe::codec::affine::kernels::AffineView;
 use dynmoe::codec::affine::lowbit::words_per_row;
 use dynmoe::testing::{fresh, Rng};
@@ -273,7 +275,141 @@ fn main() {
             gb_s,
             fraction_of_copy: gb_s / copy_gb_s,
         });
+        // The same experts routed on the device (`routed_moe`: router, top-8, grouped
+        // products and combine, no host round trip), a fresh input row per token.
+        let weights = |e: usize| {
+            [
+                Weight::Affine(mats[e][0].view(bits, inter, hidden)),
+                Weight::Affine(mats[e][1].view(bits, inter, hidden)),
+                Weight::Affine(mats[e][2].view(bits, hidden, inter)),
+            ]
+        };
+        let routed = RoutedExperts {
+            id: 1,
+            count: experts,
+            weights: &weights,
+        };
+        let route = DeviceRoute {
+            top_k,
+            renormalize: true,
+            keep: None,
+        };
+        let gate = g.upload(&fresh(experts * hidden, 12));
+        let xs: Vec<_> = (0..tokens)
+            .map(|t| g.upload(&fresh(hidden, 200 + t as u64)))
+            .collect();
+        let mut probs = g.alloc(experts);
+        let ms = time_ms(&g, || {
+            for x in &xs {
+                g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
+            }
+        });
+        let per_token = ms * 1e3 / tokens as f64;
+        let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
+        println!(
+            "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
+            format!("routed q{bits}"),
+            inter,
+            hidden,
+            1,
+            gb_s / copy_gb_s
+        );
+        rows_out.push(Row {
+            kernel: format!("moe_routed_on_device_top8_q{bits}"),
+            rows: inter,
+            cols: hidden,
+            batch: 1,
+            weight_bytes: bytes,
+            copies: tokens,
+            median_us_per_call: per_token,
+            gb_s,
+            fraction_of_copy: gb_s / copy_gb_s,
+        });
         g.clear_weight_cache();
+    }
+
+    // Dense f32 products of one row at the attention and LM-head shapes (the
+    // matrix-vector kernel), and decode attention over a 640- and a 4096-key cache.
+    for (rows, cols) in [(4096, 2048), (151936, 2048)] {
+        let bytes = rows * cols * 4;
+        let copies = WORKING_SET.div_ceil(bytes).max(1);
+        let ws: Vec<_> = (0..copies)
+            .map(|i| g.upload(&fresh(rows * cols, 300 + i as u64)))
+            .collect();
+        let x = g.upload(&fresh(cols, 9));
+        let mut out = g.alloc(rows);
+        let ms = time_ms(&g, || {
+            for w in &ws {
+                g.matmul(&x, w, 1, cols, rows, &mut out);
+            }
+        });
+        let per_call = ms * 1e3 / copies as f64;
+        let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
+        println!(
+            "{:<10} {rows:>6} {cols:>6} {:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
+            "f32 matvec",
+            1,
+            gb_s / copy_gb_s
+        );
+        rows_out.push(Row {
+            kernel: "matvec_f32".into(),
+            rows,
+            cols,
+            batch: 1,
+            weight_bytes: bytes,
+            copies,
+            median_us_per_call: per_call,
+            gb_s,
+            fraction_of_copy: gb_s / copy_gb_s,
+        });
+    }
+    let (heads, kv_heads, head_dim) = (32, 4, 128);
+    for ctx in [640, 4096] {
+        let kvw = kv_heads * head_dim;
+        let bytes = 2 * ctx * kvw * 4;
+        let copies = 12;
+        let caches: Vec<_> = (0..copies)
+            .map(|i| {
+                (
+                    g.upload(&fresh(ctx * kvw, 400 + i as u64)),
+                    g.upload(&fresh(ctx * kvw, 500 + i as u64)),
+                )
+            })
+            .collect();
+        let q = g.upload(&fresh(heads * head_dim, 13));
+        let mut out = g.alloc(heads * head_dim);
+        let shape = AttentionShape {
+            rows: 1,
+            pos0: ctx - 1,
+            heads,
+            kv_heads,
+            head_dim,
+            window: None,
+        };
+        let ms = time_ms(&g, || {
+            for (k, v) in &caches {
+                g.attention(&q, k, v, shape, &mut out);
+            }
+        });
+        let per_call = ms * 1e3 / copies as f64;
+        let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
+        println!(
+            "{:<10} {ctx:>6} {kvw:>6} {:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
+            "attn dec",
+            1,
+            gb_s / copy_gb_s
+        );
+        rows_out.push(Row {
+            kernel: "attention_decode".into(),
+            rows: ctx,
+            cols: kvw,
+            batch: 1,
+            weight_bytes: bytes,
+            copies,
+            median_us_per_call: per_call,
+            gb_s,
+            fraction_of_copy: gb_s / copy_gb_s,
+        });
     }
 
     let report = Report {

@@ -5,7 +5,11 @@
 //! than the 32 MB L3, so weights come from memory; the kernels of a case take turns
 //! call by call so that a noisy neighbour slows all of them alike, and the times are
 //! medians of one run. The ratio that matters is VQ 2 bits over affine q2 on the same
-//! shape and batch. Prints a table and writes `bench/results/vq_kernels.json`.
+//! shape and batch. Two more rows bound the 2-bit product: `vq2-cw0` runs the same
+//! kernel on codes that are all zero, so every lookup hits one codeword and only the
+//! 1 MiB codebook's cache misses are gone; `vq2-hot` reuses one copy of the codes, so
+//! they come from cache instead of memory. Prints a table and writes
+//! `bench/results/vq_kernels.json`.
 //!
 //! `cargo bench -p dynmoe --bench vq_kernels`
 
@@ -20,7 +24,7 @@ use half::{bf16, f16};
 use serde::Serialize;
 
 const SHAPES: [(usize, usize); 2] = [(768, 2048), (2048, 768)];
-const BATCHES: [usize; 3] = [1, 2, 8];
+const BATCHES: [usize; 4] = [1, 2, 4, 8];
 const VQ_RUNGS: [&str; 5] = ["1", "1.5", "2", "3", "4"];
 /// Bytes each kernel's copies of a matrix span, past the 32 MB of L3.
 const WORKING_SET: usize = 64 << 20;
@@ -157,15 +161,22 @@ fn main() {
             let rung = Rung::parse(r).unwrap();
             let m = VqMatrix::encode(&w, rows, cols, rung, 7).unwrap();
             let n = WORKING_SET.div_ceil(m.code_bytes() + m.norm_bytes());
-            mats.push((
-                rung.name(),
-                rung.bits_per_weight(cols),
-                Mat::Vq {
-                    norms: (0..n).map(|_| m.norms.clone()).collect(),
-                    codes: (0..n).map(|_| m.codes.clone()).collect(),
-                    m,
-                },
-            ));
+            let mut variants = vec![(rung.name(), n, m.codes.clone())];
+            if r == "2" {
+                variants.push(("vq2-cw0".into(), n, vec![0; m.codes.len()]));
+                variants.push(("vq2-hot".into(), 1, m.codes.clone()));
+            }
+            for (name, n, codes) in variants {
+                mats.push((
+                    name,
+                    rung.bits_per_weight(cols),
+                    Mat::Vq {
+                        norms: (0..n).map(|_| m.norms.clone()).collect(),
+                        codes: (0..n).map(|_| codes.clone()).collect(),
+                        m: m.clone(),
+                    },
+                ));
+            }
         }
         for &batch in &BATCHES {
             let x = fresh(batch * cols, 3000 + batch as u64);

@@ -97,6 +97,24 @@ pub fn fixture(name: &str) -> PathBuf {
     fixtures_root().join(name)
 }
 
+/// A copy of fixture `name`'s checkpoint, config and tokenizer files in a fresh
+/// directory, for tests that write beside a checkpoint (VQ expert stores) without
+/// touching the committed fixtures.
+pub fn fixture_copy(name: &str) -> TempDir {
+    let src = fixture(name);
+    let dir = TempDir::new(&format!("fixture-{name}"));
+    for entry in std::fs::read_dir(&src).unwrap_or_else(|e| panic!("{}: {e}", src.display())) {
+        let path = entry.expect("a readable directory entry").path();
+        let file = path.file_name().unwrap().to_string_lossy().into_owned();
+        let checkpoint = file.starts_with("model") && file.ends_with(".safetensors");
+        if checkpoint || file.ends_with(".json") && !file.starts_with("experts") {
+            std::fs::copy(&path, dir.path(&file))
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        }
+    }
+    dir
+}
+
 /// Every fixture model directory (those holding a `config.json`), sorted.
 pub fn fixture_dirs() -> Vec<PathBuf> {
     let root = fixtures_root();

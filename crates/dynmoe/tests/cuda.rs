@@ -10,11 +10,16 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use dynmoe::backend::{AttentionShape, Backend, Cpu, Cuda, SwiGluGroup, Weight};
+use dynmoe::backend::{
+    AttentionShape, Backend, Cpu, Cuda, DeviceRoute, RoutedExperts, SwiGluGroup, Weight,
+};
 use dynmoe::codec::affine::kernels::AffineView;
 use dynmoe::codec::affine::{lowbit, quantize};
 use dynmoe::eval::ppl::{perplexity, PplOptions};
+use dynmoe::model::config::Router;
+use dynmoe::model::moe::route;
 use dynmoe::model::{self, ExpertBits};
+use dynmoe::residency::confine;
 use dynmoe::runtime::generate::{generate_ids, Sampling};
 use dynmoe::testing::{fixture, fixtures_root, fresh, rel_err, Rng, TempDir};
 use half::bf16;
@@ -199,7 +204,18 @@ fn rope_matches_the_reference() {
 #[test]
 fn dense_matmul_matches_the_reference() {
     let Some(_) = gpu() else { return };
-    for (rows, in_dim, out_dim) in [(1, 2048, 4096), (7, 256, 80), (64, 768, 2048)] {
+    // Up to 4 rows with whole float4s run as the matrix-vector kernel (the LM head's
+    // width among them); the rest, and a ragged width, through cuBLAS.
+    let cases = [
+        (1, 2048, 4096),
+        (1, 2048, 151936),
+        (3, 768, 2048),
+        (4, 4096, 80),
+        (2, 250, 33),
+        (7, 256, 80),
+        (64, 768, 2048),
+    ];
+    for (rows, in_dim, out_dim) in cases {
         let (x, w) = (fresh(rows * in_dim, 20), fresh(out_dim * in_dim, 21));
         both!(
             &format!("matmul {rows}x{in_dim} -> {out_dim}"),
@@ -243,6 +259,98 @@ fn attention_matches_the_reference() {
             1e-5,
             |b, t, o| b.attention(&t[0], &t[1], &t[2], shape, o)
         );
+    }
+}
+
+#[test]
+fn decode_step_ops_match_the_reference() {
+    let Some(_) = gpu() else { return };
+    // Token and position read from a step tensor (u32 bits), as a recorded decode step
+    // reads them: embedding, RoPE, the cache row written, attention over the cache, and
+    // the argmax written after the values before it.
+    let (vocab, dim) = (1000, 96);
+    let (heads, kv_heads, head_dim) = (8, 2, 64);
+    let inv_freq: Vec<f32> = (0..head_dim / 2)
+        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / head_dim as f32))
+        .collect();
+    for (tok, pos) in [(0u32, 0u32), (737, 5), (999, 1300)] {
+        let step = [f32::from_bits(tok), f32::from_bits(pos)];
+        let table = fresh(vocab * dim, 600 + pos as u64);
+        both!(
+            &format!("embed_at token {tok}"),
+            &[&table, &step],
+            dim,
+            1e-6,
+            |b, t, o| b.embed_at(&t[0], dim, &t[1], o)
+        );
+        let x = fresh(heads * head_dim, 601 + pos as u64);
+        both!(
+            &format!("rope_at position {pos}"),
+            &[&x, &step],
+            x.len(),
+            1e-5,
+            |b, t, o| {
+                b.write_rows(&t[0], o, 0, 1, x.len());
+                b.rope_at(o, &t[1], heads, head_dim, &inv_freq)
+            }
+        );
+        let ctx = pos as usize + 1;
+        let kvw = kv_heads * head_dim;
+        let cache = fresh(ctx * kvw, 602 + pos as u64);
+        let row = fresh(kvw, 603 + pos as u64);
+        both!(
+            &format!("write_row_at position {pos}"),
+            &[&cache, &row, &step],
+            cache.len(),
+            1e-7,
+            |b, t, o| {
+                b.write_rows(&t[0], o, 0, ctx, kvw);
+                b.write_row_at(&t[1], o, &t[2], kvw)
+            }
+        );
+        // Caches longer than the context, as a state's are: chunks past the position
+        // must count for nothing.
+        let (k, v) = (fresh((ctx + 300) * kvw, 604), fresh((ctx + 300) * kvw, 605));
+        let q = fresh(heads * head_dim, 606 + pos as u64);
+        for window in [None, Some(100)] {
+            let shape = AttentionShape {
+                rows: 1,
+                pos0: 0,
+                heads,
+                kv_heads,
+                head_dim,
+                window,
+            };
+            both!(
+                &format!("attention_at position {pos} w{window:?}"),
+                &[&q, &k, &v, &step],
+                q.len(),
+                1e-5,
+                |b, t, o| b.attention_at(&t[0], &t[1], &t[2], shape, &t[3], o)
+            );
+        }
+        // Three rows of logits, the best of row 1 planted at `tok`, a tie in row 2.
+        let mut logits = fresh(3 * vocab, 607 + pos as u64);
+        logits[vocab + tok as usize] = 50.0;
+        logits[2 * vocab + 3] = 60.0;
+        logits[2 * vocab + 900] = 60.0;
+        let before = fresh(4, 608);
+        let want = {
+            let cpu = Cpu::reference();
+            let mut o = before.clone();
+            cpu.argmax_rows(&logits, 3, vocab, &mut o, 4 - 3);
+            o
+        };
+        let g = gpu().unwrap();
+        let (lt, mut ot) = (g.upload(&logits), g.upload(&before));
+        g.argmax_rows(&lt, 3, vocab, &mut ot, 1);
+        let mut got = vec![0.0; 4];
+        g.download(&ot, &mut got);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        println!("check argmax_rows {:?}", bits(&got[1..]));
+        assert_eq!(bits(&got), bits(&want), "argmax rows");
+        assert_eq!(got[2].to_bits(), tok, "planted maximum");
+        assert_eq!(got[3].to_bits(), 3, "ties go to the lower index");
     }
 }
 
@@ -412,6 +520,201 @@ fn moe_dispatch_matches_the_reference() {
     }
 }
 
+/// The host route of the block: probabilities `[rows, E]` and the output of the chosen
+/// experts, on the CPU reference.
+#[allow(clippy::too_many_arguments)]
+fn routed_reference<'w>(
+    x: &[f32],
+    gate: &[f32],
+    rows: usize,
+    hidden: usize,
+    experts: usize,
+    weights: &dyn Fn(usize) -> [Weight<'w, Vec<f32>>; 3],
+    top_k: usize,
+    renormalize: bool,
+    keep: Option<&[bool]>,
+) -> (Vec<f32>, Vec<f32>) {
+    let cpu = Cpu::reference();
+    let mut probs = vec![f32::NAN; rows * experts];
+    cpu.matmul(
+        &x.to_vec(),
+        &gate.to_vec(),
+        rows,
+        hidden,
+        experts,
+        &mut probs,
+    );
+    cpu.softmax_rows(&mut probs, rows, experts);
+    let mut routed: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); experts];
+    for r in 0..rows {
+        let p = &probs[r * experts..(r + 1) * experts];
+        let router = Router::SoftmaxTopK { renormalize };
+        let chosen = match keep {
+            Some(k) => route(&confine(p, k), top_k, router),
+            None => route(p, top_k, router),
+        };
+        for (&e, &w) in chosen.experts.iter().zip(&chosen.weights) {
+            routed[e as usize].0.push(r as u32);
+            routed[e as usize].1.push(w);
+        }
+    }
+    let groups: Vec<SwiGluGroup<'_, Vec<f32>>> = routed
+        .iter()
+        .enumerate()
+        .filter(|(_, (r, _))| !r.is_empty())
+        .map(|(e, (r, s))| {
+            let [gate, up, down] = weights(e);
+            SwiGluGroup {
+                gate,
+                up,
+                down,
+                intermediate: match gate {
+                    Weight::Affine(a) => a.rows,
+                    _ => unreachable!("affine experts"),
+                },
+                rows: r,
+                scales: s,
+            }
+        })
+        .collect();
+    let mut out = vec![0.0f32; rows * hidden];
+    cpu.swiglu_groups(&x.to_vec(), hidden, &groups, &mut out);
+    (probs, out)
+}
+
+#[test]
+fn moe_routed_on_the_device_matches_the_host_route() {
+    let Some(g) = gpu() else { return };
+    // 12 experts 80 wide (the down input padded to 128) over 256-wide rows; top-k with
+    // and without renormalisation and a plan's mask, one row (decode) to the 8 the
+    // device path takes. One block id for every case: each new set of weights under it
+    // must replace the device table, never reuse it.
+    let (hidden, inter, experts) = (256, 80, 12);
+    let keep: Vec<bool> = (0..experts).map(|e| e % 3 != 1).collect();
+    for bits in [4, 3, 2] {
+        let mats: Vec<[Affine; 3]> = (0..experts as u64)
+            .map(|e| {
+                [
+                    Affine::new(inter, hidden, bits, 300 + 3 * e),
+                    Affine::new(inter, hidden, bits, 301 + 3 * e),
+                    Affine::new(hidden, 128, bits, 302 + 3 * e),
+                ]
+            })
+            .collect();
+        let cases = [
+            (1, 4, true, false),
+            (1, 2, false, true),
+            (3, 4, false, false),
+            (8, 3, true, true),
+        ];
+        for (case, &(rows, top_k, renormalize, masked)) in cases.iter().enumerate() {
+            let salt = 400 + 10 * case as u64 + bits as u64;
+            let x = fresh(rows * hidden, salt);
+            // Router weights scaled so the probabilities are spread, not one-hot.
+            let gate: Vec<f32> = fresh(experts * hidden, salt + 1)
+                .iter()
+                .map(|v| v * 0.1)
+                .collect();
+            let keep = masked.then_some(keep.as_slice());
+            let host = |e: usize| -> [Weight<'_, Vec<f32>>; 3] {
+                [
+                    Weight::Affine(mats[e][0].view()),
+                    Weight::Affine(mats[e][1].view()),
+                    Weight::Affine(mats[e][2].view()),
+                ]
+            };
+            let (want_p, want) = routed_reference(
+                &x,
+                &gate,
+                rows,
+                hidden,
+                experts,
+                &host,
+                top_k,
+                renormalize,
+                keep,
+            );
+            let dev = |e: usize| -> [Weight<'_, _>; 3] {
+                [
+                    Weight::Affine(mats[e][0].view()),
+                    Weight::Affine(mats[e][1].view()),
+                    Weight::Affine(mats[e][2].view()),
+                ]
+            };
+            let ex = RoutedExperts {
+                id: 7,
+                count: experts,
+                weights: &dev,
+            };
+            let r = DeviceRoute {
+                top_k,
+                renormalize,
+                keep,
+            };
+            // The probabilities land after `at` poisoned values, as a layer's do.
+            let at = 5;
+            let (xd, gd) = (g.upload(&x), g.upload(&gate));
+            let mut probs = g.alloc(at + rows * experts);
+            let mut out = g.alloc(rows * hidden);
+            assert!(
+                g.routed_moe(&xd, rows, hidden, &gd, &ex, r, &mut probs, at, &mut out),
+                "affine experts of one shape route on the device"
+            );
+            let mut got = vec![0.0; rows * hidden];
+            g.download(&out, &mut got);
+            let mut got_p = vec![0.0; at + rows * experts];
+            g.download(&probs, &mut got_p);
+            let (e_out, e_p) = (rel_err(&got, &want), rel_err(&got_p[at..], &want_p));
+            println!(
+                "check routed moe q{bits} rows {rows} top-{top_k} renorm {renormalize:<5} \
+                 mask {masked:<5} out {e_out:.2e} probs {e_p:.2e}"
+            );
+            assert!(
+                e_out < 1e-5 && e_p < 1e-5,
+                "routed moe: {e_out:.2e} {e_p:.2e}"
+            );
+            assert!(
+                got_p[..at].iter().all(|v| v.is_nan()),
+                "wrote before its slot"
+            );
+        }
+    }
+    // Too many rows for the device path: it declines and leaves the outputs alone.
+    let mats: Vec<[Affine; 3]> = (0..4u64)
+        .map(|e| {
+            [
+                Affine::new(inter, hidden, 4, 500 + 3 * e),
+                Affine::new(inter, hidden, 4, 501 + 3 * e),
+                Affine::new(hidden, 128, 4, 502 + 3 * e),
+            ]
+        })
+        .collect();
+    let dev = |e: usize| -> [Weight<'_, _>; 3] {
+        [
+            Weight::Affine(mats[e][0].view()),
+            Weight::Affine(mats[e][1].view()),
+            Weight::Affine(mats[e][2].view()),
+        ]
+    };
+    let ex = RoutedExperts {
+        id: 8,
+        count: 4,
+        weights: &dev,
+    };
+    let r = DeviceRoute {
+        top_k: 2,
+        renormalize: true,
+        keep: None,
+    };
+    let rows = 9;
+    let (xd, gd) = (
+        g.upload(&fresh(rows * hidden, 510)),
+        g.upload(&fresh(4 * hidden, 511)),
+    );
+    let (mut probs, mut out) = (g.alloc(rows * 4), g.alloc(rows * hidden));
+    assert!(!g.routed_moe(&xd, rows, hidden, &gd, &ex, r, &mut probs, 0, &mut out));
+}
+
 #[test]
 fn device_weight_copies_follow_the_host_words() {
     let Some(g) = gpu() else { return };
@@ -480,6 +783,67 @@ fn compare_end_to_end(label: &str, dir: &std::path::Path, bits: Option<u32>) {
             "{label} {domain}: greedy decodes differ"
         );
     }
+    // From an expert store every MoE layer routes on the device, so the decode steps
+    // after the first were replayed from a recorded graph.
+    let recorded = dev.model.backend().recorded_steps();
+    println!("graphs {label:<19} recorded decode steps {recorded}");
+    if bits.is_some() {
+        assert!(recorded > 0, "{label}: no decode step was recorded");
+    }
+    // A decode step's router probabilities (read back once, at the end of the step, when
+    // the device routes) against the CPU's, layer by layer.
+    let text = test_text("en");
+    let ids = &cpu.tokenizer.encode(&text).unwrap()[..9];
+    let (mut sc, mut sd) = (cpu.model.new_state(16), dev.model.new_state(16));
+    cpu.model.forward(&mut sc, &ids[..8], 8).unwrap();
+    dev.model.forward(&mut sd, &ids[..8], 8).unwrap();
+    let lc = cpu.model.forward(&mut sc, &ids[8..], 0).unwrap();
+    let ld = dev.model.forward(&mut sd, &ids[8..], 0).unwrap();
+    let worst = sc
+        .router_probs
+        .iter()
+        .zip(&sd.router_probs)
+        .map(|(a, b)| {
+            assert_eq!(a.len(), b.len(), "{label}: router probabilities of a layer");
+            if a.is_empty() {
+                0.0
+            } else {
+                rel_err(b, a)
+            }
+        })
+        .fold(0.0f64, f64::max);
+    let e_logits = rel_err(&ld, &lc);
+    println!("decode step {label:<19} router probs {worst:.2e} logits {e_logits:.2e}");
+    assert!(
+        worst < 1e-4 && e_logits < 1e-4,
+        "{label}: decode step differs"
+    );
+}
+
+#[test]
+fn a_plan_mask_routes_alike_on_the_device() {
+    let Some(_) = gpu() else { return };
+    let converted = TempDir::new("cuda-mask");
+    dynmoe::store::base::convert(&fixture("small-moe"), converted.dir(), &mut |_, _| {}).unwrap();
+    let eb = ExpertBits {
+        default: Some(4),
+        ..ExpertBits::default()
+    };
+    let mut cpu = model::load_with(converted.dir(), Cpu::fast(), &eb).unwrap();
+    let mut dev = model::load_with(converted.dir(), Cuda::new(0).unwrap(), &eb).unwrap();
+    let e = cpu.model.config.moe.num_experts;
+    let layers: Vec<usize> = cpu.model.config.moe_layers().collect();
+    for (j, &l) in layers.iter().enumerate() {
+        let keep: Vec<bool> = (0..e).map(|x| (x + j) % 4 != 0).collect();
+        cpu.model.set_expert_mask(l, Some(keep.clone())).unwrap();
+        dev.model.set_expert_mask(l, Some(keep)).unwrap();
+    }
+    let prompt = &cpu.tokenizer.encode(&test_text("en")).unwrap()[..16];
+    let s = Sampling::default();
+    let x = generate_ids(&cpu, prompt, 24, s, &[], &mut |_| {}).unwrap();
+    let y = generate_ids(&dev, prompt, 24, s, &[], &mut |_| {}).unwrap();
+    println!("greedy small-moe q4 masked equal {}", x.tokens == y.tokens);
+    assert_eq!(x.tokens, y.tokens, "masked greedy decodes differ");
 }
 
 #[test]

@@ -52,3 +52,49 @@ fn greedy_decode_matches_transformers_on_every_fixture() {
         }
     }
 }
+
+/// `decode_greedy` (the argmax and every per-step value on the backend) against
+/// `forward` of one token and a host argmax: the same token and router probabilities,
+/// step after step, on an MoE fixture with its experts in a 4-bit store.
+#[test]
+fn decode_greedy_is_forward_and_argmax() {
+    use dynmoe::model::ExpertBits;
+    use dynmoe::runtime::generate::argmax;
+    use dynmoe::testing::{fixture, TempDir};
+    let dir = TempDir::new("greedy-step");
+    dynmoe::store::base::convert(&fixture("small-moe"), dir.dir(), &mut |_, _| {}).unwrap();
+    let eb = ExpertBits {
+        default: Some(4),
+        ..ExpertBits::default()
+    };
+    let m = model::load_with(dir.dir(), Cpu::fast(), &eb).unwrap();
+    let prompt = [5u32, 17, 300, 42, 7, 99, 1000, 3];
+    let (mut a, mut b) = (m.model.new_state(40), m.model.new_state(40));
+    let logits = m.model.forward(&mut a, &prompt, prompt.len() - 1).unwrap();
+    m.model.forward(&mut b, &prompt, prompt.len()).unwrap();
+    let (mut x, mut y) = (argmax(&logits), argmax(&logits));
+    for step in 0..12 {
+        x = m.model.decode_greedy(&mut a, x).unwrap();
+        y = argmax(&m.model.forward(&mut b, &[y], 0).unwrap());
+        assert_eq!(x, y, "step {step}");
+        assert_eq!(a.pos, b.pos);
+        for (l, (p, q)) in a.router_probs.iter().zip(&b.router_probs).enumerate() {
+            assert_eq!(p.len(), q.len(), "layer {l}");
+            let worst = p
+                .iter()
+                .zip(q)
+                .map(|(u, v)| (u - v).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst < 1e-6,
+                "step {step} layer {l}: router probabilities differ by {worst}"
+            );
+        }
+    }
+    // The step checks its input like forward does.
+    let vocab = m.model.config.vocab_size as u32;
+    assert!(m.model.decode_greedy(&mut a, vocab).is_err());
+    let mut full = m.model.new_state(1);
+    m.model.forward(&mut full, &[1], 1).unwrap();
+    assert!(m.model.decode_greedy(&mut full, 1).is_err());
+}

@@ -154,7 +154,7 @@ fn static_set_equals_a_model_of_only_the_residents() {
 }
 
 /// A plan's expert mask (no slots) routes exactly as a model of only the kept experts,
-/// and at VQ rungs too, where resident slots are not available.
+/// and at VQ rungs too.
 #[test]
 fn expert_masks_equal_a_model_of_only_the_kept_experts() {
     use dynmoe::codec::Codec;
@@ -183,7 +183,9 @@ fn expert_masks_equal_a_model_of_only_the_kept_experts() {
         default: Some("vq2.25".parse::<Codec>().unwrap()),
         ..ExpertCodecs::default()
     };
-    let mut vq = model::load_with_codecs(&fixture("tiny-moe"), Cpu::fast(), &codecs).unwrap();
+    // The VQ experts are stored beside the checkpoint: a copy keeps the fixture clean.
+    let copy = dynmoe::testing::fixture_copy("tiny-moe");
+    let mut vq = model::load_with_codecs(copy.dir(), Cpu::fast(), &codecs).unwrap();
     let open = logits(&vq, &ids);
     let layer = *keep.keys().next().unwrap();
     vq.model
@@ -382,4 +384,238 @@ fn decode_from_a_disk_reservoir_does_not_stall() {
     for set in m.model.residency().unwrap().resident_sets().values() {
         assert_eq!(set.len(), 4);
     }
+}
+
+#[test]
+fn per_layer_counts_from_initial_sets_equal_masks_of_those_sets() {
+    // A plan gives each layer its own count: 3 resident experts in layer 0, 5 in layer 1.
+    let sets = BTreeMap::from([(0, vec![6, 1, 3]), (1, vec![0, 2, 4, 5, 7])]);
+    let tiny = fixture("tiny-moe");
+    let mut masked = model::load(&tiny, Cpu::fast()).unwrap();
+    for (&layer, set) in &sets {
+        let mut keep = vec![false; masked.model.config.moe.num_experts];
+        set.iter().for_each(|&e| keep[e as usize] = true);
+        masked.model.set_expert_mask(layer, Some(keep)).unwrap();
+    }
+    let ids = tokens(&masked);
+    let want = logits(&masked, &ids);
+
+    let mut m = model::load(&tiny, Cpu::fast()).unwrap();
+    let mut cfg = config(Mode::Static, 0, ReservoirKind::Ram);
+    cfg.resident = ResidentCount::Initial;
+    let reservoir = m.model.reservoir(cfg.reservoir).unwrap();
+    let res = m
+        .model
+        .new_residency(reservoir.clone(), cfg, &sets)
+        .unwrap();
+    m.model.set_residency(Some(res));
+    let err = rel_err(&logits(&m, &ids), &want);
+    assert!(err < 1e-5, "rel err {err}");
+    let report = m.model.residency().unwrap().report();
+    assert_eq!(report.resident_by_layer, BTreeMap::from([(0, 3), (1, 5)]));
+    assert_eq!(report.resident_per_layer, 5);
+
+    // Without a set for layer 1 there is no count for it.
+    let partial = BTreeMap::from([(0, vec![6, 1, 3])]);
+    let err = match m.model.new_residency(reservoir, cfg, &partial) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a layer without an initial set was accepted"),
+    };
+    assert!(err.contains("layer 1"), "{err}");
+}
+
+// ---- Resident sets over VQ layers ----
+
+/// tiny-moe (in a copy, where its VQ stores are written) with layer 0 at `l0` and
+/// layer 1 at `l1` (`None`: bf16).
+fn vq_model(dir: &Path, l0: Option<&str>, l1: Option<&str>) -> model::LoadedModel<Cpu> {
+    use dynmoe::codec::Codec;
+    let codecs = model::ExpertCodecs {
+        default: None,
+        per_layer: [(0, l0), (1, l1)]
+            .into_iter()
+            .filter_map(|(l, c)| c.map(|c| (l, c.parse::<Codec>().unwrap())))
+            .collect(),
+    };
+    model::load_with_codecs(dir, Cpu::fast(), &codecs).unwrap()
+}
+
+/// Every expert of a VQ layer resident gives the model without resident sets, from
+/// either reservoir; each slot holds a copy of the store's record.
+#[test]
+fn vq_layers_with_every_expert_resident_equal_no_residency() {
+    let copy = dynmoe::testing::fixture_copy("tiny-moe");
+    for (l0, l1) in [(Some("vq2"), Some("vq1.5")), (Some("vq2.25"), None)] {
+        for kind in [ReservoirKind::Ram, ReservoirKind::Disk] {
+            let mut m = vq_model(copy.dir(), l0, l1);
+            let ids = tokens(&m);
+            let want = logits(&m, &ids);
+            let reservoir = m.model.reservoir(kind).unwrap();
+            let res = m
+                .model
+                .new_residency(reservoir, config(Mode::Static, 8, kind), &BTreeMap::new())
+                .unwrap();
+            m.model.set_residency(Some(res));
+            // Confining renormalises by a sum that is 1 up to rounding.
+            let err = rel_err(&logits(&m, &ids), &want);
+            assert!(err < 1e-6, "{l0:?}/{l1:?} {kind:?}: rel err {err}");
+            let r = m.model.residency().unwrap().report();
+            assert!((r.hit_rate - 1.0).abs() < 1e-9);
+            let record = |l: usize| res_bytes(&m, l);
+            assert_eq!(
+                r.counters.initial_fill_bytes as usize,
+                8 * (record(0) + record(1)),
+                "slots filled with whole records"
+            );
+        }
+    }
+}
+
+/// The reservoir of a VQ layer holds the store's records: RAM and disk deliver the same
+/// bytes, which are the store's.
+#[test]
+fn vq_reservoirs_deliver_the_store_records() {
+    let copy = dynmoe::testing::fixture_copy("tiny-moe");
+    let m = vq_model(copy.dir(), Some("vq2"), Some("vq1.5"));
+    let ram = m.model.reservoir(ReservoirKind::Ram).unwrap();
+    let disk = m.model.reservoir(ReservoirKind::Disk).unwrap();
+    let mut scratch = Vec::new();
+    for (layer, rung) in [(0, "vq2"), (1, "vq1.5")] {
+        let store = dynmoe::store::vq::VqStore::open(
+            copy.dir(),
+            dynmoe::codec::vq::Rung::parse(rung).unwrap(),
+        )
+        .unwrap();
+        for e in 0..8 {
+            let mut a = ram.format(layer).buffer();
+            let mut b = disk.format(layer).buffer();
+            let na = ram.read(layer, e, &mut a, &mut scratch).unwrap();
+            assert_eq!(disk.read(layer, e, &mut b, &mut scratch).unwrap(), na);
+            assert_eq!(a, b);
+            let index = store.record_index(layer, e).unwrap();
+            assert_eq!(&a.bytes()[..na], store.record_bytes(index), "{rung} {e}");
+        }
+    }
+    // VQ experts encoded in memory (the allocator's probes) have no reservoir.
+    let (config, ckpt) = (
+        model::Config::from_file(&copy.path("config.json")).unwrap(),
+        Checkpoint::open(copy.dir()).unwrap(),
+    );
+    let rung = dynmoe::codec::vq::Rung::parse("vq2").unwrap();
+    let vq = BTreeMap::from([(
+        0,
+        model::weights::encode_experts(&config, &ckpt, 0, rung).unwrap(),
+    )]);
+    let probe =
+        dynmoe::calib::probe::assemble(copy.dir(), config, &ckpt, &vq, &BTreeMap::new()).unwrap();
+    let err = probe.model.reservoir(ReservoirKind::Ram).err().unwrap();
+    assert!(err.to_string().contains("layer 0"), "{err}");
+}
+
+/// At 50% residency on VQ layers, dynamic swaps happen, and after them a forward pass
+/// equals the model without resident sets whose routing is masked to the same experts;
+/// the disk and RAM reservoirs give identical outputs and sets all along.
+#[test]
+fn vq_dynamic_swaps_equal_the_model_with_the_same_mask() {
+    let copy = dynmoe::testing::fixture_copy("tiny-moe");
+    let run = |kind: ReservoirKind| {
+        let mut m = vq_model(copy.dir(), Some("vq2"), Some("vq1.5"));
+        let reservoir = m.model.reservoir(kind).unwrap();
+        let mut cfg = config(Mode::Dynamic, 4, kind);
+        cfg.policy = PolicyParams {
+            interval: 8,
+            max_swaps: 1,
+            margin: 0.0,
+            half_lives: [4.0, 16.0],
+        };
+        let res = m.model.new_residency(reservoir, cfg, &residents()).unwrap();
+        m.model.set_residency(Some(res));
+        let ids = tokens(&m);
+        let mut state = m.model.new_state(ids.len() + 8);
+        let mut outputs = Vec::new();
+        let mut sets = Vec::new();
+        // Token by token; each load is waited for so both reservoirs commit at the same
+        // boundaries (a real run never waits).
+        for (i, &t) in ids.iter().enumerate() {
+            outputs.push(m.model.forward(&mut state, &[t], 1).unwrap());
+            sets.push(m.model.residency().unwrap().resident_sets());
+            m.model.residency().unwrap().wait_loads();
+            assert_eq!(state.pos, i + 1);
+        }
+        (m, ids, outputs, sets)
+    };
+    let (mut m, ids, ram_out, ram_sets) = run(ReservoirKind::Ram);
+    let (_, _, disk_out, disk_sets) = run(ReservoirKind::Disk);
+    assert!(ram_out == disk_out, "disk and RAM reservoirs differ");
+    assert_eq!(ram_sets, disk_sets);
+    let r = m.model.residency().unwrap().report();
+    assert!(r.counters.swaps > 0, "{r:?}");
+    assert_eq!(r.counters.loads_failed, 0);
+    assert!(
+        ram_sets.first() != ram_sets.last(),
+        "the sets never changed"
+    );
+    let vq2 =
+        dynmoe::store::vq::VqLayout::new(dynmoe::codec::vq::Rung::parse("vq2").unwrap(), 64, 64)
+            .unwrap()
+            .record_size as u64;
+    assert_eq!(
+        r.counters.bytes_moved,
+        r.counters.swaps * vq2,
+        "whole records moved"
+    );
+
+    // A whole sequence in one call uses one set: the one committed at its start.
+    let mut state = m.model.new_state(ids.len());
+    let got = m.model.forward(&mut state, &ids, 0).unwrap();
+    let sets = m.model.residency().unwrap().resident_sets();
+    m.model.set_residency(None);
+    for (&layer, set) in &sets {
+        assert_eq!(set.len(), 4, "the budget never grows");
+        let mut mask = vec![false; 8];
+        set.iter().for_each(|&e| mask[e as usize] = true);
+        m.model.set_expert_mask(layer, Some(mask)).unwrap();
+    }
+    assert_eq!(
+        got,
+        logits(&m, &ids),
+        "resident slots differ from the masked model"
+    );
+}
+
+/// Decoding with a VQ layer (and a bf16 one) from a disk reservoir: swaps happen, no
+/// load is still in flight at the checkpoint after it was issued (no stall).
+#[test]
+fn vq_decode_from_a_disk_reservoir_does_not_stall() {
+    let copy = dynmoe::testing::fixture_copy("tiny-moe");
+    let mut m = vq_model(copy.dir(), Some("vq2"), None);
+    let reservoir = m.model.reservoir(ReservoirKind::Disk).unwrap();
+    let mut cfg = config(Mode::Dynamic, 4, ReservoirKind::Disk);
+    cfg.policy.interval = 16;
+    cfg.policy.max_swaps = 1;
+    let res = m
+        .model
+        .new_residency(reservoir, cfg, &BTreeMap::new())
+        .unwrap();
+    m.model.set_residency(Some(res));
+    let ids = tokens(&m);
+    let sampling = Sampling {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        seed: 7,
+    };
+    let g = generate_ids(&m, &ids, 300, sampling, &[], &mut |_| {}).unwrap();
+    assert_eq!(g.tokens.len(), 300);
+    let r = m.model.residency().unwrap().report();
+    assert_eq!(r.counters.stalls, 0, "{r:?}");
+    assert!(
+        r.counters.swaps > 0 && r.counters.loads_failed == 0,
+        "{r:?}"
+    );
+}
+
+/// Bytes of one record of `layer` in the model's reservoir format.
+fn res_bytes(m: &model::LoadedModel<Cpu>, layer: usize) -> usize {
+    m.model.expert_sources()[&layer].format.record_bytes()
 }

@@ -4,20 +4,17 @@
 //! which is ignored.
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
 use super::isp::{Prober, Setting};
+use crate::store::journal::Journal;
 
-/// One journal line.
+/// One journal entry (besides its context: model, calibration text).
 #[derive(Debug, Serialize, Deserialize)]
 struct Entry {
-    /// What the loss depends on besides the settings (model, calibration text).
-    context: String,
     /// The settings, canonically spelled.
     key: String,
     /// The measured loss.
@@ -36,10 +33,8 @@ pub fn key(settings: &[Setting]) -> String {
 /// A [`Prober`] that consults and extends a journal of earlier results.
 pub struct CachedProber<P> {
     inner: P,
-    context: String,
-    path: PathBuf,
+    journal: Journal,
     known: Mutex<HashMap<String, f64>>,
-    file: Mutex<File>,
     hits: std::sync::atomic::AtomicUsize,
 }
 
@@ -64,37 +59,20 @@ impl<P: Prober> CachedProber<P> {
     /// `context` are reused, so a journal left by another model or calibration text is
     /// never trusted.
     pub fn open(inner: P, path: &Path, context: &str) -> Result<Self, CacheError<P::Error>> {
-        let io = |source| CacheError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
-        let mut known = HashMap::new();
-        if let Ok(text) = std::fs::read_to_string(path) {
-            for line in text.lines() {
-                // A torn or foreign line is skipped, never an error: the probe reruns.
-                if let Ok(e) = serde_json::from_str::<Entry>(line) {
-                    if e.context == context && e.loss.is_finite() {
-                        known.insert(e.key, e.loss);
-                    }
-                }
-            }
-            // A torn last line would glue itself to the next entry: end it first.
-            if !text.is_empty() && !text.ends_with('\n') {
-                let mut f = OpenOptions::new().append(true).open(path).map_err(io)?;
-                f.write_all(b"\n").map_err(io)?;
-            }
-        }
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .map_err(io)?;
+        let (journal, entries) =
+            Journal::open::<Entry>(path, context).map_err(|source| CacheError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        let known = entries
+            .into_iter()
+            .filter(|e| e.loss.is_finite())
+            .map(|e| (e.key, e.loss))
+            .collect();
         Ok(CachedProber {
             inner,
-            context: context.to_string(),
-            path: path.to_path_buf(),
+            journal,
             known: Mutex::new(known),
-            file: Mutex::new(file),
             hits: Default::default(),
         })
     }
@@ -120,22 +98,16 @@ impl<P: Prober> Prober for CachedProber<P> {
             return Ok(l);
         }
         let loss = self.inner.loss(settings).map_err(CacheError::Probe)?;
-        let mut line = serde_json::to_string(&Entry {
-            context: self.context.clone(),
+        let entry = Entry {
             key: k.clone(),
             loss,
-        })
-        .expect("an entry serialises");
-        line.push('\n');
-        let io = |source| CacheError::Io {
-            path: self.path.clone(),
-            source,
         };
-        {
-            let mut f = self.file.lock().unwrap_or_else(|e| e.into_inner());
-            f.write_all(line.as_bytes()).map_err(io)?;
-            f.sync_data().map_err(io)?;
-        }
+        self.journal
+            .append(&entry)
+            .map_err(|source| CacheError::Io {
+                path: self.journal.path().to_path_buf(),
+                source,
+            })?;
         self.known
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -148,6 +120,8 @@ impl<P: Prober> Prober for CachedProber<P> {
 mod tests {
     use super::*;
     use crate::testing::TempDir;
+    use std::fs::OpenOptions;
+    use std::io::Write;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     struct Counting(AtomicUsize);

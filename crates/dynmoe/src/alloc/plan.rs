@@ -1,6 +1,7 @@
 //! `plan.json`: what the allocator decided for each layer and why, the file a
 //! compressed model directory is run by.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -109,6 +110,23 @@ pub enum PlanError {
 }
 
 impl Plan {
+    /// Each MoE layer's resident experts, best first: the experts a layer keeps, or all
+    /// of them where it keeps every one. The starting sets of residency with
+    /// [`ResidentCount::Initial`](crate::residency::ResidentCount::Initial).
+    pub fn resident_sets(&self) -> BTreeMap<usize, Vec<u32>> {
+        self.layers
+            .iter()
+            .map(|l| {
+                let set = if l.resident < l.experts {
+                    l.keep.clone()
+                } else {
+                    (0..l.experts as u32).collect()
+                };
+                (l.layer, set)
+            })
+            .collect()
+    }
+
     /// Bits per weight of what stays resident.
     pub fn resident_bits(&self) -> f64 {
         self.resident_bytes as f64 * 8.0 / self.params_total.max(1) as f64

@@ -181,6 +181,163 @@ pub trait Backend: Send + Sync {
     ) {
         swiglu_groups_one_by_one(self, x, hidden, groups, out);
     }
+
+    /// Copies host data into an existing tensor, in place where the backend can (so a
+    /// recorded step that reads the tensor sees the new values).
+    fn upload_into(&self, data: &[f32], t: &mut Self::Tensor) {
+        *t = self.upload(data);
+    }
+
+    /// [`embed`](Self::embed) of one token whose id is stored, as `u32` bits, in `step[0]`.
+    fn embed_at(
+        &self,
+        table: &Self::Tensor,
+        dim: usize,
+        step: &Self::Tensor,
+        out: &mut Self::Tensor,
+    ) {
+        let [id, _] = self.step_values(step);
+        self.embed(table, dim, &[id], out);
+    }
+
+    /// [`rope`](Self::rope) of one row at the position stored, as `u32` bits, in `step[1]`.
+    fn rope_at(
+        &self,
+        x: &mut Self::Tensor,
+        step: &Self::Tensor,
+        heads: usize,
+        head_dim: usize,
+        inv_freq: &[f32],
+    ) {
+        let [_, pos] = self.step_values(step);
+        self.rope(x, &[pos as usize], heads, head_dim, inv_freq);
+    }
+
+    /// Row 0 of `src` copied to row `step[1]` of `dst`.
+    fn write_row_at(
+        &self,
+        src: &Self::Tensor,
+        dst: &mut Self::Tensor,
+        step: &Self::Tensor,
+        width: usize,
+    ) {
+        let [_, pos] = self.step_values(step);
+        self.write_rows(src, dst, pos as usize, 1, width);
+    }
+
+    /// [`attention`](Self::attention) of one query row at the position `step[1]`
+    /// (`shape.pos0` is ignored).
+    fn attention_at(
+        &self,
+        q: &Self::Tensor,
+        k_cache: &Self::Tensor,
+        v_cache: &Self::Tensor,
+        shape: AttentionShape,
+        step: &Self::Tensor,
+        out: &mut Self::Tensor,
+    ) {
+        let [_, pos] = self.step_values(step);
+        let shape = AttentionShape {
+            rows: 1,
+            pos0: pos as usize,
+            ..shape
+        };
+        self.attention(q, k_cache, v_cache, shape, out);
+    }
+
+    /// The index of each of the first `rows` rows' largest value (the lowest on ties),
+    /// stored as `u32` bits in `out[at + r]`; the other values of `out` are kept.
+    fn argmax_rows(
+        &self,
+        x: &Self::Tensor,
+        rows: usize,
+        dim: usize,
+        out: &mut Self::Tensor,
+        at: usize,
+    ) {
+        let mut host = vec![0.0f32; rows * dim];
+        self.download(x, &mut host);
+        let mut o = vec![0.0f32; at + rows];
+        self.download(out, &mut o);
+        for r in 0..rows {
+            let row = &host[r * dim..(r + 1) * dim];
+            let mut best = 0;
+            for (i, &v) in row.iter().enumerate() {
+                if v > row[best] {
+                    best = i;
+                }
+            }
+            o[at + r] = f32::from_bits(best as u32);
+        }
+        self.upload_into(&o, out);
+    }
+
+    /// The two `u32` values of a decode step tensor (token, position).
+    fn step_values(&self, step: &Self::Tensor) -> [u32; 2] {
+        let mut v = [0.0f32; 2];
+        self.download(step, &mut v);
+        [v[0].to_bits(), v[1].to_bits()]
+    }
+
+    /// Runs `body`, a decode step whose per-call values all live in device memory, so that
+    /// the backend may record it once under `key` and replay the record on later calls
+    /// with the same key instead of calling `body`. `body` returns whether it kept to
+    /// that (queued no host copies, allocated nothing); a backend records only then and
+    /// otherwise runs it as it is. Returns whether the step ran from a record. The default
+    /// calls `body`.
+    fn replay_step(&self, key: (usize, u64), body: &mut dyn FnMut() -> bool) -> bool {
+        let _ = key;
+        body();
+        false
+    }
+
+    /// A whole routed MoE block without a host round trip: router logits `x · gateᵀ`,
+    /// their softmax written to `probs[probs_at .. probs_at + rows · E]` (unmasked), the
+    /// top-k experts of each row among those `route.keep` marks, and
+    /// `out[r] = Σ_k w_k · expert_k(x[r])` (overwritten, not added to).
+    ///
+    /// Returns `false`, having done nothing, when the backend has no such path for these
+    /// experts or this many rows; the caller then routes on the host. The default has none.
+    #[allow(clippy::too_many_arguments)]
+    fn routed_moe(
+        &self,
+        x: &Self::Tensor,
+        rows: usize,
+        hidden: usize,
+        gate: &Self::Tensor,
+        experts: &RoutedExperts<'_, Self::Tensor>,
+        route: DeviceRoute<'_>,
+        probs: &mut Self::Tensor,
+        probs_at: usize,
+        out: &mut Self::Tensor,
+    ) -> bool {
+        let _ = (x, rows, hidden, gate, experts, route, probs, probs_at, out);
+        false
+    }
+}
+
+/// The routed experts of one MoE block, for [`Backend::routed_moe`].
+pub struct RoutedExperts<'a, T> {
+    /// Identity of the block, stable for as long as its weights are (its address): what
+    /// a backend keys per-block device state by. A backend confirms it against the
+    /// weights' own addresses before trusting it.
+    pub id: usize,
+    /// Number of experts.
+    pub count: usize,
+    /// Gate, up and down projections of expert `e`.
+    pub weights: &'a (dyn Fn(usize) -> [Weight<'a, T>; 3] + Sync),
+}
+
+/// How [`Backend::routed_moe`] picks experts: the softmax router of
+/// [`crate::model::moe::route`], confined to `keep` as [`crate::residency::confine`] does.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceRoute<'a> {
+    /// Experts per row.
+    pub top_k: usize,
+    /// Divide the chosen probabilities by their sum.
+    pub renormalize: bool,
+    /// Experts routing may choose (`None`: all); at least `top_k` are marked.
+    pub keep: Option<&'a [bool]>,
 }
 
 /// [`Backend::swiglu_groups`] through the single ops, one group after another.

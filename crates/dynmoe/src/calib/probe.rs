@@ -13,11 +13,12 @@ use std::sync::Mutex;
 
 use super::reap::{reap_saliency, Saliency};
 use crate::alloc::isp::{Prober, Setting};
-use crate::backend::Cpu;
+use crate::backend::{Backend, Cpu};
 use crate::codec::Codec;
 use crate::eval::ppl::{perplexity_tokens, PplError, PplOptions};
 use crate::model::weights::{encode_experts, VqExperts};
 use crate::model::{Checkpoint, Config, Error, LoadedModel, Model, Tokenizer};
+use crate::residency::{self, ResidencyConfig, ResidentCount};
 
 /// Probes one Hugging Face checkpoint.
 pub struct ModelProber {
@@ -201,12 +202,18 @@ pub fn assemble(
 }
 
 /// Loads the model a plan describes from its checkpoint at `dir` (normally
-/// `plan.source`): each MoE layer's experts at the plan's codec (VQ rungs encoded here),
-/// routing confined to the experts it keeps.
-pub fn load_plan(dir: &Path, plan: &crate::alloc::plan::Plan) -> Result<LoadedModel<Cpu>, Error> {
+/// `plan.source`): each MoE layer's experts at the plan's codec (VQ rungs from the VQ
+/// expert stores beside the checkpoint, encoded on first use), routing confined to the
+/// experts it keeps. `progress(done, total)` counts the records written while a VQ
+/// store is built.
+pub fn load_plan(
+    dir: &Path,
+    plan: &crate::alloc::plan::Plan,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<LoadedModel<Cpu>, Error> {
     let config = Config::from_file(&dir.join("config.json"))?;
     let ckpt = Checkpoint::open(dir)?;
-    let mut vq = BTreeMap::new();
+    let mut rungs = BTreeMap::new();
     let mut keep = BTreeMap::new();
     for l in &plan.layers {
         match l.codec {
@@ -219,7 +226,7 @@ pub fn load_plan(dir: &Path, plan: &crate::alloc::plan::Plan) -> Result<LoadedMo
                         source,
                     })?
                     .expect("a VQ codec has a rung");
-                vq.insert(l.layer, encode_experts(&config, &ckpt, l.layer, rung)?);
+                rungs.insert(l.layer, rung);
             }
             c => {
                 return Err(Error::Config(format!(
@@ -232,7 +239,34 @@ pub fn load_plan(dir: &Path, plan: &crate::alloc::plan::Plan) -> Result<LoadedMo
             keep.insert(l.layer, l.keep.clone());
         }
     }
+    let vq = crate::model::stored_vq_experts(dir, &config, &ckpt, &rungs, progress)?;
     assemble(dir, config, &ckpt, &vq, &keep)
+}
+
+/// Turns the static masks [`load_plan`] sets into resident sets holding the same
+/// experts, each layer with as many slots as the plan keeps resident: under
+/// [`Mode::Dynamic`](crate::residency::Mode::Dynamic) they then follow the text, the rest
+/// streamed from `config.reservoir`. `config.resident` is replaced by the plan's counts.
+pub fn follow_plan<B: Backend>(
+    m: &mut LoadedModel<B>,
+    plan: &crate::alloc::plan::Plan,
+    config: ResidencyConfig,
+) -> Result<(), residency::Error> {
+    let config = ResidencyConfig {
+        resident: ResidentCount::Initial,
+        ..config
+    };
+    for l in &plan.layers {
+        m.model
+            .set_expert_mask(l.layer, None)
+            .map_err(|e| residency::Error::Config(e.to_string()))?;
+    }
+    let reservoir = m.model.reservoir(config.reservoir)?;
+    let sets = m
+        .model
+        .new_residency(reservoir, config, &plan.resident_sets())?;
+    m.model.set_residency(Some(sets));
+    Ok(())
 }
 
 /// Resident experts of a layer of `experts` when a share `removed` goes: rounded to the

@@ -56,30 +56,67 @@ fn argmax(row: &[f32]) -> usize {
     crate::runtime::generate::argmax(row) as usize
 }
 
-/// Runs `model` and `reference` over the chunks perplexity would score (llama.cpp's
-/// chunking, [`super::ppl`]) and compares their distributions at every scored position.
-/// Both models must share the tokenizer. `opts.micro_batch` applies to `model` (a
-/// dynamic resident set changes between its forward calls); the reference runs each
-/// chunk in one call.
-pub fn kl_divergence<B: Backend, R: Backend>(
-    model: &LoadedModel<B>,
+/// The reference model's logits at every position perplexity scores in a text, kept so
+/// that many models can be compared with one run of the reference.
+pub struct ReferenceLogits {
+    opts: PplOptions,
+    tokens: Vec<u32>,
+    chunks: usize,
+    vocab: usize,
+    /// Per chunk, `[ctx - 1 - ctx/2, vocab]`.
+    logits: Vec<Vec<f32>>,
+}
+
+/// Runs `reference` over the chunks perplexity would score in `text` (llama.cpp's
+/// chunking, [`super::ppl`]), each chunk in one forward call, and keeps the logits of the
+/// scored positions.
+pub fn reference_logits<R: Backend>(
     reference: &LoadedModel<R>,
     text: &str,
     opts: PplOptions,
-) -> Result<KldReport, PplError> {
+) -> Result<ReferenceLogits, PplError> {
     let ctx = opts.ctx;
-    let (tokens, chunks) = chunking(model, text, opts)?;
-    let first = ctx / 2;
-    let vocab = model.model.config.vocab_size;
-    let mut state = model.model.new_state(ctx);
-    let mut ref_state = reference.model.new_state(ctx);
-    let (mut kld, mut agree, mut nll_m, mut nll_r, mut n) = (0.0, 0usize, 0.0, 0.0, 0usize);
+    let (tokens, chunks) = chunking(reference, text, opts)?;
+    let mut state = reference.model.new_state(ctx);
+    let mut logits = Vec::with_capacity(chunks);
     for c in 0..chunks {
-        let chunk = chunk(model, &tokens, c, ctx);
+        let chunk = chunk(reference, &tokens, c, ctx);
         state.clear();
-        ref_state.clear();
-        let logits = forward_in_steps(model, &mut state, &chunk, first, opts.micro_batch)?;
-        let ref_logits = reference.model.forward(&mut ref_state, &chunk, first)?;
+        logits.push(reference.model.forward(&mut state, &chunk, ctx / 2)?);
+    }
+    Ok(ReferenceLogits {
+        opts,
+        tokens,
+        chunks,
+        vocab: reference.model.config.vocab_size,
+        logits,
+    })
+}
+
+/// Runs `model` over the chunks perplexity would score and compares its distributions
+/// with `reference`'s at every scored position. Both models must share the tokenizer.
+/// `micro_batch` applies to `model` (a dynamic resident set changes between its forward
+/// calls); the rest of the chunking is the reference's.
+pub fn kl_divergence_to<B: Backend>(
+    model: &LoadedModel<B>,
+    reference: &ReferenceLogits,
+    micro_batch: Option<usize>,
+) -> Result<KldReport, PplError> {
+    let ctx = reference.opts.ctx;
+    let first = ctx / 2;
+    let (tokens, vocab) = (&reference.tokens, reference.vocab);
+    if model.model.config.vocab_size != vocab {
+        return Err(PplError::Model(crate::model::Error::Config(format!(
+            "vocabularies differ: {} against the reference's {vocab}",
+            model.model.config.vocab_size
+        ))));
+    }
+    let mut state = model.model.new_state(ctx);
+    let (mut kld, mut agree, mut nll_m, mut nll_r, mut n) = (0.0, 0usize, 0.0, 0.0, 0usize);
+    for (c, ref_logits) in reference.logits.iter().enumerate() {
+        let chunk = chunk(model, tokens, c, ctx);
+        state.clear();
+        let logits = forward_in_steps(model, &mut state, &chunk, first, micro_batch)?;
         for r in 0..ctx - 1 - first {
             let row = &logits[r * vocab..(r + 1) * vocab];
             let ref_row = &ref_logits[r * vocab..(r + 1) * vocab];
@@ -98,8 +135,20 @@ pub fn kl_divergence<B: Backend, R: Backend>(
         ppl: (nll_m / n_f).exp(),
         ppl_reference: (nll_r / n_f).exp(),
         tokens_scored: n,
-        chunks,
+        chunks: reference.chunks,
     })
+}
+
+/// [`kl_divergence_to`] a reference run here on `text`: `opts.micro_batch` applies to
+/// `model`, the reference runs each chunk in one call.
+pub fn kl_divergence<B: Backend, R: Backend>(
+    model: &LoadedModel<B>,
+    reference: &LoadedModel<R>,
+    text: &str,
+    opts: PplOptions,
+) -> Result<KldReport, PplError> {
+    let r = reference_logits(reference, text, opts)?;
+    kl_divergence_to(model, &r, opts.micro_batch)
 }
 
 #[cfg(test)]

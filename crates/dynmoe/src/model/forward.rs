@@ -33,6 +33,9 @@ pub struct Model<B: Backend> {
     inv_freq: Vec<f32>,
     /// The resident expert sets, shared by every sequence; `None` runs every expert.
     residency: Option<Residency<B>>,
+    /// Bumped whenever routing changes (masks, resident sets), so that a decode step
+    /// recorded before is never replayed after.
+    epoch: u64,
 }
 
 /// Per-sequence run state: the KV cache and what the last call routed.
@@ -46,6 +49,32 @@ pub struct State<B: Backend> {
     /// Per layer, the last call's full router probabilities `[n, E]` (empty for dense
     /// layers): the evidence calibration and the resident-set runtime work from.
     pub router_probs: Vec<Vec<f32>>,
+    /// Distinguishes this state's recorded decode steps from another's.
+    id: usize,
+    /// Buffers of [`Model::decode_greedy`], made on its first call.
+    step: Option<StepBuffers<B>>,
+}
+
+/// The buffers of a one-token decode step, at fixed addresses so a backend can record
+/// the step once and replay it.
+struct StepBuffers<B: Backend> {
+    /// `[token, position]` as `u32` bits: every per-step value the step reads.
+    step: B::Tensor,
+    x: B::Tensor,
+    xn: B::Tensor,
+    qs: B::Tensor,
+    ks: B::Tensor,
+    vs: B::Tensor,
+    attn: B::Tensor,
+    delta: B::Tensor,
+    /// Router probabilities, `E` per layer at `layer · E`, then the chosen token's bits.
+    probs: B::Tensor,
+    logits: B::Tensor,
+    /// MoE layers the last run of the step routed on the backend.
+    routed: Vec<usize>,
+    /// Whether the last run queued nothing but device work (every MoE layer routed on
+    /// the backend, no dense feed-forward layer): then it may be recorded.
+    fit: bool,
 }
 
 impl<B: Backend> State<B> {
@@ -112,6 +141,7 @@ impl<B: Backend> Model<B> {
             lm_head,
             inv_freq,
             residency: None,
+            epoch: 0,
         })
     }
 
@@ -129,14 +159,13 @@ impl<B: Backend> Model<B> {
 
     /// A reservoir of every routed expert of this model, in RAM or on disk.
     pub fn reservoir(&self, kind: ReservoirKind) -> Result<Arc<Reservoir>, residency::Error> {
-        let vq_layer = self
-            .layers
-            .iter()
-            .position(|l| matches!(&l.mlp, Ffn::Moe(m) if matches!(m.experts, Experts::Vq(_))));
-        if let Some(layer) = vq_layer {
+        let encoded = self.layers.iter().position(|l| {
+            matches!(&l.mlp, Ffn::Moe(m) if matches!(m.experts, Experts::Vq(VqExperts::Encoded(_))))
+        });
+        if let Some(layer) = encoded {
             return Err(residency::Error::Config(format!(
-                "layer {layer} runs VQ-coded experts; resident sets cover bf16 and affine \
-                 experts so far"
+                "layer {layer} runs VQ experts encoded in memory, which no reservoir can \
+                 read; load them from a VQ expert store (store::vq)"
             )));
         }
         Ok(Arc::new(Reservoir::open(kind, &self.expert_sources())?))
@@ -165,6 +194,7 @@ impl<B: Backend> Model<B> {
     /// Confines routing to `residency`'s sets from the next forward call on (`None`:
     /// every expert, the model's own weights). Returns the previous sets.
     pub fn set_residency(&mut self, residency: Option<Residency<B>>) -> Option<Residency<B>> {
+        self.epoch += 1;
         std::mem::replace(&mut self.residency, residency)
     }
 
@@ -186,6 +216,7 @@ impl<B: Backend> Model<B> {
                     }
                 }
                 m.keep = keep;
+                self.epoch += 1;
                 Ok(())
             }
             _ => Err(Error::Config(format!("layer {layer} is not a MoE layer"))),
@@ -212,6 +243,12 @@ impl<B: Backend> Model<B> {
             k_cache: (0..n).map(|_| self.backend.alloc(capacity * kv)).collect(),
             v_cache: (0..n).map(|_| self.backend.alloc(capacity * kv)).collect(),
             router_probs: vec![Vec::new(); n],
+            id: {
+                static NEXT: std::sync::atomic::AtomicUsize =
+                    std::sync::atomic::AtomicUsize::new(0);
+                NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            },
+            step: None,
         }
     }
 
@@ -275,6 +312,14 @@ impl<B: Backend> Model<B> {
             top_k: c.moe.top_k,
             router: c.moe.router,
         };
+        // MoE layers routed on the backend leave their probabilities here, one slice a
+        // layer, read back once at the end of the call instead of once a layer. Not with
+        // resident sets or an observer: both need each layer's probabilities at once.
+        let e = c.moe.num_experts;
+        let on_device_ok = self.residency.is_none() && observer.is_none();
+        let mut probs_dev = (on_device_ok && c.moe_layers().next().is_some())
+            .then(|| b.alloc(self.layers.len() * n * e));
+        let mut on_device: Vec<usize> = Vec::new();
         b.embed(&self.embed_tokens, h, tokens, &mut x);
         for (i, layer) in self.layers.iter().enumerate() {
             // Attention block.
@@ -283,36 +328,7 @@ impl<B: Backend> Model<B> {
             linear(b, &xn, &a.q_proj, n, &mut qs);
             linear(b, &xn, &a.k_proj, n, &mut ks);
             linear(b, &xn, &a.v_proj, n, &mut vs);
-            if let Some((qn, kn)) = &a.qk_norm {
-                match c.qk_norm {
-                    QkNorm::PerHead => {
-                        b.rms_norm_inplace(
-                            &mut qs,
-                            qn,
-                            n * c.num_heads,
-                            c.head_dim,
-                            c.rms_norm_eps,
-                        );
-                        b.rms_norm_inplace(
-                            &mut ks,
-                            kn,
-                            n * c.num_kv_heads,
-                            c.head_dim,
-                            c.rms_norm_eps,
-                        );
-                    }
-                    QkNorm::Whole => {
-                        b.rms_norm_inplace(&mut qs, qn, n, q, c.rms_norm_eps);
-                        b.rms_norm_inplace(&mut ks, kn, n, kv, c.rms_norm_eps);
-                    }
-                    QkNorm::None => {}
-                }
-            }
-            if let Some(limit) = c.clip_qkv {
-                b.clamp(&mut qs, limit, n * q);
-                b.clamp(&mut ks, limit, n * kv);
-                b.clamp(&mut vs, limit, n * kv);
-            }
+            self.qk_norm_and_clip(layer, &mut qs, &mut ks, &mut vs, n);
             b.rope(&mut qs, &positions, c.num_heads, c.head_dim, &self.inv_freq);
             b.rope(
                 &mut ks,
@@ -349,6 +365,13 @@ impl<B: Backend> Model<B> {
                     moe::dense(b, mlp, &xn, n, &mut delta);
                     state.router_probs[i].clear();
                 }
+                Ffn::Moe(block)
+                    if probs_dev.as_mut().is_some_and(|p| {
+                        moe::forward_on_device(b, block, routing, &xn, n, &mut delta, p, i * n * e)
+                    }) =>
+                {
+                    on_device.push(i);
+                }
                 Ffn::Moe(block) => {
                     let set = step.as_mut().and_then(|s| s.layer(i));
                     state.router_probs[i] =
@@ -368,6 +391,7 @@ impl<B: Backend> Model<B> {
         // Final norm and LM head, only on the rows whose logits are wanted.
         let m = n - logits_from;
         if m == 0 {
+            self.read_router_probs(state, probs_dev.as_ref(), &on_device, n);
             return Ok(Vec::new());
         }
         let rows: Vec<u32> = (logits_from as u32..n as u32).collect();
@@ -378,7 +402,244 @@ impl<B: Backend> Model<B> {
         b.matmul(&xn, head, m, h, c.vocab_size, &mut logits);
         let mut out = vec![0.0f32; m * c.vocab_size];
         b.download(&logits, &mut out);
+        // After the logits, which waited for the device: a copy, not a wait.
+        self.read_router_probs(state, probs_dev.as_ref(), &on_device, n);
         Ok(out)
+    }
+
+    /// The q/k normalisation and the QKV clipping of the architecture, on `n` rows.
+    fn qk_norm_and_clip(
+        &self,
+        layer: &Layer<B>,
+        qs: &mut B::Tensor,
+        ks: &mut B::Tensor,
+        vs: &mut B::Tensor,
+        n: usize,
+    ) {
+        let (c, b) = (&self.config, &self.backend);
+        let (q, kv) = (c.q_dim(), c.kv_dim());
+        if let Some((qn, kn)) = &layer.self_attn.qk_norm {
+            match c.qk_norm {
+                QkNorm::PerHead => {
+                    b.rms_norm_inplace(qs, qn, n * c.num_heads, c.head_dim, c.rms_norm_eps);
+                    b.rms_norm_inplace(ks, kn, n * c.num_kv_heads, c.head_dim, c.rms_norm_eps);
+                }
+                QkNorm::Whole => {
+                    b.rms_norm_inplace(qs, qn, n, q, c.rms_norm_eps);
+                    b.rms_norm_inplace(ks, kn, n, kv, c.rms_norm_eps);
+                }
+                QkNorm::None => {}
+            }
+        }
+        if let Some(limit) = c.clip_qkv {
+            b.clamp(qs, limit, n * q);
+            b.clamp(ks, limit, n * kv);
+            b.clamp(vs, limit, n * kv);
+        }
+    }
+
+    /// Runs one token at position `state.pos`, appends it to the cache and returns the
+    /// most probable next token: [`forward`](Self::forward) of one token followed by an
+    /// argmax, with the argmax on the backend and every per-step value (token, position)
+    /// read from device memory, so that no host round trip happens before the chosen
+    /// token and a backend may replay the step from a record (a CUDA graph). Router
+    /// probabilities land in `state.router_probs` as with `forward`. With resident sets
+    /// the step runs as `forward` does.
+    pub fn decode_greedy(&self, state: &mut State<B>, token: u32) -> Result<u32, Error> {
+        let c = &self.config;
+        let b = &self.backend;
+        if token as usize >= c.vocab_size {
+            return Err(Error::TokenOutOfRange {
+                id: token,
+                vocab: c.vocab_size,
+            });
+        }
+        if state.pos + 1 > state.capacity {
+            return Err(Error::ContextOverflow {
+                needed: state.pos + 1,
+                capacity: state.capacity,
+            });
+        }
+        if self.residency.is_some() {
+            let logits = self.forward(state, &[token], 0)?;
+            return Ok(crate::runtime::generate::argmax(&logits));
+        }
+        let (h, q, kv, e, l) = (
+            c.hidden_size,
+            c.q_dim(),
+            c.kv_dim(),
+            c.moe.num_experts,
+            self.layers.len(),
+        );
+        let bufs = state.step.get_or_insert_with(|| StepBuffers {
+            step: b.alloc(2),
+            x: b.alloc(h),
+            xn: b.alloc(h),
+            qs: b.alloc(q),
+            ks: b.alloc(kv),
+            vs: b.alloc(kv),
+            attn: b.alloc(q),
+            delta: b.alloc(h),
+            probs: b.alloc(l * e + 1),
+            logits: b.alloc(c.vocab_size),
+            routed: Vec::new(),
+            fit: false,
+        });
+        let at = [f32::from_bits(token), f32::from_bits(state.pos as u32)];
+        b.upload_into(&at, &mut bufs.step);
+        let (kc, vc) = (&mut state.k_cache, &mut state.v_cache);
+        let mut host_probs = Vec::new();
+        if bufs.fit {
+            let key = (state.id, self.epoch);
+            b.replay_step(key, &mut || self.step_body(bufs, kc, vc, &mut host_probs));
+        } else {
+            bufs.fit = self.step_body(bufs, kc, vc, &mut host_probs);
+        }
+        state.pos += 1;
+
+        // One read of the step's results: the router probabilities and the token.
+        let mut host = vec![0.0f32; l * e + 1];
+        b.download(&bufs.probs, &mut host);
+        for p in state.router_probs.iter_mut() {
+            p.clear();
+        }
+        for &i in &bufs.routed {
+            state.router_probs[i] = host[i * e..(i + 1) * e].to_vec();
+        }
+        for (i, p) in host_probs {
+            state.router_probs[i] = p;
+        }
+        Ok(host[l * e].to_bits())
+    }
+
+    /// The ops of [`decode_greedy`](Self::decode_greedy); returns whether it queued
+    /// nothing but device work. MoE layers the backend cannot route run on the host
+    /// path, their probabilities pushed to `host_probs`.
+    fn step_body(
+        &self,
+        bufs: &mut StepBuffers<B>,
+        k_cache: &mut [B::Tensor],
+        v_cache: &mut [B::Tensor],
+        host_probs: &mut Vec<(usize, Vec<f32>)>,
+    ) -> bool {
+        let (c, b) = (&self.config, &self.backend);
+        let (h, kv, e) = (c.hidden_size, c.kv_dim(), c.moe.num_experts);
+        let routing = Routing {
+            top_k: c.moe.top_k,
+            router: c.moe.router,
+        };
+        let mut fit = true;
+        bufs.routed.clear();
+        b.embed_at(&self.embed_tokens, h, &bufs.step, &mut bufs.x);
+        for (i, layer) in self.layers.iter().enumerate() {
+            b.rms_norm(
+                &bufs.x,
+                &layer.input_layernorm,
+                1,
+                h,
+                c.rms_norm_eps,
+                &mut bufs.xn,
+            );
+            let a = &layer.self_attn;
+            linear(b, &bufs.xn, &a.q_proj, 1, &mut bufs.qs);
+            linear(b, &bufs.xn, &a.k_proj, 1, &mut bufs.ks);
+            linear(b, &bufs.xn, &a.v_proj, 1, &mut bufs.vs);
+            self.qk_norm_and_clip(layer, &mut bufs.qs, &mut bufs.ks, &mut bufs.vs, 1);
+            b.rope_at(
+                &mut bufs.qs,
+                &bufs.step,
+                c.num_heads,
+                c.head_dim,
+                &self.inv_freq,
+            );
+            b.rope_at(
+                &mut bufs.ks,
+                &bufs.step,
+                c.num_kv_heads,
+                c.head_dim,
+                &self.inv_freq,
+            );
+            b.write_row_at(&bufs.ks, &mut k_cache[i], &bufs.step, kv);
+            b.write_row_at(&bufs.vs, &mut v_cache[i], &bufs.step, kv);
+            let shape = AttentionShape {
+                rows: 1,
+                pos0: 0,
+                heads: c.num_heads,
+                kv_heads: c.num_kv_heads,
+                head_dim: c.head_dim,
+                window: c.layers[i].sliding_window,
+            };
+            b.attention_at(
+                &bufs.qs,
+                &k_cache[i],
+                &v_cache[i],
+                shape,
+                &bufs.step,
+                &mut bufs.attn,
+            );
+            linear(b, &bufs.attn, &a.o_proj, 1, &mut bufs.delta);
+            b.add(&mut bufs.x, &bufs.delta, h);
+            let post = &layer.post_attention_layernorm;
+            b.rms_norm(&bufs.x, post, 1, h, c.rms_norm_eps, &mut bufs.xn);
+            match &layer.mlp {
+                Ffn::Dense(mlp) => {
+                    fit = false;
+                    moe::dense(b, mlp, &bufs.xn, 1, &mut bufs.delta);
+                }
+                Ffn::Moe(block)
+                    if moe::forward_on_device(
+                        b,
+                        block,
+                        routing,
+                        &bufs.xn,
+                        1,
+                        &mut bufs.delta,
+                        &mut bufs.probs,
+                        i * e,
+                    ) =>
+                {
+                    bufs.routed.push(i)
+                }
+                Ffn::Moe(block) => {
+                    fit = false;
+                    let p =
+                        moe::forward(b, block, routing, &bufs.xn, 1, &mut bufs.delta, None, false);
+                    host_probs.push((i, p));
+                }
+            }
+            b.add(&mut bufs.x, &bufs.delta, h);
+        }
+        b.rms_norm(&bufs.x, &self.norm, 1, h, c.rms_norm_eps, &mut bufs.xn);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        b.matmul(&bufs.xn, head, 1, h, c.vocab_size, &mut bufs.logits);
+        b.argmax_rows(
+            &bufs.logits,
+            1,
+            c.vocab_size,
+            &mut bufs.probs,
+            self.layers.len() * e,
+        );
+        fit
+    }
+
+    /// Copies the probabilities of the MoE layers routed on the backend (`layers`, each
+    /// `[n, E]` at `layer · n · E` in `probs`) into `state.router_probs`.
+    fn read_router_probs(
+        &self,
+        state: &mut State<B>,
+        probs: Option<&B::Tensor>,
+        layers: &[usize],
+        n: usize,
+    ) {
+        let (Some(probs), Some(&last)) = (probs, layers.last()) else {
+            return;
+        };
+        let e = self.config.moe.num_experts;
+        let mut host = vec![0.0f32; (last + 1) * n * e];
+        self.backend.download(probs, &mut host);
+        for &i in layers {
+            state.router_probs[i] = host[i * n * e..(i + 1) * n * e].to_vec();
+        }
     }
 }
 

@@ -230,8 +230,9 @@ impl ExpertBits {
 /// The codec of the routed experts per MoE layer: a default and per-layer overrides.
 /// Unset means the directory's own form: bf16 for a Hugging Face checkpoint, the 4-bit
 /// store for a converted directory. Affine codecs (`q4`, `q3`, `q2`) need a converted
-/// directory; VQ rungs are encoded at load from a checkpoint's bf16 experts.
-#[derive(Debug, Clone, Default)]
+/// directory; VQ rungs are read from the VQ expert stores beside a checkpoint, encoded
+/// from its bf16 experts on first use ([`stored_vq_experts`]).
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ExpertCodecs {
     /// Codec of every MoE layer not overridden.
     pub default: Option<crate::codec::Codec>,
@@ -282,12 +283,32 @@ pub fn load_with_codecs<B: Backend>(
     backend: B,
     codecs: &ExpertCodecs,
 ) -> Result<LoadedModel<B>, Error> {
+    load_with_progress(dir, backend, codecs, &mut |_, _| {})
+}
+
+/// [`load_with_codecs`], calling `progress(done, total)` with the expert records written
+/// while a VQ expert store is built (a one-time cost of the first load at a rung).
+pub fn load_with_progress<B: Backend>(
+    dir: &Path,
+    backend: B,
+    codecs: &ExpertCodecs,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<LoadedModel<B>, Error> {
     use crate::codec::Codec;
+    if crate::store::compressed::is_compressed(dir) {
+        if codecs != &ExpertCodecs::default() {
+            return Err(Error::Config(format!(
+                "{} is a compressed model: it runs the codecs of its plan.json",
+                dir.display()
+            )));
+        }
+        return Ok(crate::store::compressed::load(dir, backend)?.0);
+    }
     let config = Config::from_file(&dir.join("config.json"))?;
     let checkpoint = Checkpoint::open(dir)?;
     let converted = dir.join(crate::store::data_file_name(4)).exists();
     let mut bits = ExpertBits::default();
-    let mut vq = BTreeMap::new();
+    let mut rungs = BTreeMap::new();
     for layer in config.moe_layers() {
         let refuse = |codec, why: &str| Error::Codec {
             dir: dir.to_path_buf(),
@@ -317,10 +338,7 @@ pub fn load_with_codecs<B: Backend>(
                     .rung()
                     .map_err(|e| refuse(c, &e.to_string()))?
                     .expect("a VQ codec has a rung");
-                vq.insert(
-                    layer,
-                    weights::encode_experts(&config, &checkpoint, layer, rung)?,
-                );
+                rungs.insert(layer, rung);
             }
             Some(Codec::Bf16) if converted => {
                 return Err(refuse(
@@ -336,6 +354,7 @@ pub fn load_with_codecs<B: Backend>(
     } else {
         None
     };
+    let vq = stored_vq_experts(dir, &config, &checkpoint, &rungs, progress)?;
     let model = Model::load(config, &checkpoint, stores, &vq, backend)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     Ok(LoadedModel {
@@ -343,6 +362,28 @@ pub fn load_with_codecs<B: Backend>(
         model,
         tokenizer,
     })
+}
+
+/// The VQ experts of the layers in `rungs` (decoder layer → rung), read from the VQ
+/// expert stores of the checkpoint directory `dir`: encoded once, on the first load that
+/// asks for a layer at a rung, and reused by every later one (see `store::vq`);
+/// `progress(done, total)` counts the records written while building.
+pub fn stored_vq_experts(
+    dir: &Path,
+    config: &Config,
+    ckpt: &Checkpoint,
+    rungs: &BTreeMap<usize, crate::codec::vq::Rung>,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<BTreeMap<usize, weights::VqExperts>, Error> {
+    if rungs.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    let ensured = crate::store::vq::ensure(dir, config, ckpt, rungs, progress)?;
+    Ok(ensured
+        .stores
+        .into_iter()
+        .map(|(layer, store)| (layer, weights::VqExperts::Stored { store, layer }))
+        .collect())
 }
 
 /// The expert store each MoE layer reads, built where missing.

@@ -8,7 +8,7 @@
 
 use super::config::Router;
 use super::weights::{Experts, Mlp, Moe};
-use crate::backend::{Backend, SwiGluGroup, Weight};
+use crate::backend::{Backend, DeviceRoute, RoutedExperts, SwiGluGroup, Weight};
 use crate::residency::LayerSet;
 
 /// Sees every MoE block of a forward call: the block, its input rows `x`
@@ -85,14 +85,23 @@ pub fn expert_group<'a, B: Backend>(
     match experts {
         Experts::Dense(mlps) => group(&mlps[e], rows, scales),
         Experts::Stored { store, layer } => record_group(store.record(*layer, e), rows, scales),
-        Experts::Vq(m) => SwiGluGroup {
-            gate: Weight::Vq(m[e][0].view()),
-            up: Weight::Vq(m[e][1].view()),
-            down: Weight::Vq(m[e][2].view()),
-            intermediate: m[e][0].rows,
-            rows,
-            scales,
-        },
+        Experts::Vq(m) => vq_group(m.expert(e), rows, scales),
+    }
+}
+
+/// The group that runs a VQ-coded expert (gate, up, down) on `rows`.
+pub fn vq_group<'a, T>(
+    [gate, up, down]: [crate::codec::vq::VqView<'a>; 3],
+    rows: &'a [u32],
+    scales: &'a [f32],
+) -> SwiGluGroup<'a, T> {
+    SwiGluGroup {
+        gate: Weight::Vq(gate),
+        up: Weight::Vq(up),
+        down: Weight::Vq(down),
+        intermediate: gate.rows,
+        rows,
+        scales,
     }
 }
 
@@ -203,6 +212,61 @@ pub fn forward<B: Backend>(
     b.write_rows(&b.zeros(rows * h), out, 0, rows, h);
     b.swiglu_groups(x, h, &groups, out);
     probs
+}
+
+/// The MoE block routed on the backend ([`Backend::routed_moe`]): `out` as
+/// [`forward`] makes it, the unmasked probabilities left on the backend in
+/// `probs[probs_at ..]`. Returns `false`, having done nothing, when the block or the
+/// backend needs the host path: a shared expert (its gate is read on the host), experts
+/// not in an affine store, or a backend without the path.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_on_device<B: Backend>(
+    b: &B,
+    moe: &Moe<B>,
+    routing: Routing,
+    x: &B::Tensor,
+    rows: usize,
+    out: &mut B::Tensor,
+    probs: &mut B::Tensor,
+    probs_at: usize,
+) -> bool {
+    let Experts::Stored { store, layer } = &moe.experts else {
+        return false;
+    };
+    if moe.shared_expert.is_some() {
+        return false;
+    }
+    let Router::SoftmaxTopK { renormalize } = routing.router;
+    let layer = *layer;
+    let weights = move |e: usize| {
+        let r = store.record(layer, e);
+        [
+            Weight::Affine(r.gate),
+            Weight::Affine(r.up),
+            Weight::Affine(r.down),
+        ]
+    };
+    let experts = RoutedExperts {
+        id: moe as *const Moe<B> as usize,
+        count: moe.gate.out_dim,
+        weights: &weights,
+    };
+    let route = DeviceRoute {
+        top_k: routing.top_k,
+        renormalize,
+        keep: moe.keep.as_deref(),
+    };
+    b.routed_moe(
+        x,
+        rows,
+        moe.gate.in_dim,
+        &moe.gate.w,
+        &experts,
+        route,
+        probs,
+        probs_at,
+        out,
+    )
 }
 
 #[cfg(test)]

@@ -9,9 +9,10 @@ use super::config::{Config, QkNorm};
 use super::experts::{ExpertShape, ExpertTensors};
 use super::Error;
 use crate::backend::Backend;
-use crate::codec::vq::{Rung, VqMatrix};
+use crate::codec::vq::{Rung, VqMatrix, VqView};
 use crate::model::experts::Extent;
 use crate::residency::{LayerSource, RecordFormat};
+use crate::store::vq::VqStore;
 use crate::store::ExpertStore;
 
 /// A linear layer `y = x Wᵀ + b`, `W` stored `[out_dim, in_dim]`.
@@ -62,39 +63,106 @@ pub enum Experts<B: Backend> {
         /// Decoder layer whose records these are.
         layer: usize,
     },
-    /// Encoded at a rung of the VQ ladder, in host memory: per expert its gate, up and
-    /// down projections (shared, so several models can hold one encoding).
+    /// Coded at a rung of the VQ ladder: encoded in host memory, or records of a VQ
+    /// expert store read in place.
     Vq(VqExperts),
 }
 
-/// One layer's routed experts at a VQ rung: per expert, gate, up and down.
-pub type VqExperts = Arc<Vec<[VqMatrix; 3]>>;
+/// One layer's routed experts at a VQ rung.
+#[derive(Clone)]
+pub enum VqExperts {
+    /// Encoded in memory: per expert its gate, up and down projections (shared, so
+    /// several models can hold one encoding).
+    Encoded(Arc<Vec<[VqMatrix; 3]>>),
+    /// The records of decoder layer `layer` in a VQ expert store.
+    Stored {
+        /// The store of the layer's rung.
+        store: Arc<VqStore>,
+        /// Decoder layer whose records these are.
+        layer: usize,
+    },
+}
 
-/// Every routed expert of MoE layer `layer` encoded at `rung`, from the checkpoint's
-/// weights. Each matrix gets its own sign seed, so no two share a rotation.
+impl VqExperts {
+    /// Gate, up and down of expert `e`.
+    pub fn expert(&self, e: usize) -> [VqView<'_>; 3] {
+        match self {
+            VqExperts::Encoded(m) => [m[e][0].view(), m[e][1].view(), m[e][2].view()],
+            VqExperts::Stored { store, layer } => store.record(*layer, e),
+        }
+    }
+}
+
+/// The seed of the rotation of projection `p` (0 gate, 1 up, 2 down) of expert `e` of
+/// decoder layer `layer`, in a model of `experts` experts per MoE layer: every matrix of
+/// the model gets its own, so no two share a rotation.
+pub fn vq_seed(layer: usize, experts: usize, e: usize, p: usize) -> u64 {
+    ((layer * experts + e) * 3 + p) as u64
+}
+
+/// Where MoE layer `layer`'s routed experts sit in the checkpoint, and the prefix their
+/// tensor names share (for errors).
+pub fn expert_tensors(
+    config: &Config,
+    ckpt: &Checkpoint,
+    layer: usize,
+) -> Result<(ExpertTensors, String, [&'static str; 3]), Error> {
+    let names = super::arch::ffn_names(config.arch, ckpt, layer);
+    let prefix = format!("model.layers.{layer}.{}", names.block);
+    let tensors = ExpertTensors::find(ckpt, &prefix, names.projections)?;
+    Ok((tensors, prefix, names.projections))
+}
+
+/// Gate, up and down of expert `e` of MoE layer `layer` encoded at `rungs` (one per
+/// projection), from the checkpoint's weights, with the seeds of [`vq_seed`]. The one
+/// encoder of expert weights: in-memory encodings and VQ expert stores are both made by
+/// it.
+pub fn encode_expert(
+    config: &Config,
+    ckpt: &Checkpoint,
+    tensors: &ExpertTensors,
+    layer: usize,
+    e: usize,
+    rungs: [Rung; 3],
+) -> Result<[VqMatrix; 3], Error> {
+    let shape = ExpertShape::of(config);
+    let encode = |p: usize| -> Result<VqMatrix, Error> {
+        let [rows, cols] = shape.matrix(p);
+        let (w, name) = tensors.matrix(ckpt, &shape, e, p)?;
+        let seed = vq_seed(layer, shape.experts, e, p);
+        VqMatrix::encode(&w, rows, cols, rungs[p], seed).map_err(|source| Error::Encode {
+            tensor: name,
+            source,
+        })
+    };
+    Ok([encode(0)?, encode(1)?, encode(2)?])
+}
+
+/// Every routed expert of MoE layer `layer` encoded at `rung` in memory, from the
+/// checkpoint's weights (what the allocator's probes try; running models read VQ
+/// experts from a store, see `store::vq`).
 pub fn encode_experts(
     config: &Config,
     ckpt: &Checkpoint,
     layer: usize,
     rung: Rung,
 ) -> Result<VqExperts, Error> {
-    let names = super::arch::ffn_names(config.arch, ckpt, layer);
-    let prefix = format!("model.layers.{layer}.{}", names.block);
-    let shape = ExpertShape::of(config);
-    let tensors = ExpertTensors::find(ckpt, &prefix, names.projections)?;
-    let encode = |e: usize, p: usize| -> Result<VqMatrix, Error> {
-        let [rows, cols] = shape.matrix(p);
-        let w = tensors.matrix(ckpt, &shape, e, p)?.0;
-        let seed = ((layer * shape.experts + e) * 3 + p) as u64;
-        VqMatrix::encode(&w, rows, cols, rung, seed).map_err(|source| Error::Encode {
-            tensor: format!("{prefix}.experts.{e}.{}", names.projections[p]),
-            source,
-        })
-    };
-    let experts = (0..shape.experts)
-        .map(|e| Ok([encode(e, 0)?, encode(e, 1)?, encode(e, 2)?]))
+    encode_experts_by_projection(config, ckpt, layer, [rung; 3])
+}
+
+/// [`encode_experts`] with a rung per projection (gate, up, down): mixes that give the
+/// down projection more bits, as hand-made dynamic quants do.
+pub fn encode_experts_by_projection(
+    config: &Config,
+    ckpt: &Checkpoint,
+    layer: usize,
+    rungs: [Rung; 3],
+) -> Result<VqExperts, Error> {
+    let (tensors, ..) = expert_tensors(config, ckpt, layer)?;
+    let experts = (0..config.moe.num_experts)
+        .map(|e| encode_expert(config, ckpt, &tensors, layer, e, rungs))
         .collect::<Result<Vec<_>, Error>>()?;
-    Ok(Arc::new(experts))
+    Ok(VqExperts::Encoded(Arc::new(experts)))
 }
 
 /// The expert store each MoE layer reads, by decoder layer.
@@ -201,9 +269,14 @@ impl<B: Backend> Loader<'_, B> {
         prefix: &str,
         names: [&'static str; 3],
     ) -> Result<(Experts<B>, LayerSource), Error> {
-        if let Some(encoded) = self.vq.get(&layer) {
-            let source = self.expert_source(prefix, names)?;
-            return Ok((Experts::Vq(encoded.clone()), source));
+        if let Some(coded) = self.vq.get(&layer) {
+            // A resident set over in-memory encodings has nothing to read them from;
+            // `Model::reservoir` refuses it, so the checkpoint's extents stand here.
+            let source = match coded {
+                VqExperts::Stored { store, layer } => store.layer_source(*layer),
+                VqExperts::Encoded(_) => self.expert_source(prefix, names)?,
+            };
+            return Ok((Experts::Vq(coded.clone()), source));
         }
         let Some(stores) = self.stores else {
             let source = self.expert_source(prefix, names)?;

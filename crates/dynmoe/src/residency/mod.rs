@@ -62,6 +62,9 @@ pub enum ResidentCount {
     Fraction(f32),
     /// A count per layer.
     Count(usize),
+    /// As many as each layer's initial set names: a plan gives every layer its own
+    /// count (`dynmoe compress`).
+    Initial,
 }
 
 /// Everything a resident set is run with.
@@ -92,8 +95,14 @@ impl Default for ResidencyConfig {
 }
 
 impl ResidencyConfig {
-    /// Resident experts per layer of `experts`, at least `top_k`.
-    pub fn count(&self, experts: usize, top_k: usize) -> Result<usize, Error> {
+    /// Resident experts of a layer of `experts`, at least `top_k`; `initial` is the
+    /// length of the layer's initial set, if it has one.
+    pub fn count(
+        &self,
+        experts: usize,
+        top_k: usize,
+        initial: Option<usize>,
+    ) -> Result<usize, Error> {
         let k = match self.resident {
             ResidentCount::Fraction(f) => {
                 if f.is_nan() || f <= 0.0 || f > 1.0 {
@@ -104,6 +113,9 @@ impl ResidencyConfig {
                 (f as f64 * experts as f64).round() as usize
             }
             ResidentCount::Count(k) => k,
+            ResidentCount::Initial => initial.ok_or_else(|| {
+                Error::Config("resident counts come from initial sets, and one is missing".into())
+            })?,
         };
         if k < top_k || k > experts {
             return Err(Error::Config(format!(
@@ -129,6 +141,7 @@ impl ResidencyConfig {
         match self.resident {
             ResidentCount::Fraction(f) => f >= 1.0,
             ResidentCount::Count(k) => k >= experts,
+            ResidentCount::Initial => false,
         }
     }
 }
@@ -169,8 +182,10 @@ pub struct ResidencyReport {
     pub reservoir: ReservoirKind,
     /// Experts per MoE layer.
     pub experts_per_layer: usize,
-    /// Resident slots per MoE layer.
+    /// Resident slots per MoE layer (the largest, when layers differ).
     pub resident_per_layer: usize,
+    /// Resident slots of each MoE layer.
+    pub resident_by_layer: BTreeMap<usize, usize>,
     /// Spare slots per MoE layer, for loads in flight.
     pub spare_slots_per_layer: usize,
     /// Bytes of every slot buffer, resident and spare, over all layers.
@@ -210,7 +225,6 @@ struct Inner<B: Backend> {
 /// The resident sets of a model's MoE layers, and everything that changes them.
 pub struct Residency<B: Backend> {
     config: ResidencyConfig,
-    k: usize,
     spare: usize,
     experts: usize,
     reservoir: Arc<Reservoir>,
@@ -226,7 +240,8 @@ pub struct Step<'a, B: Backend> {
 impl<B: Backend> Residency<B> {
     /// Resident sets over `reservoir` for MoE layers of `experts` experts routing
     /// `top_k`: the first K of `initial[layer]` (a ranking, best first; experts
-    /// `0..K` where absent), read into the slots here.
+    /// `0..K` where absent), read into the slots here. K is the config's count, or with
+    /// [`ResidentCount::Initial`] the length of each layer's initial set.
     pub fn new(
         b: &B,
         reservoir: Arc<Reservoir>,
@@ -236,7 +251,6 @@ impl<B: Backend> Residency<B> {
         config: ResidencyConfig,
         initial: &BTreeMap<usize, Vec<u32>>,
     ) -> Result<Residency<B>, Error> {
-        let k = config.count(experts, top_k)?;
         let spare = match config.mode {
             Mode::Dynamic => config.policy.max_swaps,
             Mode::Static => 0,
@@ -245,6 +259,12 @@ impl<B: Backend> Residency<B> {
         let mut sets = BTreeMap::new();
         let mut scratch = Vec::new();
         for &layer in layers {
+            let k = config
+                .count(experts, top_k, initial.get(&layer).map(Vec::len))
+                .map_err(|e| match e {
+                    Error::Config(m) => Error::Config(format!("layer {layer}: {m}")),
+                    e => e,
+                })?;
             let format = reservoir.format(layer);
             let mut chosen: Vec<u32> = Vec::with_capacity(k);
             for &e in initial.get(&layer).into_iter().flatten() {
@@ -280,7 +300,6 @@ impl<B: Backend> Residency<B> {
             .then(|| Loader::new(reservoir.clone(), config.loader_threads));
         Ok(Residency {
             config,
-            k,
             spare,
             experts,
             reservoir,
@@ -400,11 +419,17 @@ impl<B: Backend> Residency<B> {
             (h + s.hit, m + s.mass, o + s.oracle)
         });
         let c = inner.counters.clone();
+        let resident_by_layer: BTreeMap<usize, usize> = inner
+            .layers
+            .iter()
+            .map(|(&l, s)| (l, s.resident.iter().filter(|&&r| r).count()))
+            .collect();
         ResidencyReport {
             mode: self.config.mode,
             reservoir: self.reservoir.kind(),
             experts_per_layer: self.experts,
-            resident_per_layer: self.k,
+            resident_per_layer: resident_by_layer.values().copied().max().unwrap_or(0),
+            resident_by_layer,
             spare_slots_per_layer: self.spare,
             slot_bytes: inner.layers.values().map(|s| s.slot_bytes()).sum(),
             reservoir_ram_bytes: self.reservoir.ram_bytes(),

@@ -3,7 +3,8 @@
 //!
 //! A record is whatever one expert is at its layer's codec: for a checkpoint layer the
 //! three projections as stored (bf16, f16 or f32), widened to f32 in the slot; for an
-//! expert-store layer the whole affine record (codes, scales, biases), copied as is.
+//! expert-store layer the whole record (affine: codes, scales, biases; VQ: header, codes,
+//! norms), copied as is.
 //! The reservoir holds every record in RAM, or reads it from the file it already lives
 //! in (the checkpoint shard, or the expert store itself) with `pread`.
 
@@ -22,6 +23,7 @@ use serde::Serialize;
 use super::Error;
 use crate::model::checkpoint::{float_size, widen};
 use crate::model::experts::Extent;
+use crate::store::vq::VqLayout;
 use crate::store::Layout;
 
 /// Where the reservoir keeps non-resident experts.
@@ -48,8 +50,10 @@ pub enum RecordFormat {
         /// Expert width.
         intermediate: usize,
     },
-    /// A record of an expert store.
+    /// A record of an affine expert store.
     Affine(Layout),
+    /// A record of a VQ expert store.
+    Vq(VqLayout),
 }
 
 impl RecordFormat {
@@ -62,6 +66,7 @@ impl RecordFormat {
                 intermediate,
             } => 3 * hidden * intermediate * float_size(dtype).expect("a float dtype"),
             RecordFormat::Affine(l) => l.record_size,
+            RecordFormat::Vq(l) => l.record_size,
         }
     }
 
@@ -73,13 +78,15 @@ impl RecordFormat {
                 intermediate,
                 ..
             } => Buffer::F32(vec![0.0; 3 * hidden * intermediate]),
-            RecordFormat::Affine(l) => Buffer::Words(vec![0; l.record_size.div_ceil(4)]),
+            RecordFormat::Affine(_) | RecordFormat::Vq(_) => {
+                Buffer::Words(vec![0; self.record_bytes().div_ceil(4)])
+            }
         }
     }
 }
 
 /// The data of one slot: f32 weights (gate, up, down back to back) or the words of an
-/// affine record (kept as u32 so the codes can be viewed in place).
+/// affine or VQ record (kept as u32 so its parts can be viewed in place).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Buffer {
     /// Widened weights.
@@ -289,7 +296,7 @@ impl Reservoir {
         let n = l.format.record_bytes();
         let ram = self.kind == ReservoirKind::Ram;
         match (l.format, buf) {
-            (RecordFormat::Affine(_), Buffer::Words(w)) => {
+            (RecordFormat::Affine(_) | RecordFormat::Vq(_), Buffer::Words(w)) => {
                 let dst = &mut words_as_bytes_mut(w)[..n];
                 if ram {
                     dst.copy_from_slice(&l.ram[e]);

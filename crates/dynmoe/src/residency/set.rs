@@ -7,12 +7,13 @@ use crate::backend::{Backend, SwiGluGroup, Weight};
 use crate::model::config::Router;
 use crate::model::moe::{route, Route};
 use crate::store::reader::record_view;
+use crate::store::vq::record_views;
 
-/// What a slot holds for the kernels: f32 tensors on the backend, or an affine record
-/// in host memory.
+/// What a slot holds for the kernels: f32 tensors on the backend, or a store's record
+/// (affine or VQ, as the layer's format says) in host memory, viewed in place.
 enum Slot<B: Backend> {
     Dense([B::Tensor; 3]),
-    Affine(Vec<u32>),
+    Record(Vec<u32>),
 }
 
 /// The resident set of one MoE layer.
@@ -91,8 +92,8 @@ impl<B: Backend> LayerSet<B> {
     }
 
     /// The slot a loaded buffer becomes, and the buffer freed by it: a dense record is
-    /// uploaded (so its staging buffer is free again at once), an affine buffer becomes
-    /// the slot itself and frees the outgoing slot's buffer.
+    /// uploaded (so its staging buffer is free again at once), a store record's buffer
+    /// becomes the slot itself and frees the outgoing slot's buffer.
     fn fill(&self, b: &B, buf: Buffer, old: Option<Slot<B>>) -> (Slot<B>, Option<Buffer>) {
         match (self.format, buf) {
             (
@@ -111,12 +112,12 @@ impl<B: Backend> LayerSet<B> {
                 ]);
                 (slot, Some(Buffer::F32(f)))
             }
-            (RecordFormat::Affine(_), Buffer::Words(w)) => {
+            (RecordFormat::Affine(_) | RecordFormat::Vq(_), Buffer::Words(w)) => {
                 let freed = match old {
-                    Some(Slot::Affine(o)) => Some(Buffer::Words(o)),
+                    Some(Slot::Record(o)) => Some(Buffer::Words(o)),
                     _ => None,
                 };
-                (Slot::Affine(w), freed)
+                (Slot::Record(w), freed)
             }
             _ => panic!("a buffer of another format"),
         }
@@ -127,8 +128,8 @@ impl<B: Backend> LayerSet<B> {
     pub(super) fn commit(&mut self, b: &B, outgoing: u32, incoming: u32, buf: Buffer) -> Buffer {
         let s = self.slot_of[outgoing as usize];
         assert!(s != usize::MAX && self.slot_of[incoming as usize] == usize::MAX);
-        // The outgoing slot is taken out first so an affine slot's buffer can be reused.
-        let old = std::mem::replace(&mut self.slots[s], Slot::Affine(Vec::new()));
+        // The outgoing slot is taken out first so a record slot's buffer can be reused.
+        let old = std::mem::replace(&mut self.slots[s], Slot::Record(Vec::new()));
         let (slot, freed) = self.fill(b, buf, Some(old));
         self.slots[s] = slot;
         self.slot_of[outgoing as usize] = usize::MAX;
@@ -199,11 +200,14 @@ impl<B: Backend> LayerSet<B> {
                 rows,
                 scales,
             },
-            (Slot::Affine(w), RecordFormat::Affine(layout)) => crate::model::moe::record_group(
+            (Slot::Record(w), RecordFormat::Affine(layout)) => crate::model::moe::record_group(
                 record_view(&layout, words_as_bytes(w)),
                 rows,
                 scales,
             ),
+            (Slot::Record(w), RecordFormat::Vq(layout)) => {
+                crate::model::moe::vq_group(record_views(&layout, words_as_bytes(w)), rows, scales)
+            }
             _ => unreachable!("slots match their layer's format"),
         }
     }
@@ -216,7 +220,7 @@ impl<B: Backend> LayerSet<B> {
                 intermediate,
                 ..
             } => 3 * hidden * intermediate * 4,
-            RecordFormat::Affine(l) => l.record_size,
+            RecordFormat::Affine(_) | RecordFormat::Vq(_) => self.format.record_bytes(),
         };
         one * (self.slots.len() + self.spares.len() + self.in_flight.len())
     }

@@ -169,8 +169,15 @@ pub fn generate_ids<B: Backend>(
     let t1 = std::time::Instant::now();
     let mut out = TextStream::default();
     let mut stopped_at_eos = false;
+    // Greedy decoding picks the token on the backend: one small read a step instead of
+    // the whole row of logits.
+    let greedy = sampling.temperature <= 0.0;
+    let mut picked: Option<u32> = None;
     while out.tokens().len() < max_tokens {
-        let next = sampler.sample(&logits[..vocab]);
+        let next = match picked.take() {
+            Some(t) => t,
+            None => sampler.sample(&logits[..vocab]),
+        };
         if stop.contains(&next) {
             stopped_at_eos = true;
             break;
@@ -181,7 +188,11 @@ pub fn generate_ids<B: Backend>(
             on_token(piece);
         }
         if out.tokens().len() < max_tokens {
-            logits = m.model.forward(&mut state, &[next], 0)?;
+            if greedy {
+                picked = Some(m.model.decode_greedy(&mut state, next)?);
+            } else {
+                logits = m.model.forward(&mut state, &[next], 0)?;
+            }
         }
     }
     let decode = t1.elapsed().as_secs_f64();

@@ -2,7 +2,7 @@
 //! experts as MLX affine 4-bit records in `experts.bin`, every other tensor unchanged in
 //! `dense.safetensors`, and the configuration and tokenizer files beside them.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -83,7 +83,8 @@ pub fn convert(
     let experts = Experts::resolve(&config, &ckpt)?;
     let layout = Layout::new(4, experts.hidden, experts.intermediate)?;
 
-    let (dense_tensors, dense_bytes) = write_dense(&ckpt, &experts, &out_dir.join(DENSE_FILE))?;
+    let (dense_tensors, dense_bytes) =
+        write_dense(&ckpt, &experts.tensor_names(), &out_dir.join(DENSE_FILE))?;
     let copied = copy_side_files(model_dir, out_dir)?;
     let data_path = out_dir.join(BASE_FILE);
     write_records(&ckpt, &experts, &layout, &data_path, progress)?;
@@ -253,12 +254,13 @@ fn pad_cols(w: Vec<f32>, rows: usize, cols: usize, padded: usize) -> Vec<f32> {
 
 /// Writes every tensor the experts do not occupy to `path` as safetensors, bytes and
 /// dtype unchanged. Returns the tensor count and file size.
-fn write_dense(
+/// Writes every tensor of `tensors` except those named in `skip`, as stored, to the
+/// safetensors file `path` (atomically); returns the tensor count and file size.
+pub(crate) fn write_dense(
     tensors: &Checkpoint,
-    experts: &Experts,
+    skip: &BTreeSet<String>,
     path: &Path,
 ) -> Result<(usize, u64), Error> {
-    let skip = experts.tensor_names();
     let mut dense: Vec<(&str, _)> = tensors
         .names()
         .into_iter()
@@ -309,7 +311,7 @@ fn write_dense(
 }
 
 /// Copies the config and tokenizer files that exist.
-fn copy_side_files(model_dir: &Path, out_dir: &Path) -> Result<Vec<String>, Error> {
+pub(crate) fn copy_side_files(model_dir: &Path, out_dir: &Path) -> Result<Vec<String>, Error> {
     let mut copied = Vec::new();
     for name in SIDE_FILES {
         let src = model_dir.join(name);

@@ -7,6 +7,9 @@
 //!   [`base::convert`] from a Hugging Face checkpoint;
 //! - `experts2.bin` + `experts2.json`, `experts3.bin` + `experts3.json`: the same
 //!   experts at 2 and 3 bits, derived from `experts.bin` in process by [`lowbit`];
+//! - `experts-vq{bits}.bin` + `experts-vq{bits}.json` beside a Hugging Face
+//!   checkpoint: chosen layers' experts at a rung of the VQ ladder, encoded once from
+//!   the checkpoint's weights by [`vq`];
 //! - `experts.lock`: the lock writers and readers share (see [`atomic`]).
 //!
 //! [`layout::Layout`] fixes where each part of a record sits, [`manifest::Manifest`]
@@ -28,11 +31,14 @@
 
 pub mod atomic;
 pub mod base;
+pub mod compressed;
+pub mod journal;
 pub mod layout;
 pub mod lowbit;
 pub mod manifest;
 pub mod reader;
 mod tensors;
+pub mod vq;
 
 use std::path::{Path, PathBuf};
 

@@ -156,11 +156,14 @@ extern "C" __global__ void scatter_add_rows(const float* src, const unsigned* ro
 // key at a time (lanes across the head: coalesced reads); each thread owns up to two
 // output dimensions (head_dim <= 256).
 #define ATT_TILE 1024
+// With `pos_at` non-null, pos0 is read from it (a decode step replayed from a graph).
 extern "C" __global__ void attention(const float* q, const float* k, const float* v, float* out,
-                                     int pos0, int heads, int kv_heads, int head_dim, int window) {
+                                     int pos0, int heads, int kv_heads, int head_dim, int window,
+                                     const unsigned* pos_at) {
     __shared__ float scratch[32];
     __shared__ float qs[256];
     __shared__ float sc[ATT_TILE];
+    if (pos_at) pos0 = (int)*pos_at;
     int r = blockIdx.x / heads, h = blockIdx.x % heads;
     int p = pos0 + r;
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
@@ -432,4 +435,334 @@ extern "C" __global__ void copy_f4(const float4* src, float4* dst, long long n4)
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long stride = (long long)gridDim.x * blockDim.x;
     for (; i < n4; i += stride) dst[i] = src[i];
+}
+
+// ---- A MoE block routed on the device (decode): no host round trip ----
+
+// The best (value, index) over the block, ties to the lower index; every thread gets it.
+__device__ void block_argmax(float& v, int& i, float* sv, int* si) {
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    int warps = (blockDim.x + WARP - 1) / WARP;
+    for (int o = WARP / 2; o > 0; o /= 2) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    }
+    __syncthreads();
+    if (lane == 0) { sv[warp] = v; si[warp] = i; }
+    __syncthreads();
+    v = lane < warps ? sv[lane] : NEG_INF;
+    i = lane < warps ? si[lane] : 0x7fffffff;
+    for (int o = WARP / 2; o > 0; o /= 2) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    }
+}
+
+// One block per row of router logits `probs` ([rows, experts], replaced by their softmax,
+// unmasked): the top_k experts among those `keep` marks (all when null), best first, ties
+// to the lower id, into ids[row·top_k ..], and their weights. As on the host (moe::route
+// after residency::confine), a mask first rescales the kept probabilities to sum to one;
+// `renormalize` divides the chosen ones by their sum. Dynamic shared memory: experts floats.
+extern "C" __global__ void moe_route(float* probs, const unsigned char* keep, int* ids,
+                                     float* weights, int experts, int top_k, int renormalize) {
+    extern __shared__ float cand[];
+    __shared__ float scratch[32];
+    __shared__ int iscratch[32];
+    float* row = probs + (size_t)blockIdx.x * experts;
+    float m = NEG_INF;
+    for (int d = threadIdx.x; d < experts; d += blockDim.x) m = fmaxf(m, row[d]);
+    m = block_max(m, scratch);
+    float s = 0.0f;
+    for (int d = threadIdx.x; d < experts; d += blockDim.x) {
+        float e = expf(row[d] - m);
+        row[d] = e;
+        s += e;
+    }
+    s = block_sum(s, scratch);
+    float kept = 0.0f;
+    for (int d = threadIdx.x; d < experts; d += blockDim.x) {
+        float p = row[d] / s;
+        row[d] = p;
+        if (!keep || keep[d]) kept += p;
+    }
+    if (keep) kept = block_sum(kept, scratch);
+    for (int d = threadIdx.x; d < experts; d += blockDim.x)
+        cand[d] = !keep ? row[d] : (keep[d] ? row[d] / kept : NEG_INF);
+    __syncthreads();
+    int* out_ids = ids + (size_t)blockIdx.x * top_k;
+    float* out_w = weights + (size_t)blockIdx.x * top_k;
+    for (int k = 0; k < top_k; k++) {
+        float v = NEG_INF;
+        int i = 0x7fffffff;
+        for (int d = threadIdx.x; d < experts; d += blockDim.x)
+            if (cand[d] > v || (cand[d] == v && d < i)) { v = cand[d]; i = d; }
+        block_argmax(v, i, scratch, iscratch);
+        if (threadIdx.x == 0) {
+            out_ids[k] = i;
+            out_w[k] = v;
+            cand[i] = NEG_INF;
+        }
+        __syncthreads();
+    }
+    if (renormalize && threadIdx.x == 0) {
+        float t = 0.0f;
+        for (int k = 0; k < top_k; k++) t += out_w[k];
+        for (int k = 0; k < top_k; k++) out_w[k] /= t;
+    }
+}
+
+// One routed expert product per (AFF_WARPS · ROUTED_ROWS output rows, pair): blockIdx.y is the pair
+// (row pair / top_k of x, rank pair % top_k), whose expert ids[pair] picks a 9-pointer
+// entry of `table` (gate, up, down: words, scales, biases). With `up` null the input is
+// row pair / top_k of x; otherwise it is silu(x[pair]) ⊙ up[pair] (the down projection,
+// the SwiGLU fused into its staging). Writes row `pair` of `out`. Dynamic shared memory:
+// the staged input (33 floats a chunk) and a sum per chunk.
+#define ROUTED_ENTRY 9
+#define ROUTED_ROWS 4
+template <int BITS>
+__device__ void affine_routed(const unsigned long long* table, const int* ids, int top_k, int proj,
+                              const float* x, const float* up, float* out, int rows, int cols,
+                              int in_dim) {
+    extern __shared__ float xs[];
+    int pair = blockIdx.y;
+    const unsigned long long* e = table + (size_t)ids[pair] * ROUTED_ENTRY;
+    const unsigned* words = (const unsigned*)e[3 * proj];
+    const unsigned short* scales = (const unsigned short*)e[3 * proj + 1];
+    const unsigned short* biases = (const unsigned short*)e[3 * proj + 2];
+    size_t src = (size_t)(up ? pair : pair / top_k) * in_dim;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = 0.0f;
+        if (c < in_dim) {
+            v = x[src + c];
+            if (up) v = v / (1.0f + expf(-v)) * up[src + c];
+        }
+        xs[(c / 32) * 33 + c % 32] = v;
+    }
+    // Sums of each staged chunk, shared by every row (the bias term of a group).
+    int chunks = cols / 32;
+    float* csum = xs + chunks * 33;
+    __syncthreads();
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        float t = 0.0f;
+        for (int j = 0; j < 32; j++) t += xs[c * 33 + j];
+        csum[c] = t;
+    }
+    __syncthreads();
+    // ROUTED_ROWS output rows a warp, their chunks loaded together so more loads are in
+    // flight, and the staged input serves more of the matrix.
+    int lane = threadIdx.x % WARP;
+    int first = (blockIdx.x * AFF_WARPS + threadIdx.x / WARP) * ROUTED_ROWS;
+    const float a = recon_a<BITS>(), off = recon_o<BITS>();
+    float acc[ROUTED_ROWS];
+#pragma unroll
+    for (int j = 0; j < ROUTED_ROWS; j++) acc[j] = 0.0f;
+    for (int c = lane; c < chunks; c += WARP) {
+        const float* xc = xs + c * 33;
+#pragma unroll
+        for (int j = 0; j < ROUTED_ROWS; j++) {
+            int o = first + j;
+            if (o < rows) {
+                float codes[32];
+                decode_chunk<BITS>(words + (size_t)o * row_words<BITS>(cols), c, codes);
+                size_t g = (size_t)o * (cols / 64) + c / 2;
+                float sc = bf16_bits(scales[g]), bias = bf16_bits(biases[g]);
+                float sqx = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 32; k++) sqx += codes[k] * xc[k];
+                acc[j] += a * sc * sqx + (off * sc + bias) * csum[c];
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < ROUTED_ROWS; j++) {
+        int o = first + j;
+        if (o < rows) {
+            float t = warp_sum(acc[j]);
+            if (lane == 0) out[(size_t)pair * rows + o] = t;
+        }
+    }
+}
+
+#define ROUTED_AFFINE(B)                                                                      \
+    extern "C" __global__ void affine_routed_gate_up_q##B(                                    \
+        const unsigned long long* table, const int* ids, int top_k, const float* x,            \
+        float* gate, float* up, int rows, int cols, int in_dim) {                              \
+        int proj = blockIdx.z;                                                                 \
+        affine_routed<B>(table, ids, top_k, proj, x, nullptr, proj == 0 ? gate : up, rows,     \
+                         cols, in_dim);                                                        \
+    }                                                                                          \
+    extern "C" __global__ void affine_routed_down_q##B(                                       \
+        const unsigned long long* table, const int* ids, int top_k, const float* gate,         \
+        const float* up, float* out, int rows, int cols, int in_dim) {                         \
+        affine_routed<B>(table, ids, top_k, 2, gate, up, out, rows, cols, in_dim);             \
+    }
+
+ROUTED_AFFINE(4)
+ROUTED_AFFINE(3)
+ROUTED_AFFINE(2)
+
+// out[r] = Σ_k weights[r·top_k + k] · down[r·top_k + k], one block per row; overwrites.
+extern "C" __global__ void moe_combine(const float* down, const float* weights, float* out,
+                                       int top_k, int width) {
+    size_t r = blockIdx.x;
+    const float* w = weights + r * top_k;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        float s = 0.0f;
+        for (int k = 0; k < top_k; k++) s += w[k] * down[(r * top_k + k) * width + i];
+        out[r * width + i] = s;
+    }
+}
+
+// ---- Decode steps whose per-call values live in device memory ----
+
+// dst row *pos = src row 0.
+extern "C" __global__ void write_row_at(const float* src, float* dst, const unsigned* pos, int width) {
+    float* d = dst + (size_t)*pos * width;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < width; i += gridDim.x * blockDim.x)
+        d[i] = src[i];
+}
+
+// One block per row: the index of the row's largest value (the lowest on ties), its
+// bits stored in out[r].
+extern "C" __global__ void argmax_rows(const float* x, unsigned* out, int dim) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const float* row = x + (size_t)blockIdx.x * dim;
+    float v = NEG_INF;
+    int i = 0x7fffffff;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x)
+        if (row[d] > v || (row[d] == v && d < i)) { v = row[d]; i = d; }
+    block_argmax(v, i, sv, si);
+    if (threadIdx.x == 0) out[blockIdx.x] = (unsigned)(i == 0x7fffffff ? 0 : i);
+}
+
+// out[b·rows + o] = Σ_i x[b·cols + i]·w[o·cols + i] for `batch` (≤ 4) rows of x: a warp
+// per output row, 16-byte loads of w (cols a multiple of 4), x read through the cache.
+// For decode, where cuBLAS' GEMM runs far under bandwidth.
+#define MV_MAXB 4
+extern "C" __global__ void matvec_f32(const float* w, const float* x, float* out, int rows,
+                                      int cols, int batch) {
+    int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    int lane = threadIdx.x % WARP;
+    if (o >= rows) return;
+    const float4* wr = reinterpret_cast<const float4*>(w + (size_t)o * cols);
+    int n4 = cols / 4;
+    float acc[MV_MAXB];
+#pragma unroll
+    for (int b = 0; b < MV_MAXB; b++) acc[b] = 0.0f;
+#pragma unroll 4
+    for (int j = lane; j < n4; j += WARP) {
+        float4 a = wr[j];
+#pragma unroll
+        for (int b = 0; b < MV_MAXB; b++) {
+            if (b < batch) {
+                float4 c = reinterpret_cast<const float4*>(x + (size_t)b * cols)[j];
+                acc[b] += a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w;
+            }
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < MV_MAXB; b++) {
+        if (b < batch) {
+            float t = warp_sum(acc[b]);
+            if (lane == 0) out[(size_t)b * rows + o] = t;
+        }
+    }
+}
+
+// ---- Decode attention split over the keys ----
+//
+// One query row has only `heads` (query head) blocks of work; each would walk the whole
+// context alone. Here the context is cut into chunks of `chunk` keys, a block per (head,
+// chunk) writes its partial softmax (max, sum, unnormalised output) to `part`, and
+// attention_combine merges them. Chunks past the position (or before a window) write an
+// empty partial, so the grid can be fixed by the cache's capacity and the position read
+// from `pos_at` (when non-null) in a replayed step.
+#define SPLIT_CHUNK_MAX 1024
+extern "C" __global__ void attention_split(const float* q, const float* k, const float* v,
+                                           float* part, int pos0, int heads, int kv_heads,
+                                           int head_dim, int window, const unsigned* pos_at,
+                                           int chunk) {
+    __shared__ float scratch[32];
+    __shared__ float qs[256];
+    __shared__ float sc[SPLIT_CHUNK_MAX];
+    int h = blockIdx.x, s = blockIdx.y;
+    int p = pos_at ? (int)*pos_at : pos0;
+    int lo = window > 0 ? max(0, p + 1 - window) : 0;
+    int t0 = max(lo, s * chunk), t1 = min(p + 1, (s + 1) * chunk);
+    float* o = part + ((size_t)h * gridDim.y + s) * (head_dim + 2);
+    int d0 = threadIdx.x, d1 = threadIdx.x + blockDim.x;
+    if (t0 >= t1) {
+        if (threadIdx.x == 0) {
+            o[0] = NEG_INF;
+            o[1] = 0.0f;
+        }
+        if (d0 < head_dim) o[2 + d0] = 0.0f;
+        if (d1 < head_dim) o[2 + d1] = 0.0f;
+        return;
+    }
+    int kvh = h / (heads / kv_heads);
+    size_t kvw = (size_t)kv_heads * head_dim;
+    const float* qrow = q + (size_t)h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) qs[d] = qrow[d];
+    __syncthreads();
+    float scale = 1.0f / sqrtf((float)head_dim);
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    int tn = t1 - t0;
+    for (int j = warp; j < tn; j += warps) {
+        const float* kr = k + (size_t)(t0 + j) * kvw + (size_t)kvh * head_dim;
+        float acc = 0.0f;
+        for (int d = lane; d < head_dim; d += WARP) acc += qs[d] * kr[d];
+        acc = warp_sum(acc);
+        if (lane == 0) sc[j] = acc * scale;
+    }
+    __syncthreads();
+    float m = NEG_INF;
+    for (int j = threadIdx.x; j < tn; j += blockDim.x) m = fmaxf(m, sc[j]);
+    m = block_max(m, scratch);
+    float l = 0.0f;
+    for (int j = threadIdx.x; j < tn; j += blockDim.x) {
+        float e = expf(sc[j] - m);
+        sc[j] = e;
+        l += e;
+    }
+    l = block_sum(l, scratch);  // its barriers also publish sc
+    const float* vb = v + (size_t)t0 * kvw + (size_t)kvh * head_dim;
+    float acc0 = 0.0f, acc1 = 0.0f;
+    for (int j = 0; j < tn; j++) {
+        float w = sc[j];
+        const float* vr = vb + (size_t)j * kvw;
+        if (d0 < head_dim) acc0 += w * vr[d0];
+        if (d1 < head_dim) acc1 += w * vr[d1];
+    }
+    if (threadIdx.x == 0) {
+        o[0] = m;
+        o[1] = l;
+    }
+    if (d0 < head_dim) o[2 + d0] = acc0;
+    if (d1 < head_dim) o[2 + d1] = acc1;
+}
+
+// One block per head: out = Σ_s acc_s·e^(m_s − M) / Σ_s l_s·e^(m_s − M).
+extern "C" __global__ void attention_combine(const float* part, float* out, int splits,
+                                             int head_dim) {
+    int h = blockIdx.x;
+    const float* ph = part + (size_t)h * splits * (head_dim + 2);
+    float mx = NEG_INF;
+    for (int s = 0; s < splits; s++) mx = fmaxf(mx, ph[(size_t)s * (head_dim + 2)]);
+    float l = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        float ms = ph[(size_t)s * (head_dim + 2)];
+        if (ms != NEG_INF) l += ph[(size_t)s * (head_dim + 2) + 1] * expf(ms - mx);
+    }
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float a = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            const float* ps = ph + (size_t)s * (head_dim + 2);
+            if (ps[0] != NEG_INF) a += ps[2 + d] * expf(ps[0] - mx);
+        }
+        out[(size_t)h * head_dim + d] = a / l;
+    }
 }

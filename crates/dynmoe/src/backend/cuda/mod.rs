@@ -20,13 +20,16 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
-    LaunchArgs, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut,
+    DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use half::slice::HalfFloatSliceExt;
 
-use super::{swiglu_groups_one_by_one, AttentionShape, Backend, SwiGluGroup, Weight};
+use super::{
+    swiglu_groups_one_by_one, AttentionShape, Backend, DeviceRoute, RoutedExperts, SwiGluGroup,
+    Weight,
+};
 use crate::codec::affine::kernels::AffineView;
 use crate::codec::affine::lowbit::words_per_row;
 use crate::codec::affine::GROUP_SIZE;
@@ -35,6 +38,9 @@ use crate::codec::vq::VqView;
 /// The kernels' CUDA C source.
 pub const SOURCE: &str = include_str!("kernels.cu");
 
+/// Rows of `x` up to which a dense product runs as the matrix-vector kernel (its
+/// `MV_MAXB`) rather than cuBLAS.
+const MATVEC_MAX_BATCH: usize = 4;
 /// Rows of `x` one affine matrix-vector launch takes (the kernel's `AFF_MAXB`).
 const AFFINE_MAX_BATCH: usize = 4;
 /// Output rows per affine matrix-vector block (the kernel's `AFF_WARPS`).
@@ -46,6 +52,13 @@ pub const AFFINE_GEMM_ROWS: usize = 8;
 const SHARED_LIMIT: usize = 48 << 10;
 /// u64 words per group in the grouped kernels' table (the kernel's `GROUP_ENTRY`).
 const GROUP_ENTRY: usize = 11;
+/// u64 words per expert in a routed block's table (the kernel's `ROUTED_ENTRY`).
+const ROUTED_ENTRY: usize = 9;
+/// Output rows per warp of the routed expert kernels (the kernel's `ROUTED_ROWS`).
+const ROUTED_ROWS: usize = 4;
+/// Most rows a MoE block is routed on the device for: beyond, each expert's weights
+/// would be read once per row, and the host path's grouped GEMMs win.
+pub const ROUTED_MAX_ROWS: usize = AFFINE_GEMM_ROWS;
 
 /// Why the CUDA backend could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -154,7 +167,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 26] = [
+const KERNEL_NAMES: [&str; 39] = [
     "fill",
     "embed",
     "rms_norm",
@@ -181,6 +194,19 @@ const KERNEL_NAMES: [&str; 26] = [
     "affine_down_q3",
     "affine_down_q2",
     "copy_f4",
+    "moe_route",
+    "moe_combine",
+    "affine_routed_gate_up_q4",
+    "affine_routed_gate_up_q3",
+    "affine_routed_gate_up_q2",
+    "affine_routed_down_q4",
+    "affine_routed_down_q3",
+    "affine_routed_down_q2",
+    "write_row_at",
+    "argmax_rows",
+    "matvec_f32",
+    "attention_split",
+    "attention_combine",
 ];
 
 /// PTX of [`SOURCE`] per architecture, compiled once per process.
@@ -211,6 +237,32 @@ fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
 /// Host values and their device copy.
 type Constant = (Vec<f32>, Arc<CudaSlice<f32>>);
 
+/// A MoE block's experts on the device, for routing there: every expert's gate, up and
+/// down pointers in one table indexed by expert id.
+struct RoutedBlock {
+    table: CudaSlice<u64>,
+    /// The copies the table points into, kept alive with it.
+    _weights: Vec<Arc<DeviceAffine>>,
+    /// Cache key and sampled words of the first and last experts' gate projections: the
+    /// block's id is trusted only while these still match.
+    check: [(AffineKey, [u32; 3]); 2],
+    bits: u32,
+    inter: usize,
+    up_cols: usize,
+    down_cols: usize,
+    /// The expert mask last used with the block, and its device copy.
+    keep: Option<(Vec<bool>, CudaSlice<u8>)>,
+}
+
+/// What confirms that a block's id still names the same weights.
+fn routed_check(experts: &RoutedExperts<'_, CudaSlice<f32>>) -> Option<[(AffineKey, [u32; 3]); 2]> {
+    let gate = |e: usize| match (experts.weights)(e)[0] {
+        Weight::Affine(a) => Some((affine_key(&a), fingerprint(&a))),
+        _ => None,
+    };
+    Some([gate(0)?, gate(experts.count - 1)?])
+}
+
 /// The CUDA backend on one device.
 pub struct Cuda {
     ctx: Arc<CudaContext>,
@@ -225,7 +277,32 @@ pub struct Cuda {
     vq: Mutex<HashMap<(usize, usize), Arc<DeviceVq>>>,
     /// Small host arrays passed to every call of an op (RoPE frequencies), uploaded once.
     constants: Mutex<Vec<Constant>>,
+    /// MoE blocks routed on the device, by [`RoutedExperts::id`].
+    routed: Mutex<HashMap<usize, RoutedBlock>>,
+    /// Intermediates of [`Backend::routed_moe`], grown as needed; reused by every call,
+    /// which the single stream orders.
+    routed_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// Recorded decode steps, by key, most recent last; each holds device addresses of
+    /// buffers it read, so whatever frees or replaces one of those drops them all.
+    graphs: Mutex<Vec<((usize, u64), Recorded)>>,
+    /// Whether [`Backend::replay_step`] records graphs (`DYNMOE_CUDA_GRAPHS=0`: never).
+    use_graphs: std::sync::atomic::AtomicBool,
+    /// Partial results of one-row attention split over the keys, grown as needed.
+    attn_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// Whether one-row attention is split over the keys (`DYNMOE_CUDA_SPLIT_ATTENTION=0`:
+    /// one block per head walks the whole context, as for many rows).
+    split_attention: bool,
 }
+
+/// A recorded step.
+struct Recorded(CudaGraph);
+
+// SAFETY: a graph is only touched under the backend's `graphs` lock, which is the
+// external synchronisation CUDA asks of graph objects used from several threads.
+unsafe impl Send for Recorded {}
+
+/// Recorded steps kept: one per live sequence is what replays; older ones are dropped.
+const MAX_GRAPHS: usize = 8;
 
 fn driver<T>(r: Result<T, cudarc::driver::DriverError>) -> Result<T, CudaError> {
     r.map_err(|e| CudaError::Driver(format!("{e:?}")))
@@ -255,6 +332,11 @@ fn affine_tile(cols: usize) -> (usize, usize) {
         (SHARED_LIMIT / row_bytes).clamp(1, AFFINE_MAX_BATCH),
         row_bytes,
     )
+}
+
+/// Shared memory of a routed expert block: one staged row and a sum per 32 columns.
+fn routed_shared(cols: usize) -> usize {
+    affine_tile(cols).1 + (cols / 32) * 4
 }
 
 fn blocks(n: usize, threads: usize) -> u32 {
@@ -292,7 +374,8 @@ impl Cuda {
         for name in KERNEL_NAMES {
             f.insert(name, driver(module.load_function(name))?);
         }
-        let stream = ctx.default_stream();
+        // A stream of its own: the legacy default stream cannot be recorded into a graph.
+        let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
         Ok(Cuda {
             ctx,
@@ -304,6 +387,15 @@ impl Cuda {
             affine: Mutex::new(HashMap::new()),
             vq: Mutex::new(HashMap::new()),
             constants: Mutex::new(Vec::new()),
+            routed: Mutex::new(HashMap::new()),
+            routed_scratch: Mutex::new(None),
+            graphs: Mutex::new(Vec::new()),
+            use_graphs: std::sync::atomic::AtomicBool::new(
+                std::env::var("DYNMOE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            ),
+            attn_scratch: Mutex::new(None),
+            split_attention: std::env::var("DYNMOE_CUDA_SPLIT_ATTENTION")
+                .map_or(true, |v| v != "0"),
         })
     }
 
@@ -359,8 +451,28 @@ impl Cuda {
         (2 * n * 4) as f64 / (ts[7] * 1e-3) / 1e9
     }
 
+    /// Whether decode steps are recorded as CUDA graphs and replayed (the default, unless
+    /// `DYNMOE_CUDA_GRAPHS=0`); switching drops the records.
+    pub fn set_graphs(&self, on: bool) {
+        self.use_graphs
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+        self.drop_graphs();
+    }
+
+    /// Decode steps recorded as graphs and kept for replay.
+    pub fn recorded_steps(&self) -> usize {
+        self.graphs.lock().expect("graphs lock").len()
+    }
+
+    /// Forgets every recorded step (a buffer one may read is about to go).
+    fn drop_graphs(&self) {
+        self.graphs.lock().expect("graphs lock").clear();
+    }
+
     /// Drops every device copy of quantized weights.
     pub fn clear_weight_cache(&self) {
+        self.drop_graphs();
+        self.routed.lock().expect("weight cache lock").clear();
         self.affine.lock().expect("weight cache lock").clear();
         self.vq.lock().expect("weight cache lock").clear();
     }
@@ -675,7 +787,7 @@ impl Cuda {
 
     /// `out[rows, n] = x[rows, k] · w[n, :k]ᵀ` with `w` row-major of row stride `ldw`.
     #[allow(clippy::too_many_arguments)]
-    fn gemm_xwt<W: DevicePtr<f32>>(
+    fn gemm_xwt<W: DevicePtr<f32>, O: DevicePtrMut<f32>>(
         &self,
         x: &CudaSlice<f32>,
         w: &W,
@@ -683,7 +795,7 @@ impl Cuda {
         k: usize,
         ldw: usize,
         n: usize,
-        out: &mut CudaSlice<f32>,
+        out: &mut O,
     ) {
         if rows == 0 || n == 0 {
             return;
@@ -703,6 +815,174 @@ impl Cuda {
             ldc: n as i32,
         };
         ok(unsafe { self.blas.gemm(g, w, x, out) }, "cuBLAS sgemm");
+    }
+
+    /// The device table of a block's experts, built (every expert copied to the device)
+    /// the first time the block is routed here; `None` when its experts are not affine
+    /// matrices of one shape the routed kernels take.
+    fn routed_block<'m>(
+        &self,
+        map: &'m mut HashMap<usize, RoutedBlock>,
+        experts: &RoutedExperts<'_, CudaSlice<f32>>,
+        hidden: usize,
+    ) -> Option<&'m mut RoutedBlock> {
+        let check = routed_check(experts)?;
+        if map.get(&experts.id).is_some_and(|b| b.check != check) {
+            self.drop_graphs();
+            map.remove(&experts.id);
+        }
+        match map.entry(experts.id) {
+            std::collections::hash_map::Entry::Occupied(o) => Some(o.into_mut()),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                Some(v.insert(self.build_routed(experts, hidden, check)?))
+            }
+        }
+    }
+
+    /// Copies every expert of a block to the device and tables their pointers.
+    fn build_routed(
+        &self,
+        experts: &RoutedExperts<'_, CudaSlice<f32>>,
+        hidden: usize,
+        check: [(AffineKey, [u32; 3]); 2],
+    ) -> Option<RoutedBlock> {
+        let first = match (experts.weights)(0) {
+            [Weight::Affine(g), Weight::Affine(_), Weight::Affine(d)] => (g, d),
+            _ => return None,
+        };
+        let (bits, inter, up_cols, down_cols) =
+            (first.0.bits, first.0.rows, first.0.cols, first.1.cols);
+        let fits = |cols: usize| routed_shared(cols) <= SHARED_LIMIT;
+        if !matches!(bits, 2..=4)
+            || up_cols < hidden
+            || down_cols < inter
+            || !fits(up_cols)
+            || !fits(down_cols)
+        {
+            return None;
+        }
+        let mut table = Vec::with_capacity(experts.count * ROUTED_ENTRY);
+        let mut weights = Vec::with_capacity(experts.count * 3);
+        for e in 0..experts.count {
+            let [Weight::Affine(g), Weight::Affine(u), Weight::Affine(d)] = (experts.weights)(e)
+            else {
+                return None;
+            };
+            let same = |m: &AffineView<'_>, rows: usize, cols: usize| {
+                m.bits == bits && m.rows == rows && m.cols == cols
+            };
+            if !(same(&g, inter, up_cols)
+                && same(&u, inter, up_cols)
+                && same(&d, hidden, down_cols))
+            {
+                return None;
+            }
+            for m in [g, u, d] {
+                let dev = self.device_affine(&m);
+                table.push(dev.words.device_ptr(&self.stream).0);
+                table.push(dev.scales.device_ptr(&self.stream).0);
+                table.push(dev.biases.device_ptr(&self.stream).0);
+                weights.push(dev);
+            }
+        }
+        Some(RoutedBlock {
+            table: ok(self.stream.clone_htod(&table), "upload"),
+            _weights: weights,
+            check,
+            bits,
+            inter,
+            up_cols,
+            down_cols,
+            keep: None,
+        })
+    }
+
+    /// [`Backend::matmul`] into any device buffer: the matrix-vector kernel for a few
+    /// rows (cuBLAS' GEMM runs far under bandwidth there, and keeps cuBLAS out of a
+    /// recorded decode step), cuBLAS otherwise.
+    fn dense_product<O: DevicePtrMut<f32>>(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        in_dim: usize,
+        out_dim: usize,
+        out: &mut O,
+    ) {
+        if rows == 0 || out_dim == 0 {
+            return;
+        }
+        if rows <= MATVEC_MAX_BATCH && in_dim.is_multiple_of(4) {
+            let o = out.device_ptr_mut(&self.stream).0;
+            let (r, c, b) = (out_dim as i32, in_dim as i32, rows as i32);
+            let mut l = self.stream.launch_builder(self.func("matvec_f32"));
+            l.arg(w).arg(x).arg(&o).arg(&r).arg(&c).arg(&b);
+            ok(
+                unsafe { l.launch(cfg(out_dim.div_ceil(8), 256, 0)) },
+                "matvec_f32",
+            );
+            return;
+        }
+        self.gemm_xwt(x, w, rows, in_dim, in_dim, out_dim, out);
+    }
+
+    /// Attention of one query row (position `pos0`, or the `u32` at device address
+    /// `pos_at` when non-zero) with the keys cut into chunks, a block per (head, chunk),
+    /// then merged: one block per head would walk the whole context alone. The chunks
+    /// follow the cache's capacity, not the position, so a recorded step stays valid.
+    fn attention_one_row(
+        &self,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<f32>,
+        v_cache: &CudaSlice<f32>,
+        shape: AttentionShape,
+        pos_at: u64,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let kvw = shape.kv_heads * shape.head_dim;
+        let capacity = (k_cache.len() / kvw).max(1);
+        let chunk = capacity.div_ceil(128).clamp(64, 1024);
+        let splits = capacity.div_ceil(chunk);
+        let need = shape.heads * splits * (shape.head_dim + 2);
+        let mut scratch = self.attn_scratch.lock().expect("scratch lock");
+        if scratch.as_ref().is_none_or(|s| s.len() < need) {
+            self.drop_graphs();
+            *scratch = Some(ok(unsafe { self.stream.alloc::<f32>(need) }, "alloc"));
+        }
+        let part = scratch.as_mut().expect("set above");
+        let (p0, h, kvh, d) = (
+            shape.pos0 as i32,
+            shape.heads as i32,
+            shape.kv_heads as i32,
+            shape.head_dim as i32,
+        );
+        let window = shape.window.map_or(0, |w| w as i32);
+        let c = chunk as i32;
+        let mut l = self.stream.launch_builder(self.func("attention_split"));
+        l.arg(q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(&mut *part)
+            .arg(&p0)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&d)
+            .arg(&window)
+            .arg(&pos_at)
+            .arg(&c);
+        let grid = LaunchConfig {
+            grid_dim: (shape.heads as u32, splits as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        ok(unsafe { l.launch(grid) }, "attention_split");
+        let n = splits as i32;
+        let mut l = self.stream.launch_builder(self.func("attention_combine"));
+        l.arg(&*part).arg(out).arg(&n).arg(&d);
+        ok(
+            unsafe { l.launch(cfg(shape.heads, row_threads(shape.head_dim), 0)) },
+            "attention_combine",
+        );
     }
 
     /// Launches `l` with a thread per element of `n`.
@@ -815,7 +1095,7 @@ impl Backend for Cuda {
         out_dim: usize,
         out: &mut CudaSlice<f32>,
     ) {
-        self.gemm_xwt(x, w, rows, in_dim, in_dim, out_dim, out);
+        self.dense_product(x, w, rows, in_dim, out_dim, out);
     }
 
     fn matmul_affine(
@@ -951,6 +1231,10 @@ impl Backend for Cuda {
         if shape.rows == 0 {
             return;
         }
+        if shape.rows == 1 && self.split_attention {
+            self.attention_one_row(q, k_cache, v_cache, shape, 0, out);
+            return;
+        }
         let (p0, h, kvh, d) = (
             shape.pos0 as i32,
             shape.heads as i32,
@@ -958,6 +1242,7 @@ impl Backend for Cuda {
             shape.head_dim as i32,
         );
         let window = shape.window.map_or(0, |w| w as i32);
+        let null = 0u64;
         let mut l = self.stream.launch_builder(self.func("attention"));
         l.arg(q)
             .arg(k_cache)
@@ -967,7 +1252,8 @@ impl Backend for Cuda {
             .arg(&h)
             .arg(&kvh)
             .arg(&d)
-            .arg(&window);
+            .arg(&window)
+            .arg(&null);
         ok(
             unsafe { l.launch(cfg(shape.rows * shape.heads, 128, 0)) },
             "attention",
@@ -1014,6 +1300,308 @@ impl Backend for Cuda {
             unsafe { l.launch(cfg(rows.len(), row_threads(width), 0)) },
             "scatter_add_rows",
         );
+    }
+
+    fn upload_into(&self, data: &[f32], t: &mut CudaSlice<f32>) {
+        if data.is_empty() {
+            return;
+        }
+        assert!(
+            data.len() <= t.len(),
+            "{} values into a tensor of {}",
+            data.len(),
+            t.len()
+        );
+        let mut dst = t.slice_mut(..data.len());
+        ok(self.stream.memcpy_htod(data, &mut dst), "upload");
+    }
+
+    fn embed_at(
+        &self,
+        table: &CudaSlice<f32>,
+        dim: usize,
+        step: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let d = dim as i32;
+        let mut l = self.stream.launch_builder(self.func("embed"));
+        l.arg(table).arg(step).arg(out).arg(&d);
+        ok(unsafe { l.launch(cfg(1, row_threads(dim), 0)) }, "embed");
+    }
+
+    fn rope_at(
+        &self,
+        x: &mut CudaSlice<f32>,
+        step: &CudaSlice<f32>,
+        heads: usize,
+        head_dim: usize,
+        inv_freq: &[f32],
+    ) {
+        let freq = self.constant(inv_freq);
+        let pos = step.slice(1..2);
+        let (h, d, p0) = (heads as i32, head_dim as i32, 0u32);
+        let mut l = self.stream.launch_builder(self.func("rope"));
+        l.arg(x).arg(&pos).arg(&p0).arg(&*freq).arg(&h).arg(&d);
+        ok(
+            unsafe { l.launch(cfg(heads, row_threads(head_dim / 2), 0)) },
+            "rope",
+        );
+    }
+
+    fn write_row_at(
+        &self,
+        src: &CudaSlice<f32>,
+        dst: &mut CudaSlice<f32>,
+        step: &CudaSlice<f32>,
+        width: usize,
+    ) {
+        let pos = step.slice(1..2);
+        let w = width as i32;
+        let mut l = self.stream.launch_builder(self.func("write_row_at"));
+        l.arg(src).arg(dst).arg(&pos).arg(&w);
+        ok(
+            unsafe { l.launch(cfg(blocks(width, 256) as usize, 256, 0)) },
+            "write_row_at",
+        );
+    }
+
+    fn attention_at(
+        &self,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<f32>,
+        v_cache: &CudaSlice<f32>,
+        shape: AttentionShape,
+        step: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) {
+        assert!(
+            shape.head_dim <= 256,
+            "head_dim {} over the attention kernel's 256",
+            shape.head_dim
+        );
+        let (p0, h, kvh, d) = (
+            0i32,
+            shape.heads as i32,
+            shape.kv_heads as i32,
+            shape.head_dim as i32,
+        );
+        let window = shape.window.map_or(0, |w| w as i32);
+        let pos = step.slice(1..2);
+        if self.split_attention {
+            let at = pos.device_ptr(&self.stream).0;
+            self.attention_one_row(q, k_cache, v_cache, shape, at, out);
+            return;
+        }
+        let mut l = self.stream.launch_builder(self.func("attention"));
+        l.arg(q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(out)
+            .arg(&p0)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&d)
+            .arg(&window)
+            .arg(&pos);
+        ok(unsafe { l.launch(cfg(shape.heads, 128, 0)) }, "attention");
+    }
+
+    fn argmax_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        dim: usize,
+        out: &mut CudaSlice<f32>,
+        at: usize,
+    ) {
+        if rows == 0 {
+            return;
+        }
+        let d = dim as i32;
+        let mut o = out.slice_mut(at..at + rows);
+        let mut l = self.stream.launch_builder(self.func("argmax_rows"));
+        l.arg(x).arg(&mut o).arg(&d);
+        ok(unsafe { l.launch(cfg(rows, 1024, 0)) }, "argmax_rows");
+    }
+
+    fn replay_step(&self, key: (usize, u64), body: &mut dyn FnMut() -> bool) -> bool {
+        use std::sync::atomic::Ordering;
+        if !self.use_graphs.load(Ordering::Relaxed) {
+            body();
+            return false;
+        }
+        {
+            let graphs = self.graphs.lock().expect("graphs lock");
+            if let Some((_, g)) = graphs.iter().find(|(k, _)| *k == key) {
+                ok(g.0.launch(), "graph launch");
+                return true;
+            }
+        }
+        let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        if self.stream.begin_capture(mode).is_err() {
+            body();
+            return false;
+        }
+        let fit = body();
+        let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
+        match (fit, self.stream.end_capture(flags)) {
+            (true, Ok(Some(g))) => {
+                ok(g.launch(), "graph launch");
+                let mut graphs = self.graphs.lock().expect("graphs lock");
+                if graphs.len() == MAX_GRAPHS {
+                    graphs.remove(0);
+                }
+                graphs.push((key, Recorded(g)));
+                true
+            }
+            // Not recorded (or not fit to be): nothing of it ran, so run it as it is.
+            _ => {
+                body();
+                false
+            }
+        }
+    }
+
+    fn routed_moe(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        hidden: usize,
+        gate: &CudaSlice<f32>,
+        experts: &RoutedExperts<'_, CudaSlice<f32>>,
+        route: DeviceRoute<'_>,
+        probs: &mut CudaSlice<f32>,
+        probs_at: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> bool {
+        let (e, k) = (experts.count, route.top_k);
+        if rows == 0 || rows > ROUTED_MAX_ROWS || e == 0 || k == 0 || k > e || e > 4096 {
+            return false;
+        }
+        if route.keep.is_some_and(|m| m.len() != e) {
+            return false;
+        }
+        let mut map = self.routed.lock().expect("routed blocks lock");
+        let Some(block) = self.routed_block(&mut map, experts, hidden) else {
+            return false;
+        };
+        let keep = match route.keep {
+            None => 0u64,
+            Some(mask) => {
+                if block
+                    .keep
+                    .as_ref()
+                    .is_none_or(|(m, _)| m.as_slice() != mask)
+                {
+                    self.drop_graphs();
+                    let bytes: Vec<u8> = mask.iter().map(|&b| b as u8).collect();
+                    block.keep =
+                        Some((mask.to_vec(), ok(self.stream.clone_htod(&bytes), "upload")));
+                }
+                let (_, dev) = block.keep.as_ref().expect("set above");
+                dev.device_ptr(&self.stream).0
+            }
+        };
+        let (inter, pairs) = (block.inter, rows * k);
+
+        // Router logits into the probabilities' slot; the route kernel turns them into
+        // probabilities in place.
+        let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
+        self.dense_product(x, gate, rows, hidden, e, &mut logits);
+        let probs_ptr = logits.device_ptr_mut(&self.stream).0;
+
+        // ids, weights, gate, up, down: one scratch buffer, carved by offset.
+        // Sized for the most rows at once, so that it is not replaced (under a recorded
+        // step) when a call with more rows follows.
+        let size = |pairs: usize| 2 * pairs + 2 * pairs * inter + pairs * hidden;
+        let mut scratch = self.routed_scratch.lock().expect("scratch lock");
+        if scratch.as_ref().is_none_or(|s| s.len() < size(pairs)) {
+            self.drop_graphs();
+            let n = size(ROUTED_MAX_ROWS * k);
+            *scratch = Some(ok(unsafe { self.stream.alloc::<f32>(n) }, "alloc"));
+        }
+        let base = scratch
+            .as_ref()
+            .expect("set above")
+            .device_ptr(&self.stream)
+            .0;
+        let at = |floats: usize| base + 4 * floats as u64;
+        let (ids, weights) = (at(0), at(pairs));
+        let (g, u, d) = (
+            at(2 * pairs),
+            at(2 * pairs + pairs * inter),
+            at(2 * pairs + 2 * pairs * inter),
+        );
+
+        let (ei, ki, rn) = (e as i32, k as i32, route.renormalize as i32);
+        let mut l = self.stream.launch_builder(self.func("moe_route"));
+        l.arg(&probs_ptr)
+            .arg(&keep)
+            .arg(&ids)
+            .arg(&weights)
+            .arg(&ei)
+            .arg(&ki)
+            .arg(&rn);
+        ok(
+            unsafe { l.launch(cfg(rows, row_threads(e), e * 4)) },
+            "moe_route",
+        );
+
+        let suffix = match block.bits {
+            4 => "q4",
+            3 => "q3",
+            _ => "q2",
+        };
+        let (r, c, i) = (inter as i32, block.up_cols as i32, hidden as i32);
+        let f = self.func(&format!("affine_routed_gate_up_{suffix}"));
+        let mut l = self.stream.launch_builder(f);
+        l.arg(&block.table)
+            .arg(&ids)
+            .arg(&ki)
+            .arg(x)
+            .arg(&g)
+            .arg(&u);
+        l.arg(&r).arg(&c).arg(&i);
+        let grid = LaunchConfig {
+            grid_dim: (
+                inter.div_ceil(AFFINE_WARPS * ROUTED_ROWS) as u32,
+                pairs as u32,
+                2,
+            ),
+            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: routed_shared(block.up_cols) as u32,
+        };
+        ok(unsafe { l.launch(grid) }, "routed gate/up");
+
+        let (r, c, i) = (hidden as i32, block.down_cols as i32, inter as i32);
+        let f = self.func(&format!("affine_routed_down_{suffix}"));
+        let mut l = self.stream.launch_builder(f);
+        l.arg(&block.table)
+            .arg(&ids)
+            .arg(&ki)
+            .arg(&g)
+            .arg(&u)
+            .arg(&d);
+        l.arg(&r).arg(&c).arg(&i);
+        let grid = LaunchConfig {
+            grid_dim: (
+                hidden.div_ceil(AFFINE_WARPS * ROUTED_ROWS) as u32,
+                pairs as u32,
+                1,
+            ),
+            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: routed_shared(block.down_cols) as u32,
+        };
+        ok(unsafe { l.launch(grid) }, "routed down");
+
+        let w = hidden as i32;
+        let mut l = self.stream.launch_builder(self.func("moe_combine"));
+        l.arg(&d).arg(&weights).arg(out).arg(&ki).arg(&w);
+        ok(
+            unsafe { l.launch(cfg(rows, row_threads(hidden), 0)) },
+            "moe_combine",
+        );
+        true
     }
 
     fn swiglu_groups(

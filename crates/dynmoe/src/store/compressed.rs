@@ -1,0 +1,269 @@
+//! A compressed model directory: what `dynmoe compress -o OUT` leaves beside its plan, and
+//! what `run`, `eval`, `chat` and `serve` load without the checkpoint it came from.
+//!
+//! - the checkpoint's `config.json` and tokenizer files;
+//! - `dense.safetensors`: every tensor the plan keeps as the checkpoint has it (embeddings,
+//!   attention, norms, routers, and the routed experts of layers the plan leaves bf16);
+//! - one VQ expert store per rung the plan uses (`experts-vq{bits}.bin` and `.json`,
+//!   [`super::vq`]), holding the layers at that rung;
+//! - `plan.json` ([`crate::alloc::plan`]): per layer the codec and the resident experts;
+//! - `compressed.json`, written last: what the directory holds, the source checkpoint's
+//!   fingerprint the stores were encoded from, and a checksum of `plan.json`. Its presence
+//!   marks a complete directory; it is removed first whenever the directory is rewritten.
+//!
+//! `docs/FORMAT.md` §14 lists the fields.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::{atomic, base, tensors, Error, DENSE_FILE};
+use crate::alloc::plan::{Plan, PLAN_FILE};
+use crate::backend::Backend;
+use crate::codec::vq::codebook::fnv1a;
+use crate::codec::vq::Rung;
+use crate::codec::Codec;
+use crate::model::weights::{expert_tensors, VqExperts};
+use crate::model::{self, Checkpoint, Config, LoadedModel, Model, Tokenizer};
+
+/// The manifest of a compressed directory, and its commit mark.
+pub const MANIFEST_FILE: &str = "compressed.json";
+
+/// `format` of the manifest.
+pub const FORMAT: &str = "dynmoe-compressed-model";
+
+/// Version this build writes and reads.
+pub const VERSION: u32 = 1;
+
+/// What a compressed directory holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// [`VERSION`].
+    pub version: u32,
+    /// The checkpoint directory compressed, as given.
+    pub source: String,
+    /// Its fingerprint (shard headers and `config.json`): what the VQ stores name.
+    pub source_fingerprint: String,
+    /// FNV-1a 64 of `plan.json`, hex.
+    pub plan_checksum: String,
+    /// Size in bytes of `dense.safetensors`.
+    pub dense_bytes: u64,
+    /// The VQ rungs whose stores the directory holds, by name (`vq1.5`), each with the
+    /// decoder layers at that rung.
+    pub stores: BTreeMap<String, Vec<usize>>,
+}
+
+/// Whether `dir` is a complete compressed directory (its manifest exists).
+pub fn is_compressed(dir: &Path) -> bool {
+    dir.join(MANIFEST_FILE).exists()
+}
+
+fn checksum(bytes: &[u8]) -> String {
+    format!("{:016x}", fnv1a(bytes))
+}
+
+fn unusable(dir: &Path, reason: String) -> Error {
+    Error::Unusable {
+        path: dir.join(MANIFEST_FILE),
+        reason,
+    }
+}
+
+/// The rung of each VQ layer of `plan`.
+fn plan_rungs(plan: &Plan, out: &Path) -> Result<BTreeMap<usize, Rung>, Error> {
+    let mut rungs = BTreeMap::new();
+    for l in &plan.layers {
+        match l.codec {
+            Codec::Bf16 => {}
+            c @ Codec::Vq { .. } => {
+                let rung = c.rung().ok().flatten().ok_or_else(|| {
+                    unusable(out, format!("layer {}: codec {c} has no rung", l.layer))
+                })?;
+                rungs.insert(l.layer, rung);
+            }
+            c => {
+                return Err(unusable(
+                    out,
+                    format!("layer {}: plans run bf16 and VQ rungs, not {c}", l.layer),
+                ))
+            }
+        }
+    }
+    Ok(rungs)
+}
+
+/// Writes the compressed model `plan` describes into `out` (which holds `plan.json`
+/// already), from the checkpoint at `src`. A complete earlier result is reused as it is:
+/// VQ stores already in `out` are checked and kept ([`super::vq::ensure`]).
+/// `progress(done, total)` counts expert records encoded.
+pub fn write(
+    src: &Path,
+    out: &Path,
+    plan: &Plan,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Manifest, Error> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, source }
+    };
+    let plan_bytes = std::fs::read(out.join(PLAN_FILE)).map_err(io(&out.join(PLAN_FILE)))?;
+    let config = Config::from_file(&src.join("config.json"))?;
+    let ckpt = Checkpoint::open(src)?;
+    let rungs = plan_rungs(plan, out)?;
+    {
+        let _lock = atomic::lock_exclusive(out)?;
+        atomic::remove_stale_temps(out)?;
+        atomic::remove_committed(&out.join(MANIFEST_FILE))?;
+        base::copy_side_files(src, out)?;
+        let mut skip = BTreeSet::new();
+        for &layer in rungs.keys() {
+            let (tensors, ..) = expert_tensors(&config, &ckpt, layer)?;
+            skip.extend(tensors.tensor_names(config.moe.num_experts));
+        }
+        base::write_dense(&ckpt, &skip, &out.join(DENSE_FILE))?;
+    }
+    // The stores name the checkpoint they were encoded from; `out` now has its config.
+    super::vq::ensure(out, &config, &ckpt, &rungs, progress)?;
+    let (fingerprint, _) = tensors::fingerprint(&ckpt, &src.join("config.json"))?;
+    let mut stores: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (&layer, rung) in &rungs {
+        stores.entry(rung.name()).or_default().push(layer);
+    }
+    let dense_path = out.join(DENSE_FILE);
+    let manifest = Manifest {
+        format: FORMAT.to_string(),
+        version: VERSION,
+        source: src.display().to_string(),
+        source_fingerprint: fingerprint,
+        plan_checksum: checksum(&plan_bytes),
+        dense_bytes: std::fs::metadata(&dense_path)
+            .map_err(io(&dense_path))?
+            .len(),
+        stores,
+    };
+    let _lock = atomic::lock_exclusive(out)?;
+    let text = serde_json::to_string_pretty(&manifest).expect("a manifest serialises");
+    atomic::write_file(&out.join(MANIFEST_FILE), text.as_bytes())?;
+    Ok(manifest)
+}
+
+/// Reads and checks the manifest of `dir` against the files beside it; returns it with
+/// the plan.
+pub fn open(dir: &Path) -> Result<(Manifest, Plan), Error> {
+    let path = dir.join(MANIFEST_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => Error::Missing { path: path.clone() },
+        _ => Error::Io {
+            path: path.clone(),
+            source,
+        },
+    })?;
+    let m: Manifest = serde_json::from_str(&text).map_err(|e| Error::ManifestJson {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    let field = |field: &str, reason: String| Error::Manifest {
+        path: path.clone(),
+        field: field.to_string(),
+        reason,
+    };
+    if m.format != FORMAT {
+        return Err(field(
+            "format",
+            format!("is {:?}, expected {FORMAT:?}", m.format),
+        ));
+    }
+    if m.version != VERSION {
+        return Err(field(
+            "version",
+            format!("is {}, this build reads {VERSION}", m.version),
+        ));
+    }
+    let plan_path = dir.join(PLAN_FILE);
+    let plan_bytes = std::fs::read(&plan_path).map_err(|source| Error::Io {
+        path: plan_path.clone(),
+        source,
+    })?;
+    if checksum(&plan_bytes) != m.plan_checksum {
+        return Err(field(
+            "plan_checksum",
+            format!(
+                "is {}, {} hashes to {}: the plan changed after compression",
+                m.plan_checksum,
+                plan_path.display(),
+                checksum(&plan_bytes)
+            ),
+        ));
+    }
+    let plan = Plan::load(&plan_path).map_err(|e| Error::Unusable {
+        path: plan_path.clone(),
+        reason: e.to_string(),
+    })?;
+    let dense = dir.join(DENSE_FILE);
+    let found = std::fs::metadata(&dense)
+        .map_err(|source| Error::Io {
+            path: dense.clone(),
+            source,
+        })?
+        .len();
+    if found != m.dense_bytes {
+        return Err(Error::Size {
+            path: dense,
+            expected: m.dense_bytes,
+            found,
+        });
+    }
+    let mut want: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (&layer, rung) in &plan_rungs(&plan, dir)? {
+        want.entry(rung.name()).or_default().push(layer);
+    }
+    if want != m.stores {
+        return Err(field(
+            "stores",
+            format!("is {:?}, the plan's VQ layers are {want:?}", m.stores),
+        ));
+    }
+    Ok((m, plan))
+}
+
+/// Loads the compressed model in `dir` on `backend`, every expert routable; returns it
+/// with its plan (whose resident sets [`crate::calib::probe::follow_plan`] installs).
+pub fn load<B: Backend>(dir: &Path, backend: B) -> Result<(LoadedModel<B>, Plan), model::Error> {
+    let (manifest, plan) = open(dir)?;
+    let config = Config::from_file(&dir.join("config.json"))?;
+    let ckpt = Checkpoint::open(dir)?;
+    let mut vq = BTreeMap::new();
+    for (name, layers) in &manifest.stores {
+        let rung = Rung::parse(name).map_err(|source| model::Error::Encode {
+            tensor: format!("{} store {name}", dir.display()),
+            source,
+        })?;
+        let store = std::sync::Arc::new(super::vq::VqStore::open_encoded_from(
+            dir,
+            rung,
+            &manifest.source_fingerprint,
+        )?);
+        for &layer in layers {
+            vq.insert(
+                layer,
+                VqExperts::Stored {
+                    store: store.clone(),
+                    layer,
+                },
+            );
+        }
+    }
+    let model = Model::load(config, &ckpt, None, &vq, backend)?;
+    Ok((
+        LoadedModel {
+            dir: dir.to_path_buf(),
+            model,
+            tokenizer: Tokenizer::from_dir(dir)?,
+        },
+        plan,
+    ))
+}

@@ -1,0 +1,145 @@
+//! A compressed model directory (`dynmoe compress -o OUT`): it loads without the
+//! checkpoint and runs as the checkpoint does under the same plan; every way it can be
+//! damaged is an error naming the file and field.
+
+use std::path::Path;
+
+use dynmoe::alloc::compress::{compress, BudgetScope, CompressOptions};
+use dynmoe::alloc::plan::Plan;
+use dynmoe::backend::Cpu;
+use dynmoe::calib::probe::load_plan;
+use dynmoe::model;
+use dynmoe::store::compressed;
+use dynmoe::testing::{fixture, TempDir};
+
+fn logits(m: &model::LoadedModel<Cpu>) -> Vec<f32> {
+    let ids = m
+        .tokenizer
+        .encode("def main():\n    print('the whale and the lighthouse')")
+        .unwrap();
+    let mut state = m.model.new_state(ids.len());
+    m.model.forward(&mut state, &ids, 0).unwrap()
+}
+
+/// A plan for tiny-moe at 2 bits over its experts and the directory written from it.
+fn compressed_tiny() -> (TempDir, Plan) {
+    let out = TempDir::new("compressed");
+    let src = fixture("tiny-moe");
+    let calib = std::fs::read_to_string("../../data/corpus/code/calib.txt").unwrap();
+    let opts = CompressOptions {
+        bits: 2.0,
+        scope: BudgetScope::Experts,
+        rounds: 1,
+        anneal: Vec::new(),
+        chunks: 1,
+        ctx: 512,
+    };
+    let plan = compress(&src, &[("code".into(), calib)], out.dir(), &opts, &|_| {}).unwrap();
+    compressed::write(&src, out.dir(), &plan, &mut |_, _| {}).unwrap();
+    (out, plan)
+}
+
+fn err_of(dir: &Path) -> String {
+    match model::load(dir, Cpu::fast()) {
+        Ok(_) => panic!("{} loaded", dir.display()),
+        Err(e) => {
+            let mut s = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(x) = src {
+                s += &format!(": {x}");
+                src = x.source();
+            }
+            s
+        }
+    }
+}
+
+#[test]
+fn a_compressed_directory_runs_as_its_plan_and_refuses_damage() {
+    let (out, plan) = compressed_tiny();
+    let dir = out.dir();
+    assert!(compressed::is_compressed(dir));
+    // Every expert routable in both: the same weights, read from the directory's own
+    // stores and dense tensors instead of the checkpoint.
+    let (from_dir, loaded_plan) = compressed::load(dir, Cpu::fast()).unwrap();
+    assert_eq!(loaded_plan.layers, plan.layers);
+    let mut from_ckpt = load_plan(&fixture("tiny-moe"), &plan, &mut |_, _| {}).unwrap();
+    for l in &plan.layers {
+        from_ckpt.model.set_expert_mask(l.layer, None).unwrap();
+    }
+    assert_eq!(logits(&from_dir), logits(&from_ckpt));
+    // `model::load` takes the same path, and refuses codecs the plan does not name.
+    assert_eq!(
+        logits(&model::load(dir, Cpu::fast()).unwrap()),
+        logits(&from_dir)
+    );
+    let codecs = model::ExpertCodecs {
+        default: Some("vq1.5".parse().unwrap()),
+        ..model::ExpertCodecs::default()
+    };
+    assert!(model::load_with_codecs(dir, Cpu::fast(), &codecs).is_err());
+
+    // Damage, one at a time, each restored afterwards.
+    let manifest = dir.join(compressed::MANIFEST_FILE);
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let edits: [(&str, &str, &str); 4] = [
+        ("\"version\": 1", "\"version\": 2", "version"),
+        ("dynmoe-compressed-model", "something-else", "format"),
+        (
+            "\"dense_bytes\": ",
+            "\"dense_bytes\": 1",
+            "dense.safetensors",
+        ),
+        (
+            "\"source_fingerprint\": \"fnv1a64:",
+            "\"source_fingerprint\": \"fnv1a64:0",
+            "source.fingerprint",
+        ),
+    ];
+    for (from, to, named) in edits {
+        std::fs::write(&manifest, text.replacen(from, to, 1)).unwrap();
+        let e = err_of(dir);
+        assert!(e.contains(named), "{from} -> {to}: {e}");
+    }
+    std::fs::write(
+        &manifest,
+        text.replacen("\"stores\"", "\"extra\": 1, \"stores\"", 1),
+    )
+    .unwrap();
+    assert!(err_of(dir).contains("compressed.json"));
+    std::fs::write(&manifest, &text).unwrap();
+    assert!(model::load(dir, Cpu::fast()).is_ok());
+
+    let dense = dir.join("dense.safetensors");
+    let bytes = std::fs::read(&dense).unwrap();
+    std::fs::write(&dense, &bytes[..bytes.len() - 8]).unwrap();
+    assert!(err_of(dir).contains("dense.safetensors"));
+    std::fs::write(&dense, &bytes).unwrap();
+
+    let store = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            let n = p.file_name().unwrap().to_string_lossy().into_owned();
+            n.starts_with("experts-vq") && n.ends_with(".bin")
+        })
+        .expect("the plan puts some layer at a VQ rung");
+    let bytes = std::fs::read(&store).unwrap();
+    let mut flipped = bytes.clone();
+    flipped[200] ^= 0x40;
+    std::fs::write(&store, &flipped).unwrap();
+    let e = err_of(dir);
+    assert!(
+        e.contains(&store.display().to_string()) && e.contains("checksum"),
+        "{e}"
+    );
+    std::fs::write(&store, &bytes).unwrap();
+    assert!(model::load(dir, Cpu::fast()).is_ok());
+
+    // Rewriting removes the commit mark first: a crash mid-way leaves a directory no
+    // later run takes for a compressed model.
+    std::fs::remove_file(&manifest).unwrap();
+    assert!(!compressed::is_compressed(dir));
+    compressed::write(&fixture("tiny-moe"), dir, &plan, &mut |_, _| {}).unwrap();
+    assert_eq!(std::fs::read_to_string(&manifest).unwrap(), text);
+}
