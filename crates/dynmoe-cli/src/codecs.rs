@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use clap::{Args, Subcommand};
-use dynmoe::codec::vq::codebook::{self, BuildParams};
+use clap::{Args, Subcommand, ValueEnum};
+use dynmoe::codec::vq::codebook::{self, BuildParams, Codebook, Symmetry};
 use dynmoe::codec::vq::report;
 use dynmoe::codec::vq::{Rung, LADDER};
 
@@ -24,6 +24,17 @@ pub struct BuildArgs {
     /// Rungs to build, by nominal bits (`1,1.5`); all when absent.
     #[arg(long, value_delimiter = ',')]
     rungs: Vec<String>,
+    /// Build with this symmetry instead of the shipped book's, to compare the two
+    /// (`dynmoe bench codecs --codebooks DIR`).
+    #[arg(long, value_enum)]
+    symmetry: Option<SymmetryArg>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum SymmetryArg {
+    None,
+    Signs,
+    SignsThenFree,
 }
 
 pub fn codebooks(c: CodebooksCommand) -> Result<()> {
@@ -32,17 +43,26 @@ pub fn codebooks(c: CodebooksCommand) -> Result<()> {
     std::fs::create_dir_all(&a.out).with_context(|| format!("{}", a.out.display()))?;
     for r in rungs {
         let t = Instant::now();
-        let params = BuildParams::for_rung(r);
+        let params = match a.symmetry {
+            None => BuildParams::for_rung(r),
+            Some(SymmetryArg::None) => BuildParams::with_symmetry(r, Symmetry::None),
+            Some(SymmetryArg::Signs) => BuildParams::with_symmetry(r, Symmetry::Signs),
+            Some(SymmetryArg::SignsThenFree) => {
+                BuildParams::with_symmetry(r, Symmetry::SignsThenFree)
+            }
+        };
         let book = codebook::build(r, params);
         let path = a.out.join(codebook::file_name(r));
         book.write(&path)?;
         println!(
-            "{:<8} p={:<2} k={:<2} {:>6} codewords {:>8} samples {:>5.1} s  {}",
+            "{:<8} p={:<2} k={:<2} {:>6} codewords {:?} {:>9} samples {:>3} iterations {:>6.1} s  {}",
             r.name(),
             r.dim,
             r.index_bits,
             r.codewords(),
-            params.samples_per_codeword as usize * r.codewords(),
+            params.symmetry,
+            params.samples_per_codeword as usize * params.symmetry.stored_codewords(r),
+            params.iterations,
             t.elapsed().as_secs_f64(),
             path.display()
         );
@@ -70,13 +90,32 @@ pub struct CodecsArgs {
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
+    /// Measure the codebooks in this directory (`dynmoe codebooks build -o DIR`)
+    /// instead of the shipped ones.
+    #[arg(long)]
+    codebooks: Option<PathBuf>,
 }
 
 pub fn bench_codecs(a: CodecsArgs) -> Result<()> {
     let rungs = parse_rungs(&a.rungs)?;
     let real = report::expert_matrices(&a.model, a.stride)
         .with_context(|| format!("reading expert weights of {}", a.model.display()))?;
-    let r = report::measure(&rungs, a.rows, 2048, &real, |r| {
+    let read: Vec<Codebook> = match &a.codebooks {
+        Some(dir) => rungs
+            .iter()
+            .map(|&r| Codebook::read(&dir.join(codebook::file_name(r)), r))
+            .collect::<Result<_, _>>()?,
+        None => Vec::new(),
+    };
+    let books: Vec<&Codebook> = if a.codebooks.is_some() {
+        read.iter().collect()
+    } else {
+        rungs
+            .iter()
+            .map(|r| r.codebook())
+            .collect::<Result<_, _>>()?
+    };
+    let r = report::measure(&books, a.rows, 2048, &real, |r| {
         if !a.json {
             eprintln!("measuring {}", r.name());
         }

@@ -1,7 +1,8 @@
 //! Codebooks for unit Gaussian vectors: how they are built, stored and searched.
 //!
 //! Each rung of the ladder has one codebook of `2^k` codewords of `p` values, built for
-//! N(0, I_p) by k-means (Lloyd's algorithm) on seeded Gaussian samples. The builder uses
+//! N(0, I_p) by k-means (Lloyd's algorithm) on seeded Gaussian samples, unconstrained
+//! or invariant under sign flips of coordinates ([`Symmetry`]). The builder uses
 //! no floating-point function of the platform's maths library (the normal sampler's
 //! logarithm is computed here) and sums in a fixed order, so rebuilding gives the same
 //! bytes on any machine; the files are shipped in `crates/dynmoe/codebooks/` and
@@ -9,7 +10,9 @@
 //!
 //! # Search
 //!
-//! Up to `2^11` codewords the nearest one is found by scanning them all. Above that the
+//! A sign-symmetric book is searched through its base codewords only: the vector is
+//! folded to `|x|` and its signs become the low bits of the index. Up to `2^11` codewords
+//! (of the book, or of the base) the nearest one is found by scanning them all. Above that the
 //! codewords are grouped into `2^(k/2)` cells by k-means over the codewords themselves,
 //! and a vector is compared with the cell centroids first, then with the codewords of
 //! its nearest few cells only ([`Codebook::nearest`]). That is 16 times fewer distances
@@ -26,9 +29,9 @@ use rayon::prelude::*;
 use super::{Rung, LADDER};
 
 /// First 8 bytes of a codebook file.
-pub const MAGIC: [u8; 8] = *b"DMVQCB01";
+pub const MAGIC: [u8; 8] = *b"DMVQCB02";
 /// Bytes before the codewords.
-pub const HEADER_BYTES: usize = 40;
+pub const HEADER_BYTES: usize = 48;
 
 /// Why a codebook could not be loaded or written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -73,6 +76,23 @@ pub enum CodebookError {
         /// The header's value.
         expected: u64,
     },
+    /// The header's symmetry is none of the known ones.
+    #[error("{name}: header field `symmetry` is {got}, expected 0 (none), 1 (signs) or 2 (signs then free)")]
+    Symmetry {
+        /// The file or embedded codebook.
+        name: String,
+        /// Its value in the file.
+        got: u32,
+    },
+    /// A stored codeword of a sign-symmetric book has a negative value: its sign
+    /// expansion would not be the book the search assumes.
+    #[error("{name}: stored codeword {index} of a sign-symmetric book has a negative value")]
+    NotFolded {
+        /// The file or embedded codebook.
+        name: String,
+        /// The stored codeword.
+        index: usize,
+    },
     /// A codeword holds an infinity or NaN.
     #[error("{name}: codeword {index} is not finite")]
     NonFinite {
@@ -86,32 +106,105 @@ pub enum CodebookError {
     Io(String),
 }
 
+/// The symmetry a codebook is built with; recorded in its header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Symmetry {
+    /// Any `2^k` codewords, all stored and trained.
+    None,
+    /// Invariant under flipping the sign of any coordinate. Only `2^(k−p)` base
+    /// codewords in the non-negative orthant are stored and trained, by Lloyd on folded
+    /// samples `|x|`; codeword `base · 2^p + s` is base codeword `base` with coordinate
+    /// `d` negated where bit `d` of `s` is set. N(0, I_p) has this symmetry, so for the
+    /// same work every trained codeword sees `2^p` times the samples, and the nearest
+    /// codeword of `x` is `sign(x) ⊙` the nearest base codeword of `|x|`.
+    Signs,
+    /// No symmetry, but started from the [`Signs`](Self::Signs) book of the same rung
+    /// and seed: unconstrained Lloyd iterations then let the codewords near the
+    /// coordinate planes leave their mirror images, which the sign-symmetric book
+    /// cannot do. All `2^k` codewords are stored.
+    SignsThenFree,
+}
+
+impl Symmetry {
+    /// The header's value.
+    pub fn code(self) -> u32 {
+        match self {
+            Symmetry::None => 0,
+            Symmetry::Signs => 1,
+            Symmetry::SignsThenFree => 2,
+        }
+    }
+
+    fn from_code(code: u32) -> Option<Symmetry> {
+        match code {
+            0 => Some(Symmetry::None),
+            1 => Some(Symmetry::Signs),
+            2 => Some(Symmetry::SignsThenFree),
+            _ => None,
+        }
+    }
+
+    /// Codewords stored and trained for `rung`: `2^k`, or `2^(k−p)` for [`Signs`](Self::Signs).
+    pub fn stored_codewords(self, rung: Rung) -> usize {
+        match self {
+            Symmetry::None | Symmetry::SignsThenFree => rung.codewords(),
+            Symmetry::Signs => rung.codewords() >> rung.dim,
+        }
+    }
+}
+
 /// How a codebook is built; recorded in its header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BuildParams {
     /// Seed of the Gaussian training samples.
     pub seed: u64,
-    /// Training samples per codeword.
+    /// Training samples per stored codeword.
     pub samples_per_codeword: u32,
     /// Lloyd iterations.
     pub iterations: u32,
+    /// The symmetry imposed on the codewords.
+    pub symmetry: Symmetry,
 }
 
 impl BuildParams {
-    /// The parameters the shipped codebook of `rung` was built with. Fewer samples per
-    /// codeword for the largest books keep the build to minutes; each still sees at
-    /// least 48 samples per codeword, and start from a structured codebook.
+    /// The parameters the shipped codebook of `rung` was built with.
+    ///
+    /// Books of at most 4 dimensions with at least 128 codewords per orthant (2.75, 4
+    /// and 5 bits) are sign-symmetric: measured on fresh Gaussian vectors, that gave
+    /// lower distortion than the unconstrained books, which see `2^p` times fewer
+    /// samples per codeword for the same work. With 32 and 64 per orthant (2.25 and 2.5
+    /// bits) the constraint costs more than it gains (0.0736 against 0.0713, 0.0525
+    /// against 0.0512), and the eight- and sixteen-dimensional books, with at most a few
+    /// codewords per orthant, stay unconstrained too. At 3 bits the sign-symmetric book
+    /// stops at 0.0263, above the bitsandbytes constant, however long it is trained;
+    /// letting it go free afterwards reaches 0.0258 ([`Symmetry::SignsThenFree`]).
+    /// Fewer samples per codeword for the largest books keep the build to minutes.
     pub fn for_rung(rung: Rung) -> BuildParams {
-        let (samples_per_codeword, iterations) = match rung.index_bits {
-            0..=10 => (256, 30),
-            11..=12 => (128, 20),
-            13..=14 => (64, 15),
-            _ => (48, 12),
+        let symmetry = match (rung.dim, rung.index_bits) {
+            (4, 12) => Symmetry::SignsThenFree,
+            (p, k) if p <= 4 && k >= p as u32 + 7 => Symmetry::Signs,
+            _ => Symmetry::None,
+        };
+        BuildParams::with_symmetry(rung, symmetry)
+    }
+
+    /// The parameters for `rung` with a given symmetry.
+    pub fn with_symmetry(rung: Rung, symmetry: Symmetry) -> BuildParams {
+        let stored_bits = symmetry.stored_codewords(rung).trailing_zeros();
+        let (samples_per_codeword, iterations) = match (symmetry, stored_bits) {
+            (Symmetry::None, 0..=10) => (256, 30),
+            (Symmetry::None, 11..=12) => (128, 20),
+            (Symmetry::None, 13..=14) => (64, 15),
+            (Symmetry::None, _) => (48, 12),
+            (Symmetry::Signs, 0..=8) => (4096, 100),
+            (Symmetry::Signs, _) => (256, 50),
+            (Symmetry::SignsThenFree, _) => (768, 24),
         };
         BuildParams {
             seed: 0x5EED_0000 + ((rung.dim as u64) << 8) + rung.index_bits as u64,
             samples_per_codeword,
             iterations,
+            symmetry,
         }
     }
 }
@@ -121,24 +214,47 @@ impl BuildParams {
 pub struct Codebook {
     rung: Rung,
     params: BuildParams,
+    /// All `2^k` codewords, expanded by the symmetry.
     values: Vec<f32>,
     half: OnceLock<Vec<f16>>,
     search: OnceLock<Search>,
 }
 
 impl Codebook {
-    /// A codebook of `rung` from its `2^k · p` values (rounded to fp16).
-    pub fn new(rung: Rung, params: BuildParams, values: &[f32]) -> Codebook {
+    /// A codebook of `rung` from its stored codewords (rounded to fp16): all `2^k`, or
+    /// the `2^(k−p)` non-negative base codewords of a sign-symmetric book.
+    pub fn new(rung: Rung, params: BuildParams, stored: &[f32]) -> Codebook {
+        let p = rung.dim;
         assert_eq!(
-            values.len(),
-            rung.codewords() * rung.dim,
+            stored.len(),
+            params.symmetry.stored_codewords(rung) * p,
             "{} values",
             rung.name()
         );
+        let stored: Vec<f32> = stored.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+        let values = match params.symmetry {
+            Symmetry::None | Symmetry::SignsThenFree => stored,
+            Symmetry::Signs => {
+                assert!(stored.iter().all(|&v| v >= 0.0), "{}: folded", rung.name());
+                let mut all = Vec::with_capacity(rung.codewords() * p);
+                for base in stored.chunks_exact(p) {
+                    for s in 0..1usize << p {
+                        all.extend(base.iter().enumerate().map(|(d, &v)| {
+                            if s >> d & 1 == 1 {
+                                -v
+                            } else {
+                                v
+                            }
+                        }));
+                    }
+                }
+                all
+            }
+        };
         Codebook {
             rung,
             params,
-            values: values.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+            values,
             half: OnceLock::new(),
             search: OnceLock::new(),
         }
@@ -172,10 +288,23 @@ impl Codebook {
         &self.values[i * p..(i + 1) * p]
     }
 
-    /// The file's bytes: header, then the codewords as little-endian fp16.
+    /// The stored codewords, `[stored_codewords, p]`: every `2^p`-th codeword of a
+    /// sign-symmetric book (the one with no sign flipped), all of another.
+    pub fn stored(&self) -> Vec<f32> {
+        let p = self.rung.dim;
+        let step = self.rung.codewords() / self.params.symmetry.stored_codewords(self.rung);
+        self.values
+            .chunks_exact(p)
+            .step_by(step)
+            .flatten()
+            .copied()
+            .collect()
+    }
+
+    /// The file's bytes: header, then the stored codewords as little-endian fp16.
     pub fn to_bytes(&self) -> Vec<u8> {
         let payload: Vec<u8> = self
-            .values
+            .stored()
             .iter()
             .flat_map(|&v| f16::from_f32(v).to_le_bytes())
             .collect();
@@ -186,6 +315,9 @@ impl Codebook {
         out.extend_from_slice(&self.params.seed.to_le_bytes());
         out.extend_from_slice(&self.params.samples_per_codeword.to_le_bytes());
         out.extend_from_slice(&self.params.iterations.to_le_bytes());
+        out.extend_from_slice(&self.params.symmetry.code().to_le_bytes());
+        let stored = self.params.symmetry.stored_codewords(self.rung) as u32;
+        out.extend_from_slice(&stored.to_le_bytes());
         out.extend_from_slice(&fnv1a(&payload).to_le_bytes());
         debug_assert_eq!(out.len(), HEADER_BYTES);
         out.extend_from_slice(&payload);
@@ -204,25 +336,36 @@ impl Codebook {
         }
         let u32_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
         let u64_at = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
-        for (field, got, expected) in [
-            ("dim", u32_at(8), rung.dim as u32),
-            ("index_bits", u32_at(12), rung.index_bits),
-        ] {
-            if got != expected {
-                return Err(CodebookError::Field {
-                    name,
-                    field,
-                    got: got.into(),
-                    expected: expected.into(),
-                });
-            }
+        let field = |field, got: u32, expected: u32| {
+            (got != expected).then(|| CodebookError::Field {
+                name: name.clone(),
+                field,
+                got: got.into(),
+                expected: expected.into(),
+            })
+        };
+        if let Some(e) = field("dim", u32_at(8), rung.dim as u32)
+            .or_else(|| field("index_bits", u32_at(12), rung.index_bits))
+        {
+            return Err(e);
+        }
+        let Some(symmetry) = Symmetry::from_code(u32_at(32)) else {
+            return Err(CodebookError::Symmetry {
+                name,
+                got: u32_at(32),
+            });
+        };
+        let n_stored = symmetry.stored_codewords(rung);
+        if let Some(e) = field("stored_codewords", u32_at(36), n_stored as u32) {
+            return Err(e);
         }
         let params = BuildParams {
             seed: u64_at(16),
             samples_per_codeword: u32_at(24),
             iterations: u32_at(28),
+            symmetry,
         };
-        let expected = HEADER_BYTES + 2 * rung.codewords() * rung.dim;
+        let expected = HEADER_BYTES + 2 * n_stored * rung.dim;
         if bytes.len() != expected {
             return Err(CodebookError::Length {
                 name,
@@ -231,7 +374,7 @@ impl Codebook {
             });
         }
         let payload = &bytes[HEADER_BYTES..];
-        let (got, want) = (fnv1a(payload), u64_at(32));
+        let (got, want) = (fnv1a(payload), u64_at(40));
         if got != want {
             return Err(CodebookError::Checksum {
                 name,
@@ -239,23 +382,25 @@ impl Codebook {
                 expected: want,
             });
         }
-        let values: Vec<f32> = payload
+        let stored: Vec<f32> = payload
             .chunks_exact(2)
             .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect();
-        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        if let Some(i) = stored.iter().position(|v| !v.is_finite()) {
             return Err(CodebookError::NonFinite {
                 name,
                 index: i / rung.dim,
             });
         }
-        Ok(Codebook {
-            rung,
-            params,
-            values,
-            half: OnceLock::new(),
-            search: OnceLock::new(),
-        })
+        if symmetry == Symmetry::Signs {
+            if let Some(i) = stored.iter().position(|&v| v < 0.0) {
+                return Err(CodebookError::NotFolded {
+                    name,
+                    index: i / rung.dim,
+                });
+            }
+        }
+        Ok(Codebook::new(rung, params, &stored))
     }
 
     /// Reads and checks `rung`'s codebook from `path`.
@@ -272,19 +417,43 @@ impl Codebook {
     }
 
     fn search(&self) -> &Search {
-        self.search
-            .get_or_init(|| Search::new(self.rung, &self.values))
+        self.search.get_or_init(|| {
+            let stored = self.params.symmetry.stored_codewords(self.rung);
+            Search::new(self.rung.dim, stored, &self.stored())
+        })
     }
 
     /// The index of the nearest codeword to `v` (`p` values), through the cell
     /// structure when there is one; ties go to the lowest index.
     pub fn nearest(&self, v: &[f32]) -> u32 {
-        self.search().nearest(v)
+        self.find(v, false)
     }
 
-    /// The index of the nearest codeword to `v` by scanning every codeword.
+    /// The index of the nearest codeword to `v` by scanning every stored codeword.
     pub fn nearest_exact(&self, v: &[f32]) -> u32 {
-        self.search().all.best(v, 0..self.search().all.groups()).1
+        self.find(v, true)
+    }
+
+    /// The one search of both: for a sign-symmetric book, `v` is folded into the
+    /// non-negative orthant and the signs become the low `p` bits of the index. Scores
+    /// of folded values are bit-identical to the unfolded ones (a sign flip is exact),
+    /// and a zero takes the positive sign, the lower index, so the result is the lowest
+    /// index among the nearest of all `2^k` codewords, as a full scan would give.
+    fn find(&self, v: &[f32], exact: bool) -> u32 {
+        let search = self.search();
+        match self.params.symmetry {
+            Symmetry::None | Symmetry::SignsThenFree => search.nearest(v, exact),
+            Symmetry::Signs => {
+                let p = v.len();
+                let mut folded = [0.0f32; 16];
+                let mut signs = 0u32;
+                for (d, &x) in v.iter().enumerate() {
+                    folded[d] = x.abs();
+                    signs |= ((x < 0.0) as u32) << d;
+                }
+                search.nearest(&folded[..p], exact) << p | signs
+            }
+        }
     }
 }
 
@@ -486,15 +655,15 @@ struct Cells {
 }
 
 impl Search {
-    fn new(rung: Rung, values: &[f32]) -> Search {
-        let p = rung.dim;
-        let n = values.len() / p;
+    /// The search over the `n` codewords `values` (`[n, p]`, `n` a power of two).
+    fn new(p: usize, n: usize, values: &[f32]) -> Search {
+        debug_assert_eq!(values.len(), n * p);
         let ids: Vec<u32> = (0..n as u32).collect();
         let all = Scan::new(p, values, &ids);
         if n <= SCAN_ALL_UP_TO {
             return Search { all, cells: None };
         }
-        let n_cells = 1usize << (rung.index_bits / 2);
+        let n_cells = 1usize << (n.trailing_zeros() / 2);
         let probes = (n_cells / 16).max(8);
         // The cell centroids: k-means over the codewords, started from every
         // (n / n_cells)-th codeword.
@@ -536,8 +705,9 @@ impl Search {
         }
     }
 
-    fn nearest(&self, v: &[f32]) -> u32 {
-        let Some(c) = &self.cells else {
+    /// The nearest codeword to `v`, by a full scan when `exact` or without cells.
+    fn nearest(&self, v: &[f32], exact: bool) -> u32 {
+        let Some(c) = self.cells.as_ref().filter(|_| !exact) else {
             return self.all.best(v, 0..self.all.groups()).1;
         };
         let n_cells = c.start.len() - 1;
@@ -630,52 +800,59 @@ pub fn gaussian(seed: u64, n: usize) -> Vec<f32> {
     out
 }
 
-/// Builds `rung`'s codebook: `params.samples_per_codeword · 2^k` Gaussian vectors,
-/// `params.iterations` Lloyd steps (assignment through the same search as encoding),
+/// Builds `rung`'s codebook: `params.samples_per_codeword` Gaussian vectors per stored
+/// codeword (folded to `|x|` for a sign-symmetric book), `params.iterations` Lloyd
+/// steps on the stored codewords (assignment through the same search as encoding),
 /// then rounding to fp16.
 ///
 /// Lloyd's algorithm only finds a local optimum near where it starts, and from `2^k`
 /// random samples a large codebook starts far from a good one. So a codebook of `p ≥ 2`
 /// dimensions and `k ≥ 4` bits starts from the product of two codebooks of `p / 2`
-/// dimensions and `⌊k/2⌋`, `⌈k/2⌉` bits (built the same way): a structured quantizer
-/// whose distortion is already that of the smaller dimension, which the iterations
-/// then improve on. Smaller ones start from their first `2^k` training vectors.
+/// dimensions and `⌊k/2⌋`, `⌈k/2⌉` bits (built the same way, with the same symmetry):
+/// a structured quantizer whose distortion is already that of the smaller dimension,
+/// which the iterations then improve on. Smaller ones start from their first training
+/// vectors.
 pub fn build(rung: Rung, params: BuildParams) -> Codebook {
-    let (p, n_cw) = (rung.dim, rung.codewords());
+    let p = rung.dim;
+    let n_cw = params.symmetry.stored_codewords(rung);
     let n = params.samples_per_codeword as usize * n_cw;
-    let samples = gaussian(params.seed, n * p);
-    let mut values = if p >= 2 && rung.index_bits >= 4 {
+    let mut samples = gaussian(params.seed, n * p);
+    if params.symmetry == Symmetry::Signs {
+        samples.iter_mut().for_each(|x| *x = x.abs());
+    }
+    let mut values = if params.symmetry == Symmetry::SignsThenFree {
+        let signs = BuildParams::with_symmetry(rung, Symmetry::Signs);
+        build(rung, signs).values().to_vec()
+    } else if p >= 2 && rung.index_bits >= 4 {
         let half = |index_bits| {
             let r = Rung {
                 nominal: "",
                 dim: p / 2,
                 index_bits,
             };
-            build(r, BuildParams::for_rung(r))
+            build(r, BuildParams::with_symmetry(r, params.symmetry)).stored()
         };
         let (lo, hi) = (
             half(rung.index_bits / 2),
             half(rung.index_bits - rung.index_bits / 2),
         );
-        let n_lo = lo.values.len() / (p / 2);
+        let h = p / 2;
+        let n_lo = lo.len() / h;
         let mut v = Vec::with_capacity(n_cw * p);
         for i in 0..n_cw {
-            v.extend_from_slice(lo.codeword(i % n_lo));
-            v.extend_from_slice(hi.codeword(i / n_lo));
+            v.extend_from_slice(&lo[(i % n_lo) * h..(i % n_lo + 1) * h]);
+            v.extend_from_slice(&hi[(i / n_lo) * h..(i / n_lo + 1) * h]);
         }
         v
     } else {
         samples[..n_cw * p].to_vec()
     };
     for it in 0..params.iterations as usize {
-        let book = Codebook {
-            rung,
-            params,
-            values: values.clone(),
-            half: OnceLock::new(),
-            search: OnceLock::new(),
-        };
-        let assign: Vec<u32> = samples.par_chunks(p).map(|v| book.nearest(v)).collect();
+        let search = Search::new(p, n_cw, &values);
+        let assign: Vec<u32> = samples
+            .par_chunks(p)
+            .map(|v| search.nearest(v, false))
+            .collect();
         let mut next = centroids(&samples, p, &assign, &values);
         // An empty cell takes a training vector instead, picked by a fixed rule.
         let mut count = vec![0u32; n_cw];
@@ -798,6 +975,26 @@ mod tests {
     }
 
     #[test]
+    fn sign_symmetric_build_is_fixed_by_its_parameters() {
+        // No shipped sign-symmetric book builds in seconds; this small one pins the
+        // bytes of that path (folding, base search, expansion) on every machine.
+        let r = Rung {
+            nominal: "",
+            dim: 4,
+            index_bits: 8,
+        };
+        let params = BuildParams {
+            seed: 7,
+            samples_per_codeword: 64,
+            iterations: 5,
+            symmetry: Symmetry::Signs,
+        };
+        let bytes = build(r, params).to_bytes();
+        assert_eq!(bytes.len(), HEADER_BYTES + 2 * 16 * 4);
+        assert_eq!(fnv1a(&bytes), 0x4c3cfbda925ad447);
+    }
+
+    #[test]
     fn rebuilding_small_rungs_gives_the_shipped_bytes() {
         for r in [rung("1"), rung("2.25")] {
             let built = build(r, BuildParams::for_rung(r)).to_bytes();
@@ -858,13 +1055,119 @@ mod tests {
         let mut bad = good.clone();
         bad[HEADER_BYTES..HEADER_BYTES + 2].copy_from_slice(&f16::NAN.to_le_bytes());
         let sum = fnv1a(&bad[HEADER_BYTES..]);
-        bad[32..40].copy_from_slice(&sum.to_le_bytes());
+        bad[40..48].copy_from_slice(&sum.to_le_bytes());
         assert!(matches!(
             Codebook::from_bytes(name, &bad, r),
             Err(CodebookError::NonFinite { index: 0, .. })
         ));
         let err = Codebook::read(&dir.path("missing.bin"), r).unwrap_err();
         assert!(err.to_string().contains("missing.bin"), "{err}");
+        // The version-1 header (no symmetry field) is refused by its magic.
+        let mut old = good.clone();
+        old[..8].copy_from_slice(b"DMVQCB01");
+        assert!(matches!(
+            Codebook::from_bytes(name, &old, r),
+            Err(CodebookError::Magic { .. })
+        ));
+    }
+
+    #[test]
+    fn symmetric_file_round_trips_and_rejects_corruption() {
+        let r = rung("2.75");
+        let book = shipped(r).unwrap();
+        assert_eq!(book.params().symmetry, Symmetry::Signs);
+        let good = book.to_bytes();
+        assert_eq!(
+            good.len(),
+            HEADER_BYTES + 2 * (r.codewords() >> r.dim) * r.dim
+        );
+        let back = Codebook::from_bytes("t.bin", &good, r).unwrap();
+        assert_eq!(back.values(), book.values());
+        assert_eq!(back.to_bytes(), good);
+
+        let mut bad = good.clone();
+        bad[32] = 3;
+        let err = Codebook::from_bytes("t.bin", &bad, r).unwrap_err();
+        assert_eq!(
+            err,
+            CodebookError::Symmetry {
+                name: "t.bin".into(),
+                got: 3
+            }
+        );
+        // Symmetry none with the symmetric book's count of stored codewords.
+        let mut bad = good.clone();
+        bad[32] = 0;
+        let err = Codebook::from_bytes("t.bin", &bad, r).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CodebookError::Field {
+                    field: "stored_codewords",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // A negative stored value, with a matching checksum, would break the search.
+        let mut bad = good.clone();
+        let at = HEADER_BYTES + 2 * (3 * r.dim + 1);
+        bad[at + 1] |= 0x80;
+        let sum = fnv1a(&bad[HEADER_BYTES..]);
+        bad[40..48].copy_from_slice(&sum.to_le_bytes());
+        assert_eq!(
+            Codebook::from_bytes("t.bin", &bad, r).unwrap_err(),
+            CodebookError::NotFolded {
+                name: "t.bin".into(),
+                index: 3
+            }
+        );
+    }
+
+    #[test]
+    fn symmetric_books_are_exactly_sign_symmetric() {
+        for r in LADDER {
+            let book = shipped(r).unwrap();
+            if book.params().symmetry != Symmetry::Signs {
+                continue;
+            }
+            let p = r.dim;
+            for i in 0..r.codewords() {
+                let base = book.codeword(i & !((1 << p) - 1));
+                assert!(base.iter().all(|&v| v >= 0.0), "{} {i}", r.name());
+                for d in 0..p {
+                    let flipped = book.codeword(i ^ (1 << d));
+                    let c = book.codeword(i);
+                    assert_eq!(flipped[d].to_bits(), (-c[d]).to_bits(), "{} {i}", r.name());
+                    for e in (0..p).filter(|&e| e != d) {
+                        assert_eq!(flipped[e].to_bits(), c[e].to_bits());
+                    }
+                    let negative = c[d].is_sign_negative();
+                    assert_eq!(negative, i >> d & 1 == 1, "{} {i}", r.name());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn symmetric_search_equals_a_scan_of_every_codeword() {
+        let mut v = crate::testing::fresh(4 * 3000, 78);
+        // Zeros of both signs: either sign is as near, and the lower index must win.
+        for j in (0..v.len()).step_by(7) {
+            v[j] = if j % 2 == 0 { 0.0 } else { -0.0 };
+        }
+        for r in LADDER.into_iter().filter(|r| r.dim == 4) {
+            let book = shipped(r).unwrap();
+            let ids: Vec<u32> = (0..r.codewords() as u32).collect();
+            let all = Scan::new(4, book.values(), &ids);
+            let mut same = 0;
+            for x in v.chunks_exact(4) {
+                let full = all.best(x, 0..all.groups()).1;
+                assert_eq!(book.nearest_exact(x), full, "{} {x:?}", r.name());
+                same += (book.nearest(x) == full) as usize;
+            }
+            assert!(same >= 2900, "{}: {same} of 3000", r.name());
+        }
     }
 
     #[test]
