@@ -314,7 +314,8 @@ fn schedule<B: Backend>(model: &LoadedModel<B>, shared: &Shared) {
         active.retain_mut(|s| {
             let counter = match step(model, s, m) {
                 Step::Continue => return true,
-                Step::Finished => &m.completed,
+                // Counted by `finish`, before the client could see the end.
+                Step::Finished => return false,
                 Step::Cancelled => &m.cancelled,
                 Step::Failed => &m.failed,
             };
@@ -353,7 +354,7 @@ fn step<B: Backend>(model: &LoadedModel<B>, s: &mut Sequence<B>, m: &Metrics) ->
     };
     if r.stop_tokens.contains(&next) {
         let rest = s.out.take_rest().to_string();
-        return finish(s, rest, done(s, FinishReason::Stop));
+        return finish(s, rest, done(s, FinishReason::Stop), m);
     }
     if let Err(e) = s.out.push(&model.tokenizer, next) {
         let _ = s.events.send(Event::Failed(e.to_string()));
@@ -365,11 +366,11 @@ fn step<B: Backend>(model: &LoadedModel<B>, s: &mut Sequence<B>, m: &Metrics) ->
 
     if let Some(at) = first_stop(s.out.text(), s.out.shown(), &r.stop_strings) {
         let piece = s.out.take_until(at).to_string();
-        return finish(s, piece, done(s, FinishReason::Stop));
+        return finish(s, piece, done(s, FinishReason::Stop), m);
     }
     if s.out.tokens().len() >= r.max_tokens {
         let rest = s.out.take_rest().to_string();
-        return finish(s, rest, done(s, FinishReason::Length));
+        return finish(s, rest, done(s, FinishReason::Length), m);
     }
     let hold = stop_prefix_len(s.out.text(), &r.stop_strings);
     let piece = s.out.take(hold);
@@ -379,13 +380,26 @@ fn step<B: Backend>(model: &LoadedModel<B>, s: &mut Sequence<B>, m: &Metrics) ->
     Step::Continue
 }
 
-fn finish<B: Backend>(s: &Sequence<B>, piece: String, done: Event) -> Step {
+/// Sends the last text and the end. The request is counted complete and its sequence
+/// inactive before the end goes out, so a client that reads `/metrics` right after its
+/// reply sees them; a client already gone is moved to the cancelled count instead.
+fn finish<B: Backend>(s: &Sequence<B>, piece: String, done: Event, m: &Metrics) -> Step {
     if !piece.is_empty() && s.events.send(Event::Text(piece)).is_err() {
         return Step::Cancelled;
     }
+    m.completed.fetch_add(1, Ordering::Relaxed);
+    let _ = m
+        .active_sequences
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+            Some(v.saturating_sub(1))
+        });
     match s.events.send(done) {
         Ok(()) => Step::Finished,
-        Err(_) => Step::Cancelled,
+        Err(_) => {
+            m.completed.fetch_sub(1, Ordering::Relaxed);
+            m.cancelled.fetch_add(1, Ordering::Relaxed);
+            Step::Finished
+        }
     }
 }
 

@@ -115,20 +115,24 @@ pub fn probe() -> Result<(), CudaError> {
 /// A VQ matrix decoded to f32 on the device.
 struct DeviceVq {
     dense: CudaSlice<f32>,
-    /// Host code bytes sampled when it was decoded (first, middle, last) and the norms'
-    /// first bits, so a re-mapped record is never served stale weights.
-    fingerprint: [u16; 4],
+    /// The rotation seed (one per matrix of a model, so a slot refilled with another
+    /// expert differs here), host code bytes sampled when it was decoded (first, middle,
+    /// last) and the norms' first bits: a re-mapped record is never served stale weights.
+    fingerprint: (u64, [u16; 4]),
 }
 
-fn vq_fingerprint(w: &VqView<'_>) -> [u16; 4] {
+fn vq_fingerprint(w: &VqView<'_>) -> (u64, [u16; 4]) {
     let c = w.codes;
     let at = |i: usize| c.get(i).copied().unwrap_or(0) as u16;
-    [
-        at(0),
-        at(c.len() / 2),
-        at(c.len().saturating_sub(1)),
-        w.norms.first().map(|n| n.to_bits()).unwrap_or(0),
-    ]
+    (
+        w.seed,
+        [
+            at(0),
+            at(c.len() / 2),
+            at(c.len().saturating_sub(1)),
+            w.norms.first().map(|n| n.to_bits()).unwrap_or(0),
+        ],
+    )
 }
 
 /// A device copy of an affine matrix.
