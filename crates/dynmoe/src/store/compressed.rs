@@ -155,17 +155,7 @@ pub fn write(
 /// the plan.
 pub fn open(dir: &Path) -> Result<(Manifest, Plan), Error> {
     let path = dir.join(MANIFEST_FILE);
-    let text = std::fs::read_to_string(&path).map_err(|source| match source.kind() {
-        std::io::ErrorKind::NotFound => Error::Missing { path: path.clone() },
-        _ => Error::Io {
-            path: path.clone(),
-            source,
-        },
-    })?;
-    let m: Manifest = serde_json::from_str(&text).map_err(|e| Error::ManifestJson {
-        path: path.clone(),
-        reason: e.to_string(),
-    })?;
+    let m: Manifest = super::manifest_from_value(&path, super::read_manifest_value(&path)?)?;
     let field = |field: &str, reason: String| Error::Manifest {
         path: path.clone(),
         field: field.to_string(),

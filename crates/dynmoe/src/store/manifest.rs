@@ -135,22 +135,9 @@ impl Manifest {
     /// Reads a manifest, checking only that it is JSON of the right structure and
     /// format; [`Manifest::layout`] checks that its fields agree with each other.
     pub fn read(path: &Path) -> Result<Manifest, Error> {
-        let text = std::fs::read(path).map_err(|source| match source.kind() {
-            std::io::ErrorKind::NotFound => Error::Missing {
-                path: path.to_path_buf(),
-            },
-            _ => Error::Io {
-                path: path.to_path_buf(),
-                source,
-            },
-        })?;
-        let json_error = |e: serde_json::Error| Error::ManifestJson {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        };
         // Format and version first: an older manifest may not parse as this one, and
         // "older layout" is a better answer than "missing field".
-        let value: serde_json::Value = serde_json::from_slice(&text).map_err(json_error)?;
+        let value = super::read_manifest_value(path)?;
         let field = |name: &str| value.get(name).cloned().unwrap_or_default();
         if field("format") != FORMAT {
             return Err(Error::manifest(
@@ -164,7 +151,7 @@ impl Manifest {
                 return Err(Error::manifest(path, "version", version_reason(version)));
             }
         }
-        serde_json::from_value(value).map_err(json_error)
+        super::manifest_from_value(path, value)
     }
 
     /// Writes the manifest as pretty JSON (not atomically: see `atomic::create_output`).

@@ -165,6 +165,37 @@ pub enum Error {
     Model(#[from] crate::model::Error),
 }
 
+/// The JSON value of the manifest at `path`: a missing file is [`Error::Missing`], text
+/// that is not JSON [`Error::ManifestJson`]. Callers check `format` and `version` on the
+/// value before deserialising it ([`manifest_from_value`]), so that an older manifest is
+/// named as older rather than as malformed.
+pub(crate) fn read_manifest_value(path: &Path) -> Result<serde_json::Value, Error> {
+    let text = std::fs::read(path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => Error::Missing {
+            path: path.to_path_buf(),
+        },
+        _ => Error::Io {
+            path: path.to_path_buf(),
+            source,
+        },
+    })?;
+    serde_json::from_slice(&text).map_err(|e| Error::ManifestJson {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+/// A manifest read by [`read_manifest_value`], as `T`.
+pub(crate) fn manifest_from_value<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    value: serde_json::Value,
+) -> Result<T, Error> {
+    serde_json::from_value(value).map_err(|e| Error::ManifestJson {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
 impl Error {
     /// A bad manifest field.
     pub fn manifest(path: &Path, field: &str, reason: impl Into<String>) -> Error {

@@ -347,20 +347,7 @@ impl VqManifest {
     /// Reads a manifest, checking that it is JSON of the right structure, format and
     /// version; [`check`](Self::check) compares its fields with what is expected.
     pub fn read(path: &Path) -> Result<VqManifest, Error> {
-        let text = std::fs::read(path).map_err(|source| match source.kind() {
-            std::io::ErrorKind::NotFound => Error::Missing {
-                path: path.to_path_buf(),
-            },
-            _ => Error::Io {
-                path: path.to_path_buf(),
-                source,
-            },
-        })?;
-        let json_error = |e: serde_json::Error| Error::ManifestJson {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        };
-        let value: serde_json::Value = serde_json::from_slice(&text).map_err(json_error)?;
+        let value = super::read_manifest_value(path)?;
         let field = |name: &str| value.get(name).cloned().unwrap_or_default();
         if field("format") != FORMAT {
             return Err(Error::manifest(
@@ -376,7 +363,7 @@ impl VqManifest {
                 format!("is {}, this build reads {VERSION}", field("version")),
             ));
         }
-        serde_json::from_value(value).map_err(json_error)
+        super::manifest_from_value(path, value)
     }
 
     /// Pretty JSON and a newline.
