@@ -183,7 +183,7 @@ pub fn assemble(
     keep: &BTreeMap<usize, Vec<u32>>,
 ) -> Result<LoadedModel<Cpu>, Error> {
     let e = config.moe.num_experts;
-    let mut model = Model::load(config, ckpt, None, vq, Cpu::fast())?;
+    let mut model = Model::load(config, ckpt, None, vq, &Default::default(), Cpu::fast())?;
     for (&layer, experts) in keep {
         let mut mask = vec![false; e];
         for &x in experts {

@@ -355,7 +355,14 @@ pub fn load_with_progress<B: Backend>(
         None
     };
     let vq = stored_vq_experts(dir, &config, &checkpoint, &rungs, progress)?;
-    let model = Model::load(config, &checkpoint, stores, &vq, backend)?;
+    let model = Model::load(
+        config,
+        &checkpoint,
+        stores,
+        &vq,
+        &Default::default(),
+        backend,
+    )?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     Ok(LoadedModel {
         dir: dir.to_path_buf(),

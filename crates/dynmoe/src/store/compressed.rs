@@ -247,7 +247,7 @@ pub fn load<B: Backend>(dir: &Path, backend: B) -> Result<(LoadedModel<B>, Plan)
             );
         }
     }
-    let model = Model::load(config, &ckpt, None, &vq, backend)?;
+    let model = Model::load(config, &ckpt, None, &vq, &Default::default(), backend)?;
     Ok((
         LoadedModel {
             dir: dir.to_path_buf(),

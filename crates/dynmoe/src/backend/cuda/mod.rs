@@ -1003,6 +1003,7 @@ impl Cuda {
 
 impl Backend for Cuda {
     type Tensor = CudaSlice<f32>;
+    type Matrix = CudaSlice<f32>;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -1013,6 +1014,11 @@ impl Backend for Cuda {
             return self.alloc(0);
         }
         ok(self.stream.clone_htod(data), "upload")
+    }
+
+    fn upload_matrix(&self, data: &[f32], out_dim: usize, in_dim: usize) -> CudaSlice<f32> {
+        debug_assert_eq!(data.len(), out_dim * in_dim);
+        self.upload(data)
     }
 
     fn alloc(&self, len: usize) -> CudaSlice<f32> {
