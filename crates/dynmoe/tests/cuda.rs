@@ -246,8 +246,8 @@ fn bf16_matmul_matches_the_reference() {
     // Up to 4 rows run as the bf16 matrix-vector kernel: 16-byte loads of 8 weights when
     // the width is a multiple of 8 (the LM head's among them), one weight per lane
     // otherwise (100, 250, 7 columns). More rows widen the matrix to f32 in a scratch
-    // buffer for cuBLAS: the scratch grows (80 × 256 after 64 × 2048 is smaller, then
-    // 33 × 250, then a 151936 × 2048 LM head at 5 rows) and is reused.
+    // buffer for cuBLAS: made for 2048 × 768, reused for the two smaller matrices after
+    // it, then grown for a 151936 × 2048 LM head at 5 rows.
     let cases = [
         (1, 2048, 4096),
         (1, 2048, 151936),
