@@ -73,9 +73,9 @@ fn a_compressed_directory_runs_as_its_plan_and_refuses_damage() {
         logits(&model::load(dir, Cpu::fast()).unwrap()),
         logits(&from_dir)
     );
-    let codecs = model::ExpertCodecs {
+    let codecs = model::Codecs {
         default: Some("vq1.5".parse().unwrap()),
-        ..model::ExpertCodecs::default()
+        ..model::Codecs::default()
     };
     assert!(model::load_with_codecs(dir, Cpu::fast(), &codecs).is_err());
 

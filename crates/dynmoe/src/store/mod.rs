@@ -10,6 +10,8 @@
 //! - `experts-vq{bits}.bin` + `experts-vq{bits}.json` beside a Hugging Face
 //!   checkpoint: chosen layers' experts at a rung of the VQ ladder, encoded once from
 //!   the checkpoint's weights by [`vq`];
+//! - `dense-vq{bits}.safetensors` beside a Hugging Face checkpoint: its dense linear
+//!   layers at a rung of the VQ ladder ([`dense_vq`]);
 //! - `experts.lock`: the lock writers and readers share (see [`atomic`]).
 //!
 //! [`layout::Layout`] fixes where each part of a record sits, [`manifest::Manifest`]
@@ -32,6 +34,7 @@
 pub mod atomic;
 pub mod base;
 pub mod compressed;
+pub mod dense_vq;
 pub mod journal;
 pub mod layout;
 pub mod lowbit;
