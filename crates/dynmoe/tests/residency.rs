@@ -507,8 +507,15 @@ fn vq_reservoirs_deliver_the_store_records() {
         0,
         model::weights::encode_experts(&config, &ckpt, 0, rung).unwrap(),
     )]);
-    let probe =
-        dynmoe::calib::probe::assemble(copy.dir(), config, &ckpt, &vq, &BTreeMap::new()).unwrap();
+    let probe = dynmoe::calib::probe::assemble(
+        copy.dir(),
+        config,
+        &ckpt,
+        &vq,
+        &Default::default(),
+        &BTreeMap::new(),
+    )
+    .unwrap();
     let err = probe.model.reservoir(ReservoirKind::Ram).err().unwrap();
     assert!(err.to_string().contains("layer 0"), "{err}");
 }

@@ -389,8 +389,15 @@ fn small_moe_perplexity_through_the_store_equals_the_in_memory_encoding() {
         .moe_layers()
         .map(|l| (l, encode_experts(&config, &ckpt, l, rung("vq1.5")).unwrap()))
         .collect();
-    let memory =
-        dynmoe::calib::probe::assemble(dir.dir(), config, &ckpt, &vq, &BTreeMap::new()).unwrap();
+    let memory = dynmoe::calib::probe::assemble(
+        dir.dir(),
+        config,
+        &ckpt,
+        &vq,
+        &Default::default(),
+        &BTreeMap::new(),
+    )
+    .unwrap();
     let text = std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/corpus/en/test.txt"),
     )

@@ -360,31 +360,7 @@ pub fn load_with_progress<B: Backend>(
         None
     };
     let vq = stored_vq_experts(dir, &config, &checkpoint, &rungs, progress)?;
-    let dense_vq = match codecs.dense {
-        None | Some(Codec::Bf16) => weights::DenseVq::new(),
-        Some(c @ Codec::Vq { .. }) if converted => {
-            return Err(Error::Config(format!(
-                "{}: dense layers at {c} are encoded from a Hugging Face checkpoint's bf16 \
-                 weights; a converted directory holds no VQ dense layers",
-                dir.display()
-            )))
-        }
-        Some(c @ Codec::Vq { .. }) => {
-            let rung = c
-                .rung()
-                .map_err(|source| Error::Encode {
-                    tensor: "dense linear layers".into(),
-                    source,
-                })?
-                .expect("a VQ codec has a rung");
-            crate::store::dense_vq::ensure(dir, &checkpoint, rung, progress)?
-        }
-        Some(c @ Codec::Affine { .. }) => {
-            return Err(Error::Config(format!(
-                "dense layers take bf16 or a VQ rung (vq0.7 … vq5), not {c}"
-            )))
-        }
-    };
+    let dense_vq = dense_layers(dir, &checkpoint, codecs.dense, converted, progress)?;
     let model = Model::load(config, &checkpoint, stores, &vq, &dense_vq, backend)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     Ok(LoadedModel {
@@ -392,6 +368,31 @@ pub fn load_with_progress<B: Backend>(
         model,
         tokenizer,
     })
+}
+
+/// The dense linear layers of the checkpoint in `dir` at `codec` (none coded for bf16),
+/// from the coded file beside it, encoded on first use.
+pub fn dense_layers(
+    dir: &Path,
+    ckpt: &Checkpoint,
+    codec: Option<crate::codec::Codec>,
+    converted: bool,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<weights::DenseVq, Error> {
+    let Some(codec) = codec else {
+        return Ok(weights::DenseVq::new());
+    };
+    let Some(rung) = crate::store::dense_vq::rung_of(codec).map_err(Error::Config)? else {
+        return Ok(weights::DenseVq::new());
+    };
+    if converted {
+        return Err(Error::Config(format!(
+            "{}: dense layers at {codec} are encoded from a Hugging Face checkpoint's bf16 \
+             weights; a converted directory holds none",
+            dir.display()
+        )));
+    }
+    Ok(crate::store::dense_vq::ensure(dir, ckpt, rung, progress)?)
 }
 
 /// The VQ experts of the layers in `rungs` (decoder layer → rung), read from the VQ

@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use super::manifest::Fnv64;
 use super::{atomic, tensors, Error};
 use crate::codec::vq::{row_bytes, Rung, VqMatrix, VqView};
+use crate::codec::Codec;
 use crate::eval::inspect::is_dense_linear;
 use crate::model::weights::DenseVq;
 use crate::model::Checkpoint;
@@ -32,6 +33,18 @@ pub const FORMAT: &str = "dynmoe-dense-vq";
 
 /// The version this build writes and reads.
 pub const VERSION: u32 = 1;
+
+/// The rung dense layers at `codec` are coded at: none for bf16. Affine codecs are
+/// refused (they exist for expert stores), with the reason.
+pub fn rung_of(codec: Codec) -> Result<Option<Rung>, String> {
+    match codec {
+        Codec::Bf16 => Ok(None),
+        Codec::Vq { .. } => codec.rung().map_err(|e| e.to_string()),
+        Codec::Affine { .. } => Err(format!(
+            "dense layers take bf16 or a VQ rung (vq0.7 … vq5), not {codec}"
+        )),
+    }
+}
 
 /// The file of the dense layers coded at `rung`.
 pub fn file_name(rung: Rung) -> String {
