@@ -192,15 +192,7 @@ pub fn write(
 /// build's codebook, came from the checkpoint `source_fingerprint` names, and that every
 /// weight's codes and norms match their checksum.
 pub fn read(path: &Path, rung: Rung, source_fingerprint: &str) -> Result<DenseVq, Error> {
-    let bytes = std::fs::read(path).map_err(|source| match source.kind() {
-        std::io::ErrorKind::NotFound => Error::Missing {
-            path: path.to_path_buf(),
-        },
-        _ => Error::Io {
-            path: path.to_path_buf(),
-            source,
-        },
-    })?;
+    let bytes = super::read_file(path)?;
     let unusable = |reason: String| Error::Unusable {
         path: path.to_path_buf(),
         reason,

@@ -173,7 +173,16 @@ pub enum Error {
 /// value before deserialising it ([`manifest_from_value`]), so that an older manifest is
 /// named as older rather than as malformed.
 pub(crate) fn read_manifest_value(path: &Path) -> Result<serde_json::Value, Error> {
-    let text = std::fs::read(path).map_err(|source| match source.kind() {
+    let text = read_file(path)?;
+    serde_json::from_slice(&text).map_err(|e| Error::ManifestJson {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+/// The bytes of the file at `path`; a missing file is [`Error::Missing`].
+pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, Error> {
+    std::fs::read(path).map_err(|source| match source.kind() {
         std::io::ErrorKind::NotFound => Error::Missing {
             path: path.to_path_buf(),
         },
@@ -181,10 +190,6 @@ pub(crate) fn read_manifest_value(path: &Path) -> Result<serde_json::Value, Erro
             path: path.to_path_buf(),
             source,
         },
-    })?;
-    serde_json::from_slice(&text).map_err(|e| Error::ManifestJson {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
     })
 }
 
