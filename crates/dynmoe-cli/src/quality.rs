@@ -187,6 +187,7 @@ impl Bench {
             self.config.clone(),
             &self.ckpt,
             &vq,
+            &Default::default(),
             &BTreeMap::new(),
         )?)
     }
@@ -370,6 +371,7 @@ pub fn quality(a: QualityArgs) -> Result<()> {
                 anneal: Vec::new(),
                 chunks: a.calib_chunks,
                 ctx: 512,
+                dense_codec: dynmoe::codec::Codec::Bf16,
             };
             let plan = compress::compress(&dir, &calib, &out, &opts, &|msg| {
                 eprintln!("[ISP {bits} b, {rounds} round(s)] {msg}")
