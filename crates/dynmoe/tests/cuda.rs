@@ -513,19 +513,21 @@ fn affine_products_match_the_reference_at_every_width_and_batch() {
 #[test]
 fn vq_products_match_the_reference() {
     let Some(_) = gpu() else { return };
-    use dynmoe::codec::vq::{Rung, VqMatrix};
-    // A ragged width (80 columns, one block of 128) and an expert shape, at a coarse, a
-    // middle and a fine rung.
-    for rung in ["1", "2", "4"] {
-        let rung = Rung::parse(rung).unwrap();
-        for (i, &(rows, cols)) in [(96usize, 80usize), (768, 2048)].iter().enumerate() {
-            let w = fresh(rows * cols, 90 + i as u64);
-            let m = VqMatrix::encode(&w, rows, cols, rung, 7).unwrap();
+    use dynmoe::codec::vq::{VqMatrix, LADDER};
+    // Ragged widths (80 columns: one block of 128; 1500: a block of 1024 and a padded
+    // tail), the expert shapes (2048 columns: two blocks of 1024; 768: three of 256),
+    // at every rung: books in shared memory and in global memory, vectors of 2 to 16
+    // values. Batches 1-4 run from the codes, 5 and 40 decode and run a GEMM.
+    let shapes = [(96usize, 80usize), (37, 1500), (768, 2048), (2048, 768)];
+    for (ri, rung) in LADDER.into_iter().enumerate() {
+        for (si, &(rows, cols)) in shapes.iter().enumerate() {
+            let w = fresh(rows * cols, 90 + si as u64);
+            let m = VqMatrix::encode(&w, rows, cols, rung, 7 + (ri * 4 + si) as u64).unwrap();
             let view = m.view();
-            for batch in [1, 5, 40] {
+            for batch in [1, 2, 3, 4, 5, 40] {
                 let x = fresh(batch * cols, 95 + batch as u64);
                 both!(
-                    &format!("vq{} {rows}x{cols} batch {batch}", rung.nominal),
+                    &format!("{} {rows}x{cols} batch {batch}", rung.name()),
                     &[&x],
                     batch * rows,
                     1e-5,
@@ -533,6 +535,120 @@ fn vq_products_match_the_reference() {
                 );
             }
         }
+    }
+}
+
+#[test]
+fn vq_rotation_matches_the_cpu_rotation() {
+    let Some(g) = gpu() else { return };
+    use dynmoe::codec::vq::rotation::{block_size, rotate_row, signs};
+    // rotate_row also divides each block by its stored norm and multiplies by √R; the
+    // activations are rotated without either, so its output is scaled back to compare.
+    for (rows, cols, seed) in [
+        (3usize, 1500usize, 11u64),
+        (4, 80, 12),
+        (2, 2048, 13),
+        (1, 13, 14),
+    ] {
+        let block = block_size(cols);
+        let blocks = cols.div_ceil(block);
+        let x = fresh(rows * cols, 700 + seed);
+        let s = signs(seed, block);
+        let mut want = Vec::with_capacity(rows * blocks * block);
+        for row in x.chunks_exact(cols) {
+            let mut dst = vec![0.0f32; blocks * block];
+            let mut norms = Vec::new();
+            rotate_row(row, &s, &mut dst, |n| norms.push(n.to_f32()));
+            for (d, n) in dst.chunks_exact(block).zip(&norms) {
+                want.extend(d.iter().map(|v| v * n / (block as f32).sqrt()));
+            }
+        }
+        let xd = g.upload(&x);
+        let mut out = g.alloc(want.len());
+        g.vq_rotate(&xd, rows, cols, seed, block, &mut out);
+        let mut got = vec![0.0; want.len()];
+        g.download(&out, &mut got);
+        let e = rel_err(&got, &want);
+        println!("check vq rotation {rows}x{cols} (block {block}) rel_err {e:.2e}");
+        assert!(e < 1e-5, "vq rotation {rows}x{cols}: rel err {e:.2e}");
+    }
+}
+
+#[test]
+fn vq_experts_through_swiglu_groups_match_the_reference() {
+    let Some(_) = gpu() else { return };
+    use dynmoe::codec::vq::{Rung, VqMatrix};
+    // Experts 80 wide (the down input one padded block of 128) over 256-wide rows, with
+    // 1 to 20 rows each (matrix-vector and GEMM paths), at a rung with the book in shared
+    // memory and one with it in global memory; an affine expert rides along.
+    let (hidden, inter, tokens) = (256, 80, 24);
+    let x = fresh(tokens * hidden, 170);
+    let base = fresh(tokens * hidden, 171);
+    let mut rng = Rng::new(172);
+    let counts = [1usize, 4, 5, 20];
+    for rung in ["3", "2"] {
+        let rung = Rung::parse(rung).unwrap();
+        let mats: Vec<[VqMatrix; 3]> = (0..counts.len() as u64)
+            .map(|e| {
+                let enc = |rows, cols, salt| {
+                    VqMatrix::encode(&fresh(rows * cols, salt), rows, cols, rung, salt).unwrap()
+                };
+                [
+                    enc(inter, hidden, 180 + 3 * e),
+                    enc(inter, hidden, 181 + 3 * e),
+                    enc(hidden, inter, 182 + 3 * e),
+                ]
+            })
+            .collect();
+        let rows: Vec<Vec<u32>> = counts
+            .iter()
+            .map(|&n| {
+                let mut r: Vec<u32> = (0..tokens as u32).collect();
+                for i in (1..r.len()).rev() {
+                    r.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+                }
+                r.truncate(n);
+                r
+            })
+            .collect();
+        let scales: Vec<Vec<f32>> = counts.iter().map(|&n| fresh(n, 190 + n as u64)).collect();
+        let aff = [
+            Affine::new(inter, hidden, 4, 195),
+            Affine::new(inter, hidden, 4, 196),
+            Affine::new(hidden, 128, 4, 197),
+        ];
+        let aff_rows: Vec<u32> = (0..tokens as u32).step_by(5).collect();
+        let aff_scales = fresh(aff_rows.len(), 198);
+        both!(
+            &format!("swiglu_groups {} rows {counts:?} + affine q4", rung.name()),
+            &[&x, &base],
+            tokens * hidden,
+            1e-5,
+            |b, t, o| {
+                b.write_rows(&t[1], o, 0, tokens, hidden);
+                let mut groups: Vec<SwiGluGroup<'_, _>> = mats
+                    .iter()
+                    .zip(rows.iter().zip(&scales))
+                    .map(|(m, (r, s))| SwiGluGroup {
+                        gate: Weight::Vq(m[0].view()),
+                        up: Weight::Vq(m[1].view()),
+                        down: Weight::Vq(m[2].view()),
+                        intermediate: inter,
+                        rows: r,
+                        scales: s,
+                    })
+                    .collect();
+                groups.push(SwiGluGroup {
+                    gate: Weight::Affine(aff[0].view()),
+                    up: Weight::Affine(aff[1].view()),
+                    down: Weight::Affine(aff[2].view()),
+                    intermediate: inter,
+                    rows: &aff_rows,
+                    scales: &aff_scales,
+                });
+                b.swiglu_groups(&t[0], hidden, &groups, o)
+            }
+        );
     }
 }
 
@@ -836,6 +952,32 @@ fn device_weight_copies_follow_the_host_words() {
     g.download(&out, &mut second);
     let mut want = vec![0.0; 64];
     Cpu::reference().matmul_affine(&x, &m.view(), 1, 128, &mut want);
+    assert!(rel_err(&second, &want) < 1e-5);
+    assert!(rel_err(&first, &want) > 1e-2);
+}
+
+#[test]
+fn device_vq_copies_follow_the_host_codes() {
+    let Some(g) = gpu() else { return };
+    use dynmoe::codec::vq::{Rung, VqMatrix};
+    // Codes rewritten in place, the seed and norms unchanged: the fingerprint's sampled
+    // code bytes must tell the copies apart.
+    let rung = Rung::parse("3").unwrap();
+    let (rows, cols) = (64, 256);
+    let mut m = VqMatrix::encode(&fresh(rows * cols, 160), rows, cols, rung, 5).unwrap();
+    let other = VqMatrix::encode(&fresh(rows * cols, 161), rows, cols, rung, 5).unwrap();
+    let x = fresh(cols, 162);
+    let xt = g.upload(&x);
+    let mut out = g.alloc(rows);
+    let mut first = vec![0.0; rows];
+    g.matmul_vq(&xt, &m.view(), 1, &mut out);
+    g.download(&out, &mut first);
+    m.codes.copy_from_slice(&other.codes);
+    let mut second = vec![0.0; rows];
+    g.matmul_vq(&xt, &m.view(), 1, &mut out);
+    g.download(&out, &mut second);
+    let mut want = vec![0.0; rows];
+    Cpu::reference().matmul_vq(&x, &m.view(), 1, &mut want);
     assert!(rel_err(&second, &want) < 1e-5);
     assert!(rel_err(&first, &want) > 1e-2);
 }

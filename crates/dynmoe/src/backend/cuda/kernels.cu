@@ -832,3 +832,203 @@ extern "C" __global__ void attention_combine(const float* part, float* out, int 
         out[(size_t)h * head_dim + d] = a / l;
     }
 }
+
+// ---- VQ-ladder products straight from the codes (codec::vq) ----
+//
+// A weight row is cut into blocks of R values; block b of row o is
+// w = n[o, b] · D H v / √R (fp16 norm n, seeded signs D, orthonormal Walsh–Hadamard H,
+// codewords v), so w · x = n[o, b] / √R · v · (H D x). vq_rotate takes each activation
+// block to H D x once; the products then look up each vector's codeword and dot it with
+// the rotated activations, scaled per block. Indices are k bits, packed LSB-first per
+// row; the device copy of the codes carries 4 bytes of padding so the 3-byte read of the
+// last index stays inside it. Codebooks are all 2^k codewords of p fp16 values.
+
+__device__ __forceinline__ float half_bits(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// The k-bit index at bit `at` of `codes` (k ≤ 16, so it lies within 3 bytes).
+__device__ __forceinline__ unsigned vq_index(const unsigned char* codes, size_t at, int k) {
+    const unsigned char* c = codes + (at >> 3);
+    unsigned v = (unsigned)c[0] | ((unsigned)c[1] << 8) | ((unsigned)c[2] << 16);
+    return (v >> (at & 7)) & ((1u << k) - 1u);
+}
+
+// Entry i of the rotation's sign vector for `seed` (rotation::signs): the i-th output
+// of SplitMix64, whose state after i + 1 steps is seed + (i + 1)·γ, so each entry is
+// computed alone instead of being copied from the host.
+__device__ __forceinline__ float vq_sign(unsigned long long seed, int i) {
+    unsigned long long z = seed + (unsigned long long)(i + 1) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return ((z ^ (z >> 31)) & 1ull) == 0 ? 1.0f : -1.0f;
+}
+
+// One block per (activation block, row): xr[r, b·R ..] = H D x[r, b·R ..], the ragged
+// tail block read as zeros. `block` is at most 1024; the transform runs in shared memory
+// with the CPU's butterfly order and its 1/√R, so the values match it exactly.
+extern "C" __global__ void vq_rotate(const float* x, unsigned long long seed, float* xr, int cols,
+                                     int block) {
+    __shared__ float buf[1024];
+    int b = blockIdx.x, r = blockIdx.y, blocks = gridDim.x;
+    const float* src = x + (size_t)r * cols;
+    for (int i = threadIdx.x; i < block; i += blockDim.x) {
+        int c = b * block + i;
+        buf[i] = c < cols ? src[c] * vq_sign(seed, i) : 0.0f;
+    }
+    __syncthreads();
+    for (int h = 1; h < block; h *= 2) {
+        for (int t = threadIdx.x; t < block / 2; t += blockDim.x) {
+            int i = (t / h) * 2 * h + t % h;
+            float p = buf[i], q = buf[i + h];
+            buf[i] = p + q;
+            buf[i + h] = p - q;
+        }
+        __syncthreads();
+    }
+    float scale = 1.0f / sqrtf((float)block);
+    float* dst = xr + ((size_t)r * blocks + b) * block;
+    for (int i = threadIdx.x; i < block; i += blockDim.x) dst[i] = buf[i] * scale;
+}
+
+// The P fp16 values of codeword `idx` of `book` (global or shared memory), widened.
+template <int P>
+__device__ __forceinline__ void vq_codeword(const unsigned short* book, unsigned idx, float* cw) {
+    const unsigned* w = reinterpret_cast<const unsigned*>(book + (size_t)idx * P);
+    if constexpr (P == 2) {
+        unsigned a = w[0];
+        cw[0] = half_bits(a & 0xffffu);
+        cw[1] = half_bits(a >> 16);
+    } else if constexpr (P == 4) {
+        uint2 a = *reinterpret_cast<const uint2*>(w);
+        unsigned ws[2] = {a.x, a.y};
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            cw[2 * i] = half_bits(ws[i] & 0xffffu);
+            cw[2 * i + 1] = half_bits(ws[i] >> 16);
+        }
+    } else {
+#pragma unroll
+        for (int q = 0; q < P / 8; q++) {
+            uint4 a = reinterpret_cast<const uint4*>(w)[q];
+            unsigned ws[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                cw[8 * q + 2 * i] = half_bits(ws[i] & 0xffffu);
+                cw[8 * q + 2 * i + 1] = half_bits(ws[i] >> 16);
+            }
+        }
+    }
+}
+
+// out[b·rows + o] = Σ_i x[b, i]·w[o, i] for `batch` (≤ VQ_MAXB) rows of rotated
+// activations `xr` ([batch, width], width = blocks·R). A warp per output row (rows
+// strided over the grid), lanes over the row's vectors. Dynamic shared memory: the
+// codebook (2^k·P fp16) when `book_shared`, then the batch's rotated rows.
+#define VQ_MAXB 4
+#define VQ_WARPS 8
+template <int P>
+__device__ void vq_matvec(const unsigned char* codes, const unsigned short* norms,
+                          const unsigned short* book, const float* xr, float* out, int rows,
+                          int k, int block, int blocks, size_t row_bytes, float inv_root,
+                          int batch, int book_shared) {
+    extern __shared__ float4 vq_shared[];
+    int width = blocks * block;
+    const unsigned short* bk = book;
+    float* xs = reinterpret_cast<float*>(vq_shared);
+    if (book_shared) {
+        unsigned short* sb = reinterpret_cast<unsigned short*>(vq_shared);
+        int n4 = ((1 << k) * P) / 8;  // 16-byte units; every book is a whole number of them
+        const uint4* src = reinterpret_cast<const uint4*>(book);
+        for (int i = threadIdx.x; i < n4; i += blockDim.x) reinterpret_cast<uint4*>(sb)[i] = src[i];
+        bk = sb;
+        xs = reinterpret_cast<float*>(sb + (size_t)(1 << k) * P);
+    }
+    for (int i = threadIdx.x; i < batch * width; i += blockDim.x) xs[i] = xr[i];
+    __syncthreads();
+    int lane = threadIdx.x % WARP;
+    int per_block = block / P, vectors = width / P;
+    for (int o = blockIdx.x * VQ_WARPS + threadIdx.x / WARP; o < rows;
+         o += gridDim.x * VQ_WARPS) {
+        const unsigned char* rc = codes + (size_t)o * row_bytes;
+        const unsigned short* rn = norms + (size_t)o * blocks;
+        float acc[VQ_MAXB];
+#pragma unroll
+        for (int b = 0; b < VQ_MAXB; b++) acc[b] = 0.0f;
+        for (int j = lane; j < vectors; j += WARP) {
+            float cw[P];
+            vq_codeword<P>(bk, vq_index(rc, (size_t)j * k, k), cw);
+            float scale = half_bits(rn[j / per_block]) * inv_root;
+#pragma unroll
+            for (int b = 0; b < VQ_MAXB; b++) {
+                if (b < batch) {
+                    // Vector loads: lanes P floats apart would otherwise hit the
+                    // same shared-memory banks P ways.
+                    const float* xv = xs + (size_t)b * width + (size_t)j * P;
+                    float d = 0.0f;
+                    if constexpr (P == 2) {
+                        float2 v = *reinterpret_cast<const float2*>(xv);
+                        d = cw[0] * v.x + cw[1] * v.y;
+                    } else {
+#pragma unroll
+                        for (int q = 0; q < P / 4; q++) {
+                            float4 v = reinterpret_cast<const float4*>(xv)[q];
+                            d += cw[4 * q] * v.x + cw[4 * q + 1] * v.y + cw[4 * q + 2] * v.z +
+                                 cw[4 * q + 3] * v.w;
+                        }
+                    }
+                    acc[b] += scale * d;
+                }
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < VQ_MAXB; b++) {
+            if (b < batch) {
+                float t = warp_sum(acc[b]);
+                if (lane == 0) out[(size_t)b * rows + o] = t;
+            }
+        }
+    }
+}
+
+// The matrix in the rotated domain, `[rows, width]`: value i of row o is its codeword
+// value times n[o, i / R] / √R, so a GEMM with the rotated activations gives the product
+// (for many rows, where the matrix-vector kernel would read the codes once per 4).
+// A thread per vector.
+template <int P>
+__device__ void vq_decode(const unsigned char* codes, const unsigned short* norms,
+                          const unsigned short* book, float* out, int rows, int k, int block,
+                          int blocks, size_t row_bytes, float inv_root) {
+    size_t vectors = (size_t)blocks * block / P;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * vectors) return;
+    size_t o = i / vectors, j = i % vectors;
+    float cw[P];
+    vq_codeword<P>(book, vq_index(codes + o * row_bytes, j * k, k), cw);
+    float scale = half_bits(norms[o * blocks + j * P / block]) * inv_root;
+    float* dst = out + o * vectors * P + j * P;
+#pragma unroll
+    for (int l = 0; l < P; l++) dst[l] = cw[l] * scale;
+}
+
+#define VQ_ENTRY(P)                                                                           \
+    extern "C" __global__ void vq_matvec_p##P(                                                \
+        const unsigned char* codes, const unsigned short* norms, const unsigned short* book,   \
+        const float* xr, float* out, int rows, int k, int block, int blocks,                   \
+        unsigned long long row_bytes, float inv_root, int batch, int book_shared) {           \
+        vq_matvec<P>(codes, norms, book, xr, out, rows, k, block, blocks, row_bytes, inv_root, \
+                     batch, book_shared);                                                      \
+    }                                                                                          \
+    extern "C" __global__ void vq_decode_p##P(                                                \
+        const unsigned char* codes, const unsigned short* norms, const unsigned short* book,   \
+        float* out, int rows, int k, int block, int blocks, unsigned long long row_bytes,      \
+        float inv_root) {                                                                      \
+        vq_decode<P>(codes, norms, book, out, rows, k, block, blocks, row_bytes, inv_root);    \
+    }
+
+VQ_ENTRY(2)
+VQ_ENTRY(4)
+VQ_ENTRY(8)
+VQ_ENTRY(16)

@@ -20,7 +20,7 @@
 //! made (out of memory, a kernel fault) panics with the call's error.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
@@ -37,14 +37,23 @@ use super::{
 use crate::codec::affine::kernels::AffineView;
 use crate::codec::affine::lowbit::words_per_row;
 use crate::codec::affine::GROUP_SIZE;
-use crate::codec::vq::VqView;
+use crate::codec::vq::{row_bytes, Rung, VqView};
 
 /// The kernels' CUDA C source.
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// Rows of `x` up to which a dense product runs as the matrix-vector kernel (its
-/// `MV_MAXB`) rather than cuBLAS.
+/// `MV_MAXB`) rather than cuBLAS; also what one VQ matrix-vector launch takes (`VQ_MAXB`).
 const MATVEC_MAX_BATCH: usize = 4;
+/// Output rows per VQ matrix-vector block, a warp each (the kernel's `VQ_WARPS`).
+const VQ_WARPS: usize = 8;
+/// Most blocks of a VQ matrix-vector launch that stages the codebook in shared memory:
+/// each block copies the whole book from L2, so the blocks loop over the rows instead
+/// of the grid growing with them (two per SM of an H200).
+const VQ_SHARED_BOOK_BLOCKS: usize = 264;
+/// Bytes of zeros after a VQ matrix's device codes: the kernels read an index as the
+/// 3 bytes from its first.
+const VQ_CODE_PADDING: usize = 4;
 /// Rows of `x` one affine matrix-vector launch takes (the kernel's `AFF_MAXB`).
 const AFFINE_MAX_BATCH: usize = 4;
 /// Output rows per affine matrix-vector block (the kernel's `AFF_WARPS`).
@@ -145,13 +154,53 @@ fn is_bf16_exact(v: f32) -> bool {
     v.to_bits() & 0xffff == 0
 }
 
-/// A VQ matrix decoded to f32 on the device.
+/// A VQ matrix's codes and block norms on the device, as stored.
 struct DeviceVq {
-    dense: CudaSlice<f32>,
+    /// `rows · row_bytes` bytes of codes, then [`VQ_CODE_PADDING`] zeros.
+    codes: CudaSlice<u8>,
+    /// `[rows, blocks]` fp16 norms, their raw bits.
+    norms: CudaSlice<u16>,
     /// The rotation seed (one per matrix of a model, so a slot refilled with another
-    /// expert differs here), host code bytes sampled when it was decoded (first, middle,
+    /// expert differs here), host code bytes sampled when it was copied (first, middle,
     /// last) and the norms' first bits: a re-mapped record is never served stale weights.
     fingerprint: (u64, [u16; 4]),
+}
+
+/// The kernels' name suffix for vectors of `p` values.
+fn vq_suffix(p: usize) -> &'static str {
+    match p {
+        2 => "p2",
+        4 => "p4",
+        8 => "p8",
+        16 => "p16",
+        _ => panic!("no VQ kernel for vectors of {p} values (2, 4, 8, 16)"),
+    }
+}
+
+/// How a VQ matrix-vector launch is laid out: activation rows per launch, and whether
+/// the codebook is staged in shared memory beside them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct VqTile {
+    rows: usize,
+    book_shared: bool,
+}
+
+/// The launch layout for `batch` (≤ [`MATVEC_MAX_BATCH`]) activation rows of a matrix in
+/// `rung` whose rotated rows are `width` wide, or `None` when not even one row fits in
+/// shared memory (the product then decodes and runs a GEMM). The rows come first: a book
+/// that does not fit beside them is read from global memory through the caches.
+fn vq_tile(rung: Rung, width: usize, batch: usize) -> Option<VqTile> {
+    let row = width * 4;
+    let rows = (SHARED_LIMIT / row).min(MATVEC_MAX_BATCH).min(batch);
+    (rows > 0).then(|| VqTile {
+        rows,
+        book_shared: vq_book_bytes(rung) + rows * row <= SHARED_LIMIT,
+    })
+}
+
+/// Bytes of a rung's codebook on the device: every codeword in fp16.
+fn vq_book_bytes(rung: Rung) -> usize {
+    rung.codewords() * rung.dim * 2
 }
 
 fn vq_fingerprint(w: &VqView<'_>) -> (u64, [u16; 4]) {
@@ -204,7 +253,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 42] = [
+const KERNEL_NAMES: [&str; 51] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -247,6 +296,15 @@ const KERNEL_NAMES: [&str; 42] = [
     "matvec_f32",
     "attention_split",
     "attention_combine",
+    "vq_rotate",
+    "vq_matvec_p2",
+    "vq_matvec_p4",
+    "vq_matvec_p8",
+    "vq_matvec_p16",
+    "vq_decode_p2",
+    "vq_decode_p4",
+    "vq_decode_p8",
+    "vq_decode_p16",
 ];
 
 /// PTX of [`SOURCE`] per architecture, compiled once per process.
@@ -312,9 +370,12 @@ pub struct Cuda {
     arch: String,
     device_name: String,
     affine: Mutex<HashMap<AffineKey, Arc<DeviceAffine>>>,
-    /// VQ matrices decoded to f32 on the device, by host address of their codes. There
-    /// are no VQ kernels on the GPU yet: products run as dense GEMMs on these copies.
+    /// Device copies of VQ matrices' codes and norms, by host address of their codes.
     vq: Mutex<HashMap<(usize, usize), Arc<DeviceVq>>>,
+    /// Each rung's codebook expanded to all `2^k` codewords in fp16, by ladder position.
+    vq_books: Mutex<HashMap<usize, Arc<CudaSlice<u16>>>>,
+    /// Activations in a VQ matrix's rotated domain, grown as needed.
+    vq_scratch: Mutex<Option<CudaSlice<f32>>>,
     /// Small host arrays passed to every call of an op (RoPE frequencies), uploaded once.
     constants: Mutex<Vec<Constant>>,
     /// MoE blocks routed on the device, by [`RoutedExperts::id`].
@@ -329,9 +390,9 @@ pub struct Cuda {
     use_graphs: std::sync::atomic::AtomicBool,
     /// Partial results of one-row attention split over the keys, grown as needed.
     attn_scratch: Mutex<Option<CudaSlice<f32>>>,
-    /// A bf16 matrix widened to f32 for a cuBLAS product of more rows than the
-    /// matrix-vector kernel takes; grown to the largest matrix seen, never inside a
-    /// recorded step (those are one row).
+    /// A bf16 matrix widened to f32 (or a VQ matrix decoded) for a cuBLAS product of more
+    /// rows than the matrix-vector kernels take; grown to the largest matrix seen, never
+    /// inside a recorded step (those are one row).
     dense_scratch: Mutex<Option<CudaSlice<f32>>>,
     /// Whether [`Backend::upload_matrix`] keeps bf16-exact matrices in bf16
     /// (`DYNMOE_CUDA_BF16=0`: always f32, to measure what bf16 saves).
@@ -433,6 +494,8 @@ impl Cuda {
             device_name,
             affine: Mutex::new(HashMap::new()),
             vq: Mutex::new(HashMap::new()),
+            vq_books: Mutex::new(HashMap::new()),
+            vq_scratch: Mutex::new(None),
             constants: Mutex::new(Vec::new()),
             routed: Mutex::new(HashMap::new()),
             routed_scratch: Mutex::new(None),
@@ -532,7 +595,7 @@ impl Cuda {
         self.vq.lock().expect("weight cache lock").clear();
     }
 
-    /// The device copy of a VQ matrix, decoded on the host the first time it is seen.
+    /// The device copy of a VQ matrix's codes and norms, made the first time it is seen.
     fn device_vq(&self, w: &VqView<'_>) -> Arc<DeviceVq> {
         let key = (w.codes.as_ptr() as usize, w.codes.len());
         let print = vq_fingerprint(w);
@@ -542,15 +605,186 @@ impl Cuda {
                 return d.clone();
             }
         }
-        let dense = w
-            .decode()
-            .unwrap_or_else(|e| panic!("VQ matrix of {} rows: {e}", w.rows));
+        let n = w.rows * row_bytes(w.rung, w.cols);
+        assert!(
+            w.codes.len() >= n && w.norms.len() >= w.rows * w.blocks(),
+            "VQ matrix of {} x {} at {}: {} code bytes and {} norms are too few",
+            w.rows,
+            w.cols,
+            w.rung.name(),
+            w.codes.len(),
+            w.norms.len()
+        );
+        let mut codes = ok(self.stream.alloc_zeros::<u8>(n + VQ_CODE_PADDING), "alloc");
+        let mut head = codes.slice_mut(..n);
+        ok(self.stream.memcpy_htod(&w.codes[..n], &mut head), "upload");
+        let norms = &w.norms[..w.rows * w.blocks()];
         let d = Arc::new(DeviceVq {
-            dense: ok(self.stream.clone_htod(&dense), "upload"),
+            codes,
+            norms: ok(self.stream.clone_htod(norms.reinterpret_cast()), "upload"),
             fingerprint: print,
         });
         cache.insert(key, d.clone());
         d
+    }
+
+    /// The device copy of a rung's codebook, every codeword expanded, made once.
+    fn vq_book(&self, rung: Rung) -> Arc<CudaSlice<u16>> {
+        let mut books = self.vq_books.lock().expect("codebook lock");
+        books
+            .entry(rung.position())
+            .or_insert_with(|| {
+                // The embedded codebooks are checked by the test suite; one failing to
+                // load is a broken build, not bad input.
+                let book = rung
+                    .codebook()
+                    .unwrap_or_else(|e| panic!("{}: {e}", rung.name()));
+                let half = book.values_f16();
+                debug_assert_eq!(half.len() * 2, vq_book_bytes(rung));
+                Arc::new(ok(
+                    self.stream.clone_htod(half.reinterpret_cast()),
+                    "upload",
+                ))
+            })
+            .clone()
+    }
+
+    /// The buffer in `slot`, replaced by one of at least `n` floats when it is smaller.
+    /// Recorded steps may read the old one, so growing drops them; a step of the sizes
+    /// seen before allocates nothing.
+    fn grown<'s>(
+        &self,
+        slot: &'s Mutex<Option<CudaSlice<f32>>>,
+        n: usize,
+    ) -> MutexGuard<'s, Option<CudaSlice<f32>>> {
+        let mut s = slot.lock().expect("scratch lock");
+        if s.as_ref().is_none_or(|s| s.len() < n) {
+            self.drop_graphs();
+            // The old buffer goes first, so the two never take device memory together.
+            *s = None;
+            *s = Some(ok(unsafe { self.stream.alloc::<f32>(n.max(1)) }, "alloc"));
+        }
+        s
+    }
+
+    /// `xr[r] = H D x[r]` per block of `block` for `rows` rows of `cols` values: the
+    /// activations in the rotated domain of a VQ matrix with that rotation seed and
+    /// block size (`[rows, blocks · block]`, the ragged tail block zero-padded), as
+    /// [`crate::codec::vq::kernels`] prepares them on the CPU.
+    pub fn vq_rotate<O: DevicePtrMut<f32>>(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+        seed: u64,
+        block: usize,
+        xr: &mut O,
+    ) {
+        assert!(
+            block.is_power_of_two() && block <= 1024,
+            "rotation block of {block} values (a power of two, at most 1024)"
+        );
+        if rows == 0 || cols == 0 {
+            return;
+        }
+        let (c, b) = (cols as i32, block as i32);
+        let o = xr.device_ptr_mut(&self.stream).0;
+        let mut l = self.stream.launch_builder(self.func("vq_rotate"));
+        l.arg(x).arg(&seed).arg(&o).arg(&c).arg(&b);
+        let grid = LaunchConfig {
+            grid_dim: (cols.div_ceil(block) as u32, rows as u32, 1),
+            block_dim: ((block / 2).clamp(32, 512) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        ok(unsafe { l.launch(grid) }, "vq_rotate");
+    }
+
+    /// [`Backend::matmul_vq`] on a device copy: the activations rotated once, then the
+    /// matrix-vector kernel reading the codes for up to [`MATVEC_MAX_BATCH`] rows, or
+    /// the matrix decoded (in the rotated domain) into a scratch buffer and one GEMM.
+    fn vq_product(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &VqView<'_>,
+        d: &DeviceVq,
+        rows: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let (block, row_blocks) = (w.block, w.blocks());
+        let width = row_blocks * block;
+        let mut rotated = self.grown(&self.vq_scratch, rows * width);
+        let xr = rotated.as_mut().expect("grown");
+        self.vq_rotate(x, rows, w.cols, w.seed, block, xr);
+        let book = self.vq_book(w.rung);
+        let suffix = vq_suffix(w.rung.dim);
+        let (r, k, b, nblocks) = (
+            w.rows as i32,
+            w.rung.index_bits as i32,
+            block as i32,
+            row_blocks as i32,
+        );
+        let rb = row_bytes(w.rung, w.cols) as u64;
+        // As the CPU kernels scale a block's sum.
+        let inv_root = 1.0 / (block as f32).sqrt();
+        let tile = vq_tile(w.rung, width, rows);
+        if rows > MATVEC_MAX_BATCH || tile.is_none() {
+            let mut dense = self.grown(&self.dense_scratch, w.rows * width);
+            let dense = dense.as_mut().expect("grown");
+            let vectors = w.rows * width / w.rung.dim;
+            let mut l = self
+                .stream
+                .launch_builder(self.func(&format!("vq_decode_{suffix}")));
+            l.arg(&d.codes)
+                .arg(&d.norms)
+                .arg(&*book)
+                .arg(&mut *dense)
+                .arg(&r)
+                .arg(&k)
+                .arg(&b)
+                .arg(&nblocks)
+                .arg(&rb)
+                .arg(&inv_root);
+            ok(
+                unsafe { l.launch(cfg(blocks(vectors, 256) as usize, 256, 0)) },
+                "vq decode",
+            );
+            self.gemm_xwt(xr, &*dense, rows, width, width, w.rows, out);
+            return;
+        }
+        let f = self.func(&format!("vq_matvec_{suffix}"));
+        let mut t0 = 0;
+        while t0 < rows {
+            let tile = vq_tile(w.rung, width, rows - t0).expect("fits: checked above");
+            let nb = tile.rows;
+            let xs = xr.slice(t0 * width..(t0 + nb) * width);
+            let mut os = out.slice_mut(t0 * w.rows..(t0 + nb) * w.rows);
+            let (nbi, shared) = (nb as i32, tile.book_shared as i32);
+            let mut l = self.stream.launch_builder(f);
+            l.arg(&d.codes)
+                .arg(&d.norms)
+                .arg(&*book)
+                .arg(&xs)
+                .arg(&mut os)
+                .arg(&r)
+                .arg(&k)
+                .arg(&b)
+                .arg(&nblocks)
+                .arg(&rb)
+                .arg(&inv_root)
+                .arg(&nbi)
+                .arg(&shared);
+            let mut grid = w.rows.div_ceil(VQ_WARPS);
+            let mut bytes = nb * width * 4;
+            if tile.book_shared {
+                grid = grid.min(VQ_SHARED_BOOK_BLOCKS);
+                bytes += vq_book_bytes(w.rung);
+            }
+            ok(
+                unsafe { l.launch(cfg(grid, (VQ_WARPS * 32) as u32, bytes)) },
+                "vq matvec",
+            );
+            t0 += nb;
+        }
     }
 
     /// Bytes of affine weights held on the device.
@@ -986,13 +1220,8 @@ impl Cuda {
             }
             DeviceMatrix::Bf16(w) => {
                 let n = out_dim * in_dim;
-                let mut scratch = self.dense_scratch.lock().expect("scratch lock");
-                if scratch.as_ref().is_none_or(|s| s.len() < n) {
-                    self.drop_graphs();
-                    *scratch = None;
-                    *scratch = Some(ok(unsafe { self.stream.alloc::<f32>(n) }, "alloc"));
-                }
-                let wide = scratch.as_mut().expect("set above");
+                let mut scratch = self.grown(&self.dense_scratch, n);
+                let wide = scratch.as_mut().expect("grown");
                 let n64 = n as i64;
                 let mut l = self.stream.launch_builder(self.func("bf16_to_f32"));
                 l.arg(w).arg(&mut *wide).arg(&n64);
@@ -1023,12 +1252,8 @@ impl Cuda {
         let chunk = capacity.div_ceil(128).clamp(64, 1024);
         let splits = capacity.div_ceil(chunk);
         let need = shape.heads * splits * (shape.head_dim + 2);
-        let mut scratch = self.attn_scratch.lock().expect("scratch lock");
-        if scratch.as_ref().is_none_or(|s| s.len() < need) {
-            self.drop_graphs();
-            *scratch = Some(ok(unsafe { self.stream.alloc::<f32>(need) }, "alloc"));
-        }
-        let part = scratch.as_mut().expect("set above");
+        let mut scratch = self.grown(&self.attn_scratch, need);
+        let part = scratch.as_mut().expect("grown");
         let (p0, h, kvh, d) = (
             shape.pos0 as i32,
             shape.heads as i32,
@@ -1229,7 +1454,7 @@ impl Backend for Cuda {
             return;
         }
         let d = self.device_vq(w);
-        self.gemm_xwt(x, &d.dense, rows, w.cols, w.cols, w.rows, out);
+        self.vq_product(x, w, &d, rows, out);
     }
 
     fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, rows: usize) {
