@@ -1,7 +1,8 @@
 //! Quantized expert kernels on the GPU against the copy bandwidth measured in the same
-//! run: affine q4/q3/q2 products at Qwen3-30B-A3B's expert shapes (768 × 2048 gate/up,
-//! 2048 × 768 down) and decode-sized batches, dense f32 cuBLAS for context, and the
-//! dense matrix-vector kernels (f32 and bf16) at the attention and LM-head shapes.
+//! run: affine q4/q3/q2 and VQ vq1.5/vq2/vq3 products at Qwen3-30B-A3B's expert shapes
+//! (768 × 2048 gate/up, 2048 × 768 down) and decode-sized batches, dense f32 cuBLAS for
+//! context, and the dense matrix-vector kernels (f32 and bf16) at the attention and
+//! LM-head shapes. A VQ product's time includes rotating its activations.
 //!
 //! Each kernel rotates over enough copies of its matrix to exceed the 60 MB L2 several
 //! times, so weights come from device memory. Times are CUDA-event medians of 15 runs of
@@ -18,8 +19,9 @@ use dynmoe::backend::{
 };
 use dynmoe::codec::affine::kernels::AffineView;
 use dynmoe::codec::affine::lowbit::words_per_row;
+use dynmoe::codec::vq::{rotation, row_bytes, Rung, VqView};
 use dynmoe::testing::{fresh, Rng};
-use half::bf16;
+use half::{bf16, f16};
 use serde::Serialize;
 
 const SHAPES: [(usize, usize); 2] = [(768, 2048), (2048, 768)];
@@ -189,6 +191,63 @@ fn main() {
                 gb_s,
                 fraction_of_copy: gb_s / copy_gb_s,
             });
+        }
+    }
+
+    // VQ-ladder products read from the codes (`matmul_vq`: the activations rotated, then
+    // the matrix-vector kernel), random codes and norms; bytes are the codes and norms.
+    for (rows, cols) in SHAPES {
+        for rung in ["1.5", "2", "3"] {
+            let rung = Rung::parse(rung).expect("a ladder rung");
+            let blocks = cols.div_ceil(rotation::block_size(cols));
+            let code_bytes = rows * row_bytes(rung, cols);
+            let bytes = code_bytes + rows * blocks * 2;
+            let copies = WORKING_SET.div_ceil(bytes);
+            let mats: Vec<(Vec<u8>, Vec<f16>)> = (0..copies)
+                .map(|_| {
+                    let codes = (0..code_bytes.div_ceil(8))
+                        .flat_map(|_| rng.next_u64().to_le_bytes())
+                        .take(code_bytes)
+                        .collect();
+                    let norms = (0..rows * blocks)
+                        .map(|_| f16::from_f32(20.0 + 10.0 * rng.uniform()))
+                        .collect();
+                    (codes, norms)
+                })
+                .collect();
+            let views: Vec<VqView<'_>> = mats
+                .iter()
+                .map(|(c, n)| VqView::from_parts(rows, cols, rung, 3, n, c).expect("sizes"))
+                .collect();
+            for batch in [1, 4] {
+                let x = g.upload(&fresh(batch * cols, 9));
+                let mut out = g.alloc(batch * rows);
+                let ms = time_ms(&g, || {
+                    for v in &views {
+                        g.matmul_vq(&x, v, batch, &mut out);
+                    }
+                });
+                let per_call = ms * 1e3 / copies as f64;
+                let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
+                println!(
+                    "{:<10} {rows:>6} {cols:>6} {batch:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
+                    rung.name(),
+                    gb_s / copy_gb_s
+                );
+                rows_out.push(Row {
+                    kernel: format!("{}_matvec", rung.name()),
+                    rows,
+                    cols,
+                    batch,
+                    weight_bytes: bytes,
+                    copies,
+                    median_us_per_call: per_call,
+                    gb_s,
+                    fraction_of_copy: gb_s / copy_gb_s,
+                });
+            }
+            drop(views);
+            g.clear_weight_cache();
         }
     }
 
