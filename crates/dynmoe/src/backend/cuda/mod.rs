@@ -12,6 +12,14 @@
 //! address is never served stale weights. A model therefore reads each expert from host
 //! memory once; [`Cuda::clear_weight_cache`] drops the copies.
 //!
+//! VQ-ladder matrices ([`VqView`]) are copied the same way (codes and block norms, as
+//! stored) and multiplied straight from the codes: each activation row is rotated once
+//! per product (`vq_rotate`), then a warp per output row looks up each vector's codeword
+//! in the rung's codebook (expanded to all `2^k` codewords in fp16, one device copy per
+//! rung; in shared memory when it fits beside the activations) and scales the block
+//! sums by the norms. Above [`MATVEC_MAX_BATCH`] rows the matrix is decoded in the
+//! rotated domain into a scratch buffer and multiplied by cuBLAS with the rotated rows.
+//!
 //! Dense weight matrices ([`DeviceMatrix`]) are kept in bf16 when every value is one
 //! (checkpoint weights are), else in f32: decode reads the LM head and the attention
 //! projections whole every token, and bf16 halves those bytes without changing a value.
@@ -1966,9 +1974,49 @@ impl Backend for Cuda {
 
 #[cfg(test)]
 mod tests {
-    use super::is_bf16_exact;
+    use super::{is_bf16_exact, vq_book_bytes, vq_suffix, vq_tile, VqTile, SHARED_LIMIT};
+    use crate::codec::vq::{Rung, LADDER};
     use crate::testing::fresh;
     use half::bf16;
+
+    #[test]
+    fn every_rung_has_a_vq_kernel_and_a_book_of_whole_16_byte_units() {
+        for rung in LADDER {
+            vq_suffix(rung.dim);
+            // The matrix-vector kernel stages the book in 16-byte copies and puts the
+            // activations right after it, which float4 loads need aligned.
+            assert_eq!(vq_book_bytes(rung) % 16, 0, "{}", rung.name());
+        }
+    }
+
+    #[test]
+    fn vq_launches_put_the_rows_first_and_the_book_beside_them_when_it_fits() {
+        let r = |s: &str| Rung::parse(s).unwrap();
+        let tile = |rows, book_shared| Some(VqTile { rows, book_shared });
+        // vq3's book is 32 KiB: beside one 2048-wide row (8 KiB), not beside four.
+        assert_eq!(vq_tile(r("3"), 2048, 1), tile(1, true));
+        assert_eq!(vq_tile(r("3"), 2048, 4), tile(4, false));
+        assert_eq!(vq_tile(r("3"), 768, 4), tile(4, true));
+        // vq2's 1 MiB book and vq1.5's 64 KiB one never fit.
+        assert_eq!(vq_tile(r("2"), 768, 1), tile(1, false));
+        assert_eq!(vq_tile(r("1.5"), 256, 1), tile(1, false));
+        assert_eq!(vq_tile(r("5"), 2048, 4), tile(4, true));
+        // Rows as wide as 12 288 values still fit one at a time (vq1's 4 KiB book beside
+        // 32 KiB of row, not beside 48); wider ones decode.
+        assert_eq!(vq_tile(r("1"), 8192, 4), tile(1, true));
+        assert_eq!(vq_tile(r("1"), 4096, 4), tile(3, false));
+        assert_eq!(vq_tile(r("1"), 12288, 2), tile(1, false));
+        assert_eq!(vq_tile(r("1"), 12288 + 1024, 1), None);
+        for rung in LADDER {
+            for width in [16, 128, 768, 2048, 4096] {
+                for batch in 1..=4 {
+                    let t = vq_tile(rung, width, batch).unwrap();
+                    let bytes = t.rows * width * 4 + t.book_shared as usize * vq_book_bytes(rung);
+                    assert!(t.rows <= batch && bytes <= SHARED_LIMIT);
+                }
+            }
+        }
+    }
 
     #[test]
     fn bf16_exactness_is_a_round_trip() {
