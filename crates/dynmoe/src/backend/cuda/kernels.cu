@@ -930,8 +930,10 @@ __device__ __forceinline__ void vq_codeword(const unsigned short* book, unsigned
 #define VQ_MAXB 4
 #define VQ_WARPS 8
 template <int P>
-__device__ void vq_matvec(const unsigned char* codes, const unsigned short* norms,
-                          const unsigned short* book, const float* xr, float* out, int rows,
+__device__ void vq_matvec(const unsigned char* __restrict__ codes,
+                          const unsigned short* __restrict__ norms,
+                          const unsigned short* __restrict__ book, const float* __restrict__ xr,
+                          float* __restrict__ out, int rows,
                           int k, int block, int blocks, size_t row_bytes, float inv_root,
                           int batch, int book_shared) {
     extern __shared__ float4 vq_shared[];
@@ -957,6 +959,9 @@ __device__ void vq_matvec(const unsigned char* codes, const unsigned short* norm
         float acc[VQ_MAXB];
 #pragma unroll
         for (int b = 0; b < VQ_MAXB; b++) acc[b] = 0.0f;
+        // Unrolled so that several vectors' code and codeword loads are in flight at
+        // once: each lookup waits on its code bytes, and a row has few warps.
+#pragma unroll 4
         for (int j = lane; j < vectors; j += WARP) {
             float cw[P];
             vq_codeword<P>(bk, vq_index(rc, (size_t)j * k, k), cw);
