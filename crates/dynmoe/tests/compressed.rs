@@ -200,3 +200,46 @@ fn a_compressed_directory_with_coded_dense_layers() {
     std::fs::write(&coded, &bytes).unwrap();
     assert!(model::load(dir, Cpu::fast()).is_ok());
 }
+
+/// A budget over the whole model pays for the dense layers at their codec: the plan's
+/// resident bytes are what bits accounting prices for its assignment (dense layers and
+/// every codebook in use included), and within the budget.
+#[test]
+fn a_model_scope_plan_prices_its_coded_dense_layers() {
+    use dynmoe::eval::bits::{account, Assignment};
+    let out = TempDir::new("compress-model-scope");
+    let src = fixture("tiny-moe");
+    let calib = std::fs::read_to_string("../../data/corpus/en/calib.txt").unwrap();
+    let dense_codec: Codec = "vq3".parse().unwrap();
+    let opts = CompressOptions {
+        bits: 14.0,
+        scope: BudgetScope::Model,
+        rounds: 1,
+        anneal: Vec::new(),
+        chunks: 1,
+        ctx: 512,
+        dense_codec,
+    };
+    let plan = compress(&src, &[("en".into(), calib)], out.dir(), &opts, &|_| {}).unwrap();
+    assert_eq!(plan.dense_codec, dense_codec);
+    assert!(plan.resident_bytes <= plan.budget_bytes);
+    let config = model::Config::from_file(&src.join("config.json")).unwrap();
+    let ckpt = model::Checkpoint::open(&src).unwrap();
+    let assignment = Assignment {
+        dense: dense_codec,
+        layers: plan
+            .layers
+            .iter()
+            .map(|l| (l.layer, (l.codec, l.resident)))
+            .collect(),
+        default_experts: Codec::Bf16,
+    };
+    let priced = account(&config, &ckpt, &assignment, None).unwrap();
+    assert_eq!(plan.resident_bytes, priced.resident_bytes);
+    assert_eq!(plan.params_total, priced.params_total);
+    let bf16_dense = account(&config, &ckpt, &Assignment::uncompressed(), None).unwrap();
+    assert!(
+        priced.resident_by_kind[&dynmoe::eval::inspect::TensorKind::Attention]
+            < bf16_dense.resident_by_kind[&dynmoe::eval::inspect::TensorKind::Attention] / 3
+    );
+}
