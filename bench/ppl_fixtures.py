@@ -14,6 +14,9 @@ with its experts read from the 4-, 3- or 2-bit store.
         --out bench/results/ppl_bits.json
     python3 bench/ppl_fixtures.py --models small-moe --chunks 16 \
         --bits bf16,vq1,vq1.5,vq2,vq3,vq4,2,3,4 --out bench/results/ppl_codecs.json
+
+A VQ precision written `vq3+dense` also runs the dense linear layers (attention, shared
+experts) at that rung (`--dense-codec`); its row gives their bits per weight too.
 """
 
 import argparse
@@ -38,15 +41,25 @@ def transformers_ppl(model_dir: Path) -> dict:
     return {d: float(p) for d, p, _, _ in rows}
 
 
-def expert_bits(binary: str, model: Path, precision: str) -> float:
-    """Bits per routed-expert weight of a precision as `dynmoe inspect` prices it."""
-    codec = "bf16" if precision == "bf16" else precision if precision.startswith("vq") else f"q{precision}"
-    out = subprocess.run([binary, "inspect", str(model), "--codec", codec, "--json"],
-                         check=True, capture_output=True, text=True).stdout
-    bits = json.loads(out)["bits"]
+def split(precision: str) -> tuple[str, str]:
+    """(expert codec, dense codec) of a precision: `vq3+dense` puts both at vq3."""
+    experts, _, dense = precision.partition("+")
+    codec = "bf16" if experts == "bf16" else experts if experts.startswith("vq") else f"q{experts}"
+    return codec, codec if dense == "dense" else "bf16"
+
+
+def priced_bits(binary: str, model: Path, precision: str) -> tuple[float, float]:
+    """Bits per routed-expert weight and per dense-linear weight, as `dynmoe inspect`
+    prices them."""
+    codec, dense = split(precision)
+    out = json.loads(subprocess.run([binary, "inspect", str(model), "--codec", codec, "--dense-codec", dense,
+                                     "--json"], check=True, capture_output=True, text=True).stdout)
+    bits = out["bits"]
     expert_bytes = sum(l["resident_bytes"] for l in bits["layers"])
-    expert_params = json.loads(out)["params_by_kind"]["routed_experts"]
-    return round(expert_bytes * 8 / expert_params, 4)
+    params = out["params_by_kind"]
+    dense_params = sum(params.get(k, 0) for k in ("attention", "shared_experts", "dense_mlp"))
+    dense_bytes = sum(bits["resident_by_kind"].get(k, 0) for k in ("attention", "shared_experts", "dense_mlp"))
+    return round(expert_bytes * 8 / params["routed_experts"], 4), round(dense_bytes * 8 / dense_params, 4)
 
 
 def main() -> int:
@@ -72,7 +85,8 @@ def main() -> int:
         for precision in args.bits.split(","):
             run_dir, extra = model, []
             if precision.startswith("vq"):
-                extra = ["--codec", precision]
+                codec, dense = split(precision)
+                extra = ["--codec", codec] + (["--dense-codec", dense] if dense != "bf16" else [])
             elif precision != "bf16":
                 if converted is None:
                     converted = Path(work.name) / name
@@ -87,8 +101,9 @@ def main() -> int:
                     check=True, capture_output=True, text=True,
                 ).stdout
                 r = json.loads(out)
+                expert_bpw, dense_bpw = priced_bits(args.binary, model, precision)
                 r.update(model=name, precision=precision, text=label, wall_s=round(time.time() - t, 2),
-                         expert_bits_per_weight=expert_bits(args.binary, model, precision),
+                         expert_bits_per_weight=expert_bpw, dense_bits_per_weight=dense_bpw,
                          transformers_ppl=reference.get(label) if precision == "bf16" else None)
                 results.append(r)
                 ref = f"{r['transformers_ppl']:.3f}" if r["transformers_ppl"] else "-"
@@ -99,10 +114,11 @@ def main() -> int:
     for r in results:
         by.setdefault((r["model"], r["precision"]), {})[r["text"]] = r["ppl"]
     labels = [t for t, _ in texts]
-    print(f"\n{'model':<10} {'codec':>6} {'bits/w':>7} " + " ".join(f"{t:>9}" for t in labels))
+    print(f"\n{'model':<10} {'codec':>10} {'experts':>7} {'dense':>7} " + " ".join(f"{t:>9}" for t in labels))
     for (m, p), row in by.items():
-        bpw = next(r["expert_bits_per_weight"] for r in results if r["model"] == m and r["precision"] == p)
-        print(f"{m:<10} {p:>6} {bpw:>7.3f} " + " ".join(f"{row.get(t, float('nan')):>9.3f}" for t in labels))
+        r0 = next(r for r in results if r["model"] == m and r["precision"] == p)
+        print(f"{m:<10} {p:>10} {r0['expert_bits_per_weight']:>7.3f} {r0['dense_bits_per_weight']:>7.3f} "
+              + " ".join(f"{row.get(t, float('nan')):>9.3f}" for t in labels))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"ctx": 512, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")

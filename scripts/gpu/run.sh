@@ -12,7 +12,8 @@
 # model    a random checkpoint of Qwen3-30B-A3B's shape (first $LAYERS layers), converted
 #          to 4/3/2-bit stores, decode and prefill tok/s at each (model_speed.json)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
-#          keys, and decode after a 16-token prompt (model_variants.log)
+#          keys, with dense weights in f32 instead of bf16, and decode after a 16-token
+#          prompt (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -72,6 +73,9 @@ for step in $steps; do
         {
             echo "-- one block per head walking the whole context"
             DYNMOE_CUDA_SPLIT_ATTENTION=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
+                --prompt 512 --generate 128
+            echo "-- dense weights (attention, router, LM head) in f32, not bf16"
+            DYNMOE_CUDA_BF16=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
                 --prompt 512 --generate 128
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128

@@ -140,9 +140,13 @@ struct Case {
     decode_logits_tok_s: f64,
     /// Whether the two decode paths chose the same tokens in every run.
     decode_paths_agree: bool,
-    /// Weight bytes one decode step must read: dense tensors as stored on the backend
-    /// (f32), the LM head, and top-k experts of every MoE layer at `bits`.
+    /// Weight bytes one decode step must read: dense matrices (attention, router, LM
+    /// head) as the backend stores them (see `dense_bytes_per_weight`) and top-k experts
+    /// of every MoE layer at `bits`.
     decode_bytes_per_token: usize,
+    /// Bytes a dense weight takes on the backend: 2 on CUDA, which keeps a bf16
+    /// checkpoint's matrices in bf16 (unless `DYNMOE_CUDA_BF16=0`), 4 on the CPU (f32).
+    dense_bytes_per_weight: usize,
     /// Copy bandwidth over those bytes.
     decode_floor_tok_s: Option<f64>,
     llama_cpp_decode_tok_s: Option<f64>,
@@ -167,14 +171,17 @@ fn affine_bytes(rows: usize, cols: usize, bits: u32) -> usize {
     rows * words_per_row(cols, bits) * 4 + rows * (cols / GROUP_SIZE) * 4
 }
 
-/// Bytes a decode step reads, from the configuration (see [`Case`]).
-fn decode_bytes(c: &Config, bits: u32) -> usize {
+/// Bytes a decode step reads, from the configuration, with dense weights of `dense`
+/// bytes each (see [`Case`]).
+fn decode_bytes(c: &Config, bits: u32, dense: usize) -> usize {
     let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
     let (e, i) = (c.moe.num_experts, c.moe.expert_intermediate);
-    let attention = 4 * (2 * q * h + 2 * kv * h);
+    let attention = dense * (2 * q * h + 2 * kv * h);
     let expert = 2 * affine_bytes(i, h, bits) + affine_bytes(h, i, bits);
     let moe = c.moe_layers().count();
-    c.layers.len() * attention + moe * (4 * e * h + c.moe.top_k * expert) + 4 * c.vocab_size * h
+    c.layers.len() * attention
+        + moe * (dense * e * h + c.moe.top_k * expert)
+        + dense * c.vocab_size * h
 }
 
 /// Tokens per second of each run of one way of decoding.
@@ -283,21 +290,21 @@ fn decode(a: DecodeArgs) -> Result<()> {
             ..ExpertBits::default()
         };
         // A backend per model, so that each precision's device weights go with it.
-        let (runs, eager) = match a.backend {
+        let (runs, eager, dense) = match a.backend {
             BackendKind::Cuda => {
                 let m = crate::load(&a.model, cuda_backend()?, &(&eb).into())?;
                 let runs = measure(&m, a.prompt, a.generate, a.repeats)?;
                 let eager = eager_runs(&m, a.prompt, a.generate, a.repeats)?;
-                (runs, eager)
+                (runs, eager, dense_bytes(&m))
             }
             other => {
                 let m = crate::load(&a.model, other.cpu(), &(&eb).into())?;
-                (measure(&m, a.prompt, a.generate, a.repeats)?, None)
+                (measure(&m, a.prompt, a.generate, a.repeats)?, None, 4)
             }
         };
         let agree = runs.agree && eager.as_ref().is_none_or(|e| e.agree);
         let (pre, dec) = (runs.prefill, runs.greedy);
-        let bytes = decode_bytes(&config, bits);
+        let bytes = decode_bytes(&config, bits, dense);
         let floor = copy_gb_s.map(|bw| bw * 1e9 / bytes as f64);
         let ll = llama_cpp(&config, bits);
         let case = Case {
@@ -310,6 +317,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
             decode_logits_tok_s: median(&runs.logits),
             decode_paths_agree: agree,
             decode_bytes_per_token: bytes,
+            dense_bytes_per_weight: dense,
             decode_floor_tok_s: floor,
             llama_cpp_decode_tok_s: ll.map(|l| l.0),
             llama_cpp_prefill_tok_s: ll.map(|l| l.1),
@@ -365,6 +373,23 @@ fn eager_runs(
     let runs = measure(m, prompt, generate, repeats);
     m.model.backend().set_graphs(true);
     Ok(Some(runs?))
+}
+
+/// Bytes a dense weight takes on the device. Checkpoints (synthetic ones too) are bf16,
+/// so every dense matrix is bf16-exact and kept at 2 bytes unless that is switched off.
+#[cfg(feature = "cuda")]
+fn dense_bytes(m: &LoadedModel<dynmoe::backend::Cuda>) -> usize {
+    if m.model.backend().bf16_matrices() {
+        2
+    } else {
+        4
+    }
+}
+
+/// Without the feature the "CUDA" model is never made (see `cuda_backend`).
+#[cfg(not(feature = "cuda"))]
+fn dense_bytes<B: Backend>(_: &LoadedModel<B>) -> usize {
+    4
 }
 
 /// Without the feature the "CUDA" model is never made (see `cuda_backend`).

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use dynmoe::alloc::compress::{self, BudgetScope, CompressOptions};
+use dynmoe::codec::Codec;
 
 use crate::read_text;
 
@@ -46,6 +47,10 @@ pub struct CompressArgs {
     /// Calibration chunks of 512 tokens scored per text and probe.
     #[arg(long, default_value_t = 4)]
     chunks: usize,
+    /// Codec of the dense linear layers (attention, shared experts, dense MLPs): bf16
+    /// (default) or a VQ rung such as vq4. Under --scope model the budget pays for it.
+    #[arg(long)]
+    dense_codec: Option<Codec>,
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
@@ -73,6 +78,7 @@ pub fn compress(a: CompressArgs) -> Result<()> {
         anneal: a.anneal.clone(),
         chunks: a.chunks,
         ctx: 512,
+        dense_codec: a.dense_codec.unwrap_or(Codec::Bf16),
     };
     let quiet = a.json;
     let plan = compress::compress(&a.model, &texts, &a.out, &opts, &|msg| {

@@ -17,7 +17,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use dynmoe::backend::{Backend, Cpu};
 use dynmoe::codec::Codec;
 use dynmoe::eval::{bits, inspect, ppl};
-use dynmoe::model::{self, ExpertBits, ExpertCodecs, LoadedModel};
+use dynmoe::model::{self, Codecs, ExpertBits, LoadedModel};
 use dynmoe::runtime::generate::{self, Sampling};
 
 /// Mixture-of-Experts models at 1.5-2 resident bits per weight, with a resident expert
@@ -145,20 +145,29 @@ pub(crate) struct ModelArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_layer_codec,
           conflicts_with_all = ["expert_bits", "expert_bits_layer"])]
     codec_layer: Vec<(usize, Codec)>,
+    /// Codec of the dense linear layers (attention projections, shared experts, dense
+    /// MLPs): bf16 or a VQ rung such as vq3 (from `dense-vq3.safetensors` beside the
+    /// checkpoint, encoded from its bf16 weights on first use).
+    #[arg(long)]
+    dense_codec: Option<Codec>,
 }
 
 impl ModelArgs {
-    fn expert_codecs(&self) -> ExpertCodecs {
-        if self.codec.is_some() || !self.codec_layer.is_empty() {
-            return ExpertCodecs {
+    fn expert_codecs(&self) -> Codecs {
+        let mut codecs = if self.codec.is_some() || !self.codec_layer.is_empty() {
+            Codecs {
                 default: self.codec,
                 per_layer: self.codec_layer.iter().copied().collect(),
-            };
-        }
-        ExpertCodecs::from(&ExpertBits {
-            default: self.expert_bits,
-            per_layer: self.expert_bits_layer.iter().copied().collect(),
-        })
+                dense: None,
+            }
+        } else {
+            Codecs::from(&ExpertBits {
+                default: self.expert_bits,
+                per_layer: self.expert_bits_layer.iter().copied().collect(),
+            })
+        };
+        codecs.dense = self.dense_codec;
+        codecs
     }
 
     /// Loads the model these arguments name, for commands that run on the CPU only.
@@ -325,11 +334,7 @@ fn main() {
 
 /// Loads a model directory onto a backend, with a spinner while it loads (and builds any
 /// expert store the requested precision needs).
-pub(crate) fn load<B: Backend>(
-    dir: &Path,
-    backend: B,
-    codecs: &ExpertCodecs,
-) -> Result<LoadedModel<B>> {
+pub(crate) fn load<B: Backend>(dir: &Path, backend: B, codecs: &Codecs) -> Result<LoadedModel<B>> {
     let spinner = progress::spinner(&format!("loading {}", dir.display()));
     let bar = VqBuildBar::default();
     let m = model::load_with_progress(dir, backend, codecs, &mut |d, t| bar.update(&spinner, d, t))

@@ -1,6 +1,7 @@
 //! Quantized expert kernels on the GPU against the copy bandwidth measured in the same
 //! run: affine q4/q3/q2 products at Qwen3-30B-A3B's expert shapes (768 × 2048 gate/up,
-//! 2048 × 768 down) and decode-sized batches, and dense f32 cuBLAS for context.
+//! 2048 × 768 down) and decode-sized batches, dense f32 cuBLAS for context, and the
+//! dense matrix-vector kernels (f32 and bf16) at the attention and LM-head shapes.
 //!
 //! Each kernel rotates over enough copies of its matrix to exceed the 60 MB L2 several
 //! times, so weights come from device memory. Times are CUDA-event medians of 15 runs of
@@ -160,7 +161,7 @@ fn main() {
         let bytes = rows * cols * 4;
         let copies = WORKING_SET.div_ceil(bytes);
         let ws: Vec<_> = (0..copies)
-            .map(|i| g.upload(&fresh(rows * cols, 100 + i as u64)))
+            .map(|i| g.upload_matrix(&fresh(rows * cols, 100 + i as u64), rows, cols))
             .collect();
         for batch in BATCHES {
             let x = g.upload(&fresh(batch * cols, 9));
@@ -294,7 +295,7 @@ fn main() {
             renormalize: true,
             keep: None,
         };
-        let gate = g.upload(&fresh(experts * hidden, 12));
+        let gate = g.upload_matrix(&fresh(experts * hidden, 12), experts, hidden);
         let xs: Vec<_> = (0..tokens)
             .map(|t| g.upload(&fresh(hidden, 200 + t as u64)))
             .collect();
@@ -328,40 +329,53 @@ fn main() {
         g.clear_weight_cache();
     }
 
-    // Dense f32 products of one row at the attention and LM-head shapes (the
-    // matrix-vector kernel), and decode attention over a 640- and a 4096-key cache.
+    // Dense products of one row at the attention and LM-head shapes (the matrix-vector
+    // kernels): f32 values, and the same values rounded to bf16, which the device keeps
+    // in bf16 (2 bytes a weight).
     for (rows, cols) in [(4096, 2048), (151936, 2048)] {
-        let bytes = rows * cols * 4;
-        let copies = WORKING_SET.div_ceil(bytes).max(1);
-        let ws: Vec<_> = (0..copies)
-            .map(|i| g.upload(&fresh(rows * cols, 300 + i as u64)))
-            .collect();
-        let x = g.upload(&fresh(cols, 9));
-        let mut out = g.alloc(rows);
-        let ms = time_ms(&g, || {
-            for w in &ws {
-                g.matmul(&x, w, 1, cols, rows, &mut out);
-            }
-        });
-        let per_call = ms * 1e3 / copies as f64;
-        let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
-        println!(
-            "{:<10} {rows:>6} {cols:>6} {:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
-            "f32 matvec",
-            1,
-            gb_s / copy_gb_s
-        );
-        rows_out.push(Row {
-            kernel: "matvec_f32".into(),
-            rows,
-            cols,
-            batch: 1,
-            weight_bytes: bytes,
-            copies,
-            median_us_per_call: per_call,
-            gb_s,
-            fraction_of_copy: gb_s / copy_gb_s,
-        });
+        for bf16_weights in [false, true] {
+            let width = if bf16_weights { 2 } else { 4 };
+            let bytes = rows * cols * width;
+            let copies = WORKING_SET.div_ceil(bytes).max(1);
+            let ws: Vec<_> = (0..copies)
+                .map(|i| {
+                    let mut w = fresh(rows * cols, 300 + i as u64);
+                    if bf16_weights {
+                        w.iter_mut().for_each(|v| *v = bf16::from_f32(*v).to_f32());
+                    }
+                    let m = g.upload_matrix(&w, rows, cols);
+                    assert_eq!(m.bytes(), bytes, "bf16 values kept in bf16");
+                    m
+                })
+                .collect();
+            let x = g.upload(&fresh(cols, 9));
+            let mut out = g.alloc(rows);
+            let ms = time_ms(&g, || {
+                for w in &ws {
+                    g.matmul(&x, w, 1, cols, rows, &mut out);
+                }
+            });
+            let per_call = ms * 1e3 / copies as f64;
+            let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
+            let name = if bf16_weights { "bf16" } else { "f32" };
+            println!(
+                "{:<10} {rows:>6} {cols:>6} {:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
+                format!("{name} matvec"),
+                1,
+                gb_s / copy_gb_s
+            );
+            rows_out.push(Row {
+                kernel: format!("matvec_{name}"),
+                rows,
+                cols,
+                batch: 1,
+                weight_bytes: bytes,
+                copies,
+                median_us_per_call: per_call,
+                gb_s,
+                fraction_of_copy: gb_s / copy_gb_s,
+            });
+        }
     }
     let (heads, kv_heads, head_dim) = (32, 4, 128);
     for ctx in [640, 4096] {

@@ -8,6 +8,7 @@ use dynmoe::alloc::compress::{compress, BudgetScope, CompressOptions};
 use dynmoe::alloc::plan::Plan;
 use dynmoe::backend::Cpu;
 use dynmoe::calib::probe::load_plan;
+use dynmoe::codec::Codec;
 use dynmoe::model;
 use dynmoe::store::compressed;
 use dynmoe::testing::{fixture, TempDir};
@@ -23,6 +24,11 @@ fn logits(m: &model::LoadedModel<Cpu>) -> Vec<f32> {
 
 /// A plan for tiny-moe at 2 bits over its experts and the directory written from it.
 fn compressed_tiny() -> (TempDir, Plan) {
+    compressed_tiny_with(Codec::Bf16)
+}
+
+/// [`compressed_tiny`] with the dense layers at `dense_codec`.
+fn compressed_tiny_with(dense_codec: Codec) -> (TempDir, Plan) {
     let out = TempDir::new("compressed");
     let src = fixture("tiny-moe");
     let calib = std::fs::read_to_string("../../data/corpus/code/calib.txt").unwrap();
@@ -33,6 +39,7 @@ fn compressed_tiny() -> (TempDir, Plan) {
         anneal: Vec::new(),
         chunks: 1,
         ctx: 512,
+        dense_codec,
     };
     let plan = compress(&src, &[("code".into(), calib)], out.dir(), &opts, &|_| {}).unwrap();
     compressed::write(&src, out.dir(), &plan, &mut |_, _| {}).unwrap();
@@ -73,9 +80,9 @@ fn a_compressed_directory_runs_as_its_plan_and_refuses_damage() {
         logits(&model::load(dir, Cpu::fast()).unwrap()),
         logits(&from_dir)
     );
-    let codecs = model::ExpertCodecs {
+    let codecs = model::Codecs {
         default: Some("vq1.5".parse().unwrap()),
-        ..model::ExpertCodecs::default()
+        ..model::Codecs::default()
     };
     assert!(model::load_with_codecs(dir, Cpu::fast(), &codecs).is_err());
 
@@ -142,4 +149,97 @@ fn a_compressed_directory_runs_as_its_plan_and_refuses_damage() {
     assert!(!compressed::is_compressed(dir));
     compressed::write(&fixture("tiny-moe"), dir, &plan, &mut |_, _| {}).unwrap();
     assert_eq!(std::fs::read_to_string(&manifest).unwrap(), text);
+}
+
+/// With the dense layers at a VQ rung, the directory holds them coded (and not in
+/// `dense.safetensors`), runs exactly as the checkpoint under the same plan, and refuses
+/// a manifest or a coded file that disagrees.
+#[test]
+fn a_compressed_directory_with_coded_dense_layers() {
+    let (out, plan) = compressed_tiny_with("vq3".parse().unwrap());
+    let dir = out.dir();
+    assert_eq!(plan.dense_codec.to_string(), "vq3");
+    let coded = dir.join("dense-vq3.safetensors");
+    assert!(coded.exists());
+    let dense = model::Checkpoint::open(dir).unwrap();
+    assert!(dense
+        .names()
+        .iter()
+        .all(|n| !n.contains("self_attn.q_proj.weight")));
+
+    let (from_dir, _) = compressed::load(dir, Cpu::fast()).unwrap();
+    let mut from_ckpt = load_plan(&fixture("tiny-moe"), &plan, &mut |_, _| {}).unwrap();
+    for l in &plan.layers {
+        from_ckpt.model.set_expert_mask(l.layer, None).unwrap();
+    }
+    assert_eq!(logits(&from_dir), logits(&from_ckpt));
+    let bf16 = model::load(&fixture("tiny-moe"), Cpu::fast()).unwrap();
+    assert_ne!(logits(&from_dir), logits(&bf16));
+
+    let manifest = dir.join(compressed::MANIFEST_FILE);
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    std::fs::write(
+        &manifest,
+        text.replacen("\"dense_vq\": \"vq3\"", "\"dense_vq\": \"vq2\"", 1),
+    )
+    .unwrap();
+    let e = err_of(dir);
+    assert!(e.contains("dense_vq"), "{e}");
+    std::fs::write(&manifest, &text).unwrap();
+
+    let bytes = std::fs::read(&coded).unwrap();
+    let mut flipped = bytes.clone();
+    let at = flipped.len() - 5;
+    flipped[at] ^= 0x10;
+    std::fs::write(&coded, &flipped).unwrap();
+    let e = err_of(dir);
+    assert!(
+        e.contains("dense-vq3.safetensors") && e.contains("checksum"),
+        "{e}"
+    );
+    std::fs::write(&coded, &bytes).unwrap();
+    assert!(model::load(dir, Cpu::fast()).is_ok());
+}
+
+/// A budget over the whole model pays for the dense layers at their codec: the plan's
+/// resident bytes are what bits accounting prices for its assignment (dense layers and
+/// every codebook in use included), and within the budget.
+#[test]
+fn a_model_scope_plan_prices_its_coded_dense_layers() {
+    use dynmoe::eval::bits::{account, Assignment};
+    let out = TempDir::new("compress-model-scope");
+    let src = fixture("tiny-moe");
+    let calib = std::fs::read_to_string("../../data/corpus/en/calib.txt").unwrap();
+    let dense_codec: Codec = "vq3".parse().unwrap();
+    let opts = CompressOptions {
+        bits: 14.0,
+        scope: BudgetScope::Model,
+        rounds: 1,
+        anneal: Vec::new(),
+        chunks: 1,
+        ctx: 512,
+        dense_codec,
+    };
+    let plan = compress(&src, &[("en".into(), calib)], out.dir(), &opts, &|_| {}).unwrap();
+    assert_eq!(plan.dense_codec, dense_codec);
+    assert!(plan.resident_bytes <= plan.budget_bytes);
+    let config = model::Config::from_file(&src.join("config.json")).unwrap();
+    let ckpt = model::Checkpoint::open(&src).unwrap();
+    let assignment = Assignment {
+        dense: dense_codec,
+        layers: plan
+            .layers
+            .iter()
+            .map(|l| (l.layer, (l.codec, l.resident)))
+            .collect(),
+        default_experts: Codec::Bf16,
+    };
+    let priced = account(&config, &ckpt, &assignment, None).unwrap();
+    assert_eq!(plan.resident_bytes, priced.resident_bytes);
+    assert_eq!(plan.params_total, priced.params_total);
+    let bf16_dense = account(&config, &ckpt, &Assignment::uncompressed(), None).unwrap();
+    assert!(
+        priced.resident_by_kind[&dynmoe::eval::inspect::TensorKind::Attention]
+            < bf16_dense.resident_by_kind[&dynmoe::eval::inspect::TensorKind::Attention] / 3
+    );
 }

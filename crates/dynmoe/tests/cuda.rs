@@ -1,5 +1,7 @@
 //! The CUDA backend against the CPU reference: every op on fresh random inputs with
-//! poisoned outputs (‖gpu − ref‖ / ‖ref‖ printed for each), then the fixtures end to end
+//! poisoned outputs (‖gpu − ref‖ / ‖ref‖ printed for each), dense weights both as bf16
+//! (values rounded to bf16 first, as checkpoints hold them) and as f32, then the fixtures
+//! (bf16 checkpoints) end to end
 //! (perplexity within 1e-3 relative and identical greedy decodes, from the checkpoint
 //! and from its 4-, 3- and 2-bit expert stores).
 //!
@@ -38,6 +40,11 @@ fn gpu() -> Option<&'static Cuda> {
 
 fn root() -> PathBuf {
     fixtures_root().join("../..")
+}
+
+/// `v` rounded to bf16 values: a matrix the device keeps in bf16.
+fn bf16_values(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
 }
 
 /// Runs `op` on a backend with the inputs uploaded and an output of `out_len` made by
@@ -134,13 +141,8 @@ fn elementwise_and_row_ops_match_the_reference() {
     let ids: Vec<u32> = (0..9)
         .map(|_| (rng.next_u64() % vocab as u64) as u32)
         .collect();
-    both!(
-        "embed 9 of 1000x256",
-        &[&table],
-        9 * dim,
-        1e-7,
-        |b, t, o| b.embed(&t[0], dim, &ids, o)
-    );
+    both!("embed 9 of 1000x256", &[], 9 * dim, 1e-7, |b, _t, o| b
+        .embed(&b.upload_matrix(&table, vocab, dim), dim, &ids, o));
     let src = fresh(50 * dim, 6);
     let rows: Vec<u32> = (0..20).map(|_| (rng.next_u64() % 50) as u32).collect();
     both!(
@@ -217,12 +219,99 @@ fn dense_matmul_matches_the_reference() {
     ];
     for (rows, in_dim, out_dim) in cases {
         let (x, w) = (fresh(rows * in_dim, 20), fresh(out_dim * in_dim, 21));
+        assert!(
+            !gpu().unwrap().upload_matrix(&w, out_dim, in_dim).is_bf16(),
+            "values bf16 would round stay f32"
+        );
         both!(
             &format!("matmul {rows}x{in_dim} -> {out_dim}"),
-            &[&x, &w],
+            &[&x],
             rows * out_dim,
             1e-5,
-            |b, t, o| b.matmul(&t[0], &t[1], rows, in_dim, out_dim, o)
+            |b, t, o| b.matmul(
+                &t[0],
+                &b.upload_matrix(&w, out_dim, in_dim),
+                rows,
+                in_dim,
+                out_dim,
+                o
+            )
+        );
+    }
+}
+
+#[test]
+fn bf16_matmul_matches_the_reference() {
+    let Some(g) = gpu() else { return };
+    // Up to 4 rows run as the bf16 matrix-vector kernel: 16-byte loads of 8 weights when
+    // the width is a multiple of 8 (the LM head's among them), one weight per lane
+    // otherwise (100, 250, 7 columns). More rows widen the matrix to f32 in a scratch
+    // buffer for cuBLAS: made for 2048 × 768, reused for the two smaller matrices after
+    // it, then grown for a 151936 × 2048 LM head at 5 rows.
+    let cases = [
+        (1, 2048, 4096),
+        (1, 2048, 151936),
+        (4, 2048, 151936),
+        (2, 768, 2048),
+        (3, 4096, 80),
+        (4, 100, 96),
+        (2, 250, 33),
+        (1, 7, 5),
+        (64, 768, 2048),
+        (7, 256, 80),
+        (5, 250, 33),
+        (5, 2048, 151936),
+    ];
+    for (rows, in_dim, out_dim) in cases {
+        let x = fresh(rows * in_dim, 22);
+        let w = bf16_values(&fresh(out_dim * in_dim, 23));
+        assert!(
+            g.upload_matrix(&w, out_dim, in_dim).is_bf16(),
+            "bf16 values are kept in bf16"
+        );
+        both!(
+            &format!("matmul bf16 {rows}x{in_dim} -> {out_dim}"),
+            &[&x],
+            rows * out_dim,
+            1e-5,
+            |b, t, o| b.matmul(
+                &t[0],
+                &b.upload_matrix(&w, out_dim, in_dim),
+                rows,
+                in_dim,
+                out_dim,
+                o
+            )
+        );
+    }
+    // One value off bf16 keeps the whole matrix in f32.
+    let mut w = bf16_values(&fresh(64 * 96, 24));
+    w[1000] = f32::from_bits(w[1000].to_bits() | 1);
+    assert!(!g.upload_matrix(&w, 64, 96).is_bf16());
+    assert_eq!(g.upload_matrix(&w, 64, 96).bytes(), 64 * 96 * 4);
+    assert_eq!(
+        g.upload_matrix(&bf16_values(&w), 64, 96).bytes(),
+        64 * 96 * 2
+    );
+    // Embedding rows from a bf16 table, by host ids and by the id in a step tensor.
+    let (vocab, dim) = (1000, 256);
+    let table = bf16_values(&fresh(vocab * dim, 25));
+    let ids = [0u32, 999, 17, 17, 500];
+    both!(
+        "embed bf16 5 of 1000x256",
+        &[],
+        ids.len() * dim,
+        1e-7,
+        |b, _t, o| b.embed(&b.upload_matrix(&table, vocab, dim), dim, &ids, o)
+    );
+    for tok in [0u32, 999, 321] {
+        let step = [f32::from_bits(tok), f32::from_bits(3)];
+        both!(
+            &format!("embed_at bf16 token {tok}"),
+            &[&step],
+            dim,
+            1e-7,
+            |b, t, o| b.embed_at(&b.upload_matrix(&table, vocab, dim), dim, &t[0], o)
         );
     }
 }
@@ -278,10 +367,10 @@ fn decode_step_ops_match_the_reference() {
         let table = fresh(vocab * dim, 600 + pos as u64);
         both!(
             &format!("embed_at token {tok}"),
-            &[&table, &step],
+            &[&step],
             dim,
             1e-6,
-            |b, t, o| b.embed_at(&t[0], dim, &t[1], o)
+            |b, t, o| b.embed_at(&b.upload_matrix(&table, vocab, dim), dim, &t[0], o)
         );
         let x = fresh(heads * head_dim, 601 + pos as u64);
         both!(
@@ -480,20 +569,29 @@ fn moe_dispatch_matches_the_reference() {
             })
             .collect();
         let scales: Vec<Vec<f32>> = counts.iter().map(|&n| fresh(n, 90 + n as u64)).collect();
+        // The dense group in bf16 at 4 and 2 bits, in f32 at 3; its 8 rows take the
+        // widen-then-cuBLAS path for bf16.
+        let dense_bf16 = bits != 3;
         let dense = [
             fresh(inter * hidden, 95),
             fresh(inter * hidden, 96),
             fresh(hidden * inter, 97),
-        ];
+        ]
+        .map(|m| if dense_bf16 { bf16_values(&m) } else { m });
         let dense_rows: Vec<u32> = (0..tokens as u32).step_by(3).collect();
         let dense_scales = fresh(dense_rows.len(), 98);
         both!(
-            &format!("swiglu_groups q{bits} rows {counts:?} + dense"),
-            &[&x, &base, &dense[0], &dense[1], &dense[2]],
+            &format!("swiglu_groups q{bits} rows {counts:?} + dense bf16 {dense_bf16}"),
+            &[&x, &base],
             tokens * hidden,
             1e-5,
             |b, t, o| {
                 b.write_rows(&t[1], o, 0, tokens, hidden);
+                let d = [
+                    b.upload_matrix(&dense[0], inter, hidden),
+                    b.upload_matrix(&dense[1], inter, hidden),
+                    b.upload_matrix(&dense[2], hidden, inter),
+                ];
                 let mut groups: Vec<SwiGluGroup<'_, _>> = mats
                     .iter()
                     .zip(rows.iter().zip(&scales))
@@ -507,9 +605,9 @@ fn moe_dispatch_matches_the_reference() {
                     })
                     .collect();
                 groups.push(SwiGluGroup {
-                    gate: Weight::Dense(&t[2]),
-                    up: Weight::Dense(&t[3]),
-                    down: Weight::Dense(&t[4]),
+                    gate: Weight::Dense(&d[0]),
+                    up: Weight::Dense(&d[1]),
+                    down: Weight::Dense(&d[2]),
                     intermediate: inter,
                     rows: &dense_rows,
                     scales: &dense_scales,
@@ -610,11 +708,14 @@ fn moe_routed_on_the_device_matches_the_host_route() {
         for (case, &(rows, top_k, renormalize, masked)) in cases.iter().enumerate() {
             let salt = 400 + 10 * case as u64 + bits as u64;
             let x = fresh(rows * hidden, salt);
-            // Router weights scaled so the probabilities are spread, not one-hot.
+            // Router weights scaled so the probabilities are spread, not one-hot; in bf16
+            // (as a checkpoint's) on every other case.
             let gate: Vec<f32> = fresh(experts * hidden, salt + 1)
                 .iter()
                 .map(|v| v * 0.1)
                 .collect();
+            let gate_bf16 = case % 2 == 0;
+            let gate = if gate_bf16 { bf16_values(&gate) } else { gate };
             let keep = masked.then_some(keep.as_slice());
             let host = |e: usize| -> [Weight<'_, Vec<f32>>; 3] {
                 [
@@ -653,7 +754,8 @@ fn moe_routed_on_the_device_matches_the_host_route() {
             };
             // The probabilities land after `at` poisoned values, as a layer's do.
             let at = 5;
-            let (xd, gd) = (g.upload(&x), g.upload(&gate));
+            let (xd, gd) = (g.upload(&x), g.upload_matrix(&gate, experts, hidden));
+            assert_eq!(gd.is_bf16(), gate_bf16);
             let mut probs = g.alloc(at + rows * experts);
             let mut out = g.alloc(rows * hidden);
             assert!(
@@ -667,7 +769,7 @@ fn moe_routed_on_the_device_matches_the_host_route() {
             let (e_out, e_p) = (rel_err(&got, &want), rel_err(&got_p[at..], &want_p));
             println!(
                 "check routed moe q{bits} rows {rows} top-{top_k} renorm {renormalize:<5} \
-                 mask {masked:<5} out {e_out:.2e} probs {e_p:.2e}"
+                 mask {masked:<5} gate bf16 {gate_bf16:<5} out {e_out:.2e} probs {e_p:.2e}"
             );
             assert!(
                 e_out < 1e-5 && e_p < 1e-5,
@@ -709,7 +811,7 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     let rows = 9;
     let (xd, gd) = (
         g.upload(&fresh(rows * hidden, 510)),
-        g.upload(&fresh(4 * hidden, 511)),
+        g.upload_matrix(&fresh(4 * hidden, 511), 4, hidden),
     );
     let (mut probs, mut out) = (g.alloc(rows * 4), g.alloc(rows * hidden));
     assert!(!g.routed_moe(&xd, rows, hidden, &gd, &ex, r, &mut probs, 0, &mut out));

@@ -158,7 +158,7 @@ fn static_set_equals_a_model_of_only_the_residents() {
 #[test]
 fn expert_masks_equal_a_model_of_only_the_kept_experts() {
     use dynmoe::codec::Codec;
-    use dynmoe::model::ExpertCodecs;
+    use dynmoe::model::Codecs;
     let keep = residents();
     let sub = subset_model(&keep);
     let mask = |m: &mut model::LoadedModel<Cpu>| {
@@ -179,9 +179,9 @@ fn expert_masks_equal_a_model_of_only_the_kept_experts() {
     // an expert's rotation follows its index, which the subset renumbers, so compare the
     // masked model with itself unmasked instead: masking must change it, and a mask
     // keeping every expert must not).
-    let codecs = ExpertCodecs {
+    let codecs = Codecs {
         default: Some("vq2.25".parse::<Codec>().unwrap()),
-        ..ExpertCodecs::default()
+        ..Codecs::default()
     };
     // The VQ experts are stored beside the checkpoint: a copy keeps the fixture clean.
     let copy = dynmoe::testing::fixture_copy("tiny-moe");
@@ -430,12 +430,13 @@ fn per_layer_counts_from_initial_sets_equal_masks_of_those_sets() {
 /// layer 1 at `l1` (`None`: bf16).
 fn vq_model(dir: &Path, l0: Option<&str>, l1: Option<&str>) -> model::LoadedModel<Cpu> {
     use dynmoe::codec::Codec;
-    let codecs = model::ExpertCodecs {
+    let codecs = model::Codecs {
         default: None,
         per_layer: [(0, l0), (1, l1)]
             .into_iter()
             .filter_map(|(l, c)| c.map(|c| (l, c.parse::<Codec>().unwrap())))
             .collect(),
+        dense: None,
     };
     model::load_with_codecs(dir, Cpu::fast(), &codecs).unwrap()
 }
@@ -506,8 +507,15 @@ fn vq_reservoirs_deliver_the_store_records() {
         0,
         model::weights::encode_experts(&config, &ckpt, 0, rung).unwrap(),
     )]);
-    let probe =
-        dynmoe::calib::probe::assemble(copy.dir(), config, &ckpt, &vq, &BTreeMap::new()).unwrap();
+    let probe = dynmoe::calib::probe::assemble(
+        copy.dir(),
+        config,
+        &ckpt,
+        &vq,
+        &Default::default(),
+        &BTreeMap::new(),
+    )
+    .unwrap();
     let err = probe.model.reservoir(ReservoirKind::Ram).err().unwrap();
     assert!(err.to_string().contains("layer 0"), "{err}");
 }

@@ -15,7 +15,7 @@ use dynmoe::codec::Codec;
 use dynmoe::eval::ppl::{perplexity_tokens, PplOptions};
 use dynmoe::model::experts::{ExpertShape, ExpertTensors};
 use dynmoe::model::weights::{encode_experts, vq_seed};
-use dynmoe::model::{self, Checkpoint, Config, ExpertCodecs};
+use dynmoe::model::{self, Checkpoint, Codecs, Config};
 use dynmoe::store::vq::{self, VqLayout, VqManifest, VqStore, HEADER};
 use dynmoe::store::{Error, PAGE};
 use dynmoe::testing::{fixture_copy, TempDir};
@@ -141,9 +141,9 @@ fn records_are_the_encoder_output_at_each_layers_rung() {
 #[test]
 fn second_load_reuses_the_store() {
     let dir = fixture_copy("tiny-moe");
-    let codecs = ExpertCodecs {
+    let codecs = Codecs {
         default: Some("vq2".parse::<Codec>().unwrap()),
-        ..ExpertCodecs::default()
+        ..Codecs::default()
     };
     let first = model::load_with_codecs(dir.dir(), Cpu::fast(), &codecs).unwrap();
     let manifest = dir.path("experts-vq2.json");
@@ -379,9 +379,9 @@ fn crash_between_data_and_manifest_is_never_trusted() {
 #[test]
 fn small_moe_perplexity_through_the_store_equals_the_in_memory_encoding() {
     let dir = fixture_copy("small-moe");
-    let codecs = ExpertCodecs {
+    let codecs = Codecs {
         default: Some("vq1.5".parse::<Codec>().unwrap()),
-        ..ExpertCodecs::default()
+        ..Codecs::default()
     };
     let stored = model::load_with_codecs(dir.dir(), Cpu::fast(), &codecs).unwrap();
     let (config, ckpt) = open_ckpt(dir.dir());
@@ -389,8 +389,15 @@ fn small_moe_perplexity_through_the_store_equals_the_in_memory_encoding() {
         .moe_layers()
         .map(|l| (l, encode_experts(&config, &ckpt, l, rung("vq1.5")).unwrap()))
         .collect();
-    let memory =
-        dynmoe::calib::probe::assemble(dir.dir(), config, &ckpt, &vq, &BTreeMap::new()).unwrap();
+    let memory = dynmoe::calib::probe::assemble(
+        dir.dir(),
+        config,
+        &ckpt,
+        &vq,
+        &Default::default(),
+        &BTreeMap::new(),
+    )
+    .unwrap();
     let text = std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/corpus/en/test.txt"),
     )

@@ -50,6 +50,10 @@ pub struct CompressOptions {
     pub chunks: usize,
     /// Chunk length.
     pub ctx: usize,
+    /// Codec of the dense linear layers (attention, shared experts, dense MLPs): bf16
+    /// or a VQ rung. Fixed, not allocated; probes run with it, and under
+    /// [`BudgetScope::Model`] the budget pays for it.
+    pub dense_codec: Codec,
 }
 
 /// Why compression stopped.
@@ -100,6 +104,7 @@ pub fn compress(
     opts: &CompressOptions,
     progress: &(dyn Fn(&str) + Sync),
 ) -> Result<Plan, CompressError> {
+    crate::store::dense_vq::rung_of(opts.dense_codec).map_err(CompressError::Plan)?;
     std::fs::create_dir_all(out).map_err(|source| {
         CompressError::Model(Error::Io {
             path: out.to_path_buf(),
@@ -131,15 +136,28 @@ pub fn compress(
         micro_batch: None,
     };
     let prober = ModelProber::new(model, codecs.clone(), &calib, ppl)?;
+    let prober = if opts.dense_codec == Codec::Bf16 {
+        prober
+    } else {
+        progress(&format!("coding the dense layers at {}", opts.dense_codec));
+        prober.with_dense_codec(opts.dense_codec, &mut |_, _| {})?
+    };
     let config = crate::model::Config::from_file(&model.join("config.json"))?;
     let ckpt = crate::model::Checkpoint::open(model)?;
     let (e, top_k) = (config.moe.num_experts, config.moe.top_k);
     let (h, inter) = (config.hidden_size, config.moe.expert_intermediate);
-    let priced = account(&config, &ckpt, &Assignment::uncompressed(), None)?;
+    let assignment = Assignment {
+        dense: opts.dense_codec,
+        ..Assignment::uncompressed()
+    };
+    let priced = account(&config, &ckpt, &assignment, None)?;
     let expert_params = (config.moe_layers().count() * e * 3 * h * inter) as u64;
     let (dense_bytes, denominator) = match opts.scope {
+        // The dense rung's codebook is counted with the experts' below, once per rung.
         BudgetScope::Model => (
-            priced.resident_bytes - priced.resident_by_kind[&TensorKind::RoutedExperts],
+            priced.resident_bytes
+                - priced.resident_by_kind[&TensorKind::RoutedExperts]
+                - priced.codebook_bytes,
             priced.params_total,
         ),
         BudgetScope::Experts => (0, expert_params),
@@ -176,8 +194,14 @@ pub fn compress(
         .filter_map(|name| codecs.iter().position(|c| c.to_string() == *name))
         .collect();
 
+    // Probes under another dense codec measure another model: the codec is part of
+    // the context (bf16 keeps the context earlier journals were written under).
+    let dense_context = match opts.dense_codec {
+        Codec::Bf16 => String::new(),
+        c => format!(" | dense {c}"),
+    };
     let context = format!(
-        "{} | {} | ctx {} chunks {} | {:?}",
+        "{} | {} | ctx {} chunks {} | {:?}{dense_context}",
         model.display(),
         texts
             .iter()
@@ -228,7 +252,7 @@ pub fn compress(
             IspError::Probe(p) => CompressError::Probe(p.to_string()),
             IspError::Alloc(a) => CompressError::Plan(a.to_string()),
         })?;
-        let used: u64 = used_codecs(&codecs, &rounds)
+        let used: u64 = used_codecs(&codecs, &rounds, opts.dense_codec)
             .iter()
             .map(|c| c.codebook_bytes())
             .sum::<Result<u64, _>>()?;
@@ -271,7 +295,7 @@ pub fn compress(
         budget_bits: opts.bits,
         budget_bytes,
         params_total: denominator,
-        dense_codec: Codec::Bf16,
+        dense_codec: opts.dense_codec,
         dense_bytes: dense_bytes + codebook_bytes,
         resident_bytes,
         reservoir_bytes: layers.iter().map(|l| l.reservoir_bytes).sum(),
@@ -297,11 +321,14 @@ pub fn compress(
     Ok(plan)
 }
 
-fn used_codecs(codecs: &[Codec], rounds: &[Round]) -> Vec<Codec> {
+/// The codecs a plan uses: its layers' and the dense layers' (each VQ rung's codebook
+/// is resident once).
+fn used_codecs(codecs: &[Codec], rounds: &[Round], dense: Codec) -> Vec<Codec> {
     let mut used: Vec<Codec> = rounds
         .last()
         .map(|r| r.plan.iter().map(|s| codecs[s.codec]).collect())
         .unwrap_or_default();
+    used.push(dense);
     used.sort();
     used.dedup();
     used

@@ -21,12 +21,18 @@ use crate::codec::vq::VqView;
 pub trait Backend: Send + Sync {
     /// A buffer of f32 values owned by the backend.
     type Tensor: Send + Sync;
+    /// A dense weight matrix `[out_dim, in_dim]` (or an embedding table) as the backend
+    /// keeps it: it may hold the values in a narrower type than f32 where that loses
+    /// nothing (checkpoint weights are bf16), since decode reads every weight per token.
+    type Matrix: Send + Sync;
 
     /// Short name for reports (`cpu`, `cpu-reference`, ...).
     fn name(&self) -> &'static str;
 
     /// Copies host data into a new tensor.
     fn upload(&self, data: &[f32]) -> Self::Tensor;
+    /// A weight matrix of `out_dim` rows and `in_dim` columns from its row-major values.
+    fn upload_matrix(&self, data: &[f32], out_dim: usize, in_dim: usize) -> Self::Matrix;
     /// A new tensor of `len` elements whose contents are unspecified until written.
     fn alloc(&self, len: usize) -> Self::Tensor;
     /// A new tensor of `len` zeros.
@@ -35,7 +41,7 @@ pub trait Backend: Send + Sync {
     fn download(&self, t: &Self::Tensor, out: &mut [f32]);
 
     /// `out[r] = table[ids[r]]`, rows of width `dim`.
-    fn embed(&self, table: &Self::Tensor, dim: usize, ids: &[u32], out: &mut Self::Tensor);
+    fn embed(&self, table: &Self::Matrix, dim: usize, ids: &[u32], out: &mut Self::Tensor);
 
     /// RMSNorm of each row of width `dim`: `x * rsqrt(mean(x²) + eps) * w`, for the first
     /// `rows` rows.
@@ -63,7 +69,7 @@ pub trait Backend: Send + Sync {
     fn matmul(
         &self,
         x: &Self::Tensor,
-        w: &Self::Tensor,
+        w: &Self::Matrix,
         rows: usize,
         in_dim: usize,
         out_dim: usize,
@@ -90,7 +96,7 @@ pub trait Backend: Send + Sync {
     fn linear(
         &self,
         x: &Self::Tensor,
-        w: Weight<'_, Self::Tensor>,
+        w: Weight<'_, Self::Matrix>,
         rows: usize,
         in_dim: usize,
         out_dim: usize,
@@ -176,7 +182,7 @@ pub trait Backend: Send + Sync {
         &self,
         x: &Self::Tensor,
         hidden: usize,
-        groups: &[SwiGluGroup<'_, Self::Tensor>],
+        groups: &[SwiGluGroup<'_, Self::Matrix>],
         out: &mut Self::Tensor,
     ) {
         swiglu_groups_one_by_one(self, x, hidden, groups, out);
@@ -191,7 +197,7 @@ pub trait Backend: Send + Sync {
     /// [`embed`](Self::embed) of one token whose id is stored, as `u32` bits, in `step[0]`.
     fn embed_at(
         &self,
-        table: &Self::Tensor,
+        table: &Self::Matrix,
         dim: usize,
         step: &Self::Tensor,
         out: &mut Self::Tensor,
@@ -304,8 +310,8 @@ pub trait Backend: Send + Sync {
         x: &Self::Tensor,
         rows: usize,
         hidden: usize,
-        gate: &Self::Tensor,
-        experts: &RoutedExperts<'_, Self::Tensor>,
+        gate: &Self::Matrix,
+        experts: &RoutedExperts<'_, Self::Matrix>,
         route: DeviceRoute<'_>,
         probs: &mut Self::Tensor,
         probs_at: usize,
@@ -345,7 +351,7 @@ pub fn swiglu_groups_one_by_one<B: Backend + ?Sized>(
     b: &B,
     x: &B::Tensor,
     hidden: usize,
-    groups: &[SwiGluGroup<'_, B::Tensor>],
+    groups: &[SwiGluGroup<'_, B::Matrix>],
     out: &mut B::Tensor,
 ) {
     let rows = groups.iter().map(|g| g.rows.len()).max().unwrap_or(0);
@@ -365,10 +371,10 @@ pub fn swiglu_groups_one_by_one<B: Backend + ?Sized>(
     }
 }
 
-/// A weight matrix `[out_dim, in_dim]`: a dense backend tensor, or an affine-quantized
-/// matrix read in place from an expert store.
+/// A weight matrix `[out_dim, in_dim]`: a dense backend matrix, or a quantized matrix read
+/// in place from host memory (an expert store's mapping, or a model's own encoding).
 pub enum Weight<'a, T> {
-    /// f32 on the backend.
+    /// A [`Backend::Matrix`].
     Dense(&'a T),
     /// Affine codes, scales and biases in host memory.
     Affine(AffineView<'a>),

@@ -16,7 +16,7 @@ use crate::alloc::isp::{Prober, Setting};
 use crate::backend::{Backend, Cpu};
 use crate::codec::Codec;
 use crate::eval::ppl::{perplexity_tokens, PplError, PplOptions};
-use crate::model::weights::{encode_experts, VqExperts};
+use crate::model::weights::{encode_experts, DenseVq, VqExperts};
 use crate::model::{Checkpoint, Config, Error, LoadedModel, Model, Tokenizer};
 use crate::residency::{self, ResidencyConfig, ResidentCount};
 
@@ -35,6 +35,8 @@ pub struct ModelProber {
     calib: Vec<Vec<u32>>,
     opts: PplOptions,
     encoded: Mutex<HashMap<(usize, Codec), VqExperts>>,
+    /// The dense linear layers every probed model runs coded (none: bf16).
+    dense: DenseVq,
 }
 
 /// Saliency over several texts: per expert, the token-weighted mean of each text's.
@@ -91,7 +93,20 @@ impl ModelProber {
             calib,
             opts,
             encoded: Mutex::new(HashMap::new()),
+            dense: DenseVq::new(),
         })
+    }
+
+    /// Probes with the dense linear layers at `codec` (coded once, beside the
+    /// checkpoint), as the compressed model will run them.
+    pub fn with_dense_codec(
+        mut self,
+        codec: Codec,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<ModelProber, Error> {
+        self.dense =
+            crate::model::dense_layers(&self.dir, &self.ckpt, Some(codec), false, progress)?;
+        Ok(self)
     }
 
     /// The MoE layers, in the order settings list them.
@@ -169,21 +184,29 @@ impl ModelProber {
             .filter(|(_, s)| s.removed > 0.0)
             .map(|(&layer, s)| (layer, self.kept(layer, s.removed)))
             .collect();
-        assemble(&self.dir, self.config.clone(), &self.ckpt, &vq, &keep)
+        assemble(
+            &self.dir,
+            self.config.clone(),
+            &self.ckpt,
+            &vq,
+            &self.dense,
+            &keep,
+        )
     }
 }
 
-/// A model of `ckpt` whose MoE layers in `vq` run those encodings and whose layers in
-/// `keep` route only to those experts.
+/// A model of `ckpt` whose MoE layers in `vq` run those encodings, whose dense layers in
+/// `dense` run coded, and whose layers in `keep` route only to those experts.
 pub fn assemble(
     dir: &Path,
     config: Config,
     ckpt: &Checkpoint,
     vq: &BTreeMap<usize, VqExperts>,
+    dense: &DenseVq,
     keep: &BTreeMap<usize, Vec<u32>>,
 ) -> Result<LoadedModel<Cpu>, Error> {
     let e = config.moe.num_experts;
-    let mut model = Model::load(config, ckpt, None, vq, Cpu::fast())?;
+    let mut model = Model::load(config, ckpt, None, vq, dense, Cpu::fast())?;
     for (&layer, experts) in keep {
         let mut mask = vec![false; e];
         for &x in experts {
@@ -240,7 +263,8 @@ pub fn load_plan(
         }
     }
     let vq = crate::model::stored_vq_experts(dir, &config, &ckpt, &rungs, progress)?;
-    assemble(dir, config, &ckpt, &vq, &keep)
+    let dense = crate::model::dense_layers(dir, &ckpt, Some(plan.dense_codec), false, progress)?;
+    assemble(dir, config, &ckpt, &vq, &dense, &keep)
 }
 
 /// Turns the static masks [`load_plan`] sets into resident sets holding the same

@@ -172,7 +172,7 @@ pub fn reap_saliency<B: Backend>(
 mod tests {
     use super::*;
     use crate::backend::Cpu;
-    use crate::model::weights::{Experts, Linear, Mlp};
+    use crate::model::weights::{Experts, Linear, LinearWeight, Mlp};
     use crate::residency::{LayerSource, RecordFormat};
     use crate::testing::{fresh, rel_err};
 
@@ -183,7 +183,7 @@ mod tests {
             .collect();
         (
             Linear {
-                w: b.upload(&w),
+                w: LinearWeight::Dense(b.upload_matrix(&w, out_dim, in_dim)),
                 bias: None,
                 in_dim,
                 out_dim,

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
-use super::inspect::{classify, TensorKind};
+use super::inspect::{classify, is_dense_linear, TensorKind};
 use crate::codec::{Codec, CodecError};
 use crate::model::{Checkpoint, Config, Error};
 
@@ -107,11 +107,7 @@ pub fn account(
         let shape = ckpt.info(name)?.shape.clone();
         let params: u64 = shape.iter().map(|&d| d as u64).product();
         params_total += params;
-        let dense_linear = matches!(
-            kind,
-            TensorKind::Attention | TensorKind::SharedExperts | TensorKind::DenseMlp
-        ) && shape.len() == 2;
-        let bytes = if dense_linear {
+        let bytes = if is_dense_linear(name, &shape) {
             assignment
                 .dense
                 .matrix_bytes(shape[0], shape[1])

@@ -58,6 +58,16 @@ pub fn classify(name: &str) -> TensorKind {
     }
 }
 
+/// Whether tensor `name` of shape `shape` is a dense linear weight: an attention
+/// projection, a shared expert's or a dense MLP's matrix. These are what a model's dense
+/// codec applies to; embeddings, the LM head, routers and norms keep their precision.
+pub fn is_dense_linear(name: &str, shape: &[usize]) -> bool {
+    matches!(
+        classify(name),
+        TensorKind::Attention | TensorKind::SharedExperts | TensorKind::DenseMlp
+    ) && shape.len() == 2
+}
+
 /// Parameter and byte accounting of a checkpoint.
 #[derive(Debug, Clone, Serialize)]
 pub struct Inventory {

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::moe::{self, MoeObserver, Routing};
-use super::weights::{Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts};
+use super::weights::{DenseVq, Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts};
 use super::Error;
 use crate::backend::{AttentionShape, Backend};
 use crate::residency::{self, LayerSource, Reservoir, ReservoirKind, Residency, ResidencyConfig};
@@ -23,12 +23,12 @@ pub struct Model<B: Backend> {
     pub config: Config,
     backend: B,
     /// `[V, h]`.
-    embed_tokens: B::Tensor,
+    embed_tokens: B::Matrix,
     layers: Vec<Layer<B>>,
     /// `[h]`.
     norm: B::Tensor,
     /// `[V, h]`; `None` when tied to the embedding.
-    lm_head: Option<B::Tensor>,
+    lm_head: Option<B::Matrix>,
     /// `[head_dim / 2]` rotary inverse frequencies.
     inv_freq: Vec<f32>,
     /// The resident expert sets, shared by every sequence; `None` runs every expert.
@@ -100,12 +100,13 @@ pub fn rope_inv_freq(theta: f32, head_dim: usize, linear_factor: f32) -> Vec<f32
 impl<B: Backend> Model<B> {
     /// Builds the model from a checkpoint (and, for a converted directory, the expert
     /// store of each MoE layer), checking every tensor's shape. The MoE layers in `vq`
-    /// run those VQ-encoded experts.
+    /// run those VQ-encoded experts; the dense linear layers in `dense_vq` run coded.
     pub fn load(
         config: Config,
         ckpt: &Checkpoint,
         stores: Option<LayerStores>,
         vq: &BTreeMap<usize, VqExperts>,
+        dense_vq: &DenseVq,
         backend: B,
     ) -> Result<Model<B>, Error> {
         let (v, h) = (config.vocab_size, config.hidden_size);
@@ -113,10 +114,11 @@ impl<B: Backend> Model<B> {
             ckpt,
             stores: stores.as_ref(),
             vq,
+            dense_vq,
             backend: &backend,
             config: &config,
         };
-        let embed_tokens = ld.tensor("model.embed_tokens.weight", &[v, h])?;
+        let embed_tokens = ld.matrix("model.embed_tokens.weight", v, h)?;
         let layers = (0..config.layers.len())
             .map(|i| arch::load_layer(&ld, i))
             .collect::<Result<Vec<_>, _>>()?;
@@ -125,7 +127,7 @@ impl<B: Backend> Model<B> {
         let lm_head = if config.tie_word_embeddings {
             None
         } else {
-            Some(ld.tensor("lm_head.weight", &[v, h])?)
+            Some(ld.matrix("lm_head.weight", v, h)?)
         };
         let inv_freq = rope_inv_freq(
             config.rope.theta,
@@ -645,7 +647,7 @@ impl<B: Backend> Model<B> {
 
 /// `out = x Wᵀ (+ b)` on `rows` rows.
 fn linear<B: Backend>(b: &B, x: &B::Tensor, l: &Linear<B>, rows: usize, out: &mut B::Tensor) {
-    b.matmul(x, &l.w, rows, l.in_dim, l.out_dim, out);
+    b.linear(x, l.weight(), rows, l.in_dim, l.out_dim, out);
     if let Some(bias) = &l.bias {
         b.add_bias(out, bias, rows);
     }

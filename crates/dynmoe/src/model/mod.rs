@@ -227,36 +227,41 @@ impl ExpertBits {
     }
 }
 
-/// The codec of the routed experts per MoE layer: a default and per-layer overrides.
-/// Unset means the directory's own form: bf16 for a Hugging Face checkpoint, the 4-bit
-/// store for a converted directory. Affine codecs (`q4`, `q3`, `q2`) need a converted
-/// directory; VQ rungs are read from the VQ expert stores beside a checkpoint, encoded
-/// from its bf16 experts on first use ([`stored_vq_experts`]).
+/// The codecs a model runs with: of the routed experts per MoE layer (a default and
+/// per-layer overrides), and of the dense linear layers. Unset means the directory's own
+/// form: bf16 for a Hugging Face checkpoint, the 4-bit store for a converted
+/// directory's experts. Affine expert codecs (`q4`, `q3`, `q2`) need a converted
+/// directory; VQ rungs are read from the VQ stores beside a checkpoint, encoded from its
+/// bf16 weights on first use ([`stored_vq_experts`], [`crate::store::dense_vq`]).
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct ExpertCodecs {
+pub struct Codecs {
     /// Codec of every MoE layer not overridden.
     pub default: Option<crate::codec::Codec>,
     /// Codecs of particular layers.
     pub per_layer: BTreeMap<usize, crate::codec::Codec>,
+    /// Codec of the dense linear layers (attention projections, shared experts, dense
+    /// MLPs): bf16 or a VQ rung.
+    pub dense: Option<crate::codec::Codec>,
 }
 
-impl ExpertCodecs {
+impl Codecs {
     /// The codec asked for `layer`, if any.
     pub fn of(&self, layer: usize) -> Option<crate::codec::Codec> {
         self.per_layer.get(&layer).copied().or(self.default)
     }
 }
 
-impl From<&ExpertBits> for ExpertCodecs {
-    fn from(b: &ExpertBits) -> ExpertCodecs {
+impl From<&ExpertBits> for Codecs {
+    fn from(b: &ExpertBits) -> Codecs {
         let affine = |bits| crate::codec::Codec::Affine { bits };
-        ExpertCodecs {
+        Codecs {
             default: b.default.map(affine),
             per_layer: b
                 .per_layer
                 .iter()
                 .map(|(&l, &bits)| (l, affine(bits)))
                 .collect(),
+            dense: None,
         }
     }
 }
@@ -274,14 +279,14 @@ pub fn load_with<B: Backend>(
     backend: B,
     bits: &ExpertBits,
 ) -> Result<LoadedModel<B>, Error> {
-    load_with_codecs(dir, backend, &ExpertCodecs::from(bits))
+    load_with_codecs(dir, backend, &Codecs::from(bits))
 }
 
 /// [`load`], with each MoE layer's routed experts in the codec `codecs` asks for.
 pub fn load_with_codecs<B: Backend>(
     dir: &Path,
     backend: B,
-    codecs: &ExpertCodecs,
+    codecs: &Codecs,
 ) -> Result<LoadedModel<B>, Error> {
     load_with_progress(dir, backend, codecs, &mut |_, _| {})
 }
@@ -291,12 +296,12 @@ pub fn load_with_codecs<B: Backend>(
 pub fn load_with_progress<B: Backend>(
     dir: &Path,
     backend: B,
-    codecs: &ExpertCodecs,
+    codecs: &Codecs,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<LoadedModel<B>, Error> {
     use crate::codec::Codec;
     if crate::store::compressed::is_compressed(dir) {
-        if codecs != &ExpertCodecs::default() {
+        if codecs != &Codecs::default() {
             return Err(Error::Config(format!(
                 "{} is a compressed model: it runs the codecs of its plan.json",
                 dir.display()
@@ -355,13 +360,39 @@ pub fn load_with_progress<B: Backend>(
         None
     };
     let vq = stored_vq_experts(dir, &config, &checkpoint, &rungs, progress)?;
-    let model = Model::load(config, &checkpoint, stores, &vq, backend)?;
+    let dense_vq = dense_layers(dir, &checkpoint, codecs.dense, converted, progress)?;
+    let model = Model::load(config, &checkpoint, stores, &vq, &dense_vq, backend)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     Ok(LoadedModel {
         dir: dir.to_path_buf(),
         model,
         tokenizer,
     })
+}
+
+/// The dense linear layers of the checkpoint in `dir` at `codec` (none coded for bf16),
+/// from the coded file beside it, encoded on first use.
+pub fn dense_layers(
+    dir: &Path,
+    ckpt: &Checkpoint,
+    codec: Option<crate::codec::Codec>,
+    converted: bool,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<weights::DenseVq, Error> {
+    let Some(codec) = codec else {
+        return Ok(weights::DenseVq::new());
+    };
+    let Some(rung) = crate::store::dense_vq::rung_of(codec).map_err(Error::Config)? else {
+        return Ok(weights::DenseVq::new());
+    };
+    if converted {
+        return Err(Error::Config(format!(
+            "{}: dense layers at {codec} are encoded from a Hugging Face checkpoint's bf16 \
+             weights; a converted directory holds none",
+            dir.display()
+        )));
+    }
+    Ok(crate::store::dense_vq::ensure(dir, ckpt, rung, progress)?)
 }
 
 /// The VQ experts of the layers in `rungs` (decoder layer → rung), read from the VQ

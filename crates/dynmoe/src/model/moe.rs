@@ -64,11 +64,11 @@ fn group<'a, B: Backend>(
     mlp: &'a Mlp<B>,
     rows: &'a [u32],
     scales: &'a [f32],
-) -> SwiGluGroup<'a, B::Tensor> {
+) -> SwiGluGroup<'a, B::Matrix> {
     SwiGluGroup {
-        gate: Weight::Dense(&mlp.gate_proj.w),
-        up: Weight::Dense(&mlp.up_proj.w),
-        down: Weight::Dense(&mlp.down_proj.w),
+        gate: mlp.gate_proj.weight(),
+        up: mlp.up_proj.weight(),
+        down: mlp.down_proj.weight(),
         intermediate: mlp.gate_proj.out_dim,
         rows,
         scales,
@@ -81,7 +81,7 @@ pub fn expert_group<'a, B: Backend>(
     e: usize,
     rows: &'a [u32],
     scales: &'a [f32],
-) -> SwiGluGroup<'a, B::Tensor> {
+) -> SwiGluGroup<'a, B::Matrix> {
     match experts {
         Experts::Dense(mlps) => group(&mlps[e], rows, scales),
         Experts::Stored { store, layer } => record_group(store.record(*layer, e), rows, scales),
@@ -157,7 +157,7 @@ pub fn forward<B: Backend>(
     let Routing { top_k, router } = routing;
     let (e, h) = (moe.gate.out_dim, moe.gate.in_dim);
     let mut logits = b.alloc(rows * e);
-    b.matmul(x, &moe.gate.w, rows, h, e, &mut logits);
+    b.linear(x, moe.gate.weight(), rows, h, e, &mut logits);
     b.softmax_rows(&mut logits, rows, e);
     let mut probs = vec![0.0f32; rows * e];
     b.download(&logits, &mut probs);
@@ -188,7 +188,7 @@ pub fn forward<B: Backend>(
     let shared_scales: Vec<f32> = match &moe.shared_expert_gate {
         Some(gate) => {
             let mut g = b.alloc(rows);
-            b.matmul(x, &gate.w, rows, h, 1, &mut g);
+            b.linear(x, gate.weight(), rows, h, 1, &mut g);
             let mut scales = vec![0.0f32; rows];
             b.download(&g, &mut scales);
             scales.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect()
@@ -196,7 +196,7 @@ pub fn forward<B: Backend>(
         None => Vec::new(),
     };
 
-    let mut groups: Vec<SwiGluGroup<'_, B::Tensor>> = routed
+    let mut groups: Vec<SwiGluGroup<'_, B::Matrix>> = routed
         .iter()
         .enumerate()
         .filter(|(_, (tokens, _))| !tokens.is_empty())
@@ -236,6 +236,9 @@ pub fn forward_on_device<B: Backend>(
     if moe.shared_expert.is_some() {
         return false;
     }
+    let Some(gate) = moe.gate.dense() else {
+        return false;
+    };
     let Router::SoftmaxTopK { renormalize } = routing.router;
     let layer = *layer;
     let weights = move |e: usize| {
@@ -260,7 +263,7 @@ pub fn forward_on_device<B: Backend>(
         x,
         rows,
         moe.gate.in_dim,
-        &moe.gate.w,
+        gate,
         &experts,
         route,
         probs,

@@ -8,7 +8,7 @@ use super::checkpoint::Checkpoint;
 use super::config::{Config, QkNorm};
 use super::experts::{ExpertShape, ExpertTensors};
 use super::Error;
-use crate::backend::Backend;
+use crate::backend::{Backend, Weight};
 use crate::codec::vq::{Rung, VqMatrix, VqView};
 use crate::model::experts::Extent;
 use crate::residency::{LayerSource, RecordFormat};
@@ -18,7 +18,7 @@ use crate::store::ExpertStore;
 /// A linear layer `y = x Wᵀ + b`, `W` stored `[out_dim, in_dim]`.
 pub struct Linear<B: Backend> {
     /// `[out_dim, in_dim]`.
-    pub w: B::Tensor,
+    pub w: LinearWeight<B>,
     /// `[out_dim]`, if the layer has a bias.
     pub bias: Option<B::Tensor>,
     /// Input features.
@@ -26,6 +26,38 @@ pub struct Linear<B: Backend> {
     /// Output features.
     pub out_dim: usize,
 }
+
+/// The weight of a [`Linear`] layer.
+pub enum LinearWeight<B: Backend> {
+    /// At the checkpoint's precision, on the backend.
+    Dense(B::Matrix),
+    /// Coded at a VQ rung, in host memory (shared, so several models can hold one
+    /// encoding).
+    Vq(Arc<VqMatrix>),
+}
+
+impl<B: Backend> Linear<B> {
+    /// The weight, as the backend's products take it.
+    pub fn weight(&self) -> Weight<'_, B::Matrix> {
+        match &self.w {
+            LinearWeight::Dense(m) => Weight::Dense(m),
+            LinearWeight::Vq(m) => Weight::Vq(m.view()),
+        }
+    }
+
+    /// The weight when it is dense: what paths that only take a dense matrix (the
+    /// router on the device) need.
+    pub fn dense(&self) -> Option<&B::Matrix> {
+        match &self.w {
+            LinearWeight::Dense(m) => Some(m),
+            LinearWeight::Vq(_) => None,
+        }
+    }
+}
+
+/// Dense linear layers (attention projections, shared experts, dense MLPs) coded at VQ
+/// rungs, by the name of their weight tensor (`model.layers.3.self_attn.q_proj.weight`).
+pub type DenseVq = BTreeMap<String, Arc<VqMatrix>>;
 
 /// A SwiGLU MLP: `down(silu(gate(x)) * up(x))`. Dense MLPs, routed experts and shared
 /// experts are all this.
@@ -213,6 +245,8 @@ pub struct Loader<'a, B: Backend> {
     pub stores: Option<&'a LayerStores>,
     /// MoE layers whose experts come encoded at a VQ rung ([`encode_experts`]).
     pub vq: &'a BTreeMap<usize, VqExperts>,
+    /// Dense linear layers coded at a VQ rung, by weight tensor name.
+    pub dense_vq: &'a DenseVq,
     /// The backend the weights go to.
     pub backend: &'a B,
     /// The resolved configuration.
@@ -225,6 +259,12 @@ impl<B: Backend> Loader<'_, B> {
         Ok(self.backend.upload(&self.ckpt.f32(name, shape)?))
     }
 
+    /// A weight matrix `[out_dim, in_dim]` at the checkpoint's precision.
+    pub fn matrix(&self, name: &str, out_dim: usize, in_dim: usize) -> Result<B::Matrix, Error> {
+        let data = self.ckpt.f32(name, &[out_dim, in_dim])?;
+        Ok(self.backend.upload_matrix(&data, out_dim, in_dim))
+    }
+
     /// `{prefix}.weight` and, if `bias`, `{prefix}.bias`.
     pub fn linear(
         &self,
@@ -233,8 +273,19 @@ impl<B: Backend> Loader<'_, B> {
         in_dim: usize,
         bias: bool,
     ) -> Result<Linear<B>, Error> {
+        let name = format!("{prefix}.weight");
+        let w = match self.dense_vq.get(&name) {
+            Some(m) if (m.rows, m.cols) == (out_dim, in_dim) => LinearWeight::Vq(m.clone()),
+            Some(m) => {
+                return Err(Error::Config(format!(
+                    "{name}: VQ-coded as {}×{}, the config implies {out_dim}×{in_dim}",
+                    m.rows, m.cols
+                )))
+            }
+            None => LinearWeight::Dense(self.matrix(&name, out_dim, in_dim)?),
+        };
         Ok(Linear {
-            w: self.tensor(&format!("{prefix}.weight"), &[out_dim, in_dim])?,
+            w,
             bias: if bias {
                 Some(self.tensor(&format!("{prefix}.bias"), &[out_dim])?)
             } else {
@@ -361,10 +412,9 @@ impl<B: Backend> Loader<'_, B> {
         let tensors = ExpertTensors::find(self.ckpt, prefix, names)?;
         let linear = |e: usize, p: usize| -> Result<Linear<B>, Error> {
             let [out_dim, in_dim] = shape.matrix(p);
+            let data = tensors.matrix(self.ckpt, &shape, e, p)?.0;
             Ok(Linear {
-                w: self
-                    .backend
-                    .upload(&tensors.matrix(self.ckpt, &shape, e, p)?.0),
+                w: LinearWeight::Dense(self.backend.upload_matrix(&data, out_dim, in_dim)),
                 bias: None,
                 in_dim,
                 out_dim,

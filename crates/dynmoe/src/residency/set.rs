@@ -12,7 +12,7 @@ use crate::store::vq::record_views;
 /// What a slot holds for the kernels: f32 tensors on the backend, or a store's record
 /// (affine or VQ, as the layer's format says) in host memory, viewed in place.
 enum Slot<B: Backend> {
-    Dense([B::Tensor; 3]),
+    Dense([B::Matrix; 3]),
     Record(Vec<u32>),
 }
 
@@ -105,10 +105,11 @@ impl<B: Backend> LayerSet<B> {
                 Buffer::F32(f),
             ) => {
                 let n = hidden * intermediate;
+                let (h, i) = (hidden, intermediate);
                 let slot = Slot::Dense([
-                    b.upload(&f[..n]),
-                    b.upload(&f[n..2 * n]),
-                    b.upload(&f[2 * n..3 * n]),
+                    b.upload_matrix(&f[..n], i, h),
+                    b.upload_matrix(&f[n..2 * n], i, h),
+                    b.upload_matrix(&f[2 * n..3 * n], h, i),
                 ]);
                 (slot, Some(Buffer::F32(f)))
             }
@@ -188,7 +189,7 @@ impl<B: Backend> LayerSet<B> {
         e: usize,
         rows: &'a [u32],
         scales: &'a [f32],
-    ) -> SwiGluGroup<'a, B::Tensor> {
+    ) -> SwiGluGroup<'a, B::Matrix> {
         let s = self.slot_of[e];
         assert!(s != usize::MAX, "expert {e} routed but not resident");
         match (&self.slots[s], self.format) {

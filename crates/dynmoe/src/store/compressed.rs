@@ -6,6 +6,9 @@
 //!   attention, norms, routers, and the routed experts of layers the plan leaves bf16);
 //! - one VQ expert store per rung the plan uses (`experts-vq{bits}.bin` and `.json`,
 //!   [`super::vq`]), holding the layers at that rung;
+//! - when the plan's dense codec is a VQ rung, `dense-vq{bits}.safetensors`
+//!   ([`super::dense_vq`]): the attention, shared-expert and dense-MLP weights coded
+//!   (and left out of `dense.safetensors`);
 //! - `plan.json` ([`crate::alloc::plan`]): per layer the codec and the resident experts;
 //! - `compressed.json`, written last: what the directory holds, the source checkpoint's
 //!   fingerprint the stores were encoded from, and a checksum of `plan.json`. Its presence
@@ -55,6 +58,10 @@ pub struct Manifest {
     /// The VQ rungs whose stores the directory holds, by name (`vq1.5`), each with the
     /// decoder layers at that rung.
     pub stores: BTreeMap<String, Vec<usize>>,
+    /// The rung of the coded dense layers (`dense-vq{bits}.safetensors`), when the plan
+    /// codes them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dense_vq: Option<String>,
 }
 
 /// Whether `dir` is a complete compressed directory (its manifest exists).
@@ -114,6 +121,25 @@ pub fn write(
     let config = Config::from_file(&src.join("config.json"))?;
     let ckpt = Checkpoint::open(src)?;
     let rungs = plan_rungs(plan, out)?;
+    let dense_rung = super::dense_vq::rung_of(plan.dense_codec)
+        .map_err(|reason| unusable(out, format!("dense_codec: {reason}")))?;
+    let (fingerprint, _) = tensors::fingerprint(&ckpt, &src.join("config.json"))?;
+    let dense_coded = match dense_rung {
+        None => None,
+        Some(rung) => {
+            let path = out.join(super::dense_vq::file_name(rung));
+            // A complete earlier write is kept; anything else is encoded again.
+            let coded = match super::dense_vq::read(&path, rung, &fingerprint) {
+                Ok(coded) => coded,
+                Err(_) => {
+                    let coded = super::dense_vq::encode(&ckpt, rung, progress)?;
+                    super::dense_vq::write(&path, rung, &fingerprint, &coded)?;
+                    coded
+                }
+            };
+            Some((rung, coded))
+        }
+    };
     {
         let _lock = atomic::lock_exclusive(out)?;
         atomic::remove_stale_temps(out)?;
@@ -124,11 +150,13 @@ pub fn write(
             let (tensors, ..) = expert_tensors(&config, &ckpt, layer)?;
             skip.extend(tensors.tensor_names(config.moe.num_experts));
         }
+        if let Some((_, coded)) = &dense_coded {
+            skip.extend(coded.keys().cloned());
+        }
         base::write_dense(&ckpt, &skip, &out.join(DENSE_FILE))?;
     }
     // The stores name the checkpoint they were encoded from; `out` now has its config.
     super::vq::ensure(out, &config, &ckpt, &rungs, progress)?;
-    let (fingerprint, _) = tensors::fingerprint(&ckpt, &src.join("config.json"))?;
     let mut stores: BTreeMap<String, Vec<usize>> = BTreeMap::new();
     for (&layer, rung) in &rungs {
         stores.entry(rung.name()).or_default().push(layer);
@@ -144,6 +172,7 @@ pub fn write(
             .map_err(io(&dense_path))?
             .len(),
         stores,
+        dense_vq: dense_coded.map(|(rung, _)| rung.name()),
     };
     let _lock = atomic::lock_exclusive(out)?;
     let text = serde_json::to_string_pretty(&manifest).expect("a manifest serialises");
@@ -217,6 +246,17 @@ pub fn open(dir: &Path) -> Result<(Manifest, Plan), Error> {
             format!("is {:?}, the plan's VQ layers are {want:?}", m.stores),
         ));
     }
+    let dense_rung = super::dense_vq::rung_of(plan.dense_codec)
+        .map_err(|reason| unusable(dir, format!("plan dense_codec: {reason}")))?;
+    if dense_rung.map(|r| r.name()) != m.dense_vq {
+        return Err(field(
+            "dense_vq",
+            format!(
+                "is {:?}, the plan's dense codec is {}",
+                m.dense_vq, plan.dense_codec
+            ),
+        ));
+    }
     Ok((m, plan))
 }
 
@@ -247,7 +287,18 @@ pub fn load<B: Backend>(dir: &Path, backend: B) -> Result<(LoadedModel<B>, Plan)
             );
         }
     }
-    let model = Model::load(config, &ckpt, None, &vq, backend)?;
+    let dense = match &manifest.dense_vq {
+        None => Default::default(),
+        Some(name) => {
+            let rung = Rung::parse(name).map_err(|source| model::Error::Encode {
+                tensor: format!("{} dense_vq {name}", dir.display()),
+                source,
+            })?;
+            let path = dir.join(super::dense_vq::file_name(rung));
+            super::dense_vq::read(&path, rung, &manifest.source_fingerprint)?
+        }
+    };
+    let model = Model::load(config, &ckpt, None, &vq, &dense, backend)?;
     Ok((
         LoadedModel {
             dir: dir.to_path_buf(),

@@ -10,6 +10,8 @@
 //! - `experts-vq{bits}.bin` + `experts-vq{bits}.json` beside a Hugging Face
 //!   checkpoint: chosen layers' experts at a rung of the VQ ladder, encoded once from
 //!   the checkpoint's weights by [`vq`];
+//! - `dense-vq{bits}.safetensors` beside a Hugging Face checkpoint: its dense linear
+//!   layers at a rung of the VQ ladder ([`dense_vq`]);
 //! - `experts.lock`: the lock writers and readers share (see [`atomic`]).
 //!
 //! [`layout::Layout`] fixes where each part of a record sits, [`manifest::Manifest`]
@@ -32,6 +34,7 @@
 pub mod atomic;
 pub mod base;
 pub mod compressed;
+pub mod dense_vq;
 pub mod journal;
 pub mod layout;
 pub mod lowbit;
@@ -170,7 +173,16 @@ pub enum Error {
 /// value before deserialising it ([`manifest_from_value`]), so that an older manifest is
 /// named as older rather than as malformed.
 pub(crate) fn read_manifest_value(path: &Path) -> Result<serde_json::Value, Error> {
-    let text = std::fs::read(path).map_err(|source| match source.kind() {
+    let text = read_file(path)?;
+    serde_json::from_slice(&text).map_err(|e| Error::ManifestJson {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+/// The bytes of the file at `path`; a missing file is [`Error::Missing`].
+pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, Error> {
+    std::fs::read(path).map_err(|source| match source.kind() {
         std::io::ErrorKind::NotFound => Error::Missing {
             path: path.to_path_buf(),
         },
@@ -178,10 +190,6 @@ pub(crate) fn read_manifest_value(path: &Path) -> Result<serde_json::Value, Erro
             path: path.to_path_buf(),
             source,
         },
-    })?;
-    serde_json::from_slice(&text).map_err(|e| Error::ManifestJson {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
     })
 }
 

@@ -29,6 +29,7 @@ impl Cpu {
 
 impl Backend for Cpu {
     type Tensor = Vec<f32>;
+    type Matrix = Vec<f32>;
 
     fn name(&self) -> &'static str {
         if self.fast {
@@ -39,6 +40,11 @@ impl Backend for Cpu {
     }
 
     fn upload(&self, data: &[f32]) -> Vec<f32> {
+        data.to_vec()
+    }
+
+    fn upload_matrix(&self, data: &[f32], out_dim: usize, in_dim: usize) -> Vec<f32> {
+        debug_assert_eq!(data.len(), out_dim * in_dim);
         data.to_vec()
     }
 

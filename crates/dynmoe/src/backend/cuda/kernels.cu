@@ -57,6 +57,21 @@ extern "C" __global__ void embed(const float* table, const unsigned* ids, float*
     for (int d = threadIdx.x; d < dim; d += blockDim.x) dst[d] = src[d];
 }
 
+// The same from a table of bf16 values (their raw 16 bits).
+extern "C" __global__ void embed_bf16(const unsigned short* table, const unsigned* ids, float* out,
+                                      int dim) {
+    const unsigned short* src = table + (size_t)ids[blockIdx.x] * dim;
+    float* dst = out + (size_t)blockIdx.x * dim;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) dst[d] = bf16_bits(src[d]);
+}
+
+// dst[..n] = src[..n] widened from bf16: a bf16 matrix made ready for cuBLAS' sgemm.
+extern "C" __global__ void bf16_to_f32(const unsigned short* src, float* dst, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (; i < n; i += stride) dst[i] = bf16_bits(src[i]);
+}
+
 // One block per row. In place when `out == x`: each thread writes only what it read,
 // after the reduction.
 __device__ void rms_norm_row(const float* x, const float* w, float* out, int dim, float eps) {
@@ -661,6 +676,57 @@ extern "C" __global__ void matvec_f32(const float* w, const float* x, float* out
                 float4 c = reinterpret_cast<const float4*>(x + (size_t)b * cols)[j];
                 acc[b] += a.x * c.x + a.y * c.y + a.z * c.z + a.w * c.w;
             }
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < MV_MAXB; b++) {
+        if (b < batch) {
+            float t = warp_sum(acc[b]);
+            if (lane == 0) out[(size_t)b * rows + o] = t;
+        }
+    }
+}
+
+// matvec_f32 with w in bf16 (raw 16 bits), accumulated in f32 the same way: a warp per
+// output row, 16-byte loads of w (8 values) when cols is a multiple of 8, which keeps
+// every row 16-byte aligned; one value per lane otherwise. Half the bytes of the f32
+// kernel, which decode is bound by.
+extern "C" __global__ void matvec_bf16(const unsigned short* w, const float* x, float* out,
+                                       int rows, int cols, int batch) {
+    int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    int lane = threadIdx.x % WARP;
+    if (o >= rows) return;
+    const unsigned short* wr = w + (size_t)o * cols;
+    float acc[MV_MAXB];
+#pragma unroll
+    for (int b = 0; b < MV_MAXB; b++) acc[b] = 0.0f;
+    if (cols % 8 == 0) {
+        const uint4* w8 = reinterpret_cast<const uint4*>(wr);
+        int n8 = cols / 8;
+#pragma unroll 4
+        for (int j = lane; j < n8; j += WARP) {
+            uint4 a = w8[j];
+            // Little-endian: the lower half of each word is the earlier value.
+            float v[8] = {__uint_as_float(a.x << 16), __uint_as_float(a.x & 0xffff0000u),
+                          __uint_as_float(a.y << 16), __uint_as_float(a.y & 0xffff0000u),
+                          __uint_as_float(a.z << 16), __uint_as_float(a.z & 0xffff0000u),
+                          __uint_as_float(a.w << 16), __uint_as_float(a.w & 0xffff0000u)};
+#pragma unroll
+            for (int b = 0; b < MV_MAXB; b++) {
+                if (b < batch) {
+                    const float4* xb = reinterpret_cast<const float4*>(x + (size_t)b * cols) + 2 * j;
+                    float4 c = xb[0], d = xb[1];
+                    acc[b] += v[0] * c.x + v[1] * c.y + v[2] * c.z + v[3] * c.w
+                            + v[4] * d.x + v[5] * d.y + v[6] * d.z + v[7] * d.w;
+                }
+            }
+        }
+    } else {
+        for (int i = lane; i < cols; i += WARP) {
+            float a = bf16_bits(wr[i]);
+#pragma unroll
+            for (int b = 0; b < MV_MAXB; b++)
+                if (b < batch) acc[b] += a * x[(size_t)b * cols + i];
         }
     }
 #pragma unroll

@@ -12,6 +12,10 @@
 //! address is never served stale weights. A model therefore reads each expert from host
 //! memory once; [`Cuda::clear_weight_cache`] drops the copies.
 //!
+//! Dense weight matrices ([`DeviceMatrix`]) are kept in bf16 when every value is one
+//! (checkpoint weights are), else in f32: decode reads the LM head and the attention
+//! projections whole every token, and bf16 halves those bytes without changing a value.
+//!
 //! Ops have no error path in [`Backend`]; a failing CUDA call after the backend was
 //! made (out of memory, a kernel fault) panics with the call's error.
 
@@ -112,6 +116,35 @@ pub fn probe() -> Result<(), CudaError> {
     Ok(())
 }
 
+/// A dense weight matrix (or embedding table) in device memory, as
+/// [`Backend::upload_matrix`] made it.
+pub enum DeviceMatrix {
+    /// Every value was a bf16 (an f32 whose lower 16 bits are zero): their upper 16 bits.
+    Bf16(CudaSlice<u16>),
+    /// Values bf16 would have rounded, kept whole.
+    F32(CudaSlice<f32>),
+}
+
+impl DeviceMatrix {
+    /// Whether the values are held in bf16.
+    pub fn is_bf16(&self) -> bool {
+        matches!(self, DeviceMatrix::Bf16(_))
+    }
+
+    /// Bytes of device memory the values take (what a product reads).
+    pub fn bytes(&self) -> usize {
+        match self {
+            DeviceMatrix::Bf16(v) => v.len() * 2,
+            DeviceMatrix::F32(v) => v.len() * 4,
+        }
+    }
+}
+
+/// Whether `v` converts to bf16 and back unchanged: bf16 is an f32's upper half.
+fn is_bf16_exact(v: f32) -> bool {
+    v.to_bits() & 0xffff == 0
+}
+
 /// A VQ matrix decoded to f32 on the device.
 struct DeviceVq {
     dense: CudaSlice<f32>,
@@ -171,9 +204,12 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 39] = [
+const KERNEL_NAMES: [&str; 42] = [
     "fill",
     "embed",
+    "embed_bf16",
+    "bf16_to_f32",
+    "matvec_bf16",
     "rms_norm",
     "rms_norm_inplace",
     "add_bias",
@@ -259,7 +295,7 @@ struct RoutedBlock {
 }
 
 /// What confirms that a block's id still names the same weights.
-fn routed_check(experts: &RoutedExperts<'_, CudaSlice<f32>>) -> Option<[(AffineKey, [u32; 3]); 2]> {
+fn routed_check(experts: &RoutedExperts<'_, DeviceMatrix>) -> Option<[(AffineKey, [u32; 3]); 2]> {
     let gate = |e: usize| match (experts.weights)(e)[0] {
         Weight::Affine(a) => Some((affine_key(&a), fingerprint(&a))),
         _ => None,
@@ -293,6 +329,13 @@ pub struct Cuda {
     use_graphs: std::sync::atomic::AtomicBool,
     /// Partial results of one-row attention split over the keys, grown as needed.
     attn_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// A bf16 matrix widened to f32 for a cuBLAS product of more rows than the
+    /// matrix-vector kernel takes; grown to the largest matrix seen, never inside a
+    /// recorded step (those are one row).
+    dense_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// Whether [`Backend::upload_matrix`] keeps bf16-exact matrices in bf16
+    /// (`DYNMOE_CUDA_BF16=0`: always f32, to measure what bf16 saves).
+    bf16_matrices: bool,
     /// Whether one-row attention is split over the keys (`DYNMOE_CUDA_SPLIT_ATTENTION=0`:
     /// one block per head walks the whole context, as for many rows).
     split_attention: bool,
@@ -321,7 +364,7 @@ fn ok<T, E: std::fmt::Debug>(r: Result<T, E>, what: &str) -> T {
 }
 
 /// The three matrices of a group whose weights are all affine.
-fn affine_of<'a>(g: &SwiGluGroup<'a, CudaSlice<f32>>) -> Option<[AffineView<'a>; 3]> {
+fn affine_of<'a>(g: &SwiGluGroup<'a, DeviceMatrix>) -> Option<[AffineView<'a>; 3]> {
     match (g.gate, g.up, g.down) {
         (Weight::Affine(a), Weight::Affine(b), Weight::Affine(c)) => Some([a, b, c]),
         _ => None,
@@ -398,6 +441,8 @@ impl Cuda {
                 std::env::var("DYNMOE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             ),
             attn_scratch: Mutex::new(None),
+            dense_scratch: Mutex::new(None),
+            bf16_matrices: std::env::var("DYNMOE_CUDA_BF16").map_or(true, |v| v != "0"),
             split_attention: std::env::var("DYNMOE_CUDA_SPLIT_ATTENTION")
                 .map_or(true, |v| v != "0"),
         })
@@ -406,6 +451,12 @@ impl Cuda {
     /// The device's name, as the driver reports it.
     pub fn device_name(&self) -> &str {
         &self.device_name
+    }
+
+    /// Whether bf16-exact dense matrices are kept in bf16 (the default, unless
+    /// `DYNMOE_CUDA_BF16=0`).
+    pub fn bf16_matrices(&self) -> bool {
+        self.bf16_matrices
     }
 
     /// The architecture the kernels were compiled for (`sm_90`, ...).
@@ -675,9 +726,9 @@ impl Cuda {
         &self,
         x: &CudaSlice<f32>,
         hidden: usize,
-        groups: &'g [SwiGluGroup<'a, CudaSlice<f32>>],
+        groups: &'g [SwiGluGroup<'a, DeviceMatrix>],
         out: &mut CudaSlice<f32>,
-    ) -> Vec<&'g SwiGluGroup<'a, CudaSlice<f32>>> {
+    ) -> Vec<&'g SwiGluGroup<'a, DeviceMatrix>> {
         let key = |m: &[AffineView<'_>; 3]| (m[0].bits, m[0].rows, m[0].cols, m[2].rows, m[2].cols);
         let mut shape = None;
         let (mut take, mut rest) = (Vec::new(), Vec::new());
@@ -827,7 +878,7 @@ impl Cuda {
     fn routed_block<'m>(
         &self,
         map: &'m mut HashMap<usize, RoutedBlock>,
-        experts: &RoutedExperts<'_, CudaSlice<f32>>,
+        experts: &RoutedExperts<'_, DeviceMatrix>,
         hidden: usize,
     ) -> Option<&'m mut RoutedBlock> {
         let check = routed_check(experts)?;
@@ -846,7 +897,7 @@ impl Cuda {
     /// Copies every expert of a block to the device and tables their pointers.
     fn build_routed(
         &self,
-        experts: &RoutedExperts<'_, CudaSlice<f32>>,
+        experts: &RoutedExperts<'_, DeviceMatrix>,
         hidden: usize,
         check: [(AffineKey, [u32; 3]); 2],
     ) -> Option<RoutedBlock> {
@@ -903,11 +954,11 @@ impl Cuda {
 
     /// [`Backend::matmul`] into any device buffer: the matrix-vector kernel for a few
     /// rows (cuBLAS' GEMM runs far under bandwidth there, and keeps cuBLAS out of a
-    /// recorded decode step), cuBLAS otherwise.
+    /// recorded decode step), cuBLAS otherwise, a bf16 matrix widened to f32 first.
     fn dense_product<O: DevicePtrMut<f32>>(
         &self,
         x: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
+        w: &DeviceMatrix,
         rows: usize,
         in_dim: usize,
         out_dim: usize,
@@ -916,18 +967,42 @@ impl Cuda {
         if rows == 0 || out_dim == 0 {
             return;
         }
-        if rows <= MATVEC_MAX_BATCH && in_dim.is_multiple_of(4) {
-            let o = out.device_ptr_mut(&self.stream).0;
-            let (r, c, b) = (out_dim as i32, in_dim as i32, rows as i32);
-            let mut l = self.stream.launch_builder(self.func("matvec_f32"));
-            l.arg(w).arg(x).arg(&o).arg(&r).arg(&c).arg(&b);
-            ok(
-                unsafe { l.launch(cfg(out_dim.div_ceil(8), 256, 0)) },
-                "matvec_f32",
-            );
-            return;
+        let (r, c, b) = (out_dim as i32, in_dim as i32, rows as i32);
+        let matvec = cfg(out_dim.div_ceil(8), 256, 0);
+        match w {
+            DeviceMatrix::F32(w) if rows <= MATVEC_MAX_BATCH && in_dim.is_multiple_of(4) => {
+                let o = out.device_ptr_mut(&self.stream).0;
+                let mut l = self.stream.launch_builder(self.func("matvec_f32"));
+                l.arg(w).arg(x).arg(&o).arg(&r).arg(&c).arg(&b);
+                ok(unsafe { l.launch(matvec) }, "matvec_f32");
+            }
+            DeviceMatrix::F32(w) => self.gemm_xwt(x, w, rows, in_dim, in_dim, out_dim, out),
+            // Any width: the kernel falls back to one value per lane off whole 8s.
+            DeviceMatrix::Bf16(w) if rows <= MATVEC_MAX_BATCH => {
+                let o = out.device_ptr_mut(&self.stream).0;
+                let mut l = self.stream.launch_builder(self.func("matvec_bf16"));
+                l.arg(w).arg(x).arg(&o).arg(&r).arg(&c).arg(&b);
+                ok(unsafe { l.launch(matvec) }, "matvec_bf16");
+            }
+            DeviceMatrix::Bf16(w) => {
+                let n = out_dim * in_dim;
+                let mut scratch = self.dense_scratch.lock().expect("scratch lock");
+                if scratch.as_ref().is_none_or(|s| s.len() < n) {
+                    self.drop_graphs();
+                    *scratch = None;
+                    *scratch = Some(ok(unsafe { self.stream.alloc::<f32>(n) }, "alloc"));
+                }
+                let wide = scratch.as_mut().expect("set above");
+                let n64 = n as i64;
+                let mut l = self.stream.launch_builder(self.func("bf16_to_f32"));
+                l.arg(w).arg(&mut *wide).arg(&n64);
+                ok(
+                    unsafe { l.launch(cfg(blocks(n, 256).min(132 * 16) as usize, 256, 0)) },
+                    "bf16_to_f32",
+                );
+                self.gemm_xwt(x, &*wide, rows, in_dim, in_dim, out_dim, out);
+            }
         }
-        self.gemm_xwt(x, w, rows, in_dim, in_dim, out_dim, out);
     }
 
     /// Attention of one query row (position `pos0`, or the `u32` at device address
@@ -989,6 +1064,34 @@ impl Cuda {
         );
     }
 
+    /// `out[r] = table[ids[r]]` for `n` ids in device memory (`u32` bits, whatever the
+    /// buffer's element type).
+    fn embed_rows<I: DevicePtr<T>, T>(
+        &self,
+        table: &DeviceMatrix,
+        dim: usize,
+        ids: &I,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let d = dim as i32;
+        let ids = ids.device_ptr(&self.stream).0;
+        let mut l = match table {
+            DeviceMatrix::Bf16(t) => {
+                let mut l = self.stream.launch_builder(self.func("embed_bf16"));
+                l.arg(t);
+                l
+            }
+            DeviceMatrix::F32(t) => {
+                let mut l = self.stream.launch_builder(self.func("embed"));
+                l.arg(t);
+                l
+            }
+        };
+        l.arg(&ids).arg(out).arg(&d);
+        ok(unsafe { l.launch(cfg(n, row_threads(dim), 0)) }, "embed");
+    }
+
     /// Launches `l` with a thread per element of `n`.
     fn launch_1d(&self, mut l: LaunchArgs<'_>, n: usize, what: &str) {
         if n == 0 {
@@ -1003,6 +1106,7 @@ impl Cuda {
 
 impl Backend for Cuda {
     type Tensor = CudaSlice<f32>;
+    type Matrix = DeviceMatrix;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -1013,6 +1117,15 @@ impl Backend for Cuda {
             return self.alloc(0);
         }
         ok(self.stream.clone_htod(data), "upload")
+    }
+
+    fn upload_matrix(&self, data: &[f32], out_dim: usize, in_dim: usize) -> DeviceMatrix {
+        debug_assert_eq!(data.len(), out_dim * in_dim);
+        if data.is_empty() || !self.bf16_matrices || !data.iter().all(|&v| is_bf16_exact(v)) {
+            return DeviceMatrix::F32(self.upload(data));
+        }
+        let bits: Vec<u16> = data.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        DeviceMatrix::Bf16(ok(self.stream.clone_htod(&bits), "upload"))
     }
 
     fn alloc(&self, len: usize) -> CudaSlice<f32> {
@@ -1035,18 +1148,12 @@ impl Backend for Cuda {
         self.synchronize();
     }
 
-    fn embed(&self, table: &CudaSlice<f32>, dim: usize, ids: &[u32], out: &mut CudaSlice<f32>) {
+    fn embed(&self, table: &DeviceMatrix, dim: usize, ids: &[u32], out: &mut CudaSlice<f32>) {
         if ids.is_empty() {
             return;
         }
         let ids = self.upload_u32(ids);
-        let d = dim as i32;
-        let mut l = self.stream.launch_builder(self.func("embed"));
-        l.arg(table).arg(&ids).arg(out).arg(&d);
-        ok(
-            unsafe { l.launch(cfg(ids.len(), row_threads(dim), 0)) },
-            "embed",
-        );
+        self.embed_rows(table, dim, &ids, ids.len(), out);
     }
 
     fn rms_norm(
@@ -1093,7 +1200,7 @@ impl Backend for Cuda {
     fn matmul(
         &self,
         x: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
+        w: &DeviceMatrix,
         rows: usize,
         in_dim: usize,
         out_dim: usize,
@@ -1322,15 +1429,13 @@ impl Backend for Cuda {
 
     fn embed_at(
         &self,
-        table: &CudaSlice<f32>,
+        table: &DeviceMatrix,
         dim: usize,
         step: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) {
-        let d = dim as i32;
-        let mut l = self.stream.launch_builder(self.func("embed"));
-        l.arg(table).arg(step).arg(out).arg(&d);
-        ok(unsafe { l.launch(cfg(1, row_threads(dim), 0)) }, "embed");
+        // The token id is step[0]'s bits: the step tensor serves as a one-id list.
+        self.embed_rows(table, dim, step, 1, out);
     }
 
     fn rope_at(
@@ -1471,8 +1576,8 @@ impl Backend for Cuda {
         x: &CudaSlice<f32>,
         rows: usize,
         hidden: usize,
-        gate: &CudaSlice<f32>,
-        experts: &RoutedExperts<'_, CudaSlice<f32>>,
+        gate: &DeviceMatrix,
+        experts: &RoutedExperts<'_, DeviceMatrix>,
         route: DeviceRoute<'_>,
         probs: &mut CudaSlice<f32>,
         probs_at: usize,
@@ -1612,14 +1717,14 @@ impl Backend for Cuda {
         &self,
         x: &CudaSlice<f32>,
         hidden: usize,
-        groups: &[SwiGluGroup<'_, CudaSlice<f32>>],
+        groups: &[SwiGluGroup<'_, DeviceMatrix>],
         out: &mut CudaSlice<f32>,
     ) {
         let rest = self.swiglu_grouped(x, hidden, groups, out);
         if rest.is_empty() {
             return;
         }
-        let rest: Vec<SwiGluGroup<'_, CudaSlice<f32>>> = rest
+        let rest: Vec<SwiGluGroup<'_, DeviceMatrix>> = rest
             .into_iter()
             .map(|g| SwiGluGroup {
                 gate: g.gate,
@@ -1631,5 +1736,28 @@ impl Backend for Cuda {
             })
             .collect();
         swiglu_groups_one_by_one(self, x, hidden, &rest, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_bf16_exact;
+    use crate::testing::fresh;
+    use half::bf16;
+
+    #[test]
+    fn bf16_exactness_is_a_round_trip() {
+        let mut values = fresh(4096, 1);
+        values.extend(values.clone().iter().map(|&v| bf16::from_f32(v).to_f32()));
+        values.extend([0.0, -0.0, 1.0, f32::INFINITY, f32::MIN_POSITIVE, 1e-40]);
+        for v in values {
+            let round_trip = bf16::from_f32(v).to_f32().to_bits() == v.to_bits();
+            assert_eq!(
+                is_bf16_exact(v),
+                round_trip,
+                "{v:e} ({:#010x})",
+                v.to_bits()
+            );
+        }
     }
 }

@@ -1,0 +1,318 @@
+//! Dense linear layers (attention projections, shared experts, dense MLPs) coded at a
+//! rung of the VQ ladder: `dense-vq{bits}.safetensors`, beside a Hugging Face checkpoint
+//! (encoded on first use, like the VQ expert stores) or inside a compressed model
+//! directory (written by `dynmoe compress`).
+//!
+//! A safetensors file, so any safetensors reader can list it: for each coded weight
+//! `NAME`, `NAME.vq_codes` (U8, `[rows, row_bytes]`) and `NAME.vq_norms` (F16,
+//! `[rows, blocks]`), exactly a [`VqMatrix`]'s parts. The header's metadata says what
+//! the codes mean and where they came from: `format`, `version`, `rung`, `codebook`
+//! (the checksum of the codebook the codes index), `source_fingerprint` (the checkpoint
+//! they were encoded from) and `tensors`, a JSON object giving each weight's `rows`,
+//! `cols`, rotation `seed` and a `checksum` of its codes and norms. docs/FORMAT.md §15.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+
+use half::f16;
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+
+use super::manifest::Fnv64;
+use super::{atomic, tensors, Error};
+use crate::codec::vq::{row_bytes, Rung, VqMatrix, VqView};
+use crate::codec::Codec;
+use crate::eval::inspect::is_dense_linear;
+use crate::model::weights::DenseVq;
+use crate::model::Checkpoint;
+
+/// Value of the `format` metadata field.
+pub const FORMAT: &str = "dynmoe-dense-vq";
+
+/// The version this build writes and reads.
+pub const VERSION: u32 = 1;
+
+/// The rung dense layers at `codec` are coded at: none for bf16. Affine codecs are
+/// refused (they exist for expert stores), with the reason.
+pub fn rung_of(codec: Codec) -> Result<Option<Rung>, String> {
+    match codec {
+        Codec::Bf16 => Ok(None),
+        Codec::Vq { .. } => codec.rung().map_err(|e| e.to_string()),
+        Codec::Affine { .. } => Err(format!(
+            "dense layers take bf16 or a VQ rung (vq0.7 … vq5), not {codec}"
+        )),
+    }
+}
+
+/// The file of the dense layers coded at `rung`.
+pub fn file_name(rung: Rung) -> String {
+    format!("dense-{}.safetensors", rung.name())
+}
+
+/// The rotation seed of weight `name`: fixed by the name, so a re-encoding of the same
+/// tensor gives the same bytes.
+pub fn seed(name: &str) -> u64 {
+    Fnv64::default().bytes(name.as_bytes()).finish()
+}
+
+/// The dense linear weights of a checkpoint, by name, with their `[rows, cols]`: what a
+/// dense codec applies to (and what bits accounting prices at it).
+pub fn dense_linear_weights(ckpt: &Checkpoint) -> Result<Vec<(String, [usize; 2])>, Error> {
+    let mut out = Vec::new();
+    for name in ckpt.names() {
+        let shape = ckpt.info(name)?.shape;
+        if is_dense_linear(name, &shape) {
+            out.push((name.to_string(), [shape[0], shape[1]]));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Encodes every dense linear weight of `ckpt` at `rung`; `progress(done, total)` after
+/// each weight.
+pub fn encode(
+    ckpt: &Checkpoint,
+    rung: Rung,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<DenseVq, Error> {
+    let weights = dense_linear_weights(ckpt)?;
+    let mut out = DenseVq::new();
+    for (i, (name, [rows, cols])) in weights.iter().enumerate() {
+        let w = ckpt.f32(name, &[*rows, *cols])?;
+        let m = VqMatrix::encode(&w, *rows, *cols, rung, seed(name)).map_err(|e| Error::Codec {
+            path: ckpt.info(name).map(|i| i.file).unwrap_or_default(),
+            tensor: name.clone(),
+            reason: e.to_string(),
+        })?;
+        out.insert(name.clone(), Arc::new(m));
+        progress(i + 1, weights.len());
+    }
+    Ok(out)
+}
+
+/// One coded weight's entry in the `tensors` metadata.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Entry {
+    rows: usize,
+    cols: usize,
+    seed: u64,
+    checksum: String,
+}
+
+fn checksum(m: &VqView<'_>) -> String {
+    let norms: Vec<u8> = m.norms.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Fnv64::default().bytes(m.codes).bytes(&norms).hex()
+}
+
+/// FNV-1a 64 of `rung`'s shipped codebook.
+fn codebook_id(path: &Path, rung: Rung) -> Result<String, Error> {
+    let book = rung
+        .codebook()
+        .map_err(|e| Error::manifest(path, "codebook", e.to_string()))?;
+    Ok(Fnv64::default().bytes(&book.to_bytes()).hex())
+}
+
+/// Writes `coded` (every matrix at `rung`) to `path`, atomically. Returns its size.
+pub fn write(
+    path: &Path,
+    rung: Rung,
+    source_fingerprint: &str,
+    coded: &DenseVq,
+) -> Result<u64, Error> {
+    let mut entries = BTreeMap::new();
+    let mut parts: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, m) in coded {
+        if m.rung != rung {
+            return Err(Error::Codec {
+                path: path.to_path_buf(),
+                tensor: name.clone(),
+                reason: format!("coded at {}, the file holds {}", m.rung.name(), rung.name()),
+            });
+        }
+        let v = m.view();
+        entries.insert(
+            name.clone(),
+            Entry {
+                rows: m.rows,
+                cols: m.cols,
+                seed: m.seed,
+                checksum: checksum(&v),
+            },
+        );
+        let norms: Vec<u8> = m.norms.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let rb = row_bytes(rung, m.cols);
+        parts.push((
+            format!("{name}.vq_codes"),
+            Dtype::U8,
+            vec![m.rows, rb],
+            m.codes.clone(),
+        ));
+        parts.push((
+            format!("{name}.vq_norms"),
+            Dtype::F16,
+            vec![m.rows, v.blocks()],
+            norms,
+        ));
+    }
+    let metadata = HashMap::from([
+        ("format".to_string(), FORMAT.to_string()),
+        ("version".to_string(), VERSION.to_string()),
+        ("rung".to_string(), rung.name()),
+        ("codebook".to_string(), codebook_id(path, rung)?),
+        (
+            "source_fingerprint".to_string(),
+            source_fingerprint.to_string(),
+        ),
+        (
+            "tensors".to_string(),
+            serde_json::to_string(&entries).expect("entries serialise"),
+        ),
+    ]);
+    let bad = |e: safetensors::SafeTensorError| Error::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e.to_string()),
+    };
+    let views = parts
+        .iter()
+        .map(|(n, dtype, shape, data)| {
+            TensorView::new(*dtype, shape.clone(), data).map(|v| (n.as_str(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(bad)?;
+    let bytes = safetensors::serialize(views, Some(metadata)).map_err(bad)?;
+    atomic::write_file(path, &bytes)?;
+    Ok(bytes.len() as u64)
+}
+
+/// Reads the coded weights in `path`, checking that they are at `rung`, index this
+/// build's codebook, came from the checkpoint `source_fingerprint` names, and that every
+/// weight's codes and norms match their checksum.
+pub fn read(path: &Path, rung: Rung, source_fingerprint: &str) -> Result<DenseVq, Error> {
+    let bytes = super::read_file(path)?;
+    let unusable = |reason: String| Error::Unusable {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let (_, header) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| unusable(format!("not a safetensors file: {e}")))?;
+    let meta = header.metadata().clone().unwrap_or_default();
+    let field = |name: &str| -> Result<&String, Error> {
+        meta.get(name)
+            .ok_or_else(|| Error::manifest(path, name, "is missing"))
+    };
+    let expect = |name: &str, want: &str| -> Result<(), Error> {
+        let got = field(name)?;
+        if got != want {
+            return Err(Error::manifest(
+                path,
+                name,
+                format!("is {got:?}, expected {want:?}"),
+            ));
+        }
+        Ok(())
+    };
+    expect("format", FORMAT)?;
+    expect("version", &VERSION.to_string())?;
+    expect("rung", &rung.name())?;
+    expect("codebook", &codebook_id(path, rung)?)?;
+    expect("source_fingerprint", source_fingerprint)?;
+    let entries: BTreeMap<String, Entry> = serde_json::from_str(field("tensors")?)
+        .map_err(|e| Error::manifest(path, "tensors", e.to_string()))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| unusable(format!("not a safetensors file: {e}")))?;
+    let expected_tensors = 2 * entries.len();
+    if st.len() != expected_tensors {
+        return Err(unusable(format!(
+            "{} tensors, the `tensors` field names {} weights ({expected_tensors} tensors)",
+            st.len(),
+            entries.len()
+        )));
+    }
+    let mut out = DenseVq::new();
+    for (name, e) in entries {
+        let part = |suffix: &str, dtype: Dtype| -> Result<Vec<u8>, Error> {
+            let t = st
+                .tensor(&format!("{name}.{suffix}"))
+                .map_err(|_| unusable(format!("tensor {name}.{suffix} is missing")))?;
+            if t.dtype() != dtype {
+                return Err(unusable(format!(
+                    "tensor {name}.{suffix} is {:?}, expected {dtype:?}",
+                    t.dtype()
+                )));
+            }
+            Ok(t.data().to_vec())
+        };
+        let codes = part("vq_codes", Dtype::U8)?;
+        let norms: Vec<f16> = part("vq_norms", Dtype::F16)?
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        let view = VqView::from_parts(e.rows, e.cols, rung, e.seed, &norms, &codes)
+            .map_err(|err| Error::manifest(path, &format!("tensors.{name}"), err.to_string()))?;
+        let sum = checksum(&view);
+        if sum != e.checksum {
+            return Err(Error::manifest(
+                path,
+                &format!("tensors.{name}.checksum"),
+                format!(
+                    "is {}, the stored codes and norms hash to {sum}",
+                    e.checksum
+                ),
+            ));
+        }
+        let m = VqMatrix {
+            rows: view.rows,
+            cols: view.cols,
+            rung,
+            block: view.block,
+            seed: view.seed,
+            norms,
+            codes,
+        };
+        out.insert(name, Arc::new(m));
+    }
+    Ok(out)
+}
+
+/// The dense linear layers of the checkpoint in `dir` at `rung`: read from
+/// `dir/dense-vq{bits}.safetensors` when it is there and matches the checkpoint, else
+/// encoded and written there (under the directory's lock) for the next run.
+pub fn ensure(
+    dir: &Path,
+    ckpt: &Checkpoint,
+    rung: Rung,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<DenseVq, Error> {
+    let path = dir.join(file_name(rung));
+    let (fingerprint, _) = tensors::fingerprint(ckpt, &dir.join("config.json"))?;
+    let wanted: Vec<String> = dense_linear_weights(ckpt)?
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    let usable = |coded: &DenseVq| coded.keys().eq(wanted.iter());
+    {
+        let _lock = atomic::lock_shared(dir)?;
+        if let Ok(coded) = read(&path, rung, &fingerprint) {
+            if usable(&coded) {
+                return Ok(coded);
+            }
+        }
+    }
+    let lock = atomic::lock_exclusive(dir);
+    // Again under the lock: another process may have written it meanwhile.
+    if let Ok(coded) = read(&path, rung, &fingerprint) {
+        if usable(&coded) {
+            return Ok(coded);
+        }
+    }
+    let coded = encode(ckpt, rung, progress)?;
+    // A read-only checkpoint directory still runs; it encodes again next time.
+    if lock.is_ok() {
+        write(&path, rung, &fingerprint, &coded)?;
+    }
+    Ok(coded)
+}
