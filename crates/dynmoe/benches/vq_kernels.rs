@@ -5,11 +5,13 @@
 //! than the 32 MB L3, so weights come from memory; the kernels of a case take turns
 //! call by call so that a noisy neighbour slows all of them alike, and the times are
 //! medians of one run. The ratio that matters is VQ 2 bits over affine q2 on the same
-//! shape and batch. Two more rows bound the 2-bit product: `vq2-cw0` runs the same
+//! shape and batch. More rows bound the 2-bit product: `vq2-cw0` runs the same
 //! kernel on codes that are all zero, so every lookup hits one codeword and only the
-//! 1 MiB codebook's cache misses are gone; `vq2-hot` reuses one copy of the codes, so
-//! they come from cache instead of memory. Prints a table and writes
-//! `bench/results/vq_kernels.json`.
+//! 1 MiB codebook's cache misses are gone; `vq2-512k` and `vq2-32k` cut every index to
+//! its low 15 or 11 bits, so the lookups stay in the first 512 KiB (half a core's L2)
+//! or 32 KiB (its L1) of the book, which prices the book's size alone; `vq2-hot` reuses
+//! one copy of the codes, so they come from cache instead of memory. Prints a table and
+//! writes `bench/results/vq_kernels.json`.
 //!
 //! `cargo bench -p dynmoe --bench vq_kernels`
 
@@ -129,6 +131,16 @@ impl Mat {
     }
 }
 
+/// 2-bit codes with every 16-bit index cut to its low `bits` bits, so that the lookups
+/// stay in the first `2^bits` codewords.
+fn confined(codes: &[u8], bits: u32) -> Vec<u8> {
+    let mask = (1u16 << bits) - 1;
+    codes
+        .chunks_exact(2)
+        .flat_map(|c| (u16::from_le_bytes([c[0], c[1]]) & mask).to_le_bytes())
+        .collect()
+}
+
 fn main() {
     let threads = rayon::current_num_threads();
     println!("{}, {threads} threads", dynmoe::testing::cpu_name());
@@ -164,6 +176,8 @@ fn main() {
             let mut variants = vec![(rung.name(), n, m.codes.clone())];
             if r == "2" {
                 variants.push(("vq2-cw0".into(), n, vec![0; m.codes.len()]));
+                variants.push(("vq2-512k".into(), n, confined(&m.codes, 15)));
+                variants.push(("vq2-32k".into(), n, confined(&m.codes, 11)));
                 variants.push(("vq2-hot".into(), 1, m.codes.clone()));
             }
             for (name, n, codes) in variants {

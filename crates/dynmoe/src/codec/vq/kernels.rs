@@ -19,7 +19,14 @@
 //!
 //! At 2 bits (`k` = 16) the codebook is 1 MiB, as large as a core's L2 cache, and
 //! nearly every lookup misses L1; that, not the arithmetic, is what the 2-bit product
-//! costs beyond the smaller rungs (`benches/vq_kernels.rs` measures both).
+//! costs beyond the smaller rungs (`benches/vq_kernels.rs` measures both, and the same
+//! codes with their lookups confined to 512 or 32 KiB of the book). The lookups are
+//! bound by the lines the caches can move, not by how many are in flight: on a Zen 4
+//! core each of these was measured no faster, most of them slower: codewords
+//! prefetched a few steps or a whole row ahead (into L1 or L2 only), two or four weight
+//! rows interleaved per pass to share the activation loads, a column-blocked row order,
+//! codes prefetched further ahead or non-temporally, a sweep of the book into cache
+//! before the rows, other thread chunk sizes, and the book on a 2 MiB huge page.
 
 use half::f16;
 
