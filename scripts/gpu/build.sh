@@ -10,9 +10,12 @@ tests=$(cargo test --release -p dynmoe --features cuda --test cuda --no-run --me
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
 bench=$(cargo bench -p dynmoe --features cuda --bench cuda_kernels --no-run --message-format=json 2>/dev/null |
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
+cpu_vq=$(cargo bench -p dynmoe --bench vq_kernels --no-run --message-format=json 2>/dev/null |
+    sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
 cp target/release/dynmoe "$dest/dynmoe"
 cp "$tests" "$dest/cuda-tests"
 cp "$bench" "$dest/cuda_kernels"
-strip "$dest/dynmoe" "$dest/cuda-tests" "$dest/cuda_kernels"
+cp "$cpu_vq" "$dest/vq_kernels"
+strip "$dest/dynmoe" "$dest/cuda-tests" "$dest/cuda_kernels" "$dest/vq_kernels"
 cp scripts/gpu/run.sh "$dest/run.sh"
 du -sh "$dest"

@@ -11,6 +11,7 @@
 # cli      `dynmoe eval ppl` and `dynmoe run` with --backend cuda beside --backend cpu
 # model    a random checkpoint of Qwen3-30B-A3B's shape (first $LAYERS layers), converted
 #          to 4/3/2-bit stores, decode and prefill tok/s at each (model_speed.json)
+# cpu-vq   the CPU VQ matvec kernels against affine q2/q4 on this machine's CPU (vq_kernels.json)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
 #          keys, with dense weights in f32 instead of bf16, and decode after a 16-token
 #          prompt (model_variants.log)
@@ -65,6 +66,11 @@ for step in $steps; do
         fi
         "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4,3,2 \
             --prompt 512 --generate 128 --json "$OUT/model_speed.json" 2>&1 | tee "$OUT/model.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        ;;
+    cpu-vq)
+        echo "== CPU VQ kernels"
+        "$BIN/vq_kernels" 2>&1 | tee "$OUT/cpu_vq_kernels.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     variants)

@@ -143,8 +143,7 @@ fn main() {
         "fast/ref", "bf16", report.prefill_speedup, report.decode_speedup
     );
 
-    let out = root.join("bench/results/cpu_forward.json");
-    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
-    std::fs::write(&out, serde_json::to_string_pretty(&report).unwrap() + "\n").unwrap();
+    let json = serde_json::to_string_pretty(&report).unwrap();
+    let out = dynmoe::testing::write_bench_report("cpu_forward.json", &json).unwrap();
     println!("wrote {}", out.display());
 }

@@ -12,7 +12,6 @@
 //!
 //! `cargo bench -p dynmoe --features cuda --bench cuda_kernels`
 
-use std::path::PathBuf;
 
 use dynmoe::backend::{
     AttentionShape, Backend, Cuda, DeviceRoute, RoutedExperts, SwiGluGroup, Weight,
@@ -492,11 +491,8 @@ fn main() {
         copy_bytes,
         rows: rows_out,
     };
-    let dir = std::env::var_os("DYNMOE_BENCH_OUT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results"));
-    std::fs::create_dir_all(&dir).expect("results directory");
-    let path = dir.join("cuda_kernels.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap()).expect("write results");
+    let json = serde_json::to_string_pretty(&report).unwrap();
+    let path =
+        dynmoe::testing::write_bench_report("cuda_kernels.json", &json).expect("write results");
     println!("wrote {}", path.display());
 }

@@ -12,7 +12,6 @@
 //!
 //! `cargo bench -p dynmoe --bench expert_kernels`
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use dynmoe::backend::cpu::fast;
@@ -337,9 +336,8 @@ fn main() {
         rows: rows_out,
         ratios,
     };
-    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/results/expert_kernels.json");
-    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
-    std::fs::write(&out, serde_json::to_string_pretty(&report).unwrap() + "\n").unwrap();
+    let json = serde_json::to_string_pretty(&report).unwrap();
+    let out = dynmoe::testing::write_bench_report("expert_kernels.json", &json).unwrap();
     println!("wrote {}", out.display());
 }
 

@@ -15,7 +15,6 @@
 //!
 //! `cargo bench -p dynmoe --bench vq_kernels`
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use dynmoe::codec::affine::kernels::{self, AffineView};
@@ -240,9 +239,7 @@ fn main() {
         working_set_bytes: WORKING_SET,
         rows: out_rows,
     };
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/results");
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("vq_kernels.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap()).unwrap();
+    let json = serde_json::to_string_pretty(&report).unwrap();
+    let path = dynmoe::testing::write_bench_report("vq_kernels.json", &json).unwrap();
     println!("wrote {}", path.display());
 }

@@ -161,6 +161,19 @@ impl Drop for TempDir {
     }
 }
 
+/// Writes a benchmark's JSON report as `name` into the directory `DYNMOE_BENCH_OUT`
+/// names, or the repository's `bench/results/` (a staged bench binary on another machine
+/// has no repository), and returns the path.
+pub fn write_bench_report(name: &str, json: &str) -> std::io::Result<PathBuf> {
+    let dir = std::env::var_os("DYNMOE_BENCH_OUT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results"));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(name);
+    std::fs::write(&path, format!("{}\n", json.trim_end()))?;
+    Ok(path)
+}
+
 /// The processor's model name, for benchmark reports.
 pub fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
