@@ -10,7 +10,7 @@ tests=$(cargo test --release -p dynmoe --features cuda --test cuda --no-run --me
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
 bench=$(cargo bench -p dynmoe --features cuda --bench cuda_kernels --no-run --message-format=json 2>/dev/null |
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
-cpu_vq=$(cargo bench -p dynmoe --bench vq_kernels --no-run --message-format=json 2>/dev/null |
+cpu_vq=$(cargo bench -p dynmoe --features cuda --bench vq_kernels --no-run --message-format=json 2>/dev/null |
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
 cp target/release/dynmoe "$dest/dynmoe"
 cp "$tests" "$dest/cuda-tests"
