@@ -12,7 +12,9 @@
 //!
 //! A sign-symmetric book is searched through its base codewords only: the vector is
 //! folded to `|x|` and its signs become the low bits of the index. Up to `2^11` codewords
-//! (of the book, or of the base) the nearest one is found by scanning them all. Above that the
+//! (of the book, or of the base) the nearest one is found by scanning them all. Above that,
+//! a book of at most four dimensions is searched through a k-d tree with exact pruning:
+//! the same answer as a scan, from a few dozen distances. An eight-dimensional book's
 //! codewords are grouped into `2^(k/2)` cells by k-means over the codewords themselves,
 //! and a vector is compared with the cell centroids first, then with the codewords of
 //! its nearest few cells only ([`Codebook::nearest`]). That is 16 times fewer distances
@@ -179,6 +181,12 @@ impl BuildParams {
     /// stops at 0.0263, above the bitsandbytes constant, however long it is trained;
     /// letting it go free afterwards reaches 0.0258 ([`Symmetry::SignsThenFree`]).
     /// Fewer samples per codeword for the largest books keep the build to minutes.
+    ///
+    /// The 4-bit book's 4,096 base codewords need many samples each: trained on 256
+    /// (50 iterations) it scored 0.00655 on its training vectors but 0.00692 on fresh
+    /// ones; on 2,048 the gap is under 1% and 60 iterations reach 0.00668, below the
+    /// bitsandbytes constant, without giving up the symmetry. The tree search makes
+    /// those 60 passes over 8.4 million vectors affordable.
     pub fn for_rung(rung: Rung) -> BuildParams {
         let symmetry = match (rung.dim, rung.index_bits) {
             (4, 12) => Symmetry::SignsThenFree,
@@ -197,7 +205,7 @@ impl BuildParams {
             (Symmetry::None, 13..=14) => (64, 15),
             (Symmetry::None, _) => (48, 12),
             (Symmetry::Signs, 0..=8) => (4096, 100),
-            (Symmetry::Signs, _) => (256, 50),
+            (Symmetry::Signs, _) => (2048, 60),
             (Symmetry::SignsThenFree, _) => (768, 24),
         };
         BuildParams {
@@ -423,8 +431,8 @@ impl Codebook {
         })
     }
 
-    /// The index of the nearest codeword to `v` (`p` values), through the cell
-    /// structure when there is one; ties go to the lowest index.
+    /// The index of the nearest codeword to `v` (`p` values), through the tree (exact)
+    /// or the cell structure (approximate) when there is one; ties go to the lowest index.
     pub fn nearest(&self, v: &[f32]) -> u32 {
         self.find(v, false)
     }
@@ -638,9 +646,24 @@ const SCAN_ALL_UP_TO: usize = 1 << 11;
 struct Search {
     /// Every codeword in index order.
     all: Scan,
-    /// With more than [`SCAN_ALL_UP_TO`] codewords: the cell structure.
-    cells: Option<Cells>,
+    /// With more than [`SCAN_ALL_UP_TO`] codewords: the exact tree (up to
+    /// [`TREE_MAX_DIM`] dimensions) or the cell structure.
+    index: Index,
 }
+
+#[derive(Debug)]
+enum Index {
+    /// Every codeword is scanned.
+    Scan,
+    /// Exact: the k-d tree.
+    Tree(Tree),
+    /// Approximate: the nearest few cells.
+    Cells(Cells),
+}
+
+/// Dimensions up to which a large book is searched through a k-d tree: in few
+/// dimensions its bounding boxes prune all but a few dozen codewords.
+const TREE_MAX_DIM: usize = 4;
 
 #[derive(Debug)]
 struct Cells {
@@ -655,13 +678,35 @@ struct Cells {
 }
 
 impl Search {
-    /// The search over the `n` codewords `values` (`[n, p]`, `n` a power of two).
+    /// The search over the `n` codewords `values` (`[n, p]`, `n` a power of two):
+    /// a scan of all up to [`SCAN_ALL_UP_TO`], above that the tree up to
+    /// [`TREE_MAX_DIM`] dimensions and the cells beyond.
     fn new(p: usize, n: usize, values: &[f32]) -> Search {
+        Search::with_tree(p, n, values, p <= TREE_MAX_DIM)
+    }
+
+    /// The search that assigns training vectors to the `n` codewords of a book being
+    /// built: [`new`](Self::new)'s, or the cells for a book that was trained through
+    /// them before the tree existed and must rebuild to the shipped bytes.
+    fn for_training(p: usize, n: usize, values: &[f32], cells: bool) -> Search {
+        Search::with_tree(p, n, values, p <= TREE_MAX_DIM && !cells)
+    }
+
+    fn with_tree(p: usize, n: usize, values: &[f32], tree: bool) -> Search {
         debug_assert_eq!(values.len(), n * p);
         let ids: Vec<u32> = (0..n as u32).collect();
         let all = Scan::new(p, values, &ids);
         if n <= SCAN_ALL_UP_TO {
-            return Search { all, cells: None };
+            return Search {
+                all,
+                index: Index::Scan,
+            };
+        }
+        if tree {
+            return Search {
+                all,
+                index: Index::Tree(Tree::new(p, values)),
+            };
         }
         let n_cells = 1usize << (n.trailing_zeros() / 2);
         let probes = (n_cells / 16).max(8);
@@ -696,7 +741,7 @@ impl Search {
         }
         Search {
             all,
-            cells: Some(Cells {
+            index: Index::Cells(Cells {
                 centroids: Scan::new(p, &cent, &cells),
                 members,
                 start,
@@ -705,10 +750,14 @@ impl Search {
         }
     }
 
-    /// The nearest codeword to `v`, by a full scan when `exact` or without cells.
+    /// The nearest codeword to `v`: by a full scan when `exact`, else through the index.
     fn nearest(&self, v: &[f32], exact: bool) -> u32 {
-        let Some(c) = self.cells.as_ref().filter(|_| !exact) else {
-            return self.all.best(v, 0..self.all.groups()).1;
+        let scan = || self.all.best(v, 0..self.all.groups()).1;
+        let c = match &self.index {
+            _ if exact => return scan(),
+            Index::Scan => return scan(),
+            Index::Tree(t) => return t.nearest(v).unwrap_or_else(scan),
+            Index::Cells(c) => c,
         };
         let n_cells = c.start.len() - 1;
         let mut scores = [0.0f32; 256];
@@ -731,6 +780,142 @@ impl Search {
             }
         }
         best.1
+    }
+}
+
+/// An exact index of a low-dimensional book: a balanced k-d tree whose leaves are
+/// groups of 8 codewords. A vector descends nearest box first and skips a subtree only
+/// when no codeword inside its bounding box can score as well as the best found so far,
+/// with a margin wider than the rounding of the scores, so it returns exactly what a scan
+/// of every codeword returns (the same scores, ties to the lowest index).
+#[derive(Debug)]
+struct Tree {
+    dim: usize,
+    /// The codewords in leaf order: leaf `l` is group `l`.
+    leaves: Scan,
+    /// Per node, its box's lower corner then its upper corner (`2·dim` values). Nodes
+    /// are in heap order (the children of `i` are `2i + 1` and `2i + 2`) and the last
+    /// `leaves.groups()` are the leaves, left to right.
+    boxes: Vec<f32>,
+    /// The largest squared norm of a codeword.
+    max_sq: f32,
+}
+
+impl Tree {
+    /// The tree over `values` (`[n, dim]`, `n` a power of two, at least 8): each node is
+    /// split at the median of its widest coordinate, ties ordered by index.
+    fn new(dim: usize, values: &[f32]) -> Tree {
+        let n = values.len() / dim;
+        assert!(n >= 8 && n.is_power_of_two(), "{n} codewords");
+        let n_leaves = n / 8;
+        // The search's stack holds at most one entry per level plus one.
+        assert!(n_leaves.trailing_zeros() < 60, "{n} codewords");
+        let mut order: Vec<u32> = (0..n as u32).collect();
+        let mut boxes = vec![0.0f32; (2 * n_leaves - 1) * 2 * dim];
+        // Iterative over (node, range of `order`), parents before children.
+        let mut todo = vec![(0usize, 0usize, n)];
+        while let Some((node, from, to)) = todo.pop() {
+            let ids = &mut order[from..to];
+            let bx = &mut boxes[node * 2 * dim..(node + 1) * 2 * dim];
+            bx[..dim].fill(f32::INFINITY);
+            bx[dim..].fill(f32::NEG_INFINITY);
+            for &i in ids.iter() {
+                let c = &values[i as usize * dim..(i as usize + 1) * dim];
+                for d in 0..dim {
+                    bx[d] = bx[d].min(c[d]);
+                    bx[dim + d] = bx[dim + d].max(c[d]);
+                }
+            }
+            if ids.len() == 8 {
+                continue;
+            }
+            let mut split = 0;
+            for d in 1..dim {
+                if bx[dim + d] - bx[d] > bx[dim + split] - bx[split] {
+                    split = d;
+                }
+            }
+            ids.sort_unstable_by(|&a, &b| {
+                let (x, y) = (
+                    values[a as usize * dim + split],
+                    values[b as usize * dim + split],
+                );
+                x.total_cmp(&y).then(a.cmp(&b))
+            });
+            let mid = from + (to - from) / 2;
+            todo.push((2 * node + 2, mid, to));
+            todo.push((2 * node + 1, from, mid));
+        }
+        let max_sq = values
+            .chunks_exact(dim)
+            .map(|c| c.iter().map(|v| v * v).sum::<f32>())
+            .fold(0.0f32, f32::max);
+        Tree {
+            dim,
+            leaves: Scan::new(dim, values, &order),
+            boxes,
+            max_sq,
+        }
+    }
+
+    /// The nearest codeword to `v`, or `None` when `v` is so large that the pruning
+    /// margin is not finite (then only a full scan is exact).
+    fn nearest(&self, v: &[f32]) -> Option<u32> {
+        let dim = self.dim;
+        let vv: f32 = v.iter().map(|x| x * x).sum();
+        // A computed score `½‖c‖² − v·c`, and the bound below, is within about ten
+        // units in the last place of `‖c‖² + ‖v‖²` of its exact value; the margin is
+        // over a hundred.
+        let margin = 1e-5 * (self.max_sq + vv) + f32::MIN_POSITIVE;
+        if !margin.is_finite() {
+            return None;
+        }
+        // The lowest score any codeword in node's box can reach, less the margin.
+        let bound = |node: usize| {
+            let bx = &self.boxes[node * 2 * dim..(node + 1) * 2 * dim];
+            let mut d2 = 0.0f32;
+            for d in 0..dim {
+                let gap = (bx[d] - v[d]).max(v[d] - bx[dim + d]).max(0.0);
+                d2 += gap * gap;
+            }
+            0.5 * (d2 - vv) - margin
+        };
+        let first_leaf = self.leaves.groups() - 1;
+        let mut best = (f32::INFINITY, u32::MAX);
+        let mut scores = [0.0f32; 8];
+        let mut stack = [(0usize, f32::NEG_INFINITY); 64];
+        let mut top = 1;
+        while top > 0 {
+            top -= 1;
+            let (node, lower) = stack[top];
+            if lower > best.0 {
+                continue;
+            }
+            if node >= first_leaf {
+                let g = node - first_leaf;
+                self.leaves.scores(v, g..g + 1, &mut scores);
+                for (l, &s) in scores.iter().enumerate() {
+                    let id = self.leaves.ids[8 * g + l];
+                    // As in `Scan::best`: a score of +inf (or NaN) never wins.
+                    if s < best.0 || (s == best.0 && best.1 != u32::MAX && id < best.1) {
+                        best = (s, id);
+                    }
+                }
+                continue;
+            }
+            let (a, b) = (2 * node + 1, 2 * node + 2);
+            let (la, lb) = (bound(a), bound(b));
+            // The nearer child is pushed last, so searched first.
+            let (near, far) = if la <= lb {
+                ((a, la), (b, lb))
+            } else {
+                ((b, lb), (a, la))
+            };
+            stack[top] = far;
+            stack[top + 1] = near;
+            top += 2;
+        }
+        Some(best.1)
     }
 }
 
@@ -802,8 +987,9 @@ pub fn gaussian(seed: u64, n: usize) -> Vec<f32> {
 
 /// Builds `rung`'s codebook: `params.samples_per_codeword` Gaussian vectors per stored
 /// codeword (folded to `|x|` for a sign-symmetric book), `params.iterations` Lloyd
-/// steps on the stored codewords (assignment through the same search as encoding),
-/// then rounding to fp16.
+/// steps on the stored codewords (assignment through the same search as encoding,
+/// except that the 3-bit book keeps the cell search it was built with before the
+/// tree), then rounding to fp16.
 ///
 /// Lloyd's algorithm only finds a local optimum near where it starts, and from `2^k`
 /// random samples a large codebook starts far from a good one. So a codebook of `p ≥ 2`
@@ -820,7 +1006,7 @@ pub fn build(rung: Rung, params: BuildParams) -> Codebook {
     if params.symmetry == Symmetry::Signs {
         samples.iter_mut().for_each(|x| *x = x.abs());
     }
-    let mut values = if params.symmetry == Symmetry::SignsThenFree {
+    let values = if params.symmetry == Symmetry::SignsThenFree {
         let signs = BuildParams::with_symmetry(rung, Symmetry::Signs);
         build(rung, signs).values().to_vec()
     } else if p >= 2 && rung.index_bits >= 4 {
@@ -847,13 +1033,30 @@ pub fn build(rung: Rung, params: BuildParams) -> Codebook {
     } else {
         samples[..n_cw * p].to_vec()
     };
-    for it in 0..params.iterations as usize {
-        let search = Search::new(p, n_cw, &values);
+    // The 3-bit book was trained through the cell search, before the tree.
+    let cells = (p, rung.index_bits) == (4, 12);
+    let values = lloyd(p, &samples, values, params.iterations as usize, cells);
+    Codebook::new(rung, params, &values)
+}
+
+/// `iterations` Lloyd steps of the `[n, p]` codewords `values` on `samples`, assigning
+/// the samples through the cell search when `cells`.
+fn lloyd(
+    p: usize,
+    samples: &[f32],
+    mut values: Vec<f32>,
+    iterations: usize,
+    cells: bool,
+) -> Vec<f32> {
+    let n_cw = values.len() / p;
+    let n = samples.len() / p;
+    for it in 0..iterations {
+        let search = Search::for_training(p, n_cw, &values, cells);
         let assign: Vec<u32> = samples
             .par_chunks(p)
             .map(|v| search.nearest(v, false))
             .collect();
-        let mut next = centroids(&samples, p, &assign, &values);
+        let mut next = centroids(samples, p, &assign, &values);
         // An empty cell takes a training vector instead, picked by a fixed rule.
         let mut count = vec![0u32; n_cw];
         assign.iter().for_each(|&a| count[a as usize] += 1);
@@ -863,7 +1066,7 @@ pub fn build(rung: Rung, params: BuildParams) -> Codebook {
         }
         values = next;
     }
-    Codebook::new(rung, params, &values)
+    values
 }
 
 /// The shipped codebook files, in [`LADDER`] order.
@@ -1001,6 +1204,16 @@ mod tests {
             let (name, bytes) = SHIPPED[r.position()];
             assert!(built == bytes, "{name} differs from a rebuild");
         }
+    }
+
+    #[test]
+    #[ignore = "builds the 4-bit book from its seed, 60 passes over 8.4 million vectors: \
+                over ten minutes on two cores"]
+    fn rebuilding_the_4_bit_book_gives_the_shipped_bytes() {
+        let r = rung("4");
+        let built = build(r, BuildParams::for_rung(r)).to_bytes();
+        let (name, bytes) = SHIPPED[r.position()];
+        assert!(built == bytes, "{name} differs from a rebuild");
     }
 
     #[test]
@@ -1160,13 +1373,68 @@ mod tests {
             let book = shipped(r).unwrap();
             let ids: Vec<u32> = (0..r.codewords() as u32).collect();
             let all = Scan::new(4, book.values(), &ids);
-            let mut same = 0;
             for x in v.chunks_exact(4) {
                 let full = all.best(x, 0..all.groups()).1;
                 assert_eq!(book.nearest_exact(x), full, "{} {x:?}", r.name());
-                same += (book.nearest(x) == full) as usize;
+                assert_eq!(book.nearest(x), full, "{} {x:?}", r.name());
             }
-            assert!(same >= 2900, "{}: {same} of 3000", r.name());
+        }
+    }
+
+    /// Vectors that stress an exact search: fresh ones, ones on and between codewords,
+    /// zeros of both signs, subnormal, huge and far-away values.
+    fn hard_vectors(values: &[f32], n: usize, seed: u64) -> Vec<f32> {
+        let p = 4;
+        let mut v = crate::testing::fresh(p * n, seed);
+        let n_cw = values.len() / p;
+        let cw = |i: usize| &values[(i % n_cw) * p..(i % n_cw + 1) * p];
+        for (j, x) in v.chunks_exact_mut(p).enumerate() {
+            match j % 10 {
+                0 => x.copy_from_slice(cw(j * 31)),
+                1 => {
+                    // Halfway between two codewords: a tie up to rounding.
+                    let (a, b) = (cw(j * 17), cw(j * 17 + 1 + j % 5));
+                    for d in 0..p {
+                        x[d] = 0.5 * (a[d] + b[d]);
+                    }
+                }
+                2 => x
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(d, y)| *y = if (j >> d) & 1 == 0 { 0.0 } else { -0.0 }),
+                3 => x.iter_mut().for_each(|y| *y *= 1e-39),
+                4 => x.iter_mut().for_each(|y| *y *= 1e6),
+                5 => x.iter_mut().for_each(|y| *y *= 1e30),
+                6 => x[j % p] = if j % 20 == 6 { f32::MAX } else { -f32::MAX },
+                7 => x.iter_mut().for_each(|y| *y *= 8.0),
+                _ => {}
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn tree_search_equals_a_scan_of_every_codeword() {
+        let p = 4;
+        for (n, seed) in [(1usize << 12, 80u64), (1 << 16, 81)] {
+            let mut values = gaussian(seed, n * p);
+            values
+                .iter_mut()
+                .for_each(|v| *v = f16::from_f32(*v).to_f32());
+            // Duplicated codewords and a zero one: exact ties, the lower index must win.
+            for i in (0..n).step_by(97) {
+                let (a, b) = (i * p, (i + 40) % n * p);
+                let c: Vec<f32> = values[a..a + p].to_vec();
+                values[b..b + p].copy_from_slice(&c);
+            }
+            values[5 * p..6 * p].fill(0.0);
+            let search = Search::new(p, n, &values);
+            assert!(matches!(search.index, Index::Tree(_)));
+            let v = hard_vectors(&values, 20_000, seed + 1);
+            for x in v.chunks_exact(p) {
+                let full = search.all.best(x, 0..search.all.groups()).1;
+                assert_eq!(search.nearest(x, false), full, "{n}: {x:?}");
+            }
         }
     }
 

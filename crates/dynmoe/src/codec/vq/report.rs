@@ -341,9 +341,6 @@ mod tests {
     }
 
     #[test]
-    #[ignore = "vq4 is above the bitsandbytes constant (about 0.0069 vs 0.0068): its \
-                sign-symmetric 4-dimensional book pays for the constraint, and freeing it \
-                afterwards, as at 3 bits, is not yet affordable at 2^16 codewords"]
     fn gaussian_distortion_beats_the_reference_at_every_rung_that_has_one() {
         let books: Vec<&Codebook> = REFERENCE
             .iter()
