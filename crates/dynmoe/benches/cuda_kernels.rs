@@ -12,7 +12,6 @@
 //!
 //! `cargo bench -p dynmoe --features cuda --bench cuda_kernels`
 
-
 use dynmoe::backend::{
     AttentionShape, Backend, Cuda, DeviceRoute, RoutedExperts, SwiGluGroup, Weight,
 };
