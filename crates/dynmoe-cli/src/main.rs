@@ -150,6 +150,9 @@ pub(crate) struct ModelArgs {
     /// checkpoint, encoded from its bf16 weights on first use).
     #[arg(long)]
     dense_codec: Option<Codec>,
+    /// Codec of an untied LM head: bf16 or a VQ rung, coded like --dense-codec's layers.
+    #[arg(long)]
+    head_codec: Option<Codec>,
 }
 
 impl ModelArgs {
@@ -159,6 +162,7 @@ impl ModelArgs {
                 default: self.codec,
                 per_layer: self.codec_layer.iter().copied().collect(),
                 dense: None,
+                head: None,
             }
         } else {
             Codecs::from(&ExpertBits {
@@ -167,6 +171,7 @@ impl ModelArgs {
             })
         };
         codecs.dense = self.dense_codec;
+        codecs.head = self.head_codec;
         codecs
     }
 
@@ -298,6 +303,9 @@ struct InspectArgs {
     /// Price the dense linear layers (attention, shared experts) in this codec.
     #[arg(long, default_value = "bf16")]
     dense_codec: Codec,
+    /// Price an untied LM head in this codec.
+    #[arg(long, default_value = "bf16")]
+    head_codec: Codec,
     /// Share of each MoE layer's experts kept resident; the rest is reservoir.
     #[arg(long, default_value_t = 1.0)]
     resident_fraction: f64,
@@ -512,6 +520,7 @@ fn cmd_inspect(a: InspectArgs) -> Result<()> {
         ((e as f64 * a.resident_fraction).round() as usize).clamp(config.moe.top_k.min(e), e);
     let assignment = bits::Assignment {
         dense: a.dense_codec,
+        head: a.head_codec,
         layers: config
             .moe_layers()
             .map(|l| (l, (a.codec, resident)))
@@ -556,8 +565,8 @@ fn cmd_inspect(a: InspectArgs) -> Result<()> {
         );
     }
     println!(
-        "\nexperts {}, dense {}, {resident} of {e} experts resident per MoE layer:",
-        a.codec, a.dense_codec
+        "\nexperts {}, dense {}, LM head {}, {resident} of {e} experts resident per MoE layer:",
+        a.codec, a.dense_codec, a.head_codec
     );
     println!(
         "{:<6} {:>12} {:>14} {:>14} {:>12}",

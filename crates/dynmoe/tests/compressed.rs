@@ -227,6 +227,7 @@ fn a_model_scope_plan_prices_its_coded_dense_layers() {
     let ckpt = model::Checkpoint::open(&src).unwrap();
     let assignment = Assignment {
         dense: dense_codec,
+        head: Codec::Bf16,
         layers: plan
             .layers
             .iter()

@@ -1,7 +1,7 @@
-//! Dense linear layers at VQ rungs: the coded file beside a checkpoint round-trips and is
-//! reused, every kind of damage is refused with the file and field named, and a model
-//! run with coded dense layers equals the same model whose checkpoint holds the decoded
-//! weights.
+//! Dense linear layers and the LM head at VQ rungs: the coded file beside a checkpoint
+//! round-trips and is reused, every kind of damage is refused with the file and field
+//! named, and a model run with coded layers equals the same model whose checkpoint holds
+//! the decoded weights.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -10,7 +10,7 @@ use dynmoe::backend::Cpu;
 use dynmoe::codec::vq::Rung;
 use dynmoe::codec::Codec;
 use dynmoe::model::{self, Checkpoint, Codecs};
-use dynmoe::store::dense_vq::{self, dense_linear_weights};
+use dynmoe::store::dense_vq::{self, dense_linear_weights, lm_head_weight};
 use dynmoe::store::Error;
 use dynmoe::testing::{fixture_copy, rel_err, TempDir};
 use safetensors::tensor::TensorView;
@@ -36,9 +36,11 @@ fn logits(m: &model::LoadedModel<Cpu>) -> Vec<f32> {
     m.model.forward(&mut state, &ids, 0).unwrap()
 }
 
+/// The model with its dense layers and its LM head at `codec`.
 fn with_dense(dir: &Path, codec: &str) -> model::LoadedModel<Cpu> {
     let codecs = Codecs {
         dense: Some(codec.parse::<Codec>().unwrap()),
+        head: Some(codec.parse::<Codec>().unwrap()),
         ..Codecs::default()
     };
     model::load_with_codecs(dir, Cpu::fast(), &codecs).unwrap()
@@ -60,33 +62,67 @@ fn coded_layers_round_trip_and_are_reused() {
     assert_eq!(names.len(), 4 * layers, "{names:?}");
     assert!(names.iter().all(|n| n.contains("self_attn")));
 
-    let first = dense_vq::ensure(dir.dir(), &ckpt, rung("vq2"), &mut |_, _| {}).unwrap();
+    let weights = dense_linear_weights(&ckpt).unwrap();
+    let first = dense_vq::ensure(dir.dir(), &ckpt, rung("vq2"), &weights, &mut |_, _| {}).unwrap();
     let path = dir.path(&dense_vq::file_name(rung("vq2")));
     let written = std::fs::metadata(&path).unwrap().modified().unwrap();
     let mut encoded = 0;
-    let second = dense_vq::ensure(dir.dir(), &ckpt, rung("vq2"), &mut |_, _| encoded += 1).unwrap();
+    let second = dense_vq::ensure(dir.dir(), &ckpt, rung("vq2"), &weights, &mut |_, _| {
+        encoded += 1
+    })
+    .unwrap();
     assert_eq!(encoded, 0, "the second ensure encoded again");
     assert_eq!(
         std::fs::metadata(&path).unwrap().modified().unwrap(),
         written
     );
     assert_eq!(first, second);
-    let fresh = dense_vq::encode(&ckpt, rung("vq2"), &mut |_, _| {}).unwrap();
+    let fresh = dense_vq::encode(&ckpt, rung("vq2"), &weights, &mut |_, _| {}).unwrap();
     assert_eq!(first, fresh);
     for (name, m) in &first {
         assert_eq!(m.seed, dense_vq::seed(name));
     }
+
+    // The LM head at the same rung joins the same file; the dense layers stay in it and
+    // are read, not encoded, again.
+    let config = model::Config::from_file(&dir.path("config.json")).unwrap();
+    let head = lm_head_weight(&ckpt, &config)
+        .unwrap()
+        .expect("tiny-moe's head is untied");
+    let with_head = dense_vq::ensure(
+        dir.dir(),
+        &ckpt,
+        rung("vq2"),
+        &[head.clone()],
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(with_head.keys().collect::<Vec<_>>(), vec![&head.0]);
+    let mut encoded = 0;
+    let again = dense_vq::ensure(dir.dir(), &ckpt, rung("vq2"), &weights, &mut |_, _| {
+        encoded += 1
+    })
+    .unwrap();
+    assert_eq!((encoded, &again), (0, &first));
 }
 
-/// A model whose dense layers run coded equals the model whose checkpoint holds the
-/// decoded weights (in f32): the products straight from the codes are the products with
-/// the weights the codes stand for.
+/// A model whose dense layers and LM head run coded equals the model whose checkpoint
+/// holds the decoded weights (in f32): the products straight from the codes are the
+/// products with the weights the codes stand for.
 #[test]
 fn coded_dense_layers_equal_their_decoded_weights() {
     let coded_dir = fixture_copy("tiny-moe");
     let decoded_dir = fixture_copy("tiny-moe");
     let ckpt = Checkpoint::open(coded_dir.dir()).unwrap();
-    let coded = dense_vq::encode(&ckpt, rung("vq2"), &mut |_, _| {}).unwrap();
+    let config = model::Config::from_file(&coded_dir.path("config.json")).unwrap();
+    let mut weights = dense_linear_weights(&ckpt).unwrap();
+    weights.extend(lm_head_weight(&ckpt, &config).unwrap());
+    assert_eq!(
+        weights.len(),
+        9,
+        "attention projections and the head: {weights:?}"
+    );
+    let coded = dense_vq::encode(&ckpt, rung("vq2"), &weights, &mut |_, _| {}).unwrap();
 
     // The checkpoint again, with every coded weight replaced by its decoding.
     let mut data: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
@@ -146,7 +182,8 @@ fn damaged_files_are_refused_naming_file_and_field() {
     let dir = fixture_copy("tiny-moe");
     let ckpt = Checkpoint::open(dir.dir()).unwrap();
     let r = rung("vq2");
-    let good = dense_vq::ensure(dir.dir(), &ckpt, r, &mut |_, _| {}).unwrap();
+    let weights = dense_linear_weights(&ckpt).unwrap();
+    let good = dense_vq::ensure(dir.dir(), &ckpt, r, &weights, &mut |_, _| {}).unwrap();
     let path = dir.path(&dense_vq::file_name(r));
     let fp = fingerprint_of(dir.dir());
     let pristine = std::fs::read(&path).unwrap();
@@ -209,7 +246,7 @@ fn damaged_files_are_refused_naming_file_and_field() {
     let at = bytes.len() - 3;
     bytes[at] ^= 0x40;
     std::fs::write(&path, &bytes).unwrap();
-    let again = dense_vq::ensure(dir.dir(), &ckpt, r, &mut |_, _| {}).unwrap();
+    let again = dense_vq::ensure(dir.dir(), &ckpt, r, &weights, &mut |_, _| {}).unwrap();
     assert_eq!(again, good);
     assert_eq!(dense_vq::read(&path, r, &fp).unwrap(), good);
 }

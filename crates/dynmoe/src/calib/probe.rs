@@ -104,8 +104,14 @@ impl ModelProber {
         codec: Codec,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<ModelProber, Error> {
-        self.dense =
-            crate::model::dense_layers(&self.dir, &self.ckpt, Some(codec), false, progress)?;
+        self.dense = crate::model::coded_layers(
+            &self.dir,
+            &self.ckpt,
+            &self.config,
+            [Some(codec), None],
+            false,
+            progress,
+        )?;
         Ok(self)
     }
 
@@ -263,7 +269,14 @@ pub fn load_plan(
         }
     }
     let vq = crate::model::stored_vq_experts(dir, &config, &ckpt, &rungs, progress)?;
-    let dense = crate::model::dense_layers(dir, &ckpt, Some(plan.dense_codec), false, progress)?;
+    let dense = crate::model::coded_layers(
+        dir,
+        &ckpt,
+        &config,
+        [Some(plan.dense_codec), None],
+        false,
+        progress,
+    )?;
     assemble(dir, config, &ckpt, &vq, &dense, &keep)
 }
 

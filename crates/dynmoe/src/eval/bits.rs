@@ -15,8 +15,10 @@ use crate::model::{Checkpoint, Config, Error};
 #[derive(Debug, Clone, PartialEq)]
 pub struct Assignment {
     /// Codec of the dense linear layers: attention projections, shared experts, dense
-    /// MLPs. Embeddings, LM head, norms and routers stay bf16.
+    /// MLPs. Embeddings, norms and routers stay bf16.
     pub dense: Codec,
+    /// Codec of an untied LM head (a tied one is the embedding table and stays bf16).
+    pub head: Codec,
     /// Per MoE layer: the routed experts' codec and how many of them are resident.
     /// Layers not listed keep every expert resident at `default_experts`.
     pub layers: BTreeMap<usize, (Codec, usize)>,
@@ -29,6 +31,7 @@ impl Assignment {
     pub fn uncompressed() -> Assignment {
         Assignment {
             dense: Codec::Bf16,
+            head: Codec::Bf16,
             layers: BTreeMap::new(),
             default_experts: Codec::Bf16,
         }
@@ -107,9 +110,15 @@ pub fn account(
         let shape = ckpt.info(name)?.shape.clone();
         let params: u64 = shape.iter().map(|&d| d as u64).product();
         params_total += params;
-        let bytes = if is_dense_linear(name, &shape) {
-            assignment
-                .dense
+        let coded = if is_dense_linear(name, &shape) {
+            Some(assignment.dense)
+        } else if kind == TensorKind::LmHead && shape.len() == 2 && !config.tie_word_embeddings {
+            Some(assignment.head)
+        } else {
+            None
+        };
+        let bytes = if let Some(codec) = coded {
+            codec
                 .matrix_bytes(shape[0], shape[1])
                 .map_err(|e| codec_err(name, e))?
         } else {
@@ -156,8 +165,10 @@ pub fn account(
             .or_default() += row.resident_bytes;
         layers.push(row);
     }
-    if let Codec::Vq { .. } = assignment.dense {
-        rungs.insert(assignment.dense);
+    for c in [assignment.dense, assignment.head] {
+        if let Codec::Vq { .. } = c {
+            rungs.insert(c);
+        }
     }
     let codebook_bytes = rungs
         .iter()
@@ -206,6 +217,7 @@ mod tests {
             let codec: Codec = codec.parse().unwrap();
             let a = Assignment {
                 dense: Codec::Bf16,
+                head: Codec::Bf16,
                 layers: config
                     .moe_layers()
                     .map(|l| (l, (codec, resident)))
@@ -215,6 +227,25 @@ mod tests {
             account(&config, &ckpt, &a, None).unwrap()
         };
         let (q4, q2, vq2, half) = (at("q4", e), at("q2", e), at("vq2", e), at("vq2", e / 2));
+
+        // The untied LM head at vq3 is priced at its codes and norms, with vq3's codebook
+        // counted once; nothing else moves.
+        let vq3: Codec = "vq3".parse().unwrap();
+        let coded_head = Assignment {
+            head: vq3,
+            ..Assignment::uncompressed()
+        };
+        let head = account(&config, &ckpt, &coded_head, None).unwrap();
+        let (v, h) = (config.vocab_size, config.hidden_size);
+        assert_eq!(
+            head.resident_by_kind[&TensorKind::LmHead],
+            vq3.matrix_bytes(v, h).unwrap()
+        );
+        assert_eq!(head.codebook_bytes, vq3.codebook_bytes().unwrap());
+        assert_eq!(
+            head.resident_bytes + 2 * (v * h) as u64,
+            full.resident_bytes + vq3.matrix_bytes(v, h).unwrap() + head.codebook_bytes
+        );
         assert!(q2.resident_bytes < q4.resident_bytes);
         assert_eq!(vq2.codebook_bytes, 65536 * 8 * 2);
         assert_eq!(

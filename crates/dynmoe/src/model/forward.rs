@@ -14,7 +14,7 @@ use std::sync::Arc;
 use super::moe::{self, MoeObserver, Routing};
 use super::weights::{DenseVq, Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts};
 use super::Error;
-use crate::backend::{AttentionShape, Backend};
+use crate::backend::{AttentionShape, Backend, Weight};
 use crate::residency::{self, LayerSource, Reservoir, ReservoirKind, Residency, ResidencyConfig};
 
 /// A model's weights on a backend, ready to run.
@@ -28,7 +28,7 @@ pub struct Model<B: Backend> {
     /// `[h]`.
     norm: B::Tensor,
     /// `[V, h]`; `None` when tied to the embedding.
-    lm_head: Option<B::Matrix>,
+    lm_head: Option<Linear<B>>,
     /// `[head_dim / 2]` rotary inverse frequencies.
     inv_freq: Vec<f32>,
     /// The resident expert sets, shared by every sequence; `None` runs every expert.
@@ -127,7 +127,7 @@ impl<B: Backend> Model<B> {
         let lm_head = if config.tie_word_embeddings {
             None
         } else {
-            Some(ld.matrix("lm_head.weight", v, h)?)
+            Some(ld.linear("lm_head", v, h, false)?)
         };
         let inv_freq = rope_inv_freq(
             config.rope.theta,
@@ -233,6 +233,14 @@ impl<B: Backend> Model<B> {
     /// The backend the weights live on.
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// The LM head's weight: its own (possibly coded), or the embedding table it is tied to.
+    fn head(&self) -> Weight<'_, B::Matrix> {
+        match &self.lm_head {
+            Some(l) => l.weight(),
+            None => Weight::Dense(&self.embed_tokens),
+        }
     }
 
     /// A fresh state whose KV cache holds `capacity` positions.
@@ -399,9 +407,8 @@ impl<B: Backend> Model<B> {
         let rows: Vec<u32> = (logits_from as u32..n as u32).collect();
         b.gather_rows(&x, &rows, h, &mut delta);
         b.rms_norm(&delta, &self.norm, m, h, c.rms_norm_eps, &mut xn);
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         let mut logits = b.alloc(m * c.vocab_size);
-        b.matmul(&xn, head, m, h, c.vocab_size, &mut logits);
+        b.linear(&xn, self.head(), m, h, c.vocab_size, &mut logits);
         let mut out = vec![0.0f32; m * c.vocab_size];
         b.download(&logits, &mut out);
         // After the logits, which waited for the device: a copy, not a wait.
@@ -612,8 +619,7 @@ impl<B: Backend> Model<B> {
             b.add(&mut bufs.x, &bufs.delta, h);
         }
         b.rms_norm(&bufs.x, &self.norm, 1, h, c.rms_norm_eps, &mut bufs.xn);
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        b.matmul(&bufs.xn, head, 1, h, c.vocab_size, &mut bufs.logits);
+        b.linear(&bufs.xn, self.head(), 1, h, c.vocab_size, &mut bufs.logits);
         b.argmax_rows(
             &bufs.logits,
             1,

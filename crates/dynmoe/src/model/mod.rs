@@ -242,6 +242,8 @@ pub struct Codecs {
     /// Codec of the dense linear layers (attention projections, shared experts, dense
     /// MLPs): bf16 or a VQ rung.
     pub dense: Option<crate::codec::Codec>,
+    /// Codec of an untied LM head: bf16 or a VQ rung.
+    pub head: Option<crate::codec::Codec>,
 }
 
 impl Codecs {
@@ -262,6 +264,7 @@ impl From<&ExpertBits> for Codecs {
                 .map(|(&l, &bits)| (l, affine(bits)))
                 .collect(),
             dense: None,
+            head: None,
         }
     }
 }
@@ -360,7 +363,14 @@ pub fn load_with_progress<B: Backend>(
         None
     };
     let vq = stored_vq_experts(dir, &config, &checkpoint, &rungs, progress)?;
-    let dense_vq = dense_layers(dir, &checkpoint, codecs.dense, converted, progress)?;
+    let dense_vq = coded_layers(
+        dir,
+        &checkpoint,
+        &config,
+        [codecs.dense, codecs.head],
+        converted,
+        progress,
+    )?;
     let model = Model::load(config, &checkpoint, stores, &vq, &dense_vq, backend)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     Ok(LoadedModel {
@@ -370,29 +380,50 @@ pub fn load_with_progress<B: Backend>(
     })
 }
 
-/// The dense linear layers of the checkpoint in `dir` at `codec` (none coded for bf16),
-/// from the coded file beside it, encoded on first use.
-pub fn dense_layers(
+/// The dense linear layers (`codecs[0]`) and the untied LM head (`codecs[1]`) of the
+/// checkpoint in `dir` coded at their rungs (none coded for bf16 or unset), from the coded
+/// files beside it, encoded on first use.
+pub fn coded_layers(
     dir: &Path,
     ckpt: &Checkpoint,
-    codec: Option<crate::codec::Codec>,
+    config: &Config,
+    codecs: [Option<crate::codec::Codec>; 2],
     converted: bool,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<weights::DenseVq, Error> {
-    let Some(codec) = codec else {
-        return Ok(weights::DenseVq::new());
-    };
-    let Some(rung) = crate::store::dense_vq::rung_of(codec).map_err(Error::Config)? else {
-        return Ok(weights::DenseVq::new());
-    };
-    if converted {
-        return Err(Error::Config(format!(
-            "{}: dense layers at {codec} are encoded from a Hugging Face checkpoint's bf16 \
-             weights; a converted directory holds none",
-            dir.display()
-        )));
+    use crate::store::dense_vq;
+    let mut by_rung: BTreeMap<String, (crate::codec::vq::Rung, Vec<(String, [usize; 2])>)> =
+        BTreeMap::new();
+    for (i, codec) in codecs.into_iter().enumerate() {
+        let Some(codec) = codec else { continue };
+        let Some(rung) = dense_vq::rung_of(codec).map_err(Error::Config)? else {
+            continue;
+        };
+        if converted {
+            return Err(Error::Config(format!(
+                "{}: layers at {codec} are encoded from a Hugging Face checkpoint's bf16 \
+                 weights; a converted directory holds none",
+                dir.display()
+            )));
+        }
+        let weights = if i == 0 {
+            dense_vq::dense_linear_weights(ckpt)?
+        } else {
+            dense_vq::lm_head_weight(ckpt, config)?
+                .into_iter()
+                .collect()
+        };
+        by_rung
+            .entry(rung.name())
+            .or_insert_with(|| (rung, Vec::new()))
+            .1
+            .extend(weights);
     }
-    Ok(crate::store::dense_vq::ensure(dir, ckpt, rung, progress)?)
+    let mut out = weights::DenseVq::new();
+    for (rung, weights) in by_rung.into_values() {
+        out.extend(dense_vq::ensure(dir, ckpt, rung, &weights, progress)?);
+    }
+    Ok(out)
 }
 
 /// The VQ experts of the layers in `rungs` (decoder layer → rung), read from the VQ

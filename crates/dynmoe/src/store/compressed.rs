@@ -132,7 +132,8 @@ pub fn write(
             let coded = match super::dense_vq::read(&path, rung, &fingerprint) {
                 Ok(coded) => coded,
                 Err(_) => {
-                    let coded = super::dense_vq::encode(&ckpt, rung, progress)?;
+                    let weights = super::dense_vq::dense_linear_weights(&ckpt)?;
+                    let coded = super::dense_vq::encode(&ckpt, rung, &weights, progress)?;
                     super::dense_vq::write(&path, rung, &fingerprint, &coded)?;
                     coded
                 }

@@ -26,7 +26,7 @@ use crate::codec::vq::{row_bytes, Rung, VqMatrix, VqView};
 use crate::codec::Codec;
 use crate::eval::inspect::is_dense_linear;
 use crate::model::weights::DenseVq;
-use crate::model::Checkpoint;
+use crate::model::{Checkpoint, Config};
 
 /// Value of the `format` metadata field.
 pub const FORMAT: &str = "dynmoe-dense-vq";
@@ -71,14 +71,31 @@ pub fn dense_linear_weights(ckpt: &Checkpoint) -> Result<Vec<(String, [usize; 2]
     Ok(out)
 }
 
-/// Encodes every dense linear weight of `ckpt` at `rung`; `progress(done, total)` after
-/// each weight.
+/// The untied LM head of a checkpoint, `lm_head.weight` with its `[rows, cols]`; `None`
+/// when the head is tied to the embedding (which stays bf16).
+pub fn lm_head_weight(
+    ckpt: &Checkpoint,
+    config: &Config,
+) -> Result<Option<(String, [usize; 2])>, Error> {
+    let name = "lm_head.weight";
+    if config.tie_word_embeddings || !ckpt.contains(name) {
+        return Ok(None);
+    }
+    let shape = ckpt.info(name)?.shape;
+    Ok(match shape[..] {
+        [rows, cols] => Some((name.to_string(), [rows, cols])),
+        _ => None,
+    })
+}
+
+/// Encodes `weights` (names and shapes, e.g. [`dense_linear_weights`]) of `ckpt` at
+/// `rung`; `progress(done, total)` after each weight.
 pub fn encode(
     ckpt: &Checkpoint,
     rung: Rung,
+    weights: &[(String, [usize; 2])],
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<DenseVq, Error> {
-    let weights = dense_linear_weights(ckpt)?;
     let mut out = DenseVq::new();
     for (i, (name, [rows, cols])) in weights.iter().enumerate() {
         let w = ckpt.f32(name, &[*rows, *cols])?;
@@ -278,41 +295,49 @@ pub fn read(path: &Path, rung: Rung, source_fingerprint: &str) -> Result<DenseVq
     Ok(out)
 }
 
-/// The dense linear layers of the checkpoint in `dir` at `rung`: read from
-/// `dir/dense-vq{bits}.safetensors` when it is there and matches the checkpoint, else
-/// encoded and written there (under the directory's lock) for the next run.
+/// The `weights` of the checkpoint in `dir` at `rung`: read from
+/// `dir/dense-vq{bits}.safetensors` when it holds them and matches the checkpoint, else
+/// encoded and added to it (under the directory's lock) for the next run. Weights the file
+/// holds beyond those asked for are kept in it.
 pub fn ensure(
     dir: &Path,
     ckpt: &Checkpoint,
     rung: Rung,
+    weights: &[(String, [usize; 2])],
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<DenseVq, Error> {
     let path = dir.join(file_name(rung));
     let (fingerprint, _) = tensors::fingerprint(ckpt, &dir.join("config.json"))?;
-    let wanted: Vec<String> = dense_linear_weights(ckpt)?
-        .into_iter()
-        .map(|(n, _)| n)
-        .collect();
-    let usable = |coded: &DenseVq| coded.keys().eq(wanted.iter());
+    let subset = |coded: &DenseVq| -> Option<DenseVq> {
+        weights
+            .iter()
+            .map(|(n, _)| coded.get(n).map(|m| (n.clone(), m.clone())))
+            .collect()
+    };
     {
         let _lock = atomic::lock_shared(dir)?;
-        if let Ok(coded) = read(&path, rung, &fingerprint) {
-            if usable(&coded) {
-                return Ok(coded);
-            }
+        if let Some(found) = read(&path, rung, &fingerprint)
+            .ok()
+            .and_then(|c| subset(&c))
+        {
+            return Ok(found);
         }
     }
     let lock = atomic::lock_exclusive(dir);
     // Again under the lock: another process may have written it meanwhile.
-    if let Ok(coded) = read(&path, rung, &fingerprint) {
-        if usable(&coded) {
-            return Ok(coded);
-        }
+    let mut held = read(&path, rung, &fingerprint).unwrap_or_default();
+    if let Some(found) = subset(&held) {
+        return Ok(found);
     }
-    let coded = encode(ckpt, rung, progress)?;
+    let missing: Vec<(String, [usize; 2])> = weights
+        .iter()
+        .filter(|(n, _)| !held.contains_key(n))
+        .cloned()
+        .collect();
+    held.extend(encode(ckpt, rung, &missing, progress)?);
     // A read-only checkpoint directory still runs; it encodes again next time.
     if lock.is_ok() {
-        write(&path, rung, &fingerprint, &coded)?;
+        write(&path, rung, &fingerprint, &held)?;
     }
-    Ok(coded)
+    Ok(subset(&held).expect("every weight asked for was just encoded"))
 }
