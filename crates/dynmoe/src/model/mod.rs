@@ -392,7 +392,7 @@ pub fn coded_layers(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<weights::DenseVq, Error> {
     use crate::store::dense_vq;
-    let mut by_rung: BTreeMap<String, (crate::codec::vq::Rung, Vec<(String, [usize; 2])>)> =
+    let mut by_rung: BTreeMap<String, (crate::codec::vq::Rung, dense_vq::WeightShapes)> =
         BTreeMap::new();
     for (i, codec) in codecs.into_iter().enumerate() {
         let Some(codec) = codec else { continue };

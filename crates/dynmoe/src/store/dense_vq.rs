@@ -57,9 +57,12 @@ pub fn seed(name: &str) -> u64 {
     Fnv64::default().bytes(name.as_bytes()).finish()
 }
 
+/// Weight tensors by name, each with its `[rows, cols]`.
+pub type WeightShapes = Vec<(String, [usize; 2])>;
+
 /// The dense linear weights of a checkpoint, by name, with their `[rows, cols]`: what a
 /// dense codec applies to (and what bits accounting prices at it).
-pub fn dense_linear_weights(ckpt: &Checkpoint) -> Result<Vec<(String, [usize; 2])>, Error> {
+pub fn dense_linear_weights(ckpt: &Checkpoint) -> Result<WeightShapes, Error> {
     let mut out = Vec::new();
     for name in ckpt.names() {
         let shape = ckpt.info(name)?.shape;
