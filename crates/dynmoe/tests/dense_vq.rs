@@ -93,7 +93,7 @@ fn coded_layers_round_trip_and_are_reused() {
         dir.dir(),
         &ckpt,
         rung("vq2"),
-        &[head.clone()],
+        std::slice::from_ref(&head),
         &mut |_, _| {},
     )
     .unwrap();
