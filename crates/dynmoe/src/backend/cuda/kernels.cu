@@ -923,22 +923,19 @@ __device__ __forceinline__ void vq_codeword(const unsigned short* book, unsigned
     }
 }
 
-// out[b·rows + o] = Σ_i x[b, i]·w[o, i] for `batch` (≤ VQ_MAXB) activation rows `x`
-// ([batch, cols]). Every CTA rotates the rows itself into shared memory (signs of `seed`,
-// then the FWHT per block of R, as vq_rotate does): a few thousand values, cheaper than a
-// second launch and a round trip through global memory. Then a warp per output row (rows
+// out[b·rows + o] = Σ_i x[b, i]·w[o, i] for `batch` (≤ VQ_MAXB) rows of rotated
+// activations `xr` ([batch, width], width = blocks·R). A warp per output row (rows
 // strided over the grid), lanes over the row's vectors. Dynamic shared memory: the
-// codebook (2^k·P fp16) when `book_shared`, then the batch's rotated rows
-// ([batch, width], width = blocks·R, the ragged tail zero-padded).
+// codebook (2^k·P fp16) when `book_shared`, then the batch's rotated rows.
 #define VQ_MAXB 4
 #define VQ_WARPS 8
 template <int P>
 __device__ void vq_matvec(const unsigned char* __restrict__ codes,
                           const unsigned short* __restrict__ norms,
-                          const unsigned short* __restrict__ book, const float* __restrict__ x,
+                          const unsigned short* __restrict__ book, const float* __restrict__ xr,
                           float* __restrict__ out, int rows,
                           int k, int block, int blocks, size_t row_bytes, float inv_root,
-                          int batch, int book_shared, int cols, unsigned long long seed) {
+                          int batch, int book_shared) {
     extern __shared__ float4 vq_shared[];
     int width = blocks * block;
     const unsigned short* bk = book;
@@ -951,24 +948,8 @@ __device__ void vq_matvec(const unsigned char* __restrict__ codes,
         bk = sb;
         xs = reinterpret_cast<float*>(sb + (size_t)(1 << k) * P);
     }
-    for (int i = threadIdx.x; i < batch * width; i += blockDim.x) {
-        int b = i / width, c = i - b * width;
-        xs[i] = c < cols ? x[(size_t)b * cols + c] * vq_sign(seed, c % block) : 0.0f;
-    }
+    for (int i = threadIdx.x; i < batch * width; i += blockDim.x) xs[i] = xr[i];
     __syncthreads();
-    int half = block / 2, pairs = batch * blocks * half;
-    for (int h = 1; h < block; h *= 2) {
-        for (int t = threadIdx.x; t < pairs; t += blockDim.x) {
-            int seg = t / half, u = t - seg * half;
-            int i = seg * block + (u / h) * 2 * h + u % h;
-            float p = xs[i], q = xs[i + h];
-            xs[i] = p + q;
-            xs[i + h] = p - q;
-        }
-        __syncthreads();
-    }
-    // The rotation's own 1/√R, folded into each block's scale below.
-    float rot_scale = inv_root;
     int lane = threadIdx.x % WARP;
     int per_block = block / P, vectors = width / P;
     for (int o = blockIdx.x * VQ_WARPS + threadIdx.x / WARP; o < rows;
@@ -984,7 +965,7 @@ __device__ void vq_matvec(const unsigned char* __restrict__ codes,
         for (int j = lane; j < vectors; j += WARP) {
             float cw[P];
             vq_codeword<P>(bk, vq_index(rc, (size_t)j * k, k), cw);
-            float scale = half_bits(rn[j / per_block]) * inv_root * rot_scale;
+            float scale = half_bits(rn[j / per_block]) * inv_root;
 #pragma unroll
             for (int b = 0; b < VQ_MAXB; b++) {
                 if (b < batch) {
@@ -1040,11 +1021,10 @@ __device__ void vq_decode(const unsigned char* codes, const unsigned short* norm
 #define VQ_ENTRY(P)                                                                           \
     extern "C" __global__ void vq_matvec_p##P(                                                \
         const unsigned char* codes, const unsigned short* norms, const unsigned short* book,   \
-        const float* x, float* out, int rows, int k, int block, int blocks,                    \
-        unsigned long long row_bytes, float inv_root, int batch, int book_shared, int cols,    \
-        unsigned long long seed) {                                                             \
-        vq_matvec<P>(codes, norms, book, x, out, rows, k, block, blocks, row_bytes, inv_root,  \
-                     batch, book_shared, cols, seed);                                          \
+        const float* xr, float* out, int rows, int k, int block, int blocks,                   \
+        unsigned long long row_bytes, float inv_root, int batch, int book_shared) {           \
+        vq_matvec<P>(codes, norms, book, xr, out, rows, k, block, blocks, row_bytes, inv_root, \
+                     batch, book_shared);                                                      \
     }                                                                                          \
     extern "C" __global__ void vq_decode_p##P(                                                \
         const unsigned char* codes, const unsigned short* norms, const unsigned short* book,   \

@@ -13,13 +13,12 @@
 //! memory once; [`Cuda::clear_weight_cache`] drops the copies.
 //!
 //! VQ-ladder matrices ([`VqView`]) are copied the same way (codes and block norms, as
-//! stored) and multiplied straight from the codes: the matrix-vector kernel rotates the
-//! activation rows into shared memory itself, then a warp per output row looks up each
-//! vector's codeword in the rung's codebook (expanded to all `2^k` codewords in fp16, one
-//! device copy per rung; in shared memory when it fits beside the activations) and scales
-//! the block sums by the norms. Above [`MATVEC_MAX_BATCH`] rows the rows are rotated once
-//! (`vq_rotate`), the matrix is decoded in the rotated domain into a scratch buffer, and
-//! cuBLAS multiplies the two.
+//! stored) and multiplied straight from the codes: each activation row is rotated once
+//! per product (`vq_rotate`), then a warp per output row looks up each vector's codeword
+//! in the rung's codebook (expanded to all `2^k` codewords in fp16, one device copy per
+//! rung; in shared memory when it fits beside the activations) and scales the block
+//! sums by the norms. Above [`MATVEC_MAX_BATCH`] rows the matrix is decoded in the
+//! rotated domain into a scratch buffer and multiplied by cuBLAS with the rotated rows.
 //!
 //! Dense weight matrices ([`DeviceMatrix`]) are kept in bf16 when every value is one
 //! (checkpoint weights are), else in f32: decode reads the LM head and the attention
@@ -721,6 +720,9 @@ impl Cuda {
     ) {
         let (block, row_blocks) = (w.block, w.blocks());
         let width = row_blocks * block;
+        let mut rotated = self.grown(&self.vq_scratch, rows * width);
+        let xr = rotated.as_mut().expect("grown");
+        self.vq_rotate(x, rows, w.cols, w.seed, block, xr);
         let book = self.vq_book(w.rung);
         let suffix = vq_suffix(w.rung.dim);
         let (r, k, b, nblocks) = (
@@ -734,9 +736,6 @@ impl Cuda {
         let inv_root = 1.0 / (block as f32).sqrt();
         let tile = vq_tile(w.rung, width, rows);
         if rows > MATVEC_MAX_BATCH || tile.is_none() {
-            let mut rotated = self.grown(&self.vq_scratch, rows * width);
-            let xr = rotated.as_mut().expect("grown");
-            self.vq_rotate(x, rows, w.cols, w.seed, block, xr);
             let mut dense = self.grown(&self.dense_scratch, w.rows * width);
             let dense = dense.as_mut().expect("grown");
             let vectors = w.rows * width / w.rung.dim;
@@ -765,10 +764,9 @@ impl Cuda {
         while t0 < rows {
             let tile = vq_tile(w.rung, width, rows - t0).expect("fits: checked above");
             let nb = tile.rows;
-            // The kernel rotates its rows itself (no `vq_rotate` launch).
-            let xs = x.slice(t0 * w.cols..(t0 + nb) * w.cols);
+            let xs = xr.slice(t0 * width..(t0 + nb) * width);
             let mut os = out.slice_mut(t0 * w.rows..(t0 + nb) * w.rows);
-            let (nbi, shared, cols) = (nb as i32, tile.book_shared as i32, w.cols as i32);
+            let (nbi, shared) = (nb as i32, tile.book_shared as i32);
             let mut l = self.stream.launch_builder(f);
             l.arg(&d.codes)
                 .arg(&d.norms)
@@ -782,9 +780,7 @@ impl Cuda {
                 .arg(&rb)
                 .arg(&inv_root)
                 .arg(&nbi)
-                .arg(&shared)
-                .arg(&cols)
-                .arg(&w.seed);
+                .arg(&shared);
             let mut grid = w.rows.div_ceil(VQ_WARPS);
             let mut bytes = nb * width * 4;
             if tile.book_shared {
