@@ -73,7 +73,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         opts,
         &addr,
         |bound| eprintln!("dynmoe serving {name} on http://{bound}"),
-        serve::interrupted(),
+        serve::interrupted,
     )?;
     Ok(())
 }

@@ -498,19 +498,26 @@ fn runtime() -> Result<tokio::runtime::Runtime, ServeError> {
         .build()?)
 }
 
-/// Serves `model` on `addr` until `shutdown` resolves, calling `ready` with the bound
-/// address once it accepts connections. Blocks the calling thread.
-pub fn run<B: Backend + 'static>(
+/// Serves `model` on `addr` until the future `shutdown` makes resolves, calling `ready`
+/// with the bound address once it accepts connections. `shutdown` is called inside the
+/// server's runtime before `ready`, so a signal handler it registers (see
+/// [`interrupted`]) is in place before anyone learns the address. Blocks the calling
+/// thread.
+pub fn run<B: Backend + 'static, F>(
     model: Arc<LoadedModel<B>>,
     options: ServeOptions,
     addr: &str,
     ready: impl FnOnce(SocketAddr),
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), ServeError> {
+    shutdown: impl FnOnce() -> F,
+) -> Result<(), ServeError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
     let app = Arc::new(App::new(model, options)?);
     let rt = runtime()?;
     rt.block_on(async move {
         let listener = bind(addr).await?;
+        let shutdown = shutdown();
         ready(listener.local_addr()?);
         axum::serve(listener, router(app))
             .with_graceful_shutdown(shutdown)
@@ -519,21 +526,35 @@ pub fn run<B: Backend + 'static>(
     })
 }
 
-/// Resolves on Ctrl-C or SIGTERM: the shutdown signal of a server run from a terminal
-/// or a service manager.
-pub async fn interrupted() {
+/// A future that resolves on Ctrl-C or SIGTERM: the shutdown signal of a server run from
+/// a terminal or a service manager. The handlers are registered when this is called, not
+/// when the future is first polled, so a signal sent as soon as the server says where it
+/// listens is not lost (the default action would kill the process). Call it inside a
+/// Tokio runtime, as [`run`] does.
+pub fn interrupted() -> impl Future<Output = ()> + Send + 'static {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
-        if let Ok(mut term) = signal(SignalKind::terminate()) {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
+        let term = signal(SignalKind::terminate()).ok();
+        let int = signal(SignalKind::interrupt()).ok();
+        async move {
+            match (term, int) {
+                (Some(mut term), Some(mut int)) => {
+                    tokio::select! {
+                        _ = int.recv() => {}
+                        _ = term.recv() => {}
+                    }
+                }
+                _ => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
-            return;
         }
     }
-    let _ = tokio::signal::ctrl_c().await;
+    #[cfg(not(unix))]
+    async {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 /// A server running on its own thread; dropping it shuts the server down.
@@ -581,7 +602,7 @@ pub fn spawn<B: Backend + 'static>(
                 |a| {
                     let _ = bound.send(a);
                 },
-                async move {
+                || async move {
                     let _ = stopped.await;
                 },
             )
