@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::codec::vq::Rung;
 use crate::codec::Codec;
 
 /// The plan file's name inside a compressed model directory.
@@ -110,6 +111,32 @@ pub enum PlanError {
 }
 
 impl Plan {
+    /// The rung of each MoE layer the plan puts at a VQ rung (bf16 layers are left out),
+    /// or why a layer's codec cannot be run from a plan (plans run bf16 and VQ rungs).
+    pub fn vq_rungs(&self) -> Result<BTreeMap<usize, Rung>, String> {
+        let mut rungs = BTreeMap::new();
+        for l in &self.layers {
+            match l.codec {
+                Codec::Bf16 => {}
+                c @ Codec::Vq { .. } => {
+                    let rung = c
+                        .rung()
+                        .ok()
+                        .flatten()
+                        .ok_or_else(|| format!("layer {}: codec {c} has no rung", l.layer))?;
+                    rungs.insert(l.layer, rung);
+                }
+                c => {
+                    return Err(format!(
+                        "layer {}: plans run bf16 and VQ rungs, not {c}",
+                        l.layer
+                    ))
+                }
+            }
+        }
+        Ok(rungs)
+    }
+
     /// Each MoE layer's resident experts, best first: the experts a layer keeps, or all
     /// of them where it keeps every one. The starting sets of residency with
     /// [`ResidentCount::Initial`](crate::residency::ResidentCount::Initial).

@@ -242,32 +242,13 @@ pub fn load_plan(
 ) -> Result<LoadedModel<Cpu>, Error> {
     let config = Config::from_file(&dir.join("config.json"))?;
     let ckpt = Checkpoint::open(dir)?;
-    let mut rungs = BTreeMap::new();
-    let mut keep = BTreeMap::new();
-    for l in &plan.layers {
-        match l.codec {
-            Codec::Bf16 => {}
-            c @ Codec::Vq { .. } => {
-                let rung = c
-                    .rung()
-                    .map_err(|source| Error::Encode {
-                        tensor: format!("layer {}", l.layer),
-                        source,
-                    })?
-                    .expect("a VQ codec has a rung");
-                rungs.insert(l.layer, rung);
-            }
-            c => {
-                return Err(Error::Config(format!(
-                    "layer {}: plans run bf16 and VQ rungs, not {c}",
-                    l.layer
-                )))
-            }
-        }
-        if l.resident < l.experts {
-            keep.insert(l.layer, l.keep.clone());
-        }
-    }
+    let rungs = plan.vq_rungs().map_err(Error::Config)?;
+    let keep: BTreeMap<usize, Vec<u32>> = plan
+        .layers
+        .iter()
+        .filter(|l| l.resident < l.experts)
+        .map(|l| (l.layer, l.keep.clone()))
+        .collect();
     let vq = crate::model::stored_vq_experts(dir, &config, &ckpt, &rungs, progress)?;
     let dense = crate::model::coded_layers(
         dir,

@@ -26,7 +26,6 @@ use crate::alloc::plan::{Plan, PLAN_FILE};
 use crate::backend::Backend;
 use crate::codec::vq::codebook::fnv1a;
 use crate::codec::vq::Rung;
-use crate::codec::Codec;
 use crate::model::weights::{expert_tensors, VqExperts};
 use crate::model::{self, Checkpoint, Config, LoadedModel, Model, Tokenizer};
 
@@ -80,27 +79,9 @@ fn unusable(dir: &Path, reason: String) -> Error {
     }
 }
 
-/// The rung of each VQ layer of `plan`.
+/// The rung of each VQ layer of `plan`, refusals naming the directory's manifest.
 fn plan_rungs(plan: &Plan, out: &Path) -> Result<BTreeMap<usize, Rung>, Error> {
-    let mut rungs = BTreeMap::new();
-    for l in &plan.layers {
-        match l.codec {
-            Codec::Bf16 => {}
-            c @ Codec::Vq { .. } => {
-                let rung = c.rung().ok().flatten().ok_or_else(|| {
-                    unusable(out, format!("layer {}: codec {c} has no rung", l.layer))
-                })?;
-                rungs.insert(l.layer, rung);
-            }
-            c => {
-                return Err(unusable(
-                    out,
-                    format!("layer {}: plans run bf16 and VQ rungs, not {c}", l.layer),
-                ))
-            }
-        }
-    }
-    Ok(rungs)
+    plan.vq_rungs().map_err(|reason| unusable(out, reason))
 }
 
 /// Writes the compressed model `plan` describes into `out` (which holds `plan.json`
