@@ -104,23 +104,9 @@ pub fn write(
     let rungs = plan_rungs(plan, out)?;
     let dense_rung = super::dense_vq::rung_of(plan.dense_codec)
         .map_err(|reason| unusable(out, format!("dense_codec: {reason}")))?;
-    let (fingerprint, _) = tensors::fingerprint(&ckpt, &src.join("config.json"))?;
-    let dense_coded = match dense_rung {
-        None => None,
-        Some(rung) => {
-            let path = out.join(super::dense_vq::file_name(rung));
-            // A complete earlier write is kept; anything else is encoded again.
-            let coded = match super::dense_vq::read(&path, rung, &fingerprint) {
-                Ok(coded) => coded,
-                Err(_) => {
-                    let weights = super::dense_vq::dense_linear_weights(&ckpt)?;
-                    let coded = super::dense_vq::encode(&ckpt, rung, &weights, progress)?;
-                    super::dense_vq::write(&path, rung, &fingerprint, &coded)?;
-                    coded
-                }
-            };
-            Some((rung, coded))
-        }
+    let dense_weights = match dense_rung {
+        Some(_) => super::dense_vq::dense_linear_weights(&ckpt)?,
+        None => Vec::new(),
     };
     {
         let _lock = atomic::lock_exclusive(out)?;
@@ -132,13 +118,16 @@ pub fn write(
             let (tensors, ..) = expert_tensors(&config, &ckpt, layer)?;
             skip.extend(tensors.tensor_names(config.moe.num_experts));
         }
-        if let Some((_, coded)) = &dense_coded {
-            skip.extend(coded.keys().cloned());
-        }
+        skip.extend(dense_weights.iter().map(|(name, _)| name.clone()));
         base::write_dense(&ckpt, &skip, &out.join(DENSE_FILE))?;
     }
     // The stores name the checkpoint they were encoded from; `out` now has its config.
+    // A complete earlier store or coded file is kept.
     super::vq::ensure(out, &config, &ckpt, &rungs, progress)?;
+    if let Some(rung) = dense_rung {
+        super::dense_vq::ensure(out, &ckpt, rung, &dense_weights, progress)?;
+    }
+    let (fingerprint, _) = tensors::fingerprint(&ckpt, &src.join("config.json"))?;
     let mut stores: BTreeMap<String, Vec<usize>> = BTreeMap::new();
     for (&layer, rung) in &rungs {
         stores.entry(rung.name()).or_default().push(layer);
@@ -154,7 +143,7 @@ pub fn write(
             .map_err(io(&dense_path))?
             .len(),
         stores,
-        dense_vq: dense_coded.map(|(rung, _)| rung.name()),
+        dense_vq: dense_rung.map(|rung| rung.name()),
     };
     let _lock = atomic::lock_exclusive(out)?;
     let text = serde_json::to_string_pretty(&manifest).expect("a manifest serialises");
