@@ -128,12 +128,9 @@ fn checksum(m: &VqView<'_>) -> String {
     Fnv64::default().bytes(m.codes).bytes(&norms).hex()
 }
 
-/// FNV-1a 64 of `rung`'s shipped codebook.
+/// [`super::vq::codebook_id`], a failure named as this file's `codebook` field.
 fn codebook_id(path: &Path, rung: Rung) -> Result<String, Error> {
-    let book = rung
-        .codebook()
-        .map_err(|e| Error::manifest(path, "codebook", e.to_string()))?;
-    Ok(Fnv64::default().bytes(&book.to_bytes()).hex())
+    super::vq::codebook_id(rung).map_err(|reason| Error::manifest(path, "codebook", reason))
 }
 
 /// Writes `coded` (every matrix at `rung`) to `path`, atomically. Returns its size.

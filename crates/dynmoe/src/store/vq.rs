@@ -509,7 +509,7 @@ impl VqManifest {
 }
 
 /// FNV-1a 64 of `rung`'s codebook file as this build ships it.
-fn codebook_id(rung: Rung) -> Result<String, String> {
+pub(crate) fn codebook_id(rung: Rung) -> Result<String, String> {
     let book = rung.codebook().map_err(|e| e.to_string())?;
     Ok(Fnv64::default().bytes(&book.to_bytes()).hex())
 }
