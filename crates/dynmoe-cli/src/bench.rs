@@ -71,6 +71,9 @@ pub enum BenchCommand {
     /// Perplexity and KL divergence against resident bits: ISP plans beside uniform
     /// codecs, static REAP and a hand heuristic; a table, JSON and an SVG plot.
     Quality(crate::quality::QualityArgs),
+    /// Decode speed with resident sets smaller than the model beside every expert
+    /// resident: swaps, bytes moved, stalls.
+    Residency(crate::bench_residency::ResidencyBenchArgs),
 }
 
 #[derive(Args)]
@@ -102,6 +105,7 @@ pub fn bench(c: BenchCommand) -> Result<()> {
         BenchCommand::Decode(a) => decode(a),
         BenchCommand::Codecs(a) => crate::codecs::bench_codecs(a),
         BenchCommand::Quality(a) => crate::quality::quality(a),
+        BenchCommand::Residency(a) => crate::bench_residency::bench_residency(a),
     }
 }
 
@@ -166,7 +170,7 @@ struct Report {
     cases: Vec<Case>,
 }
 
-fn affine_bytes(rows: usize, cols: usize, bits: u32) -> usize {
+pub(crate) fn affine_bytes(rows: usize, cols: usize, bits: u32) -> usize {
     let cols = cols.div_ceil(GROUP_SIZE) * GROUP_SIZE;
     rows * words_per_row(cols, bits) * 4 + rows * (cols / GROUP_SIZE) * 4
 }
@@ -250,7 +254,7 @@ fn measure<B: Backend>(
     Ok(runs)
 }
 
-fn median(v: &[f64]) -> f64 {
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     s[s.len() / 2]

@@ -1,6 +1,7 @@
 //! The `dynmoe` command line: parses arguments, calls the library, prints results.
 
 mod bench;
+mod bench_residency;
 mod codecs;
 mod compress;
 mod demo;

@@ -25,6 +25,9 @@ pub trait Backend: Send + Sync {
     /// keeps it: it may hold the values in a narrower type than f32 where that loses
     /// nothing (checkpoint weights are bf16), since decode reads every weight per token.
     type Matrix: Send + Sync;
+    /// A resident set's expert slots in the backend's own memory
+    /// ([`new_slots`](Self::new_slots)); [`NoSlots`] where records stay in host memory.
+    type Slots: ExpertSlots;
 
     /// Short name for reports (`cpu`, `cpu-reference`, ...).
     fn name(&self) -> &'static str;
@@ -319,6 +322,96 @@ pub trait Backend: Send + Sync {
     ) -> bool {
         let _ = (x, rows, hidden, gate, experts, route, probs, probs_at, out);
         false
+    }
+
+    /// `count` slots for records of `layout` in the backend's memory, routing over
+    /// `experts` experts, none of them resident yet; `None` when the backend keeps a
+    /// resident set's records in host memory (the default) or cannot route these on the
+    /// device.
+    fn new_slots(
+        &self,
+        layout: &crate::store::Layout,
+        experts: usize,
+        count: usize,
+    ) -> Option<Self::Slots> {
+        let _ = (layout, experts, count);
+        None
+    }
+
+    /// [`routed_moe`](Self::routed_moe) over the experts resident in `slots`: routing is
+    /// confined to them (`route.keep` is ignored), their weights read from the slots as
+    /// last [`flush`](ExpertSlots::flush)ed. Any number of rows. Returns `false`, having
+    /// done nothing, where the backend has no such path (the default).
+    #[allow(clippy::too_many_arguments)]
+    fn routed_moe_slots(
+        &self,
+        x: &Self::Tensor,
+        rows: usize,
+        hidden: usize,
+        gate: &Self::Matrix,
+        slots: &Self::Slots,
+        route: DeviceRoute<'_>,
+        probs: &mut Self::Tensor,
+        probs_at: usize,
+        out: &mut Self::Tensor,
+    ) -> bool {
+        let _ = (x, rows, hidden, gate, slots, route, probs, probs_at, out);
+        false
+    }
+}
+
+/// A resident set's expert records in a backend's own memory (device memory on a GPU).
+///
+/// Records are copied in on a stream of their own while tokens run; an expert is routed
+/// to a slot only once [`assign`](Self::assign)ed and [`flush`](Self::flush)ed, which the
+/// resident set does at a token boundary after [`loaded`](Self::loaded) says the copy has
+/// landed. So no token waits for a copy, and none reads a half-written slot.
+pub trait ExpertSlots: Send {
+    /// Page-locks `buf` for as long as these slots live, so that loads from it are
+    /// asynchronous copies; `buf` must outlive the slots and never move.
+    fn pin(&mut self, buf: &mut [u32]);
+    /// Starts copying `record` into `slot`, behind all work issued so far (so a slot whose
+    /// expert was unassigned at this boundary is no longer being read). `record` must
+    /// stay unchanged until [`loaded`](Self::loaded) says so.
+    fn load(&mut self, slot: usize, record: &[u32]);
+    /// Whether the last load into `slot` has landed (never waits).
+    fn loaded(&self, slot: usize) -> bool;
+    /// Blocks until every load has landed.
+    fn wait(&self);
+    /// Routes expert `expert` to `slot` (`None`: not resident, never chosen), from the
+    /// next [`flush`](Self::flush) on.
+    fn assign(&mut self, expert: usize, slot: Option<usize>);
+    /// Makes the assignments visible to the work issued after this call. Not to be
+    /// called while a step is being recorded.
+    fn flush(&mut self);
+    /// Bytes of device memory the slots and their tables take.
+    fn bytes(&self) -> usize;
+}
+
+/// The slots of a backend that keeps resident records in host memory: there are none.
+pub enum NoSlots {}
+
+impl ExpertSlots for NoSlots {
+    fn pin(&mut self, _: &mut [u32]) {
+        match *self {}
+    }
+    fn load(&mut self, _: usize, _: &[u32]) {
+        match *self {}
+    }
+    fn loaded(&self, _: usize) -> bool {
+        match *self {}
+    }
+    fn wait(&self) {
+        match *self {}
+    }
+    fn assign(&mut self, _: usize, _: Option<usize>) {
+        match *self {}
+    }
+    fn flush(&mut self) {
+        match *self {}
+    }
+    fn bytes(&self) -> usize {
+        match *self {}
     }
 }
 

@@ -15,7 +15,9 @@ use super::moe::{self, MoeObserver, Routing};
 use super::weights::{DenseVq, Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts};
 use super::Error;
 use crate::backend::{AttentionShape, Backend, Weight};
-use crate::residency::{self, LayerSource, Reservoir, ReservoirKind, Residency, ResidencyConfig};
+use crate::residency::{
+    self, LayerSource, Reservoir, ReservoirKind, Residency, ResidencyConfig, Step,
+};
 
 /// A model's weights on a backend, ready to run.
 pub struct Model<B: Backend> {
@@ -182,6 +184,13 @@ impl<B: Backend> Model<B> {
         initial: &BTreeMap<usize, Vec<u32>>,
     ) -> Result<Residency<B>, residency::Error> {
         let layers: Vec<usize> = self.config.moe_layers().collect();
+        let on_device = self
+            .layers
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| matches!(&l.mlp, Ffn::Moe(m) if moe::routable_on_device(m)))
+            .map(|(i, _)| i)
+            .collect();
         Residency::new(
             &self.backend,
             reservoir,
@@ -190,6 +199,7 @@ impl<B: Backend> Model<B> {
             self.config.moe.top_k,
             config,
             initial,
+            &on_device,
         )
     }
 
@@ -327,7 +337,8 @@ impl<B: Backend> Model<B> {
         // resident sets or an observer: both need each layer's probabilities at once.
         let e = c.moe.num_experts;
         let on_device_ok = self.residency.is_none() && observer.is_none();
-        let mut probs_dev = (on_device_ok && c.moe_layers().next().is_some())
+        let sets_on_device = step.as_ref().is_some_and(|s| s.any_on_device());
+        let mut probs_dev = ((on_device_ok || sets_on_device) && c.moe_layers().next().is_some())
             .then(|| b.alloc(self.layers.len() * n * e));
         let mut on_device: Vec<usize> = Vec::new();
         b.embed(&self.embed_tokens, h, tokens, &mut x);
@@ -384,24 +395,53 @@ impl<B: Backend> Model<B> {
                 }
                 Ffn::Moe(block) => {
                     let set = step.as_mut().and_then(|s| s.layer(i));
-                    state.router_probs[i] =
-                        moe::forward(b, block, routing, &xn, n, &mut delta, set, track);
-                    if let Some(o) = observer.as_deref_mut() {
-                        o.observe(b, i, block, &xn, n, &state.router_probs[i]);
+                    match (set, probs_dev.as_mut()) {
+                        // A set in the backend's memory: routed there, its evidence fed
+                        // once the probabilities are read back (`finish_sets`).
+                        (Some(set), Some(p)) if set.device_slots().is_some() => {
+                            let slots = set.device_slots().expect("checked");
+                            let routed = moe::forward_on_device_slots(
+                                b,
+                                block,
+                                routing,
+                                &xn,
+                                n,
+                                &mut delta,
+                                p,
+                                i * n * e,
+                                slots,
+                            );
+                            assert!(
+                                routed,
+                                "layer {i}: a set on the device the backend cannot route"
+                            );
+                            on_device.push(i);
+                            if let Some(o) = observer.as_deref_mut() {
+                                let mut host = vec![0.0f32; (i + 1) * n * e];
+                                b.download(p, &mut host);
+                                state.router_probs[i] = host.split_off(i * n * e);
+                                o.observe(b, i, block, &xn, n, &state.router_probs[i]);
+                            }
+                        }
+                        (set, _) => {
+                            state.router_probs[i] =
+                                moe::forward(b, block, routing, &xn, n, &mut delta, set, track);
+                            if let Some(o) = observer.as_deref_mut() {
+                                o.observe(b, i, block, &xn, n, &state.router_probs[i]);
+                            }
+                        }
                     }
                 }
             }
             b.add(&mut x, &delta, n * h);
         }
         state.pos += n;
-        if let Some(s) = step {
-            s.finish(n);
-        }
 
         // Final norm and LM head, only on the rows whose logits are wanted.
         let m = n - logits_from;
         if m == 0 {
             self.read_router_probs(state, probs_dev.as_ref(), &on_device, n);
+            finish_sets(step, state, &on_device, n, track);
             return Ok(Vec::new());
         }
         let rows: Vec<u32> = (logits_from as u32..n as u32).collect();
@@ -413,6 +453,7 @@ impl<B: Backend> Model<B> {
         b.download(&logits, &mut out);
         // After the logits, which waited for the device: a copy, not a wait.
         self.read_router_probs(state, probs_dev.as_ref(), &on_device, n);
+        finish_sets(step, state, &on_device, n, track);
         Ok(out)
     }
 
@@ -469,7 +510,7 @@ impl<B: Backend> Model<B> {
                 capacity: state.capacity,
             });
         }
-        if self.residency.is_some() {
+        if self.residency.as_ref().is_some_and(|r| !r.all_on_device()) {
             let logits = self.forward(state, &[token], 0)?;
             return Ok(crate::runtime::generate::argmax(&logits));
         }
@@ -496,13 +537,18 @@ impl<B: Backend> Model<B> {
         });
         let at = [f32::from_bits(token), f32::from_bits(state.pos as u32)];
         b.upload_into(&at, &mut bufs.step);
+        // A token boundary: landed loads commit before the step is issued.
+        let mut step = self.residency.as_ref().map(|r| r.begin(b));
+        let track = step.as_ref().is_some_and(|s| s.tracks());
         let (kc, vc) = (&mut state.k_cache, &mut state.v_cache);
         let mut host_probs = Vec::new();
         if bufs.fit {
             let key = (state.id, self.epoch);
-            b.replay_step(key, &mut || self.step_body(bufs, kc, vc, &mut host_probs));
+            b.replay_step(key, &mut || {
+                self.step_body(bufs, kc, vc, &mut host_probs, step.as_mut())
+            });
         } else {
-            bufs.fit = self.step_body(bufs, kc, vc, &mut host_probs);
+            bufs.fit = self.step_body(bufs, kc, vc, &mut host_probs, step.as_mut());
         }
         state.pos += 1;
 
@@ -518,6 +564,11 @@ impl<B: Backend> Model<B> {
         for (i, p) in host_probs {
             state.router_probs[i] = p;
         }
+        let routed = std::mem::take(&mut bufs.routed);
+        finish_sets(step, state, &routed, 1, track);
+        if let Some(bufs) = state.step.as_mut() {
+            bufs.routed = routed;
+        }
         Ok(host[l * e].to_bits())
     }
 
@@ -530,6 +581,7 @@ impl<B: Backend> Model<B> {
         k_cache: &mut [B::Tensor],
         v_cache: &mut [B::Tensor],
         host_probs: &mut Vec<(usize, Vec<f32>)>,
+        mut sets: Option<&mut Step<'_, B>>,
     ) -> bool {
         let (c, b) = (&self.config, &self.backend);
         let (h, kv, e) = (c.hidden_size, c.kv_dim(), c.moe.num_experts);
@@ -596,16 +648,33 @@ impl<B: Backend> Model<B> {
                     moe::dense(b, mlp, &bufs.xn, 1, &mut bufs.delta);
                 }
                 Ffn::Moe(block)
-                    if moe::forward_on_device(
-                        b,
-                        block,
-                        routing,
-                        &bufs.xn,
-                        1,
-                        &mut bufs.delta,
-                        &mut bufs.probs,
-                        i * e,
-                    ) =>
+                    if match sets
+                        .as_mut()
+                        .and_then(|s| s.layer(i))
+                        .and_then(|s| s.device_slots())
+                    {
+                        Some(slots) => moe::forward_on_device_slots(
+                            b,
+                            block,
+                            routing,
+                            &bufs.xn,
+                            1,
+                            &mut bufs.delta,
+                            &mut bufs.probs,
+                            i * e,
+                            slots,
+                        ),
+                        None => moe::forward_on_device(
+                            b,
+                            block,
+                            routing,
+                            &bufs.xn,
+                            1,
+                            &mut bufs.delta,
+                            &mut bufs.probs,
+                            i * e,
+                        ),
+                    } =>
                 {
                     bufs.routed.push(i)
                 }
@@ -649,6 +718,27 @@ impl<B: Backend> Model<B> {
             state.router_probs[i] = host[i * n * e..(i + 1) * n * e].to_vec();
         }
     }
+}
+
+/// Ends a forward call's hold on the resident sets: the layers in `routed` were routed on
+/// the backend, so their sets see the call's probabilities only now (hit rate and
+/// evidence), before the checkpoint plans the next swaps.
+fn finish_sets<B: Backend>(
+    step: Option<Step<'_, B>>,
+    state: &State<B>,
+    routed: &[usize],
+    n: usize,
+    track: bool,
+) {
+    let Some(mut step) = step else { return };
+    for &i in routed {
+        if let Some(set) = step.layer(i) {
+            if set.device_slots().is_some() {
+                set.observe(&state.router_probs[i], n, track);
+            }
+        }
+    }
+    step.finish(n);
 }
 
 /// `out = x Wᵀ (+ b)` on `rows` rows.

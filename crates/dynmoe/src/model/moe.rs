@@ -233,7 +233,7 @@ pub fn forward_on_device<B: Backend>(
     let Experts::Stored { store, layer } = &moe.experts else {
         return false;
     };
-    if moe.shared_expert.is_some() {
+    if !routable_on_device(moe) {
         return false;
     }
     let Some(gate) = moe.gate.dense() else {
@@ -270,6 +270,54 @@ pub fn forward_on_device<B: Backend>(
         probs_at,
         out,
     )
+}
+
+/// The MoE block routed on the backend over the resident set in `slots`
+/// ([`Backend::routed_moe_slots`]): `out` and the unmasked probabilities as
+/// [`forward_on_device`] leaves them, routing confined to the residents. Returns `false`,
+/// having done nothing, for a block the backend cannot route (a shared expert, a coded
+/// router).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_on_device_slots<B: Backend>(
+    b: &B,
+    moe: &Moe<B>,
+    routing: Routing,
+    x: &B::Tensor,
+    rows: usize,
+    out: &mut B::Tensor,
+    probs: &mut B::Tensor,
+    probs_at: usize,
+    slots: &B::Slots,
+) -> bool {
+    if !routable_on_device(moe) {
+        return false;
+    }
+    let Some(gate) = moe.gate.dense() else {
+        return false;
+    };
+    let Router::SoftmaxTopK { renormalize } = routing.router;
+    let route = DeviceRoute {
+        top_k: routing.top_k,
+        renormalize,
+        keep: None,
+    };
+    b.routed_moe_slots(
+        x,
+        rows,
+        moe.gate.in_dim,
+        gate,
+        slots,
+        route,
+        probs,
+        probs_at,
+        out,
+    )
+}
+
+/// Whether a block's routing can run on a backend: no shared expert (its gate is read on
+/// the host) and a router kept as a plain matrix.
+pub fn routable_on_device<B: Backend>(moe: &Moe<B>) -> bool {
+    moe.shared_expert.is_none() && moe.gate.dense().is_some()
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ pub mod policy;
 pub mod reservoir;
 pub mod set;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -188,10 +188,15 @@ pub struct ResidencyReport {
     pub resident_by_layer: BTreeMap<usize, usize>,
     /// Spare slots per MoE layer, for loads in flight.
     pub spare_slots_per_layer: usize,
-    /// Bytes of every slot buffer, resident and spare, over all layers.
+    /// Bytes of host memory in slot buffers over all layers: resident and spare, or only
+    /// the spares (the staging of loads) where a set lives in the backend's memory.
     pub slot_bytes: usize,
     /// Bytes the reservoir holds in RAM (0 on disk).
     pub reservoir_ram_bytes: usize,
+    /// Bytes of the backend's memory the sets live in (0 where they live on the host).
+    pub device_bytes: usize,
+    /// MoE layers whose set lives in the backend's memory, routed there.
+    pub layers_on_device: usize,
     /// Unmasked routing probability on resident experts over all of it.
     pub hit_rate: f64,
     /// The same per MoE layer.
@@ -241,7 +246,10 @@ impl<B: Backend> Residency<B> {
     /// Resident sets over `reservoir` for MoE layers of `experts` experts routing
     /// `top_k`: the first K of `initial[layer]` (a ranking, best first; experts
     /// `0..K` where absent), read into the slots here. K is the config's count, or with
-    /// [`ResidentCount::Initial`] the length of each layer's initial set.
+    /// [`ResidentCount::Initial`] the length of each layer's initial set. The sets of
+    /// the layers in `on_device` (blocks the backend can route) live in the backend's
+    /// own memory where it keeps slots for their format ([`Backend::new_slots`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         b: &B,
         reservoir: Arc<Reservoir>,
@@ -250,6 +258,7 @@ impl<B: Backend> Residency<B> {
         top_k: usize,
         config: ResidencyConfig,
         initial: &BTreeMap<usize, Vec<u32>>,
+        on_device: &BTreeSet<usize>,
     ) -> Result<Residency<B>, Error> {
         let spare = match config.mode {
             Mode::Dynamic => config.policy.max_swaps,
@@ -293,7 +302,16 @@ impl<B: Backend> Residency<B> {
             let evidence = Evidence::new(experts, config.policy.half_lives);
             sets.insert(
                 layer,
-                LayerSet::new(b, format, experts, &chosen, buffers, spares, evidence),
+                LayerSet::new(
+                    b,
+                    format,
+                    experts,
+                    &chosen,
+                    buffers,
+                    spares,
+                    evidence,
+                    on_device.contains(&layer),
+                ),
             );
         }
         let loader = (config.mode == Mode::Dynamic)
@@ -312,6 +330,15 @@ impl<B: Backend> Residency<B> {
                 first_error: None,
             }),
         })
+    }
+
+    /// Whether every layer's set lives in the backend's memory (so a decode step needs
+    /// no host routing).
+    pub fn all_on_device(&self) -> bool {
+        self.lock()
+            .layers
+            .values()
+            .all(|s| s.device_slots().is_some())
     }
 
     /// The configuration.
@@ -335,6 +362,9 @@ impl<B: Backend> Residency<B> {
             arrived.extend(loader.ready());
         }
         for loaded in arrived {
+            let Some(loaded) = stage_on_device(&mut inner_ref.layers, loaded) else {
+                continue;
+            };
             let set = inner_ref
                 .layers
                 .get_mut(&loaded.layer)
@@ -360,6 +390,13 @@ impl<B: Backend> Residency<B> {
                 }
             }
         }
+        for set in inner_ref.layers.values_mut() {
+            for (bytes, seconds) in set.commit_landed() {
+                inner_ref.counters.swaps += 1;
+                inner_ref.counters.bytes_moved += bytes as u64;
+                inner_ref.counters.read_seconds += seconds;
+            }
+        }
         let waiting: usize = inner_ref.layers.values().map(|s| s.in_flight.len()).sum();
         if waiting > 0 {
             inner_ref.counters.late_boundaries += 1;
@@ -377,9 +414,20 @@ impl<B: Backend> Residency<B> {
         let inner = &mut *inner;
         let waiting: usize = inner.layers.values().map(|s| s.in_flight.len()).sum();
         let Some(loader) = &inner.loader else { return };
-        let pending = waiting - inner.arrived.len();
+        let staged: usize = inner.layers.values().map(|s| s.staged.len()).sum();
+        let pending = waiting - inner.arrived.len() - staged;
         for _ in 0..pending {
             inner.arrived.push(loader.wait());
+        }
+        // Loads bound for the device start their copies now, and land before returning.
+        let arrived = std::mem::take(&mut inner.arrived);
+        for loaded in arrived {
+            if let Some(loaded) = stage_on_device(&mut inner.layers, loaded) {
+                inner.arrived.push(loaded);
+            }
+        }
+        for set in inner.layers.values() {
+            set.wait_staged();
         }
     }
 
@@ -433,6 +481,12 @@ impl<B: Backend> Residency<B> {
             spare_slots_per_layer: self.spare,
             slot_bytes: inner.layers.values().map(|s| s.slot_bytes()).sum(),
             reservoir_ram_bytes: self.reservoir.ram_bytes(),
+            device_bytes: inner.layers.values().map(|s| s.device_bytes()).sum(),
+            layers_on_device: inner
+                .layers
+                .values()
+                .filter(|s| s.device_slots().is_some())
+                .count(),
             hit_rate: hit / mass.max(f64::MIN_POSITIVE),
             oracle_hit_rate: oracle / mass.max(f64::MIN_POSITIVE),
             hit_rate_per_layer: inner
@@ -449,10 +503,40 @@ impl<B: Backend> Residency<B> {
     }
 }
 
+/// Starts the device copy of a load bound for a set in the backend's memory (it commits
+/// once landed); hands back any other load (a host set's, or a failed one) to commit.
+fn stage_on_device<B: Backend>(
+    layers: &mut BTreeMap<usize, LayerSet<B>>,
+    loaded: Loaded,
+) -> Option<Loaded> {
+    let set = layers.get_mut(&loaded.layer).expect("a resident layer");
+    match (&loaded.result, set.device_slots().is_some()) {
+        (Ok(bytes), true) => {
+            let bytes = *bytes;
+            let &(out, _) = set
+                .in_flight
+                .iter()
+                .find(|&&(_, inc)| inc == loaded.expert)
+                .expect("a load that was issued");
+            set.stage(out, loaded.expert, loaded.buffer, bytes, loaded.seconds);
+            None
+        }
+        _ => Some(loaded),
+    }
+}
+
 impl<B: Backend> Step<'_, B> {
     /// The set of decoder layer `layer`, if it is a MoE layer.
     pub fn layer(&mut self, layer: usize) -> Option<&mut LayerSet<B>> {
         self.inner.layers.get_mut(&layer)
+    }
+
+    /// Whether any layer's set lives in the backend's memory.
+    pub fn any_on_device(&self) -> bool {
+        self.inner
+            .layers
+            .values()
+            .any(|s| s.device_slots().is_some())
     }
 
     /// Whether routing feeds the evidence.

@@ -3,21 +3,45 @@
 
 use super::policy::Evidence;
 use super::reservoir::{words_as_bytes, Buffer, RecordFormat};
-use crate::backend::{Backend, SwiGluGroup, Weight};
+use crate::backend::{Backend, ExpertSlots, SwiGluGroup, Weight};
 use crate::model::config::Router;
 use crate::model::moe::{route, Route};
 use crate::store::reader::record_view;
 use crate::store::vq::record_views;
 
-/// What a slot holds for the kernels: f32 tensors on the backend, or a store's record
-/// (affine or VQ, as the layer's format says) in host memory, viewed in place.
+/// What a slot holds for the kernels: f32 tensors on the backend, a store's record
+/// (affine or VQ, as the layer's format says) in host memory, viewed in place, or the
+/// index of a slot in the backend's own memory ([`Backend::new_slots`]).
 enum Slot<B: Backend> {
     Dense([B::Matrix; 3]),
     Record(Vec<u32>),
+    Device(usize),
+}
+
+/// A load whose record is on its way into a device slot: it commits at the first token
+/// boundary after the copy has landed.
+pub(super) struct Staged {
+    outgoing: u32,
+    incoming: u32,
+    /// The device slot being filled.
+    slot: usize,
+    /// The host buffer the copy reads; spare again once the copy has landed.
+    buffer: Buffer,
+    /// Bytes read out of the reservoir, and the seconds that took.
+    bytes: usize,
+    seconds: f64,
 }
 
 /// The resident set of one MoE layer.
 pub struct LayerSet<B: Backend> {
+    /// Slots in the backend's memory, when the set lives there: then every `Slot` is a
+    /// `Device` index, routing runs on the backend, and the host buffers are only the
+    /// staging of loads. First, so that it drops (and unpins the staging) before them.
+    device: Option<B::Slots>,
+    /// Device slots holding no resident expert.
+    free: Vec<usize>,
+    /// Loads whose copy into a device slot is under way.
+    pub(super) staged: Vec<Staged>,
     pub(super) format: RecordFormat,
     pub(super) resident: Vec<bool>,
     /// Expert id to slot index (`usize::MAX` when not resident).
@@ -37,6 +61,14 @@ pub struct LayerSet<B: Backend> {
     /// Probability on each token's own K most probable experts: what no set of K
     /// experts can beat.
     pub(super) oracle: f64,
+}
+
+/// The words of a store record's buffer.
+fn words(buf: &Buffer) -> &[u32] {
+    match buf {
+        Buffer::Words(w) => w,
+        Buffer::F32(_) => panic!("a dense buffer holds no record words"),
+    }
 }
 
 /// The probabilities of one token with routing confined to `resident`: the router
@@ -59,28 +91,51 @@ pub fn confine(probs: &[f32], resident: &[bool]) -> Vec<f32> {
 impl<B: Backend> LayerSet<B> {
     /// A set holding `experts` (loaded into `buffers`, one each), with `spares` spare
     /// buffers, out of `num_experts`.
+    ///
+    /// With `on_device` and a backend that keeps slots in its own memory for this format,
+    /// the set lives there: `experts` are copied into device slots (and `buffers` dropped),
+    /// `spares` are page-locked as the staging of later loads, and one more device slot per
+    /// spare receives loads in flight.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         b: &B,
         format: RecordFormat,
         num_experts: usize,
         experts: &[u32],
         buffers: Vec<Buffer>,
-        spares: Vec<Buffer>,
+        mut spares: Vec<Buffer>,
         evidence: Evidence,
+        on_device: bool,
     ) -> LayerSet<B> {
-        let mut set = LayerSet {
-            format,
-            resident: vec![false; num_experts],
-            slot_of: vec![usize::MAX; num_experts],
-            slots: Vec::with_capacity(experts.len()),
-            spares,
-            in_flight: Vec::new(),
-            frozen: vec![false; num_experts],
-            evidence,
-            hit: 0.0,
-            mass: 0.0,
-            oracle: 0.0,
+        let device = match format {
+            RecordFormat::Affine(layout) if on_device => {
+                b.new_slots(&layout, num_experts, experts.len() + spares.len())
+            }
+            _ => None,
         };
+        if let Some(mut slots) = device {
+            for (i, (&e, buf)) in experts.iter().zip(&buffers).enumerate() {
+                slots.load(i, words(buf));
+                slots.assign(e as usize, Some(i));
+            }
+            for buf in &mut spares {
+                if let Buffer::Words(w) = buf {
+                    slots.pin(w);
+                }
+            }
+            slots.wait();
+            slots.flush();
+            let mut set = LayerSet::empty(format, num_experts, spares, evidence);
+            for (i, &e) in experts.iter().enumerate() {
+                set.resident[e as usize] = true;
+                set.slot_of[e as usize] = i;
+                set.slots.push(Slot::Device(i));
+            }
+            set.free = (experts.len()..experts.len() + set.spares.len()).collect();
+            set.device = Some(slots);
+            return set;
+        }
+        let mut set = LayerSet::empty(format, num_experts, spares, evidence);
         for (&e, buf) in experts.iter().zip(buffers) {
             // A dense record's staging buffer is not kept: the slot is the upload.
             let (slot, _) = set.fill(b, buf, None);
@@ -89,6 +144,105 @@ impl<B: Backend> LayerSet<B> {
             set.slots.push(slot);
         }
         set
+    }
+
+    fn empty(
+        format: RecordFormat,
+        num_experts: usize,
+        spares: Vec<Buffer>,
+        evidence: Evidence,
+    ) -> LayerSet<B> {
+        LayerSet {
+            device: None,
+            free: Vec::new(),
+            staged: Vec::new(),
+            format,
+            resident: vec![false; num_experts],
+            slot_of: vec![usize::MAX; num_experts],
+            slots: Vec::new(),
+            spares,
+            in_flight: Vec::new(),
+            frozen: vec![false; num_experts],
+            evidence,
+            hit: 0.0,
+            mass: 0.0,
+            oracle: 0.0,
+        }
+    }
+
+    /// The backend's slots, when the set lives in its memory.
+    pub fn device_slots(&self) -> Option<&B::Slots> {
+        self.device.as_ref()
+    }
+
+    /// Starts copying a loaded record into a free device slot; it commits once landed
+    /// ([`commit_landed`](Self::commit_landed)).
+    pub(super) fn stage(
+        &mut self,
+        outgoing: u32,
+        incoming: u32,
+        buffer: Buffer,
+        bytes: usize,
+        seconds: f64,
+    ) {
+        let slots = self.device.as_mut().expect("a set on the device");
+        let slot = self
+            .free
+            .pop()
+            .expect("a free device slot per load in flight");
+        slots.load(slot, words(&buffer));
+        self.staged.push(Staged {
+            outgoing,
+            incoming,
+            slot,
+            buffer,
+            bytes,
+            seconds,
+        });
+    }
+
+    /// Commits every staged load whose copy has landed (its buffer spare again), then
+    /// makes the set as it now is visible to the backend's next launches. Returns the
+    /// bytes and read seconds of each committed load.
+    pub(super) fn commit_landed(&mut self) -> Vec<(usize, f64)> {
+        let Some(slots) = self.device.as_mut() else {
+            return Vec::new();
+        };
+        let mut done = Vec::new();
+        let mut i = 0;
+        while i < self.staged.len() {
+            if !slots.loaded(self.staged[i].slot) {
+                i += 1;
+                continue;
+            }
+            let st = self.staged.swap_remove(i);
+            let (out, inc) = (st.outgoing as usize, st.incoming as usize);
+            let s = self.slot_of[out];
+            assert!(s != usize::MAX && self.slot_of[inc] == usize::MAX);
+            slots.assign(out, None);
+            slots.assign(inc, Some(st.slot));
+            match std::mem::replace(&mut self.slots[s], Slot::Device(st.slot)) {
+                Slot::Device(freed) => self.free.push(freed),
+                _ => unreachable!("a set on the device has device slots only"),
+            }
+            self.slot_of[out] = usize::MAX;
+            self.slot_of[inc] = s;
+            self.resident[out] = false;
+            self.resident[inc] = true;
+            self.in_flight
+                .retain(|&(o, i)| (o, i) != (st.outgoing, st.incoming));
+            self.spares.push(st.buffer);
+            done.push((st.bytes, st.seconds));
+        }
+        slots.flush();
+        done
+    }
+
+    /// Waits until every staged copy has landed (they still commit at the next boundary).
+    pub(super) fn wait_staged(&self) {
+        if let Some(slots) = &self.device {
+            slots.wait();
+        }
     }
 
     /// The slot a loaded buffer becomes, and the buffer freed by it: a dense record is
@@ -157,27 +311,40 @@ impl<B: Backend> LayerSet<B> {
         router: Router,
         track: bool,
     ) -> Vec<Route> {
+        self.observe(probs, rows, track);
+        let e = self.resident.len();
+        (0..rows)
+            .map(|r| {
+                route(
+                    &confine(&probs[r * e..(r + 1) * e], &self.resident),
+                    top_k,
+                    router,
+                )
+            })
+            .collect()
+    }
+
+    /// Counts the hit rate of `rows` tokens' unmasked probabilities `[rows, E]` and, when
+    /// `track`, feeds them to the evidence: what [`route`](Self::route) does besides
+    /// routing, for blocks routed on the backend.
+    pub fn observe(&mut self, probs: &[f32], rows: usize, track: bool) {
         let e = self.resident.len();
         let k = self.slots.len();
         let mut sorted = vec![0.0f32; e];
-        (0..rows)
-            .map(|r| {
-                let p = &probs[r * e..(r + 1) * e];
-                sorted.copy_from_slice(p);
-                sorted.sort_by(|a, b| b.total_cmp(a));
-                self.oracle += sorted[..k].iter().map(|&v| v as f64).sum::<f64>();
-                for (&pe, &res) in p.iter().zip(&self.resident) {
-                    self.mass += pe as f64;
-                    if res {
-                        self.hit += pe as f64;
-                    }
+        for p in probs.chunks_exact(e).take(rows) {
+            sorted.copy_from_slice(p);
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            self.oracle += sorted[..k].iter().map(|&v| v as f64).sum::<f64>();
+            for (&pe, &res) in p.iter().zip(&self.resident) {
+                self.mass += pe as f64;
+                if res {
+                    self.hit += pe as f64;
                 }
-                if track {
-                    self.evidence.observe(p);
-                }
-                route(&confine(p, &self.resident), top_k, router)
-            })
-            .collect()
+            }
+            if track {
+                self.evidence.observe(p);
+            }
+        }
     }
 
     /// The kernels' view of resident expert `e`, from its slot.
@@ -209,6 +376,9 @@ impl<B: Backend> LayerSet<B> {
             (Slot::Record(w), RecordFormat::Vq(layout)) => {
                 crate::model::moe::vq_group(record_views(&layout, words_as_bytes(w)), rows, scales)
             }
+            (Slot::Device(_), _) => {
+                panic!("expert {e} lives in a device slot: the block is routed on the backend")
+            }
             _ => unreachable!("slots match their layer's format"),
         }
     }
@@ -223,7 +393,16 @@ impl<B: Backend> LayerSet<B> {
             } => 3 * hidden * intermediate * 4,
             RecordFormat::Affine(_) | RecordFormat::Vq(_) => self.format.record_bytes(),
         };
-        one * (self.slots.len() + self.spares.len() + self.in_flight.len())
+        let host = match self.device {
+            Some(_) => self.spares.len() + self.in_flight.len(),
+            None => self.slots.len() + self.spares.len() + self.in_flight.len(),
+        };
+        one * host
+    }
+
+    /// Bytes of the backend's memory the set takes (its device slots and tables).
+    pub fn device_bytes(&self) -> usize {
+        self.device.as_ref().map_or(0, |s| s.bytes())
     }
 }
 

@@ -30,6 +30,7 @@ impl Cpu {
 impl Backend for Cpu {
     type Tensor = Vec<f32>;
     type Matrix = Vec<f32>;
+    type Slots = super::NoSlots;
 
     fn name(&self) -> &'static str {
         if self.fast {

@@ -27,6 +27,10 @@
 //! Ops have no error path in [`Backend`]; a failing CUDA call after the backend was
 //! made (out of memory, a kernel fault) panics with the call's error.
 
+mod slots;
+
+pub use slots::CudaSlots;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -46,6 +50,7 @@ use crate::codec::affine::kernels::AffineView;
 use crate::codec::affine::lowbit::words_per_row;
 use crate::codec::affine::GROUP_SIZE;
 use crate::codec::vq::{row_bytes, Rung, VqView};
+use crate::store::Layout;
 
 /// The kernels' CUDA C source.
 pub const SOURCE: &str = include_str!("kernels.cu");
@@ -80,6 +85,8 @@ const ROUTED_ROWS: usize = 4;
 /// Most rows a MoE block is routed on the device for: beyond, each expert's weights
 /// would be read once per row, and the host path's grouped GEMMs win.
 pub const ROUTED_MAX_ROWS: usize = AFFINE_GEMM_ROWS;
+/// Most (row, expert) pairs one routed launch takes (a grid dimension holds 65 535).
+const ROUTED_CHUNK_PAIRS: usize = 4096;
 
 /// Why the CUDA backend could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -352,12 +359,56 @@ struct RoutedBlock {
     /// Cache key and sampled words of the first and last experts' gate projections: the
     /// block's id is trusted only while these still match.
     check: [(AffineKey, [u32; 3]); 2],
-    bits: u32,
-    inter: usize,
-    up_cols: usize,
-    down_cols: usize,
+    shape: RoutedShape,
     /// The expert mask last used with the block, and its device copy.
     keep: Option<(Vec<bool>, CudaSlice<u8>)>,
+}
+
+/// The shapes every expert of a block routed on the device shares.
+#[derive(Debug, Clone, Copy)]
+struct RoutedShape {
+    bits: u32,
+    /// Expert width (rows of gate and up).
+    inter: usize,
+    /// Stored columns of gate and up, and of down.
+    up_cols: usize,
+    down_cols: usize,
+}
+
+impl RoutedShape {
+    /// The shape of `layout`'s records, if the routed kernels take it for a residual
+    /// stream of `hidden`.
+    fn of(
+        bits: u32,
+        inter: usize,
+        up_cols: usize,
+        down_cols: usize,
+        hidden: usize,
+    ) -> Option<Self> {
+        let fits = |cols: usize| routed_shared(cols) <= SHARED_LIMIT;
+        (matches!(bits, 2..=4)
+            && up_cols >= hidden
+            && down_cols >= inter
+            && fits(up_cols)
+            && fits(down_cols))
+        .then_some(RoutedShape {
+            bits,
+            inter,
+            up_cols,
+            down_cols,
+        })
+    }
+}
+
+/// One routed launch sequence: where the expert table and the mask are, and how to route.
+struct Routed<'a> {
+    shape: RoutedShape,
+    /// Device address of the `[E, ROUTED_ENTRY]` pointer table.
+    table: u64,
+    /// Device address of the `[E]` byte mask (0: every expert may be chosen).
+    keep: u64,
+    experts: usize,
+    route: DeviceRoute<'a>,
 }
 
 /// What confirms that a block's id still names the same weights.
@@ -373,6 +424,8 @@ fn routed_check(experts: &RoutedExperts<'_, DeviceMatrix>) -> Option<[(AffineKey
 pub struct Cuda {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// Loads into resident-set slots ([`CudaSlots`]) run here, beside the compute.
+    copies: Arc<CudaStream>,
     blas: CudaBlas,
     k: Kernels,
     arch: String,
@@ -493,9 +546,11 @@ impl Cuda {
         // A stream of its own: the legacy default stream cannot be recorded into a graph.
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
+        let copies = driver(ctx.new_stream())?;
         Ok(Cuda {
             ctx,
             stream,
+            copies,
             blas,
             k: Kernels { _module: module, f },
             arch,
@@ -1149,15 +1204,7 @@ impl Cuda {
         };
         let (bits, inter, up_cols, down_cols) =
             (first.0.bits, first.0.rows, first.0.cols, first.1.cols);
-        let fits = |cols: usize| routed_shared(cols) <= SHARED_LIMIT;
-        if !matches!(bits, 2..=4)
-            || up_cols < hidden
-            || down_cols < inter
-            || !fits(up_cols)
-            || !fits(down_cols)
-        {
-            return None;
-        }
+        let shape = RoutedShape::of(bits, inter, up_cols, down_cols, hidden)?;
         let mut table = Vec::with_capacity(experts.count * ROUTED_ENTRY);
         let mut weights = Vec::with_capacity(experts.count * 3);
         for e in 0..experts.count {
@@ -1186,12 +1233,107 @@ impl Cuda {
             table: ok(self.stream.clone_htod(&table), "upload"),
             _weights: weights,
             check,
-            bits,
-            inter,
-            up_cols,
-            down_cols,
+            shape,
             keep: None,
         })
+    }
+
+    /// Routes `rows` rows whose router logits are at device address `probs` (turned into
+    /// probabilities there) and runs their experts: the route kernel, the gate/up and down
+    /// launches reading the chosen experts through `r.table`, and the weighted combine into
+    /// `out`. `x`, `probs` and `out` are device addresses of `[rows, …]` buffers.
+    fn launch_routed(
+        &self,
+        r: &Routed<'_>,
+        x: u64,
+        rows: usize,
+        hidden: usize,
+        probs: u64,
+        out: u64,
+    ) {
+        let (e, k, shape) = (r.experts, r.route.top_k, r.shape);
+        let (inter, pairs) = (shape.inter, rows * k);
+        // ids, weights, gate, up, down: one scratch buffer, carved by offset.
+        // Sized for at least the most rows a decode step routes, so that it is not
+        // replaced (under a recorded step) when a call with more rows follows.
+        let size = |pairs: usize| 2 * pairs + 2 * pairs * inter + pairs * hidden;
+        let mut scratch = self.routed_scratch.lock().expect("scratch lock");
+        if scratch.as_ref().is_none_or(|s| s.len() < size(pairs)) {
+            self.drop_graphs();
+            let n = size(pairs.max(ROUTED_MAX_ROWS * k));
+            *scratch = Some(ok(unsafe { self.stream.alloc::<f32>(n) }, "alloc"));
+        }
+        let base = scratch
+            .as_ref()
+            .expect("set above")
+            .device_ptr(&self.stream)
+            .0;
+        let at = |floats: usize| base + 4 * floats as u64;
+        let (ids, weights) = (at(0), at(pairs));
+        let (g, u, d) = (
+            at(2 * pairs),
+            at(2 * pairs + pairs * inter),
+            at(2 * pairs + 2 * pairs * inter),
+        );
+
+        let (ei, ki, rn) = (e as i32, k as i32, r.route.renormalize as i32);
+        let mut l = self.stream.launch_builder(self.func("moe_route"));
+        l.arg(&probs)
+            .arg(&r.keep)
+            .arg(&ids)
+            .arg(&weights)
+            .arg(&ei)
+            .arg(&ki)
+            .arg(&rn);
+        ok(
+            unsafe { l.launch(cfg(rows, row_threads(e), e * 4)) },
+            "moe_route",
+        );
+
+        let suffix = match shape.bits {
+            4 => "q4",
+            3 => "q3",
+            _ => "q2",
+        };
+        let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
+        let f = self.func(&format!("affine_routed_gate_up_{suffix}"));
+        let mut l = self.stream.launch_builder(f);
+        l.arg(&r.table).arg(&ids).arg(&ki).arg(&x).arg(&g).arg(&u);
+        l.arg(&ri).arg(&c).arg(&i);
+        let grid = LaunchConfig {
+            grid_dim: (
+                inter.div_ceil(AFFINE_WARPS * ROUTED_ROWS) as u32,
+                pairs as u32,
+                2,
+            ),
+            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: routed_shared(shape.up_cols) as u32,
+        };
+        ok(unsafe { l.launch(grid) }, "routed gate/up");
+
+        let (ri, c, i) = (hidden as i32, shape.down_cols as i32, inter as i32);
+        let f = self.func(&format!("affine_routed_down_{suffix}"));
+        let mut l = self.stream.launch_builder(f);
+        l.arg(&r.table).arg(&ids).arg(&ki).arg(&g).arg(&u).arg(&d);
+        l.arg(&ri).arg(&c).arg(&i);
+        let grid = LaunchConfig {
+            grid_dim: (
+                hidden.div_ceil(AFFINE_WARPS * ROUTED_ROWS) as u32,
+                pairs as u32,
+                1,
+            ),
+            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: routed_shared(shape.down_cols) as u32,
+        };
+        ok(unsafe { l.launch(grid) }, "routed down");
+
+        let w = hidden as i32;
+        let mut l = self.stream.launch_builder(self.func("moe_combine"));
+        l.arg(&d).arg(&weights).arg(&out).arg(&ki).arg(&w);
+        ok(
+            unsafe { l.launch(cfg(rows, row_threads(hidden), 0)) },
+            "moe_combine",
+        );
     }
 
     /// [`Backend::matmul`] into any device buffer: the matrix-vector kernel for a few
@@ -1340,6 +1482,7 @@ impl Cuda {
 impl Backend for Cuda {
     type Tensor = CudaSlice<f32>;
     type Matrix = DeviceMatrix;
+    type Slots = CudaSlots;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -1844,105 +1987,88 @@ impl Backend for Cuda {
                 dev.device_ptr(&self.stream).0
             }
         };
-        let (inter, pairs) = (block.inter, rows * k);
-
+        let shape = block.shape;
+        let table = block.table.device_ptr(&self.stream).0;
         // Router logits into the probabilities' slot; the route kernel turns them into
         // probabilities in place.
         let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
         self.dense_product(x, gate, rows, hidden, e, &mut logits);
         let probs_ptr = logits.device_ptr_mut(&self.stream).0;
+        let x_ptr = x.device_ptr(&self.stream).0;
+        let out_ptr = out.device_ptr_mut(&self.stream).0;
+        let routed = Routed {
+            shape,
+            table,
+            keep,
+            experts: e,
+            route,
+        };
+        self.launch_routed(&routed, x_ptr, rows, hidden, probs_ptr, out_ptr);
+        true
+    }
 
-        // ids, weights, gate, up, down: one scratch buffer, carved by offset.
-        // Sized for the most rows at once, so that it is not replaced (under a recorded
-        // step) when a call with more rows follows.
-        let size = |pairs: usize| 2 * pairs + 2 * pairs * inter + pairs * hidden;
-        let mut scratch = self.routed_scratch.lock().expect("scratch lock");
-        if scratch.as_ref().is_none_or(|s| s.len() < size(pairs)) {
-            self.drop_graphs();
-            let n = size(ROUTED_MAX_ROWS * k);
-            *scratch = Some(ok(unsafe { self.stream.alloc::<f32>(n) }, "alloc"));
+    fn new_slots(&self, layout: &Layout, experts: usize, count: usize) -> Option<CudaSlots> {
+        let [gate, _, down] = layout.matrices;
+        let shape = RoutedShape::of(layout.bits, gate.rows, gate.cols, down.cols, layout.hidden)?;
+        if experts == 0 || experts > 4096 {
+            return None;
         }
-        let base = scratch
-            .as_ref()
-            .expect("set above")
-            .device_ptr(&self.stream)
-            .0;
-        let at = |floats: usize| base + 4 * floats as u64;
-        let (ids, weights) = (at(0), at(pairs));
-        let (g, u, d) = (
-            at(2 * pairs),
-            at(2 * pairs + pairs * inter),
-            at(2 * pairs + 2 * pairs * inter),
+        Some(CudaSlots::new(
+            &self.stream,
+            &self.copies,
+            shape,
+            layout,
+            experts,
+            count,
+        ))
+    }
+
+    fn routed_moe_slots(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        hidden: usize,
+        gate: &DeviceMatrix,
+        slots: &CudaSlots,
+        route: DeviceRoute<'_>,
+        probs: &mut CudaSlice<f32>,
+        probs_at: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> bool {
+        let (e, k) = (slots.experts(), route.top_k);
+        if rows == 0 || k == 0 || k > e {
+            return false;
+        }
+        let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
+        self.dense_product(x, gate, rows, hidden, e, &mut logits);
+        let probs_at = logits.device_ptr_mut(&self.stream).0;
+        let (x_at, out_at) = (
+            x.device_ptr(&self.stream).0,
+            out.device_ptr_mut(&self.stream).0,
         );
-
-        let (ei, ki, rn) = (e as i32, k as i32, route.renormalize as i32);
-        let mut l = self.stream.launch_builder(self.func("moe_route"));
-        l.arg(&probs_ptr)
-            .arg(&keep)
-            .arg(&ids)
-            .arg(&weights)
-            .arg(&ei)
-            .arg(&ki)
-            .arg(&rn);
-        ok(
-            unsafe { l.launch(cfg(rows, row_threads(e), e * 4)) },
-            "moe_route",
-        );
-
-        let suffix = match block.bits {
-            4 => "q4",
-            3 => "q3",
-            _ => "q2",
+        let routed = Routed {
+            shape: slots.shape,
+            table: slots.table_at(),
+            keep: slots.keep_at(),
+            experts: e,
+            route,
         };
-        let (r, c, i) = (inter as i32, block.up_cols as i32, hidden as i32);
-        let f = self.func(&format!("affine_routed_gate_up_{suffix}"));
-        let mut l = self.stream.launch_builder(f);
-        l.arg(&block.table)
-            .arg(&ids)
-            .arg(&ki)
-            .arg(x)
-            .arg(&g)
-            .arg(&u);
-        l.arg(&r).arg(&c).arg(&i);
-        let grid = LaunchConfig {
-            grid_dim: (
-                inter.div_ceil(AFFINE_WARPS * ROUTED_ROWS) as u32,
-                pairs as u32,
-                2,
-            ),
-            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: routed_shared(block.up_cols) as u32,
-        };
-        ok(unsafe { l.launch(grid) }, "routed gate/up");
-
-        let (r, c, i) = (hidden as i32, block.down_cols as i32, inter as i32);
-        let f = self.func(&format!("affine_routed_down_{suffix}"));
-        let mut l = self.stream.launch_builder(f);
-        l.arg(&block.table)
-            .arg(&ids)
-            .arg(&ki)
-            .arg(&g)
-            .arg(&u)
-            .arg(&d);
-        l.arg(&r).arg(&c).arg(&i);
-        let grid = LaunchConfig {
-            grid_dim: (
-                hidden.div_ceil(AFFINE_WARPS * ROUTED_ROWS) as u32,
-                pairs as u32,
-                1,
-            ),
-            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: routed_shared(block.down_cols) as u32,
-        };
-        ok(unsafe { l.launch(grid) }, "routed down");
-
-        let w = hidden as i32;
-        let mut l = self.stream.launch_builder(self.func("moe_combine"));
-        l.arg(&d).arg(&weights).arg(out).arg(&ki).arg(&w);
-        ok(
-            unsafe { l.launch(cfg(rows, row_threads(hidden), 0)) },
-            "moe_combine",
-        );
+        // The routed kernels read each chosen expert once per row: fine for a decode step,
+        // and for a prompt the only path that reads device slots. Chunks keep the grid
+        // (one block row per row and expert) within bounds.
+        let chunk = (ROUTED_CHUNK_PAIRS / k).max(1);
+        for r0 in (0..rows).step_by(chunk) {
+            let n = chunk.min(rows - r0);
+            let f = |at: u64, width: usize| at + 4 * (r0 * width) as u64;
+            self.launch_routed(
+                &routed,
+                f(x_at, hidden),
+                n,
+                hidden,
+                f(probs_at, e),
+                f(out_at, hidden),
+            );
+        }
         true
     }
 

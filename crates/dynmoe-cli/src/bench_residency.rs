@@ -1,0 +1,235 @@
+//! `dynmoe bench residency`: decode speed with a resident set smaller than the model,
+//! beside the same model fully resident, with what the swaps cost (DESIGN.md §7, §11).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::Serialize;
+
+use crate::bench::{affine_bytes, median};
+use crate::residency::ResidencyArgs;
+use crate::{cuda_backend, BackendKind};
+use dynmoe::backend::Backend;
+use dynmoe::model::{Config, ExpertBits, LoadedModel};
+use dynmoe::residency::ResidencyReport;
+use dynmoe::runtime::generate::argmax;
+use dynmoe::testing::Rng;
+
+#[derive(Args)]
+pub struct ResidencyBenchArgs {
+    /// A converted model directory.
+    model: PathBuf,
+    /// Compute backend.
+    #[arg(long, value_enum, default_value = "cuda")]
+    backend: BackendKind,
+    /// Expert precision.
+    #[arg(long, default_value_t = 2)]
+    bits: u32,
+    /// Prompt tokens (random ids).
+    #[arg(long, default_value_t = 16)]
+    prompt: usize,
+    /// Tokens decoded greedily after the prompt, per run.
+    #[arg(long, default_value_t = 256)]
+    generate: usize,
+    /// Timed runs after a warm-up run; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    #[command(flatten)]
+    residency: ResidencyArgs,
+    /// Also write the report here as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(Serialize)]
+struct Report {
+    model: PathBuf,
+    backend: String,
+    layers: usize,
+    bits: u32,
+    prompt: usize,
+    generate: usize,
+    repeats: usize,
+    /// Decode tok/s of each timed run with every expert resident.
+    full_runs_tok_s: Vec<f64>,
+    full_tok_s: f64,
+    /// The same with the resident sets.
+    resident_runs_tok_s: Vec<f64>,
+    resident_tok_s: f64,
+    /// `resident_tok_s / full_tok_s`.
+    ratio: f64,
+    /// Bytes of every routed expert at `bits` (what full residency keeps).
+    all_expert_bytes: usize,
+    /// Bytes of the dense weights on the backend (bf16 on CUDA).
+    dense_bytes: usize,
+    /// What the resident sets measured over the timed runs.
+    residency: ResidencyReport,
+}
+
+/// Bytes of the non-expert weights at `dense` bytes each: attention, routers,
+/// embeddings and an untied LM head.
+fn dense_weight_bytes(c: &Config, dense: usize) -> usize {
+    let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
+    let attention = c.layers.len() * (2 * q * h + 2 * kv * h);
+    let routers = c.moe_layers().count() * c.moe.num_experts * h;
+    let tables = if c.tie_word_embeddings { 1 } else { 2 } * c.vocab_size * h;
+    dense * (attention + routers + tables)
+}
+
+/// Greedy decode tok/s of `repeats` runs after a warm-up run, each from a fresh prefill
+/// of the same random prompt; `between` runs after the warm-up.
+fn decode_runs<B: Backend>(
+    m: &LoadedModel<B>,
+    prompt: usize,
+    generate: usize,
+    repeats: usize,
+    between: &mut dyn FnMut(),
+) -> Result<Vec<f64>> {
+    let vocab = m.model.config.vocab_size as u64;
+    let mut rng = Rng::seeded(1);
+    let ids: Vec<u32> = (0..prompt)
+        .map(|_| (rng.next_u64() % vocab) as u32)
+        .collect();
+    let mut state = m.model.new_state(prompt + generate);
+    let mut runs = Vec::new();
+    for run in 0..=repeats {
+        if run == 1 {
+            between();
+        }
+        state.clear();
+        let mut next = argmax(&m.model.forward(&mut state, &ids, prompt - 1)?);
+        let t = Instant::now();
+        for _ in 0..generate {
+            next = m.model.decode_greedy(&mut state, next)?;
+        }
+        if run > 0 {
+            runs.push(generate as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(runs)
+}
+
+pub fn bench_residency(a: ResidencyBenchArgs) -> Result<()> {
+    if a.prompt == 0 || a.repeats == 0 || a.generate == 0 {
+        bail!("--prompt, --generate and --repeats must be positive");
+    }
+    if a.residency.config()?.is_none() {
+        bail!("give --resident-fraction (below 1) or --resident-count: what to compare full residency with");
+    }
+    let eb = ExpertBits {
+        default: Some(a.bits),
+        ..ExpertBits::default()
+    };
+    match a.backend {
+        BackendKind::Cuda => {
+            let mut m = crate::load(&a.model, cuda_backend()?, &(&eb).into())?;
+            run(&a, &mut m, 2, &mut |m| free_device_copies(m))
+        }
+        other => {
+            let mut m = crate::load(&a.model, other.cpu(), &(&eb).into())?;
+            run(&a, &mut m, 4, &mut |_| {})
+        }
+    }
+}
+
+fn run<B: Backend>(
+    a: &ResidencyBenchArgs,
+    m: &mut LoadedModel<B>,
+    dense: usize,
+    free: &mut dyn FnMut(&LoadedModel<B>),
+) -> Result<()> {
+    let c = m.model.config.clone();
+    let (h, i) = (c.hidden_size, c.moe.expert_intermediate);
+    let expert = 2 * affine_bytes(i, h, a.bits) + affine_bytes(h, i, a.bits);
+    let all_expert_bytes = c.moe_layers().count() * c.moe.num_experts * expert;
+    let dense_bytes = dense_weight_bytes(&c, dense);
+    println!(
+        "{} ({} layers, {} experts of {:.1} MB at {} bits: {:.2} GB; dense {:.2} GB), prompt {} / decode {} tokens, median of {}",
+        a.model.display(),
+        c.layers.len(),
+        c.moe.num_experts,
+        expert as f64 / 1e6,
+        a.bits,
+        all_expert_bytes as f64 / 1e9,
+        dense_bytes as f64 / 1e9,
+        a.prompt,
+        a.generate,
+        a.repeats
+    );
+    let full = decode_runs(m, a.prompt, a.generate, a.repeats, &mut || {})?;
+    println!("every expert resident: {:.1} tok/s", median(&full));
+    // The full copies go, so that the resident sets are what the device holds.
+    free(m);
+    a.residency
+        .install(m)
+        .context("installing the resident sets")?;
+    let residency = m.model.residency().expect("installed");
+    let resident = decode_runs(m, a.prompt, a.generate, a.repeats, &mut || {
+        residency.reset_counters()
+    })?;
+    let rep = residency.report();
+    let ratio = median(&resident) / median(&full);
+    let c_ = &rep.counters;
+    println!(
+        "{:>10} {:>10} {:>7} {:>11} {:>11} {:>7} {:>10} {:>8} {:>7} {:>7} {:>11}",
+        "full t/s",
+        "set t/s",
+        "ratio",
+        "resident",
+        "device GB",
+        "swaps",
+        "GB moved",
+        "stalls",
+        "late",
+        "hit",
+        "loads GB/s"
+    );
+    println!(
+        "{:>10.1} {:>10.1} {:>7.3} {:>5} of {:<3} {:>11.2} {:>7} {:>10.2} {:>8} {:>7} {:>7.3} {:>11.2}",
+        median(&full),
+        median(&resident),
+        ratio,
+        rep.resident_per_layer,
+        rep.experts_per_layer,
+        (rep.device_bytes + dense_bytes) as f64 / 1e9,
+        c_.swaps,
+        c_.bytes_moved as f64 / 1e9,
+        c_.stalls,
+        c_.late_boundaries,
+        rep.hit_rate,
+        rep.read_bandwidth_mb_s / 1e3
+    );
+    let report = Report {
+        model: a.model.clone(),
+        backend: m.model.backend().name().to_string(),
+        layers: c.layers.len(),
+        bits: a.bits,
+        prompt: a.prompt,
+        generate: a.generate,
+        repeats: a.repeats,
+        full_tok_s: median(&full),
+        full_runs_tok_s: full,
+        resident_tok_s: median(&resident),
+        resident_runs_tok_s: resident,
+        ratio,
+        all_expert_bytes,
+        dense_bytes,
+        residency: rep,
+    };
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn free_device_copies(m: &LoadedModel<dynmoe::backend::Cuda>) {
+    m.model.backend().clear_weight_cache();
+}
+
+/// Without the feature the "CUDA" model is never made (see `cuda_backend`).
+#[cfg(not(feature = "cuda"))]
+fn free_device_copies<B: Backend>(_: &LoadedModel<B>) {}
