@@ -109,7 +109,7 @@ fn synth_converted(a: &SynthArgs, shape: &synth::Shape, tok: &std::path::Path) -
         tok,
         &a.out,
         a.seed,
-        &mut |d, t| progress::update(&bar, d, t),
+        &mut |d, t| progress::update(&bar, d >> 20, t >> 20),
     )
     .with_context(|| format!("writing {}", a.out.display()))?;
     bar.finish_and_clear();

@@ -436,7 +436,7 @@ fn write_config_and_tokenizer(
 /// `dense.safetensors` with random bf16 weights and the expert stores at `bits` (2, 3,
 /// 4; without 4, the low-bit stores stand alone) with random records, all from `seed`:
 /// two runs with the same arguments write the same bytes (manifests aside, which carry
-/// the time). `progress(done, total)` counts MB.
+/// the time). `progress(done, total)` counts bytes.
 ///
 /// Under the directory's exclusive lock: the stores' manifests are removed first and
 /// written last, every file atomically, so an interrupted run leaves no store a later
@@ -481,14 +481,13 @@ pub fn synth_converted(
             });
         }
     }
-    let total = shape.converted_bytes(layers, bits)?;
-    let mb = |b: u64| (b >> 20) as usize;
+    let total = shape.converted_bytes(layers, bits)? as usize;
     let _lock = atomic::lock_exclusive(out)?;
     store::synth::prepare(out, bits)?;
     write_config_and_tokenizer(shape, layers, tokenizer_dir, out)?;
     let (dense_tensors, dense_bytes) =
         write_dense(shape, layers, seed, &out.join(DENSE_FILE), &mut |done| {
-            progress(mb(done), mb(total))
+            progress(done as usize, total)
         })?;
     let dense_seconds = start.elapsed().as_secs_f64();
     let spec = shape.expert_spec(layers, seed);
@@ -502,7 +501,7 @@ pub fn synth_converted(
             .sum::<Result<u64, _>>()?
     };
     let stores = store::synth::write_stores(out, &spec, bits, &mut |done, _| {
-        progress(mb(dense_bytes + done as u64 * record_bytes), mb(total))
+        progress((dense_bytes + done as u64 * record_bytes) as usize, total)
     })?;
     Ok(ConvertedReport {
         dir: out.to_path_buf(),
