@@ -91,7 +91,10 @@ fn a_directory_with_a_4_bit_store_loads_and_runs_at_each_precision() {
     let m4 = Manifest::read(&out.path("experts.json")).unwrap();
     assert_eq!(m4.source.kind, synth::SOURCE_KIND);
     let generator = m4.source.generator.unwrap();
-    assert_eq!((generator.name.as_str(), generator.seed), (synth::GENERATOR, 1));
+    assert_eq!(
+        (generator.name.as_str(), generator.seed),
+        (synth::GENERATOR, 1)
+    );
     assert!(m4.source.files.is_empty());
 }
 
@@ -105,7 +108,12 @@ fn one_seed_writes_the_same_bytes_and_another_seed_other_ones() {
     write(a.dir(), &[4, 2], 7);
     write(b.dir(), &[4, 2], 7);
     write(c.dir(), &[4, 2], 8);
-    for f in ["experts.bin", "experts2.bin", "dense.safetensors", "config.json"] {
+    for f in [
+        "experts.bin",
+        "experts2.bin",
+        "dense.safetensors",
+        "config.json",
+    ] {
         assert_eq!(read(&a.path(f)), read(&b.path(f)), "{f}");
     }
     for f in ["experts.bin", "experts2.bin", "dense.safetensors"] {
@@ -229,7 +237,10 @@ fn a_flipped_byte_in_a_checked_record_is_caught() {
     write(out.dir(), &[4, 2], 4);
     let original = read(&out.path("experts2.bin"));
     let size = original.len() as u64;
-    let record = ExpertStore::open(out.dir(), 2).unwrap().layout().record_size as u64;
+    let record = ExpertStore::open(out.dir(), 2)
+        .unwrap()
+        .layout()
+        .record_size as u64;
 
     // The last 2-bit record: fails the re-pack from experts.bin, and is rebuilt from it
     // to the bytes synth wrote.
@@ -242,14 +253,20 @@ fn a_flipped_byte_in_a_checked_record_is_caught() {
     // The first 4-bit record: fails its regeneration from the seed.
     flip_byte(&out.path("experts.bin"), 10);
     let err = ExpertStore::open(out.dir(), 4).err().unwrap().to_string();
-    assert!(err.contains("experts.bin") && err.contains("seed 4"), "{err}");
+    assert!(
+        err.contains("experts.bin") && err.contains("seed 4"),
+        "{err}"
+    );
 
     // A 2-bit store standing alone: the same check, and nothing to rebuild it from.
     let q2 = TempDir::new("synth-flip-q2");
     write(q2.dir(), &[2], 4);
     flip_byte(&q2.path("experts2.bin"), 3);
     let err = ExpertStore::open(q2.dir(), 2).err().unwrap().to_string();
-    assert!(err.contains("experts2.bin") && err.contains("record 0"), "{err}");
+    assert!(
+        err.contains("experts2.bin") && err.contains("record 0"),
+        "{err}"
+    );
     let err = lowbit::ensure(q2.dir(), 2).unwrap_err().to_string();
     assert!(err.contains("experts2.bin"), "{err}");
     assert!(logits(q2.dir(), None).is_err());

@@ -300,25 +300,27 @@ fn dense_chunk(name: &str, n: usize, chunk: usize, seed: u64) -> Vec<u8> {
         return bf16::ONE.to_le_bytes().repeat(len);
     }
     // A value depends on its 16 random bits alone: look it up rather than convert.
-    static VALUES: std::sync::OnceLock<Vec<[u8; 2]>> = std::sync::OnceLock::new();
+    static VALUES: std::sync::OnceLock<Vec<u16>> = std::sync::OnceLock::new();
     let values = VALUES.get_or_init(|| {
         let half_width = STD * 3f32.sqrt();
         (0..1u32 << 16)
             .map(|r| {
                 let unit = (r as f32 + 0.5) / 65536.0;
-                bf16::from_f32((2.0 * unit - 1.0) * half_width).to_le_bytes()
+                bf16::from_f32((2.0 * unit - 1.0) * half_width).to_bits()
             })
             .collect()
     });
     let mut rng =
         Rng::seeded(salt(name, seed) ^ (chunk as u64).wrapping_mul(0xa076_1d64_78bd_642f));
-    let mut out = vec![0u8; 2 * len];
-    for four in out.chunks_mut(8) {
+    let mut out = Vec::with_capacity(2 * len + 8);
+    for _ in 0..len.div_ceil(4) {
         let r = rng.next_u64();
-        for (k, v) in four.chunks_exact_mut(2).enumerate() {
-            v.copy_from_slice(&values[((r >> (16 * k)) & 0xffff) as usize]);
-        }
+        let four = (0..4).fold(0u64, |w, k| {
+            w | (values[((r >> (16 * k)) & 0xffff) as usize] as u64) << (16 * k)
+        });
+        out.extend_from_slice(&four.to_le_bytes());
     }
+    out.truncate(2 * len);
     out
 }
 
