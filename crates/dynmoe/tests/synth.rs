@@ -302,3 +302,110 @@ fn layer_counts_follow_the_byte_budget() {
     let r = write(out.dir(), &[4, 2], 0);
     assert_eq!(r.bytes(), SHAPE.converted_bytes(2, &[4, 2]).unwrap());
 }
+
+// ---- Records made from docs/FORMAT.md §16 alone ----
+
+fn fnv_field(h: &mut u64, bytes: &[u8]) {
+    fnv_bytes(h, &(bytes.len() as u64).to_le_bytes());
+    fnv_bytes(h, bytes);
+}
+
+fn fnv_bytes(h: &mut u64, bytes: &[u8]) {
+    for &b in bytes {
+        *h = (*h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+    }
+}
+
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// The 4-bit record of expert `e` of layer `l` of SHAPE by §16: parts at the offsets of
+/// §3 for hidden 128, intermediate 96 (stored 128).
+fn record_by_the_document(seed: u64, l: u64, e: u64, record_size: usize) -> Vec<u8> {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    fnv_field(&mut h, b"dynmoe-affine-uniform-1");
+    for v in [seed, l, e] {
+        fnv_bytes(&mut h, &v.to_le_bytes());
+    }
+    let mut rng = SplitMix(h);
+    let mut rec = vec![0u8; record_size];
+    // Codes: gate and up 96 rows × 128 / 8 words, down 128 × 128 / 8; 64-aligned parts.
+    let code_lens = [96 * 16 * 4, 96 * 16 * 4, 128 * 16 * 4];
+    let mut at = 0;
+    for len in code_lens {
+        for k in 0..len / 8 {
+            rec[at + 8 * k..at + 8 * k + 8].copy_from_slice(&rng.next().to_le_bytes());
+        }
+        at += len;
+    }
+    let m0 = 0.02f32 / (255.0f32 / 12.0 * (1.0 + 0.25f32 * 0.25 / 3.0)).sqrt();
+    for groups in [96 * 2, 96 * 2, 128 * 2] {
+        let (scales, biases) = (at, at + 2 * groups);
+        for g in 0..groups {
+            let r = rng.next();
+            let unit = (r >> 40) as f32 / (1u64 << 24) as f32;
+            let magnitude = m0 * (0.75 + 0.5 * unit);
+            let scale = half::bf16::from_f32(if r.is_multiple_of(2) {
+                magnitude
+            } else {
+                -magnitude
+            });
+            let bias = half::bf16::from_f32(-7.5 * scale.to_f32());
+            rec[scales + 2 * g..scales + 2 * g + 2].copy_from_slice(&scale.to_le_bytes());
+            rec[biases + 2 * g..biases + 2 * g + 2].copy_from_slice(&bias.to_le_bytes());
+        }
+        at += 4 * groups;
+    }
+    rec
+}
+
+#[test]
+fn records_and_dense_weights_are_what_format_md_says() {
+    let out = TempDir::new("synth-doc");
+    write(out.dir(), &[4], 11);
+    let store = ExpertStore::open(out.dir(), 4).unwrap();
+    let size = store.layout().record_size;
+    let bytes = read(&out.path("experts.bin"));
+    for (i, (l, e)) in [(0, (0, 0)), (5, (0, 5)), (15, (1, 7))] {
+        assert_eq!(
+            bytes[i * size..(i + 1) * size],
+            record_by_the_document(11, l, e, size),
+            "record {i}"
+        );
+    }
+
+    // dense.safetensors: a norm is ones; the first values of a matrix are chunk 0's.
+    let dense = read(&out.path("dense.safetensors"));
+    let n = u64::from_le_bytes(dense[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&dense[8..8 + n]).unwrap();
+    let tensor = |name: &str| {
+        let off = &header[name]["data_offsets"];
+        let (a, b) = (
+            off[0].as_u64().unwrap() as usize,
+            off[1].as_u64().unwrap() as usize,
+        );
+        &dense[8 + n + a..8 + n + b]
+    };
+    assert!(tensor("model.norm.weight")
+        .chunks_exact(2)
+        .all(|v| v == half::bf16::ONE.to_le_bytes()));
+    let name = "model.layers.1.self_attn.q_proj.weight";
+    let mut salt = 11u64 ^ 0xcbf2_9ce4_8422_2325;
+    fnv_bytes(&mut salt, name.as_bytes());
+    let mut rng = SplitMix(salt);
+    let r = rng.next();
+    for (k, v) in tensor(name)[..8].chunks_exact(2).enumerate() {
+        let u = (((r >> (16 * k)) & 0xffff) as f32 + 0.5) / 65536.0;
+        let want = half::bf16::from_f32((2.0 * u - 1.0) * 0.02 * 3f32.sqrt());
+        assert_eq!(v, want.to_le_bytes(), "value {k}");
+    }
+}
