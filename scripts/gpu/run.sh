@@ -4,13 +4,19 @@
 # the executables are built on a Linux x86-64 machine and placed in $BIN by
 # scripts/gpu/build.sh. Results go to $OUT (default gpu-results/).
 #
-#   bash scripts/gpu/run.sh [checks] [kernels] [cli] [model]     (all by default)
+#   bash scripts/gpu/run.sh [checks] [kernels] [cli] [model]     (these by default)
 #
 # checks   every kernel against the CPU reference, fixture perplexity and greedy decode
 # kernels  quantized matvec GB/s against the copy kernel (cuda_kernels.json)
 # cli      `dynmoe eval ppl` and `dynmoe run` with --backend cuda beside --backend cpu
-# model    a random checkpoint of Qwen3-30B-A3B's shape (first $LAYERS layers), converted
-#          to 4/3/2-bit stores, decode and prefill tok/s at each (model_speed.json)
+# model    a converted directory of Qwen3-30B-A3B's shape with random weights (first $LAYERS
+#          layers; LAYERS=48 is the whole model, about 41 GB under $WORK) written straight
+#          as 4/3/2-bit stores by `dynmoe synth --bits`, decode and prefill tok/s at each
+#          (model_speed.json)
+# big      Qwen3-235B-A22B's shape with random weights, its 2-bit store only (no 4-bit
+#          base: 94 layers are about 87 GB with the dense weights), under /dev/shm: all
+#          94 layers if they fit in /dev/shm and in free memory less $BIG_MARGIN_GB
+#          (default 16) GB, else as many as do (big.log; the directory is $BIG)
 # cpu-vq   the CPU VQ matvec kernels against affine q2/q4 on this machine's CPU (vq_kernels.json)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
 #          keys, with dense weights in f32 instead of bf16, and decode after a 16-token
@@ -20,6 +26,8 @@ BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
 LAYERS=${LAYERS:-12}
 WORK=${WORK:-/tmp/dynmoe-gpu}
+BIG=${BIG:-/dev/shm/dynmoe-qwen3-235b-a22b-q2}
+BIG_MARGIN_GB=${BIG_MARGIN_GB:-16}
 mkdir -p "$OUT" "$WORK"
 steps=${*:-checks kernels cli model}
 
@@ -58,15 +66,32 @@ for step in $steps; do
     model)
         echo "== Qwen3-30B-A3B shape, $LAYERS layers"
         m="$WORK/qwen3-30b-a3b-l$LAYERS"
-        if [ ! -e "$m/experts.json" ]; then
-            time "$BIN/dynmoe" synth --like qwen3-30b-a3b --layers "$LAYERS" -o "$m.hf" \
-                --tokenizer-from fixtures/models/small-moe || status=1
-            time "$BIN/dynmoe" convert -m "$m.hf" -o "$m" || status=1
-            rm -rf "$m.hf"
+        if [ ! -e "$m/experts.json" ] || [ ! -e "$m/experts3.json" ] || [ ! -e "$m/experts2.json" ]; then
+            time "$BIN/dynmoe" synth --like qwen3-30b-a3b --layers "$LAYERS" --bits 4,3,2 \
+                -o "$m" --tokenizer-from fixtures/models/small-moe || status=1
         fi
         "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4,3,2 \
             --prompt 512 --generate 128 --json "$OUT/model_speed.json" 2>&1 | tee "$OUT/model.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        ;;
+    big)
+        echo "== Qwen3-235B-A22B shape, 2-bit store only, under $(dirname "$BIG")"
+        # A previous copy would count against the space (files are replaced by rename).
+        rm -rf "$BIG"
+        df -h "$(dirname "$BIG")"
+        shm=$(df --output=avail -B1 "$(dirname "$BIG")" | tail -1)
+        mem=$(( $(awk '/^MemAvailable:/ {print $2}' /proc/meminfo) * 1024 ))
+        # tmpfs pages are memory: the model's readers need room beside them.
+        budget=$(( (shm < mem ? shm : mem) - BIG_MARGIN_GB * 1024 * 1024 * 1024 ))
+        echo "budget $((budget / 1000000000)) GB (/dev/shm $((shm / 1000000000)) GB free, memory $((mem / 1000000000)) GB available, margin $BIG_MARGIN_GB GB)"
+        if [ "$budget" -le 0 ]; then
+            echo "no room for even one layer"; status=1
+        else
+            { time "$BIN/dynmoe" synth --like qwen3-235b-a22b --bits 2 --fit-in "$budget" \
+                -o "$BIG" --tokenizer-from fixtures/models/small-moe; } 2>&1 | tee "$OUT/big.log"
+            [ "${PIPESTATUS[0]}" = 0 ] || status=1
+            ls -l "$BIG" | tee -a "$OUT/big.log"
+        fi
         ;;
     cpu-vq)
         echo "== CPU VQ kernels"

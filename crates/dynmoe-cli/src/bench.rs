@@ -1,5 +1,6 @@
-//! `dynmoe synth` and `dynmoe bench decode`: random checkpoints of published shapes,
-//! and batch-1 prefill and decode speed on them at each expert precision.
+//! `dynmoe synth` and `dynmoe bench decode`: random checkpoints (or converted
+//! directories) of published shapes, and batch-1 prefill and decode speed on them at each
+//! expert precision.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -35,13 +36,26 @@ pub struct SynthArgs {
     /// Seed of the random weights.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Write a converted model directory with expert stores of random records at these
+    /// precisions (4, 3, 2; without 4 the low-bit stores stand alone) instead of a bf16
+    /// checkpoint to convert.
+    #[arg(long, value_delimiter = ',')]
+    bits: Vec<u32>,
+    /// With --bits: write as many of the layers as fit in this many bytes (dense weights
+    /// and stores), saying so when that is fewer than asked.
+    #[arg(long, requires = "bits")]
+    fit_in: Option<u64>,
 }
 
 pub fn synth(a: SynthArgs) -> Result<()> {
     let shape = synth::shape(&a.like)?;
     let tok = a
         .tokenizer_from
+        .clone()
         .unwrap_or_else(|| dynmoe::testing::fixture("small-moe"));
+    if !a.bits.is_empty() {
+        return synth_converted(&a, &shape, &tok);
+    }
     let bar = progress::bar("synth");
     let start = Instant::now();
     let r = synth::synth(&shape, a.layers, &tok, &a.out, a.seed, &mut |d, t| {
@@ -57,6 +71,74 @@ pub fn synth(a: SynthArgs) -> Result<()> {
         r.params as f64 / 1e9,
         r.bytes as f64 / 1e9,
         start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// `dynmoe synth --bits`: a converted directory of random records, no conversion.
+fn synth_converted(a: &SynthArgs, shape: &synth::Shape, tok: &std::path::Path) -> Result<()> {
+    let asked = a.layers.unwrap_or(shape.layers);
+    let layers = match a.fit_in {
+        Some(budget) => {
+            let n = shape.layers_fitting(asked.min(shape.layers), &a.bits, budget)?;
+            if n == 0 {
+                bail!(
+                    "not one layer of {} fits in {:.1} GB at {:?} bits",
+                    shape.name,
+                    budget as f64 / 1e9,
+                    a.bits
+                );
+            }
+            if n < asked {
+                eprintln!(
+                    "only {n} of {asked} layers of {} fit in {:.1} GB at {:?} bits: writing {n}",
+                    shape.name,
+                    budget as f64 / 1e9,
+                    a.bits
+                );
+            }
+            n
+        }
+        None => asked,
+    };
+    let bar = progress::bar("synth MB");
+    let r = synth::synth_converted(
+        shape,
+        Some(layers),
+        &a.bits,
+        tok,
+        &a.out,
+        a.seed,
+        &mut |d, t| progress::update(&bar, d >> 20, t >> 20),
+    )
+    .with_context(|| format!("writing {}", a.out.display()))?;
+    bar.finish_and_clear();
+    for s in &r.stores {
+        println!(
+            "  {}: {}-bit, {:.2} GB ({} bytes per record)",
+            s.path.display(),
+            s.bits,
+            s.bytes as f64 / 1e9,
+            s.record_size
+        );
+    }
+    let stores = (r.bytes() - r.dense_bytes) as f64 / 1e9;
+    let store_seconds = r.seconds - r.dense_seconds;
+    println!(
+        "{}: {} layers of {}: dense {:.2} GB in {:.1} s ({:.2} GB/s), stores {:.2} GB in {:.1} s \
+         ({:.2} GB/s); {:.2} GB in {:.1} s ({:.2} GB/s)",
+        r.dir.display(),
+        r.layers,
+        shape.name,
+        r.dense_bytes as f64 / 1e9,
+        r.dense_seconds,
+        r.dense_bytes as f64 / 1e9 / r.dense_seconds,
+        stores,
+        store_seconds,
+        stores / store_seconds,
+        r.bytes() as f64 / 1e9,
+        r.seconds,
+        r.bytes() as f64 / 1e9 / r.seconds
     );
     Ok(())
 }

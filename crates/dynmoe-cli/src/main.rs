@@ -56,7 +56,8 @@ enum Command {
     /// Codebooks of the VQ codec ladder.
     #[command(subcommand)]
     Codebooks(codecs::CodebooksCommand),
-    /// Write a checkpoint with a published model's shapes and random weights.
+    /// Write a checkpoint, or with --bits a converted directory, with a published
+    /// model's shapes and random weights.
     Synth(bench::SynthArgs),
     /// Measurements: codecs, decode speed.
     #[command(subcommand)]

@@ -270,7 +270,8 @@ impl From<&ExpertBits> for Codecs {
 }
 
 /// Loads config, weights and tokenizer from a model directory: a Hugging Face checkpoint,
-/// or a converted directory whose experts are read from their 4-bit store.
+/// or a converted directory whose experts are read from their 4-bit store (in a
+/// directory without one, from its most precise store: see `store::default_bits`).
 pub fn load<B: Backend>(dir: &Path, backend: B) -> Result<LoadedModel<B>, Error> {
     load_with(dir, backend, &ExpertBits::default())
 }
@@ -314,8 +315,11 @@ pub fn load_with_progress<B: Backend>(
     }
     let config = Config::from_file(&dir.join("config.json"))?;
     let checkpoint = Checkpoint::open(dir)?;
-    let converted = dir.join(crate::store::data_file_name(4)).exists();
-    let mut bits = ExpertBits::default();
+    let converted = crate::store::is_converted(dir);
+    let mut bits = ExpertBits {
+        default: converted.then(|| crate::store::default_bits(dir)),
+        ..ExpertBits::default()
+    };
     let mut rungs = BTreeMap::new();
     for layer in config.moe_layers() {
         let refuse = |codec, why: &str| Error::Codec {

@@ -1,7 +1,15 @@
 //! Checkpoints with the shapes of published MoE models and random weights, so that
 //! speed can be measured on exactly those shapes without downloading them.
 //!
-//! The directory holds a `config.json` of the named model (its first `layers` layers, if
+//! [`synth_converted`] writes a converted model directory directly: `config.json`, the
+//! tokenizer, `dense.safetensors` with random bf16 non-expert weights (the distribution
+//! below) and expert stores of random records at the precisions asked for
+//! (`store::synth`), with or without the 4-bit store. No bf16 expert is ever written, and
+//! memory holds a few records and a few MB of dense weights per thread, so the whole of
+//! Qwen3-235B-A22B's shape is written at the speed of the disk.
+//!
+//! [`synth`] writes a Hugging Face checkpoint instead, for `dynmoe convert`. Its directory
+//! holds a `config.json` of the named model (its first `layers` layers, if
 //! asked), bf16 safetensors in Hugging Face's per-expert layout (one shard per decoder
 //! layer plus one for the embedding, final norm and LM head, found through
 //! `model.safetensors.index.json`) and a tokenizer copied from another model directory.
@@ -10,14 +18,17 @@
 //! atomically and the index last.
 
 use std::collections::BTreeMap;
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use half::bf16;
 use rayon::prelude::*;
 use safetensors::tensor::{Dtype, TensorView};
 
 use super::Error;
-use crate::store::atomic;
+use crate::store::manifest::ModelInfo;
+use crate::store::{self, atomic, DENSE_FILE};
 use crate::testing::Rng;
 
 /// The shape of a published model.
@@ -140,6 +151,22 @@ impl Shape {
 
     /// The tensors of decoder layer `l`, or of the rest (`None`), with their shapes.
     fn tensors(&self, l: Option<usize>) -> Vec<(String, Vec<usize>)> {
+        let mut t = self.dense_tensors(l);
+        if let Some(l) = l {
+            let (h, i) = (self.hidden, self.moe_intermediate);
+            let p = format!("model.layers.{l}.mlp.experts");
+            for e in 0..self.experts {
+                t.push((format!("{p}.{e}.gate_proj.weight"), vec![i, h]));
+                t.push((format!("{p}.{e}.up_proj.weight"), vec![i, h]));
+                t.push((format!("{p}.{e}.down_proj.weight"), vec![h, i]));
+            }
+        }
+        t
+    }
+
+    /// The tensors of decoder layer `l`, or of the rest (`None`), that are not routed
+    /// experts, with their shapes.
+    fn dense_tensors(&self, l: Option<usize>) -> Vec<(String, Vec<usize>)> {
         let (h, q, kv) = (
             self.hidden,
             self.heads * self.head_dim,
@@ -153,7 +180,7 @@ impl Shape {
             ];
         };
         let p = format!("model.layers.{l}");
-        let mut t = vec![
+        vec![
             (format!("{p}.input_layernorm.weight"), vec![h]),
             (format!("{p}.post_attention_layernorm.weight"), vec![h]),
             (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
@@ -163,15 +190,77 @@ impl Shape {
             (format!("{p}.self_attn.q_norm.weight"), vec![self.head_dim]),
             (format!("{p}.self_attn.k_norm.weight"), vec![self.head_dim]),
             (format!("{p}.mlp.gate.weight"), vec![self.experts, h]),
-        ];
-        let i = self.moe_intermediate;
-        for e in 0..self.experts {
-            t.push((format!("{p}.mlp.experts.{e}.gate_proj.weight"), vec![i, h]));
-            t.push((format!("{p}.mlp.experts.{e}.up_proj.weight"), vec![i, h]));
-            t.push((format!("{p}.mlp.experts.{e}.down_proj.weight"), vec![h, i]));
-        }
+        ]
+    }
+
+    /// The non-expert tensors of a `layers`-layer model in `dense.safetensors`' order
+    /// (safetensors' own: all bf16, so by name), with shapes and byte counts.
+    fn dense_layout(&self, layers: usize) -> Vec<(String, Dtype, Vec<usize>, usize)> {
+        let mut t: Vec<_> = (0..layers)
+            .map(Some)
+            .chain([None])
+            .flat_map(|l| self.dense_tensors(l))
+            .map(|(name, dims)| {
+                let bytes = 2 * dims.iter().product::<usize>();
+                (name, Dtype::BF16, dims, bytes)
+            })
+            .collect();
+        t.sort_by(|a, b| a.0.cmp(&b.0));
         t
     }
+
+    /// The expert stores of a `layers`-layer model of this shape.
+    fn expert_spec(&self, layers: usize, seed: u64) -> store::synth::Spec {
+        store::synth::Spec {
+            hidden: self.hidden,
+            intermediate: self.moe_intermediate,
+            layers: (0..layers).collect(),
+            experts_per_layer: self.experts,
+            model: ModelInfo {
+                model_type: "qwen3_moe".to_string(),
+                name: self.name.to_string(),
+            },
+            seed,
+        }
+    }
+
+    /// Bytes of `dense.safetensors` and the stores at `bits` that [`synth_converted`]
+    /// writes for `layers` layers (the config and tokenizer files aside).
+    pub fn converted_bytes(&self, layers: usize, bits: &[u32]) -> Result<u64, Error> {
+        let dense = self.dense_layout(layers);
+        let header = store::base::safetensors_header(Path::new(DENSE_FILE), &dense)?;
+        let mut bytes = (8 + header.len() + dense.iter().map(|t| t.3).sum::<usize>()) as u64;
+        let spec = self.expert_spec(layers, 0);
+        let mut seen = Vec::new();
+        for &b in bits {
+            if !seen.contains(&b) {
+                bytes += spec.store_bytes(b)?;
+                seen.push(b);
+            }
+        }
+        Ok(bytes)
+    }
+
+    /// The most layers, up to `layers`, whose converted directory at `bits` takes at
+    /// most `budget` bytes; 0 if not even one layer does.
+    pub fn layers_fitting(&self, layers: usize, bits: &[u32], budget: u64) -> Result<usize, Error> {
+        for n in (1..=layers).rev() {
+            if self.converted_bytes(n, bits)? <= budget {
+                return Ok(n);
+            }
+        }
+        Ok(0)
+    }
+}
+
+/// Standard deviation of the random dense (and bf16 expert) weights.
+const STD: f32 = 0.02;
+
+/// The salt of tensor `name`'s generator under `seed`.
+fn salt(name: &str, seed: u64) -> u64 {
+    name.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
 }
 
 /// bf16 little-endian bytes of tensor `name`: ones for norms, else uniform with
@@ -180,11 +269,8 @@ fn tensor_bytes(name: &str, n: usize, seed: u64) -> Vec<u8> {
     if name.ends_with("norm.weight") {
         return bf16::ONE.to_le_bytes().repeat(n);
     }
-    let salt = name.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    });
-    let mut rng = Rng::seeded(salt);
-    let half_width = 0.02 * 3f32.sqrt();
+    let mut rng = Rng::seeded(salt(name, seed));
+    let half_width = STD * 3f32.sqrt();
     let mut out = Vec::with_capacity(2 * n);
     for _ in 0..n {
         let v = (2.0 * rng.uniform() - 1.0) * half_width;
@@ -200,6 +286,236 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     }
 }
 
+/// Values in each independently seeded chunk of a tensor of `dense.safetensors`, so that
+/// one tensor is made on many threads, with the same bytes whatever their number.
+const CHUNK: usize = 1 << 20;
+
+/// bf16 little-endian bytes of values `chunk × CHUNK ..` (at most [`CHUNK`], at most
+/// `n` in all) of tensor `name`: ones for norms, else uniform with standard deviation
+/// 0.02, as [`tensor_bytes`] makes them, from a generator seeded by `seed`, the name and
+/// the chunk, 16 bits of each 64-bit output per value (bf16 keeps 8).
+fn dense_chunk(name: &str, n: usize, chunk: usize, seed: u64) -> Vec<u8> {
+    let len = CHUNK.min(n - chunk * CHUNK);
+    if name.ends_with("norm.weight") {
+        return bf16::ONE.to_le_bytes().repeat(len);
+    }
+    // A value depends on its 16 random bits alone: look it up rather than convert.
+    static VALUES: std::sync::OnceLock<Vec<u16>> = std::sync::OnceLock::new();
+    let values = VALUES.get_or_init(|| {
+        let half_width = STD * 3f32.sqrt();
+        (0..1u32 << 16)
+            .map(|r| {
+                let unit = (r as f32 + 0.5) / 65536.0;
+                bf16::from_f32((2.0 * unit - 1.0) * half_width).to_bits()
+            })
+            .collect()
+    });
+    let mut rng =
+        Rng::seeded(salt(name, seed) ^ (chunk as u64).wrapping_mul(0xa076_1d64_78bd_642f));
+    let mut out = Vec::with_capacity(2 * len + 8);
+    for _ in 0..len.div_ceil(4) {
+        let r = rng.next_u64();
+        let four = (0..4).fold(0u64, |w, k| {
+            w | (values[((r >> (16 * k)) & 0xffff) as usize] as u64) << (16 * k)
+        });
+        out.extend_from_slice(&four.to_le_bytes());
+    }
+    out.truncate(2 * len);
+    out
+}
+
+/// Writes `dense.safetensors` of a `layers`-layer model of `shape` to `path`
+/// atomically, a few chunks per thread at a time; `progress(bytes)` after each batch.
+/// Returns the tensor count and the file's size.
+fn write_dense(
+    shape: &Shape,
+    layers: usize,
+    seed: u64,
+    path: &Path,
+    progress: &mut dyn FnMut(u64),
+) -> Result<(usize, u64), store::Error> {
+    let tensors = shape.dense_layout(layers);
+    let header = store::base::safetensors_header(path, &tensors)?;
+    let jobs: Vec<(usize, usize)> = tensors
+        .iter()
+        .enumerate()
+        .flat_map(|(t, (_, _, _, bytes))| (0..(bytes / 2).div_ceil(CHUNK)).map(move |c| (t, c)))
+        .collect();
+    let batch = 2 * rayon::current_num_threads().max(1);
+    let io = |source| store::Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut written = (8 + header.len()) as u64;
+    atomic::create_output(path, |file| {
+        // Chunks of 2 MB go to the file unbuffered; small tensors are gathered.
+        let mut out = BufWriter::with_capacity(256 << 10, file);
+        out.write_all(&(header.len() as u64).to_le_bytes())
+            .map_err(io)?;
+        out.write_all(&header).map_err(io)?;
+        store::synth::pipelined(
+            jobs.len().div_ceil(batch),
+            |k| {
+                jobs[k * batch..jobs.len().min((k + 1) * batch)]
+                    .par_iter()
+                    .map(|&(t, c)| dense_chunk(&tensors[t].0, tensors[t].3 / 2, c, seed))
+                    .collect::<Vec<_>>()
+            },
+            |_, chunks| {
+                for c in chunks {
+                    out.write_all(&c).map_err(io)?;
+                    written += c.len() as u64;
+                }
+                progress(written);
+                Ok(())
+            },
+        )?;
+        out.flush().map_err(io)
+    })?;
+    Ok((tensors.len(), written))
+}
+
+/// What [`synth_converted`] wrote.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ConvertedReport {
+    /// Output directory.
+    pub dir: PathBuf,
+    /// Decoder layers written.
+    pub layers: usize,
+    /// Tensors in `dense.safetensors`.
+    pub dense_tensors: usize,
+    /// Size of `dense.safetensors`.
+    pub dense_bytes: u64,
+    /// Wall time of `dense.safetensors`.
+    pub dense_seconds: f64,
+    /// The expert stores.
+    pub stores: Vec<store::synth::Written>,
+    /// Wall time of the whole directory.
+    pub seconds: f64,
+}
+
+impl ConvertedReport {
+    /// Bytes of `dense.safetensors` and the stores.
+    pub fn bytes(&self) -> u64 {
+        self.dense_bytes + self.stores.iter().map(|s| s.bytes).sum::<u64>()
+    }
+}
+
+/// The layer count asked for, checked against the shape.
+fn layer_count(shape: &Shape, layers: Option<usize>, out: &Path) -> Result<usize, Error> {
+    let layers = layers.unwrap_or(shape.layers);
+    if layers == 0 || layers > shape.layers {
+        return Err(Error::InvalidField {
+            path: out.to_path_buf(),
+            field: "layers".into(),
+            reason: format!("{layers} layers asked of a {}-layer model", shape.layers),
+        });
+    }
+    Ok(layers)
+}
+
+/// Writes `config.json` of `layers` layers and the tokenizer files of `tokenizer_dir`.
+fn write_config_and_tokenizer(
+    shape: &Shape,
+    layers: usize,
+    tokenizer_dir: &Path,
+    out: &Path,
+) -> Result<(), Error> {
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        let src = tokenizer_dir.join(file);
+        if src.exists() {
+            let bytes = std::fs::read(&src).map_err(io(&src))?;
+            atomic::write_file(&out.join(file), &bytes)?;
+        }
+    }
+    let config = serde_json::to_vec_pretty(&shape.config_json(layers)).expect("config serializes");
+    atomic::write_file(&out.join("config.json"), &config)?;
+    Ok(())
+}
+
+/// Writes a converted model directory of `shape` with its first `layers` layers (all if
+/// `None`) into `out`: `config.json`, the tokenizer files of `tokenizer_dir`,
+/// `dense.safetensors` with random bf16 weights and the expert stores at `bits` (2, 3,
+/// 4; without 4, the low-bit stores stand alone) with random records, all from `seed`:
+/// two runs with the same arguments write the same bytes (manifests aside, which carry
+/// the time). `progress(done, total)` counts bytes.
+///
+/// Under the directory's exclusive lock: the stores' manifests are removed first and
+/// written last, every file atomically, so an interrupted run leaves no store a later
+/// run would trust. A directory that holds a Hugging Face checkpoint or a compressed
+/// model is refused: loaders would read those instead.
+pub fn synth_converted(
+    shape: &Shape,
+    layers: Option<usize>,
+    bits: &[u32],
+    tokenizer_dir: &Path,
+    out: &Path,
+    seed: u64,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<ConvertedReport, Error> {
+    let start = Instant::now();
+    let layers = layer_count(shape, layers, out)?;
+    if bits.is_empty() {
+        return Err(store::Error::BadShape {
+            reason: "no expert precision asked for".into(),
+        }
+        .into());
+    }
+    if let Some(&b) = bits
+        .iter()
+        .find(|b| !store::layout::SUPPORTED_BITS.contains(b))
+    {
+        return Err(store::Error::UnsupportedBits { bits: b }.into());
+    }
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    for other in [
+        "model.safetensors",
+        "model.safetensors.index.json",
+        store::compressed::MANIFEST_FILE,
+    ] {
+        if out.join(other).exists() {
+            return Err(Error::InvalidField {
+                path: out.join(other),
+                field: "out".into(),
+                reason: "the output directory holds another model, which loaders would read \
+                         instead of the synthetic one; choose another directory"
+                    .into(),
+            });
+        }
+    }
+    let total = shape.converted_bytes(layers, bits)? as usize;
+    let _lock = atomic::lock_exclusive(out)?;
+    store::synth::prepare(out, bits)?;
+    write_config_and_tokenizer(shape, layers, tokenizer_dir, out)?;
+    let (dense_tensors, dense_bytes) =
+        write_dense(shape, layers, seed, &out.join(DENSE_FILE), &mut |done| {
+            progress(done as usize, total)
+        })?;
+    let dense_seconds = start.elapsed().as_secs_f64();
+    let spec = shape.expert_spec(layers, seed);
+    let record_bytes: u64 = {
+        let mut b = bits.to_vec();
+        b.sort_unstable();
+        b.dedup();
+        b.iter()
+            .map(|&b| store::Layout::new(b, shape.hidden, shape.moe_intermediate))
+            .map(|l| l.map(|l| l.record_size as u64))
+            .sum::<Result<u64, _>>()?
+    };
+    let stores = store::synth::write_stores(out, &spec, bits, &mut |done, _| {
+        progress((dense_bytes + done as u64 * record_bytes) as usize, total)
+    })?;
+    Ok(ConvertedReport {
+        dir: out.to_path_buf(),
+        layers,
+        dense_tensors,
+        dense_bytes,
+        dense_seconds,
+        stores,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
 /// Writes a random checkpoint of `shape` with its first `layers` layers (all if `None`)
 /// into `out`, with the tokenizer files of `tokenizer_dir`. `progress(done, total)`
 /// counts shards.
@@ -211,27 +527,12 @@ pub fn synth(
     seed: u64,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SynthReport, Error> {
-    let layers = layers.unwrap_or(shape.layers);
-    if layers == 0 || layers > shape.layers {
-        return Err(Error::InvalidField {
-            path: out.to_path_buf(),
-            field: "layers".into(),
-            reason: format!("{layers} layers asked of a {}-layer model", shape.layers),
-        });
-    }
+    let layers = layer_count(shape, layers, out)?;
     std::fs::create_dir_all(out).map_err(io(out))?;
     let index_path = out.join("model.safetensors.index.json");
     // The index is the commit mark: gone until every shard is in place.
     atomic::remove_committed(&index_path)?;
-    for file in ["tokenizer.json", "tokenizer_config.json"] {
-        let src = tokenizer_dir.join(file);
-        if src.exists() {
-            let bytes = std::fs::read(&src).map_err(io(&src))?;
-            atomic::write_file(&out.join(file), &bytes)?;
-        }
-    }
-    let config = serde_json::to_vec_pretty(&shape.config_json(layers)).expect("config serializes");
-    atomic::write_file(&out.join("config.json"), &config)?;
+    write_config_and_tokenizer(shape, layers, tokenizer_dir, out)?;
 
     let shards: Vec<Option<usize>> = (0..layers).map(Some).chain([None]).collect();
     let mut weight_map = BTreeMap::new();

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use rayon::prelude::*;
-use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use serde::Serialize;
 
 use super::atomic::{self, create_output};
@@ -164,6 +164,7 @@ fn base_manifest(
             kind: "checkpoint".to_string(),
             fingerprint: checkpoint,
             files,
+            generator: None,
         },
         created,
     })
@@ -252,8 +253,6 @@ fn pad_cols(w: Vec<f32>, rows: usize, cols: usize, padded: usize) -> Vec<f32> {
     out
 }
 
-/// Writes every tensor the experts do not occupy to `path` as safetensors, bytes and
-/// dtype unchanged. Returns the tensor count and file size.
 /// Writes every tensor of `tensors` except those named in `skip`, as stored, to the
 /// safetensors file `path` (atomically); returns the tensor count and file size.
 pub(crate) fn write_dense(
@@ -270,28 +269,12 @@ pub(crate) fn write_dense(
     // safetensors' own order: by descending dtype alignment, then name.
     dense.sort_by(|(a, ta), (b, tb)| tb.dtype.cmp(&ta.dtype).then(a.cmp(b)));
 
-    let mut offset = 0;
-    let infos = dense
+    let layout: Vec<_> = dense
         .iter()
-        .map(|(name, t)| {
-            let info = TensorInfo {
-                dtype: t.dtype,
-                shape: t.shape.to_vec(),
-                data_offsets: (offset, offset + t.bytes.len()),
-            };
-            offset += t.bytes.len();
-            (name.to_string(), info)
-        })
+        .map(|(name, t)| (name.to_string(), t.dtype, t.shape.to_vec(), t.bytes.len()))
         .collect();
-    let format = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let header = Metadata::new(Some(format), infos)
-        .and_then(|m| Ok(serde_json::to_string(&m)?))
-        .map_err(|e| Error::Io {
-            path: path.to_path_buf(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
-    let mut header = header.into_bytes();
-    header.resize(header.len().next_multiple_of(8), b' ');
+    let header = safetensors_header(path, &layout)?;
+    let offset: usize = layout.iter().map(|t| t.3).sum();
 
     let io = |source| Error::Io {
         path: path.to_path_buf(),
@@ -308,6 +291,39 @@ pub(crate) fn write_dense(
         out.flush().map_err(io)
     })?;
     Ok((dense.len(), (8 + header.len() + offset) as u64))
+}
+
+/// The header of a safetensors file holding `tensors` (name, dtype, shape, bytes) one
+/// after another in the order given, with `{"format": "pt"}` metadata: the JSON padded
+/// with spaces to a multiple of 8, without the length prefix that precedes it in the
+/// file. `path` names the file in errors.
+pub(crate) fn safetensors_header(
+    path: &Path,
+    tensors: &[(String, Dtype, Vec<usize>, usize)],
+) -> Result<Vec<u8>, Error> {
+    let mut offset = 0;
+    let infos = tensors
+        .iter()
+        .map(|(name, dtype, shape, len)| {
+            let info = TensorInfo {
+                dtype: *dtype,
+                shape: shape.clone(),
+                data_offsets: (offset, offset + len),
+            };
+            offset += len;
+            (name.clone(), info)
+        })
+        .collect();
+    let format = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let header = Metadata::new(Some(format), infos)
+        .and_then(|m| Ok(serde_json::to_string(&m)?))
+        .map_err(|e| Error::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+    let mut header = header.into_bytes();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    Ok(header)
 }
 
 /// Copies the config and tokenizer files that exist.

@@ -27,7 +27,7 @@ use super::layout::{get_u32s, put_u32s, Layout};
 use super::manifest::{
     Created, Fnv64, Manifest, Source, SourceFile, VERSION, VERSION_SEQUENTIAL_Q2,
 };
-use super::{data_file_name, manifest_file_name, Error, BASE_FILE};
+use super::{data_file_name, manifest_file_name, synth, Error, BASE_FILE};
 use crate::codec::affine::lowbit;
 
 /// Bytes of source and stored records a spot check reads at most (beyond its minimum
@@ -42,7 +42,7 @@ pub const SPOT_CHECK_MAX: usize = 8;
 
 /// How the codes of a store are arranged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Packing {
+pub(crate) enum Packing {
     /// The current layout (version 2): masked casts yield consecutive codes.
     Current,
     /// The older 2-bit layout (version 1): codes one after another in input order.
@@ -155,12 +155,57 @@ fn open_checked(p: &Paths, bits: u32) -> Result<Checked, Error> {
     })
 }
 
-/// The 4-bit base store, checked and mapped; a missing one says how to make it.
+/// The 4-bit base store, checked and mapped; a missing one says how to make it. A
+/// synthetic one is also spot-checked against its generator.
 pub(crate) fn open_base(dir: &Path) -> Result<Checked, Error> {
-    open_checked(&paths(dir, 4), 4).map_err(|e| match e {
+    let base = open_checked(&paths(dir, 4), 4).map_err(|e| match e {
         Error::Missing { path } => Error::MissingBase { path },
         e => e,
+    })?;
+    check_synthetic(&base)?;
+    Ok(base)
+}
+
+/// For a store of random records, the spot check of its bytes: a few records made
+/// again from the manifest's generator and seed, compared byte for byte. Other stores
+/// pass.
+fn check_synthetic(store: &Checked) -> Result<(), Error> {
+    if store.manifest.source.kind != synth::SOURCE_KIND {
+        return Ok(());
+    }
+    synth::spot_check(store).map_err(|reason| Error::Unusable {
+        path: store.path.clone(),
+        reason,
     })
+}
+
+/// A low-bit store that stands alone: its manifest names random records as its source,
+/// not `experts.bin` (a synthetic directory written without a 4-bit store). `None` for
+/// any other store, or where the manifest cannot be read (the caller's checks say why).
+fn standalone(p: &Paths, bits: u32) -> Option<Result<Checked, Error>> {
+    let manifest = Manifest::read(&p.manifest).ok()?;
+    (manifest.source.kind == synth::SOURCE_KIND).then(|| {
+        let store = open_checked(p, bits)?;
+        check_synthetic(&store)?;
+        Ok(store)
+    })
+}
+
+/// The `bits`-bit store of `dir`, checked and mapped: the base store, a low-bit store
+/// spot-checked against `experts.bin`, or a synthetic low-bit store standing alone,
+/// spot-checked against its generator. Read-only; takes no lock.
+pub(crate) fn open_usable(dir: &Path, bits: u32) -> Result<Checked, Error> {
+    if bits == 4 {
+        return open_base(dir);
+    }
+    if !super::layout::SUPPORTED_BITS.contains(&bits) {
+        return Err(Error::UnsupportedBits { bits });
+    }
+    if let Some(store) = standalone(&paths(dir, bits), bits) {
+        return store;
+    }
+    let base = open_base(dir)?;
+    is_usable(dir, &base, bits)
 }
 
 /// What [`ensure_with_policy`] did for one precision.
@@ -238,14 +283,24 @@ pub fn ensure_with_policy(
     // Without the lock first: a directory whose stores are all usable needs no write
     // access, so this works on read-only media too.
     if !policy.force {
-        let base = open_base(dir)?;
         let kept: Option<Vec<Ensured>> = targets
             .iter()
-            .map(|&b| is_usable(dir, &base, b).ok().map(|c| kept(&c, b, start)))
+            .map(|&b| open_usable(dir, b).ok().map(|c| kept(&c, b, start)))
             .collect();
         if let Some(kept) = kept {
             return Ok(kept);
         }
+    }
+    // Nothing is built without a base store. A synthetic store standing alone that
+    // fails its check is named with its own reason; otherwise the base is what is
+    // missing.
+    if let Err(missing) = open_base(dir) {
+        for &b in &targets {
+            if let Some(Err(e)) = standalone(&paths(dir, b), b) {
+                return Err(e);
+            }
+        }
+        return Err(missing);
     }
     let _lock = atomic::lock_exclusive(dir)?;
     atomic::remove_stale_temps(dir)?;
@@ -315,15 +370,16 @@ fn announce_build(policy: &mut Policy, data: &Path, reason: &str) {
 /// Whether a usable store of this precision is already on disk: its manifest agrees
 /// with the base store's, its size with its manifest, and a spot check of its records
 /// against fresh re-packs of `experts.bin` passes. Read-only; takes no lock. The 4-bit
-/// store is usable when its manifest and size agree.
+/// store is usable when its manifest and size agree. A synthetic store (`store::synth`)
+/// is spot-checked against records made again from its generator and seed instead, and
+/// a low-bit one needs no `experts.bin`.
 pub fn usable(dir: &Path, bits: u32) -> bool {
     check(dir, bits).is_ok()
 }
 
 /// [`usable`], saying why not.
 pub fn check(dir: &Path, bits: u32) -> Result<Layout, Error> {
-    let base = open_base(dir)?;
-    is_usable(dir, &base, bits).map(|c| c.layout)
+    open_usable(dir, bits).map(|c| c.layout)
 }
 
 /// Read-only readiness check shared by preparation and the runtime. The manifest is
@@ -337,6 +393,9 @@ pub(crate) fn is_usable(dir: &Path, base: &Checked, bits: u32) -> Result<Checked
         _ => return Err(Error::UnsupportedBits { bits }),
     }
     let p = paths(dir, bits);
+    if let Some(store) = standalone(&p, bits) {
+        return store;
+    }
     let store = open_checked(&p, bits)?;
     let unusable = |reason: String| Error::Unusable {
         path: p.data.clone(),
@@ -367,6 +426,7 @@ fn source_of(base: &Manifest) -> Source {
             name: BASE_FILE.to_string(),
             size: base.file_size,
         }],
+        generator: None,
     }
 }
 
@@ -472,7 +532,7 @@ fn write(out: &mut BufWriter<TempOutput>, bytes: &[u8]) -> Result<(), Error> {
 }
 
 /// The manifest of a store derived from `base` with this layout and packing.
-fn derived_manifest(base: &Manifest, layout: &Layout, packing: Packing) -> Manifest {
+pub(crate) fn derived_manifest(base: &Manifest, layout: &Layout, packing: Packing) -> Manifest {
     let bits = layout.bits;
     let version = packing.version();
     let note = match packing {
@@ -523,7 +583,7 @@ fn pack_record(src: &[u8], src_layout: &Layout, dst_layout: &Layout, packing: Pa
 }
 
 /// One 4-bit record re-packed into each of `layouts`.
-fn pack_into(
+pub(crate) fn pack_into(
     src: &[u8],
     src_layout: &Layout,
     layouts: &[Layout],

@@ -83,13 +83,27 @@ pub struct ModelInfo {
 /// What a store was built from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Source {
-    /// `checkpoint` (the base store) or `store` (a low-bit store, from `experts.bin`).
+    /// `checkpoint` (the base store), `store` (a low-bit store, from `experts.bin`) or
+    /// `synthetic` (random records, see `store::synth`).
     pub kind: String,
     /// For a checkpoint: FNV-1a 64 over its shards' names, sizes and headers and its
-    /// `config.json`. For a store: the source store's own `fingerprint`.
+    /// `config.json`. For a store: the source store's own `fingerprint`. For random
+    /// records: FNV-1a 64 over the generator, its seed and the experts' shape.
     pub fingerprint: String,
-    /// The source files and their sizes in bytes.
+    /// The source files and their sizes in bytes (none for random records).
     pub files: Vec<SourceFile>,
+    /// For random records: the generator and seed that make them again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generator: Option<Generator>,
+}
+
+/// The random generator of a synthetic store's records.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Generator {
+    /// Name and version of the generator (`store::synth::GENERATOR`).
+    pub name: String,
+    /// Its seed.
+    pub seed: u64,
 }
 
 /// One source file.

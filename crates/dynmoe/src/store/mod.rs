@@ -14,6 +14,9 @@
 //!   layers at a rung of the VQ ladder ([`dense_vq`]);
 //! - `experts.lock`: the lock writers and readers share (see [`atomic`]).
 //!
+//! [`synth`] writes the same stores with random records for the shapes of published
+//! models, with or without `experts.bin`.
+//!
 //! [`layout::Layout`] fixes where each part of a record sits, [`manifest::Manifest`]
 //! what a store claims to hold, and [`reader::ExpertStore`] maps a checked store and
 //! hands out [`AffineView`](crate::codec::affine::kernels::AffineView)s over it.
@@ -40,6 +43,7 @@ pub mod layout;
 pub mod lowbit;
 pub mod manifest;
 pub mod reader;
+pub mod synth;
 mod tensors;
 pub mod vq;
 
@@ -73,6 +77,28 @@ pub fn manifest_file_name(bits: u32) -> String {
     }
 }
 
+/// Whether `dir` is a converted model directory: it holds the data file of an affine
+/// expert store (`experts.bin`, or only a low-bit one where a synthetic directory was
+/// written without it).
+pub fn is_converted(dir: &Path) -> bool {
+    layout::SUPPORTED_BITS
+        .iter()
+        .any(|&b| dir.join(data_file_name(b)).exists())
+}
+
+/// The precision a converted directory's experts run at when none is asked: 4 bits, the
+/// base store, or in a directory without `experts.bin` the most precise store whose
+/// manifest is there.
+pub fn default_bits(dir: &Path) -> u32 {
+    if dir.join(BASE_FILE).exists() {
+        return 4;
+    }
+    [3, 2]
+        .into_iter()
+        .find(|&b| dir.join(manifest_file_name(b)).exists())
+        .unwrap_or(4)
+}
+
 /// Everything that can go wrong building, checking or reading a store. Each variant
 /// names the file and what is wrong with it.
 #[derive(Debug, thiserror::Error)]
@@ -86,7 +112,7 @@ pub enum Error {
         source: std::io::Error,
     },
     /// The 4-bit store every other one is built from is not there.
-    #[error("{path}: missing; `dynmoe convert` writes the 4-bit expert store")]
+    #[error("{path}: missing; `dynmoe convert` writes the 4-bit expert store (`dynmoe synth --bits 4` a random one)")]
     MissingBase {
         /// `experts.bin` or `experts.json`.
         path: PathBuf,

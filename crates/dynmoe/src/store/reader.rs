@@ -39,20 +39,20 @@ pub struct ExpertRecord<'a> {
 
 impl ExpertStore {
     /// Maps the `bits`-bit store of `dir` after checking it as `lowbit::usable` does
-    /// (manifest, size, and for 2 and 3 bits a spot check against `experts.bin`). An
+    /// (manifest, size, and for 2 and 3 bits a spot check against `experts.bin`, or for
+    /// a synthetic store against its generator). An
     /// unusable store is refused with an error naming the file and the reason; nothing
     /// is built here (see `lowbit::ensure`).
     pub fn open(dir: &Path, bits: u32) -> Result<ExpertStore, Error> {
         // Shared with other readers, exclusive of a writer mid-build, so the manifest
         // and the data file read here belong together.
         let _lock = atomic::lock_shared(dir)?;
-        let base = lowbit::open_base(dir)?;
         let Checked {
             path,
             manifest,
             layout,
             mmap,
-        } = lowbit::is_usable(dir, &base, bits)?;
+        } = lowbit::open_usable(dir, bits)?;
         if !(mmap.as_ptr() as usize).is_multiple_of(ALIGN) {
             return Err(Error::Unusable {
                 path,

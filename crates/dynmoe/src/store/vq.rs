@@ -548,6 +548,7 @@ impl Expected {
                 kind: "checkpoint".to_string(),
                 fingerprint,
                 files,
+                generator: None,
             },
         }
     }
