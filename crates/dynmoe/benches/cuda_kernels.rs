@@ -56,13 +56,14 @@ const GRAPH_CALLS: usize = 200;
 
 /// Median µs per call of `op`: [`GRAPH_CALLS`] calls recorded once as a CUDA graph (the
 /// way a decode step runs them) and replayed, so the host's cost of a launch is not
-/// counted. One call first, outside the record, grows any scratch the op needs.
-fn graph_us(g: &Cuda, key: u64, mut op: impl FnMut()) -> f64 {
-    op();
+/// counted. One call first, outside the record, grows any scratch the op needs. `op`
+/// gets the call's index (to rotate over copies of its weights).
+fn graph_us(g: &Cuda, key: u64, mut op: impl FnMut(usize)) -> f64 {
+    op(0);
     g.synchronize();
     let mut body = || {
-        for _ in 0..GRAPH_CALLS {
-            op();
+        for i in 0..GRAPH_CALLS {
+            op(i);
         }
         true
     };
@@ -520,15 +521,15 @@ fn main() {
     let mut xs = g.upload(&fresh(hidden, 23));
     let mut out = g.alloc(vocab);
     let mut small: Vec<(String, usize, usize, usize, f64)> = Vec::new();
-    let us = graph_us(&g, 1, || g.argmax_rows(&x, 1, vocab, &mut out, 0));
+    let us = graph_us(&g, 1, |_| g.argmax_rows(&x, 1, vocab, &mut out, 0));
     small.push(("argmax_rows".into(), 1, vocab, vocab * 4, us));
-    let us = graph_us(&g, 2, || g.rms_norm(&xs, &w, 1, hidden, eps, &mut out));
+    let us = graph_us(&g, 2, |_| g.rms_norm(&xs, &w, 1, hidden, eps, &mut out));
     small.push(("rms_norm".into(), 1, hidden, 3 * hidden * 4, us));
-    let us = graph_us(&g, 3, || {
+    let us = graph_us(&g, 3, |_| {
         g.add_rms_norm(&mut xs, &delta, &w, 1, hidden, eps, &mut out)
     });
     small.push(("add_rms_norm".into(), 1, hidden, 5 * hidden * 4, us));
-    let us = graph_us(&g, 4, || {
+    let us = graph_us(&g, 4, |_| {
         g.add(&mut xs, &delta, hidden);
         g.rms_norm(&xs, &w, 1, hidden, eps, &mut out)
     });
@@ -536,7 +537,7 @@ fn main() {
     let (heads, kv_heads, head_dim) = (32, 4, 128);
     let qn = g.upload(&fresh(head_dim, 24));
     let mut q = g.upload(&fresh(heads * head_dim, 25));
-    let us = graph_us(&g, 5, || {
+    let us = graph_us(&g, 5, |_| {
         g.rms_norm_inplace(&mut q, &qn, heads, head_dim, eps)
     });
     small.push((
@@ -568,7 +569,7 @@ fn main() {
         eps,
     };
     let pre_bytes = (2 * heads * head_dim + 5 * kvw) * 4;
-    let us = graph_us(&g, 6, || {
+    let us = graph_us(&g, 6, |_| {
         g.attention_preamble_at(
             &mut q,
             &mut k,
@@ -588,7 +589,7 @@ fn main() {
         pre_bytes,
         us,
     ));
-    let us = graph_us(&g, 7, || {
+    let us = graph_us(&g, 7, |_| {
         attention_preamble_one_by_one(
             &g,
             &mut q,
@@ -613,6 +614,47 @@ fn main() {
         "{:<26} {:>6} {:>6} {:>10} {:>8} {:>7}",
         "decode kernel (graph)", "rows", "cols", "us/call", "GB/s", "of copy"
     );
+    // A layer's q, k and v products (4096, 512 and 512 rows over 2048, bf16): one launch
+    // beside three, over 8 copies (160 MB) so the weights come from device memory.
+    let dims = [4096, 512, 512];
+    let copies: Vec<Vec<_>> = (0..8)
+        .map(|c| {
+            dims.iter()
+                .enumerate()
+                .map(|(j, &r)| {
+                    let w = fresh(r * hidden, 30 + 3 * c + j as u64);
+                    let w: Vec<f32> = w.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+                    g.upload_matrix(&w, r, hidden)
+                })
+                .collect()
+        })
+        .collect();
+    let xq = g.upload(&fresh(hidden, 29));
+    let (mut out_q, mut out_k, mut out_v) = (g.alloc(dims[0]), g.alloc(dims[1]), g.alloc(dims[2]));
+    let qkv_bytes = dims.iter().sum::<usize>() * hidden * 2;
+    let us = graph_us(&g, 8, |i| {
+        let m = &copies[i % copies.len()];
+        g.linear3(
+            &xq,
+            [
+                Weight::Dense(&m[0]),
+                Weight::Dense(&m[1]),
+                Weight::Dense(&m[2]),
+            ],
+            1,
+            hidden,
+            dims,
+            [&mut out_q, &mut out_k, &mut out_v],
+        )
+    });
+    small.push(("linear3_qkv_bf16".into(), 5120, hidden, qkv_bytes, us));
+    let us = graph_us(&g, 9, |i| {
+        let m = &copies[i % copies.len()];
+        g.matmul(&xq, &m[0], 1, hidden, dims[0], &mut out_q);
+        g.matmul(&xq, &m[1], 1, hidden, dims[1], &mut out_k);
+        g.matmul(&xq, &m[2], 1, hidden, dims[2], &mut out_v);
+    });
+    small.push(("three_matvec_bf16_qkv".into(), 5120, hidden, qkv_bytes, us));
     for (kernel, rows, cols, bytes, per_call) in small {
         let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
         println!(

@@ -588,6 +588,71 @@ fn argmax_over_long_rows_matches_a_plain_loop() {
 }
 
 #[test]
+fn three_products_in_one_launch_match_the_reference() {
+    let Some(_) = gpu() else { return };
+    // A layer's q, k and v shapes (one launch over the three when all are bf16 and at
+    // most 4 rows), output widths off the 8 rows of a block, widths off the 16-byte loads,
+    // and the fallbacks: 6 rows (cuBLAS) and f32 matrices.
+    let cases = [
+        ([512, 64, 64], 2048, 1, true),
+        ([37, 5, 5], 2048, 4, true),
+        ([37, 5, 5], 100, 3, true),
+        ([9, 3, 17], 24, 2, true),
+        ([40, 8, 8], 256, 6, true),
+        ([40, 8, 8], 256, 2, false),
+    ];
+    for (case, &(dims, cols, rows, bf16)) in cases.iter().enumerate() {
+        let salt = 900 + 10 * case as u64;
+        let ws: Vec<Vec<f32>> = (0..3)
+            .map(|j| {
+                let w = fresh(dims[j] * cols, salt + j as u64);
+                if bf16 {
+                    bf16_values(&w)
+                } else {
+                    w
+                }
+            })
+            .collect();
+        let x = fresh(rows * cols, salt + 5);
+        let total: usize = dims.iter().sum();
+        both!(
+            &format!("linear3 {dims:?} x {cols} rows {rows} bf16 {bf16}"),
+            &[&x],
+            rows * total,
+            1e-5,
+            |b, t, o| {
+                let m: Vec<_> = (0..3)
+                    .map(|j| b.upload_matrix(&ws[j], dims[j], cols))
+                    .collect();
+                let (mut q, mut k, mut v) = (
+                    b.alloc(rows * dims[0]),
+                    b.alloc(rows * dims[1]),
+                    b.alloc(rows * dims[2]),
+                );
+                b.linear3(
+                    &t[0],
+                    [
+                        Weight::Dense(&m[0]),
+                        Weight::Dense(&m[1]),
+                        Weight::Dense(&m[2]),
+                    ],
+                    rows,
+                    cols,
+                    dims,
+                    [&mut q, &mut k, &mut v],
+                );
+                // Laid out one after another, each `[rows, dims[j]]` (rows of width 1, so
+                // any offset can be written).
+                let (a, c) = (rows * dims[0], rows * dims[1]);
+                b.write_rows(&q, o, 0, a, 1);
+                b.write_rows(&k, o, a, c, 1);
+                b.write_rows(&v, o, a + c, rows * dims[2], 1)
+            }
+        );
+    }
+}
+
+#[test]
 fn attention_preamble_matches_the_single_ops() {
     let Some(_) = gpu() else { return };
     // q/k per-head norm (or none), RoPE at the step's position, k and v into that cache

@@ -112,6 +112,24 @@ pub trait Backend: Send + Sync {
         }
     }
 
+    /// Three products of the same `x` (a layer's q, k and v projections):
+    /// `outs[j] = x ws[j]ᵀ`, `out_dims[j]` wide. The default is three
+    /// [`linear`](Self::linear) calls; a backend may run them as one launch.
+    #[allow(clippy::too_many_arguments)]
+    fn linear3(
+        &self,
+        x: &Self::Tensor,
+        ws: [Weight<'_, Self::Matrix>; 3],
+        rows: usize,
+        in_dim: usize,
+        out_dims: [usize; 3],
+        outs: [&mut Self::Tensor; 3],
+    ) {
+        for ((w, d), out) in ws.into_iter().zip(out_dims).zip(outs) {
+            self.linear(x, w, rows, in_dim, d, out);
+        }
+    }
+
     /// `x[r, :] += bias` for the first `rows` rows of width `bias.len()`.
     fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor, rows: usize);
     /// `x[..n] += y[..n]`.

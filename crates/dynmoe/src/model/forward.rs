@@ -12,7 +12,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::moe::{self, MoeObserver, Routing};
-use super::weights::{DenseVq, Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts};
+use super::weights::{
+    Attention, DenseVq, Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts,
+};
 use super::Error;
 use crate::backend::{AttentionShape, Backend, HeadNorm, Weight};
 use crate::residency::{self, LayerSource, Reservoir, ReservoirKind, Residency, ResidencyConfig};
@@ -343,9 +345,7 @@ impl<B: Backend> Model<B> {
         for (i, layer) in self.layers.iter().enumerate() {
             // Attention block.
             let a = &layer.self_attn;
-            linear(b, &xn, &a.q_proj, n, &mut qs);
-            linear(b, &xn, &a.k_proj, n, &mut ks);
-            linear(b, &xn, &a.v_proj, n, &mut vs);
+            qkv(b, &xn, a, n, [&mut qs, &mut ks, &mut vs]);
             self.qk_norm_and_clip(layer, &mut qs, &mut ks, &mut vs, n);
             b.rope(&mut qs, &positions, c.num_heads, c.head_dim, &self.inv_freq);
             b.rope(
@@ -564,9 +564,13 @@ impl<B: Backend> Model<B> {
         b.rms_norm(&bufs.x, first, 1, h, eps, &mut bufs.xn);
         for (i, layer) in self.layers.iter().enumerate() {
             let a = &layer.self_attn;
-            linear(b, &bufs.xn, &a.q_proj, 1, &mut bufs.qs);
-            linear(b, &bufs.xn, &a.k_proj, 1, &mut bufs.ks);
-            linear(b, &bufs.xn, &a.v_proj, 1, &mut bufs.vs);
+            qkv(
+                b,
+                &bufs.xn,
+                a,
+                1,
+                [&mut bufs.qs, &mut bufs.ks, &mut bufs.vs],
+            );
             let shape = AttentionShape {
                 rows: 1,
                 pos0: 0,
@@ -666,6 +670,26 @@ impl<B: Backend> Model<B> {
         self.backend.download(probs, &mut host);
         for &i in layers {
             state.router_probs[i] = host[i * n * e..(i + 1) * n * e].to_vec();
+        }
+    }
+}
+
+/// A layer's q, k and v projections of `x` on `rows` rows (one launch where the backend
+/// can), then their biases.
+fn qkv<B: Backend>(b: &B, x: &B::Tensor, a: &Attention<B>, rows: usize, outs: [&mut B::Tensor; 3]) {
+    let ls = [&a.q_proj, &a.k_proj, &a.v_proj];
+    let [q, k, v] = outs;
+    b.linear3(
+        x,
+        ls.map(|l| l.weight()),
+        rows,
+        a.q_proj.in_dim,
+        ls.map(|l| l.out_dim),
+        [&mut *q, &mut *k, &mut *v],
+    );
+    for (l, out) in ls.into_iter().zip([q, k, v]) {
+        if let Some(bias) = &l.bias {
+            b.add_bias(out, bias, rows);
         }
     }
 }

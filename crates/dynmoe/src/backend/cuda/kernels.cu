@@ -953,11 +953,10 @@ extern "C" __global__ void matvec_f32(const float* w, const float* x, float* out
 // output row, 16-byte loads of w (8 values) when cols is a multiple of 8, which keeps
 // every row 16-byte aligned; one value per lane otherwise. Half the bytes of the f32
 // kernel, which decode is bound by.
-extern "C" __global__ void matvec_bf16(const unsigned short* w, const float* x, float* out,
-                                       int rows, int cols, int batch) {
-    int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+// Output row o (< rows) of that product, by one warp.
+__device__ __forceinline__ void matvec_bf16_row(const unsigned short* w, const float* x, float* out,
+                                                int rows, int o, int cols, int batch) {
     int lane = threadIdx.x % WARP;
-    if (o >= rows) return;
     const unsigned short* wr = w + (size_t)o * cols;
     float acc[MV_MAXB];
 #pragma unroll
@@ -997,6 +996,29 @@ extern "C" __global__ void matvec_bf16(const unsigned short* w, const float* x, 
             float t = warp_sum(acc[b]);
             if (lane == 0) out[(size_t)b * rows + o] = t;
         }
+    }
+}
+
+extern "C" __global__ void matvec_bf16(const unsigned short* w, const float* x, float* out,
+                                       int rows, int cols, int batch) {
+    int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (o < rows) matvec_bf16_row(w, x, out, rows, o, cols, batch);
+}
+
+// Three products of the same rows of x in one launch (a layer's q, k and v projections
+// in decode, where the two narrow ones would each be a launch's latency for a few
+// blocks' work): the warps' output rows run through w0's r0 rows, then w1's, then w2's.
+extern "C" __global__ void matvec_bf16_3(const unsigned short* w0, const unsigned short* w1,
+                                         const unsigned short* w2, const float* x, float* o0,
+                                         float* o1, float* o2, int r0, int r1, int r2, int cols,
+                                         int batch) {
+    int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (o < r0) {
+        matvec_bf16_row(w0, x, o0, r0, o, cols, batch);
+    } else if (o - r0 < r1) {
+        matvec_bf16_row(w1, x, o1, r1, o - r0, cols, batch);
+    } else if (o - r0 - r1 < r2) {
+        matvec_bf16_row(w2, x, o2, r2, o - r0 - r1, cols, batch);
     }
 }
 

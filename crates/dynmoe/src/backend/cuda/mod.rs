@@ -274,12 +274,13 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 54] = [
+const KERNEL_NAMES: [&str; 55] = [
     "fill",
     "embed",
     "embed_bf16",
     "bf16_to_f32",
     "matvec_bf16",
+    "matvec_bf16_3",
     "rms_norm",
     "rms_norm_inplace",
     "add_rms_norm",
@@ -1530,6 +1531,42 @@ impl Backend for Cuda {
         }
         let d = self.device_vq(w);
         self.vq_product(x, w, &d, rows, out);
+    }
+
+    fn linear3(
+        &self,
+        x: &CudaSlice<f32>,
+        ws: [Weight<'_, DeviceMatrix>; 3],
+        rows: usize,
+        in_dim: usize,
+        out_dims: [usize; 3],
+        outs: [&mut CudaSlice<f32>; 3],
+    ) {
+        use DeviceMatrix::Bf16;
+        use Weight::Dense;
+        match ws {
+            [Dense(Bf16(a)), Dense(Bf16(b)), Dense(Bf16(c))]
+                if (1..=MATVEC_MAX_BATCH).contains(&rows) =>
+            {
+                let [o0, o1, o2] = outs;
+                let [r0, r1, r2] = out_dims.map(|d| d as i32);
+                let (cols, batch) = (in_dim as i32, rows as i32);
+                let mut l = self.stream.launch_builder(self.func("matvec_bf16_3"));
+                l.arg(a).arg(b).arg(c).arg(x).arg(o0).arg(o1).arg(o2);
+                l.arg(&r0).arg(&r1).arg(&r2).arg(&cols).arg(&batch);
+                // A warp per output row of the three, 8 a block, as matvec_bf16.
+                let total: usize = out_dims.iter().sum();
+                ok(
+                    unsafe { l.launch(cfg(total.div_ceil(8).max(1), 256, 0)) },
+                    "matvec_bf16_3",
+                );
+            }
+            _ => {
+                for ((w, d), out) in ws.into_iter().zip(out_dims).zip(outs) {
+                    self.linear(x, w, rows, in_dim, d, out);
+                }
+            }
+        }
     }
 
     fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, rows: usize) {
