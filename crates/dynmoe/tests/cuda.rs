@@ -566,23 +566,33 @@ fn argmax_over_long_rows_matches_a_plain_loop() {
         );
     }
     // Inside a recorded step, replayed with new values: the counts must be back at zero
-    // after every replay.
+    // after every replay. A backend of its own, since a recording takes in whatever
+    // other tests' threads queue on the shared one's stream; one call first grows its
+    // scratch outside the record, as a decode state's first (unrecorded) step does.
+    let g = &Cuda::new(0).unwrap();
     let dim = 151936;
     let x0 = fresh(dim, 710);
     let (mut xt, mut ot) = (g.upload(&x0), g.alloc(1));
+    g.argmax_rows(&xt, 1, dim, &mut ot, 0);
     let key = (usize::MAX - 7, 0);
     for round in 0..4u64 {
         let mut x = fresh(dim, 711 + round);
         let planted = (round as usize * 40_000 + 17) % dim;
         x[planted] = 90.0;
         g.upload_into(&x, &mut xt);
-        g.replay_step(key, &mut || {
+        let replayed = g.replay_step(key, &mut || {
             g.argmax_rows(&xt, 1, dim, &mut ot, 0);
             true
         });
+        let graphs_on = std::env::var("DYNMOE_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        assert_eq!(replayed, graphs_on, "ran from a recorded graph");
         let mut got = [0.0f32];
         g.download(&ot, &mut got);
-        println!("check argmax_rows replay {round}: {}", got[0].to_bits());
+        println!(
+            "check argmax_rows replay {round}: {} (recorded steps {})",
+            got[0].to_bits(),
+            g.recorded_steps()
+        );
         assert_eq!(got[0].to_bits() as usize, planted, "replay {round}");
     }
 }
