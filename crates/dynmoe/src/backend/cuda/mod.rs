@@ -1371,7 +1371,10 @@ impl Cuda {
             }
         };
         l.arg(&ids).arg(out).arg(&d);
-        ok(unsafe { l.launch(cfg(n, row_threads(dim), 0)) }, "embed");
+        // Up to a thread per value: a decode step's one row is a single block, whose
+        // threads would otherwise each wait on several loads in turn.
+        let threads = dim.next_power_of_two().clamp(32, 1024) as u32;
+        ok(unsafe { l.launch(cfg(n, threads, 0)) }, "embed");
     }
 
     /// Launches `l` with a thread per element of `n`.
