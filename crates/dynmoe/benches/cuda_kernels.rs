@@ -13,7 +13,8 @@
 //! `cargo bench -p dynmoe --features cuda --bench cuda_kernels`
 
 use dynmoe::backend::{
-    AttentionShape, Backend, Cuda, DeviceRoute, RoutedExperts, SwiGluGroup, Weight,
+    attention_preamble_one_by_one, AttentionShape, Backend, Cuda, DeviceRoute, HeadNorm,
+    RoutedExperts, SwiGluGroup, Weight,
 };
 use dynmoe::codec::affine::kernels::AffineView;
 use dynmoe::codec::affine::lowbit::words_per_row;
@@ -48,6 +49,31 @@ struct Report {
     copy_gb_s: f64,
     copy_bytes: usize,
     rows: Vec<Row>,
+}
+
+/// Calls of a small kernel recorded in one graph, for [`graph_us`].
+const GRAPH_CALLS: usize = 200;
+
+/// Median µs per call of `op`: [`GRAPH_CALLS`] calls recorded once as a CUDA graph (the
+/// way a decode step runs them) and replayed, so the host's cost of a launch is not
+/// counted. One call first, outside the record, grows any scratch the op needs. `op`
+/// gets the call's index (to rotate over copies of its weights).
+fn graph_us(g: &Cuda, key: u64, mut op: impl FnMut(usize)) -> f64 {
+    op(0);
+    g.synchronize();
+    let mut body = || {
+        for i in 0..GRAPH_CALLS {
+            op(i);
+        }
+        true
+    };
+    let ms = time_ms(g, || {
+        assert!(
+            g.replay_step((usize::MAX - 1, key), &mut body),
+            "the calls were recorded as a graph"
+        );
+    });
+    ms * 1e3 / GRAPH_CALLS as f64
 }
 
 /// Median milliseconds of `f` over `REPEATS` event-timed runs, after one warm-up.
@@ -477,6 +503,171 @@ fn main() {
             batch: 1,
             weight_bytes: bytes,
             copies,
+            median_us_per_call: per_call,
+            gb_s,
+            fraction_of_copy: gb_s / copy_gb_s,
+        });
+    }
+
+    // The small kernels of a decode step at Qwen3-30B-A3B's shapes (hidden 2048, 32/4
+    // heads of 128, vocabulary 151936), each in a recorded graph; their data stays in L2,
+    // so these are latency figures. Bytes: what each call reads and writes. The routed MoE
+    // rows above include moe_route and moe_combine.
+    let (hidden, vocab) = (2048, 151936);
+    let eps = 1e-6;
+    let x = g.upload(&fresh(vocab, 20));
+    let w = g.upload(&fresh(hidden, 21));
+    let delta = g.upload(&fresh(hidden, 22));
+    let mut xs = g.upload(&fresh(hidden, 23));
+    let mut out = g.alloc(vocab);
+    let mut small: Vec<(String, usize, usize, usize, f64)> = Vec::new();
+    let us = graph_us(&g, 1, |_| g.argmax_rows(&x, 1, vocab, &mut out, 0));
+    small.push(("argmax_rows".into(), 1, vocab, vocab * 4, us));
+    let us = graph_us(&g, 2, |_| g.rms_norm(&xs, &w, 1, hidden, eps, &mut out));
+    small.push(("rms_norm".into(), 1, hidden, 3 * hidden * 4, us));
+    let us = graph_us(&g, 3, |_| {
+        g.add_rms_norm(&mut xs, &delta, &w, 1, hidden, eps, &mut out)
+    });
+    small.push(("add_rms_norm".into(), 1, hidden, 5 * hidden * 4, us));
+    let us = graph_us(&g, 4, |_| {
+        g.add(&mut xs, &delta, hidden);
+        g.rms_norm(&xs, &w, 1, hidden, eps, &mut out)
+    });
+    small.push(("add_then_rms_norm".into(), 1, hidden, 6 * hidden * 4, us));
+    let (heads, kv_heads, head_dim) = (32, 4, 128);
+    let qn = g.upload(&fresh(head_dim, 24));
+    let mut q = g.upload(&fresh(heads * head_dim, 25));
+    let us = graph_us(&g, 5, |_| {
+        g.rms_norm_inplace(&mut q, &qn, heads, head_dim, eps)
+    });
+    small.push((
+        "rms_norm_inplace".into(),
+        heads,
+        head_dim,
+        2 * heads * head_dim * 4,
+        us,
+    ));
+    let ctx = 4096;
+    let kvw = kv_heads * head_dim;
+    let kn = g.upload(&fresh(head_dim, 26));
+    let mut k = g.upload(&fresh(kvw, 27));
+    let v = g.upload(&fresh(kvw, 28));
+    let (mut kc, mut vc) = (g.zeros(ctx * kvw), g.zeros(ctx * kvw));
+    let step = g.upload(&[f32::from_bits(1), f32::from_bits(1000)]);
+    let inv_freq = dynmoe::model::forward::rope_inv_freq(1e6, head_dim, 1.0);
+    let shape = AttentionShape {
+        rows: 1,
+        pos0: 0,
+        heads,
+        kv_heads,
+        head_dim,
+        window: None,
+    };
+    let norm = HeadNorm {
+        q: &qn,
+        k: &kn,
+        eps,
+    };
+    let pre_bytes = (2 * heads * head_dim + 5 * kvw) * 4;
+    let us = graph_us(&g, 6, |_| {
+        g.attention_preamble_at(
+            &mut q,
+            &mut k,
+            &v,
+            Some(norm),
+            shape,
+            &inv_freq,
+            &step,
+            &mut kc,
+            &mut vc,
+        )
+    });
+    small.push((
+        "attention_preamble_at".into(),
+        heads,
+        head_dim,
+        pre_bytes,
+        us,
+    ));
+    let us = graph_us(&g, 7, |_| {
+        attention_preamble_one_by_one(
+            &g,
+            &mut q,
+            &mut k,
+            &v,
+            Some(norm),
+            shape,
+            &inv_freq,
+            &step,
+            &mut kc,
+            &mut vc,
+        )
+    });
+    small.push((
+        "attention_preamble_six_ops".into(),
+        heads,
+        head_dim,
+        pre_bytes,
+        us,
+    ));
+    println!(
+        "{:<26} {:>6} {:>6} {:>10} {:>8} {:>7}",
+        "decode kernel (graph)", "rows", "cols", "us/call", "GB/s", "of copy"
+    );
+    // A layer's q, k and v products (4096, 512 and 512 rows over 2048, bf16): one launch
+    // beside three, over 8 copies (160 MB) so the weights come from device memory.
+    let dims = [4096, 512, 512];
+    let copies: Vec<Vec<_>> = (0..8)
+        .map(|c| {
+            dims.iter()
+                .enumerate()
+                .map(|(j, &r)| {
+                    let w = fresh(r * hidden, 30 + 3 * c + j as u64);
+                    let w: Vec<f32> = w.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+                    g.upload_matrix(&w, r, hidden)
+                })
+                .collect()
+        })
+        .collect();
+    let xq = g.upload(&fresh(hidden, 29));
+    let (mut out_q, mut out_k, mut out_v) = (g.alloc(dims[0]), g.alloc(dims[1]), g.alloc(dims[2]));
+    let qkv_bytes = dims.iter().sum::<usize>() * hidden * 2;
+    let us = graph_us(&g, 8, |i| {
+        let m = &copies[i % copies.len()];
+        g.linear3(
+            &xq,
+            [
+                Weight::Dense(&m[0]),
+                Weight::Dense(&m[1]),
+                Weight::Dense(&m[2]),
+            ],
+            1,
+            hidden,
+            dims,
+            [&mut out_q, &mut out_k, &mut out_v],
+        )
+    });
+    small.push(("linear3_qkv_bf16".into(), 5120, hidden, qkv_bytes, us));
+    let us = graph_us(&g, 9, |i| {
+        let m = &copies[i % copies.len()];
+        g.matmul(&xq, &m[0], 1, hidden, dims[0], &mut out_q);
+        g.matmul(&xq, &m[1], 1, hidden, dims[1], &mut out_k);
+        g.matmul(&xq, &m[2], 1, hidden, dims[2], &mut out_v);
+    });
+    small.push(("three_matvec_bf16_qkv".into(), 5120, hidden, qkv_bytes, us));
+    for (kernel, rows, cols, bytes, per_call) in small {
+        let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
+        println!(
+            "{kernel:<26} {rows:>6} {cols:>6} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
+            gb_s / copy_gb_s
+        );
+        rows_out.push(Row {
+            kernel,
+            rows,
+            cols,
+            batch: 1,
+            weight_bytes: bytes,
+            copies: GRAPH_CALLS,
             median_us_per_call: per_call,
             gb_s,
             fraction_of_copy: gb_s / copy_gb_s,

@@ -115,10 +115,45 @@ pub trait Backend: Send + Sync {
         }
     }
 
+    /// Three products of the same `x` (a layer's q, k and v projections):
+    /// `outs[j] = x ws[j]ᵀ`, `out_dims[j]` wide. The default is three
+    /// [`linear`](Self::linear) calls; a backend may run them as one launch.
+    #[allow(clippy::too_many_arguments)]
+    fn linear3(
+        &self,
+        x: &Self::Tensor,
+        ws: [Weight<'_, Self::Matrix>; 3],
+        rows: usize,
+        in_dim: usize,
+        out_dims: [usize; 3],
+        outs: [&mut Self::Tensor; 3],
+    ) {
+        for ((w, d), out) in ws.into_iter().zip(out_dims).zip(outs) {
+            self.linear(x, w, rows, in_dim, d, out);
+        }
+    }
+
     /// `x[r, :] += bias` for the first `rows` rows of width `bias.len()`.
     fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor, rows: usize);
     /// `x[..n] += y[..n]`.
     fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor, n: usize);
+    /// A residual add and the norm that reads its result: `x += delta` on the first
+    /// `rows` rows of width `dim`, then [`rms_norm`](Self::rms_norm) of `x` into `out`.
+    /// The default is those two ops; a backend may do both in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        delta: &Self::Tensor,
+        w: &Self::Tensor,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) {
+        self.add(x, delta, rows * dim);
+        self.rms_norm(x, w, rows, dim, eps, out);
+    }
     /// `gate[..n] = silu(gate[..n]) * up[..n]`.
     fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor, n: usize);
     /// Clamp `x[..n]` to `[-limit, limit]`.
@@ -232,6 +267,28 @@ pub trait Backend: Send + Sync {
     ) {
         let [_, pos] = self.step_values(step);
         self.write_rows(src, dst, pos as usize, 1, width);
+    }
+
+    /// What a one-row decode step does between the q/k/v products and attention, at the
+    /// position `step[1]`: with `norm`, per-head RMSNorm of `q` (`shape.heads` heads) and
+    /// `k` (`shape.kv_heads`) in place; RoPE of both; then `k` and `v` copied to that row
+    /// of `k_cache` and `v_cache`. `shape` gives the head counts and width (its rows,
+    /// position and window are not read). The default is those ops one after another
+    /// ([`attention_preamble_one_by_one`]); a backend may do them in one launch.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_preamble_at(
+        &self,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &Self::Tensor,
+        norm: Option<HeadNorm<'_, Self::Tensor>>,
+        shape: AttentionShape,
+        inv_freq: &[f32],
+        step: &Self::Tensor,
+        k_cache: &mut Self::Tensor,
+        v_cache: &mut Self::Tensor,
+    ) {
+        attention_preamble_one_by_one(self, q, k, v, norm, shape, inv_freq, step, k_cache, v_cache);
     }
 
     /// [`attention`](Self::attention) of one query row at the position `step[1]`
@@ -437,6 +494,50 @@ pub struct DeviceRoute<'a> {
     pub renormalize: bool,
     /// Experts routing may choose (`None`: all); at least `top_k` are marked.
     pub keep: Option<&'a [bool]>,
+}
+
+/// The weights of a per-head q/k RMSNorm, for [`Backend::attention_preamble_at`].
+pub struct HeadNorm<'a, T> {
+    /// `[head_dim]`, applied to every query head.
+    pub q: &'a T,
+    /// `[head_dim]`, applied to every key head.
+    pub k: &'a T,
+    /// The norm's epsilon.
+    pub eps: f32,
+}
+
+// Written out because a derive would require `T: Copy`; only references are copied.
+impl<T> Clone for HeadNorm<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for HeadNorm<'_, T> {}
+
+/// [`Backend::attention_preamble_at`] through the single ops.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_preamble_one_by_one<B: Backend + ?Sized>(
+    b: &B,
+    q: &mut B::Tensor,
+    k: &mut B::Tensor,
+    v: &B::Tensor,
+    norm: Option<HeadNorm<'_, B::Tensor>>,
+    shape: AttentionShape,
+    inv_freq: &[f32],
+    step: &B::Tensor,
+    k_cache: &mut B::Tensor,
+    v_cache: &mut B::Tensor,
+) {
+    let (heads, kv_heads, d) = (shape.heads, shape.kv_heads, shape.head_dim);
+    if let Some(n) = norm {
+        b.rms_norm_inplace(q, n.q, heads, d, n.eps);
+        b.rms_norm_inplace(k, n.k, kv_heads, d, n.eps);
+    }
+    b.rope_at(q, step, heads, d, inv_freq);
+    b.rope_at(k, step, kv_heads, d, inv_freq);
+    b.write_row_at(k, k_cache, step, kv_heads * d);
+    b.write_row_at(v, v_cache, step, kv_heads * d);
 }
 
 /// [`Backend::swiglu_groups`] through the single ops, one group after another.

@@ -12,9 +12,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::moe::{self, MoeObserver, Routing};
-use super::weights::{DenseVq, Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts};
+use super::weights::{
+    Attention, DenseVq, Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts,
+};
 use super::Error;
-use crate::backend::{AttentionShape, Backend, Weight};
+use crate::backend::{AttentionShape, Backend, HeadNorm, Weight};
 use crate::residency::{
     self, LayerSource, Reservoir, ReservoirKind, Residency, ResidencyConfig, Step,
 };
@@ -341,14 +343,20 @@ impl<B: Backend> Model<B> {
         let mut probs_dev = ((on_device_ok || sets_on_device) && c.moe_layers().next().is_some())
             .then(|| b.alloc(self.layers.len() * n * e));
         let mut on_device: Vec<usize> = Vec::new();
+        // Rows whose logits are wanted.
+        let m = n - logits_from;
         b.embed(&self.embed_tokens, h, tokens, &mut x);
+        // Each residual add is fused with the norm that reads its result (the next
+        // block's input norm, or the final one), so `xn` holds a block's input on entry.
+        if let Some(first) = self.layers.first() {
+            b.rms_norm(&x, &first.input_layernorm, n, h, c.rms_norm_eps, &mut xn);
+        } else if m > 0 {
+            b.rms_norm(&x, &self.norm, n, h, c.rms_norm_eps, &mut xn);
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             // Attention block.
-            b.rms_norm(&x, &layer.input_layernorm, n, h, c.rms_norm_eps, &mut xn);
             let a = &layer.self_attn;
-            linear(b, &xn, &a.q_proj, n, &mut qs);
-            linear(b, &xn, &a.k_proj, n, &mut ks);
-            linear(b, &xn, &a.v_proj, n, &mut vs);
+            qkv(b, &xn, a, n, [&mut qs, &mut ks, &mut vs]);
             self.qk_norm_and_clip(layer, &mut qs, &mut ks, &mut vs, n);
             b.rope(&mut qs, &positions, c.num_heads, c.head_dim, &self.inv_freq);
             b.rope(
@@ -370,17 +378,10 @@ impl<B: Backend> Model<B> {
             };
             b.attention(&qs, &state.k_cache[i], &state.v_cache[i], shape, &mut attn);
             linear(b, &attn, &a.o_proj, n, &mut delta);
-            b.add(&mut x, &delta, n * h);
 
             // Feed-forward block.
-            b.rms_norm(
-                &x,
-                &layer.post_attention_layernorm,
-                n,
-                h,
-                c.rms_norm_eps,
-                &mut xn,
-            );
+            let post = &layer.post_attention_layernorm;
+            b.add_rms_norm(&mut x, &delta, post, n, h, c.rms_norm_eps, &mut xn);
             match &layer.mlp {
                 Ffn::Dense(mlp) => {
                     moe::dense(b, mlp, &xn, n, &mut delta);
@@ -433,22 +434,36 @@ impl<B: Backend> Model<B> {
                     }
                 }
             }
-            b.add(&mut x, &delta, n * h);
+            match self.layers.get(i + 1) {
+                Some(next) => {
+                    let w = &next.input_layernorm;
+                    b.add_rms_norm(&mut x, &delta, w, n, h, c.rms_norm_eps, &mut xn);
+                }
+                // The final norm, on every row (a row's norm reads only that row), when
+                // some logits are wanted.
+                None if m > 0 => {
+                    b.add_rms_norm(&mut x, &delta, &self.norm, n, h, c.rms_norm_eps, &mut xn)
+                }
+                None => b.add(&mut x, &delta, n * h),
+            }
         }
         state.pos += n;
 
-        // Final norm and LM head, only on the rows whose logits are wanted.
-        let m = n - logits_from;
+        // LM head, only on the rows whose logits are wanted.
         if m == 0 {
             self.read_router_probs(state, probs_dev.as_ref(), &on_device, n);
             finish_sets(step, state, &on_device, n, track);
             return Ok(Vec::new());
         }
-        let rows: Vec<u32> = (logits_from as u32..n as u32).collect();
-        b.gather_rows(&x, &rows, h, &mut delta);
-        b.rms_norm(&delta, &self.norm, m, h, c.rms_norm_eps, &mut xn);
+        let head_in = if logits_from == 0 {
+            &xn
+        } else {
+            let rows: Vec<u32> = (logits_from as u32..n as u32).collect();
+            b.gather_rows(&xn, &rows, h, &mut delta);
+            &delta
+        };
         let mut logits = b.alloc(m * c.vocab_size);
-        b.linear(&xn, self.head(), m, h, c.vocab_size, &mut logits);
+        b.linear(head_in, self.head(), m, h, c.vocab_size, &mut logits);
         let mut out = vec![0.0f32; m * c.vocab_size];
         b.download(&logits, &mut out);
         // After the logits, which waited for the device: a copy, not a wait.
@@ -584,44 +599,30 @@ impl<B: Backend> Model<B> {
         mut sets: Option<&mut Step<'_, B>>,
     ) -> bool {
         let (c, b) = (&self.config, &self.backend);
-        let (h, kv, e) = (c.hidden_size, c.kv_dim(), c.moe.num_experts);
+        let (h, e) = (c.hidden_size, c.moe.num_experts);
         let routing = Routing {
             top_k: c.moe.top_k,
             router: c.moe.router,
         };
         let mut fit = true;
         bufs.routed.clear();
+        let eps = c.rms_norm_eps;
         b.embed_at(&self.embed_tokens, h, &bufs.step, &mut bufs.x);
+        // As in `forward`: residual adds fused with the norm after them.
+        let first = self
+            .layers
+            .first()
+            .map_or(&self.norm, |l| &l.input_layernorm);
+        b.rms_norm(&bufs.x, first, 1, h, eps, &mut bufs.xn);
         for (i, layer) in self.layers.iter().enumerate() {
-            b.rms_norm(
-                &bufs.x,
-                &layer.input_layernorm,
-                1,
-                h,
-                c.rms_norm_eps,
-                &mut bufs.xn,
-            );
             let a = &layer.self_attn;
-            linear(b, &bufs.xn, &a.q_proj, 1, &mut bufs.qs);
-            linear(b, &bufs.xn, &a.k_proj, 1, &mut bufs.ks);
-            linear(b, &bufs.xn, &a.v_proj, 1, &mut bufs.vs);
-            self.qk_norm_and_clip(layer, &mut bufs.qs, &mut bufs.ks, &mut bufs.vs, 1);
-            b.rope_at(
-                &mut bufs.qs,
-                &bufs.step,
-                c.num_heads,
-                c.head_dim,
-                &self.inv_freq,
+            qkv(
+                b,
+                &bufs.xn,
+                a,
+                1,
+                [&mut bufs.qs, &mut bufs.ks, &mut bufs.vs],
             );
-            b.rope_at(
-                &mut bufs.ks,
-                &bufs.step,
-                c.num_kv_heads,
-                c.head_dim,
-                &self.inv_freq,
-            );
-            b.write_row_at(&bufs.ks, &mut k_cache[i], &bufs.step, kv);
-            b.write_row_at(&bufs.vs, &mut v_cache[i], &bufs.step, kv);
             let shape = AttentionShape {
                 rows: 1,
                 pos0: 0,
@@ -630,6 +631,26 @@ impl<B: Backend> Model<B> {
                 head_dim: c.head_dim,
                 window: c.layers[i].sliding_window,
             };
+            // Per-head q/k norms without clipping go into the preamble's one launch;
+            // any other normalisation or clipping runs first, on its own.
+            let norm = match (&a.qk_norm, c.qk_norm, c.clip_qkv) {
+                (Some((qn, kn)), QkNorm::PerHead, None) => Some(HeadNorm { q: qn, k: kn, eps }),
+                _ => {
+                    self.qk_norm_and_clip(layer, &mut bufs.qs, &mut bufs.ks, &mut bufs.vs, 1);
+                    None
+                }
+            };
+            b.attention_preamble_at(
+                &mut bufs.qs,
+                &mut bufs.ks,
+                &bufs.vs,
+                norm,
+                shape,
+                &self.inv_freq,
+                &bufs.step,
+                &mut k_cache[i],
+                &mut v_cache[i],
+            );
             b.attention_at(
                 &bufs.qs,
                 &k_cache[i],
@@ -639,9 +660,8 @@ impl<B: Backend> Model<B> {
                 &mut bufs.attn,
             );
             linear(b, &bufs.attn, &a.o_proj, 1, &mut bufs.delta);
-            b.add(&mut bufs.x, &bufs.delta, h);
             let post = &layer.post_attention_layernorm;
-            b.rms_norm(&bufs.x, post, 1, h, c.rms_norm_eps, &mut bufs.xn);
+            b.add_rms_norm(&mut bufs.x, &bufs.delta, post, 1, h, eps, &mut bufs.xn);
             match &layer.mlp {
                 Ffn::Dense(mlp) => {
                     fit = false;
@@ -685,9 +705,12 @@ impl<B: Backend> Model<B> {
                     host_probs.push((i, p));
                 }
             }
-            b.add(&mut bufs.x, &bufs.delta, h);
+            let next = self
+                .layers
+                .get(i + 1)
+                .map_or(&self.norm, |l| &l.input_layernorm);
+            b.add_rms_norm(&mut bufs.x, &bufs.delta, next, 1, h, eps, &mut bufs.xn);
         }
-        b.rms_norm(&bufs.x, &self.norm, 1, h, c.rms_norm_eps, &mut bufs.xn);
         b.linear(&bufs.xn, self.head(), 1, h, c.vocab_size, &mut bufs.logits);
         b.argmax_rows(
             &bufs.logits,
@@ -739,6 +762,26 @@ fn finish_sets<B: Backend>(
         }
     }
     step.finish(n);
+}
+
+/// A layer's q, k and v projections of `x` on `rows` rows (one launch where the backend
+/// can), then their biases.
+fn qkv<B: Backend>(b: &B, x: &B::Tensor, a: &Attention<B>, rows: usize, outs: [&mut B::Tensor; 3]) {
+    let ls = [&a.q_proj, &a.k_proj, &a.v_proj];
+    let [q, k, v] = outs;
+    b.linear3(
+        x,
+        ls.map(|l| l.weight()),
+        rows,
+        a.q_proj.in_dim,
+        ls.map(|l| l.out_dim),
+        [&mut *q, &mut *k, &mut *v],
+    );
+    for (l, out) in ls.into_iter().zip([q, k, v]) {
+        if let Some(bias) = &l.bias {
+            b.add_bias(out, bias, rows);
+        }
+    }
 }
 
 /// `out = x Wᵀ (+ b)` on `rows` rows.

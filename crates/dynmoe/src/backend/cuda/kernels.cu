@@ -72,25 +72,94 @@ extern "C" __global__ void bf16_to_f32(const unsigned short* src, float* dst, lo
     for (; i < n; i += stride) dst[i] = bf16_bits(src[i]);
 }
 
-// One block per row. In place when `out == x`: each thread writes only what it read,
-// after the reduction.
-__device__ void rms_norm_row(const float* x, const float* w, float* out, int dim, float eps) {
-    __shared__ float scratch[32];
+// RMSNorm of rows of `dim`, optionally after a residual add (`delta` non-null:
+// x += delta first, the sum written back to x, then normalised). A team of threads per
+// row: a warp (rows of at most NORM_WARP_DIM values, several rows a block) or the whole
+// block (wider rows, one a block). 16-byte loads when every row is 16-byte aligned, else
+// one value at a time. In place when `out == x`: each thread writes only what it read,
+// after the reduction. The second pass reads x again (an L1 hit) rather than holding it
+// in registers, so any width works.
+#define NORM_WARP_DIM 512
+template <bool ADD>
+__device__ __forceinline__ void norm_row(float* x, const float* delta, const float* w, float* out,
+                                         int dim, float eps, int t, int team, float* scratch) {
+    bool vec = dim % 4 == 0 &&
+               ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(w) |
+                 reinterpret_cast<size_t>(out) | reinterpret_cast<size_t>(delta)) & 15) == 0;
     float s = 0.0f;
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) s += x[d] * x[d];
-    s = block_sum(s, scratch);
+    if (vec) {
+        float4* x4 = reinterpret_cast<float4*>(x);
+        for (int j = t; j < dim / 4; j += team) {
+            float4 v = x4[j];
+            if (ADD) {
+                float4 e = reinterpret_cast<const float4*>(delta)[j];
+                v.x += e.x;
+                v.y += e.y;
+                v.z += e.z;
+                v.w += e.w;
+                x4[j] = v;
+            }
+            s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+        for (int d = t; d < dim; d += team) {
+            float v = x[d];
+            if (ADD) {
+                v += delta[d];
+                x[d] = v;
+            }
+            s += v * v;
+        }
+    }
+    s = scratch ? block_sum(s, scratch) : warp_sum(s);
     float inv = 1.0f / sqrtf(s / (float)dim + eps);
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) out[d] = w[d] * (x[d] * inv);
+    if (vec) {
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+        float4* o4 = reinterpret_cast<float4*>(out);
+        for (int j = t; j < dim / 4; j += team) {
+            float4 v = x4[j], g = w4[j];
+            o4[j] = make_float4(g.x * (v.x * inv), g.y * (v.y * inv), g.z * (v.z * inv),
+                                g.w * (v.w * inv));
+        }
+    } else {
+        for (int d = t; d < dim; d += team) out[d] = w[d] * (x[d] * inv);
+    }
 }
 
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int dim, float eps) {
-    size_t r = blockIdx.x;
-    rms_norm_row(x + r * dim, w, out + r * dim, dim, eps);
+// Rows of at most NORM_WARP_DIM: a warp per row, blockDim / 32 rows a block. Wider: a
+// block per row. `delta` may be null (a plain norm).
+template <bool ADD>
+__device__ void norm_rows(float* x, const float* delta, const float* w, float* out, int rows,
+                          int dim, float eps) {
+    __shared__ float scratch[32];
+    if (dim <= NORM_WARP_DIM) {
+        int r = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+        if (r >= rows) return;  // whole warps leave: no block barrier on this path
+        size_t o = (size_t)r * dim;
+        norm_row<ADD>(x + o, ADD ? delta + o : nullptr, w, out + o, dim, eps, threadIdx.x % WARP,
+                      WARP, nullptr);
+    } else {
+        size_t o = (size_t)blockIdx.x * dim;
+        norm_row<ADD>(x + o, ADD ? delta + o : nullptr, w, out + o, dim, eps, threadIdx.x,
+                      blockDim.x, scratch);
+    }
 }
 
-extern "C" __global__ void rms_norm_inplace(float* x, const float* w, int dim, float eps) {
-    size_t r = blockIdx.x;
-    rms_norm_row(x + r * dim, w, x + r * dim, dim, eps);
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int rows, int dim,
+                                    float eps) {
+    // Written only through `out` (x is read, never stored to, without ADD).
+    norm_rows<false>(const_cast<float*>(x), nullptr, w, out, rows, dim, eps);
+}
+
+extern "C" __global__ void rms_norm_inplace(float* x, const float* w, int rows, int dim, float eps) {
+    norm_rows<false>(x, nullptr, w, x, rows, dim, eps);
+}
+
+// x += delta, then out = RMSNorm(x)·w: the residual add and the next norm in one pass.
+extern "C" __global__ void add_rms_norm(float* x, const float* delta, const float* w, float* out,
+                                        int rows, int dim, float eps) {
+    norm_rows<true>(x, delta, w, out, rows, dim, eps);
 }
 
 extern "C" __global__ void add_bias(float* x, const float* bias, int dim, long long n) {
@@ -528,6 +597,83 @@ extern "C" __global__ void moe_route(float* probs, const unsigned char* keep, in
     }
 }
 
+// moe_route for at most ROUTE_WARP_MAX experts: a warp per row (one a block), each lane
+// holding experts lane, lane + 32, ... in registers, so the softmax and each of the top_k
+// picks are warp shuffles with no block barrier. The same steps and tie rules as
+// moe_route (only the order of the sums' terms differs).
+#define ROUTE_WARP_MAX 256
+#define ROUTE_PER_LANE (ROUTE_WARP_MAX / WARP)
+extern "C" __global__ void moe_route_warp(float* probs, const unsigned char* keep, int* ids,
+                                          float* weights, int experts, int top_k,
+                                          int renormalize) {
+    int lane = threadIdx.x % WARP;
+    float* row = probs + (size_t)blockIdx.x * experts;
+    float v[ROUTE_PER_LANE];
+    float m = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < ROUTE_PER_LANE; j++) {
+        int d = lane + WARP * j;
+        v[j] = d < experts ? row[d] : NEG_INF;
+        m = fmaxf(m, v[j]);
+    }
+    m = warp_max(m);
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ROUTE_PER_LANE; j++) {
+        if (lane + WARP * j < experts) {
+            v[j] = expf(v[j] - m);
+            s += v[j];
+        }
+    }
+    s = warp_sum(s);
+    float kept = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ROUTE_PER_LANE; j++) {
+        int d = lane + WARP * j;
+        if (d < experts) {
+            v[j] = v[j] / s;
+            row[d] = v[j];
+            if (!keep || keep[d]) kept += v[j];
+        }
+    }
+    if (keep) kept = warp_sum(kept);
+    if (keep) {
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; j++) {
+            int d = lane + WARP * j;
+            if (d < experts) v[j] = keep[d] ? v[j] / kept : NEG_INF;
+        }
+    }
+    int* out_ids = ids + (size_t)blockIdx.x * top_k;
+    float* out_w = weights + (size_t)blockIdx.x * top_k;
+    for (int k = 0; k < top_k; k++) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; j++) {
+            int d = lane + WARP * j;
+            if (d < experts && (v[j] > bv || (v[j] == bv && d < bi))) { bv = v[j]; bi = d; }
+        }
+        for (int o = WARP / 2; o > 0; o /= 2) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) {
+            out_ids[k] = bi;
+            out_w[k] = bv;
+        }
+#pragma unroll
+        for (int j = 0; j < ROUTE_PER_LANE; j++)
+            if (lane + WARP * j == bi) v[j] = NEG_INF;
+    }
+    if (renormalize && lane == 0) {
+        float t = 0.0f;
+        for (int k = 0; k < top_k; k++) t += out_w[k];
+        for (int k = 0; k < top_k; k++) out_w[k] /= t;
+    }
+}
+
 // One routed expert product per (AFF_WARPS · ROUTED_ROWS output rows, pair): blockIdx.y is the pair
 // (row pair / top_k of x, rank pair % top_k), whose expert ids[pair] picks a 9-pointer
 // entry of `table` (gate, up, down: words, scales, biases). With `up` null the input is
@@ -618,16 +764,18 @@ ROUTED_AFFINE(4)
 ROUTED_AFFINE(3)
 ROUTED_AFFINE(2)
 
-// out[r] = Σ_k weights[r·top_k + k] · down[r·top_k + k], one block per row; overwrites.
+// out[r] = Σ_k weights[r·top_k + k] · down[r·top_k + k]; overwrites. A thread per output
+// value (rows · width of them), so the block's sums spread over the device instead of
+// one block walking every column.
 extern "C" __global__ void moe_combine(const float* down, const float* weights, float* out,
-                                       int top_k, int width) {
-    size_t r = blockIdx.x;
+                                       int top_k, int width, long long n) {
+    long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) return;
+    size_t r = j / width, i = j % width;
     const float* w = weights + r * top_k;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        float s = 0.0f;
-        for (int k = 0; k < top_k; k++) s += w[k] * down[(r * top_k + k) * width + i];
-        out[r * width + i] = s;
-    }
+    float s = 0.0f;
+    for (int k = 0; k < top_k; k++) s += w[k] * down[(r * top_k + k) * width + i];
+    out[j] = s;
 }
 
 // ---- Decode steps whose per-call values live in device memory ----
@@ -639,18 +787,132 @@ extern "C" __global__ void write_row_at(const float* src, float* dst, const unsi
         d[i] = src[i];
 }
 
-// One block per row: the index of the row's largest value (the lowest on ties), its
-// bits stored in out[r].
-extern "C" __global__ void argmax_rows(const float* x, unsigned* out, int dim) {
+// The attention preamble of a one-row decode step in one launch: block b < heads takes
+// query head b, the next kv_heads blocks key head b − heads, the last kv_heads blocks
+// value head b − heads − kv_heads. A q or k head is normalised (per-head RMSNorm with
+// `qn`/`kn`, when non-null) and rotated (RoPE at position *pos, as `rope`), written back
+// to q or k; a k or v head is also copied to row *pos of its cache. A thread owns the
+// pairs (i, i + half) it rotates, PRE_PAIRS at most, so head_dim ≤ 2·PRE_PAIRS·blockDim.
+#define PRE_PAIRS 4
+extern "C" __global__ void attn_preamble_at(float* q, float* k, const float* v, const float* qn,
+                                            const float* kn, float eps, const unsigned* pos,
+                                            const float* inv_freq, float* k_cache,
+                                            float* v_cache, int heads, int kv_heads,
+                                            int head_dim) {
+    __shared__ float scratch[32];
+    int b = blockIdx.x;
+    size_t kvw = (size_t)kv_heads * head_dim;
+    unsigned p = *pos;
+    if (b >= heads + kv_heads) {
+        int h = b - heads - kv_heads;
+        const float* src = v + (size_t)h * head_dim;
+        float* dst = v_cache + (size_t)p * kvw + (size_t)h * head_dim;
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) dst[d] = src[d];
+        return;
+    }
+    bool is_q = b < heads;
+    int h = is_q ? b : b - heads;
+    float* x = (is_q ? q : k) + (size_t)h * head_dim;
+    const float* nw = is_q ? qn : kn;
+    int half = head_dim / 2;
+    float a[PRE_PAIRS], c[PRE_PAIRS];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PRE_PAIRS; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        a[j] = i < half ? x[i] : 0.0f;
+        c[j] = i < half ? x[i + half] : 0.0f;
+        ss += a[j] * a[j] + c[j] * c[j];
+    }
+    if (nw) {
+        // Every thread of the block reaches this barrier: the branch is on a kernel argument.
+        ss = block_sum(ss, scratch);
+        float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+#pragma unroll
+        for (int j = 0; j < PRE_PAIRS; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            if (i < half) {
+                a[j] = nw[i] * (a[j] * inv);
+                c[j] = nw[i + half] * (c[j] * inv);
+            }
+        }
+    }
+    float fp = (float)p;
+    float* cache = is_q ? nullptr : k_cache + (size_t)p * kvw + (size_t)h * head_dim;
+#pragma unroll
+    for (int j = 0; j < PRE_PAIRS; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        if (i < half) {
+            float sn, cs;
+            sincosf(fp * inv_freq[i], &sn, &cs);
+            float lo = a[j] * cs - c[j] * sn, hi = c[j] * cs + a[j] * sn;
+            x[i] = lo;
+            x[i + half] = hi;
+            if (cache) {
+                cache[i] = lo;
+                cache[i + half] = hi;
+            }
+        }
+    }
+}
+
+// The index of each row's largest value (the lowest on ties; NaN never wins; 0 when
+// every value is NaN), its bits stored in out[r]. Grid (splits, rows): block s of row r
+// takes `chunk` values from s·chunk and writes its best to part (values) and part_i
+// (indices); the last block of a row to finish (counted in `count[r]`, which it resets
+// to zero for the next launch) merges the row's partials. One launch, no second pass
+// over the row, and no host work: it may run inside a recorded step.
+#define ARGMAX_THREADS 256
+extern "C" __global__ void argmax_rows(const float* x, unsigned* out, int dim, int chunk,
+                                       unsigned* count, float* part, int* part_i) {
     __shared__ float sv[32];
     __shared__ int si[32];
-    const float* row = x + (size_t)blockIdx.x * dim;
+    __shared__ int last;
+    int s = blockIdx.x, r = blockIdx.y, splits = gridDim.x;
+    const float* row = x + (size_t)r * dim;
+    int lo = s * chunk, hi = min(dim, lo + chunk);
     float v = NEG_INF;
     int i = 0x7fffffff;
-    for (int d = threadIdx.x; d < dim; d += blockDim.x)
-        if (row[d] > v || (row[d] == v && d < i)) { v = row[d]; i = d; }
+    // Ascending indices per thread, so a strict > keeps the lower index of a tie; four
+    // loads issued before their compares.
+    for (int d0 = lo + threadIdx.x; d0 < hi; d0 += 4 * ARGMAX_THREADS) {
+        float a[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int d = d0 + u * ARGMAX_THREADS;
+            a[u] = d < hi ? row[d] : NEG_INF;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int d = d0 + u * ARGMAX_THREADS;
+            if (d < hi && (a[u] > v || (a[u] == v && d < i))) { v = a[u]; i = d; }
+        }
+    }
     block_argmax(v, i, sv, si);
-    if (threadIdx.x == 0) out[blockIdx.x] = (unsigned)(i == 0x7fffffff ? 0 : i);
+    size_t at = (size_t)r * splits;
+    if (threadIdx.x == 0) {
+        part[at + s] = v;
+        part_i[at + s] = i;
+        // The partial is visible to every block before the count says it is there.
+        __threadfence();
+        last = atomicAdd(&count[r], 1u) == (unsigned)(splits - 1);
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    v = NEG_INF;
+    i = 0x7fffffff;
+    for (int k = threadIdx.x; k < splits; k += blockDim.x) {
+        // Past L1, which may hold nothing of another block's writes but must not be trusted.
+        float pv = __ldcg(part + at + k);
+        int pi = __ldcg(part_i + at + k);
+        if (pv > v || (pv == v && pi < i)) { v = pv; i = pi; }
+    }
+    block_argmax(v, i, sv, si);
+    if (threadIdx.x == 0) {
+        out[r] = (unsigned)(i == 0x7fffffff ? 0 : i);
+        count[r] = 0;
+    }
 }
 
 // out[b·rows + o] = Σ_i x[b·cols + i]·w[o·cols + i] for `batch` (≤ 4) rows of x: a warp
@@ -691,11 +953,10 @@ extern "C" __global__ void matvec_f32(const float* w, const float* x, float* out
 // output row, 16-byte loads of w (8 values) when cols is a multiple of 8, which keeps
 // every row 16-byte aligned; one value per lane otherwise. Half the bytes of the f32
 // kernel, which decode is bound by.
-extern "C" __global__ void matvec_bf16(const unsigned short* w, const float* x, float* out,
-                                       int rows, int cols, int batch) {
-    int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+// Output row o (< rows) of that product, by one warp.
+__device__ __forceinline__ void matvec_bf16_row(const unsigned short* w, const float* x, float* out,
+                                                int rows, int o, int cols, int batch) {
     int lane = threadIdx.x % WARP;
-    if (o >= rows) return;
     const unsigned short* wr = w + (size_t)o * cols;
     float acc[MV_MAXB];
 #pragma unroll
@@ -735,6 +996,29 @@ extern "C" __global__ void matvec_bf16(const unsigned short* w, const float* x, 
             float t = warp_sum(acc[b]);
             if (lane == 0) out[(size_t)b * rows + o] = t;
         }
+    }
+}
+
+extern "C" __global__ void matvec_bf16(const unsigned short* w, const float* x, float* out,
+                                       int rows, int cols, int batch) {
+    int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (o < rows) matvec_bf16_row(w, x, out, rows, o, cols, batch);
+}
+
+// Three products of the same rows of x in one launch (a layer's q, k and v projections
+// in decode, where the two narrow ones would each be a launch's latency for a few
+// blocks' work): the warps' output rows run through w0's r0 rows, then w1's, then w2's.
+extern "C" __global__ void matvec_bf16_3(const unsigned short* w0, const unsigned short* w1,
+                                         const unsigned short* w2, const float* x, float* o0,
+                                         float* o1, float* o2, int r0, int r1, int r2, int cols,
+                                         int batch) {
+    int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (o < r0) {
+        matvec_bf16_row(w0, x, o0, r0, o, cols, batch);
+    } else if (o - r0 < r1) {
+        matvec_bf16_row(w1, x, o1, r1, o - r0, cols, batch);
+    } else if (o - r0 - r1 < r2) {
+        matvec_bf16_row(w2, x, o2, r2, o - r0 - r1, cols, batch);
     }
 }
 

@@ -43,8 +43,8 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use half::slice::HalfFloatSliceExt;
 
 use super::{
-    swiglu_groups_one_by_one, AttentionShape, Backend, DeviceRoute, RoutedExperts, SwiGluGroup,
-    Weight,
+    attention_preamble_one_by_one, swiglu_groups_one_by_one, AttentionShape, Backend, DeviceRoute,
+    HeadNorm, RoutedExperts, SwiGluGroup, Weight,
 };
 use crate::codec::affine::kernels::AffineView;
 use crate::codec::affine::lowbit::words_per_row;
@@ -82,6 +82,19 @@ const GROUP_ENTRY: usize = 11;
 const ROUTED_ENTRY: usize = 9;
 /// Output rows per warp of the routed expert kernels (the kernel's `ROUTED_ROWS`).
 const ROUTED_ROWS: usize = 4;
+/// Widest row a warp normalises alone (the kernels' `NORM_WARP_DIM`); wider rows take a
+/// block each.
+const NORM_WARP_DIM: usize = 512;
+/// Most experts `moe_route_warp` holds in one warp's registers (its `ROUTE_WARP_MAX`).
+const ROUTE_WARP_MAX: usize = 256;
+/// Threads of an `argmax_rows` block (its `ARGMAX_THREADS`); a block takes a multiple of
+/// four times this many values of a row.
+const ARGMAX_THREADS: usize = 256;
+/// Rows one `argmax_rows` launch takes: its counts sit in the first this many floats of
+/// the scratch buffer.
+const ARGMAX_MAX_ROWS: usize = 1024;
+/// Pairs of a head one thread of `attn_preamble_at` rotates (its `PRE_PAIRS`).
+const PRE_PAIRS: usize = 4;
 /// Most rows a MoE block is routed on the device for: beyond, each expert's weights
 /// would be read once per row, and the host path's grouped GEMMs win.
 pub const ROUTED_MAX_ROWS: usize = AFFINE_GEMM_ROWS;
@@ -268,14 +281,16 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 51] = [
+const KERNEL_NAMES: [&str; 55] = [
     "fill",
     "embed",
     "embed_bf16",
     "bf16_to_f32",
     "matvec_bf16",
+    "matvec_bf16_3",
     "rms_norm",
     "rms_norm_inplace",
+    "add_rms_norm",
     "add_bias",
     "add",
     "silu_mul",
@@ -299,6 +314,7 @@ const KERNEL_NAMES: [&str; 51] = [
     "affine_down_q2",
     "copy_f4",
     "moe_route",
+    "moe_route_warp",
     "moe_combine",
     "affine_routed_gate_up_q4",
     "affine_routed_gate_up_q3",
@@ -307,6 +323,7 @@ const KERNEL_NAMES: [&str; 51] = [
     "affine_routed_down_q3",
     "affine_routed_down_q2",
     "write_row_at",
+    "attn_preamble_at",
     "argmax_rows",
     "matvec_f32",
     "attention_split",
@@ -451,6 +468,9 @@ pub struct Cuda {
     use_graphs: std::sync::atomic::AtomicBool,
     /// Partial results of one-row attention split over the keys, grown as needed.
     attn_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// `argmax_rows`' per-row block counts (zero between launches: the last block of a
+    /// row resets its count) and partial maxima, grown as needed.
+    argmax_scratch: Mutex<Option<CudaSlice<f32>>>,
     /// A bf16 matrix widened to f32 (or a VQ matrix decoded) for a cuBLAS product of more
     /// rows than the matrix-vector kernels take; grown to the largest matrix seen, never
     /// inside a recorded step (those are one row).
@@ -520,6 +540,19 @@ fn cfg(grid: usize, threads: u32, shared: usize) -> LaunchConfig {
     }
 }
 
+/// The launch of the RMSNorm kernels for `rows` rows of `dim`: a warp per row for narrow
+/// rows (up to 8 a block), else a block per row with a thread per 4 values (at most
+/// 1024; at least 64, so the block sum has whole warps).
+fn norm_cfg(rows: usize, dim: usize) -> LaunchConfig {
+    if dim <= NORM_WARP_DIM {
+        let per_block = rows.min(8);
+        cfg(rows.div_ceil(per_block), (per_block * 32) as u32, 0)
+    } else {
+        let threads = dim.div_ceil(4).next_power_of_two().clamp(64, 1024);
+        cfg(rows, threads as u32, 0)
+    }
+}
+
 /// Threads for a kernel that loops over a row of `width`.
 fn row_threads(width: usize) -> u32 {
     (width.next_power_of_two().clamp(32, 256)) as u32
@@ -567,6 +600,7 @@ impl Cuda {
                 std::env::var("DYNMOE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
             ),
             attn_scratch: Mutex::new(None),
+            argmax_scratch: Mutex::new(None),
             dense_scratch: Mutex::new(None),
             bf16_matrices: std::env::var("DYNMOE_CUDA_BF16").map_or(true, |v| v != "0"),
             split_attention: std::env::var("DYNMOE_CUDA_SPLIT_ATTENTION")
@@ -720,12 +754,27 @@ impl Cuda {
         slot: &'s Mutex<Option<CudaSlice<f32>>>,
         n: usize,
     ) -> MutexGuard<'s, Option<CudaSlice<f32>>> {
+        self.grown_with(slot, n, false)
+    }
+
+    /// [`grown`](Self::grown), a new buffer zeroed when `zero` (for kernels that keep
+    /// counters in it).
+    fn grown_with<'s>(
+        &self,
+        slot: &'s Mutex<Option<CudaSlice<f32>>>,
+        n: usize,
+        zero: bool,
+    ) -> MutexGuard<'s, Option<CudaSlice<f32>>> {
         let mut s = slot.lock().expect("scratch lock");
         if s.as_ref().is_none_or(|s| s.len() < n) {
             self.drop_graphs();
             // The old buffer goes first, so the two never take device memory together.
             *s = None;
-            *s = Some(ok(unsafe { self.stream.alloc::<f32>(n.max(1)) }, "alloc"));
+            *s = Some(if zero {
+                ok(self.stream.alloc_zeros::<f32>(n.max(1)), "alloc")
+            } else {
+                ok(unsafe { self.stream.alloc::<f32>(n.max(1)) }, "alloc")
+            });
         }
         s
     }
@@ -1277,7 +1326,13 @@ impl Cuda {
         );
 
         let (ei, ki, rn) = (e as i32, k as i32, r.route.renormalize as i32);
-        let mut l = self.stream.launch_builder(self.func("moe_route"));
+        // Up to ROUTE_WARP_MAX experts a warp holds a row in registers; more take a block.
+        let (name, launch) = if e <= ROUTE_WARP_MAX {
+            ("moe_route_warp", cfg(rows, 32, 0))
+        } else {
+            ("moe_route", cfg(rows, row_threads(e), e * 4))
+        };
+        let mut l = self.stream.launch_builder(self.func(name));
         l.arg(&probs)
             .arg(&r.keep)
             .arg(&ids)
@@ -1285,10 +1340,7 @@ impl Cuda {
             .arg(&ei)
             .arg(&ki)
             .arg(&rn);
-        ok(
-            unsafe { l.launch(cfg(rows, row_threads(e), e * 4)) },
-            "moe_route",
-        );
+        ok(unsafe { l.launch(launch) }, "moe_route");
 
         let suffix = match shape.bits {
             4 => "q4",
@@ -1327,13 +1379,10 @@ impl Cuda {
         };
         ok(unsafe { l.launch(grid) }, "routed down");
 
-        let w = hidden as i32;
+        let (w, n) = (hidden as i32, (rows * hidden) as i64);
         let mut l = self.stream.launch_builder(self.func("moe_combine"));
-        l.arg(&d).arg(&weights).arg(&out).arg(&ki).arg(&w);
-        ok(
-            unsafe { l.launch(cfg(rows, row_threads(hidden), 0)) },
-            "moe_combine",
-        );
+        l.arg(&d).arg(&weights).arg(&out).arg(&ki).arg(&w).arg(&n);
+        self.launch_1d(l, rows * hidden, "moe_combine");
     }
 
     /// [`Backend::matmul`] into any device buffer: the matrix-vector kernel for a few
@@ -1464,7 +1513,10 @@ impl Cuda {
             }
         };
         l.arg(&ids).arg(out).arg(&d);
-        ok(unsafe { l.launch(cfg(n, row_threads(dim), 0)) }, "embed");
+        // Up to a thread per value: a decode step's one row is a single block, whose
+        // threads would otherwise each wait on several loads in turn.
+        let threads = dim.next_power_of_two().clamp(32, 1024) as u32;
+        ok(unsafe { l.launch(cfg(n, threads, 0)) }, "embed");
     }
 
     /// Launches `l` with a thread per element of `n`.
@@ -1544,13 +1596,10 @@ impl Backend for Cuda {
         if rows == 0 {
             return;
         }
-        let d = dim as i32;
+        let (r, d) = (rows as i32, dim as i32);
         let mut l = self.stream.launch_builder(self.func("rms_norm"));
-        l.arg(x).arg(w).arg(out).arg(&d).arg(&eps);
-        ok(
-            unsafe { l.launch(cfg(rows, row_threads(dim), 0)) },
-            "rms_norm",
-        );
+        l.arg(x).arg(w).arg(out).arg(&r).arg(&d).arg(&eps);
+        ok(unsafe { l.launch(norm_cfg(rows, dim)) }, "rms_norm");
     }
 
     fn rms_norm_inplace(
@@ -1564,13 +1613,35 @@ impl Backend for Cuda {
         if rows == 0 {
             return;
         }
-        let d = dim as i32;
+        let (r, d) = (rows as i32, dim as i32);
         let mut l = self.stream.launch_builder(self.func("rms_norm_inplace"));
-        l.arg(x).arg(w).arg(&d).arg(&eps);
-        ok(
-            unsafe { l.launch(cfg(rows, row_threads(dim), 0)) },
-            "rms_norm_inplace",
-        );
+        l.arg(x).arg(w).arg(&r).arg(&d).arg(&eps);
+        ok(unsafe { l.launch(norm_cfg(rows, dim)) }, "rms_norm_inplace");
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaSlice<f32>,
+        delta: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if rows == 0 {
+            return;
+        }
+        let (r, d) = (rows as i32, dim as i32);
+        let mut l = self.stream.launch_builder(self.func("add_rms_norm"));
+        l.arg(x)
+            .arg(delta)
+            .arg(w)
+            .arg(out)
+            .arg(&r)
+            .arg(&d)
+            .arg(&eps);
+        ok(unsafe { l.launch(norm_cfg(rows, dim)) }, "add_rms_norm");
     }
 
     fn matmul(
@@ -1606,6 +1677,42 @@ impl Backend for Cuda {
         }
         let d = self.device_vq(w);
         self.vq_product(x, w, &d, rows, out);
+    }
+
+    fn linear3(
+        &self,
+        x: &CudaSlice<f32>,
+        ws: [Weight<'_, DeviceMatrix>; 3],
+        rows: usize,
+        in_dim: usize,
+        out_dims: [usize; 3],
+        outs: [&mut CudaSlice<f32>; 3],
+    ) {
+        use DeviceMatrix::Bf16;
+        use Weight::Dense;
+        match ws {
+            [Dense(Bf16(a)), Dense(Bf16(b)), Dense(Bf16(c))]
+                if (1..=MATVEC_MAX_BATCH).contains(&rows) =>
+            {
+                let [o0, o1, o2] = outs;
+                let [r0, r1, r2] = out_dims.map(|d| d as i32);
+                let (cols, batch) = (in_dim as i32, rows as i32);
+                let mut l = self.stream.launch_builder(self.func("matvec_bf16_3"));
+                l.arg(a).arg(b).arg(c).arg(x).arg(o0).arg(o1).arg(o2);
+                l.arg(&r0).arg(&r1).arg(&r2).arg(&cols).arg(&batch);
+                // A warp per output row of the three, 8 a block, as matvec_bf16.
+                let total: usize = out_dims.iter().sum();
+                ok(
+                    unsafe { l.launch(cfg(total.div_ceil(8).max(1), 256, 0)) },
+                    "matvec_bf16_3",
+                );
+            }
+            _ => {
+                for ((w, d), out) in ws.into_iter().zip(out_dims).zip(outs) {
+                    self.linear(x, w, rows, in_dim, d, out);
+                }
+            }
+        }
     }
 
     fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, rows: usize) {
@@ -1850,6 +1957,54 @@ impl Backend for Cuda {
         );
     }
 
+    fn attention_preamble_at(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        norm: Option<HeadNorm<'_, CudaSlice<f32>>>,
+        shape: AttentionShape,
+        inv_freq: &[f32],
+        step: &CudaSlice<f32>,
+        k_cache: &mut CudaSlice<f32>,
+        v_cache: &mut CudaSlice<f32>,
+    ) {
+        let (heads, kv_heads, d) = (shape.heads, shape.kv_heads, shape.head_dim);
+        let half = d / 2;
+        let threads = half.next_multiple_of(32).clamp(32, 256);
+        // A head the kernel's registers cannot hold (or an odd width, whose last value
+        // RoPE leaves alone) goes through the single ops.
+        if d % 2 != 0 || half > PRE_PAIRS * threads || heads == 0 || kv_heads == 0 {
+            attention_preamble_one_by_one(
+                self, q, k, v, norm, shape, inv_freq, step, k_cache, v_cache,
+            );
+            return;
+        }
+        let freq = self.constant(inv_freq);
+        let pos = step.slice(1..2);
+        let null = 0u64;
+        let eps = norm.map_or(0.0, |n| n.eps);
+        let (h, kvh, hd) = (heads as i32, kv_heads as i32, d as i32);
+        let mut l = self.stream.launch_builder(self.func("attn_preamble_at"));
+        l.arg(q).arg(k).arg(v);
+        match &norm {
+            Some(n) => l.arg(n.q).arg(n.k),
+            None => l.arg(&null).arg(&null),
+        };
+        l.arg(&eps)
+            .arg(&pos)
+            .arg(&*freq)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&hd);
+        ok(
+            unsafe { l.launch(cfg(heads + 2 * kv_heads, threads as u32, 0)) },
+            "attn_preamble_at",
+        );
+    }
+
     fn attention_at(
         &self,
         q: &CudaSlice<f32>,
@@ -1902,11 +2057,42 @@ impl Backend for Cuda {
         if rows == 0 {
             return;
         }
-        let d = dim as i32;
-        let mut o = out.slice_mut(at..at + rows);
-        let mut l = self.stream.launch_builder(self.func("argmax_rows"));
-        l.arg(x).arg(&mut o).arg(&d);
-        ok(unsafe { l.launch(cfg(rows, 1024, 0)) }, "argmax_rows");
+        // Chunks of whole passes of the block (4 values a thread), few enough that the
+        // last block's merge of a row's partials is one short loop.
+        let pass = 4 * ARGMAX_THREADS;
+        let chunk = dim.div_ceil(1024).div_ceil(pass).max(1) * pass;
+        let splits = dim.div_ceil(chunk).max(1);
+        let per_launch = rows.min(ARGMAX_MAX_ROWS);
+        // ARGMAX_MAX_ROWS counts at a fixed place (so a count is never a former partial),
+        // then partial values and indices.
+        let need = ARGMAX_MAX_ROWS + 2 * per_launch * splits;
+        let mut scratch = self.grown_with(&self.argmax_scratch, need, true);
+        let base = scratch.as_mut().expect("grown").device_ptr(&self.stream).0;
+        let (count, part, part_i) = (
+            base,
+            base + 4 * ARGMAX_MAX_ROWS as u64,
+            base + 4 * (ARGMAX_MAX_ROWS + per_launch * splits) as u64,
+        );
+        let (d, c) = (dim as i32, chunk as i32);
+        for r0 in (0..rows).step_by(per_launch) {
+            let n = per_launch.min(rows - r0);
+            let xs = x.slice(r0 * dim..(r0 + n) * dim);
+            let mut o = out.slice_mut(at + r0..at + r0 + n);
+            let mut l = self.stream.launch_builder(self.func("argmax_rows"));
+            l.arg(&xs)
+                .arg(&mut o)
+                .arg(&d)
+                .arg(&c)
+                .arg(&count)
+                .arg(&part)
+                .arg(&part_i);
+            let grid = LaunchConfig {
+                grid_dim: (splits as u32, n as u32, 1),
+                block_dim: (ARGMAX_THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            ok(unsafe { l.launch(grid) }, "argmax_rows");
+        }
     }
 
     fn replay_step(&self, key: (usize, u64), body: &mut dyn FnMut() -> bool) -> bool {
