@@ -17,6 +17,12 @@
 #          base: 94 layers are about 87 GB with the dense weights), under /dev/shm: all
 #          94 layers if they fit in /dev/shm and in free memory less $BIG_MARGIN_GB
 #          (default 16) GB, else as many as do (big.log; the directory is $BIG)
+# residency after `model`, at 2 bits: decode with half of each layer's experts resident in
+#          device memory, swapping from a RAM reservoir, beside every expert resident
+#          (residency_30b.json)
+# big-run  after `big`: that model fully resident, then within $BIG_BUDGET_GB (default 40) GB
+#          of device memory with dynamic residency, the store read from /dev/shm
+#          (residency_235b.json)
 # cpu-vq   the CPU VQ matvec kernels against affine q2/q4 on this machine's CPU (vq_kernels.json)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
 #          keys, with dense weights in f32 instead of bf16, and decode after a 16-token
@@ -92,6 +98,23 @@ for step in $steps; do
             [ "${PIPESTATUS[0]}" = 0 ] || status=1
             ls -l "$BIG" | tee -a "$OUT/big.log"
         fi
+        ;;
+    residency)
+        echo "== resident sets in device memory, $LAYERS layers, 2 bits"
+        m="$WORK/qwen3-30b-a3b-l$LAYERS"
+        "$BIN/dynmoe" bench residency "$m" --bits 2 --resident-fraction 0.5 --reservoir ram \
+            --swap-interval 32 --max-swaps 4 --swap-margin 0 --loader-threads 4 \
+            --prompt 16 --generate 256 --json "$OUT/residency_30b.json" 2>&1 |
+            tee "$OUT/residency_30b.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        ;;
+    big-run)
+        echo "== Qwen3-235B-A22B shape in ${BIG_BUDGET_GB:-40} GB of device memory"
+        "$BIN/dynmoe" bench residency "$BIG" --bits 2 --device-budget-gb "${BIG_BUDGET_GB:-40}" \
+            --reservoir disk --swap-interval 32 --max-swaps 4 --swap-margin 0 --loader-threads 8 \
+            --prompt 16 --generate 128 --repeats 2 --json "$OUT/residency_235b.json" 2>&1 |
+            tee "$OUT/residency_235b.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     cpu-vq)
         echo "== CPU VQ kernels"

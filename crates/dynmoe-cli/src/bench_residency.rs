@@ -38,6 +38,11 @@ pub struct ResidencyBenchArgs {
     repeats: usize,
     #[command(flatten)]
     residency: ResidencyArgs,
+    /// Device memory the resident model may take, in GB: sets each layer's resident
+    /// count to what fits beside the dense weights, the spare slots of loads in flight
+    /// and 1 GB for activations and scratch (instead of --resident-fraction/-count).
+    #[arg(long)]
+    device_budget_gb: Option<f64>,
     /// Also write the report here as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -64,6 +69,8 @@ struct Report {
     all_expert_bytes: usize,
     /// Bytes of the dense weights on the backend (bf16 on CUDA).
     dense_bytes: usize,
+    /// The device memory budget asked for, in GB.
+    device_budget_gb: Option<f64>,
     /// What the resident sets measured over the timed runs.
     residency: ResidencyReport,
 }
@@ -115,8 +122,8 @@ pub fn bench_residency(a: ResidencyBenchArgs) -> Result<()> {
     if a.prompt == 0 || a.repeats == 0 || a.generate == 0 {
         bail!("--prompt, --generate and --repeats must be positive");
     }
-    if a.residency.config()?.is_none() {
-        bail!("give --resident-fraction (below 1) or --resident-count: what to compare full residency with");
+    if a.residency.config()?.is_none() && a.device_budget_gb.is_none() {
+        bail!("give --device-budget-gb, --resident-fraction (below 1) or --resident-count: what to compare full residency with");
     }
     let eb = ExpertBits {
         default: Some(a.bits),
@@ -132,6 +139,24 @@ pub fn bench_residency(a: ResidencyBenchArgs) -> Result<()> {
             run(&a, &mut m, 4, &mut |_| {})
         }
     }
+}
+
+/// Resident experts per MoE layer that fit `budget` bytes beside `dense` bytes of dense
+/// weights, with `spare` more slots per layer and 1 GB of activations and scratch.
+fn count_in_budget(c: &Config, budget: f64, dense: usize, record: usize, spare: usize) -> Result<usize> {
+    let layers = c.moe_layers().count().max(1);
+    let room = budget - dense as f64 - 1e9;
+    let slots = (room / (layers * record) as f64).floor();
+    let k = slots as i64 - spare as i64;
+    if k < c.moe.top_k as i64 {
+        bail!(
+            "{:.1} GB of device memory leaves room for {k} resident experts per layer beside {:.1} GB of dense weights; routing needs {}",
+            budget / 1e9,
+            dense as f64 / 1e9,
+            c.moe.top_k
+        );
+    }
+    Ok((k as usize).min(c.moe.num_experts))
 }
 
 fn run<B: Backend>(
@@ -162,7 +187,18 @@ fn run<B: Backend>(
     println!("every expert resident: {:.1} tok/s", median(&full));
     // The full copies go, so that the resident sets are what the device holds.
     free(m);
-    a.residency
+    let mut residency_args = a.residency.clone();
+    if let Some(gb) = a.device_budget_gb {
+        let record = dynmoe::store::Layout::new(a.bits, h, i)?.record_size;
+        let k = count_in_budget(&c, gb * 1e9, dense_bytes, record, a.residency.max_swaps)?;
+        println!(
+            "{gb} GB of device memory: {k} of {} experts resident per layer (+{} spare slots)",
+            c.moe.num_experts, a.residency.max_swaps
+        );
+        residency_args.resident_fraction = None;
+        residency_args.resident_count = Some(k);
+    }
+    residency_args
         .install(m)
         .context("installing the resident sets")?;
     let residency = m.model.residency().expect("installed");
@@ -216,6 +252,7 @@ fn run<B: Backend>(
         ratio,
         all_expert_bytes,
         dense_bytes,
+        device_budget_gb: a.device_budget_gb,
         residency: rep,
     };
     if let Some(path) = &a.json {
