@@ -1533,13 +1533,15 @@ fn resident_sets_in_device_memory_route_as_masks() {
             "no decode step recorded"
         );
 
-        // The whole sequence again in one call, through the slots as they now are.
+        // The whole sequence again in one call, through the slots as they are once the
+        // loads waited for above commit at its start (read after it: no commit happens
+        // inside a call).
         let seq = &ids[..24];
+        let (mut sc, mut sd) = (cpu.model.new_state(24), dev.model.new_state(24));
+        let ld = dev.model.forward(&mut sd, seq, 0).unwrap();
         let sets = dev.model.residency().unwrap().resident_sets();
         masks(&mut cpu, &sets);
-        let (mut sc, mut sd) = (cpu.model.new_state(24), dev.model.new_state(24));
         let lc = cpu.model.forward(&mut sc, seq, 0).unwrap();
-        let ld = dev.model.forward(&mut sd, seq, 0).unwrap();
         let err = rel_err(&ld, &lc);
         println!("residency {kind:?} sequence after swaps: logits {err:.2e}");
         assert!(err < 1e-4, "{kind:?}: sequence logits differ ({err:.2e})");
