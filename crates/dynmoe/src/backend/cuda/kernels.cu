@@ -1026,15 +1026,17 @@ extern "C" __global__ void matvec_bf16_3(const unsigned short* w0, const unsigne
 //
 // One query row has only `heads` (query head) blocks of work; each would walk the whole
 // context alone. Here the context is cut into chunks of `chunk` keys, a block per (head,
-// chunk) writes its partial softmax (max, sum, unnormalised output) to `part`, and
-// attention_combine merges them. Chunks past the position (or before a window) write an
-// empty partial, so the grid can be fixed by the cache's capacity and the position read
-// from `pos_at` (when non-null) in a replayed step.
+// chunk) writes its partial softmax: the unnormalised output to `acc` ([heads, splits,
+// head_dim]) and (max, sum) to `ml` ([heads, splits, 2]); attention_combine merges them.
+// Chunks past the position (or before a window) write (−inf, 0) and no output, so the
+// grid can be fixed by the cache's capacity and the position read from `pos_at` (when
+// non-null) in a replayed step. attention_group below does the same work reading each
+// K/V row once per GQA group; this kernel remains for head widths it does not take.
 #define SPLIT_CHUNK_MAX 1024
 extern "C" __global__ void attention_split(const float* q, const float* k, const float* v,
-                                           float* part, int pos0, int heads, int kv_heads,
-                                           int head_dim, int window, const unsigned* pos_at,
-                                           int chunk) {
+                                           float* acc, float* ml, int pos0, int heads,
+                                           int kv_heads, int head_dim, int window,
+                                           const unsigned* pos_at, int chunk) {
     __shared__ float scratch[32];
     __shared__ float qs[256];
     __shared__ float sc[SPLIT_CHUNK_MAX];
@@ -1042,15 +1044,12 @@ extern "C" __global__ void attention_split(const float* q, const float* k, const
     int p = pos_at ? (int)*pos_at : pos0;
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
     int t0 = max(lo, s * chunk), t1 = min(p + 1, (s + 1) * chunk);
-    float* o = part + ((size_t)h * gridDim.y + s) * (head_dim + 2);
-    int d0 = threadIdx.x, d1 = threadIdx.x + blockDim.x;
+    size_t at = (size_t)h * gridDim.y + s;
     if (t0 >= t1) {
         if (threadIdx.x == 0) {
-            o[0] = NEG_INF;
-            o[1] = 0.0f;
+            ml[2 * at] = NEG_INF;
+            ml[2 * at + 1] = 0.0f;
         }
-        if (d0 < head_dim) o[2 + d0] = 0.0f;
-        if (d1 < head_dim) o[2 + d1] = 0.0f;
         return;
     }
     int kvh = h / (heads / kv_heads);
@@ -1063,10 +1062,10 @@ extern "C" __global__ void attention_split(const float* q, const float* k, const
     int tn = t1 - t0;
     for (int j = warp; j < tn; j += warps) {
         const float* kr = k + (size_t)(t0 + j) * kvw + (size_t)kvh * head_dim;
-        float acc = 0.0f;
-        for (int d = lane; d < head_dim; d += WARP) acc += qs[d] * kr[d];
-        acc = warp_sum(acc);
-        if (lane == 0) sc[j] = acc * scale;
+        float a = 0.0f;
+        for (int d = lane; d < head_dim; d += WARP) a += qs[d] * kr[d];
+        a = warp_sum(a);
+        if (lane == 0) sc[j] = a * scale;
     }
     __syncthreads();
     float m = NEG_INF;
@@ -1080,6 +1079,7 @@ extern "C" __global__ void attention_split(const float* q, const float* k, const
     }
     l = block_sum(l, scratch);  // its barriers also publish sc
     const float* vb = v + (size_t)t0 * kvw + (size_t)kvh * head_dim;
+    int d0 = threadIdx.x, d1 = threadIdx.x + blockDim.x;
     float acc0 = 0.0f, acc1 = 0.0f;
     for (int j = 0; j < tn; j++) {
         float w = sc[j];
@@ -1088,32 +1088,278 @@ extern "C" __global__ void attention_split(const float* q, const float* k, const
         if (d1 < head_dim) acc1 += w * vr[d1];
     }
     if (threadIdx.x == 0) {
-        o[0] = m;
-        o[1] = l;
+        ml[2 * at] = m;
+        ml[2 * at + 1] = l;
     }
-    if (d0 < head_dim) o[2 + d0] = acc0;
-    if (d1 < head_dim) o[2 + d1] = acc1;
+    float* o = acc + at * head_dim;
+    if (d0 < head_dim) o[d0] = acc0;
+    if (d1 < head_dim) o[d1] = acc1;
 }
 
-// One block per head: out = Σ_s acc_s·e^(m_s − M) / Σ_s l_s·e^(m_s − M).
-extern "C" __global__ void attention_combine(const float* part, float* out, int splits,
-                                             int head_dim) {
-    int h = blockIdx.x;
-    const float* ph = part + (size_t)h * splits * (head_dim + 2);
-    float mx = NEG_INF;
-    for (int s = 0; s < splits; s++) mx = fmaxf(mx, ph[(size_t)s * (head_dim + 2)]);
-    float l = 0.0f;
-    for (int s = 0; s < splits; s++) {
-        float ms = ph[(size_t)s * (head_dim + 2)];
-        if (ms != NEG_INF) l += ph[(size_t)s * (head_dim + 2) + 1] * expf(ms - mx);
+// ---- Decode attention, a block per (KV head, chunk of keys) ----
+//
+// attention_split reads every K and V row once per query head: 8 times over at a GQA
+// group of 8, and each score is a warp-wide reduction. Here a block takes up to
+// ATT_GROUP query heads of one KV head (a group of more is cut into tiles of ATT_GROUP,
+// a block each) and a chunk of keys, loads each K row once and scores it against all of
+// its heads, then loads each V row once and adds it into all of their outputs.
+//
+// Scores: ATT_LANES = ATT_GROUP lanes per key, each holding NV float4 of the row (head
+// widths up to 32·NV); a lane's 8 partial dots (one per head) are summed over the 8 lanes
+// by three halving exchanges (4 + 2 + 1 shuffles, not 8 × 3), which leave lane i of the 8
+// with head i's score. Heads past the block's are zero in shared memory and never
+// written. Each lane loads 8 float4 of K (8/NV keys) before using any, and the first V
+// rows are loaded before the scores are computed, so their latency overlaps the scores.
+// V: a thread per (float4 of the head, key residue mod 128/(head_dim/4)), each with the
+// block's heads' outputs for its 4 dims in registers; the residues are summed through
+// shared memory in a fixed order. 128 threads, whole warps (the shuffles need them).
+#define ATT_GROUP 8
+#define ATT_LANES 8
+#define ATT_THREADS 128
+#define ATT_CHUNK_MAX 256
+#define ATT_VB 8
+
+// Each of 8 values summed over the 8 lanes of an aligned group of lanes; lane `sub` of
+// the group gets the sum of value `sub`.
+__device__ __forceinline__ float group8_sums(const float (&d)[8], int sub) {
+    float u[4], w[2];
+    bool hi = sub & 4;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float keep = hi ? d[i + 4] : d[i], give = hi ? d[i] : d[i + 4];
+        u[i] = keep + __shfl_xor_sync(0xffffffffu, give, 4);
     }
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float a = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            const float* ps = ph + (size_t)s * (head_dim + 2);
-            if (ps[0] != NEG_INF) a += ps[2 + d] * expf(ps[0] - mx);
+    hi = sub & 2;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        float keep = hi ? u[i + 2] : u[i], give = hi ? u[i] : u[i + 2];
+        w[i] = keep + __shfl_xor_sync(0xffffffffu, give, 2);
+    }
+    hi = sub & 1;
+    float keep = hi ? w[1] : w[0], give = hi ? w[0] : w[1];
+    return keep + __shfl_xor_sync(0xffffffffu, give, 1);
+}
+
+__device__ __forceinline__ void fma4(float4& a, float w, float4 x) {
+    a.x += w * x.x;
+    a.y += w * x.y;
+    a.z += w * x.z;
+    a.w += w * x.w;
+}
+
+template <int NV>
+__device__ void attention_group(const float* __restrict__ q, const float* __restrict__ k,
+                                const float* __restrict__ v, float* __restrict__ acc_out,
+                                float* __restrict__ ml, int pos0, int heads, int kv_heads,
+                                int head_dim, int window, const unsigned* pos_at, int chunk) {
+    static_assert(ATT_LANES == ATT_GROUP, "lane i of a key's lanes ends with head i's score");
+    constexpr int KB = 8 / NV;  // keys a lane group loads at once
+    constexpr int STEP = (ATT_THREADS / ATT_LANES) * KB;
+    __shared__ float4 qs[ATT_GROUP][NV * ATT_LANES];
+    __shared__ float sc[ATT_GROUP][ATT_CHUNK_MAX];
+    __shared__ float4 red[ATT_GROUP][ATT_THREADS];
+    __shared__ float stat[ATT_GROUP][2];
+    int group = heads / kv_heads, tiles = (group + ATT_GROUP - 1) / ATT_GROUP;
+    int kvh = blockIdx.x / tiles, tile = blockIdx.x % tiles;
+    int h0 = kvh * group + tile * ATT_GROUP, gt = min(ATT_GROUP, group - tile * ATT_GROUP);
+    int s = blockIdx.y, splits = gridDim.y, tid = threadIdx.x;
+    int p = pos_at ? (int)*pos_at : pos0;
+    int lo = window > 0 ? max(0, p + 1 - window) : 0;
+    int t0 = max(lo, s * chunk), t1 = min(p + 1, (s + 1) * chunk);
+    if (t0 >= t1) {
+        if (tid < gt) {
+            size_t at = (size_t)(h0 + tid) * splits + s;
+            ml[2 * at] = NEG_INF;
+            ml[2 * at + 1] = 0.0f;
         }
-        out[(size_t)h * head_dim + d] = a / l;
+        return;
+    }
+    int tn = t1 - t0, f4 = head_dim / 4;
+    size_t row4 = (size_t)kv_heads * f4;
+    const float4* k4 = reinterpret_cast<const float4*>(k) + (size_t)t0 * row4 + (size_t)kvh * f4;
+    const float4* v4 = reinterpret_cast<const float4*>(v) + (size_t)t0 * row4 + (size_t)kvh * f4;
+    const float4* q4 = reinterpret_cast<const float4*>(q) + (size_t)h0 * f4;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+    // V pass layout, its first rows requested now.
+    int kg_n = ATT_THREADS / f4, f = tid % f4, kg = tid / f4;
+    bool v_lane = kg < kg_n;
+    float4 vb[ATT_VB];
+#pragma unroll
+    for (int b = 0; b < ATT_VB; b++) {
+        int j = kg + b * kg_n;
+        vb[b] = v_lane && j < tn ? v4[(size_t)j * row4 + f] : zero;
+    }
+    for (int i = tid; i < ATT_GROUP * NV * ATT_LANES; i += ATT_THREADS) {
+        int g = i / (NV * ATT_LANES), c = i % (NV * ATT_LANES);
+        qs[g][c] = g < gt && c < f4 ? q4[(size_t)g * f4 + c] : zero;
+    }
+    __syncthreads();
+
+    float scale = 1.0f / sqrtf((float)head_dim);
+    int grp = tid / ATT_LANES, sub = tid % ATT_LANES;
+    for (int j0 = 0; j0 < tn; j0 += STEP) {
+        float4 kr[KB][NV];
+#pragma unroll
+        for (int b = 0; b < KB; b++) {
+            int j = j0 + grp + b * (ATT_THREADS / ATT_LANES);
+#pragma unroll
+            for (int i = 0; i < NV; i++) {
+                int c = sub + i * ATT_LANES;
+                kr[b][i] = j < tn && c < f4 ? k4[(size_t)j * row4 + c] : zero;
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < KB; b++) {
+            float d[ATT_GROUP];
+#pragma unroll
+            for (int g = 0; g < ATT_GROUP; g++) {
+                float a = 0.0f;
+#pragma unroll
+                for (int i = 0; i < NV; i++) {
+                    float4 x = qs[g][sub + i * ATT_LANES], y = kr[b][i];
+                    a += x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w;
+                }
+                d[g] = a;
+            }
+            float score = group8_sums(d, sub);
+            int j = j0 + grp + b * (ATT_THREADS / ATT_LANES);
+            if (j < tn && sub < gt) sc[sub][j] = score * scale;
+        }
+    }
+    __syncthreads();
+
+    // Softmax over the chunk, a warp per head.
+    int lane = tid % WARP;
+    for (int g = tid / WARP; g < gt; g += ATT_THREADS / WARP) {
+        float m = NEG_INF;
+        for (int j = lane; j < tn; j += WARP) m = fmaxf(m, sc[g][j]);
+        m = warp_max(m);
+        float l = 0.0f;
+        for (int j = lane; j < tn; j += WARP) {
+            float e = expf(sc[g][j] - m);
+            sc[g][j] = e;
+            l += e;
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            stat[g][0] = m;
+            stat[g][1] = l;
+        }
+    }
+    __syncthreads();
+
+    float4 acc[ATT_GROUP];
+#pragma unroll
+    for (int g = 0; g < ATT_GROUP; g++) acc[g] = zero;
+    for (int j0 = 0; j0 < tn; j0 += kg_n * ATT_VB) {
+        if (j0 > 0) {
+#pragma unroll
+            for (int b = 0; b < ATT_VB; b++) {
+                int j = j0 + kg + b * kg_n;
+                vb[b] = v_lane && j < tn ? v4[(size_t)j * row4 + f] : zero;
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < ATT_VB; b++) {
+            int j = j0 + kg + b * kg_n;
+            if (j < tn) {
+#pragma unroll
+                for (int g = 0; g < ATT_GROUP; g++)
+                    if (g < gt) fma4(acc[g], sc[g][j], vb[b]);
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < ATT_GROUP; g++) red[g][tid] = acc[g];
+    __syncthreads();
+    float4* out4 = reinterpret_cast<float4*>(acc_out);
+    for (int i = tid; i < gt * f4; i += ATT_THREADS) {
+        int g = i / f4, c = i % f4;
+        float4 a = red[g][c];
+        for (int r = 1; r < kg_n; r++) {
+            float4 b = red[g][r * f4 + c];
+            a.x += b.x;
+            a.y += b.y;
+            a.z += b.z;
+            a.w += b.w;
+        }
+        out4[((size_t)(h0 + g) * splits + s) * f4 + c] = a;
+    }
+    if (tid < gt) {
+        size_t at = (size_t)(h0 + tid) * splits + s;
+        ml[2 * at] = stat[tid][0];
+        ml[2 * at + 1] = stat[tid][1];
+    }
+}
+
+// Head widths up to 64, 128 and 256, a multiple of 4 (float4 rows).
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_group_64(const float* q, const float* k, const float* v, float* acc, float* ml,
+                       int pos0, int heads, int kv_heads, int head_dim, int window,
+                       const unsigned* pos_at, int chunk) {
+    attention_group<2>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, pos_at, chunk);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_group_128(const float* q, const float* k, const float* v, float* acc, float* ml,
+                        int pos0, int heads, int kv_heads, int head_dim, int window,
+                        const unsigned* pos_at, int chunk) {
+    attention_group<4>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, pos_at, chunk);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_group_256(const float* q, const float* k, const float* v, float* acc, float* ml,
+                        int pos0, int heads, int kv_heads, int head_dim, int window,
+                        const unsigned* pos_at, int chunk) {
+    attention_group<8>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, pos_at, chunk);
+}
+
+// One block per head: out = Σ_s acc_s·e^(m_s − M) / Σ_s l_s·e^(m_s − M) over the splits,
+// M the largest m_s. A split with no keys has (m, l) = (−inf, 0) and its acc is never
+// read (its weight selects zero). The weights go through shared memory a tile of splits
+// at a time; a thread per (dim, split residue), the residues summed in a fixed order.
+#define COMBINE_THREADS 512
+#define COMBINE_TILE 1024
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
+    attention_combine(const float* acc, const float* ml, float* out, int splits, int head_dim) {
+    __shared__ float scratch[32];
+    __shared__ float w[COMBINE_TILE];
+    __shared__ float red[COMBINE_THREADS];
+    int h = blockIdx.x, tid = threadIdx.x;
+    const float* mh = ml + (size_t)h * splits * 2;
+    float mx = NEG_INF;
+    for (int s = tid; s < splits; s += blockDim.x) mx = fmaxf(mx, mh[2 * s]);
+    mx = block_max(mx, scratch);
+    float l = 0.0f;
+    for (int s = tid; s < splits; s += blockDim.x) {
+        float m = mh[2 * s];
+        if (m != NEG_INF) l += mh[2 * s + 1] * expf(m - mx);
+    }
+    l = block_sum(l, scratch);
+    int sg_n = blockDim.x / head_dim, d = tid % head_dim, sg = tid / head_dim;
+    const float* ah = acc + (size_t)h * splits * head_dim + d;
+    float a = 0.0f;
+    for (int s0 = 0; s0 < splits; s0 += COMBINE_TILE) {
+        int sn = min(COMBINE_TILE, splits - s0);
+        __syncthreads();  // the previous tile's weights are read
+        for (int s = tid; s < sn; s += blockDim.x) {
+            float m = mh[2 * (s0 + s)];
+            w[s] = m == NEG_INF ? 0.0f : expf(m - mx);
+        }
+        __syncthreads();
+        if (sg < sg_n) {
+#pragma unroll 4
+            for (int s = sg; s < sn; s += sg_n) {
+                float ws = w[s], x = ah[(size_t)(s0 + s) * head_dim];
+                a += ws != 0.0f ? ws * x : 0.0f;
+            }
+        }
+    }
+    red[tid] = a;
+    __syncthreads();
+    if (tid < head_dim) {
+        float t = 0.0f;
+        for (int r = 0; r < sg_n; r++) t += red[r * head_dim + tid];
+        out[(size_t)h * head_dim + tid] = t / l;
     }
 }
 

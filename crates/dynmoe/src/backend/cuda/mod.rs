@@ -32,6 +32,7 @@ mod slots;
 pub use slots::CudaSlots;
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicU8;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
@@ -100,6 +101,17 @@ const PRE_PAIRS: usize = 4;
 pub const ROUTED_MAX_ROWS: usize = AFFINE_GEMM_ROWS;
 /// Most (row, expert) pairs one routed launch takes (a grid dimension holds 65 535).
 const ROUTED_CHUNK_PAIRS: usize = 4096;
+/// Query heads one block of `attention_group_*` takes (its `ATT_GROUP`).
+const ATT_GROUP: usize = 8;
+/// Threads of an `attention_group_*` block (its `ATT_THREADS`).
+const ATT_THREADS: u32 = 128;
+/// Keys one step of `attention_group_*`'s score pass takes per load (a block's 16 lane
+/// groups): chunks are whole multiples of it.
+const ATT_STEP: usize = 16;
+/// Most keys an `attention_group_*` block takes (its `ATT_CHUNK_MAX`).
+const ATT_CHUNK_MAX: usize = 256;
+/// Threads of an `attention_combine` block (its `COMBINE_THREADS`).
+const COMBINE_THREADS: u32 = 512;
 
 /// Why the CUDA backend could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -281,7 +293,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 55] = [
+const KERNEL_NAMES: [&str; 58] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -327,6 +339,9 @@ const KERNEL_NAMES: [&str; 55] = [
     "argmax_rows",
     "matvec_f32",
     "attention_split",
+    "attention_group_64",
+    "attention_group_128",
+    "attention_group_256",
     "attention_combine",
     "vq_rotate",
     "vq_matvec_p2",
@@ -478,9 +493,73 @@ pub struct Cuda {
     /// Whether [`Backend::upload_matrix`] keeps bf16-exact matrices in bf16
     /// (`DYNMOE_CUDA_BF16=0`: always f32, to measure what bf16 saves).
     bf16_matrices: bool,
-    /// Whether one-row attention is split over the keys (`DYNMOE_CUDA_SPLIT_ATTENTION=0`:
-    /// one block per head walks the whole context, as for many rows).
-    split_attention: bool,
+    /// How one-row attention runs (a [`DecodeAttention`] as its `u8`).
+    decode_attention: AtomicU8,
+    /// Streaming multiprocessors of the device: what a launch needs blocks enough to fill.
+    sms: usize,
+}
+
+/// How the CUDA backend attends one query row (a decode step). Every way gives the same
+/// result up to the order of f32 sums; the choice is for measuring one against another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeAttention {
+    /// A block per (KV head, chunk of keys) reads each K and V row once for all the query
+    /// heads that share it, then a merge of the chunks (the default). Head widths that are
+    /// not a multiple of 4 take [`PerHead`](Self::PerHead).
+    Grouped,
+    /// A block per (query head, chunk of keys), then the same merge
+    /// (`DYNMOE_CUDA_GROUPED_ATTENTION=0`).
+    PerHead,
+    /// A block per query head walks the whole context, as for many rows
+    /// (`DYNMOE_CUDA_SPLIT_ATTENTION=0`).
+    Whole,
+}
+
+impl DecodeAttention {
+    /// The way the environment asks for, [`Grouped`](Self::Grouped) unless one of the
+    /// variables above turns it off.
+    fn from_env() -> Self {
+        let off = |name: &str| std::env::var(name).is_ok_and(|v| v == "0");
+        if off("DYNMOE_CUDA_SPLIT_ATTENTION") {
+            DecodeAttention::Whole
+        } else if off("DYNMOE_CUDA_GROUPED_ATTENTION") {
+            DecodeAttention::PerHead
+        } else {
+            DecodeAttention::Grouped
+        }
+    }
+
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => DecodeAttention::Grouped,
+            1 => DecodeAttention::PerHead,
+            _ => DecodeAttention::Whole,
+        }
+    }
+}
+
+/// Keys per block of the grouped decode attention over a cache of `capacity` positions
+/// with `units` blocks per chunk (KV heads times head tiles) on `sms` multiprocessors:
+/// about two blocks per multiprocessor, so a short context still fills the device and a
+/// long one is not cut finer than that, in whole score steps, at most `ATT_CHUNK_MAX`.
+/// It follows the capacity, not the position, so a recorded step stays valid.
+fn group_chunk(capacity: usize, units: usize, sms: usize) -> usize {
+    let even = (capacity * units) as f64 / (2 * sms.max(1)) as f64;
+    let steps = (even / ATT_STEP as f64).round() as usize;
+    (steps * ATT_STEP).clamp(ATT_STEP, ATT_CHUNK_MAX)
+}
+
+/// The grouped kernel for heads of `head_dim`, if it takes them (float4 rows up to 256).
+fn group_kernel(head_dim: usize) -> Option<&'static str> {
+    if head_dim == 0 || !head_dim.is_multiple_of(4) {
+        return None;
+    }
+    match head_dim {
+        ..=64 => Some("attention_group_64"),
+        ..=128 => Some("attention_group_128"),
+        ..=256 => Some("attention_group_256"),
+        _ => None,
+    }
 }
 
 /// A recorded step.
@@ -570,6 +649,9 @@ impl Cuda {
         let (major, minor) = driver(ctx.compute_capability())?;
         let arch = format!("sm_{major}{minor}");
         let device_name = driver(ctx.name())?;
+        let sms = driver(ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        ))? as usize;
         let ptx = ptx_for(&arch)?;
         let module = driver(ctx.load_module(ptx))?;
         let mut f = HashMap::new();
@@ -603,8 +685,8 @@ impl Cuda {
             argmax_scratch: Mutex::new(None),
             dense_scratch: Mutex::new(None),
             bf16_matrices: std::env::var("DYNMOE_CUDA_BF16").map_or(true, |v| v != "0"),
-            split_attention: std::env::var("DYNMOE_CUDA_SPLIT_ATTENTION")
-                .map_or(true, |v| v != "0"),
+            decode_attention: AtomicU8::new(DecodeAttention::from_env() as u8),
+            sms,
         })
     }
 
@@ -672,6 +754,22 @@ impl Cuda {
         self.use_graphs
             .store(on, std::sync::atomic::Ordering::Relaxed);
         self.drop_graphs();
+    }
+
+    /// How one-row attention runs from now on (the default: [`DecodeAttention::Grouped`],
+    /// or what the environment asks for). Steps already recorded keep the way they were
+    /// recorded with; every way gives the same result.
+    pub fn set_decode_attention(&self, way: DecodeAttention) {
+        self.decode_attention
+            .store(way as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How one-row attention runs (see [`set_decode_attention`](Self::set_decode_attention)).
+    pub fn decode_attention(&self) -> DecodeAttention {
+        DecodeAttention::from_u8(
+            self.decode_attention
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
     }
 
     /// Decode steps recorded as graphs and kept for replay.
@@ -1434,9 +1532,11 @@ impl Cuda {
     }
 
     /// Attention of one query row (position `pos0`, or the `u32` at device address
-    /// `pos_at` when non-zero) with the keys cut into chunks, a block per (head, chunk),
-    /// then merged: one block per head would walk the whole context alone. The chunks
-    /// follow the cache's capacity, not the position, so a recorded step stays valid.
+    /// `pos_at` when non-zero) with the keys cut into chunks, then merged: one block per
+    /// head would walk the whole context alone. [`DecodeAttention::Grouped`] takes a block
+    /// per (KV head, chunk) where the head width allows, else a block per (head, chunk).
+    /// The chunks follow the cache's capacity, not the position, so a recorded step stays
+    /// valid.
     fn attention_one_row(
         &self,
         q: &CudaSlice<f32>,
@@ -1448,11 +1548,33 @@ impl Cuda {
     ) {
         let kvw = shape.kv_heads * shape.head_dim;
         let capacity = (k_cache.len() / kvw).max(1);
-        let chunk = capacity.div_ceil(128).clamp(64, 1024);
+        let group = shape.heads / shape.kv_heads;
+        let tiles = group.div_ceil(ATT_GROUP);
+        // The grouped kernel's float4 rows need 16-byte addresses: q and the caches are
+        // whole allocations (256-byte aligned), so a head width of 4s gives them.
+        let grouped = group_kernel(shape.head_dim)
+            .filter(|_| self.decode_attention() == DecodeAttention::Grouped);
+        let (chunk, blocks_x, name, threads) = match grouped {
+            Some(name) => (
+                group_chunk(capacity, shape.kv_heads * tiles, self.sms),
+                shape.kv_heads * tiles,
+                name,
+                ATT_THREADS,
+            ),
+            None => (
+                capacity.div_ceil(128).clamp(64, 1024),
+                shape.heads,
+                "attention_split",
+                128,
+            ),
+        };
         let splits = capacity.div_ceil(chunk);
-        let need = shape.heads * splits * (shape.head_dim + 2);
-        let mut scratch = self.grown(&self.attn_scratch, need);
+        // The merge reads the outputs ([heads, splits, head_dim]) and then (max, sum)
+        // ([heads, splits, 2]) from one buffer.
+        let outputs = shape.heads * splits * shape.head_dim;
+        let mut scratch = self.grown(&self.attn_scratch, outputs + shape.heads * splits * 2);
         let part = scratch.as_mut().expect("grown");
+        let (mut acc, mut ml) = part.split_at_mut(outputs);
         let (p0, h, kvh, d) = (
             shape.pos0 as i32,
             shape.heads as i32,
@@ -1461,11 +1583,12 @@ impl Cuda {
         );
         let window = shape.window.map_or(0, |w| w as i32);
         let c = chunk as i32;
-        let mut l = self.stream.launch_builder(self.func("attention_split"));
+        let mut l = self.stream.launch_builder(self.func(name));
         l.arg(q)
             .arg(k_cache)
             .arg(v_cache)
-            .arg(&mut *part)
+            .arg(&mut acc)
+            .arg(&mut ml)
             .arg(&p0)
             .arg(&h)
             .arg(&kvh)
@@ -1474,16 +1597,17 @@ impl Cuda {
             .arg(&pos_at)
             .arg(&c);
         let grid = LaunchConfig {
-            grid_dim: (shape.heads as u32, splits as u32, 1),
-            block_dim: (128, 1, 1),
+            grid_dim: (blocks_x as u32, splits as u32, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        ok(unsafe { l.launch(grid) }, "attention_split");
+        ok(unsafe { l.launch(grid) }, name);
+        drop(l);
         let n = splits as i32;
         let mut l = self.stream.launch_builder(self.func("attention_combine"));
-        l.arg(&*part).arg(out).arg(&n).arg(&d);
+        l.arg(&mut acc).arg(&mut ml).arg(out).arg(&n).arg(&d);
         ok(
-            unsafe { l.launch(cfg(shape.heads, row_threads(shape.head_dim), 0)) },
+            unsafe { l.launch(cfg(shape.heads, COMBINE_THREADS, 0)) },
             "attention_combine",
         );
     }
@@ -1825,7 +1949,7 @@ impl Backend for Cuda {
         if shape.rows == 0 {
             return;
         }
-        if shape.rows == 1 && self.split_attention {
+        if shape.rows == 1 && self.decode_attention() != DecodeAttention::Whole {
             self.attention_one_row(q, k_cache, v_cache, shape, 0, out);
             return;
         }
@@ -2027,7 +2151,7 @@ impl Backend for Cuda {
         );
         let window = shape.window.map_or(0, |w| w as i32);
         let pos = step.slice(1..2);
-        if self.split_attention {
+        if self.decode_attention() != DecodeAttention::Whole {
             let at = pos.device_ptr(&self.stream).0;
             self.attention_one_row(q, k_cache, v_cache, shape, at, out);
             return;
@@ -2286,7 +2410,10 @@ impl Backend for Cuda {
 
 #[cfg(test)]
 mod tests {
-    use super::{is_bf16_exact, vq_book_bytes, vq_suffix, vq_tile, VqTile, SHARED_LIMIT};
+    use super::{
+        group_chunk, group_kernel, is_bf16_exact, vq_book_bytes, vq_suffix, vq_tile, VqTile,
+        ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT,
+    };
     use crate::codec::vq::{Rung, LADDER};
     use crate::testing::fresh;
     use half::bf16;
@@ -2327,6 +2454,42 @@ mod tests {
                     assert!(t.rows <= batch && bytes <= SHARED_LIMIT);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn grouped_attention_chunks_fill_the_device_in_whole_steps() {
+        // Qwen3-30B-A3B on an H200: 4 KV heads of 8 query heads, 132 multiprocessors.
+        assert_eq!(group_chunk(640, 4, 132), 16);
+        assert_eq!(group_chunk(4096, 4, 132), 64);
+        assert_eq!(group_chunk(16, 4, 132), 16);
+        assert_eq!(group_chunk(1 << 20, 4, 132), ATT_CHUNK_MAX);
+        for sms in [1, 78, 132] {
+            for units in [1, 2, 4, 8, 16, 64] {
+                for capacity in (1..5000).step_by(7).chain([1 << 16, 1 << 20]) {
+                    let chunk = group_chunk(capacity, units, sms);
+                    assert!(chunk.is_multiple_of(ATT_STEP) && chunk <= ATT_CHUNK_MAX);
+                    // Fewer blocks than multiprocessors only when no chunk could be smaller.
+                    let blocks = units * capacity.div_ceil(chunk);
+                    assert!(
+                        blocks >= sms || chunk == ATT_STEP,
+                        "{capacity} keys, {units} units, {sms} SMs: {blocks} blocks of {chunk}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_attention_takes_head_widths_of_whole_float4s_up_to_256() {
+        assert_eq!(group_kernel(64), Some("attention_group_64"));
+        assert_eq!(group_kernel(4), Some("attention_group_64"));
+        assert_eq!(group_kernel(96), Some("attention_group_128"));
+        assert_eq!(group_kernel(128), Some("attention_group_128"));
+        assert_eq!(group_kernel(132), Some("attention_group_256"));
+        assert_eq!(group_kernel(256), Some("attention_group_256"));
+        for d in [0, 2, 66, 130, 260] {
+            assert_eq!(group_kernel(d), None, "{d}");
         }
     }
 
