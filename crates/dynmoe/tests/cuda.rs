@@ -12,6 +12,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
+use dynmoe::backend::cuda::DecodeAttention;
 use dynmoe::backend::{
     AttentionShape, Backend, Cpu, Cuda, DeviceRoute, HeadNorm, RoutedExperts, SwiGluGroup, Weight,
 };
@@ -441,6 +442,74 @@ fn decode_step_ops_match_the_reference() {
         assert_eq!(got[2].to_bits(), tok, "planted maximum");
         assert_eq!(got[3].to_bits(), 3, "ties go to the lower index");
     }
+}
+
+#[test]
+fn one_row_attention_matches_the_reference_every_way() {
+    let Some(g) = gpu() else { return };
+    // Each way of attending one query row, through `attention_at` (the position read from
+    // device memory, as a recorded step reads it) and `attention`: GQA ratios 1, 4, 8, 6
+    // (a head tile part full) and 12 (two tiles), head widths 64, 128, 256, 96 (rows of
+    // part of the kernel's float4s) and 66 (not whole float4s: the per-head kernel),
+    // positions at and across the edges of 16- and 64-key chunks, windows. The cache's
+    // capacity sets the chunks: as long as the context, longer (chunks past the position
+    // count for nothing), and 8192 positions (chunks of several score steps and V
+    // batches).
+    let ways = [
+        DecodeAttention::Grouped,
+        DecodeAttention::PerHead,
+        DecodeAttention::Whole,
+    ];
+    let shapes = [
+        (8, 8, 64),
+        (16, 4, 128),
+        (32, 4, 128),
+        (32, 4, 64),
+        (6, 1, 128),
+        (24, 2, 96),
+        (8, 1, 256),
+        (8, 2, 66),
+    ];
+    let most = 8192;
+    for (i, &(heads, kv_heads, head_dim)) in shapes.iter().enumerate() {
+        let kvw = kv_heads * head_dim;
+        let (k, v) = (
+            fresh(most * kvw, 700 + i as u64),
+            fresh(most * kvw, 720 + i as u64),
+        );
+        let q = fresh(heads * head_dim, 740 + i as u64);
+        for way in ways {
+            g.set_decode_attention(way);
+            for pos in [0usize, 5, 63, 64, 1300] {
+                let step = [f32::from_bits(7), f32::from_bits(pos as u32)];
+                for capacity in [pos + 1, pos + 701, most] {
+                    let (k, v) = (&k[..capacity * kvw], &v[..capacity * kvw]);
+                    for window in [None, Some(100), Some(1)] {
+                        let label = format!(
+                            "{way:?} h{heads}/{kv_heads} d{head_dim} @{pos} cap {capacity} w{window:?}"
+                        );
+                        let mut shape = AttentionShape {
+                            rows: 1,
+                            pos0: 0,
+                            heads,
+                            kv_heads,
+                            head_dim,
+                            window,
+                        };
+                        if window == Some(100) {
+                            shape.pos0 = pos;
+                            both!(&label, &[&q, k, v], q.len(), 1e-5, |b, t, o| b
+                                .attention(&t[0], &t[1], &t[2], shape, o));
+                        } else {
+                            both!(&label, &[&q, k, v, &step], q.len(), 1e-5, |b, t, o| b
+                                .attention_at(&t[0], &t[1], &t[2], shape, &t[3], o));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    g.set_decode_attention(DecodeAttention::Grouped);
 }
 
 #[test]
