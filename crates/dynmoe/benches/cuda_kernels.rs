@@ -12,6 +12,7 @@
 //!
 //! `cargo bench -p dynmoe --features cuda --bench cuda_kernels`
 
+use dynmoe::backend::cuda::DecodeAttention;
 use dynmoe::backend::{
     attention_preamble_one_by_one, AttentionShape, Backend, Cuda, DeviceRoute, HeadNorm,
     RoutedExperts, SwiGluGroup, Weight,
@@ -460,8 +461,13 @@ fn main() {
             });
         }
     }
+    // Decode attention at Qwen3-30B-A3B's heads (32 query, 4 KV, 128 wide) over a cache of
+    // `ctx` positions, the query at the last: the grouped kernel (a block per KV head and
+    // chunk) and the per-head split it replaced, each timed as the other rows are (calls
+    // queued back to back on the stream, launch costs included) and in a recorded graph
+    // (as a decode step runs it).
     let (heads, kv_heads, head_dim) = (32, 4, 128);
-    for ctx in [640, 4096] {
+    for ctx in [16, 640, 4096] {
         let kvw = kv_heads * head_dim;
         let bytes = 2 * ctx * kvw * 4;
         let copies = 12;
@@ -483,30 +489,50 @@ fn main() {
             head_dim,
             window: None,
         };
-        let ms = time_ms(&g, || {
-            for (k, v) in &caches {
-                g.attention(&q, k, v, shape, &mut out);
+        let ways = [
+            (DecodeAttention::Grouped, "attn dec", "attention_decode"),
+            (
+                DecodeAttention::PerHead,
+                "attn dec/h",
+                "attention_decode_per_head",
+            ),
+        ];
+        for (way, label, kernel) in ways {
+            g.set_decode_attention(way);
+            let ms = time_ms(&g, || {
+                for (k, v) in &caches {
+                    g.attention(&q, k, v, shape, &mut out);
+                }
+            });
+            let queued = ms * 1e3 / copies as f64;
+            let graph = graph_us(&g, 100 + ctx as u64 * 4 + way as u64, |i| {
+                let (k, v) = &caches[i % copies];
+                g.attention(&q, k, v, shape, &mut out)
+            });
+            for (label, kernel, per_call) in [
+                (label.to_string(), kernel.to_string(), queued),
+                (format!("{label} g"), format!("{kernel}_graph"), graph),
+            ] {
+                let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
+                println!(
+                    "{label:<10} {ctx:>6} {kvw:>6} {:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
+                    1,
+                    gb_s / copy_gb_s
+                );
+                rows_out.push(Row {
+                    kernel,
+                    rows: ctx,
+                    cols: kvw,
+                    batch: 1,
+                    weight_bytes: bytes,
+                    copies,
+                    median_us_per_call: per_call,
+                    gb_s,
+                    fraction_of_copy: gb_s / copy_gb_s,
+                });
             }
-        });
-        let per_call = ms * 1e3 / copies as f64;
-        let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
-        println!(
-            "{:<10} {ctx:>6} {kvw:>6} {:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
-            "attn dec",
-            1,
-            gb_s / copy_gb_s
-        );
-        rows_out.push(Row {
-            kernel: "attention_decode".into(),
-            rows: ctx,
-            cols: kvw,
-            batch: 1,
-            weight_bytes: bytes,
-            copies,
-            median_us_per_call: per_call,
-            gb_s,
-            fraction_of_copy: gb_s / copy_gb_s,
-        });
+        }
+        g.set_decode_attention(DecodeAttention::Grouped);
     }
 
     // The small kernels of a decode step at Qwen3-30B-A3B's shapes (hidden 2048, 32/4
