@@ -555,9 +555,9 @@ fn group_kernel(head_dim: usize) -> Option<&'static str> {
         return None;
     }
     match head_dim {
-        ..=64 => Some("attention_group_64"),
-        ..=128 => Some("attention_group_128"),
-        ..=256 => Some("attention_group_256"),
+        1..=64 => Some("attention_group_64"),
+        65..=128 => Some("attention_group_128"),
+        129..=256 => Some("attention_group_256"),
         _ => None,
     }
 }
