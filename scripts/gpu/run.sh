@@ -128,6 +128,9 @@ for step in $steps; do
             echo "-- one block per head walking the whole context"
             DYNMOE_CUDA_SPLIT_ATTENTION=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
                 --prompt 512 --generate 128
+            echo "-- one-row attention a block per query head and chunk, not per KV head"
+            DYNMOE_CUDA_GROUPED_ATTENTION=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
+                --prompt 512 --generate 128
             echo "-- dense weights (attention, router, LM head) in f32, not bf16"
             DYNMOE_CUDA_BF16=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
                 --prompt 512 --generate 128
