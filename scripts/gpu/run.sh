@@ -25,8 +25,8 @@
 #          (residency_235b.json)
 # cpu-vq   the CPU VQ matvec kernels against affine q2/q4 on this machine's CPU (vq_kernels.json)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
-#          keys, with dense weights in f32 instead of bf16, prefill with prompts on the host
-#          path or routed unsorted, and decode after a 16-token prompt (model_variants.log)
+#          keys, with dense weights in f32 instead of bf16, and decode after a 16-token
+#          prompt (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -138,12 +138,6 @@ for step in $steps; do
             echo "-- dense weights (attention, router, LM head) in f32, not bf16"
             DYNMOE_CUDA_BF16=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
                 --prompt 512 --generate 128
-            echo "-- prompts on the host path's grouped GEMMs, not routed on the device"
-            DYNMOE_CUDA_ROUTED_PROMPT=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
-                --prompt 512 --generate 16
-            echo "-- prompts routed on the device, pairs in row order (not grouped by expert)"
-            DYNMOE_CUDA_SORT_PAIRS=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
-                --prompt 512 --generate 16
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128
         } 2>&1 | tee "$OUT/model_variants.log"

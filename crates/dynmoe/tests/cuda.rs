@@ -1115,11 +1115,6 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, bits: u32
     if tie {
         cases.extend([(1, 1, false, false), (1, 1, true, false)]);
     }
-    // Prompt rows: the pairs sorted by expert, and past one launch's pairs in chunks.
-    cases.extend([(20, 3, true, false), (37, 4, false, true)]);
-    if experts >= 128 {
-        cases.push((600, 8, true, false));
-    }
     for (case, &(rows, top_k, renormalize, masked)) in cases.iter().enumerate() {
         let salt = 400 + 10 * case as u64 + bits as u64;
         let x = fresh(rows * hidden, salt);

@@ -682,14 +682,12 @@ extern "C" __global__ void moe_route_warp(float* probs, const unsigned char* kee
 // the staged input (33 floats a chunk) and a sum per chunk.
 #define ROUTED_ENTRY 9
 #define ROUTED_ROWS 4
-// With `order` non-null, block row y takes pair order[y] instead of y: pairs sorted by
-// expert (moe_sort_pairs) make neighbouring blocks read the same expert, from L2.
 template <int BITS>
-__device__ void affine_routed(const unsigned long long* table, const int* ids, const int* order,
-                              int top_k, int proj, const float* x, const float* up, float* out,
-                              int rows, int cols, int in_dim) {
+__device__ void affine_routed(const unsigned long long* table, const int* ids, int top_k, int proj,
+                              const float* x, const float* up, float* out, int rows, int cols,
+                              int in_dim) {
     extern __shared__ float xs[];
-    int pair = order ? order[blockIdx.y] : (int)blockIdx.y;
+    int pair = blockIdx.y;
     const unsigned long long* e = table + (size_t)ids[pair] * ROUTED_ENTRY;
     const unsigned* words = (const unsigned*)e[3 * proj];
     const unsigned short* scales = (const unsigned short*)e[3 * proj + 1];
@@ -750,42 +748,21 @@ __device__ void affine_routed(const unsigned long long* table, const int* ids, c
 
 #define ROUTED_AFFINE(B)                                                                      \
     extern "C" __global__ void affine_routed_gate_up_q##B(                                    \
-        const unsigned long long* table, const int* ids, const int* order, int top_k,          \
-        const float* x, float* gate, float* up, int rows, int cols, int in_dim) {              \
+        const unsigned long long* table, const int* ids, int top_k, const float* x,            \
+        float* gate, float* up, int rows, int cols, int in_dim) {                              \
         int proj = blockIdx.z;                                                                 \
-        affine_routed<B>(table, ids, order, top_k, proj, x, nullptr, proj == 0 ? gate : up,    \
-                         rows, cols, in_dim);                                                  \
+        affine_routed<B>(table, ids, top_k, proj, x, nullptr, proj == 0 ? gate : up, rows,     \
+                         cols, in_dim);                                                        \
     }                                                                                          \
     extern "C" __global__ void affine_routed_down_q##B(                                       \
-        const unsigned long long* table, const int* ids, const int* order, int top_k,          \
-        const float* gate, const float* up, float* out, int rows, int cols, int in_dim) {      \
-        affine_routed<B>(table, ids, order, top_k, 2, gate, up, out, rows, cols, in_dim);      \
+        const unsigned long long* table, const int* ids, int top_k, const float* gate,         \
+        const float* up, float* out, int rows, int cols, int in_dim) {                         \
+        affine_routed<B>(table, ids, top_k, 2, gate, up, out, rows, cols, in_dim);             \
     }
 
 ROUTED_AFFINE(4)
 ROUTED_AFFINE(3)
 ROUTED_AFFINE(2)
-
-// order = the pairs 0..pairs grouped by expert id (a counting sort; the order inside an
-// expert's group is arbitrary, which no result depends on). One block; dynamic shared
-// memory holds a count per expert.
-extern "C" __global__ void moe_sort_pairs(const int* ids, int pairs, int experts, int* order) {
-    extern __shared__ int count[];
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) count[e] = 0;
-    __syncthreads();
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&count[ids[p]], 1);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int at = 0;
-        for (int e = 0; e < experts; e++) {
-            int c = count[e];
-            count[e] = at;
-            at += c;
-        }
-    }
-    __syncthreads();
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x) order[atomicAdd(&count[ids[p]], 1)] = p;
-}
 
 // out[r] = Σ_k weights[r·top_k + k] · down[r·top_k + k]; overwrites. A thread per output
 // value (rows · width of them), so the block's sums spread over the device instead of

@@ -281,8 +281,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 56] = [
-    "moe_sort_pairs",
+const KERNEL_NAMES: [&str; 55] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -479,13 +478,6 @@ pub struct Cuda {
     /// Whether [`Backend::upload_matrix`] keeps bf16-exact matrices in bf16
     /// (`DYNMOE_CUDA_BF16=0`: always f32, to measure what bf16 saves).
     bf16_matrices: bool,
-    /// Whether MoE blocks of more rows than a decode step are routed on the device too
-    /// (`DYNMOE_CUDA_ROUTED_PROMPT=0`: only up to [`ROUTED_MAX_ROWS`], the rest on the
-    /// host path's grouped GEMMs).
-    routed_prompt: bool,
-    /// Whether those rows' (row, expert) pairs are grouped by expert before the expert
-    /// kernels (`DYNMOE_CUDA_SORT_PAIRS=0`: in row order).
-    sort_pairs: bool,
     /// Whether one-row attention is split over the keys (`DYNMOE_CUDA_SPLIT_ATTENTION=0`:
     /// one block per head walks the whole context, as for many rows).
     split_attention: bool,
@@ -611,8 +603,6 @@ impl Cuda {
             argmax_scratch: Mutex::new(None),
             dense_scratch: Mutex::new(None),
             bf16_matrices: std::env::var("DYNMOE_CUDA_BF16").map_or(true, |v| v != "0"),
-            routed_prompt: std::env::var("DYNMOE_CUDA_ROUTED_PROMPT").map_or(true, |v| v != "0"),
-            sort_pairs: std::env::var("DYNMOE_CUDA_SORT_PAIRS").map_or(true, |v| v != "0"),
             split_attention: std::env::var("DYNMOE_CUDA_SPLIT_ATTENTION")
                 .map_or(true, |v| v != "0"),
         })
@@ -1300,33 +1290,8 @@ impl Cuda {
     /// Routes `rows` rows whose router logits are at device address `probs` (turned into
     /// probabilities there) and runs their experts: the route kernel, the gate/up and down
     /// launches reading the chosen experts through `r.table`, and the weighted combine into
-    /// `out`. `x`, `probs` and `out` are device addresses of `[rows, …]` buffers. Chunks
-    /// of rows keep the grid (a block row per row and expert) within bounds.
+    /// `out`. `x`, `probs` and `out` are device addresses of `[rows, …]` buffers.
     fn launch_routed(
-        &self,
-        r: &Routed<'_>,
-        x: u64,
-        rows: usize,
-        hidden: usize,
-        probs: u64,
-        out: u64,
-    ) {
-        let chunk = (ROUTED_CHUNK_PAIRS / r.route.top_k).max(1);
-        for r0 in (0..rows).step_by(chunk) {
-            let at = |base: u64, width: usize| base + 4 * (r0 * width) as u64;
-            self.launch_routed_chunk(
-                r,
-                at(x, hidden),
-                chunk.min(rows - r0),
-                hidden,
-                at(probs, r.experts),
-                at(out, hidden),
-            );
-        }
-    }
-
-    /// [`launch_routed`](Self::launch_routed) of at most `ROUTED_CHUNK_PAIRS` pairs.
-    fn launch_routed_chunk(
         &self,
         r: &Routed<'_>,
         x: u64,
@@ -1340,7 +1305,7 @@ impl Cuda {
         // ids, weights, gate, up, down: one scratch buffer, carved by offset.
         // Sized for at least the most rows a decode step routes, so that it is not
         // replaced (under a recorded step) when a call with more rows follows.
-        let size = |pairs: usize| 3 * pairs + 2 * pairs * inter + pairs * hidden;
+        let size = |pairs: usize| 2 * pairs + 2 * pairs * inter + pairs * hidden;
         let mut scratch = self.routed_scratch.lock().expect("scratch lock");
         if scratch.as_ref().is_none_or(|s| s.len() < size(pairs)) {
             self.drop_graphs();
@@ -1359,7 +1324,6 @@ impl Cuda {
             at(2 * pairs + pairs * inter),
             at(2 * pairs + 2 * pairs * inter),
         );
-        let sorted = at(2 * pairs + 2 * pairs * inter + pairs * hidden);
 
         let (ei, ki, rn) = (e as i32, k as i32, r.route.renormalize as i32);
         // Up to ROUTE_WARP_MAX experts a warp holds a row in registers; more take a block.
@@ -1378,18 +1342,6 @@ impl Cuda {
             .arg(&rn);
         ok(unsafe { l.launch(launch) }, "moe_route");
 
-        // Past a decode step's few rows, the pairs go to the expert kernels grouped by
-        // expert, so each expert's weights come from memory about once and then from L2.
-        let order = if rows > ROUTED_MAX_ROWS && self.sort_pairs {
-            let (pi, ei) = (pairs as i32, e as i32);
-            let mut l = self.stream.launch_builder(self.func("moe_sort_pairs"));
-            l.arg(&ids).arg(&pi).arg(&ei).arg(&sorted);
-            ok(unsafe { l.launch(cfg(1, 1024, e * 4)) }, "moe_sort_pairs");
-            sorted
-        } else {
-            0u64
-        };
-
         let suffix = match shape.bits {
             4 => "q4",
             3 => "q3",
@@ -1398,13 +1350,7 @@ impl Cuda {
         let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
         let f = self.func(&format!("affine_routed_gate_up_{suffix}"));
         let mut l = self.stream.launch_builder(f);
-        l.arg(&r.table)
-            .arg(&ids)
-            .arg(&order)
-            .arg(&ki)
-            .arg(&x)
-            .arg(&g)
-            .arg(&u);
+        l.arg(&r.table).arg(&ids).arg(&ki).arg(&x).arg(&g).arg(&u);
         l.arg(&ri).arg(&c).arg(&i);
         let grid = LaunchConfig {
             grid_dim: (
@@ -1420,13 +1366,7 @@ impl Cuda {
         let (ri, c, i) = (hidden as i32, shape.down_cols as i32, inter as i32);
         let f = self.func(&format!("affine_routed_down_{suffix}"));
         let mut l = self.stream.launch_builder(f);
-        l.arg(&r.table)
-            .arg(&ids)
-            .arg(&order)
-            .arg(&ki)
-            .arg(&g)
-            .arg(&u)
-            .arg(&d);
+        l.arg(&r.table).arg(&ids).arg(&ki).arg(&g).arg(&u).arg(&d);
         l.arg(&ri).arg(&c).arg(&i);
         let grid = LaunchConfig {
             grid_dim: (
@@ -2206,8 +2146,7 @@ impl Backend for Cuda {
         out: &mut CudaSlice<f32>,
     ) -> bool {
         let (e, k) = (experts.count, route.top_k);
-        let rows_fit = rows <= ROUTED_MAX_ROWS || self.routed_prompt;
-        if rows == 0 || !rows_fit || e == 0 || k == 0 || k > e || e > 4096 {
+        if rows == 0 || rows > ROUTED_MAX_ROWS || e == 0 || k == 0 || k > e || e > 4096 {
             return false;
         }
         if route.keep.is_some_and(|m| m.len() != e) {
@@ -2300,7 +2239,22 @@ impl Backend for Cuda {
             experts: e,
             route,
         };
-        self.launch_routed(&routed, x_at, rows, hidden, probs_at, out_at);
+        // The routed kernels read each chosen expert once per row: fine for a decode step,
+        // and for a prompt the only path that reads device slots. Chunks keep the grid
+        // (one block row per row and expert) within bounds.
+        let chunk = (ROUTED_CHUNK_PAIRS / k).max(1);
+        for r0 in (0..rows).step_by(chunk) {
+            let n = chunk.min(rows - r0);
+            let f = |at: u64, width: usize| at + 4 * (r0 * width) as u64;
+            self.launch_routed(
+                &routed,
+                f(x_at, hidden),
+                n,
+                hidden,
+                f(probs_at, e),
+                f(out_at, hidden),
+            );
+        }
         true
     }
 
