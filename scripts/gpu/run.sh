@@ -17,9 +17,9 @@
 #          base: 94 layers are about 87 GB with the dense weights), under /dev/shm: all
 #          94 layers if they fit in /dev/shm and in free memory less $BIG_MARGIN_GB
 #          (default 16) GB, else as many as do (big.log; the directory is $BIG)
-# residency after `model`, at 2 bits: decode with half of each layer's experts resident in
-#          device memory, swapping from a RAM reservoir, beside every expert resident
-#          (residency_30b.json)
+# residency after `model`, at 2 bits: decode with half (then 60%: 1.5 resident bits) of each
+#          layer's experts resident in device memory, swapping from a RAM reservoir, beside
+#          every expert resident (residency_30b*.json)
 # big-run  after `big`: that model fully resident, then within $BIG_BUDGET_GB (default 40) GB
 #          of device memory with dynamic residency, the store read from /dev/shm
 #          (residency_235b.json)
@@ -106,6 +106,13 @@ for step in $steps; do
             --swap-interval 32 --max-swaps 4 --swap-margin 0 --loader-threads 4 \
             --prompt 16 --generate 256 --json "$OUT/residency_30b.json" 2>&1 |
             tee "$OUT/residency_30b.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        # 1.5 resident bits per expert weight: 2-bit codes with their scales are 2.5 bits,
+        # 60% of them resident.
+        "$BIN/dynmoe" bench residency "$m" --bits 2 --resident-fraction 0.6 --reservoir ram \
+            --swap-interval 32 --max-swaps 4 --swap-margin 0 --loader-threads 4 \
+            --prompt 16 --generate 256 --json "$OUT/residency_30b_1p5.json" 2>&1 |
+            tee "$OUT/residency_30b_1p5.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     big-run)

@@ -281,6 +281,16 @@ struct Runs {
     agree: bool,
 }
 
+/// `prompt` token ids drawn at random (seed 1) from the model's vocabulary: the same
+/// prompt for every run and every precision.
+pub(crate) fn random_prompt<B: Backend>(m: &LoadedModel<B>, prompt: usize) -> Vec<u32> {
+    let vocab = m.model.config.vocab_size as u64;
+    let mut rng = Rng::seeded(1);
+    (0..prompt)
+        .map(|_| (rng.next_u64() % vocab) as u32)
+        .collect()
+}
+
 /// Prefill and decode tokens per second over `repeats` runs, after a warm-up run (which
 /// also brings every touched expert onto the device, and records the decode step where
 /// the backend does). Each run decodes twice from the same prefill position: greedy on
@@ -291,11 +301,7 @@ fn measure<B: Backend>(
     generate: usize,
     repeats: usize,
 ) -> Result<Runs> {
-    let vocab = m.model.config.vocab_size as u64;
-    let mut rng = Rng::seeded(1);
-    let ids: Vec<u32> = (0..prompt)
-        .map(|_| (rng.next_u64() % vocab) as u32)
-        .collect();
+    let ids = random_prompt(m, prompt);
     let mut state = m.model.new_state(prompt + generate);
     let mut runs = Runs {
         agree: true,

@@ -8,14 +8,13 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 
-use crate::bench::{affine_bytes, median};
+use crate::bench::{affine_bytes, median, random_prompt};
 use crate::residency::ResidencyArgs;
 use crate::{cuda_backend, BackendKind};
 use dynmoe::backend::Backend;
 use dynmoe::model::{Config, ExpertBits, LoadedModel};
 use dynmoe::residency::ResidencyReport;
 use dynmoe::runtime::generate::argmax;
-use dynmoe::testing::Rng;
 
 #[derive(Args)]
 pub struct ResidencyBenchArgs {
@@ -94,11 +93,7 @@ fn decode_runs<B: Backend>(
     repeats: usize,
     between: &mut dyn FnMut(),
 ) -> Result<Vec<f64>> {
-    let vocab = m.model.config.vocab_size as u64;
-    let mut rng = Rng::seeded(1);
-    let ids: Vec<u32> = (0..prompt)
-        .map(|_| (rng.next_u64() % vocab) as u32)
-        .collect();
+    let ids = random_prompt(m, prompt);
     let mut state = m.model.new_state(prompt + generate);
     let mut runs = Vec::new();
     for run in 0..=repeats {
@@ -143,7 +138,13 @@ pub fn bench_residency(a: ResidencyBenchArgs) -> Result<()> {
 
 /// Resident experts per MoE layer that fit `budget` bytes beside `dense` bytes of dense
 /// weights, with `spare` more slots per layer and 1 GB of activations and scratch.
-fn count_in_budget(c: &Config, budget: f64, dense: usize, record: usize, spare: usize) -> Result<usize> {
+fn count_in_budget(
+    c: &Config,
+    budget: f64,
+    dense: usize,
+    record: usize,
+    spare: usize,
+) -> Result<usize> {
     let layers = c.moe_layers().count().max(1);
     let room = budget - dense as f64 - 1e9;
     let slots = (room / (layers * record) as f64).floor();

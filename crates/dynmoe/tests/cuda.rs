@@ -1496,8 +1496,8 @@ fn fixtures_agree_with_the_cpu_end_to_end() {
 }
 
 /// Resident sets in device memory (the small fixture's 4-bit store, 12 of 32 experts
-/// per layer, dynamic swaps every 4 tokens from a RAM reservoir): each greedy step, run
-/// from a recorded graph, picks the token the CPU picks with routing masked to the sets
+/// per layer, dynamic swaps every 4 tokens from a RAM and a disk reservoir): each greedy
+/// step, replayed from a recorded graph or run through `forward`, picks the token the CPU picks with routing masked to the sets
 /// that step used; swaps happen and commit only once their copies have landed; and a
 /// whole sequence through the device slots (the prompt path) equals the CPU model masked
 /// to the final sets.
@@ -1565,7 +1565,13 @@ fn resident_sets_in_device_memory_route_as_masks() {
         let mut changed = 0;
         let mut before = dev.model.residency().unwrap().resident_sets();
         for step in 0..40 {
-            let t = dev.model.decode_greedy(&mut sd, next).unwrap();
+            // Every other step through `forward` (one row, the logits read back) rather
+            // than the recorded step: both must route over the sets alone.
+            let t = if step % 2 == 0 {
+                dev.model.decode_greedy(&mut sd, next).unwrap()
+            } else {
+                dynmoe::runtime::generate::argmax(&dev.model.forward(&mut sd, &[next], 0).unwrap())
+            };
             let r = dev.model.residency().unwrap();
             let used = r.resident_sets();
             changed += (used != before) as usize;

@@ -387,21 +387,15 @@ impl<B: Backend> Model<B> {
                     moe::dense(b, mlp, &xn, n, &mut delta);
                     state.router_probs[i].clear();
                 }
-                Ffn::Moe(block)
-                    if probs_dev.as_mut().is_some_and(|p| {
-                        moe::forward_on_device(b, block, routing, &xn, n, &mut delta, p, i * n * e)
-                    }) =>
-                {
-                    on_device.push(i);
-                }
                 Ffn::Moe(block) => {
                     let set = step.as_mut().and_then(|s| s.layer(i));
-                    match (set, probs_dev.as_mut()) {
-                        // A set in the backend's memory: routed there, its evidence fed
-                        // once the probabilities are read back (`finish_sets`).
-                        (Some(set), Some(p)) if set.device_slots().is_some() => {
-                            let slots = set.device_slots().expect("checked");
-                            let routed = moe::forward_on_device_slots(
+                    // On the backend: a layer with no set when nothing watches each layer,
+                    // and a layer whose set lives in the backend's memory.
+                    let slots = set.as_deref().and_then(|s| s.device_slots());
+                    let try_device = set.is_none() && on_device_ok || slots.is_some();
+                    let routed = try_device
+                        && probs_dev.as_mut().is_some_and(|p| {
+                            moe::forward_on_device(
                                 b,
                                 block,
                                 routing,
@@ -411,25 +405,27 @@ impl<B: Backend> Model<B> {
                                 p,
                                 i * n * e,
                                 slots,
-                            );
-                            assert!(
-                                routed,
-                                "layer {i}: a set on the device the backend cannot route"
-                            );
-                            on_device.push(i);
-                            if let Some(o) = observer.as_deref_mut() {
-                                let mut host = vec![0.0f32; (i + 1) * n * e];
-                                b.download(p, &mut host);
-                                state.router_probs[i] = host.split_off(i * n * e);
-                                o.observe(b, i, block, &xn, n, &state.router_probs[i]);
-                            }
+                            )
+                        });
+                    if routed {
+                        // A set's evidence is fed once the probabilities are read back
+                        // (`finish_sets`); an observer needs them now.
+                        on_device.push(i);
+                        if let (Some(o), Some(p)) = (observer.as_deref_mut(), &probs_dev) {
+                            let mut host = vec![0.0f32; (i + 1) * n * e];
+                            b.download(p, &mut host);
+                            state.router_probs[i] = host.split_off(i * n * e);
+                            o.observe(b, i, block, &xn, n, &state.router_probs[i]);
                         }
-                        (set, _) => {
-                            state.router_probs[i] =
-                                moe::forward(b, block, routing, &xn, n, &mut delta, set, track);
-                            if let Some(o) = observer.as_deref_mut() {
-                                o.observe(b, i, block, &xn, n, &state.router_probs[i]);
-                            }
+                    } else {
+                        assert!(
+                            slots.is_none(),
+                            "layer {i}: a set on the device the backend cannot route"
+                        );
+                        state.router_probs[i] =
+                            moe::forward(b, block, routing, &xn, n, &mut delta, set, track);
+                        if let Some(o) = observer.as_deref_mut() {
+                            o.observe(b, i, block, &xn, n, &state.router_probs[i]);
                         }
                     }
                 }
@@ -668,33 +664,19 @@ impl<B: Backend> Model<B> {
                     moe::dense(b, mlp, &bufs.xn, 1, &mut bufs.delta);
                 }
                 Ffn::Moe(block)
-                    if match sets
-                        .as_mut()
-                        .and_then(|s| s.layer(i))
-                        .and_then(|s| s.device_slots())
-                    {
-                        Some(slots) => moe::forward_on_device_slots(
-                            b,
-                            block,
-                            routing,
-                            &bufs.xn,
-                            1,
-                            &mut bufs.delta,
-                            &mut bufs.probs,
-                            i * e,
-                            slots,
-                        ),
-                        None => moe::forward_on_device(
-                            b,
-                            block,
-                            routing,
-                            &bufs.xn,
-                            1,
-                            &mut bufs.delta,
-                            &mut bufs.probs,
-                            i * e,
-                        ),
-                    } =>
+                    if moe::forward_on_device(
+                        b,
+                        block,
+                        routing,
+                        &bufs.xn,
+                        1,
+                        &mut bufs.delta,
+                        &mut bufs.probs,
+                        i * e,
+                        sets.as_mut()
+                            .and_then(|s| s.layer(i))
+                            .and_then(|s| s.device_slots()),
+                    ) =>
                 {
                     bufs.routed.push(i)
                 }

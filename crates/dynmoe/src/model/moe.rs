@@ -214,11 +214,14 @@ pub fn forward<B: Backend>(
     probs
 }
 
-/// The MoE block routed on the backend ([`Backend::routed_moe`]): `out` as
-/// [`forward`] makes it, the unmasked probabilities left on the backend in
-/// `probs[probs_at ..]`. Returns `false`, having done nothing, when the block or the
-/// backend needs the host path: a shared expert (its gate is read on the host), experts
-/// not in an affine store, or a backend without the path.
+/// The MoE block routed on the backend: `out` as [`forward`] makes it, the unmasked
+/// probabilities left on the backend in `probs[probs_at ..]`. With `slots` (a resident
+/// set in the backend's memory) routing is confined to the residents and their weights
+/// read from the slots ([`Backend::routed_moe_slots`]); otherwise every expert of an
+/// affine store is routed ([`Backend::routed_moe`]). Returns `false`, having done
+/// nothing, when the block or the backend needs the host path: a shared expert (its gate
+/// is read on the host), a coded router, experts not in an affine store, or a backend
+/// without the path.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_on_device<B: Backend>(
     b: &B,
@@ -229,10 +232,8 @@ pub fn forward_on_device<B: Backend>(
     out: &mut B::Tensor,
     probs: &mut B::Tensor,
     probs_at: usize,
+    slots: Option<&B::Slots>,
 ) -> bool {
-    let Experts::Stored { store, layer } = &moe.experts else {
-        return false;
-    };
     if !routable_on_device(moe) {
         return false;
     }
@@ -240,6 +241,23 @@ pub fn forward_on_device<B: Backend>(
         return false;
     };
     let Router::SoftmaxTopK { renormalize } = routing.router;
+    let hidden = moe.gate.in_dim;
+    let route = DeviceRoute {
+        top_k: routing.top_k,
+        renormalize,
+        keep: moe.keep.as_deref(),
+    };
+    if let Some(slots) = slots {
+        // The residents are the mask.
+        let route = DeviceRoute {
+            keep: None,
+            ..route
+        };
+        return b.routed_moe_slots(x, rows, hidden, gate, slots, route, probs, probs_at, out);
+    }
+    let Experts::Stored { store, layer } = &moe.experts else {
+        return false;
+    };
     let layer = *layer;
     let weights = move |e: usize| {
         let r = store.record(layer, e);
@@ -254,64 +272,7 @@ pub fn forward_on_device<B: Backend>(
         count: moe.gate.out_dim,
         weights: &weights,
     };
-    let route = DeviceRoute {
-        top_k: routing.top_k,
-        renormalize,
-        keep: moe.keep.as_deref(),
-    };
-    b.routed_moe(
-        x,
-        rows,
-        moe.gate.in_dim,
-        gate,
-        &experts,
-        route,
-        probs,
-        probs_at,
-        out,
-    )
-}
-
-/// The MoE block routed on the backend over the resident set in `slots`
-/// ([`Backend::routed_moe_slots`]): `out` and the unmasked probabilities as
-/// [`forward_on_device`] leaves them, routing confined to the residents. Returns `false`,
-/// having done nothing, for a block the backend cannot route (a shared expert, a coded
-/// router).
-#[allow(clippy::too_many_arguments)]
-pub fn forward_on_device_slots<B: Backend>(
-    b: &B,
-    moe: &Moe<B>,
-    routing: Routing,
-    x: &B::Tensor,
-    rows: usize,
-    out: &mut B::Tensor,
-    probs: &mut B::Tensor,
-    probs_at: usize,
-    slots: &B::Slots,
-) -> bool {
-    if !routable_on_device(moe) {
-        return false;
-    }
-    let Some(gate) = moe.gate.dense() else {
-        return false;
-    };
-    let Router::SoftmaxTopK { renormalize } = routing.router;
-    let route = DeviceRoute {
-        top_k: routing.top_k,
-        renormalize,
-        keep: None,
-    };
-    b.routed_moe_slots(
-        x,
-        rows,
-        moe.gate.in_dim,
-        gate,
-        slots,
-        route,
-        probs,
-        probs_at,
-        out,
-    )
+    b.routed_moe(x, rows, hidden, gate, &experts, route, probs, probs_at, out)
 }
 
 /// Whether a block's routing can run on a backend: no shared expert (its gate is read on

@@ -85,6 +85,17 @@ impl TempOutput {
     }
 }
 
+/// Flushes a buffered [`TempOutput`] and commits it; an error names its final path.
+pub fn commit_buffered(out: std::io::BufWriter<TempOutput>) -> Result<(), Error> {
+    let path = out.get_ref().path().to_path_buf();
+    out.into_inner()
+        .map_err(|e| Error::Io {
+            path,
+            source: e.into_error(),
+        })?
+        .commit()
+}
+
 impl Write for TempOutput {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         self.file.as_mut().expect("not yet committed").write(buf)

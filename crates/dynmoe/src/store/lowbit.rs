@@ -507,12 +507,7 @@ fn build(
         progress(last, total);
     }
     for (out, (&bits, layout)) in outs.into_iter().zip(targets.iter().zip(&layouts)) {
-        out.into_inner()
-            .map_err(|e| Error::Io {
-                path: paths(dir, bits).data,
-                source: e.into_error(),
-            })?
-            .commit()?;
+        atomic::commit_buffered(out)?;
         let manifest = derived_manifest(&base.manifest, layout, packing);
         atomic::write_file(&paths(dir, bits).manifest, &manifest.to_bytes())?;
     }

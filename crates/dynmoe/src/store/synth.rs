@@ -361,12 +361,7 @@ pub fn write_stores(
     let mut written = Vec::new();
     for (out, layout) in outs.into_iter().zip(&layouts) {
         let path = out.get_ref().path().to_path_buf();
-        out.into_inner()
-            .map_err(|e| Error::Io {
-                path: path.clone(),
-                source: e.into_error(),
-            })?
-            .commit()?;
+        atomic::commit_buffered(out)?;
         written.push(Written {
             bits: layout.bits,
             path,

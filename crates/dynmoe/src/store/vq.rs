@@ -971,12 +971,7 @@ fn build(
             checksums,
         });
     }
-    out.into_inner()
-        .map_err(|e| Error::Io {
-            path: path.clone(),
-            source: e.into_error(),
-        })?
-        .commit()?;
+    atomic::commit_buffered(out)?;
     let note = format!(
         "routed experts of layers {encoded:?} encoded at {} from the checkpoint{}",
         rung.name(),
