@@ -1445,37 +1445,31 @@ impl Cuda {
             3 => "q3",
             _ => "q2",
         };
+        // A block per ROUTED_ROWS rows of each warp and per pair; `projections` in z.
+        let grid = |out_rows: usize, cols: usize, projections: u32| LaunchConfig {
+            grid_dim: (
+                out_rows.div_ceil(AFFINE_WARPS * ROUTED_ROWS) as u32,
+                pairs as u32,
+                projections,
+            ),
+            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: routed_shared(cols) as u32,
+        };
         let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
         let f = self.func(&format!("affine_routed_gate_up_{suffix}"));
         let mut l = self.stream.launch_builder(f);
         l.arg(&r.table).arg(&ids).arg(&ki).arg(&x).arg(&g).arg(&u);
         l.arg(&ri).arg(&c).arg(&i);
-        let grid = LaunchConfig {
-            grid_dim: (
-                inter.div_ceil(AFFINE_WARPS * ROUTED_ROWS) as u32,
-                pairs as u32,
-                2,
-            ),
-            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: routed_shared(shape.up_cols) as u32,
-        };
-        ok(unsafe { l.launch(grid) }, "routed gate/up");
+        let gate_up = grid(inter, shape.up_cols, 2);
+        ok(unsafe { l.launch(gate_up) }, "routed gate/up");
 
         let (ri, c, i) = (hidden as i32, shape.down_cols as i32, inter as i32);
         let f = self.func(&format!("affine_routed_down_{suffix}"));
         let mut l = self.stream.launch_builder(f);
         l.arg(&r.table).arg(&ids).arg(&ki).arg(&g).arg(&u).arg(&d);
         l.arg(&ri).arg(&c).arg(&i);
-        let grid = LaunchConfig {
-            grid_dim: (
-                hidden.div_ceil(AFFINE_WARPS * ROUTED_ROWS) as u32,
-                pairs as u32,
-                1,
-            ),
-            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: routed_shared(shape.down_cols) as u32,
-        };
-        ok(unsafe { l.launch(grid) }, "routed down");
+        let down = grid(hidden, shape.down_cols, 1);
+        ok(unsafe { l.launch(down) }, "routed down");
 
         let (w, n) = (hidden as i32, (rows * hidden) as i64);
         let mut l = self.stream.launch_builder(self.func("moe_combine"));
