@@ -9,6 +9,11 @@
 //! token boundary after its data has arrived. A token never waits for a load: until
 //! the commit the outgoing expert keeps serving.
 //!
+//! On a backend that keeps slots in its own memory ([`Backend::new_slots`], the GPU), a
+//! layer's slots live there and routing runs there: a load that has arrived is copied
+//! into a free device slot beside the running tokens and commits at the first boundary
+//! after the copy has landed.
+//!
 //! One [`Residency`] belongs to a model and is shared by every sequence running on it:
 //! its state sits behind a mutex that a forward call holds from start to end, so
 //! commits happen only between forward calls.
