@@ -19,7 +19,7 @@
 //! them as it would a converted model's. A low-bit store written without a 4-bit store
 //! stands alone: its own source is the generator. Either way, the spot check that
 //! `lowbit` runs on every open makes a few records again from the generator and compares
-//! them byte for byte ([`spot_check`]), which is what a flipped byte in those records
+//! them byte for byte (`spot_check`), which is what a flipped byte in those records
 //! fails.
 //!
 //! ```no_run

@@ -345,7 +345,7 @@ pub struct VqManifest {
 
 impl VqManifest {
     /// Reads a manifest, checking that it is JSON of the right structure, format and
-    /// version; [`check`](Self::check) compares its fields with what is expected.
+    /// version; `check` compares its fields with what is expected.
     pub fn read(path: &Path) -> Result<VqManifest, Error> {
         let value = super::read_manifest_value(path)?;
         let field = |name: &str| value.get(name).cloned().unwrap_or_default();
