@@ -178,6 +178,15 @@ pub struct Counters {
     pub late_boundaries: u64,
 }
 
+impl Counters {
+    /// Counts a committed exchange whose load read `bytes` in `seconds`.
+    fn swapped(&mut self, bytes: usize, seconds: f64) {
+        self.swaps += 1;
+        self.bytes_moved += bytes as u64;
+        self.read_seconds += seconds;
+    }
+}
+
 /// What a residency run measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct ResidencyReport {
@@ -384,9 +393,7 @@ impl<B: Backend> Residency<B> {
                 Ok(bytes) => {
                     let freed = set.commit(b, out, inc, loaded.buffer);
                     set.spares.push(freed);
-                    inner_ref.counters.swaps += 1;
-                    inner_ref.counters.bytes_moved += bytes as u64;
-                    inner_ref.counters.read_seconds += loaded.seconds;
+                    inner_ref.counters.swapped(bytes, loaded.seconds);
                 }
                 Err(e) => {
                     set.spares.push(loaded.buffer);
@@ -397,9 +404,7 @@ impl<B: Backend> Residency<B> {
         }
         for set in inner_ref.layers.values_mut() {
             for (bytes, seconds) in set.commit_landed() {
-                inner_ref.counters.swaps += 1;
-                inner_ref.counters.bytes_moved += bytes as u64;
-                inner_ref.counters.read_seconds += seconds;
+                inner_ref.counters.swapped(bytes, seconds);
             }
         }
         let waiting: usize = inner_ref.layers.values().map(|s| s.in_flight.len()).sum();
@@ -518,12 +523,7 @@ fn stage_on_device<B: Backend>(
     match (&loaded.result, set.device_slots().is_some()) {
         (Ok(bytes), true) => {
             let bytes = *bytes;
-            let &(out, _) = set
-                .in_flight
-                .iter()
-                .find(|&&(_, inc)| inc == loaded.expert)
-                .expect("a load that was issued");
-            set.stage(out, loaded.expert, loaded.buffer, bytes, loaded.seconds);
+            set.stage(loaded.expert, loaded.buffer, bytes, loaded.seconds);
             None
         }
         _ => Some(loaded),

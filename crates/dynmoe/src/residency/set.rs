@@ -177,14 +177,12 @@ impl<B: Backend> LayerSet<B> {
 
     /// Starts copying a loaded record into a free device slot; it commits once landed
     /// ([`commit_landed`](Self::commit_landed)).
-    pub(super) fn stage(
-        &mut self,
-        outgoing: u32,
-        incoming: u32,
-        buffer: Buffer,
-        bytes: usize,
-        seconds: f64,
-    ) {
+    pub(super) fn stage(&mut self, incoming: u32, buffer: Buffer, bytes: usize, seconds: f64) {
+        let &(outgoing, _) = self
+            .in_flight
+            .iter()
+            .find(|&&(_, inc)| inc == incoming)
+            .expect("a load that was issued");
         let slots = self.device.as_mut().expect("a set on the device");
         let slot = self
             .free
@@ -205,7 +203,8 @@ impl<B: Backend> LayerSet<B> {
     /// makes the set as it now is visible to the backend's next launches. Returns the
     /// bytes and read seconds of each committed load.
     pub(super) fn commit_landed(&mut self) -> Vec<(usize, f64)> {
-        let Some(slots) = self.device.as_mut() else {
+        // Out of `self` while the set's bookkeeping changes beside it.
+        let Some(mut slots) = self.device.take() else {
             return Vec::new();
         };
         let mut done = Vec::new();
@@ -216,25 +215,20 @@ impl<B: Backend> LayerSet<B> {
                 continue;
             }
             let st = self.staged.swap_remove(i);
-            let (out, inc) = (st.outgoing as usize, st.incoming as usize);
-            let s = self.slot_of[out];
-            assert!(s != usize::MAX && self.slot_of[inc] == usize::MAX);
-            slots.assign(out, None);
-            slots.assign(inc, Some(st.slot));
+            let s = self.exchange(st.outgoing, st.incoming);
+            slots.assign(st.outgoing as usize, None);
+            slots.assign(st.incoming as usize, Some(st.slot));
             match std::mem::replace(&mut self.slots[s], Slot::Device(st.slot)) {
                 Slot::Device(freed) => self.free.push(freed),
                 _ => unreachable!("a set on the device has device slots only"),
             }
-            self.slot_of[out] = usize::MAX;
-            self.slot_of[inc] = s;
-            self.resident[out] = false;
-            self.resident[inc] = true;
             self.in_flight
-                .retain(|&(o, i)| (o, i) != (st.outgoing, st.incoming));
+                .retain(|&pair| pair != (st.outgoing, st.incoming));
             self.spares.push(st.buffer);
             done.push((st.bytes, st.seconds));
         }
         slots.flush();
+        self.device = Some(slots);
         done
     }
 
@@ -281,17 +275,25 @@ impl<B: Backend> LayerSet<B> {
     /// Makes `incoming` resident in `outgoing`'s slot from the loaded `buf`, returning
     /// the buffer that becomes spare.
     pub(super) fn commit(&mut self, b: &B, outgoing: u32, incoming: u32, buf: Buffer) -> Buffer {
-        let s = self.slot_of[outgoing as usize];
-        assert!(s != usize::MAX && self.slot_of[incoming as usize] == usize::MAX);
+        let s = self.exchange(outgoing, incoming);
         // The outgoing slot is taken out first so a record slot's buffer can be reused.
         let old = std::mem::replace(&mut self.slots[s], Slot::Record(Vec::new()));
         let (slot, freed) = self.fill(b, buf, Some(old));
         self.slots[s] = slot;
-        self.slot_of[outgoing as usize] = usize::MAX;
-        self.slot_of[incoming as usize] = s;
-        self.resident[outgoing as usize] = false;
-        self.resident[incoming as usize] = true;
         freed.expect("a freed buffer")
+    }
+
+    /// Hands `outgoing`'s slot index to `incoming` (ids and resident flags); returns it.
+    /// The slot's contents are the caller's to replace.
+    fn exchange(&mut self, outgoing: u32, incoming: u32) -> usize {
+        let (out, inc) = (outgoing as usize, incoming as usize);
+        let s = self.slot_of[out];
+        assert!(s != usize::MAX && self.slot_of[inc] == usize::MAX);
+        self.slot_of[out] = usize::MAX;
+        self.slot_of[inc] = s;
+        self.resident[out] = false;
+        self.resident[inc] = true;
+        s
     }
 
     /// The resident experts, ascending.
