@@ -247,6 +247,14 @@ impl<B: Backend> Model<B> {
         &self.backend
     }
 
+    /// The norm that reads the residual stream before decoder layer `i`: that layer's
+    /// input norm, or past the last layer the final norm.
+    fn norm_before(&self, i: usize) -> &B::Tensor {
+        self.layers
+            .get(i)
+            .map_or(&self.norm, |l| &l.input_layernorm)
+    }
+
     /// The LM head's weight: its own (possibly coded), or the embedding table it is tied to.
     fn head(&self) -> Weight<'_, B::Matrix> {
         match &self.lm_head {
@@ -348,10 +356,11 @@ impl<B: Backend> Model<B> {
         b.embed(&self.embed_tokens, h, tokens, &mut x);
         // Each residual add is fused with the norm that reads its result (the next
         // block's input norm, or the final one), so `xn` holds a block's input on entry.
-        if let Some(first) = self.layers.first() {
-            b.rms_norm(&x, &first.input_layernorm, n, h, c.rms_norm_eps, &mut xn);
-        } else if m > 0 {
-            b.rms_norm(&x, &self.norm, n, h, c.rms_norm_eps, &mut xn);
+        // The final norm runs on every row (a row's norm reads only that row), and only
+        // when some logits are wanted.
+        let norm_wanted = |i: usize| i < self.layers.len() || m > 0;
+        if norm_wanted(0) {
+            b.rms_norm(&x, self.norm_before(0), n, h, c.rms_norm_eps, &mut xn);
         }
         for (i, layer) in self.layers.iter().enumerate() {
             // Attention block.
@@ -430,17 +439,11 @@ impl<B: Backend> Model<B> {
                     }
                 }
             }
-            match self.layers.get(i + 1) {
-                Some(next) => {
-                    let w = &next.input_layernorm;
-                    b.add_rms_norm(&mut x, &delta, w, n, h, c.rms_norm_eps, &mut xn);
-                }
-                // The final norm, on every row (a row's norm reads only that row), when
-                // some logits are wanted.
-                None if m > 0 => {
-                    b.add_rms_norm(&mut x, &delta, &self.norm, n, h, c.rms_norm_eps, &mut xn)
-                }
-                None => b.add(&mut x, &delta, n * h),
+            if norm_wanted(i + 1) {
+                let w = self.norm_before(i + 1);
+                b.add_rms_norm(&mut x, &delta, w, n, h, c.rms_norm_eps, &mut xn);
+            } else {
+                b.add(&mut x, &delta, n * h);
             }
         }
         state.pos += n;
@@ -448,7 +451,7 @@ impl<B: Backend> Model<B> {
         // LM head, only on the rows whose logits are wanted.
         if m == 0 {
             self.read_router_probs(state, probs_dev.as_ref(), &on_device, n);
-            finish_sets(step, state, &on_device, n, track);
+            finish_sets(step, &state.router_probs, &on_device, n, track);
             return Ok(Vec::new());
         }
         let head_in = if logits_from == 0 {
@@ -464,7 +467,7 @@ impl<B: Backend> Model<B> {
         b.download(&logits, &mut out);
         // After the logits, which waited for the device: a copy, not a wait.
         self.read_router_probs(state, probs_dev.as_ref(), &on_device, n);
-        finish_sets(step, state, &on_device, n, track);
+        finish_sets(step, &state.router_probs, &on_device, n, track);
         Ok(out)
     }
 
@@ -575,11 +578,7 @@ impl<B: Backend> Model<B> {
         for (i, p) in host_probs {
             state.router_probs[i] = p;
         }
-        let routed = std::mem::take(&mut bufs.routed);
-        finish_sets(step, state, &routed, 1, track);
-        if let Some(bufs) = state.step.as_mut() {
-            bufs.routed = routed;
-        }
+        finish_sets(step, &state.router_probs, &bufs.routed, 1, track);
         Ok(host[l * e].to_bits())
     }
 
@@ -605,11 +604,7 @@ impl<B: Backend> Model<B> {
         let eps = c.rms_norm_eps;
         b.embed_at(&self.embed_tokens, h, &bufs.step, &mut bufs.x);
         // As in `forward`: residual adds fused with the norm after them.
-        let first = self
-            .layers
-            .first()
-            .map_or(&self.norm, |l| &l.input_layernorm);
-        b.rms_norm(&bufs.x, first, 1, h, eps, &mut bufs.xn);
+        b.rms_norm(&bufs.x, self.norm_before(0), 1, h, eps, &mut bufs.xn);
         for (i, layer) in self.layers.iter().enumerate() {
             let a = &layer.self_attn;
             qkv(
@@ -687,10 +682,7 @@ impl<B: Backend> Model<B> {
                     host_probs.push((i, p));
                 }
             }
-            let next = self
-                .layers
-                .get(i + 1)
-                .map_or(&self.norm, |l| &l.input_layernorm);
+            let next = self.norm_before(i + 1);
             b.add_rms_norm(&mut bufs.x, &bufs.delta, next, 1, h, eps, &mut bufs.xn);
         }
         b.linear(&bufs.xn, self.head(), 1, h, c.vocab_size, &mut bufs.logits);
@@ -730,7 +722,7 @@ impl<B: Backend> Model<B> {
 /// evidence), before the checkpoint plans the next swaps.
 fn finish_sets<B: Backend>(
     step: Option<Step<'_, B>>,
-    state: &State<B>,
+    router_probs: &[Vec<f32>],
     routed: &[usize],
     n: usize,
     track: bool,
@@ -739,7 +731,7 @@ fn finish_sets<B: Backend>(
     for &i in routed {
         if let Some(set) = step.layer(i) {
             if set.device_slots().is_some() {
-                set.observe(&state.router_probs[i], n, track);
+                set.observe(&router_probs[i], n, track);
             }
         }
     }
