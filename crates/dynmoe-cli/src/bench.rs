@@ -252,7 +252,7 @@ struct Report {
     cases: Vec<Case>,
 }
 
-pub(crate) fn affine_bytes(rows: usize, cols: usize, bits: u32) -> usize {
+fn affine_bytes(rows: usize, cols: usize, bits: u32) -> usize {
     let cols = cols.div_ceil(GROUP_SIZE) * GROUP_SIZE;
     rows * words_per_row(cols, bits) * 4 + rows * (cols / GROUP_SIZE) * 4
 }
@@ -260,14 +260,22 @@ pub(crate) fn affine_bytes(rows: usize, cols: usize, bits: u32) -> usize {
 /// Bytes a decode step reads, from the configuration, with dense weights of `dense`
 /// bytes each (see [`Case`]).
 fn decode_bytes(c: &Config, bits: u32, dense: usize) -> usize {
-    let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
-    let (e, i) = (c.moe.num_experts, c.moe.expert_intermediate);
-    let attention = dense * (2 * q * h + 2 * kv * h);
-    let expert = 2 * affine_bytes(i, h, bits) + affine_bytes(h, i, bits);
     let moe = c.moe_layers().count();
-    c.layers.len() * attention
-        + moe * (dense * e * h + c.moe.top_k * expert)
-        + dense * c.vocab_size * h
+    dense * (layer_dense_weights(c) + c.vocab_size * c.hidden_size)
+        + moe * c.moe.top_k * expert_bytes(c, bits)
+}
+
+/// Weights of every layer's attention projections and every MoE router: the dense
+/// matrices besides embeddings and LM head.
+pub(crate) fn layer_dense_weights(c: &Config) -> usize {
+    let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
+    c.layers.len() * (2 * q * h + 2 * kv * h) + c.moe_layers().count() * c.moe.num_experts * h
+}
+
+/// Bytes of one routed expert (gate, up, down) at `bits`.
+pub(crate) fn expert_bytes(c: &Config, bits: u32) -> usize {
+    let (h, i) = (c.hidden_size, c.moe.expert_intermediate);
+    2 * affine_bytes(i, h, bits) + affine_bytes(h, i, bits)
 }
 
 /// Tokens per second of each run of one way of decoding.

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 
-use crate::bench::{affine_bytes, median, random_prompt};
+use crate::bench::{expert_bytes, layer_dense_weights, median, random_prompt};
 use crate::residency::ResidencyArgs;
 use crate::{cuda_backend, BackendKind};
 use dynmoe::backend::Backend;
@@ -77,11 +77,8 @@ struct Report {
 /// Bytes of the non-expert weights at `dense` bytes each: attention, routers,
 /// embeddings and an untied LM head.
 fn dense_weight_bytes(c: &Config, dense: usize) -> usize {
-    let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
-    let attention = c.layers.len() * (2 * q * h + 2 * kv * h);
-    let routers = c.moe_layers().count() * c.moe.num_experts * h;
-    let tables = if c.tie_word_embeddings { 1 } else { 2 } * c.vocab_size * h;
-    dense * (attention + routers + tables)
+    let tables = if c.tie_word_embeddings { 1 } else { 2 } * c.vocab_size * c.hidden_size;
+    dense * (layer_dense_weights(c) + tables)
 }
 
 /// Greedy decode tok/s of `repeats` runs after a warm-up run, each from a fresh prefill
@@ -168,7 +165,7 @@ fn run<B: Backend>(
 ) -> Result<()> {
     let c = m.model.config.clone();
     let (h, i) = (c.hidden_size, c.moe.expert_intermediate);
-    let expert = 2 * affine_bytes(i, h, a.bits) + affine_bytes(h, i, a.bits);
+    let expert = expert_bytes(&c, a.bits);
     let all_expert_bytes = c.moe_layers().count() * c.moe.num_experts * expert;
     let dense_bytes = dense_weight_bytes(&c, dense);
     println!(
