@@ -25,8 +25,9 @@
 #          (residency_235b.json)
 # cpu-vq   the CPU VQ matvec kernels against affine q2/q4 on this machine's CPU (vq_kernels.json)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
-#          keys, with dense weights in f32 instead of bf16, and decode after a 16-token
-#          prompt (model_variants.log)
+#          keys, with dense weights in f32 instead of bf16, the prompt's attention by the
+#          per-row kernel instead of the tiled one, and decode after a 16-token prompt
+#          (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -140,6 +141,9 @@ for step in $steps; do
                 --prompt 512 --generate 128
             echo "-- dense weights (attention, router, LM head) in f32, not bf16"
             DYNMOE_CUDA_BF16=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
+                --prompt 512 --generate 128
+            echo "-- prompts through the per-row attention kernel, not the tiled one"
+            DYNMOE_CUDA_TILED_ATTENTION=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
                 --prompt 512 --generate 128
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128
