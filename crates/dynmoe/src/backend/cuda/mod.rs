@@ -560,8 +560,8 @@ impl DecodeAttention {
 pub enum PrefillAttention {
     /// A block per (KV head, two tiles of 64 query slots), a slot being a row and a query
     /// head of the KV head's group; K and V tiles in shared memory serve every slot of a
-    /// tile (the default).
-    /// Head widths that are not a multiple of 4 take [`PerRow`](Self::PerRow).
+    /// tile (the default). Head widths that are not a multiple of 4 take
+    /// [`PerRow`](Self::PerRow).
     Tiled,
     /// A block per (query row, head) walks its keys alone
     /// (`DYNMOE_CUDA_TILED_ATTENTION=0`).
