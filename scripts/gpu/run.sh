@@ -25,8 +25,8 @@
 #          (residency_235b.json)
 # cpu-vq   the CPU VQ matvec kernels against affine q2/q4 on this machine's CPU (vq_kernels.json)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
-#          keys, with dense weights in f32 instead of bf16, and decode after a 16-token
-#          prompt (model_variants.log)
+#          keys, with dense weights in f32 instead of bf16, prompts without tensor cores,
+#          and decode after a 16-token prompt (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -52,7 +52,9 @@ for step in $steps; do
     case $step in
     checks)
         echo "== kernel checks and fixtures"
-        "$BIN/cuda-tests" --test-threads=1 --nocapture 2>&1 | tee "$OUT/checks.log"
+        # CHECKS: test name filters, to run only some (all by default).
+        # shellcheck disable=SC2086
+        "$BIN/cuda-tests" --test-threads=1 --nocapture ${CHECKS:-} 2>&1 | tee "$OUT/checks.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     kernels)
@@ -140,6 +142,9 @@ for step in $steps; do
                 --prompt 512 --generate 128
             echo "-- dense weights (attention, router, LM head) in f32, not bf16"
             DYNMOE_CUDA_BF16=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
+                --prompt 512 --generate 128
+            echo "-- prompts without tensor cores (dense products widened for sgemm, experts one by one)"
+            DYNMOE_CUDA_TENSOR_CORES=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
                 --prompt 512 --generate 128
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128

@@ -259,11 +259,20 @@ fn bf16_matmul_matches_the_reference() {
         (2, 250, 33),
         (1, 7, 5),
         (64, 768, 2048),
+        (300, 2048, 512),
         (7, 256, 80),
         (5, 250, 33),
         (5, 2048, 151936),
     ];
-    for (rows, in_dim, out_dim) in cases {
+    // More rows run on tensor cores (x split into two bf16 parts) or, with those off,
+    // through the widened matrix: both ways are checked.
+    let was = g.tensor_cores();
+    let ways = cases
+        .iter()
+        .flat_map(|&c| [(c, true), (c, false)])
+        .filter(|&((rows, _, _), tc)| tc || rows > 4);
+    for ((rows, in_dim, out_dim), tensor_cores) in ways {
+        g.set_tensor_cores(tensor_cores);
         let x = fresh(rows * in_dim, 22);
         let w = bf16_values(&fresh(out_dim * in_dim, 23));
         assert!(
@@ -271,7 +280,7 @@ fn bf16_matmul_matches_the_reference() {
             "bf16 values are kept in bf16"
         );
         both!(
-            &format!("matmul bf16 {rows}x{in_dim} -> {out_dim}"),
+            &format!("matmul bf16 {rows}x{in_dim} -> {out_dim} tensor cores {tensor_cores}"),
             &[&x],
             rows * out_dim,
             1e-5,
@@ -285,6 +294,7 @@ fn bf16_matmul_matches_the_reference() {
             )
         );
     }
+    g.set_tensor_cores(was);
     // One value off bf16 keeps the whole matrix in f32.
     let mut w = bf16_values(&fresh(64 * 96, 24));
     w[1000] = f32::from_bits(w[1000].to_bits() | 1);
@@ -1009,16 +1019,20 @@ fn vq_experts_through_swiglu_groups_match_the_reference() {
 
 #[test]
 fn moe_dispatch_matches_the_reference() {
-    let Some(_) = gpu() else { return };
-    // Experts 80 wide (the down input padded to 128) over 256-wide rows, with 1 to 20
-    // rows each: the grouped launch takes those of at most 8 rows, the rest run one
-    // by one (expand then GEMM); a dense group rides along.
-    let (hidden, inter, tokens) = (256, 80, 24);
+    let Some(g) = gpu() else { return };
+    let was = g.tensor_cores();
+    // Experts 80 wide (the down input padded to 128) over 256-wide rows, with 1 to 70
+    // rows each; a dense group rides along. On tensor cores every affine group runs
+    // through the grouped GEMMs (ragged tiles of 32 pairs, 64 outputs); without, the
+    // grouped matrix-vector launch takes the groups of at most 8 rows and the rest run
+    // one by one (expand then GEMM).
+    let (hidden, inter, tokens) = (256, 80, 80);
     let x = fresh(tokens * hidden, 70);
     let base = fresh(tokens * hidden, 71);
     let mut rng = Rng::new(72);
-    let counts = [1usize, 3, 5, 8, 9, 20, 2];
-    for bits in [4, 3, 2] {
+    let counts = [1usize, 3, 5, 8, 9, 20, 2, 33, 70];
+    for (bits, tensor_cores) in [(4, true), (3, true), (2, true), (4, false), (3, false), (2, false)] {
+        g.set_tensor_cores(tensor_cores);
         let mats: Vec<[Affine; 3]> = (0..counts.len() as u64)
             .map(|e| {
                 [
@@ -1052,7 +1066,7 @@ fn moe_dispatch_matches_the_reference() {
         let dense_rows: Vec<u32> = (0..tokens as u32).step_by(3).collect();
         let dense_scales = fresh(dense_rows.len(), 98);
         both!(
-            &format!("swiglu_groups q{bits} rows {counts:?} + dense bf16 {dense_bf16}"),
+            &format!("swiglu_groups q{bits} tensor cores {tensor_cores} + dense bf16 {dense_bf16}"),
             &[&x, &base],
             tokens * hidden,
             1e-5,
@@ -1087,6 +1101,7 @@ fn moe_dispatch_matches_the_reference() {
             }
         );
     }
+    g.set_tensor_cores(was);
 }
 
 /// The host route of the block: probabilities `[rows, E]` and the output of the chosen

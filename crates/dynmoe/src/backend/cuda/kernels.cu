@@ -72,6 +72,27 @@ extern "C" __global__ void bf16_to_f32(const unsigned short* src, float* dst, lo
     for (; i < n; i += stride) dst[i] = bf16_bits(src[i]);
 }
 
+// x split into two bf16 parts, hi = x rounded and lo = (x - hi) rounded, for tensor-core
+// products with a bf16 matrix: W·hi + W·lo carries about 16 bits of x, where a single
+// bf16 rounding would keep 8.
+extern "C" __global__ void split_bf16(const float* x, unsigned short* hi, unsigned short* lo,
+                                      long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (; i < n; i += stride) {
+        float v = x[i];
+        unsigned short h = 0, l = 0;
+#if __CUDA_ARCH__ >= 800
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(l) : "f"(v - bf16_bits(h)));
+#else
+        __trap();  // the host takes this path only on sm_80 and later
+#endif
+        hi[i] = h;
+        lo[i] = l;
+    }
+}
+
 // RMSNorm of rows of `dim`, optionally after a residual add (`delta` non-null:
 // x += delta first, the sum written back to x, then normalised). A team of threads per
 // row: a warp (rows of at most NORM_WARP_DIM values, several rows a block) or the whole
@@ -513,6 +534,253 @@ __device__ void affine_dequant(const unsigned* words, const unsigned short* scal
 AFFINE_ENTRY(4)
 AFFINE_ENTRY(3)
 AFFINE_ENTRY(2)
+
+// ---- Affine experts on tensor cores: the grouped GEMM of a prompt's MoE dispatch ----
+//
+// A block computes a tile of MMA_BM (row, expert) pairs × MMA_BN output rows of one
+// expert's matrix with mma.sync m16n8k16 (f16 inputs, f32 accumulation), a 64-column
+// scale group at a time. The weights enter as their codes' integer values a·q + o, which
+// f16 holds exactly, so a group's partial product P is Σ x·(a·q + o) and the group adds
+// scale·P + bias·Σx, as the matrix-vector kernels do. x enters as two f16 parts, hi = x
+// rounded and lo = the rest rounded, so the products keep about 22 bits of x: the result
+// stays within f32 rounding of the reference, not f16's.
+//
+// Four warps, 2 × 2 over the tile: a warp owns 16 pair rows × 32 output rows (four n8
+// fragments). Shared rows are 72 halves (64 + 8), so the fragment loads of a warp's 32
+// lanes fall in 32 different banks.
+#define MMA_BM 32
+#define MMA_BN 64
+#define MMA_LD 72
+
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    unsigned r = 0;
+#if __CUDA_ARCH__ >= 800
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ float2 unpack_f16x2(unsigned v) {
+    float a, b;
+    asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}"
+        : "=f"(a), "=f"(b)
+        : "r"(v));
+    return make_float2(a, b);
+}
+
+// c += a · b for one m16n8k16 fragment (row-major a, column-major b).
+__device__ __forceinline__ void mma_f16(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                        unsigned b1) {
+#if __CUDA_ARCH__ < 800
+    __trap();  // the host takes this path only on sm_80 and later
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Pair tile `blockIdx.y` is entry (group, first row) of `tiles`; blockIdx.x picks MMA_BN
+// output rows. GATED (gate and up, table entries 0 and 1): input row r is x[x_rows[p]],
+// out[p] = silu(gate) ⊙ up for pair p. Otherwise (down, entry 2): input row r is x[p] and
+// out[x_rows[p]] += pair_scales[p] · down, atomically (a token's experts add into its row).
+template <int BITS, bool GATED>
+__device__ void expert_mma(const unsigned long long* table, const unsigned* tiles,
+                           const unsigned* x_rows, const float* pair_scales, const float* x,
+                           float* out, int rows, int cols, int in_dim) {
+    constexpr int M = GATED ? 2 : 1;
+    __shared__ __align__(16) unsigned short xs_hi[MMA_BM * MMA_LD];
+    __shared__ __align__(16) unsigned short xs_lo[MMA_BM * MMA_LD];
+    __shared__ __align__(16) unsigned short ws[M][MMA_BN * MMA_LD];
+    __shared__ float xsum[MMA_BM];
+    __shared__ float wscale[M][MMA_BN], wbias[M][MMA_BN];
+
+    const unsigned long long* e = table + (size_t)tiles[2 * blockIdx.y] * GROUP_ENTRY;
+    int first = (int)e[9] + (int)tiles[2 * blockIdx.y + 1];
+    int count = min(MMA_BM, (int)e[10] - (int)tiles[2 * blockIdx.y + 1]);
+    int n0 = blockIdx.x * MMA_BN;
+    const unsigned* words[M];
+    const unsigned short* scales[M];
+    const unsigned short* biases[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        int proj = GATED ? m : 2;
+        words[m] = (const unsigned*)e[3 * proj];
+        scales[m] = (const unsigned short*)e[3 * proj + 1];
+        biases[m] = (const unsigned short*)e[3 * proj + 2];
+    }
+
+    int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    int wm = warp & 1, wn = warp >> 1, g = lane >> 2, q = lane & 3;
+    // This thread's share of the x tile: row t/4, 16 columns from (t%4)·16.
+    int xr = t >> 2, xc = (t & 3) * 16;
+    const float* xrow = nullptr;
+    if (xr < count) {
+        size_t src = GATED ? (size_t)x_rows[first + xr] : (size_t)(first + xr);
+        xrow = x + src * in_dim;
+    }
+    bool vec = in_dim % 4 == 0;
+    // This thread's share of the weight tile: output row t/2, chunk t%2 of the group.
+    int wr = t >> 1, wc = t & 1;
+    int o = n0 + wr;
+    const float a = recon_a<BITS>(), off = recon_o<BITS>();
+
+    float acc[M][4][4];
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0f;
+
+    int groups = cols / 64;
+    for (int gi = 0; gi < groups; gi++) {
+        int k0 = gi * 64;
+        // x: 16 values, their sum over the row's four threads, two f16 parts.
+        float v[16];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int c = k0 + xc + 4 * j;
+            if (xrow && vec && c + 3 < in_dim) {
+                float4 f = *reinterpret_cast<const float4*>(xrow + c);
+                v[4 * j] = f.x;
+                v[4 * j + 1] = f.y;
+                v[4 * j + 2] = f.z;
+                v[4 * j + 3] = f.w;
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    v[4 * j + i] = xrow && c + i < in_dim ? xrow[c + i] : 0.0f;
+            }
+        }
+        float s = 0.0f;
+        unsigned hi[8], lo[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            s += v[2 * j] + v[2 * j + 1];
+            hi[j] = pack_f16x2(v[2 * j], v[2 * j + 1]);
+            float2 h = unpack_f16x2(hi[j]);
+            lo[j] = pack_f16x2(v[2 * j] - h.x, v[2 * j + 1] - h.y);
+        }
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        // The previous group's fragment reads are done before the tiles are rewritten.
+        __syncthreads();
+        if ((t & 3) == 0) xsum[xr] = s;
+        uint4* dh = reinterpret_cast<uint4*>(xs_hi + xr * MMA_LD + xc);
+        uint4* dl = reinterpret_cast<uint4*>(xs_lo + xr * MMA_LD + xc);
+        dh[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        dh[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+        dl[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        dl[1] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+        // Weights: one 32-column chunk of codes per thread and matrix.
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            unsigned packed[16];
+            if (o < rows) {
+                float codes[32];
+                const unsigned* w = words[m] + (size_t)o * row_words<BITS>(cols);
+                decode_chunk<BITS>(w, (size_t)(k0 / 32 + wc), codes);
+#pragma unroll
+                for (int j = 0; j < 16; j++)
+                    packed[j] = pack_f16x2(a * codes[2 * j] + off, a * codes[2 * j + 1] + off);
+                if (wc == 0) {
+                    size_t sg = (size_t)o * groups + gi;
+                    wscale[m][wr] = bf16_bits(scales[m][sg]);
+                    wbias[m][wr] = bf16_bits(biases[m][sg]);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 16; j++) packed[j] = 0u;
+                if (wc == 0) {
+                    wscale[m][wr] = 0.0f;
+                    wbias[m][wr] = 0.0f;
+                }
+            }
+            uint4* dw = reinterpret_cast<uint4*>(ws[m] + wr * MMA_LD + wc * 32);
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                dw[j] = make_uint4(packed[4 * j], packed[4 * j + 1], packed[4 * j + 2],
+                                   packed[4 * j + 3]);
+        }
+        __syncthreads();
+
+        float part[M][4][4];
+#pragma unroll
+        for (int m = 0; m < M; m++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) part[m][j][i] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++) {
+            int kc = ks * 16 + 2 * q;
+            const unsigned short* rh = xs_hi + (wm * 16 + g) * MMA_LD + kc;
+            const unsigned short* rl = xs_lo + (wm * 16 + g) * MMA_LD + kc;
+            unsigned ah[4] = {*(const unsigned*)rh, *(const unsigned*)(rh + 8 * MMA_LD),
+                              *(const unsigned*)(rh + 8), *(const unsigned*)(rh + 8 * MMA_LD + 8)};
+            unsigned al[4] = {*(const unsigned*)rl, *(const unsigned*)(rl + 8 * MMA_LD),
+                              *(const unsigned*)(rl + 8), *(const unsigned*)(rl + 8 * MMA_LD + 8)};
+#pragma unroll
+            for (int m = 0; m < M; m++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const unsigned short* rw = ws[m] + (wn * 32 + j * 8 + g) * MMA_LD + kc;
+                    unsigned b0 = *(const unsigned*)rw, b1 = *(const unsigned*)(rw + 8);
+                    mma_f16(part[m][j], ah, b0, b1);
+                    mma_f16(part[m][j], al, b0, b1);
+                }
+        }
+        // Fragment element i sits at pair row wm·16 + g (+8 for i ≥ 2), output column
+        // wn·32 + j·8 + 2q (+1 for odd i).
+#pragma unroll
+        for (int m = 0; m < M; m++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int r = wm * 16 + g + (i >= 2 ? 8 : 0);
+                    int c = wn * 32 + j * 8 + 2 * q + (i & 1);
+                    acc[m][j][i] += wscale[m][c] * part[m][j][i] + wbias[m][c] * xsum[r];
+                }
+    }
+
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int r = wm * 16 + g + (i >= 2 ? 8 : 0);
+            int c = n0 + wn * 32 + j * 8 + 2 * q + (i & 1);
+            if (r >= count || c >= rows) continue;
+            if (GATED) {
+                float gv = acc[0][j][i];
+                out[(size_t)(first + r) * rows + c] = gv / (1.0f + expf(-gv)) * acc[GATED ? 1 : 0][j][i];
+            } else {
+                size_t dst = (size_t)x_rows[first + r] * rows + c;
+                atomicAdd(out + dst, pair_scales[first + r] * acc[0][j][i]);
+            }
+        }
+}
+
+#define EXPERT_MMA_ENTRY(B)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+        expert_mma_gate_up_q##B(const unsigned long long* table, const unsigned* tiles,        \
+                                const unsigned* x_rows, const float* x, float* h, int rows,    \
+                                int cols, int in_dim) {                                        \
+        expert_mma<B, true>(table, tiles, x_rows, nullptr, x, h, rows, cols, in_dim);          \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128)                                          \
+        expert_mma_down_q##B(const unsigned long long* table, const unsigned* tiles,           \
+                             const unsigned* x_rows, const float* pair_scales, const float* h, \
+                             float* out, int rows, int cols, int in_dim) {                     \
+        expert_mma<B, false>(table, tiles, x_rows, pair_scales, h, out, rows, cols, in_dim);   \
+    }
+
+EXPERT_MMA_ENTRY(4)
+EXPERT_MMA_ENTRY(3)
+EXPERT_MMA_ENTRY(2)
 
 // Device-to-device copy at full width, the bandwidth ceiling kernels are compared with.
 extern "C" __global__ void copy_f4(const float4* src, float4* dst, long long n4) {
