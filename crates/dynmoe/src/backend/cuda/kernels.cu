@@ -333,40 +333,64 @@ __device__ __forceinline__ int q2_column(int k, int p, int b) {
     return p < 2 ? 2 * (8 * k + 4 * p + b) : 2 * (8 * k + 4 * (p - 2) + b) + 1;
 }
 
+// A chunk's words: 4 at 4 bits, 2 at 2 bits, 3 at 3 bits (the rest of `w` unused), so a
+// kernel can load one chunk ahead and decode it later.
 template <int BITS>
-__device__ __forceinline__ void decode_chunk(const unsigned* words, size_t chunk, float* codes) {
+__device__ __forceinline__ void load_chunk(const unsigned* words, size_t chunk, unsigned (&w)[4]) {
     if (BITS == 4) {
-        uint4 w = *reinterpret_cast<const uint4*>(words + 4 * chunk);
-        unsigned ws[4] = {w.x, w.y, w.z, w.w};
+        uint4 v = *reinterpret_cast<const uint4*>(words + 4 * chunk);
+        w[0] = v.x;
+        w[1] = v.y;
+        w[2] = v.z;
+        w[3] = v.w;
+    } else if (BITS == 2) {
+        uint2 v = *reinterpret_cast<const uint2*>(words + 2 * chunk);
+        w[0] = v.x;
+        w[1] = v.y;
+        w[2] = w[3] = 0u;
+    } else {
+        const unsigned* c = words + 3 * chunk;
+        w[0] = c[0];
+        w[1] = c[1];
+        w[2] = c[2];
+        w[3] = 0u;
+    }
+}
+
+template <int BITS>
+__device__ __forceinline__ void decode_words(const unsigned (&w)[4], float* codes) {
+    if (BITS == 4) {
 #pragma unroll
         for (int l = 0; l < 4; l++)
 #pragma unroll
-            for (int n = 0; n < 8; n++) codes[8 * l + n] = (float)((ws[l] >> (4 * n)) & 15u);
+            for (int n = 0; n < 8; n++) codes[8 * l + n] = (float)((w[l] >> (4 * n)) & 15u);
     } else if (BITS == 2) {
-        uint2 w = *reinterpret_cast<const uint2*>(words + 2 * chunk);
-        unsigned ws[2] = {w.x, w.y};
 #pragma unroll
         for (int k = 0; k < 2; k++)
 #pragma unroll
             for (int p = 0; p < 4; p++)
 #pragma unroll
                 for (int b = 0; b < 4; b++)
-                    codes[q2_column(k, p, b)] = (float)((ws[k] >> (8 * b + 2 * p)) & 3u);
+                    codes[q2_column(k, p, b)] = (float)((w[k] >> (8 * b + 2 * p)) & 3u);
     } else {
-        const unsigned* c = words + 3 * chunk;
-        unsigned ws[2] = {c[0], c[1]};
-        unsigned low = c[2];
 #pragma unroll
         for (int k = 0; k < 2; k++)
 #pragma unroll
             for (int p = 0; p < 4; p++)
 #pragma unroll
                 for (int b = 0; b < 4; b++) {
-                    unsigned up = (ws[k] >> (8 * b + 2 * p)) & 3u;
-                    unsigned lo = (low >> (8 * b + 4 * k + p)) & 1u;
+                    unsigned up = (w[k] >> (8 * b + 2 * p)) & 3u;
+                    unsigned lo = (w[2] >> (8 * b + 4 * k + p)) & 1u;
                     codes[q2_column(k, p, b)] = (float)(2u * up + lo);
                 }
     }
+}
+
+template <int BITS>
+__device__ __forceinline__ void decode_chunk(const unsigned* words, size_t chunk, float* codes) {
+    unsigned w[4];
+    load_chunk<BITS>(words, chunk, w);
+    decode_words<BITS>(w, codes);
 }
 
 template <int BITS> __device__ __forceinline__ float recon_a() { return BITS == 4 ? 1.0f : (BITS == 3 ? 2.0f : 4.0f); }
@@ -539,9 +563,9 @@ AFFINE_ENTRY(2)
 //
 // A block computes a tile of MMA_BM (row, expert) pairs × MMA_BN output rows of one
 // expert's matrix with mma.sync m16n8k16 (f16 inputs, f32 accumulation), a 64-column
-// scale group at a time. The weights enter as their codes' integer values a·q + o, which
-// f16 holds exactly, so a group's partial product P is Σ x·(a·q + o) and the group adds
-// scale·P + bias·Σx, as the matrix-vector kernels do. x enters as two f16 parts, hi = x
+// scale group at a time. The weights enter as their codes q, which f16 holds exactly, so
+// a group's partial product P is Σ x·q and the group adds a·scale·P + (o·scale + bias)·Σx,
+// as the matrix-vector kernels do. x enters as two f16 parts, hi = x
 // rounded and lo = the rest rounded, so the products keep about 22 bits of x: the result
 // stays within f32 rounding of the reference, not f16's.
 //
@@ -580,6 +604,59 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const unsigned (&a)[4], u
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
+}
+
+// Codes decoded straight to f16 pairs: a code c placed in the low bits of a half whose
+// exponent field reads 1024 is the f16 value 1024 + c, and one f16x2 subtraction leaves c,
+// exactly. The two halves of a word hold codes that share a shift, which are not
+// neighbouring columns: slot j (0..15) of a 32-column chunk holds the columns
+// pair_columns(j), and slots 8u..8u+7 hold columns 16u..16u+15. The x tile is stored in
+// the same order, so every product pairs the same column on both sides.
+template <int BITS>
+__device__ __forceinline__ int2 pair_columns(int j) {
+    if (BITS == 4) return make_int2(8 * (j / 4) + j % 4, 8 * (j / 4) + j % 4 + 4);
+    int k = j / 8, p = (j % 8) / 2, b = j % 2;
+    return make_int2(q2_column(k, p, b), q2_column(k, p, b + 2));
+}
+
+__device__ __forceinline__ unsigned sub_f16x2(unsigned x, unsigned y) {
+    unsigned r = 0;
+#if __CUDA_ARCH__ >= 800
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(y));
+#endif
+    return r;
+}
+
+template <int BITS>
+__device__ __forceinline__ void decode_pairs(const unsigned (&w)[4], unsigned (&pk)[16]) {
+    const unsigned magic = 0x64006400u;  // 1024 in both halves
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        unsigned c;
+        if (BITS == 4) {
+            c = (w[j / 4] >> (4 * (j % 4))) & 0x000F000Fu;
+        } else {
+            int k = j / 8, p = (j % 8) / 2, b = j % 2;
+            c = (w[k] >> (8 * b + 2 * p)) & 0x00030003u;
+            if (BITS == 3) c = (c << 1) | ((w[2] >> (8 * b + 4 * k + p)) & 0x00010001u);
+        }
+        pk[j] = sub_f16x2(c | magic, magic);
+    }
+}
+
+// The x values of columns 16U..16U+15 of a chunk as f16 hi and lo parts, paired in slot
+// order (the indices fold to constants, so `v` stays in registers).
+template <int BITS, int U>
+__device__ __forceinline__ void split_pairs(const float (&v)[16], unsigned (&hi)[8],
+                                            unsigned (&lo)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int2 c = pair_columns<BITS>(8 * U + j);
+        float v0 = v[c.x - 16 * U], v1 = v[c.y - 16 * U];
+        hi[j] = pack_f16x2(v0, v1);
+        float2 h = unpack_f16x2(hi[j]);
+        lo[j] = pack_f16x2(v0 - h.x, v1 - h.y);
+    }
 }
 
 // Pair tile `blockIdx.y` is entry (group, first row) of `tiles`; blockIdx.x picks MMA_BN
@@ -625,21 +702,17 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
     // This thread's share of the weight tile: output row t/2, chunk t%2 of the group.
     int wr = t >> 1, wc = t & 1;
     int o = n0 + wr;
+    bool live = o < rows;
     const float a = recon_a<BITS>(), off = recon_o<BITS>();
-
-    float acc[M][4][4];
-#pragma unroll
-    for (int m = 0; m < M; m++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0f;
-
     int groups = cols / 64;
-    for (int gi = 0; gi < groups; gi++) {
+
+    // The next group's x values, code words, scale and bias, loaded into registers one
+    // group ahead so that their latency overlaps the current group's products.
+    float v[16];
+    unsigned wraw[M][4];
+    unsigned short sraw[M], braw[M];
+    auto fetch = [&](int gi) {
         int k0 = gi * 64;
-        // x: 16 values, their sum over the row's four threads, two f16 parts.
-        float v[16];
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             int c = k0 + xc + 4 * j;
@@ -655,19 +728,46 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
                     v[4 * j + i] = xrow && c + i < in_dim ? xrow[c + i] : 0.0f;
             }
         }
-        float s = 0.0f;
-        unsigned hi[8], lo[8];
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            s += v[2 * j] + v[2 * j + 1];
-            hi[j] = pack_f16x2(v[2 * j], v[2 * j + 1]);
-            float2 h = unpack_f16x2(hi[j]);
-            lo[j] = pack_f16x2(v[2 * j] - h.x, v[2 * j + 1] - h.y);
+        for (int m = 0; m < M; m++) {
+            if (live) {
+                load_chunk<BITS>(words[m] + (size_t)o * row_words<BITS>(cols),
+                                 (size_t)(k0 / 32 + wc), wraw[m]);
+                size_t sg = (size_t)o * groups + gi;
+                sraw[m] = scales[m][sg];
+                braw[m] = biases[m][sg];
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; i++) wraw[m][i] = 0u;
+                sraw[m] = braw[m] = 0;
+            }
         }
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
+    };
+
+    float acc[M][4][4];
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0f;
+
+    fetch(0);
+    for (int gi = 0; gi < groups; gi++) {
         // The previous group's fragment reads are done before the tiles are rewritten.
         __syncthreads();
+        // x: the row's sum over its four threads, and two f16 parts.
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; j++) s += v[j];
+        unsigned hi[8], lo[8];
+        // This thread's 16 columns are the first or second half of a chunk.
+        if (t & 1)
+            split_pairs<BITS, 1>(v, hi, lo);
+        else
+            split_pairs<BITS, 0>(v, hi, lo);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
         if ((t & 3) == 0) xsum[xr] = s;
         uint4* dh = reinterpret_cast<uint4*>(xs_hi + xr * MMA_LD + xc);
         uint4* dl = reinterpret_cast<uint4*>(xs_lo + xr * MMA_LD + xc);
@@ -675,29 +775,16 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
         dh[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
         dl[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
         dl[1] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
-        // Weights: one 32-column chunk of codes per thread and matrix.
+        // Weights: one 32-column chunk of codes per thread and matrix, as f16 pairs.
 #pragma unroll
         for (int m = 0; m < M; m++) {
             unsigned packed[16];
-            if (o < rows) {
-                float codes[32];
-                const unsigned* w = words[m] + (size_t)o * row_words<BITS>(cols);
-                decode_chunk<BITS>(w, (size_t)(k0 / 32 + wc), codes);
-#pragma unroll
-                for (int j = 0; j < 16; j++)
-                    packed[j] = pack_f16x2(a * codes[2 * j] + off, a * codes[2 * j + 1] + off);
-                if (wc == 0) {
-                    size_t sg = (size_t)o * groups + gi;
-                    wscale[m][wr] = bf16_bits(scales[m][sg]);
-                    wbias[m][wr] = bf16_bits(biases[m][sg]);
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < 16; j++) packed[j] = 0u;
-                if (wc == 0) {
-                    wscale[m][wr] = 0.0f;
-                    wbias[m][wr] = 0.0f;
-                }
+            decode_pairs<BITS>(wraw[m], packed);
+            if (wc == 0) {
+                // value = (a·c + o)·scale + bias, so w·x = a·scale·Σ c·x + (o·scale + bias)·Σ x.
+                float sc = bf16_bits(sraw[m]);
+                wscale[m][wr] = a * sc;
+                wbias[m][wr] = off * sc + bf16_bits(braw[m]);
             }
             uint4* dw = reinterpret_cast<uint4*>(ws[m] + wr * MMA_LD + wc * 32);
 #pragma unroll
@@ -706,6 +793,7 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
                                    packed[4 * j + 3]);
         }
         __syncthreads();
+        if (gi + 1 < groups) fetch(gi + 1);
 
         float part[M][4][4];
 #pragma unroll
