@@ -357,13 +357,20 @@ __device__ __forceinline__ void load_chunk(const unsigned* words, size_t chunk, 
     }
 }
 
+// A small unsigned integer (below 2^23) as a float: placed in the mantissa of 2^23 and
+// 2^23 subtracted, exactly. Two full-rate instructions where an integer-to-float
+// conversion runs at a quarter of the rate and bounds the decoding kernels.
+__device__ __forceinline__ float code_value(unsigned c) {
+    return __uint_as_float(0x4B000000u | c) - 8388608.0f;
+}
+
 template <int BITS>
 __device__ __forceinline__ void decode_words(const unsigned (&w)[4], float* codes) {
     if (BITS == 4) {
 #pragma unroll
         for (int l = 0; l < 4; l++)
 #pragma unroll
-            for (int n = 0; n < 8; n++) codes[8 * l + n] = (float)((w[l] >> (4 * n)) & 15u);
+            for (int n = 0; n < 8; n++) codes[8 * l + n] = code_value((w[l] >> (4 * n)) & 15u);
     } else if (BITS == 2) {
 #pragma unroll
         for (int k = 0; k < 2; k++)
@@ -371,7 +378,7 @@ __device__ __forceinline__ void decode_words(const unsigned (&w)[4], float* code
             for (int p = 0; p < 4; p++)
 #pragma unroll
                 for (int b = 0; b < 4; b++)
-                    codes[q2_column(k, p, b)] = (float)((w[k] >> (8 * b + 2 * p)) & 3u);
+                    codes[q2_column(k, p, b)] = code_value((w[k] >> (8 * b + 2 * p)) & 3u);
     } else {
 #pragma unroll
         for (int k = 0; k < 2; k++)
@@ -381,7 +388,7 @@ __device__ __forceinline__ void decode_words(const unsigned (&w)[4], float* code
                 for (int b = 0; b < 4; b++) {
                     unsigned up = (w[k] >> (8 * b + 2 * p)) & 3u;
                     unsigned lo = (w[2] >> (8 * b + 4 * k + p)) & 1u;
-                    codes[q2_column(k, p, b)] = (float)(2u * up + lo);
+                    codes[q2_column(k, p, b)] = code_value(2u * up + lo);
                 }
     }
 }
@@ -565,13 +572,15 @@ AFFINE_ENTRY(2)
 // expert's matrix with mma.sync m16n8k16 (f16 inputs, f32 accumulation), a 64-column
 // scale group at a time. The weights enter as their codes q, which f16 holds exactly, so
 // a group's partial product P is Σ x·q and the group adds a·scale·P + (o·scale + bias)·Σx,
-// as the matrix-vector kernels do. x enters as two f16 parts, hi = x
-// rounded and lo = the rest rounded, so the products keep about 22 bits of x: the result
-// stays within f32 rounding of the reference, not f16's.
+// as the matrix-vector kernels do. x enters as two f16 parts, hi = x rounded and lo = the
+// rest rounded, so the products keep about 22 bits of x: the result stays within f32
+// rounding of the reference, not f16's.
 //
-// Four warps, 2 × 2 over the tile: a warp owns 16 pair rows × 32 output rows (four n8
-// fragments). Shared rows are 72 halves (64 + 8), so the fragment loads of a warp's 32
-// lanes fall in 32 different banks.
+// Four warps split the output rows, 16 each (two n8 fragments), and each covers all 32
+// pair rows (two m16 fragments). A lane decodes its weight fragments straight from the
+// words it loads: no weight tile passes through shared memory. Only the x tile does,
+// in rows of 72 halves (64 + 8), so the fragment loads of a warp's 32 lanes fall in 32
+// different banks.
 #define MMA_BM 32
 #define MMA_BN 64
 #define MMA_LD 72
@@ -608,15 +617,38 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const unsigned (&a)[4], u
 
 // Codes decoded straight to f16 pairs: a code c placed in the low bits of a half whose
 // exponent field reads 1024 is the f16 value 1024 + c, and one f16x2 subtraction leaves c,
-// exactly. The two halves of a word hold codes that share a shift, which are not
-// neighbouring columns: slot j (0..15) of a 32-column chunk holds the columns
-// pair_columns(j), and slots 8u..8u+7 hold columns 16u..16u+15. The x tile is stored in
-// the same order, so every product pairs the same column on both sides.
+// exactly. A lane of quarter q (lane % 4) needs, for its output row, the 16 codes at
+// the k positions 16·ks + 8·h + 2·q + e (ks < 4: the k step, h: b0 or b1, e: the half)
+// of a 64-column group. Those are columns 16q .. 16q + 15 in the order the codes' words
+// hold them: column 16q + stage_column(ks, h, e). The x tile is stored in the same
+// order, so every product pairs the same column on both sides.
 template <int BITS>
-__device__ __forceinline__ int2 pair_columns(int j) {
-    if (BITS == 4) return make_int2(8 * (j / 4) + j % 4, 8 * (j / 4) + j % 4 + 4);
-    int k = j / 8, p = (j % 8) / 2, b = j % 2;
-    return make_int2(q2_column(k, p, b), q2_column(k, p, b + 2));
+__device__ __forceinline__ int stage_column(int ks, int h, int e) {
+    if (BITS == 4) return 8 * h + ks + 4 * e;  // word 2q + h, nibbles ks and ks + 4
+    // Word q of the group (2 bits, and the upper bits of 3), bit pair ks of bytes h and
+    // h + 2: columns q2_column(q % 2, ks, h + 2e) of chunk q / 2.
+    int b = h + 2 * e;
+    return ks < 2 ? 2 * (4 * ks + b) : 2 * (4 * (ks - 2) + b) + 1;
+}
+
+// The words a lane of quarter q decodes from one row's group `gi`: two at 4 bits (words
+// 2q and 2q + 1), one at 2 bits (word q), at 3 bits the chunk's upper-bit word and its
+// lowest-bit word.
+template <int BITS>
+__device__ __forceinline__ void load_lane_words(const unsigned* row, int gi, int q,
+                                                unsigned (&w)[2]) {
+    if (BITS == 4) {
+        uint2 v = *reinterpret_cast<const uint2*>(row + gi * 8 + 2 * q);
+        w[0] = v.x;
+        w[1] = v.y;
+    } else if (BITS == 2) {
+        w[0] = row[gi * 4 + q];
+        w[1] = 0u;
+    } else {
+        const unsigned* c = row + gi * 6 + 3 * (q / 2);
+        w[0] = c[q % 2];
+        w[1] = c[2];
+    }
 }
 
 __device__ __forceinline__ unsigned sub_f16x2(unsigned x, unsigned y) {
@@ -627,36 +659,42 @@ __device__ __forceinline__ unsigned sub_f16x2(unsigned x, unsigned y) {
     return r;
 }
 
+// b[2·ks + h]: the lane's b0 (h = 0) and b1 (h = 1) of k step ks, as f16 codes.
 template <int BITS>
-__device__ __forceinline__ void decode_pairs(const unsigned (&w)[4], unsigned (&pk)[16]) {
+__device__ __forceinline__ void decode_fragments(const unsigned (&w)[2], int q, unsigned (&b)[8]) {
     const unsigned magic = 0x64006400u;  // 1024 in both halves
 #pragma unroll
-    for (int j = 0; j < 16; j++) {
-        unsigned c;
-        if (BITS == 4) {
-            c = (w[j / 4] >> (4 * (j % 4))) & 0x000F000Fu;
-        } else {
-            int k = j / 8, p = (j % 8) / 2, b = j % 2;
-            c = (w[k] >> (8 * b + 2 * p)) & 0x00030003u;
-            if (BITS == 3) c = (c << 1) | ((w[2] >> (8 * b + 4 * k + p)) & 0x00010001u);
+    for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            unsigned c;
+            if (BITS == 4) {
+                c = (w[h] >> (4 * ks)) & 0x000F000Fu;
+            } else {
+                c = (w[0] >> (8 * h + 2 * ks)) & 0x00030003u;
+                if (BITS == 3)
+                    c = (c << 1) | ((w[1] >> (8 * h + 4 * (q % 2) + ks)) & 0x00010001u);
+            }
+            b[2 * ks + h] = sub_f16x2(c | magic, magic);
         }
-        pk[j] = sub_f16x2(c | magic, magic);
-    }
 }
 
-// The x values of columns 16U..16U+15 of a chunk as f16 hi and lo parts, paired in slot
-// order (the indices fold to constants, so `v` stays in registers).
-template <int BITS, int U>
+// The 16 x values of columns 16q .. 16q + 15 as f16 hi and lo parts, paired in the
+// lane order above: word 4·ks + h holds positions 16·ks + 8·h + 2q + (0, 1). The indices
+// fold to constants, so `v` stays in registers.
+template <int BITS>
 __device__ __forceinline__ void split_pairs(const float (&v)[16], unsigned (&hi)[8],
                                             unsigned (&lo)[8]) {
 #pragma unroll
-    for (int j = 0; j < 8; j++) {
-        int2 c = pair_columns<BITS>(8 * U + j);
-        float v0 = v[c.x - 16 * U], v1 = v[c.y - 16 * U];
-        hi[j] = pack_f16x2(v0, v1);
-        float2 h = unpack_f16x2(hi[j]);
-        lo[j] = pack_f16x2(v0 - h.x, v1 - h.y);
-    }
+    for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float v0 = v[stage_column<BITS>(ks, h, 0)], v1 = v[stage_column<BITS>(ks, h, 1)];
+            unsigned x = pack_f16x2(v0, v1);
+            float2 r = unpack_f16x2(x);
+            hi[2 * ks + h] = x;
+            lo[2 * ks + h] = pack_f16x2(v0 - r.x, v1 - r.y);
+        }
 }
 
 // Pair tile `blockIdx.y` is entry (group, first row) of `tiles`; blockIdx.x picks MMA_BN
@@ -668,11 +706,11 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
                            const unsigned* x_rows, const float* pair_scales, const float* x,
                            float* out, int rows, int cols, int in_dim) {
     constexpr int M = GATED ? 2 : 1;
-    __shared__ __align__(16) unsigned short xs_hi[MMA_BM * MMA_LD];
-    __shared__ __align__(16) unsigned short xs_lo[MMA_BM * MMA_LD];
-    __shared__ __align__(16) unsigned short ws[M][MMA_BN * MMA_LD];
+    __shared__ __align__(16) unsigned xs_hi[MMA_BM * MMA_LD / 2];
+    __shared__ __align__(16) unsigned xs_lo[MMA_BM * MMA_LD / 2];
     __shared__ float xsum[MMA_BM];
-    __shared__ float wscale[M][MMA_BN], wbias[M][MMA_BN];
+    __shared__ __align__(8) float wscale[M][MMA_BN];
+    __shared__ __align__(8) float wbias[M][MMA_BN];
 
     const unsigned long long* e = table + (size_t)tiles[2 * blockIdx.y] * GROUP_ENTRY;
     int first = (int)e[9] + (int)tiles[2 * blockIdx.y + 1];
@@ -690,32 +728,44 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
     }
 
     int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
-    int wm = warp & 1, wn = warp >> 1, g = lane >> 2, q = lane & 3;
-    // This thread's share of the x tile: row t/4, 16 columns from (t%4)·16.
-    int xr = t >> 2, xc = (t & 3) * 16;
+    int g = lane >> 2, q = lane & 3;
+    int groups = cols / 64;
+    size_t stride = row_words<BITS>(cols);
+    // The lane's two output rows (one per n8 fragment); a row past the matrix reads row 0
+    // and is never stored.
+    const unsigned* wrow[M][2];
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int jt = 0; jt < 2; jt++) {
+            int o = n0 + 16 * warp + 8 * jt + g;
+            wrow[m][jt] = words[m] + (o < rows ? o : 0) * stride;
+        }
+    // This thread's share of the x tile: row t/4, columns 16·(t%4) .. +16 of the group.
+    int xr = t >> 2, xq = t & 3;
     const float* xrow = nullptr;
     if (xr < count) {
         size_t src = GATED ? (size_t)x_rows[first + xr] : (size_t)(first + xr);
         xrow = x + src * in_dim;
     }
     bool vec = in_dim % 4 == 0;
-    // This thread's share of the weight tile: output row t/2, chunk t%2 of the group.
-    int wr = t >> 1, wc = t & 1;
-    int o = n0 + wr;
-    bool live = o < rows;
+    // This thread's scale and bias, if any: matrix t / 64, output row t % 64.
+    int sm = t / MMA_BN, so = n0 + t % MMA_BN;
+    bool scaler = sm < M && so < rows;
+    const unsigned short* my_scales = sm == 1 ? scales[M - 1] : scales[0];
+    const unsigned short* my_biases = sm == 1 ? biases[M - 1] : biases[0];
     const float a = recon_a<BITS>(), off = recon_o<BITS>();
-    int groups = cols / 64;
 
     // The next group's x values, code words, scale and bias, loaded into registers one
     // group ahead so that their latency overlaps the current group's products.
     float v[16];
-    unsigned wraw[M][4];
-    unsigned short sraw[M], braw[M];
+    unsigned w[M][2][2];
+    unsigned short sraw = 0, braw = 0;
     auto fetch = [&](int gi) {
-        int k0 = gi * 64;
+        int k0 = gi * 64 + 16 * xq;
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            int c = k0 + xc + 4 * j;
+            int c = k0 + 4 * j;
             if (xrow && vec && c + 3 < in_dim) {
                 float4 f = *reinterpret_cast<const float4*>(xrow + c);
                 v[4 * j] = f.x;
@@ -729,131 +779,133 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
             }
         }
 #pragma unroll
-        for (int m = 0; m < M; m++) {
-            if (live) {
-                load_chunk<BITS>(words[m] + (size_t)o * row_words<BITS>(cols),
-                                 (size_t)(k0 / 32 + wc), wraw[m]);
-                size_t sg = (size_t)o * groups + gi;
-                sraw[m] = scales[m][sg];
-                braw[m] = biases[m][sg];
-            } else {
+        for (int m = 0; m < M; m++)
 #pragma unroll
-                for (int i = 0; i < 4; i++) wraw[m][i] = 0u;
-                sraw[m] = braw[m] = 0;
-            }
+            for (int jt = 0; jt < 2; jt++) load_lane_words<BITS>(wrow[m][jt], gi, q, w[m][jt]);
+        if (scaler) {
+            size_t sg = (size_t)so * groups + gi;
+            sraw = my_scales[sg];
+            braw = my_biases[sg];
         }
     };
 
-    float acc[M][4][4];
+    float acc[M][2][2][4];
 #pragma unroll
     for (int m = 0; m < M; m++)
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) acc[m][j][i] = 0.0f;
+            for (int jt = 0; jt < 2; jt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[m][mt][jt][i] = 0.0f;
 
     fetch(0);
     for (int gi = 0; gi < groups; gi++) {
-        // The previous group's fragment reads are done before the tiles are rewritten.
+        // The previous group's fragment reads are done before the tile is rewritten.
         __syncthreads();
-        // x: the row's sum over its four threads, and two f16 parts.
         float s = 0.0f;
 #pragma unroll
         for (int j = 0; j < 16; j++) s += v[j];
-        unsigned hi[8], lo[8];
-        // This thread's 16 columns are the first or second half of a chunk.
-        if (t & 1)
-            split_pairs<BITS, 1>(v, hi, lo);
-        else
-            split_pairs<BITS, 0>(v, hi, lo);
         s += __shfl_xor_sync(0xffffffffu, s, 1);
         s += __shfl_xor_sync(0xffffffffu, s, 2);
-        if ((t & 3) == 0) xsum[xr] = s;
-        uint4* dh = reinterpret_cast<uint4*>(xs_hi + xr * MMA_LD + xc);
-        uint4* dl = reinterpret_cast<uint4*>(xs_lo + xr * MMA_LD + xc);
-        dh[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-        dh[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
-        dl[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-        dl[1] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
-        // Weights: one 32-column chunk of codes per thread and matrix, as f16 pairs.
+        if (xq == 0) xsum[xr] = s;
+        unsigned hi[8], lo[8];
+        split_pairs<BITS>(v, hi, lo);
 #pragma unroll
-        for (int m = 0; m < M; m++) {
-            unsigned packed[16];
-            decode_pairs<BITS>(wraw[m], packed);
-            if (wc == 0) {
-                // value = (a·c + o)·scale + bias, so w·x = a·scale·Σ c·x + (o·scale + bias)·Σ x.
-                float sc = bf16_bits(sraw[m]);
-                wscale[m][wr] = a * sc;
-                wbias[m][wr] = off * sc + bf16_bits(braw[m]);
-            }
-            uint4* dw = reinterpret_cast<uint4*>(ws[m] + wr * MMA_LD + wc * 32);
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                dw[j] = make_uint4(packed[4 * j], packed[4 * j + 1], packed[4 * j + 2],
-                                   packed[4 * j + 3]);
+        for (int j = 0; j < 8; j++) {
+            // Word 4·ks + h of the quarter: k positions 16·ks + 8·h + 2·xq.
+            int at = xr * (MMA_LD / 2) + 8 * (j / 2) + 4 * (j % 2) + xq;
+            xs_hi[at] = hi[j];
+            xs_lo[at] = lo[j];
         }
+        if (sm < M) {
+            // value = (a·q + o)·scale + bias, so w·x = a·scale·Σ q·x + (o·scale + bias)·Σ x.
+            float sc = bf16_bits(sraw);
+            wscale[sm][t % MMA_BN] = a * sc;
+            wbias[sm][t % MMA_BN] = off * sc + bf16_bits(braw);
+        }
+        unsigned b[M][2][8];
+#pragma unroll
+        for (int m = 0; m < M; m++)
+#pragma unroll
+            for (int jt = 0; jt < 2; jt++) decode_fragments<BITS>(w[m][jt], q, b[m][jt]);
         __syncthreads();
         if (gi + 1 < groups) fetch(gi + 1);
 
-        float part[M][4][4];
+        float part[M][2][2][4];
 #pragma unroll
         for (int m = 0; m < M; m++)
 #pragma unroll
-            for (int j = 0; j < 4; j++)
+            for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-                for (int i = 0; i < 4; i++) part[m][j][i] = 0.0f;
+                for (int jt = 0; jt < 2; jt++)
 #pragma unroll
-        for (int ks = 0; ks < 4; ks++) {
-            int kc = ks * 16 + 2 * q;
-            const unsigned short* rh = xs_hi + (wm * 16 + g) * MMA_LD + kc;
-            const unsigned short* rl = xs_lo + (wm * 16 + g) * MMA_LD + kc;
-            unsigned ah[4] = {*(const unsigned*)rh, *(const unsigned*)(rh + 8 * MMA_LD),
-                              *(const unsigned*)(rh + 8), *(const unsigned*)(rh + 8 * MMA_LD + 8)};
-            unsigned al[4] = {*(const unsigned*)rl, *(const unsigned*)(rl + 8 * MMA_LD),
-                              *(const unsigned*)(rl + 8), *(const unsigned*)(rl + 8 * MMA_LD + 8)};
+                    for (int i = 0; i < 4; i++) part[m][mt][jt][i] = 0.0f;
 #pragma unroll
-            for (int m = 0; m < M; m++)
+        for (int ks = 0; ks < 4; ks++)
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const unsigned short* rw = ws[m] + (wn * 32 + j * 8 + g) * MMA_LD + kc;
-                    unsigned b0 = *(const unsigned*)rw, b1 = *(const unsigned*)(rw + 8);
-                    mma_f16(part[m][j], ah, b0, b1);
-                    mma_f16(part[m][j], al, b0, b1);
-                }
+            for (int mt = 0; mt < 2; mt++) {
+                int at = (16 * mt + g) * (MMA_LD / 2) + 8 * ks + q;
+                const int down8 = 8 * (MMA_LD / 2);
+                unsigned ah[4] = {xs_hi[at], xs_hi[at + down8], xs_hi[at + 4],
+                                  xs_hi[at + down8 + 4]};
+                unsigned al[4] = {xs_lo[at], xs_lo[at + down8], xs_lo[at + 4],
+                                  xs_lo[at + down8 + 4]};
+#pragma unroll
+                for (int m = 0; m < M; m++)
+#pragma unroll
+                    for (int jt = 0; jt < 2; jt++) {
+                        mma_f16(part[m][mt][jt], ah, b[m][jt][2 * ks], b[m][jt][2 * ks + 1]);
+                        mma_f16(part[m][mt][jt], al, b[m][jt][2 * ks], b[m][jt][2 * ks + 1]);
+                    }
+            }
+        // Fragment element i sits at pair row 16·mt + g (+8 for i ≥ 2) and output row
+        // 16·warp + 8·jt + 2q (+1 for odd i).
+        float xs4[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            xs4[mt][0] = xsum[16 * mt + g];
+            xs4[mt][1] = xsum[16 * mt + g + 8];
         }
-        // Fragment element i sits at pair row wm·16 + g (+8 for i ≥ 2), output column
-        // wn·32 + j·8 + 2q (+1 for odd i).
 #pragma unroll
         for (int m = 0; m < M; m++)
 #pragma unroll
-            for (int j = 0; j < 4; j++)
+            for (int jt = 0; jt < 2; jt++) {
+                int c = 16 * warp + 8 * jt + 2 * q;
+                float2 sc = *reinterpret_cast<const float2*>(&wscale[m][c]);
+                float2 bi = *reinterpret_cast<const float2*>(&wbias[m][c]);
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    int r = wm * 16 + g + (i >= 2 ? 8 : 0);
-                    int c = wn * 32 + j * 8 + 2 * q + (i & 1);
-                    acc[m][j][i] += wscale[m][c] * part[m][j][i] + wbias[m][c] * xsum[r];
-                }
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        float scv = i & 1 ? sc.y : sc.x, biv = i & 1 ? bi.y : bi.x;
+                        acc[m][mt][jt][i] += scv * part[m][mt][jt][i] + biv * xs4[mt][i >> 1];
+                    }
+            }
     }
 
 #pragma unroll
-    for (int j = 0; j < 4; j++)
+    for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int r = wm * 16 + g + (i >= 2 ? 8 : 0);
-            int c = n0 + wn * 32 + j * 8 + 2 * q + (i & 1);
-            if (r >= count || c >= rows) continue;
-            if (GATED) {
-                float gv = acc[0][j][i];
-                out[(size_t)(first + r) * rows + c] = gv / (1.0f + expf(-gv)) * acc[GATED ? 1 : 0][j][i];
-            } else {
-                size_t dst = (size_t)x_rows[first + r] * rows + c;
-                atomicAdd(out + dst, pair_scales[first + r] * acc[0][j][i]);
+        for (int jt = 0; jt < 2; jt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int r = 16 * mt + g + (i >= 2 ? 8 : 0);
+                int c = n0 + 16 * warp + 8 * jt + 2 * q + (i & 1);
+                if (r >= count || c >= rows) continue;
+                if (GATED) {
+                    float gv = acc[0][mt][jt][i];
+                    out[(size_t)(first + r) * rows + c] =
+                        gv / (1.0f + expf(-gv)) * acc[M - 1][mt][jt][i];
+                } else {
+                    size_t dst = (size_t)x_rows[first + r] * rows + c;
+                    atomicAdd(out + dst, pair_scales[first + r] * acc[0][mt][jt][i]);
+                }
             }
-        }
 }
 
 #define EXPERT_MMA_ENTRY(B)                                                                    \
-    extern "C" __global__ void __launch_bounds__(128)                                          \
+    extern "C" __global__ void __launch_bounds__(128, 3)                                        \
         expert_mma_gate_up_q##B(const unsigned long long* table, const unsigned* tiles,        \
                                 const unsigned* x_rows, const float* x, float* h, int rows,    \
                                 int cols, int in_dim) {                                        \
@@ -1076,20 +1128,32 @@ __device__ void affine_routed(const unsigned long long* table, const int* ids, i
 #pragma unroll
     for (int j = 0; j < ROUTED_ROWS; j++) acc[j] = 0.0f;
     for (int c = lane; c < chunks; c += WARP) {
-        const float* xc = xs + c * 33;
+        // Every row's words, scale and bias first, so the loads are in flight together;
+        // the chunk's inputs once into registers for all the rows.
+        unsigned w[ROUTED_ROWS][4];
+        unsigned short sr[ROUTED_ROWS], br[ROUTED_ROWS];
 #pragma unroll
         for (int j = 0; j < ROUTED_ROWS; j++) {
-            int o = first + j;
-            if (o < rows) {
-                float codes[32];
-                decode_chunk<BITS>(words + (size_t)o * row_words<BITS>(cols), c, codes);
-                size_t g = (size_t)o * (cols / 64) + c / 2;
-                float sc = bf16_bits(scales[g]), bias = bf16_bits(biases[g]);
-                float sqx = 0.0f;
+            int o = min(first + j, rows - 1);
+            load_chunk<BITS>(words + (size_t)o * row_words<BITS>(cols), c, w[j]);
+            size_t g = (size_t)o * (cols / 64) + c / 2;
+            sr[j] = scales[g];
+            br[j] = biases[g];
+        }
+        float xv[32];
+        const float* xc = xs + c * 33;
 #pragma unroll
-                for (int k = 0; k < 32; k++) sqx += codes[k] * xc[k];
-                acc[j] += a * sc * sqx + (off * sc + bias) * csum[c];
-            }
+        for (int k = 0; k < 32; k++) xv[k] = xc[k];
+        float cs = csum[c];
+#pragma unroll
+        for (int j = 0; j < ROUTED_ROWS; j++) {
+            float codes[32];
+            decode_words<BITS>(w[j], codes);
+            float sc = bf16_bits(sr[j]), bias = bf16_bits(br[j]);
+            float sqx = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 32; k++) sqx += codes[k] * xv[k];
+            acc[j] += a * sc * sqx + (off * sc + bias) * cs;
         }
     }
 #pragma unroll
