@@ -357,20 +357,13 @@ __device__ __forceinline__ void load_chunk(const unsigned* words, size_t chunk, 
     }
 }
 
-// A small unsigned integer (below 2^23) as a float: placed in the mantissa of 2^23 and
-// 2^23 subtracted, exactly. Two full-rate instructions where an integer-to-float
-// conversion runs at a quarter of the rate and bounds the decoding kernels.
-__device__ __forceinline__ float code_value(unsigned c) {
-    return __uint_as_float(0x4B000000u | c) - 8388608.0f;
-}
-
 template <int BITS>
 __device__ __forceinline__ void decode_words(const unsigned (&w)[4], float* codes) {
     if (BITS == 4) {
 #pragma unroll
         for (int l = 0; l < 4; l++)
 #pragma unroll
-            for (int n = 0; n < 8; n++) codes[8 * l + n] = code_value((w[l] >> (4 * n)) & 15u);
+            for (int n = 0; n < 8; n++) codes[8 * l + n] = (float)((w[l] >> (4 * n)) & 15u);
     } else if (BITS == 2) {
 #pragma unroll
         for (int k = 0; k < 2; k++)
@@ -378,7 +371,7 @@ __device__ __forceinline__ void decode_words(const unsigned (&w)[4], float* code
             for (int p = 0; p < 4; p++)
 #pragma unroll
                 for (int b = 0; b < 4; b++)
-                    codes[q2_column(k, p, b)] = code_value((w[k] >> (8 * b + 2 * p)) & 3u);
+                    codes[q2_column(k, p, b)] = (float)((w[k] >> (8 * b + 2 * p)) & 3u);
     } else {
 #pragma unroll
         for (int k = 0; k < 2; k++)
@@ -388,7 +381,7 @@ __device__ __forceinline__ void decode_words(const unsigned (&w)[4], float* code
                 for (int b = 0; b < 4; b++) {
                     unsigned up = (w[k] >> (8 * b + 2 * p)) & 3u;
                     unsigned lo = (w[2] >> (8 * b + 4 * k + p)) & 1u;
-                    codes[q2_column(k, p, b)] = code_value(2u * up + lo);
+                    codes[q2_column(k, p, b)] = (float)(2u * up + lo);
                 }
     }
 }
@@ -615,6 +608,20 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const unsigned (&a)[4], u
 #endif
 }
 
+// c = a · b, the accumulator starting from zero (no registers zeroed first).
+__device__ __forceinline__ void mma_f16_first(float (&c)[4], const unsigned (&a)[4],
+                                              unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ < 800
+    __trap();
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%10,%10,%10};"
+        : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+#endif
+}
+
 // Codes decoded straight to f16 pairs: a code c placed in the low bits of a half whose
 // exponent field reads 1024 is the f16 value 1024 + c, and one f16x2 subtraction leaves c,
 // exactly. A lane of quarter q (lane % 4) needs, for its output row, the 16 codes at
@@ -763,20 +770,18 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
     unsigned short sraw = 0, braw = 0;
     auto fetch = [&](int gi) {
         int k0 = gi * 64 + 16 * xq;
+        if (xrow && vec && k0 + 16 <= in_dim) {
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            int c = k0 + 4 * j;
-            if (xrow && vec && c + 3 < in_dim) {
-                float4 f = *reinterpret_cast<const float4*>(xrow + c);
+            for (int j = 0; j < 4; j++) {
+                float4 f = *reinterpret_cast<const float4*>(xrow + k0 + 4 * j);
                 v[4 * j] = f.x;
                 v[4 * j + 1] = f.y;
                 v[4 * j + 2] = f.z;
                 v[4 * j + 3] = f.w;
-            } else {
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    v[4 * j + i] = xrow && c + i < in_dim ? xrow[c + i] : 0.0f;
             }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 16; j++) v[j] = xrow && k0 + j < in_dim ? xrow[k0 + j] : 0.0f;
         }
 #pragma unroll
         for (int m = 0; m < M; m++)
@@ -834,14 +839,6 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
 
         float part[M][2][2][4];
 #pragma unroll
-        for (int m = 0; m < M; m++)
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-                for (int jt = 0; jt < 2; jt++)
-#pragma unroll
-                    for (int i = 0; i < 4; i++) part[m][mt][jt][i] = 0.0f;
-#pragma unroll
         for (int ks = 0; ks < 4; ks++)
 #pragma unroll
             for (int mt = 0; mt < 2; mt++) {
@@ -855,8 +852,12 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
                 for (int m = 0; m < M; m++)
 #pragma unroll
                     for (int jt = 0; jt < 2; jt++) {
-                        mma_f16(part[m][mt][jt], ah, b[m][jt][2 * ks], b[m][jt][2 * ks + 1]);
-                        mma_f16(part[m][mt][jt], al, b[m][jt][2 * ks], b[m][jt][2 * ks + 1]);
+                        unsigned b0 = b[m][jt][2 * ks], b1 = b[m][jt][2 * ks + 1];
+                        if (ks == 0)
+                            mma_f16_first(part[m][mt][jt], ah, b0, b1);
+                        else
+                            mma_f16(part[m][mt][jt], ah, b0, b1);
+                        mma_f16(part[m][mt][jt], al, b0, b1);
                     }
             }
         // Fragment element i sits at pair row 16·mt + g (+8 for i ≥ 2) and output row
@@ -1128,32 +1129,20 @@ __device__ void affine_routed(const unsigned long long* table, const int* ids, i
 #pragma unroll
     for (int j = 0; j < ROUTED_ROWS; j++) acc[j] = 0.0f;
     for (int c = lane; c < chunks; c += WARP) {
-        // Every row's words, scale and bias first, so the loads are in flight together;
-        // the chunk's inputs once into registers for all the rows.
-        unsigned w[ROUTED_ROWS][4];
-        unsigned short sr[ROUTED_ROWS], br[ROUTED_ROWS];
-#pragma unroll
-        for (int j = 0; j < ROUTED_ROWS; j++) {
-            int o = min(first + j, rows - 1);
-            load_chunk<BITS>(words + (size_t)o * row_words<BITS>(cols), c, w[j]);
-            size_t g = (size_t)o * (cols / 64) + c / 2;
-            sr[j] = scales[g];
-            br[j] = biases[g];
-        }
-        float xv[32];
         const float* xc = xs + c * 33;
 #pragma unroll
-        for (int k = 0; k < 32; k++) xv[k] = xc[k];
-        float cs = csum[c];
-#pragma unroll
         for (int j = 0; j < ROUTED_ROWS; j++) {
-            float codes[32];
-            decode_words<BITS>(w[j], codes);
-            float sc = bf16_bits(sr[j]), bias = bf16_bits(br[j]);
-            float sqx = 0.0f;
+            int o = first + j;
+            if (o < rows) {
+                float codes[32];
+                decode_chunk<BITS>(words + (size_t)o * row_words<BITS>(cols), c, codes);
+                size_t g = (size_t)o * (cols / 64) + c / 2;
+                float sc = bf16_bits(scales[g]), bias = bf16_bits(biases[g]);
+                float sqx = 0.0f;
 #pragma unroll
-            for (int k = 0; k < 32; k++) sqx += codes[k] * xv[k];
-            acc[j] += a * sc * sqx + (off * sc + bias) * cs;
+                for (int k = 0; k < 32; k++) sqx += codes[k] * xc[k];
+                acc[j] += a * sc * sqx + (off * sc + bias) * csum[c];
+            }
         }
     }
 #pragma unroll
