@@ -459,7 +459,11 @@ fn main() {
             rows_out.push(Row {
                 kernel: format!(
                     "moe_prompt512_top8_q{bits}_{}",
-                    if tensor_cores { "tensor_core_gemm" } else { "without_tensor_cores" }
+                    if tensor_cores {
+                        "tensor_core_gemm"
+                    } else {
+                        "without_tensor_cores"
+                    }
                 ),
                 rows: inter,
                 cols: hidden,
@@ -503,7 +507,11 @@ fn main() {
             rows_out.push(Row {
                 kernel: format!(
                     "dense_bf16_prompt512_{}",
-                    if tensor_cores { "tensor_core_split" } else { "widened_sgemm" }
+                    if tensor_cores {
+                        "tensor_core_split"
+                    } else {
+                        "widened_sgemm"
+                    }
                 ),
                 rows,
                 cols,

@@ -1031,7 +1031,14 @@ fn moe_dispatch_matches_the_reference() {
     let base = fresh(tokens * hidden, 71);
     let mut rng = Rng::new(72);
     let counts = [1usize, 3, 5, 8, 9, 20, 2, 33, 70];
-    for (bits, tensor_cores) in [(4, true), (3, true), (2, true), (4, false), (3, false), (2, false)] {
+    for (bits, tensor_cores) in [
+        (4, true),
+        (3, true),
+        (2, true),
+        (4, false),
+        (3, false),
+        (2, false),
+    ] {
         g.set_tensor_cores(tensor_cores);
         let mats: Vec<[Affine; 3]> = (0..counts.len() as u64)
             .map(|e| {
@@ -1183,17 +1190,22 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, bits: u32
             ]
         })
         .collect();
+    // Past 8 rows (a prompt) the pairs are grouped by expert on the device and run
+    // through the grouped GEMMs on tensor cores.
     let mut cases = vec![
         (1, 4, true, false),
         (1, 2, false, true),
         (3, 4, false, false),
         (8, 3, true, true),
+        (9, 4, true, false),
+        (40, 3, false, true),
     ];
     if experts >= 16 {
         cases.extend([
             (1, 8, true, false),
             (5, 8, true, true),
             (2, 8, false, false),
+            (300, 8, true, true),
         ]);
     }
     if tie {
@@ -1289,8 +1301,8 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, bits: u32
 fn moe_routed_on_the_device_matches_the_host_route() {
     let Some(g) = gpu() else { return };
     // 12 experts 80 wide (the down input padded to 128) over 256-wide rows; top-k with
-    // and without renormalisation and a plan's mask, one row (decode) to the 8 the
-    // device path takes. Then 128 experts (a warp routes a row, 4 experts a lane,
+    // and without renormalisation and a plan's mask, one row (decode) to 300 (a prompt,
+    // through the grouped GEMMs). Then 128 experts (a warp routes a row, 4 experts a lane,
     // top-8 as Qwen3-30B-A3B), with a tie, and 260 (past the warp's 256: a block routes).
     for bits in [4, 3, 2] {
         check_routed(g, 256, 80, 12, bits, false);
@@ -1298,7 +1310,8 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     check_routed(g, 128, 32, 128, 4, true);
     check_routed(g, 128, 32, 260, 2, true);
     let (hidden, inter) = (256, 80);
-    // Too many rows for the device path: it declines and leaves the outputs alone.
+    // Without tensor cores more than 8 rows are too many for the device path: it declines
+    // and leaves the outputs alone.
     let mats: Vec<[Affine; 3]> = (0..4u64)
         .map(|e| {
             [
@@ -1331,7 +1344,11 @@ fn moe_routed_on_the_device_matches_the_host_route() {
         g.upload_matrix(&fresh(4 * hidden, 511), 4, hidden),
     );
     let (mut probs, mut out) = (g.alloc(rows * 4), g.alloc(rows * hidden));
-    assert!(!g.routed_moe(&xd, rows, hidden, &gd, &ex, r, &mut probs, 0, &mut out));
+    let was = g.tensor_cores();
+    g.set_tensor_cores(false);
+    let declined = !g.routed_moe(&xd, rows, hidden, &gd, &ex, r, &mut probs, 0, &mut out);
+    g.set_tensor_cores(was);
+    assert!(declined);
 }
 
 #[test]

@@ -704,15 +704,18 @@ __device__ __forceinline__ void split_pairs(const float (&v)[16], unsigned (&hi)
         }
 }
 
-// Pair tile `blockIdx.y` is entry (group, first row) of `tiles`; blockIdx.x picks MMA_BN
-// output rows. GATED (gate and up, table entries 0 and 1): input row r is x[x_rows[p]],
+// Pair tile `blockIdx.y` is entry (group, first row) of `tiles` (those at or past
+// `*tiles_n`, when given, do nothing); blockIdx.x picks MMA_BN output rows. GATED (gate and up, table entries 0 and 1): input row r is x[x_rows[p]],
 // out[p] = silu(gate) ⊙ up for pair p. Otherwise (down, entry 2): input row r is x[p] and
 // out[x_rows[p]] += pair_scales[p] · down, atomically (a token's experts add into its row).
 template <int BITS, bool GATED>
 __device__ void expert_mma(const unsigned long long* table, const unsigned* tiles,
-                           const unsigned* x_rows, const float* pair_scales, const float* x,
-                           float* out, int rows, int cols, int in_dim) {
+                           const unsigned* tiles_n, const unsigned* x_rows,
+                           const float* pair_scales, const float* x, float* out, int rows,
+                           int cols, int in_dim) {
     constexpr int M = GATED ? 2 : 1;
+    // A grid sized for the most tiles there could be, when the device counted them.
+    if (tiles_n && blockIdx.y >= *tiles_n) return;
     __shared__ __align__(16) unsigned xs_hi[MMA_BM * MMA_LD / 2];
     __shared__ __align__(16) unsigned xs_lo[MMA_BM * MMA_LD / 2];
     __shared__ float xsum[MMA_BM];
@@ -906,17 +909,17 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
 }
 
 #define EXPERT_MMA_ENTRY(B)                                                                    \
-    extern "C" __global__ void __launch_bounds__(128, 3)                                        \
-        expert_mma_gate_up_q##B(const unsigned long long* table, const unsigned* tiles,        \
-                                const unsigned* x_rows, const float* x, float* h, int rows,    \
-                                int cols, int in_dim) {                                        \
-        expert_mma<B, true>(table, tiles, x_rows, nullptr, x, h, rows, cols, in_dim);          \
+    extern "C" __global__ void __launch_bounds__(128, 3) expert_mma_gate_up_q##B(              \
+        const unsigned long long* table, const unsigned* tiles, const unsigned* tiles_n,       \
+        const unsigned* x_rows, const float* x, float* h, int rows, int cols, int in_dim) {    \
+        expert_mma<B, true>(table, tiles, tiles_n, x_rows, nullptr, x, h, rows, cols, in_dim); \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128)                                          \
-        expert_mma_down_q##B(const unsigned long long* table, const unsigned* tiles,           \
-                             const unsigned* x_rows, const float* pair_scales, const float* h, \
-                             float* out, int rows, int cols, int in_dim) {                     \
-        expert_mma<B, false>(table, tiles, x_rows, pair_scales, h, out, rows, cols, in_dim);   \
+    extern "C" __global__ void __launch_bounds__(128) expert_mma_down_q##B(                    \
+        const unsigned long long* table, const unsigned* tiles, const unsigned* tiles_n,       \
+        const unsigned* x_rows, const float* pair_scales, const float* h, float* out,          \
+        int rows, int cols, int in_dim) {                                                      \
+        expert_mma<B, false>(table, tiles, tiles_n, x_rows, pair_scales, h, out, rows, cols,   \
+                             in_dim);                                                          \
     }
 
 EXPERT_MMA_ENTRY(4)
@@ -1185,6 +1188,55 @@ extern "C" __global__ void moe_combine(const float* down, const float* weights, 
     float s = 0.0f;
     for (int k = 0; k < top_k; k++) s += w[k] * down[(r * top_k + k) * width + i];
     out[j] = s;
+}
+
+// A routed block's (row, expert) pairs grouped by expert for the grouped GEMMs, on the
+// device so that a prompt's MoE layer needs no host round trip. One block; dynamic
+// shared memory holds three counters per expert. `ids`/`weights` are moe_route's (pair
+// p is row p / top_k). Writes each expert's group entry (its nine pointers from `table`,
+// then its first pair and count), the pairs' rows and weights in expert order (the order
+// within an expert is the atomics', which changes no pair's result), and the tiles
+// (expert, first pair) of MMA_BM pairs with their count in `*tiles_n`.
+extern "C" __global__ void moe_group_pairs(const int* ids, const float* weights, int pairs,
+                                           int top_k, int experts,
+                                           const unsigned long long* table,
+                                           unsigned long long* groups, unsigned* pair_rows,
+                                           float* pair_weights, unsigned* tiles,
+                                           unsigned* tiles_n) {
+    extern __shared__ unsigned counters[];
+    unsigned* count = counters;
+    unsigned* first = counters + experts;
+    unsigned* cursor = counters + 2 * experts;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) count[e] = cursor[e] = 0u;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&count[ids[p]], 1u);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned at = 0, n = 0;
+        for (int e = 0; e < experts; e++) {
+            first[e] = at;
+            for (unsigned s = 0; s < count[e]; s += MMA_BM) {
+                tiles[2 * n] = e;
+                tiles[2 * n + 1] = s;
+                n++;
+            }
+            at += count[e];
+        }
+        *tiles_n = n;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        for (int j = 0; j < ROUTED_ENTRY; j++)
+            groups[(size_t)e * GROUP_ENTRY + j] = table[(size_t)e * ROUTED_ENTRY + j];
+        groups[(size_t)e * GROUP_ENTRY + 9] = first[e];
+        groups[(size_t)e * GROUP_ENTRY + 10] = count[e];
+    }
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        int e = ids[p];
+        unsigned at = first[e] + atomicAdd(&cursor[e], 1u);
+        pair_rows[at] = p / top_k;
+        pair_weights[at] = weights[p];
+    }
 }
 
 // ---- Decode steps whose per-call values live in device memory ----

@@ -79,6 +79,8 @@ pub const AFFINE_GEMM_ROWS: usize = 8;
 const EXPERT_TILE_ROWS: usize = 32;
 /// Output rows per block of the grouped expert GEMMs (the kernels' `MMA_BN`).
 const EXPERT_TILE_OUTPUTS: usize = 64;
+/// A null device pointer: the grouped GEMMs' tile count when the grid is exact.
+const NO_COUNT: u64 = 0;
 /// Dynamic shared memory a block may take without opting in.
 const SHARED_LIMIT: usize = 48 << 10;
 /// u64 words per group in the grouped kernels' table (the kernel's `GROUP_ENTRY`).
@@ -100,8 +102,9 @@ const ARGMAX_THREADS: usize = 256;
 const ARGMAX_MAX_ROWS: usize = 1024;
 /// Pairs of a head one thread of `attn_preamble_at` rotates (its `PRE_PAIRS`).
 const PRE_PAIRS: usize = 4;
-/// Most rows a MoE block is routed on the device for: beyond, each expert's weights
-/// would be read once per row, and the host path's grouped GEMMs win.
+/// Most rows the routed matrix-vector kernels take: beyond, each expert's weights would
+/// be read once per row, so more rows take the grouped GEMMs on tensor cores (without
+/// tensor cores, the host path).
 pub const ROUTED_MAX_ROWS: usize = AFFINE_GEMM_ROWS;
 /// Most (row, expert) pairs one routed launch takes (a grid dimension holds 65 535).
 const ROUTED_CHUNK_PAIRS: usize = 4096;
@@ -297,7 +300,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 65] = [
+const KERNEL_NAMES: [&str; 66] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -339,6 +342,7 @@ const KERNEL_NAMES: [&str; 65] = [
     "moe_route",
     "moe_route_warp",
     "moe_combine",
+    "moe_group_pairs",
     "affine_routed_gate_up_q4",
     "affine_routed_gate_up_q3",
     "affine_routed_gate_up_q2",
@@ -624,6 +628,22 @@ fn routed_shared(cols: usize) -> usize {
     affine_tile(cols).1 + (cols / 32) * 4
 }
 
+/// Whether the grouped GEMMs' grid, sized for the most tiles `pairs` pairs over
+/// `experts` experts could need, fits a grid's y extent.
+fn gemm_grid_fits(pairs: usize, experts: usize) -> bool {
+    pairs / EXPERT_TILE_ROWS + experts <= 65_535
+}
+
+/// The kernel-name suffix of affine words of `bits` bits.
+fn bits_suffix(bits: u32) -> &'static str {
+    match bits {
+        4 => "q4",
+        3 => "q3",
+        2 => "q2",
+        b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
+    }
+}
+
 fn blocks(n: usize, threads: usize) -> u32 {
     n.div_ceil(threads).max(1) as u32
 }
@@ -797,7 +817,12 @@ impl Cuda {
     /// sm_80 and later); off, they take cuBLAS' f32 GEMM and the experts' one-by-one
     /// path, to measure one against the other. Ignored before sm_80.
     pub fn set_tensor_cores(&self, on: bool) {
-        let able = self.arch.trim_start_matches("sm_").parse::<u32>().unwrap_or(0) >= 80;
+        let able = self
+            .arch
+            .trim_start_matches("sm_")
+            .parse::<u32>()
+            .unwrap_or(0)
+            >= 80;
         self.tensor_cores
             .store(on && able, std::sync::atomic::Ordering::Relaxed);
     }
@@ -1143,15 +1168,10 @@ impl Cuda {
                 unsafe { self.stream.alloc::<f32>(w.rows * w.cols) },
                 "alloc",
             );
-            let name = match w.bits {
-                4 => "affine_dequant_q4",
-                3 => "affine_dequant_q3",
-                2 => "affine_dequant_q2",
-                b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
-            };
+            let name = format!("affine_dequant_{}", bits_suffix(w.bits));
             let (r, c) = (w.rows as i32, w.cols as i32);
             let chunks = w.rows * w.cols / 32;
-            let mut l = self.stream.launch_builder(self.func(name));
+            let mut l = self.stream.launch_builder(self.func(&name));
             l.arg(&d.words)
                 .arg(&d.scales)
                 .arg(&d.biases)
@@ -1165,12 +1185,7 @@ impl Cuda {
             self.gemm_xwt(x, &dense, rows, in_dim, w.cols, w.rows, out);
             return;
         }
-        let name = match w.bits {
-            4 => "affine_matvec_q4",
-            3 => "affine_matvec_q3",
-            2 => "affine_matvec_q2",
-            b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
-        };
+        let name = format!("affine_matvec_{}", bits_suffix(w.bits));
         let (tile, chunk_bytes) = affine_tile(w.cols);
         let grid = w.rows.div_ceil(AFFINE_WARPS);
         let (r, c, i) = (w.rows as i32, w.cols as i32, in_dim as i32);
@@ -1180,7 +1195,7 @@ impl Cuda {
             let b = nb as i32;
             let xs = x.slice(t0 * in_dim..(t0 + nb) * in_dim);
             let mut os = out.slice_mut(t0 * w.rows..(t0 + nb) * w.rows);
-            let mut l = self.stream.launch_builder(self.func(name));
+            let mut l = self.stream.launch_builder(self.func(&name));
             l.arg(&d.words)
                 .arg(&d.scales)
                 .arg(&d.biases)
@@ -1277,12 +1292,7 @@ impl Cuda {
         let table_v = meta.slice(..rows_at);
         let rows_v = meta.slice(rows_at..rows_at + pairs);
         let scales_v = meta.slice(rows_at + pairs..tiles_at);
-        let suffix = match bits {
-            4 => "q4",
-            3 => "q3",
-            2 => "q2",
-            b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
-        };
+        let suffix = bits_suffix(bits);
         let raw = |n: usize| ok(unsafe { self.stream.alloc::<f32>(n.max(1)) }, "alloc");
 
         if gemm {
@@ -1302,7 +1312,12 @@ impl Cuda {
                     shared_mem_bytes: 0,
                 };
                 let mut l = self.stream.launch_builder(gate_up);
-                l.arg(&table_v).arg(&tiles_v).arg(&rows_v).arg(x).arg(&mut h);
+                l.arg(&table_v)
+                    .arg(&tiles_v)
+                    .arg(&NO_COUNT)
+                    .arg(&rows_v)
+                    .arg(x)
+                    .arg(&mut h);
                 l.arg(&i).arg(&u).arg(&h_in);
                 ok(unsafe { l.launch(launch(inter)) }, "expert gate/up GEMM");
             }
@@ -1315,7 +1330,11 @@ impl Cuda {
                     shared_mem_bytes: 0,
                 };
                 let mut l = self.stream.launch_builder(down);
-                l.arg(&table_v).arg(&tiles_v).arg(&rows_v).arg(&scales_v);
+                l.arg(&table_v)
+                    .arg(&tiles_v)
+                    .arg(&NO_COUNT)
+                    .arg(&rows_v)
+                    .arg(&scales_v);
                 l.arg(&h).arg(&mut *out);
                 l.arg(&d).arg(&dc).arg(&d_in);
                 ok(unsafe { l.launch(launch) }, "expert down GEMM");
@@ -1551,7 +1570,14 @@ impl Cuda {
         probs: u64,
         out: u64,
     ) {
-        let (e, k, shape) = (r.experts, r.route.top_k, r.shape);
+        if rows > ROUTED_MAX_ROWS
+            && self.tensor_cores()
+            && gemm_grid_fits(rows * r.route.top_k, r.experts)
+        {
+            self.launch_routed_gemm(r, x, rows, hidden, probs, out);
+            return;
+        }
+        let (k, shape) = (r.route.top_k, r.shape);
         let (inter, pairs) = (shape.inter, rows * k);
         // ids, weights, gate, up, down: one scratch buffer, carved by offset.
         // Sized for at least the most rows a decode step routes, so that it is not
@@ -1576,28 +1602,9 @@ impl Cuda {
             at(2 * pairs + 2 * pairs * inter),
         );
 
-        let (ei, ki, rn) = (e as i32, k as i32, r.route.renormalize as i32);
-        // Up to ROUTE_WARP_MAX experts a warp holds a row in registers; more take a block.
-        let (name, launch) = if e <= ROUTE_WARP_MAX {
-            ("moe_route_warp", cfg(rows, 32, 0))
-        } else {
-            ("moe_route", cfg(rows, row_threads(e), e * 4))
-        };
-        let mut l = self.stream.launch_builder(self.func(name));
-        l.arg(&probs)
-            .arg(&r.keep)
-            .arg(&ids)
-            .arg(&weights)
-            .arg(&ei)
-            .arg(&ki)
-            .arg(&rn);
-        ok(unsafe { l.launch(launch) }, "moe_route");
-
-        let suffix = match shape.bits {
-            4 => "q4",
-            3 => "q3",
-            _ => "q2",
-        };
+        self.launch_route(r, rows, probs, ids, weights);
+        let ki = k as i32;
+        let suffix = bits_suffix(shape.bits);
         // A block per ROUTED_ROWS rows of each warp and per pair; `projections` in z.
         let grid = |out_rows: usize, cols: usize, projections: u32| LaunchConfig {
             grid_dim: (
@@ -1628,6 +1635,121 @@ impl Cuda {
         let mut l = self.stream.launch_builder(self.func("moe_combine"));
         l.arg(&d).arg(&weights).arg(&out).arg(&ki).arg(&w).arg(&n);
         self.launch_1d(l, rows * hidden, "moe_combine");
+    }
+
+    /// The route of `rows` rows: router probabilities (in place of the logits at `probs`)
+    /// and each row's top-k expert ids and weights.
+    fn launch_route(&self, r: &Routed<'_>, rows: usize, probs: u64, ids: u64, weights: u64) {
+        let e = r.experts;
+        let (ei, ki, rn) = (e as i32, r.route.top_k as i32, r.route.renormalize as i32);
+        // Up to ROUTE_WARP_MAX experts a warp holds a row in registers; more take a block.
+        let (name, launch) = if e <= ROUTE_WARP_MAX {
+            ("moe_route_warp", cfg(rows, 32, 0))
+        } else {
+            ("moe_route", cfg(rows, row_threads(e), e * 4))
+        };
+        let mut l = self.stream.launch_builder(self.func(name));
+        l.arg(&probs)
+            .arg(&r.keep)
+            .arg(&ids)
+            .arg(&weights)
+            .arg(&ei)
+            .arg(&ki)
+            .arg(&rn);
+        ok(unsafe { l.launch(launch) }, "moe_route");
+    }
+
+    /// [`launch_routed`](Self::launch_routed) for a prompt, on tensor cores and with no
+    /// host round trip: the route, the pairs grouped by expert on the device
+    /// (`moe_group_pairs`), then the grouped GEMMs over a grid sized for the most tiles
+    /// there could be (the kernels read the count). `out` is zeroed and the down GEMM
+    /// adds each pair's weighted output into its row.
+    fn launch_routed_gemm(
+        &self,
+        r: &Routed<'_>,
+        x: u64,
+        rows: usize,
+        hidden: usize,
+        probs: u64,
+        out: u64,
+    ) {
+        let (e, k, shape) = (r.experts, r.route.top_k, r.shape);
+        let (inter, pairs) = (shape.inter, rows * k);
+        let most_tiles = pairs / EXPERT_TILE_ROWS + e;
+        let words = |n: usize| ok(unsafe { self.stream.alloc::<u32>(n.max(1)) }, "alloc");
+        let (ids, weights) = (words(pairs), words(pairs));
+        let groups = ok(
+            unsafe { self.stream.alloc::<u64>(e * GROUP_ENTRY) },
+            "alloc",
+        );
+        let (pair_rows, pair_weights) = (words(pairs), words(pairs));
+        let (tiles, tiles_n) = (words(2 * most_tiles), words(1));
+        let mut h = ok(unsafe { self.stream.alloc::<f32>(pairs * inter) }, "alloc");
+        let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
+        self.launch_route(r, rows, probs, at(&ids), at(&weights));
+
+        let (pi, ki, ei) = (pairs as i32, k as i32, e as i32);
+        let mut l = self.stream.launch_builder(self.func("moe_group_pairs"));
+        l.arg(&ids).arg(&weights).arg(&pi).arg(&ki).arg(&ei);
+        l.arg(&r.table)
+            .arg(&groups)
+            .arg(&pair_rows)
+            .arg(&pair_weights);
+        l.arg(&tiles).arg(&tiles_n);
+        ok(
+            unsafe { l.launch(cfg(1, 1024, 3 * 4 * e)) },
+            "moe_group_pairs",
+        );
+
+        let n = (rows * hidden) as i64;
+        let (zero, out_v) = (0.0f32, out);
+        let mut l = self.stream.launch_builder(self.func("fill"));
+        l.arg(&out_v).arg(&zero).arg(&n);
+        ok(
+            unsafe {
+                l.launch(cfg(
+                    blocks(rows * hidden, 256).min(132 * 16) as usize,
+                    256,
+                    0,
+                ))
+            },
+            "fill",
+        );
+
+        let suffix = bits_suffix(shape.bits);
+        let grid = |outputs: usize| LaunchConfig {
+            grid_dim: (
+                outputs.div_ceil(EXPERT_TILE_OUTPUTS) as u32,
+                most_tiles as u32,
+                1,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
+        let mut l = self
+            .stream
+            .launch_builder(self.func(&format!("expert_mma_gate_up_{suffix}")));
+        l.arg(&groups)
+            .arg(&tiles)
+            .arg(&tiles_n)
+            .arg(&pair_rows)
+            .arg(&x)
+            .arg(&mut h);
+        l.arg(&ri).arg(&c).arg(&i);
+        ok(unsafe { l.launch(grid(inter)) }, "expert gate/up GEMM");
+        let (ri, c, i) = (hidden as i32, shape.down_cols as i32, inter as i32);
+        let mut l = self
+            .stream
+            .launch_builder(self.func(&format!("expert_mma_down_{suffix}")));
+        l.arg(&groups)
+            .arg(&tiles)
+            .arg(&tiles_n)
+            .arg(&pair_rows)
+            .arg(&pair_weights);
+        l.arg(&h).arg(&out_v);
+        l.arg(&ri).arg(&c).arg(&i);
+        ok(unsafe { l.launch(grid(hidden)) }, "expert down GEMM");
     }
 
     /// [`Backend::matmul`] into any device buffer: the matrix-vector kernel for a few
@@ -2420,7 +2542,12 @@ impl Backend for Cuda {
         out: &mut CudaSlice<f32>,
     ) -> bool {
         let (e, k) = (experts.count, route.top_k);
-        if rows == 0 || rows > ROUTED_MAX_ROWS || e == 0 || k == 0 || k > e || e > 4096 {
+        if rows == 0 || e == 0 || k == 0 || k > e || e > 4096 {
+            return false;
+        }
+        // Prompts take the grouped GEMMs, on tensor cores; without them each expert would
+        // be read once per row, and the host path's grouped products win.
+        if rows > ROUTED_MAX_ROWS && !(self.tensor_cores() && gemm_grid_fits(rows * k, e)) {
             return false;
         }
         if route.keep.is_some_and(|m| m.len() != e) {
@@ -2496,7 +2623,7 @@ impl Backend for Cuda {
         out: &mut CudaSlice<f32>,
     ) -> bool {
         let (e, k) = (slots.experts(), route.top_k);
-        if rows == 0 || k == 0 || k > e {
+        if rows == 0 || k == 0 || k > e || e > 4096 {
             return false;
         }
         let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
