@@ -28,7 +28,8 @@
 #          Compute: each kernel's time per run (profile.log, profile.csv)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
 #          keys, with dense weights in f32 instead of bf16, prompts without tensor cores,
-#          and decode after a 16-token prompt (model_variants.log)
+#          the prompt's attention by the per-row kernel instead of the tiled one, and
+#          decode after a 16-token prompt (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -147,6 +148,9 @@ for step in $steps; do
                 --prompt 512 --generate 128
             echo "-- prompts without tensor cores (dense products widened for sgemm, experts one by one)"
             DYNMOE_CUDA_TENSOR_CORES=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
+                --prompt 512 --generate 128
+            echo "-- prompts through the per-row attention kernel, not the tiled one"
+            DYNMOE_CUDA_TILED_ATTENTION=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
                 --prompt 512 --generate 128
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128

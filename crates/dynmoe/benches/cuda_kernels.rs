@@ -2,7 +2,8 @@
 //! run: affine q4/q3/q2 and VQ vq1.5/vq2/vq3 products at Qwen3-30B-A3B's expert shapes
 //! (768 × 2048 gate/up, 2048 × 768 down) and decode-sized batches, dense f32 cuBLAS for
 //! context, and the dense matrix-vector kernels (f32 and bf16) at the attention and
-//! LM-head shapes. A VQ product's time includes rotating its activations.
+//! LM-head shapes. A VQ product's time includes rotating its activations. Attention at
+//! Qwen3-30B-A3B's heads: decode over caches of 16–4096 keys, prefill of 512 and 2048 rows.
 //!
 //! Each kernel rotates over enough copies of its matrix to exceed the 60 MB L2 several
 //! times, so weights come from device memory. Times are CUDA-event medians of 15 runs of
@@ -12,7 +13,7 @@
 //!
 //! `cargo bench -p dynmoe --features cuda --bench cuda_kernels`
 
-use dynmoe::backend::cuda::DecodeAttention;
+use dynmoe::backend::cuda::{DecodeAttention, PrefillAttention};
 use dynmoe::backend::{
     attention_preamble_one_by_one, AttentionShape, Backend, Cuda, DeviceRoute, HeadNorm,
     RoutedExperts, SwiGluGroup, Weight,
@@ -646,6 +647,72 @@ fn main() {
             }
         }
         g.set_decode_attention(DecodeAttention::Grouped);
+    }
+    // Prefill attention at the same heads: a prompt of `n` rows from position 0, causal,
+    // through the tiled kernel and the per-row kernel it replaced, timed as the rows
+    // above (calls queued back to back, over copies of q and the caches). Bound by
+    // arithmetic, not bytes: the table's last columns are GFLOP/s (4 per visible
+    // (row, head, key) and head dimension) and, in the JSON, bytes are q, K, V and out.
+    for n in [512, 2048] {
+        let kvw = kv_heads * head_dim;
+        let qw = heads * head_dim;
+        let bytes = 2 * n * (qw + kvw) * 4;
+        let flop = 4.0 * (heads * head_dim) as f64 * (n * (n + 1) / 2) as f64;
+        let copies = 4;
+        let inputs: Vec<_> = (0..copies)
+            .map(|i| {
+                (
+                    g.upload(&fresh(n * qw, 600 + i as u64)),
+                    g.upload(&fresh(n * kvw, 700 + i as u64)),
+                    g.upload(&fresh(n * kvw, 800 + i as u64)),
+                )
+            })
+            .collect();
+        let mut out = g.alloc(n * qw);
+        let shape = AttentionShape {
+            rows: n,
+            pos0: 0,
+            heads,
+            kv_heads,
+            head_dim,
+            window: None,
+        };
+        let ways = [
+            (
+                PrefillAttention::Tiled,
+                "attn pre",
+                "attention_prefill_tiled",
+            ),
+            (
+                PrefillAttention::PerRow,
+                "attn pre/r",
+                "attention_prefill_per_row",
+            ),
+        ];
+        for (way, label, kernel) in ways {
+            g.set_prefill_attention(way);
+            let ms = time_ms(&g, || {
+                for (q, k, v) in &inputs {
+                    g.attention(q, k, v, shape, &mut out);
+                }
+            });
+            let per_call = ms * 1e3 / copies as f64;
+            let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
+            let gflop_s = flop / (per_call * 1e-6) / 1e9;
+            println!("{label:<10} {n:>6} {kvw:>6} {n:>5} {per_call:>10.2} {gflop_s:>8.0} GFLOP/s");
+            rows_out.push(Row {
+                kernel: kernel.into(),
+                rows: n,
+                cols: kvw,
+                batch: n,
+                weight_bytes: bytes,
+                copies,
+                median_us_per_call: per_call,
+                gb_s,
+                fraction_of_copy: gb_s / copy_gb_s,
+            });
+        }
+        g.set_prefill_attention(PrefillAttention::Tiled);
     }
 
     // The small kernels of a decode step at Qwen3-30B-A3B's shapes (hidden 2048, 32/4

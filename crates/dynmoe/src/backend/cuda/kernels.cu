@@ -1824,6 +1824,249 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     }
 }
 
+// ---- Prefill attention, a block per (tiles of query slots, KV head) ----
+//
+// `attention` gives each (query row, head) a block that walks its keys alone: every K and
+// V row is read once per row and head, with a warp-wide sum per score. Here a tile is
+// PA_BM query slots of one KV head, slot i being row i / group, head i % group of its GQA
+// group (the heads of a row are adjacent slots). K and V come in tiles of PA_BN keys staged
+// in shared memory, each used by every row and every head of the tile; a tile spans
+// PA_BM / group positions (8 at a group of 8), so the causal diagonal wastes little. Keys
+// run from the first any slot may see to the last slot's position; each slot keeps an
+// online softmax in f32. A block takes two tiles, the t-th from the end and the t-th from
+// the start, so every block has about the same number of keys (causal tiles grow with
+// their position) and no wave ends waiting on the longest tile.
+//
+// Scores: a thread per (2 slots, key residue mod 8), 2 × 4 scores, float4 along the head.
+// Q and K rows are padded by a float4, so the 8 keys of one load start 4 banks apart
+// (conflict-free); the 8 threads of a slot pair are adjacent lanes, so a slot's max and
+// sum take three shuffles. P is written to shared memory as [key][slot].
+// Output: a thread per (4 slots, float4 residue mod 16 of the head), 4 × FO float4 in
+// registers, rescaled by the slots' factors each tile; per key one float4 of P (4 slots)
+// and FO float4 of V.
+// K and V tiles are double-buffered: the next tile's asynchronous copies (cp.async, no
+// registers) are issued before the current one's scores, so their latency hides behind
+// its arithmetic.
+#define PA_BM 64
+#define PA_BN 32
+#define PA_THREADS 256
+
+// 16 bytes global → shared without passing through registers; zeros when !full.
+__device__ __forceinline__ void copy16_async(float4* dst, const float4* src, bool full) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+                 "r"(full ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+template <int FO>
+__device__ void attention_tiled(const float* __restrict__ q, const float* __restrict__ k,
+                                const float* __restrict__ v, float* __restrict__ out, int rows,
+                                int pos0, int heads, int kv_heads, int head_dim, int window) {
+    extern __shared__ float4 pa_smem[];
+    const int f4 = head_dim / 4, qw = f4 + 1, pw = PA_BM + 4;
+    float4* qs = pa_smem;                                      // [PA_BM][qw]
+    float4* ks = qs + PA_BM * qw;                              // [2][PA_BN][qw]
+    float4* vs = ks + 2 * PA_BN * qw;                          // [2][PA_BN][f4]
+    float* ps = reinterpret_cast<float*>(vs + 2 * PA_BN * f4); // [PA_BN][pw]
+    float* corr = ps + PA_BN * pw;                             // [PA_BM]
+    float* lsum = corr + PA_BM;                                // [PA_BM]
+    const int group = heads / kv_heads, tiles = (rows * group + PA_BM - 1) / PA_BM;
+    const int pair = blockIdx.x / kv_heads, kvh = blockIdx.x % kv_heads;
+    const int h0 = kvh * group, tid = threadIdx.x;
+    const size_t row4 = (size_t)kv_heads * f4;
+    const float4* q4 = reinterpret_cast<const float4*>(q);
+    const float4* k4 = reinterpret_cast<const float4*>(k) + (size_t)kvh * f4;
+    const float4* v4 = reinterpret_cast<const float4*>(v) + (size_t)kvh * f4;
+    float4* out4 = reinterpret_cast<float4*>(out);
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    const int kx = tid % 8, sy = tid / 8;   // score layout: slots 2sy, 2sy + 1
+    const int dx = tid % 16, so = tid / 16; // output layout: slots 4so .. 4so + 3
+    bool col[FO];
+#pragma unroll
+    for (int u = 0; u < FO; u++) col[u] = dx + 16 * u < f4;
+
+    for (int pass = 0; pass < 2; pass++) {
+        const int tile = pass == 0 ? tiles - 1 - pair : pair;
+        if (pass == 1 && tile == tiles - 1 - pair) break;  // an odd count: the middle alone
+        const int slot0 = tile * PA_BM;
+        // Every tile has a slot of a real row: the tiles cover rows·group slots.
+        const int p_first = pos0 + slot0 / group;
+        const int p_last = pos0 + min(rows - 1, (slot0 + PA_BM - 1) / group);
+        const int lo_first = window > 0 ? max(0, p_first + 1 - window) : 0;
+
+        // The first K/V tile's copies, then Q (the previous pass read Q and the buffers
+        // before its last barrier).
+        for (int i = tid; i < PA_BN * f4; i += PA_THREADS) {
+            int j = i / f4, c = i % f4, kp = min(lo_first + j, p_last);
+            size_t at = (size_t)kp * row4 + c;
+            copy16_async(ks + j * qw + c, k4 + at, lo_first + j <= p_last);
+            copy16_async(vs + j * f4 + c, v4 + at, lo_first + j <= p_last);
+        }
+        copies_commit();
+        for (int i = tid; i < PA_BM * f4; i += PA_THREADS) {
+            int s = i / f4, c = i % f4, at = slot0 + s, r = at / group;
+            qs[s * qw + c] = r < rows ? q4[((size_t)r * heads + h0 + at % group) * f4 + c] : zero;
+        }
+        // A slot past the last row sees no key (position −1).
+        int sp[2], slo[2];
+        float m[2], l[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int r = (slot0 + 2 * sy + i) / group;
+            sp[i] = r < rows ? pos0 + r : -1;
+            slo[i] = window > 0 ? max(0, sp[i] + 1 - window) : 0;
+            m[i] = NEG_INF;
+            l[i] = 0.0f;
+        }
+        float4 o[4][FO];
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+#pragma unroll
+            for (int u = 0; u < FO; u++) o[a][u] = zero;
+
+        for (int kt = lo_first, buf = 0; kt <= p_last; kt += PA_BN, buf ^= 1) {
+            const int kn = min(PA_BN, p_last + 1 - kt);
+            // This tile's copies have landed (each thread waits for its own, the barrier
+            // for everyone's); the previous tile's K, V, P and factors are read, so the
+            // other buffer and P may be written.
+            copies_wait();
+            __syncthreads();
+            const int nt = kt + PA_BN;
+            if (nt <= p_last) {
+                float4* kb = ks + (buf ^ 1) * PA_BN * qw;
+                float4* vb = vs + (buf ^ 1) * PA_BN * f4;
+                for (int i = tid; i < PA_BN * f4; i += PA_THREADS) {
+                    int j = i / f4, c = i % f4, kp = min(nt + j, p_last);
+                    size_t at = (size_t)kp * row4 + c;
+                    copy16_async(kb + j * qw + c, k4 + at, nt + j <= p_last);
+                    copy16_async(vb + j * f4 + c, v4 + at, nt + j <= p_last);
+                }
+                copies_commit();
+            }
+            const float4* kr = ks + buf * PA_BN * qw + kx * qw;
+            const float4* vr = vs + buf * PA_BN * f4 + dx;
+
+            float sc[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) sc[i][j] = 0.0f;
+            const float4* qa = qs + 2 * sy * qw;
+#pragma unroll 2
+            for (int c = 0; c < f4; c++) {
+                float4 x0 = qa[c], x1 = qa[qw + c];
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    float4 y = kr[8 * j * qw + c];
+                    sc[0][j] = fmaf(x0.x, y.x, sc[0][j]);
+                    sc[0][j] = fmaf(x0.y, y.y, sc[0][j]);
+                    sc[0][j] = fmaf(x0.z, y.z, sc[0][j]);
+                    sc[0][j] = fmaf(x0.w, y.w, sc[0][j]);
+                    sc[1][j] = fmaf(x1.x, y.x, sc[1][j]);
+                    sc[1][j] = fmaf(x1.y, y.y, sc[1][j]);
+                    sc[1][j] = fmaf(x1.z, y.z, sc[1][j]);
+                    sc[1][j] = fmaf(x1.w, y.w, sc[1][j]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float t = NEG_INF;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    int kp = kt + kx + 8 * j;
+                    bool seen = kx + 8 * j < kn && kp >= slo[i] && kp <= sp[i];
+                    sc[i][j] = seen ? sc[i][j] * scale : NEG_INF;
+                    t = fmaxf(t, sc[i][j]);
+                }
+                for (int x = 1; x < 8; x *= 2) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, x));
+                // A slot that has seen no key yet keeps m = −inf: its factor is 0 (it has
+                // nothing to rescale) and its weights 0, never exp(−inf − −inf).
+                float nm = fmaxf(m[i], t);
+                float cr = m[i] == NEG_INF ? 0.0f : expf(m[i] - nm);
+                float ts = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    float e = sc[i][j] == NEG_INF ? 0.0f : expf(sc[i][j] - nm);
+                    ps[(kx + 8 * j) * pw + 2 * sy + i] = e;
+                    ts += e;
+                }
+                for (int x = 1; x < 8; x *= 2) ts += __shfl_xor_sync(0xffffffffu, ts, x);
+                l[i] = l[i] * cr + ts;
+                m[i] = nm;
+                if (kx == 0) corr[2 * sy + i] = cr;
+            }
+            __syncthreads();
+
+#pragma unroll
+            for (int a = 0; a < 4; a++) {
+                float cr = corr[4 * so + a];
+#pragma unroll
+                for (int u = 0; u < FO; u++) {
+                    o[a][u].x *= cr;
+                    o[a][u].y *= cr;
+                    o[a][u].z *= cr;
+                    o[a][u].w *= cr;
+                }
+            }
+#pragma unroll 4
+            for (int j = 0; j < kn; j++) {
+                float4 w = *reinterpret_cast<const float4*>(ps + j * pw + 4 * so);
+#pragma unroll
+                for (int u = 0; u < FO; u++) {
+                    if (!col[u]) continue;
+                    float4 y = vr[j * f4 + 16 * u];
+                    fma4(o[0][u], w.x, y);
+                    fma4(o[1][u], w.y, y);
+                    fma4(o[2][u], w.z, y);
+                    fma4(o[3][u], w.w, y);
+                }
+            }
+        }
+        if (kx == 0) {
+            lsum[2 * sy] = l[0];
+            lsum[2 * sy + 1] = l[1];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+            int s = 4 * so + a, at = slot0 + s, r = at / group;
+            if (r >= rows) continue;
+            // A real row sees at least its own key, so its sum is at least 1.
+            float inv = 1.0f / lsum[s];
+            float4* dst = out4 + ((size_t)r * heads + h0 + at % group) * f4;
+#pragma unroll
+            for (int u = 0; u < FO; u++)
+                if (col[u]) {
+                    float4 x = o[a][u];
+                    dst[dx + 16 * u] = make_float4(x.x * inv, x.y * inv, x.z * inv, x.w * inv);
+                }
+        }
+    }
+}
+
+// Head widths up to 64, 128 and 256, a multiple of 4 (float4 rows); dynamic shared
+// memory as `tiled_shared` on the host computes it.
+extern "C" __global__ void __launch_bounds__(PA_THREADS, 2)
+    attention_tiled_64(const float* q, const float* k, const float* v, float* out, int rows,
+                       int pos0, int heads, int kv_heads, int head_dim, int window) {
+    attention_tiled<1>(q, k, v, out, rows, pos0, heads, kv_heads, head_dim, window);
+}
+extern "C" __global__ void __launch_bounds__(PA_THREADS, 2)
+    attention_tiled_128(const float* q, const float* k, const float* v, float* out, int rows,
+                        int pos0, int heads, int kv_heads, int head_dim, int window) {
+    attention_tiled<2>(q, k, v, out, rows, pos0, heads, kv_heads, head_dim, window);
+}
+// At 256 the shared memory (203 KB) allows one block an SM: all registers to it.
+extern "C" __global__ void __launch_bounds__(PA_THREADS, 1)
+    attention_tiled_256(const float* q, const float* k, const float* v, float* out, int rows,
+                        int pos0, int heads, int kv_heads, int head_dim, int window) {
+    attention_tiled<4>(q, k, v, out, rows, pos0, heads, kv_heads, head_dim, window);
+}
+
 // ---- VQ-ladder products straight from the codes (codec::vq) ----
 //
 // A weight row is cut into blocks of R values; block b of row o is

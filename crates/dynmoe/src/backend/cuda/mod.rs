@@ -119,6 +119,13 @@ const ATT_STEP: usize = 16;
 const ATT_CHUNK_MAX: usize = 256;
 /// Threads of an `attention_combine` block (its `COMBINE_THREADS`).
 const COMBINE_THREADS: u32 = 512;
+/// Query slots (a row and a head of a GQA group each) of an `attention_tiled_*` block
+/// (its `PA_BM`).
+const PA_BM: usize = 64;
+/// Keys of one tile an `attention_tiled_*` block stages (its `PA_BN`).
+const PA_BN: usize = 32;
+/// Threads of an `attention_tiled_*` block (its `PA_THREADS`).
+const PA_THREADS: u32 = 256;
 
 /// Why the CUDA backend could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -300,7 +307,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 66] = [
+const KERNEL_NAMES: [&str; 69] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -358,6 +365,9 @@ const KERNEL_NAMES: [&str; 66] = [
     "attention_group_128",
     "attention_group_256",
     "attention_combine",
+    "attention_tiled_64",
+    "attention_tiled_128",
+    "attention_tiled_256",
     "vq_rotate",
     "vq_matvec_p2",
     "vq_matvec_p4",
@@ -516,6 +526,11 @@ pub struct Cuda {
     bf16_matrices: bool,
     /// How one-row attention runs (a [`DecodeAttention`] as its `u8`).
     decode_attention: AtomicU8,
+    /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
+    prefill_attention: AtomicU8,
+    /// The widest head the tiled prefill kernels were given their shared memory for (0:
+    /// none; the device's per-block limit decides).
+    tiled_head_dim: usize,
     /// Streaming multiprocessors of the device: what a launch needs blocks enough to fill.
     sms: usize,
 }
@@ -559,6 +574,38 @@ impl DecodeAttention {
     }
 }
 
+/// How the CUDA backend attends several query rows (a prompt, a chunk of one). Both
+/// give the same result up to the order of f32 sums; the choice is for measuring one
+/// against the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillAttention {
+    /// A block per (KV head, two tiles of 64 query slots), a slot being a row and a query
+    /// head of the KV head's group; K and V tiles in shared memory serve every slot of a
+    /// tile (the default). Head widths that are not a multiple of 4 take
+    /// [`PerRow`](Self::PerRow).
+    Tiled,
+    /// A block per (query row, head) walks its keys alone
+    /// (`DYNMOE_CUDA_TILED_ATTENTION=0`).
+    PerRow,
+}
+
+impl PrefillAttention {
+    fn from_env() -> Self {
+        if std::env::var("DYNMOE_CUDA_TILED_ATTENTION").is_ok_and(|v| v == "0") {
+            PrefillAttention::PerRow
+        } else {
+            PrefillAttention::Tiled
+        }
+    }
+
+    fn from_u8(v: u8) -> Self {
+        match v {
+            0 => PrefillAttention::Tiled,
+            _ => PrefillAttention::PerRow,
+        }
+    }
+}
+
 /// Keys per block of the grouped decode attention over a cache of `capacity` positions
 /// with `units` blocks per chunk (KV heads times head tiles) on `sms` multiprocessors:
 /// about two blocks per multiprocessor, so a short context still fills the device and a
@@ -570,17 +617,49 @@ fn group_chunk(capacity: usize, units: usize, sms: usize) -> usize {
     (steps * ATT_STEP).clamp(ATT_STEP, ATT_CHUNK_MAX)
 }
 
-/// The grouped kernel for heads of `head_dim`, if it takes them (float4 rows up to 256).
-fn group_kernel(head_dim: usize) -> Option<&'static str> {
+/// Which of a kernel's 64-, 128- and 256-wide builds takes heads of `head_dim` (0, 1 or
+/// 2), if any does: float4 rows up to 256.
+fn head_width_class(head_dim: usize) -> Option<usize> {
     if head_dim == 0 || !head_dim.is_multiple_of(4) {
         return None;
     }
     match head_dim {
-        1..=64 => Some("attention_group_64"),
-        65..=128 => Some("attention_group_128"),
-        129..=256 => Some("attention_group_256"),
+        1..=64 => Some(0),
+        65..=128 => Some(1),
+        129..=256 => Some(2),
         _ => None,
     }
+}
+
+/// The grouped kernel for heads of `head_dim`, if it takes them (float4 rows up to 256).
+fn group_kernel(head_dim: usize) -> Option<&'static str> {
+    head_width_class(head_dim).map(|c| {
+        [
+            "attention_group_64",
+            "attention_group_128",
+            "attention_group_256",
+        ][c]
+    })
+}
+
+/// The tiled prefill kernel for heads of `head_dim`, if it takes them (as
+/// [`group_kernel`]).
+fn tiled_kernel(head_dim: usize) -> Option<&'static str> {
+    head_width_class(head_dim).map(|c| {
+        [
+            "attention_tiled_64",
+            "attention_tiled_128",
+            "attention_tiled_256",
+        ][c]
+    })
+}
+
+/// Dynamic shared memory of an `attention_tiled_*` block for heads of `head_dim`: the Q
+/// tile and two K tiles with rows padded by a float4, two V tiles, P
+/// (`[PA_BN][PA_BM + 4]`) and two floats per slot.
+fn tiled_shared(head_dim: usize) -> usize {
+    let f4 = head_dim / 4;
+    ((PA_BM + 2 * PA_BN) * (f4 + 1) + 2 * PA_BN * f4) * 16 + (PA_BN * (PA_BM + 4) + 2 * PA_BM) * 4
 }
 
 /// A recorded step.
@@ -695,6 +774,22 @@ impl Cuda {
         for name in KERNEL_NAMES {
             f.insert(name, driver(module.load_function(name))?);
         }
+        // The tiled prefill kernels take more than the 48 KB of shared memory a block gets
+        // without asking (107 KB at a head of 128); a device that allows less keeps the
+        // per-row kernel for those widths.
+        let optin = driver(ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        ))? as usize;
+        let mut tiled_head_dim = 0;
+        for width in [64, 128, 256] {
+            let bytes = tiled_shared(width);
+            let name = tiled_kernel(width).expect("a tiled width");
+            let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            if bytes > optin || f[name].set_attribute(attr, bytes as i32).is_err() {
+                break;
+            }
+            tiled_head_dim = width;
+        }
         // A stream of its own: the legacy default stream cannot be recorded into a graph.
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
@@ -727,6 +822,8 @@ impl Cuda {
             ),
             bf16_matrices: std::env::var("DYNMOE_CUDA_BF16").map_or(true, |v| v != "0"),
             decode_attention: AtomicU8::new(DecodeAttention::from_env() as u8),
+            prefill_attention: AtomicU8::new(PrefillAttention::from_env() as u8),
+            tiled_head_dim,
             sms,
         })
     }
@@ -831,6 +928,22 @@ impl Cuda {
     /// [`set_tensor_cores`](Self::set_tensor_cores)).
     pub fn tensor_cores(&self) -> bool {
         self.tensor_cores.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How attention of several rows runs from now on (the default:
+    /// [`PrefillAttention::Tiled`], or what the environment asks for).
+    pub fn set_prefill_attention(&self, way: PrefillAttention) {
+        self.prefill_attention
+            .store(way as u8, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How attention of several rows runs (see
+    /// [`set_prefill_attention`](Self::set_prefill_attention)).
+    pub fn prefill_attention(&self) -> PrefillAttention {
+        PrefillAttention::from_u8(
+            self.prefill_attention
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
     }
 
     /// Decode steps recorded as graphs and kept for replay.
@@ -1884,6 +1997,44 @@ impl Cuda {
         );
     }
 
+    /// Attention of several rows by `attention_tiled_*` (`name`): a block per KV head and
+    /// pair of tiles of 64 query slots, one from each end (see the kernel). q, the caches
+    /// and out are whole allocations (256-byte aligned) and the head width a multiple of 4,
+    /// so their rows are float4s.
+    fn attention_tiled(
+        &self,
+        name: &str,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<f32>,
+        v_cache: &CudaSlice<f32>,
+        shape: AttentionShape,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let slots = shape.rows * (shape.heads / shape.kv_heads);
+        let grid = slots.div_ceil(PA_BM).div_ceil(2) * shape.kv_heads;
+        let (rows, p0, h, kvh, d) = (
+            shape.rows as i32,
+            shape.pos0 as i32,
+            shape.heads as i32,
+            shape.kv_heads as i32,
+            shape.head_dim as i32,
+        );
+        let window = shape.window.map_or(0, |w| w as i32);
+        let mut l = self.stream.launch_builder(self.func(name));
+        l.arg(q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(out)
+            .arg(&rows)
+            .arg(&p0)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&d)
+            .arg(&window);
+        let shared = tiled_shared(shape.head_dim);
+        ok(unsafe { l.launch(cfg(grid, PA_THREADS, shared)) }, name);
+    }
+
     /// `out[r] = table[ids[r]]` for `n` ids in device memory (`u32` bits, whatever the
     /// buffer's element type).
     fn embed_rows<I: DevicePtr<T>, T>(
@@ -2224,6 +2375,14 @@ impl Backend for Cuda {
         if shape.rows == 1 && self.decode_attention() != DecodeAttention::Whole {
             self.attention_one_row(q, k_cache, v_cache, shape, 0, out);
             return;
+        }
+        if shape.rows > 1 && self.prefill_attention() == PrefillAttention::Tiled {
+            if let Some(name) =
+                tiled_kernel(shape.head_dim).filter(|_| shape.head_dim <= self.tiled_head_dim)
+            {
+                self.attention_tiled(name, q, k_cache, v_cache, shape, out);
+                return;
+            }
         }
         let (p0, h, kvh, d) = (
             shape.pos0 as i32,
@@ -2688,8 +2847,8 @@ impl Backend for Cuda {
 #[cfg(test)]
 mod tests {
     use super::{
-        group_chunk, group_kernel, is_bf16_exact, vq_book_bytes, vq_suffix, vq_tile, VqTile,
-        ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT,
+        group_chunk, group_kernel, is_bf16_exact, tiled_kernel, tiled_shared, vq_book_bytes,
+        vq_suffix, vq_tile, VqTile, ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT,
     };
     use crate::codec::vq::{Rung, LADDER};
     use crate::testing::fresh;
@@ -2768,6 +2927,31 @@ mod tests {
         for d in [0, 2, 66, 130, 260] {
             assert_eq!(group_kernel(d), None, "{d}");
         }
+    }
+
+    #[test]
+    fn tiled_attention_takes_the_grouped_widths_within_the_shared_memory_of_an_h200() {
+        for d in [4, 36, 64, 96, 128, 200, 256] {
+            let grouped = group_kernel(d).unwrap();
+            assert_eq!(
+                tiled_kernel(d).unwrap(),
+                grouped.replace("group", "tiled"),
+                "{d}"
+            );
+        }
+        for d in [0, 2, 66, 130, 260] {
+            assert_eq!(tiled_kernel(d), None, "{d}");
+        }
+        // 128 wide: two blocks an SM (228 KB, 1 KB reserved a block); 256: one, within
+        // the 227 KB a block may opt in to.
+        assert_eq!(tiled_shared(128), 109_568);
+        assert!(2 * (tiled_shared(128) + 1024) <= 228 << 10);
+        assert_eq!(tiled_shared(256), 207_872);
+        assert!(tiled_shared(256) <= 227 << 10);
+        assert!(
+            tiled_shared(64) > SHARED_LIMIT,
+            "every width asks for its shared memory"
+        );
     }
 
     #[test]
