@@ -24,10 +24,12 @@
 #          of device memory with dynamic residency, the store read from /dev/shm
 #          (residency_235b.json)
 # cpu-vq   the CPU VQ matvec kernels against affine q2/q4 on this machine's CPU (vq_kernels.json)
+# profile  a 2-layer model's 512-token prompt and 8 decode steps at 4 bits under Nsight
+#          Compute: each kernel's time per run (profile.log, profile.csv)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
-#          keys, with dense weights in f32 instead of bf16, the prompt's attention by the
-#          per-row kernel instead of the tiled one, and decode after a 16-token prompt
-#          (model_variants.log)
+#          keys, with dense weights in f32 instead of bf16, prompts without tensor cores,
+#          the prompt's attention by the per-row kernel instead of the tiled one, and
+#          decode after a 16-token prompt (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -53,7 +55,9 @@ for step in $steps; do
     case $step in
     checks)
         echo "== kernel checks and fixtures"
-        "$BIN/cuda-tests" --test-threads=1 --nocapture 2>&1 | tee "$OUT/checks.log"
+        # CHECKS: test name filters, to run only some (all by default).
+        # shellcheck disable=SC2086
+        "$BIN/cuda-tests" --test-threads=1 --nocapture ${CHECKS:-} 2>&1 | tee "$OUT/checks.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     kernels)
@@ -142,6 +146,9 @@ for step in $steps; do
             echo "-- dense weights (attention, router, LM head) in f32, not bf16"
             DYNMOE_CUDA_BF16=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
                 --prompt 512 --generate 128
+            echo "-- prompts without tensor cores (dense products widened for sgemm, experts one by one)"
+            DYNMOE_CUDA_TENSOR_CORES=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
+                --prompt 512 --generate 128
             echo "-- prompts through the per-row attention kernel, not the tiled one"
             DYNMOE_CUDA_TILED_ATTENTION=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
                 --prompt 512 --generate 128
@@ -149,6 +156,18 @@ for step in $steps; do
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128
         } 2>&1 | tee "$OUT/model_variants.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        ;;
+    profile)
+        echo "== kernel times of a 2-layer prompt and decode, 4 bits (Nsight Compute)"
+        m="$WORK/qwen3-30b-a3b-l2"
+        [ -e "$m/experts.json" ] || "$BIN/dynmoe" synth --like qwen3-30b-a3b --layers 2 --bits 4 \
+            -o "$m" --tokenizer-from fixtures/models/small-moe || status=1
+        "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 512 --generate 8 \
+            --repeats 1 2>&1 | tee "$OUT/profile.log"
+        ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+            --log-file "$OUT/profile.csv" "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
+            --prompt 512 --generate 8 --repeats 1 > /dev/null 2>&1 || status=1
+        python3 "$BIN/kernel_times.py" "$OUT/profile.csv" 2 2>&1 | tee -a "$OUT/profile.log"
         ;;
     *) echo "unknown step $step"; status=1 ;;
     esac

@@ -411,7 +411,120 @@ fn main() {
             gb_s,
             fraction_of_copy: gb_s / copy_gb_s,
         });
+        // A 512-token prompt's dispatch of the same experts (each token's top-8 drawn
+        // anew, ~32 rows an expert): the grouped GEMMs on tensor cores, then the path
+        // without them (grouped matrix-vector for groups of up to 8 rows, the rest one
+        // by one). Bytes: every expert's weights read once.
+        let prompt = 512;
+        let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); experts];
+        for t in 0..prompt {
+            let mut p: Vec<usize> = (0..experts).collect();
+            for i in 0..top_k {
+                let j = i + (rng.next_u64() % (experts - i) as u64) as usize;
+                p.swap(i, j);
+            }
+            p[..top_k].iter().for_each(|&e| rows_of[e].push(t as u32));
+        }
+        let gates = vec![0.125f32; prompt];
+        let xp = g.upload(&fresh(prompt * hidden, 13));
+        let mut outp = g.zeros(prompt * hidden);
+        let layer_bytes = bytes / top_k * experts;
+        let flops = 2.0 * 3.0 * (prompt * top_k * inter * hidden) as f64;
+        let was = g.tensor_cores();
+        for tensor_cores in [true, false] {
+            g.set_tensor_cores(tensor_cores);
+            let groups: Vec<SwiGluGroup<'_, _>> = rows_of
+                .iter()
+                .enumerate()
+                .map(|(e, r)| SwiGluGroup {
+                    gate: Weight::Affine(mats[e][0].view(bits, inter, hidden)),
+                    up: Weight::Affine(mats[e][1].view(bits, inter, hidden)),
+                    down: Weight::Affine(mats[e][2].view(bits, hidden, inter)),
+                    intermediate: inter,
+                    rows: r,
+                    scales: &gates[..r.len()],
+                })
+                .collect();
+            let us = time_ms(&g, || g.swiglu_groups(&xp, hidden, &groups, &mut outp)) * 1e3;
+            let gb_s = layer_bytes as f64 / (us * 1e-6) / 1e9;
+            let way = if tensor_cores { "gemm" } else { "1by1" };
+            println!(
+                "{:<10} {:>6} {:>6} {:>5} {us:>10.2} {gb_s:>8.0} {:>7.2}  {:.1} TFLOP/s",
+                format!("moe512 q{bits} {way}"),
+                inter,
+                hidden,
+                prompt,
+                gb_s / copy_gb_s,
+                flops / (us * 1e-6) / 1e12
+            );
+            rows_out.push(Row {
+                kernel: format!(
+                    "moe_prompt512_top8_q{bits}_{}",
+                    if tensor_cores {
+                        "tensor_core_gemm"
+                    } else {
+                        "without_tensor_cores"
+                    }
+                ),
+                rows: inter,
+                cols: hidden,
+                batch: prompt,
+                weight_bytes: layer_bytes,
+                copies: 1,
+                median_us_per_call: us,
+                gb_s,
+                fraction_of_copy: gb_s / copy_gb_s,
+            });
+        }
+        g.set_tensor_cores(was);
         g.clear_weight_cache();
+    }
+
+    // A prompt's dense products (512 rows through a bf16 4096 × 2048 projection): on
+    // tensor cores (x split into two bf16 parts, two cuBLAS bf16 GEMMs), then the matrix
+    // widened to f32 for cuBLAS' sgemm.
+    {
+        let (rows, cols, prompt) = (4096, 2048, 512);
+        let w: Vec<f32> = fresh(rows * cols, 31)
+            .into_iter()
+            .map(|v| bf16::from_f32(v).to_f32())
+            .collect();
+        let m = g.upload_matrix(&w, rows, cols);
+        let x = g.upload(&fresh(prompt * cols, 32));
+        let mut out = g.alloc(prompt * rows);
+        let was = g.tensor_cores();
+        for tensor_cores in [true, false] {
+            g.set_tensor_cores(tensor_cores);
+            let us = time_ms(&g, || g.matmul(&x, &m, prompt, cols, rows, &mut out)) * 1e3;
+            let tflops = 2.0 * (prompt * rows * cols) as f64 / (us * 1e-6) / 1e12;
+            let way = if tensor_cores { "split" } else { "sgemm" };
+            let bytes = rows * cols * 2;
+            let gb_s = bytes as f64 / (us * 1e-6) / 1e9;
+            println!(
+                "{:<10} {rows:>6} {cols:>6} {prompt:>5} {us:>10.2} {gb_s:>8.0} {:>7.2}  {tflops:.1} TFLOP/s",
+                format!("bf16 {way}"),
+                gb_s / copy_gb_s
+            );
+            rows_out.push(Row {
+                kernel: format!(
+                    "dense_bf16_prompt512_{}",
+                    if tensor_cores {
+                        "tensor_core_split"
+                    } else {
+                        "widened_sgemm"
+                    }
+                ),
+                rows,
+                cols,
+                batch: prompt,
+                weight_bytes: bytes,
+                copies: 1,
+                median_us_per_call: us,
+                gb_s,
+                fraction_of_copy: gb_s / copy_gb_s,
+            });
+        }
+        g.set_tensor_cores(was);
     }
 
     // Dense products of one row at the attention and LM-head shapes (the matrix-vector

@@ -259,11 +259,20 @@ fn bf16_matmul_matches_the_reference() {
         (2, 250, 33),
         (1, 7, 5),
         (64, 768, 2048),
+        (300, 2048, 512),
         (7, 256, 80),
         (5, 250, 33),
         (5, 2048, 151936),
     ];
-    for (rows, in_dim, out_dim) in cases {
+    // More rows run on tensor cores (x split into two bf16 parts) or, with those off,
+    // through the widened matrix: both ways are checked.
+    let was = g.tensor_cores();
+    let ways = cases
+        .iter()
+        .flat_map(|&c| [(c, true), (c, false)])
+        .filter(|&((rows, _, _), tc)| tc || rows > 4);
+    for ((rows, in_dim, out_dim), tensor_cores) in ways {
+        g.set_tensor_cores(tensor_cores);
         let x = fresh(rows * in_dim, 22);
         let w = bf16_values(&fresh(out_dim * in_dim, 23));
         assert!(
@@ -271,7 +280,7 @@ fn bf16_matmul_matches_the_reference() {
             "bf16 values are kept in bf16"
         );
         both!(
-            &format!("matmul bf16 {rows}x{in_dim} -> {out_dim}"),
+            &format!("matmul bf16 {rows}x{in_dim} -> {out_dim} tensor cores {tensor_cores}"),
             &[&x],
             rows * out_dim,
             1e-5,
@@ -285,6 +294,7 @@ fn bf16_matmul_matches_the_reference() {
             )
         );
     }
+    g.set_tensor_cores(was);
     // One value off bf16 keeps the whole matrix in f32.
     let mut w = bf16_values(&fresh(64 * 96, 24));
     w[1000] = f32::from_bits(w[1000].to_bits() | 1);
@@ -1090,16 +1100,27 @@ fn vq_experts_through_swiglu_groups_match_the_reference() {
 
 #[test]
 fn moe_dispatch_matches_the_reference() {
-    let Some(_) = gpu() else { return };
-    // Experts 80 wide (the down input padded to 128) over 256-wide rows, with 1 to 20
-    // rows each: the grouped launch takes those of at most 8 rows, the rest run one
-    // by one (expand then GEMM); a dense group rides along.
-    let (hidden, inter, tokens) = (256, 80, 24);
+    let Some(g) = gpu() else { return };
+    let was = g.tensor_cores();
+    // Experts 80 wide (the down input padded to 128) over 256-wide rows, with 1 to 70
+    // rows each; a dense group rides along. On tensor cores every affine group runs
+    // through the grouped GEMMs (ragged tiles of 32 pairs, 64 outputs); without, the
+    // grouped matrix-vector launch takes the groups of at most 8 rows and the rest run
+    // one by one (expand then GEMM).
+    let (hidden, inter, tokens) = (256, 80, 80);
     let x = fresh(tokens * hidden, 70);
     let base = fresh(tokens * hidden, 71);
     let mut rng = Rng::new(72);
-    let counts = [1usize, 3, 5, 8, 9, 20, 2];
-    for bits in [4, 3, 2] {
+    let counts = [1usize, 3, 5, 8, 9, 20, 2, 33, 70];
+    for (bits, tensor_cores) in [
+        (4, true),
+        (3, true),
+        (2, true),
+        (4, false),
+        (3, false),
+        (2, false),
+    ] {
+        g.set_tensor_cores(tensor_cores);
         let mats: Vec<[Affine; 3]> = (0..counts.len() as u64)
             .map(|e| {
                 [
@@ -1133,7 +1154,7 @@ fn moe_dispatch_matches_the_reference() {
         let dense_rows: Vec<u32> = (0..tokens as u32).step_by(3).collect();
         let dense_scales = fresh(dense_rows.len(), 98);
         both!(
-            &format!("swiglu_groups q{bits} rows {counts:?} + dense bf16 {dense_bf16}"),
+            &format!("swiglu_groups q{bits} tensor cores {tensor_cores} + dense bf16 {dense_bf16}"),
             &[&x, &base],
             tokens * hidden,
             1e-5,
@@ -1168,6 +1189,7 @@ fn moe_dispatch_matches_the_reference() {
             }
         );
     }
+    g.set_tensor_cores(was);
 }
 
 /// The host route of the block: probabilities `[rows, E]` and the output of the chosen
@@ -1249,17 +1271,22 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, bits: u32
             ]
         })
         .collect();
+    // Past 8 rows (a prompt) the pairs are grouped by expert on the device and run
+    // through the grouped GEMMs on tensor cores.
     let mut cases = vec![
         (1, 4, true, false),
         (1, 2, false, true),
         (3, 4, false, false),
         (8, 3, true, true),
+        (9, 4, true, false),
+        (40, 3, false, true),
     ];
     if experts >= 16 {
         cases.extend([
             (1, 8, true, false),
             (5, 8, true, true),
             (2, 8, false, false),
+            (300, 8, true, true),
         ]);
     }
     if tie {
@@ -1355,8 +1382,8 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, bits: u32
 fn moe_routed_on_the_device_matches_the_host_route() {
     let Some(g) = gpu() else { return };
     // 12 experts 80 wide (the down input padded to 128) over 256-wide rows; top-k with
-    // and without renormalisation and a plan's mask, one row (decode) to the 8 the
-    // device path takes. Then 128 experts (a warp routes a row, 4 experts a lane,
+    // and without renormalisation and a plan's mask, one row (decode) to 300 (a prompt,
+    // through the grouped GEMMs). Then 128 experts (a warp routes a row, 4 experts a lane,
     // top-8 as Qwen3-30B-A3B), with a tie, and 260 (past the warp's 256: a block routes).
     for bits in [4, 3, 2] {
         check_routed(g, 256, 80, 12, bits, false);
@@ -1364,7 +1391,8 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     check_routed(g, 128, 32, 128, 4, true);
     check_routed(g, 128, 32, 260, 2, true);
     let (hidden, inter) = (256, 80);
-    // Too many rows for the device path: it declines and leaves the outputs alone.
+    // Without tensor cores more than 8 rows are too many for the device path: it declines
+    // and leaves the outputs alone.
     let mats: Vec<[Affine; 3]> = (0..4u64)
         .map(|e| {
             [
@@ -1397,7 +1425,11 @@ fn moe_routed_on_the_device_matches_the_host_route() {
         g.upload_matrix(&fresh(4 * hidden, 511), 4, hidden),
     );
     let (mut probs, mut out) = (g.alloc(rows * 4), g.alloc(rows * hidden));
-    assert!(!g.routed_moe(&xd, rows, hidden, &gd, &ex, r, &mut probs, 0, &mut out));
+    let was = g.tensor_cores();
+    g.set_tensor_cores(false);
+    let declined = !g.routed_moe(&xd, rows, hidden, &gd, &ex, r, &mut probs, 0, &mut out);
+    g.set_tensor_cores(was);
+    assert!(declined);
 }
 
 #[test]

@@ -6,6 +6,8 @@
 //! calibration and the resident-set runtime read it. With a resident set, routing is
 //! confined to the residents and their weights are read from the set's slots.
 
+use rayon::prelude::*;
+
 use super::config::Router;
 use super::weights::{Experts, Mlp, Moe};
 use crate::backend::{Backend, DeviceRoute, RoutedExperts, SwiGluGroup, Weight};
@@ -38,13 +40,21 @@ pub struct Route {
 
 /// Picks the `top_k` most probable experts of one token. Ties go to the lower id.
 pub fn route(probs: &[f32], top_k: usize, router: Router) -> Route {
+    let better = |a: &u32, b: &u32| {
+        probs[*b as usize]
+            .total_cmp(&probs[*a as usize])
+            .then(a.cmp(b))
+    };
     let mut order: Vec<u32> = (0..probs.len() as u32).collect();
-    order.sort_by(|&a, &b| {
-        probs[b as usize]
-            .total_cmp(&probs[a as usize])
-            .then(a.cmp(&b))
-    });
-    order.truncate(top_k);
+    // Select, then sort only the chosen: a prompt routes every token of every layer here,
+    // and a full sort of 128 or 256 experts a token cost milliseconds a layer.
+    if top_k == 0 {
+        order.clear();
+    } else if top_k < order.len() {
+        order.select_nth_unstable_by(top_k - 1, better);
+        order.truncate(top_k);
+    }
+    order.sort_by(better);
     let mut weights: Vec<f32> = order.iter().map(|&e| probs[e as usize]).collect();
     match router {
         Router::SoftmaxTopK { renormalize: true } => {
@@ -166,13 +176,11 @@ pub fn forward<B: Backend>(
     let mut routed: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); e];
     let routes: Vec<Route> = match set {
         Some(ref mut s) => s.route(&probs, rows, top_k, router, track),
-        None => (0..rows)
-            .map(|r| {
-                let p = &probs[r * e..(r + 1) * e];
-                match &moe.keep {
-                    Some(keep) => route(&crate::residency::confine(p, keep), top_k, router),
-                    None => route(p, top_k, router),
-                }
+        None => probs
+            .par_chunks(e)
+            .map(|p| match &moe.keep {
+                Some(keep) => route(&crate::residency::confine(p, keep), top_k, router),
+                None => route(p, top_k, router),
             })
             .collect(),
     };
@@ -299,5 +307,26 @@ mod tests {
     fn ties_go_to_the_lower_id() {
         let r = route(&[0.25; 4], 2, Router::SoftmaxTopK { renormalize: false });
         assert_eq!(r.experts, vec![0, 1]);
+    }
+
+    #[test]
+    fn selection_picks_what_a_full_sort_picks() {
+        let mut rng = crate::testing::Rng::new(5);
+        for experts in [1usize, 7, 128] {
+            // Few distinct values, so ties are common.
+            let probs: Vec<f32> = (0..experts)
+                .map(|_| (rng.next_u64() % 5) as f32 / 5.0)
+                .collect();
+            let mut sorted: Vec<u32> = (0..experts as u32).collect();
+            sorted.sort_by(|&a, &b| {
+                probs[b as usize]
+                    .total_cmp(&probs[a as usize])
+                    .then(a.cmp(&b))
+            });
+            for top_k in 0..=experts {
+                let r = route(&probs, top_k, Router::SoftmaxTopK { renormalize: false });
+                assert_eq!(r.experts, sorted[..top_k], "{experts} experts, top {top_k}");
+            }
+        }
     }
 }

@@ -72,6 +72,27 @@ extern "C" __global__ void bf16_to_f32(const unsigned short* src, float* dst, lo
     for (; i < n; i += stride) dst[i] = bf16_bits(src[i]);
 }
 
+// x split into two bf16 parts, hi = x rounded and lo = (x - hi) rounded, for tensor-core
+// products with a bf16 matrix: W·hi + W·lo carries about 16 bits of x, where a single
+// bf16 rounding would keep 8.
+extern "C" __global__ void split_bf16(const float* x, unsigned short* hi, unsigned short* lo,
+                                      long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (; i < n; i += stride) {
+        float v = x[i];
+        unsigned short h = 0, l = 0;
+#if __CUDA_ARCH__ >= 800
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(l) : "f"(v - bf16_bits(h)));
+#else
+        __trap();  // the host takes this path only on sm_80 and later
+#endif
+        hi[i] = h;
+        lo[i] = l;
+    }
+}
+
 // RMSNorm of rows of `dim`, optionally after a residual add (`delta` non-null:
 // x += delta first, the sum written back to x, then normalised). A team of threads per
 // row: a warp (rows of at most NORM_WARP_DIM values, several rows a block) or the whole
@@ -312,40 +333,64 @@ __device__ __forceinline__ int q2_column(int k, int p, int b) {
     return p < 2 ? 2 * (8 * k + 4 * p + b) : 2 * (8 * k + 4 * (p - 2) + b) + 1;
 }
 
+// A chunk's words: 4 at 4 bits, 2 at 2 bits, 3 at 3 bits (the rest of `w` unused), so a
+// kernel can load one chunk ahead and decode it later.
 template <int BITS>
-__device__ __forceinline__ void decode_chunk(const unsigned* words, size_t chunk, float* codes) {
+__device__ __forceinline__ void load_chunk(const unsigned* words, size_t chunk, unsigned (&w)[4]) {
     if (BITS == 4) {
-        uint4 w = *reinterpret_cast<const uint4*>(words + 4 * chunk);
-        unsigned ws[4] = {w.x, w.y, w.z, w.w};
+        uint4 v = *reinterpret_cast<const uint4*>(words + 4 * chunk);
+        w[0] = v.x;
+        w[1] = v.y;
+        w[2] = v.z;
+        w[3] = v.w;
+    } else if (BITS == 2) {
+        uint2 v = *reinterpret_cast<const uint2*>(words + 2 * chunk);
+        w[0] = v.x;
+        w[1] = v.y;
+        w[2] = w[3] = 0u;
+    } else {
+        const unsigned* c = words + 3 * chunk;
+        w[0] = c[0];
+        w[1] = c[1];
+        w[2] = c[2];
+        w[3] = 0u;
+    }
+}
+
+template <int BITS>
+__device__ __forceinline__ void decode_words(const unsigned (&w)[4], float* codes) {
+    if (BITS == 4) {
 #pragma unroll
         for (int l = 0; l < 4; l++)
 #pragma unroll
-            for (int n = 0; n < 8; n++) codes[8 * l + n] = (float)((ws[l] >> (4 * n)) & 15u);
+            for (int n = 0; n < 8; n++) codes[8 * l + n] = (float)((w[l] >> (4 * n)) & 15u);
     } else if (BITS == 2) {
-        uint2 w = *reinterpret_cast<const uint2*>(words + 2 * chunk);
-        unsigned ws[2] = {w.x, w.y};
 #pragma unroll
         for (int k = 0; k < 2; k++)
 #pragma unroll
             for (int p = 0; p < 4; p++)
 #pragma unroll
                 for (int b = 0; b < 4; b++)
-                    codes[q2_column(k, p, b)] = (float)((ws[k] >> (8 * b + 2 * p)) & 3u);
+                    codes[q2_column(k, p, b)] = (float)((w[k] >> (8 * b + 2 * p)) & 3u);
     } else {
-        const unsigned* c = words + 3 * chunk;
-        unsigned ws[2] = {c[0], c[1]};
-        unsigned low = c[2];
 #pragma unroll
         for (int k = 0; k < 2; k++)
 #pragma unroll
             for (int p = 0; p < 4; p++)
 #pragma unroll
                 for (int b = 0; b < 4; b++) {
-                    unsigned up = (ws[k] >> (8 * b + 2 * p)) & 3u;
-                    unsigned lo = (low >> (8 * b + 4 * k + p)) & 1u;
+                    unsigned up = (w[k] >> (8 * b + 2 * p)) & 3u;
+                    unsigned lo = (w[2] >> (8 * b + 4 * k + p)) & 1u;
                     codes[q2_column(k, p, b)] = (float)(2u * up + lo);
                 }
     }
+}
+
+template <int BITS>
+__device__ __forceinline__ void decode_chunk(const unsigned* words, size_t chunk, float* codes) {
+    unsigned w[4];
+    load_chunk<BITS>(words, chunk, w);
+    decode_words<BITS>(w, codes);
 }
 
 template <int BITS> __device__ __forceinline__ float recon_a() { return BITS == 4 ? 1.0f : (BITS == 3 ? 2.0f : 4.0f); }
@@ -513,6 +558,373 @@ __device__ void affine_dequant(const unsigned* words, const unsigned short* scal
 AFFINE_ENTRY(4)
 AFFINE_ENTRY(3)
 AFFINE_ENTRY(2)
+
+// ---- Affine experts on tensor cores: the grouped GEMM of a prompt's MoE dispatch ----
+//
+// A block computes a tile of MMA_BM (row, expert) pairs × MMA_BN output rows of one
+// expert's matrix with mma.sync m16n8k16 (f16 inputs, f32 accumulation), a 64-column
+// scale group at a time. The weights enter as their codes q, which f16 holds exactly, so
+// a group's partial product P is Σ x·q and the group adds a·scale·P + (o·scale + bias)·Σx,
+// as the matrix-vector kernels do. x enters as two f16 parts, hi = x rounded and lo = the
+// rest rounded, so the products keep about 22 bits of x: the result stays within f32
+// rounding of the reference, not f16's.
+//
+// Four warps split the output rows, 16 each (two n8 fragments), and each covers all 32
+// pair rows (two m16 fragments). A lane decodes its weight fragments straight from the
+// words it loads: no weight tile passes through shared memory. Only the x tile does,
+// in rows of 72 halves (64 + 8), so the fragment loads of a warp's 32 lanes fall in 32
+// different banks.
+#define MMA_BM 32
+#define MMA_BN 64
+#define MMA_LD 72
+
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    unsigned r = 0;
+#if __CUDA_ARCH__ >= 800
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ float2 unpack_f16x2(unsigned v) {
+    float a, b;
+    asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}"
+        : "=f"(a), "=f"(b)
+        : "r"(v));
+    return make_float2(a, b);
+}
+
+// c += a · b for one m16n8k16 fragment (row-major a, column-major b).
+__device__ __forceinline__ void mma_f16(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                        unsigned b1) {
+#if __CUDA_ARCH__ < 800
+    __trap();  // the host takes this path only on sm_80 and later
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// c = a · b, the accumulator starting from zero (no registers zeroed first).
+__device__ __forceinline__ void mma_f16_first(float (&c)[4], const unsigned (&a)[4],
+                                              unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ < 800
+    __trap();
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%10,%10,%10};"
+        : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+#endif
+}
+
+// Codes decoded straight to f16 pairs: a code c placed in the low bits of a half whose
+// exponent field reads 1024 is the f16 value 1024 + c, and one f16x2 subtraction leaves c,
+// exactly. A lane of quarter q (lane % 4) needs, for its output row, the 16 codes at
+// the k positions 16·ks + 8·h + 2·q + e (ks < 4: the k step, h: b0 or b1, e: the half)
+// of a 64-column group. Those are columns 16q .. 16q + 15 in the order the codes' words
+// hold them: column 16q + stage_column(ks, h, e). The x tile is stored in the same
+// order, so every product pairs the same column on both sides.
+template <int BITS>
+__device__ __forceinline__ int stage_column(int ks, int h, int e) {
+    if (BITS == 4) return 8 * h + ks + 4 * e;  // word 2q + h, nibbles ks and ks + 4
+    // Word q of the group (2 bits, and the upper bits of 3), bit pair ks of bytes h and
+    // h + 2: columns q2_column(q % 2, ks, h + 2e) of chunk q / 2.
+    int b = h + 2 * e;
+    return ks < 2 ? 2 * (4 * ks + b) : 2 * (4 * (ks - 2) + b) + 1;
+}
+
+// The words a lane of quarter q decodes from one row's group `gi`: two at 4 bits (words
+// 2q and 2q + 1), one at 2 bits (word q), at 3 bits the chunk's upper-bit word and its
+// lowest-bit word.
+template <int BITS>
+__device__ __forceinline__ void load_lane_words(const unsigned* row, int gi, int q,
+                                                unsigned (&w)[2]) {
+    if (BITS == 4) {
+        uint2 v = *reinterpret_cast<const uint2*>(row + gi * 8 + 2 * q);
+        w[0] = v.x;
+        w[1] = v.y;
+    } else if (BITS == 2) {
+        w[0] = row[gi * 4 + q];
+        w[1] = 0u;
+    } else {
+        const unsigned* c = row + gi * 6 + 3 * (q / 2);
+        w[0] = c[q % 2];
+        w[1] = c[2];
+    }
+}
+
+__device__ __forceinline__ unsigned sub_f16x2(unsigned x, unsigned y) {
+    unsigned r = 0;
+#if __CUDA_ARCH__ >= 800
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(y));
+#endif
+    return r;
+}
+
+// b[2·ks + h]: the lane's b0 (h = 0) and b1 (h = 1) of k step ks, as f16 codes.
+template <int BITS>
+__device__ __forceinline__ void decode_fragments(const unsigned (&w)[2], int q, unsigned (&b)[8]) {
+    const unsigned magic = 0x64006400u;  // 1024 in both halves
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            unsigned c;
+            if (BITS == 4) {
+                c = (w[h] >> (4 * ks)) & 0x000F000Fu;
+            } else {
+                c = (w[0] >> (8 * h + 2 * ks)) & 0x00030003u;
+                if (BITS == 3)
+                    c = (c << 1) | ((w[1] >> (8 * h + 4 * (q % 2) + ks)) & 0x00010001u);
+            }
+            b[2 * ks + h] = sub_f16x2(c | magic, magic);
+        }
+}
+
+// The 16 x values of columns 16q .. 16q + 15 as f16 hi and lo parts, paired in the
+// lane order above: word 4·ks + h holds positions 16·ks + 8·h + 2q + (0, 1). The indices
+// fold to constants, so `v` stays in registers.
+template <int BITS>
+__device__ __forceinline__ void split_pairs(const float (&v)[16], unsigned (&hi)[8],
+                                            unsigned (&lo)[8]) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float v0 = v[stage_column<BITS>(ks, h, 0)], v1 = v[stage_column<BITS>(ks, h, 1)];
+            unsigned x = pack_f16x2(v0, v1);
+            float2 r = unpack_f16x2(x);
+            hi[2 * ks + h] = x;
+            lo[2 * ks + h] = pack_f16x2(v0 - r.x, v1 - r.y);
+        }
+}
+
+// Pair tile `blockIdx.y` is entry (group, first row) of `tiles` (those at or past
+// `*tiles_n`, when given, do nothing); blockIdx.x picks MMA_BN output rows. GATED (gate and up, table entries 0 and 1): input row r is x[x_rows[p]],
+// out[p] = silu(gate) ⊙ up for pair p. Otherwise (down, entry 2): input row r is x[p] and
+// out[x_rows[p]] += pair_scales[p] · down, atomically (a token's experts add into its row).
+template <int BITS, bool GATED>
+__device__ void expert_mma(const unsigned long long* table, const unsigned* tiles,
+                           const unsigned* tiles_n, const unsigned* x_rows,
+                           const float* pair_scales, const float* x, float* out, int rows,
+                           int cols, int in_dim) {
+    constexpr int M = GATED ? 2 : 1;
+    // A grid sized for the most tiles there could be, when the device counted them.
+    if (tiles_n && blockIdx.y >= *tiles_n) return;
+    __shared__ __align__(16) unsigned xs_hi[MMA_BM * MMA_LD / 2];
+    __shared__ __align__(16) unsigned xs_lo[MMA_BM * MMA_LD / 2];
+    __shared__ float xsum[MMA_BM];
+    __shared__ __align__(8) float wscale[M][MMA_BN];
+    __shared__ __align__(8) float wbias[M][MMA_BN];
+
+    const unsigned long long* e = table + (size_t)tiles[2 * blockIdx.y] * GROUP_ENTRY;
+    int first = (int)e[9] + (int)tiles[2 * blockIdx.y + 1];
+    int count = min(MMA_BM, (int)e[10] - (int)tiles[2 * blockIdx.y + 1]);
+    int n0 = blockIdx.x * MMA_BN;
+    const unsigned* words[M];
+    const unsigned short* scales[M];
+    const unsigned short* biases[M];
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        int proj = GATED ? m : 2;
+        words[m] = (const unsigned*)e[3 * proj];
+        scales[m] = (const unsigned short*)e[3 * proj + 1];
+        biases[m] = (const unsigned short*)e[3 * proj + 2];
+    }
+
+    int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    int g = lane >> 2, q = lane & 3;
+    int groups = cols / 64;
+    size_t stride = row_words<BITS>(cols);
+    // The lane's two output rows (one per n8 fragment); a row past the matrix reads row 0
+    // and is never stored.
+    const unsigned* wrow[M][2];
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int jt = 0; jt < 2; jt++) {
+            int o = n0 + 16 * warp + 8 * jt + g;
+            wrow[m][jt] = words[m] + (o < rows ? o : 0) * stride;
+        }
+    // This thread's share of the x tile: row t/4, columns 16·(t%4) .. +16 of the group.
+    int xr = t >> 2, xq = t & 3;
+    const float* xrow = nullptr;
+    if (xr < count) {
+        size_t src = GATED ? (size_t)x_rows[first + xr] : (size_t)(first + xr);
+        xrow = x + src * in_dim;
+    }
+    bool vec = in_dim % 4 == 0;
+    // This thread's scale and bias, if any: matrix t / 64, output row t % 64.
+    int sm = t / MMA_BN, so = n0 + t % MMA_BN;
+    bool scaler = sm < M && so < rows;
+    const unsigned short* my_scales = sm == 1 ? scales[M - 1] : scales[0];
+    const unsigned short* my_biases = sm == 1 ? biases[M - 1] : biases[0];
+    const float a = recon_a<BITS>(), off = recon_o<BITS>();
+
+    // The next group's x values, code words, scale and bias, loaded into registers one
+    // group ahead so that their latency overlaps the current group's products.
+    float v[16];
+    unsigned w[M][2][2];
+    unsigned short sraw = 0, braw = 0;
+    auto fetch = [&](int gi) {
+        int k0 = gi * 64 + 16 * xq;
+        if (xrow && vec && k0 + 16 <= in_dim) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float4 f = *reinterpret_cast<const float4*>(xrow + k0 + 4 * j);
+                v[4 * j] = f.x;
+                v[4 * j + 1] = f.y;
+                v[4 * j + 2] = f.z;
+                v[4 * j + 3] = f.w;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 16; j++) v[j] = xrow && k0 + j < in_dim ? xrow[k0 + j] : 0.0f;
+        }
+#pragma unroll
+        for (int m = 0; m < M; m++)
+#pragma unroll
+            for (int jt = 0; jt < 2; jt++) load_lane_words<BITS>(wrow[m][jt], gi, q, w[m][jt]);
+        if (scaler) {
+            size_t sg = (size_t)so * groups + gi;
+            sraw = my_scales[sg];
+            braw = my_biases[sg];
+        }
+    };
+
+    float acc[M][2][2][4];
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int jt = 0; jt < 2; jt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[m][mt][jt][i] = 0.0f;
+
+    fetch(0);
+    for (int gi = 0; gi < groups; gi++) {
+        // The previous group's fragment reads are done before the tile is rewritten.
+        __syncthreads();
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; j++) s += v[j];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (xq == 0) xsum[xr] = s;
+        unsigned hi[8], lo[8];
+        split_pairs<BITS>(v, hi, lo);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            // Word 4·ks + h of the quarter: k positions 16·ks + 8·h + 2·xq.
+            int at = xr * (MMA_LD / 2) + 8 * (j / 2) + 4 * (j % 2) + xq;
+            xs_hi[at] = hi[j];
+            xs_lo[at] = lo[j];
+        }
+        if (sm < M) {
+            // value = (a·q + o)·scale + bias, so w·x = a·scale·Σ q·x + (o·scale + bias)·Σ x.
+            float sc = bf16_bits(sraw);
+            wscale[sm][t % MMA_BN] = a * sc;
+            wbias[sm][t % MMA_BN] = off * sc + bf16_bits(braw);
+        }
+        unsigned b[M][2][8];
+#pragma unroll
+        for (int m = 0; m < M; m++)
+#pragma unroll
+            for (int jt = 0; jt < 2; jt++) decode_fragments<BITS>(w[m][jt], q, b[m][jt]);
+        __syncthreads();
+        if (gi + 1 < groups) fetch(gi + 1);
+
+        float part[M][2][2][4];
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                int at = (16 * mt + g) * (MMA_LD / 2) + 8 * ks + q;
+                const int down8 = 8 * (MMA_LD / 2);
+                unsigned ah[4] = {xs_hi[at], xs_hi[at + down8], xs_hi[at + 4],
+                                  xs_hi[at + down8 + 4]};
+                unsigned al[4] = {xs_lo[at], xs_lo[at + down8], xs_lo[at + 4],
+                                  xs_lo[at + down8 + 4]};
+#pragma unroll
+                for (int m = 0; m < M; m++)
+#pragma unroll
+                    for (int jt = 0; jt < 2; jt++) {
+                        unsigned b0 = b[m][jt][2 * ks], b1 = b[m][jt][2 * ks + 1];
+                        if (ks == 0)
+                            mma_f16_first(part[m][mt][jt], ah, b0, b1);
+                        else
+                            mma_f16(part[m][mt][jt], ah, b0, b1);
+                        mma_f16(part[m][mt][jt], al, b0, b1);
+                    }
+            }
+        // Fragment element i sits at pair row 16·mt + g (+8 for i ≥ 2) and output row
+        // 16·warp + 8·jt + 2q (+1 for odd i).
+        float xs4[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            xs4[mt][0] = xsum[16 * mt + g];
+            xs4[mt][1] = xsum[16 * mt + g + 8];
+        }
+#pragma unroll
+        for (int m = 0; m < M; m++)
+#pragma unroll
+            for (int jt = 0; jt < 2; jt++) {
+                int c = 16 * warp + 8 * jt + 2 * q;
+                float2 sc = *reinterpret_cast<const float2*>(&wscale[m][c]);
+                float2 bi = *reinterpret_cast<const float2*>(&wbias[m][c]);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        float scv = i & 1 ? sc.y : sc.x, biv = i & 1 ? bi.y : bi.x;
+                        acc[m][mt][jt][i] += scv * part[m][mt][jt][i] + biv * xs4[mt][i >> 1];
+                    }
+            }
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int jt = 0; jt < 2; jt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int r = 16 * mt + g + (i >= 2 ? 8 : 0);
+                int c = n0 + 16 * warp + 8 * jt + 2 * q + (i & 1);
+                if (r >= count || c >= rows) continue;
+                if (GATED) {
+                    float gv = acc[0][mt][jt][i];
+                    out[(size_t)(first + r) * rows + c] =
+                        gv / (1.0f + expf(-gv)) * acc[M - 1][mt][jt][i];
+                } else {
+                    size_t dst = (size_t)x_rows[first + r] * rows + c;
+                    atomicAdd(out + dst, pair_scales[first + r] * acc[0][mt][jt][i]);
+                }
+            }
+}
+
+#define EXPERT_MMA_ENTRY(B)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128, 3) expert_mma_gate_up_q##B(              \
+        const unsigned long long* table, const unsigned* tiles, const unsigned* tiles_n,       \
+        const unsigned* x_rows, const float* x, float* h, int rows, int cols, int in_dim) {    \
+        expert_mma<B, true>(table, tiles, tiles_n, x_rows, nullptr, x, h, rows, cols, in_dim); \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) expert_mma_down_q##B(                    \
+        const unsigned long long* table, const unsigned* tiles, const unsigned* tiles_n,       \
+        const unsigned* x_rows, const float* pair_scales, const float* h, float* out,          \
+        int rows, int cols, int in_dim) {                                                      \
+        expert_mma<B, false>(table, tiles, tiles_n, x_rows, pair_scales, h, out, rows, cols,   \
+                             in_dim);                                                          \
+    }
+
+EXPERT_MMA_ENTRY(4)
+EXPERT_MMA_ENTRY(3)
+EXPERT_MMA_ENTRY(2)
 
 // Device-to-device copy at full width, the bandwidth ceiling kernels are compared with.
 extern "C" __global__ void copy_f4(const float4* src, float4* dst, long long n4) {
@@ -776,6 +1188,55 @@ extern "C" __global__ void moe_combine(const float* down, const float* weights, 
     float s = 0.0f;
     for (int k = 0; k < top_k; k++) s += w[k] * down[(r * top_k + k) * width + i];
     out[j] = s;
+}
+
+// A routed block's (row, expert) pairs grouped by expert for the grouped GEMMs, on the
+// device so that a prompt's MoE layer needs no host round trip. One block; dynamic
+// shared memory holds three counters per expert. `ids`/`weights` are moe_route's (pair
+// p is row p / top_k). Writes each expert's group entry (its nine pointers from `table`,
+// then its first pair and count), the pairs' rows and weights in expert order (the order
+// within an expert is the atomics', which changes no pair's result), and the tiles
+// (expert, first pair) of MMA_BM pairs with their count in `*tiles_n`.
+extern "C" __global__ void moe_group_pairs(const int* ids, const float* weights, int pairs,
+                                           int top_k, int experts,
+                                           const unsigned long long* table,
+                                           unsigned long long* groups, unsigned* pair_rows,
+                                           float* pair_weights, unsigned* tiles,
+                                           unsigned* tiles_n) {
+    extern __shared__ unsigned counters[];
+    unsigned* count = counters;
+    unsigned* first = counters + experts;
+    unsigned* cursor = counters + 2 * experts;
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) count[e] = cursor[e] = 0u;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&count[ids[p]], 1u);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned at = 0, n = 0;
+        for (int e = 0; e < experts; e++) {
+            first[e] = at;
+            for (unsigned s = 0; s < count[e]; s += MMA_BM) {
+                tiles[2 * n] = e;
+                tiles[2 * n + 1] = s;
+                n++;
+            }
+            at += count[e];
+        }
+        *tiles_n = n;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        for (int j = 0; j < ROUTED_ENTRY; j++)
+            groups[(size_t)e * GROUP_ENTRY + j] = table[(size_t)e * ROUTED_ENTRY + j];
+        groups[(size_t)e * GROUP_ENTRY + 9] = first[e];
+        groups[(size_t)e * GROUP_ENTRY + 10] = count[e];
+    }
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        int e = ids[p];
+        unsigned at = first[e] + atomicAdd(&cursor[e], 1u);
+        pair_rows[at] = p / top_k;
+        pair_weights[at] = weights[p];
+    }
 }
 
 // ---- Decode steps whose per-call values live in device memory ----

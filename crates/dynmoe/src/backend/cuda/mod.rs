@@ -75,6 +75,12 @@ const AFFINE_WARPS: usize = 8;
 /// Above this many rows an affine product expands the matrix to f32 and runs one GEMM:
 /// the matrix-vector kernel would read the weights once per 4 rows.
 pub const AFFINE_GEMM_ROWS: usize = 8;
+/// (Row, expert) pairs per block of the grouped expert GEMMs (the kernels' `MMA_BM`).
+const EXPERT_TILE_ROWS: usize = 32;
+/// Output rows per block of the grouped expert GEMMs (the kernels' `MMA_BN`).
+const EXPERT_TILE_OUTPUTS: usize = 64;
+/// A null device pointer: the grouped GEMMs' tile count when the grid is exact.
+const NO_COUNT: u64 = 0;
 /// Dynamic shared memory a block may take without opting in.
 const SHARED_LIMIT: usize = 48 << 10;
 /// u64 words per group in the grouped kernels' table (the kernel's `GROUP_ENTRY`).
@@ -96,8 +102,9 @@ const ARGMAX_THREADS: usize = 256;
 const ARGMAX_MAX_ROWS: usize = 1024;
 /// Pairs of a head one thread of `attn_preamble_at` rotates (its `PRE_PAIRS`).
 const PRE_PAIRS: usize = 4;
-/// Most rows a MoE block is routed on the device for: beyond, each expert's weights
-/// would be read once per row, and the host path's grouped GEMMs win.
+/// Most rows the routed matrix-vector kernels take: beyond, each expert's weights would
+/// be read once per row, so more rows take the grouped GEMMs on tensor cores (without
+/// tensor cores, the host path).
 pub const ROUTED_MAX_ROWS: usize = AFFINE_GEMM_ROWS;
 /// Most (row, expert) pairs one routed launch takes (a grid dimension holds 65 535).
 const ROUTED_CHUNK_PAIRS: usize = 4096;
@@ -300,11 +307,12 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 61] = [
+const KERNEL_NAMES: [&str; 69] = [
     "fill",
     "embed",
     "embed_bf16",
     "bf16_to_f32",
+    "split_bf16",
     "matvec_bf16",
     "matvec_bf16_3",
     "rms_norm",
@@ -331,10 +339,17 @@ const KERNEL_NAMES: [&str; 61] = [
     "affine_down_q4",
     "affine_down_q3",
     "affine_down_q2",
+    "expert_mma_gate_up_q4",
+    "expert_mma_gate_up_q3",
+    "expert_mma_gate_up_q2",
+    "expert_mma_down_q4",
+    "expert_mma_down_q3",
+    "expert_mma_down_q2",
     "copy_f4",
     "moe_route",
     "moe_route_warp",
     "moe_combine",
+    "moe_group_pairs",
     "affine_routed_gate_up_q4",
     "affine_routed_gate_up_q3",
     "affine_routed_gate_up_q2",
@@ -500,6 +515,12 @@ pub struct Cuda {
     /// rows than the matrix-vector kernels take; grown to the largest matrix seen, never
     /// inside a recorded step (those are one row).
     dense_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// Activations split into two bf16 parts for tensor-core products, grown as needed.
+    split_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// Whether products of many rows (prompts) run on tensor cores: bf16 dense matrices
+    /// through cuBLAS, affine experts through the grouped `expert_mma` kernels. On from
+    /// sm_80 unless `DYNMOE_CUDA_TENSOR_CORES=0`.
+    tensor_cores: std::sync::atomic::AtomicBool,
     /// Whether [`Backend::upload_matrix`] keeps bf16-exact matrices in bf16
     /// (`DYNMOE_CUDA_BF16=0`: always f32, to measure what bf16 saves).
     bf16_matrices: bool,
@@ -686,6 +707,22 @@ fn routed_shared(cols: usize) -> usize {
     affine_tile(cols).1 + (cols / 32) * 4
 }
 
+/// Whether the grouped GEMMs' grid, sized for the most tiles `pairs` pairs over
+/// `experts` experts could need, fits a grid's y extent.
+fn gemm_grid_fits(pairs: usize, experts: usize) -> bool {
+    pairs / EXPERT_TILE_ROWS + experts <= 65_535
+}
+
+/// The kernel-name suffix of affine words of `bits` bits.
+fn bits_suffix(bits: u32) -> &'static str {
+    match bits {
+        4 => "q4",
+        3 => "q3",
+        2 => "q2",
+        b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
+    }
+}
+
 fn blocks(n: usize, threads: usize) -> u32 {
     n.div_ceil(threads).max(1) as u32
 }
@@ -779,6 +816,10 @@ impl Cuda {
             attn_scratch: Mutex::new(None),
             argmax_scratch: Mutex::new(None),
             dense_scratch: Mutex::new(None),
+            split_scratch: Mutex::new(None),
+            tensor_cores: std::sync::atomic::AtomicBool::new(
+                major >= 8 && std::env::var("DYNMOE_CUDA_TENSOR_CORES").map_or(true, |v| v != "0"),
+            ),
             bf16_matrices: std::env::var("DYNMOE_CUDA_BF16").map_or(true, |v| v != "0"),
             decode_attention: AtomicU8::new(DecodeAttention::from_env() as u8),
             prefill_attention: AtomicU8::new(PrefillAttention::from_env() as u8),
@@ -867,6 +908,26 @@ impl Cuda {
             self.decode_attention
                 .load(std::sync::atomic::Ordering::Relaxed),
         )
+    }
+
+    /// Whether products of many rows run on tensor cores from now on (the default on
+    /// sm_80 and later); off, they take cuBLAS' f32 GEMM and the experts' one-by-one
+    /// path, to measure one against the other. Ignored before sm_80.
+    pub fn set_tensor_cores(&self, on: bool) {
+        let able = self
+            .arch
+            .trim_start_matches("sm_")
+            .parse::<u32>()
+            .unwrap_or(0)
+            >= 80;
+        self.tensor_cores
+            .store(on && able, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether products of many rows run on tensor cores (see
+    /// [`set_tensor_cores`](Self::set_tensor_cores)).
+    pub fn tensor_cores(&self) -> bool {
+        self.tensor_cores.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// How attention of several rows runs from now on (the default:
@@ -1220,15 +1281,10 @@ impl Cuda {
                 unsafe { self.stream.alloc::<f32>(w.rows * w.cols) },
                 "alloc",
             );
-            let name = match w.bits {
-                4 => "affine_dequant_q4",
-                3 => "affine_dequant_q3",
-                2 => "affine_dequant_q2",
-                b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
-            };
+            let name = format!("affine_dequant_{}", bits_suffix(w.bits));
             let (r, c) = (w.rows as i32, w.cols as i32);
             let chunks = w.rows * w.cols / 32;
-            let mut l = self.stream.launch_builder(self.func(name));
+            let mut l = self.stream.launch_builder(self.func(&name));
             l.arg(&d.words)
                 .arg(&d.scales)
                 .arg(&d.biases)
@@ -1242,12 +1298,7 @@ impl Cuda {
             self.gemm_xwt(x, &dense, rows, in_dim, w.cols, w.rows, out);
             return;
         }
-        let name = match w.bits {
-            4 => "affine_matvec_q4",
-            3 => "affine_matvec_q3",
-            2 => "affine_matvec_q2",
-            b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
-        };
+        let name = format!("affine_matvec_{}", bits_suffix(w.bits));
         let (tile, chunk_bytes) = affine_tile(w.cols);
         let grid = w.rows.div_ceil(AFFINE_WARPS);
         let (r, c, i) = (w.rows as i32, w.cols as i32, in_dim as i32);
@@ -1257,7 +1308,7 @@ impl Cuda {
             let b = nb as i32;
             let xs = x.slice(t0 * in_dim..(t0 + nb) * in_dim);
             let mut os = out.slice_mut(t0 * w.rows..(t0 + nb) * w.rows);
-            let mut l = self.stream.launch_builder(self.func(name));
+            let mut l = self.stream.launch_builder(self.func(&name));
             l.arg(&d.words)
                 .arg(&d.scales)
                 .arg(&d.biases)
@@ -1275,10 +1326,13 @@ impl Cuda {
         }
     }
 
-    /// The MoE dispatch of [`Backend::swiglu_groups`] for affine groups of at most
-    /// [`AFFINE_GEMM_ROWS`] rows sharing one shape: one upload of the group table, one
-    /// launch for every gate and up product, one SiLU, one launch for every down
-    /// product, one scatter. Returns the groups it did not take.
+    /// The MoE dispatch of [`Backend::swiglu_groups`] for affine groups sharing one
+    /// shape: one upload of the group table, then either (every group of at most
+    /// [`AFFINE_GEMM_ROWS`] rows, as in a decode step) one matrix-vector launch for every
+    /// gate and up product, one SiLU, one launch for every down product and one scatter,
+    /// or (a prompt, on tensor cores) the grouped GEMMs `expert_mma_gate_up` (SiLU
+    /// inside) and `expert_mma_down` (scatter inside). Without tensor cores groups of
+    /// more rows are left out. Returns the groups it did not take.
     fn swiglu_grouped<'g, 'a>(
         &self,
         x: &CudaSlice<f32>,
@@ -1287,12 +1341,13 @@ impl Cuda {
         out: &mut CudaSlice<f32>,
     ) -> Vec<&'g SwiGluGroup<'a, DeviceMatrix>> {
         let key = |m: &[AffineView<'_>; 3]| (m[0].bits, m[0].rows, m[0].cols, m[2].rows, m[2].cols);
+        let gemm = self.tensor_cores();
         let mut shape = None;
         let (mut take, mut rest) = (Vec::new(), Vec::new());
         for g in groups.iter().filter(|g| !g.rows.is_empty()) {
             match affine_of(g) {
                 Some(m)
-                    if g.rows.len() <= AFFINE_GEMM_ROWS
+                    if (gemm || g.rows.len() <= AFFINE_GEMM_ROWS)
                         && m[1].rows == m[0].rows
                         && m[1].cols == m[0].cols
                         && m[0].cols >= hidden
@@ -1311,6 +1366,7 @@ impl Cuda {
         let (bits, inter, up_cols, _, down_cols) = shape.expect("set with the first group");
         let n_groups = take.len();
         let pairs: usize = take.iter().map(|(g, _)| g.rows.len()).sum();
+        let gemm = gemm && take.iter().any(|(g, _)| g.rows.len() > AFFINE_GEMM_ROWS);
         // One u64 buffer: the table, then row ids and scales two to a word.
         let mut table: Vec<u64> = Vec::with_capacity(n_groups * GROUP_ENTRY + pairs);
         let mut row_ids: Vec<u32> = Vec::with_capacity(pairs);
@@ -1336,20 +1392,72 @@ impl Cuda {
             .collect();
         words.extend_from_slice(&row_ids);
         words.extend(scales.iter().map(|s| s.to_bits()));
+        let tiles_at = words.len();
+        if gemm {
+            // The GEMM's pair tiles: (group, first row) for every EXPERT_TILE_ROWS rows.
+            for (i, (g, _)) in take.iter().enumerate() {
+                for first in (0..g.rows.len()).step_by(EXPERT_TILE_ROWS) {
+                    words.extend([i as u32, first as u32]);
+                }
+            }
+        }
         let meta = self.upload_u32(&words);
         let table_v = meta.slice(..rows_at);
         let rows_v = meta.slice(rows_at..rows_at + pairs);
-        let scales_v = meta.slice(rows_at + pairs..);
-
+        let scales_v = meta.slice(rows_at + pairs..tiles_at);
+        let suffix = bits_suffix(bits);
         let raw = |n: usize| ok(unsafe { self.stream.alloc::<f32>(n.max(1)) }, "alloc");
+
+        if gemm {
+            let mut h = raw(pairs * inter);
+            let tiles = (words.len() - tiles_at) / 2;
+            let (i, u, h_in) = (inter as i32, up_cols as i32, hidden as i32);
+            let (d, dc, d_in) = (hidden as i32, down_cols as i32, inter as i32);
+            let gate_up = self.func(&format!("expert_mma_gate_up_{suffix}"));
+            let down = self.func(&format!("expert_mma_down_{suffix}"));
+            // A grid's y extent is at most 65 535 tiles; longer prompts take several.
+            for t0 in (0..tiles).step_by(65_535) {
+                let nt = (tiles - t0).min(65_535);
+                let tiles_v = meta.slice(tiles_at + 2 * t0..tiles_at + 2 * (t0 + nt));
+                let launch = |outputs: usize| LaunchConfig {
+                    grid_dim: (outputs.div_ceil(EXPERT_TILE_OUTPUTS) as u32, nt as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut l = self.stream.launch_builder(gate_up);
+                l.arg(&table_v)
+                    .arg(&tiles_v)
+                    .arg(&NO_COUNT)
+                    .arg(&rows_v)
+                    .arg(x)
+                    .arg(&mut h);
+                l.arg(&i).arg(&u).arg(&h_in);
+                ok(unsafe { l.launch(launch(inter)) }, "expert gate/up GEMM");
+            }
+            for t0 in (0..tiles).step_by(65_535) {
+                let nt = (tiles - t0).min(65_535);
+                let tiles_v = meta.slice(tiles_at + 2 * t0..tiles_at + 2 * (t0 + nt));
+                let launch = LaunchConfig {
+                    grid_dim: (hidden.div_ceil(EXPERT_TILE_OUTPUTS) as u32, nt as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut l = self.stream.launch_builder(down);
+                l.arg(&table_v)
+                    .arg(&tiles_v)
+                    .arg(&NO_COUNT)
+                    .arg(&rows_v)
+                    .arg(&scales_v);
+                l.arg(&h).arg(&mut *out);
+                l.arg(&d).arg(&dc).arg(&d_in);
+                ok(unsafe { l.launch(launch) }, "expert down GEMM");
+            }
+            drop(keep);
+            return rest;
+        }
+
         let (mut gate, mut up, mut down) =
             (raw(pairs * inter), raw(pairs * inter), raw(pairs * hidden));
-        let suffix = match bits {
-            4 => "q4",
-            3 => "q3",
-            2 => "q2",
-            b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
-        };
         let (tile, row_bytes) = affine_tile(up_cols);
         let (r, c, i, t) = (inter as i32, up_cols as i32, hidden as i32, tile as i32);
         let f = self.func(&format!("affine_gate_up_{suffix}"));
@@ -1395,6 +1503,70 @@ impl Cuda {
         );
         drop(keep);
         rest
+    }
+
+    /// `out[rows, n] = x[rows, k] · w[n, k]ᵀ` for a bf16 `w` on tensor cores: x is split
+    /// into bf16 hi and lo parts (`split_bf16`) and cuBLAS adds `w·hiᵀ` and `w·loᵀ` in
+    /// f32, so x keeps about 16 bits where one bf16 rounding would keep 8; every product
+    /// of a bf16 weight and a bf16 part is exact in f32.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_bf16_split<O: DevicePtrMut<f32>>(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<u16>,
+        rows: usize,
+        k: usize,
+        n: usize,
+        out: &mut O,
+    ) {
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
+        let len = rows * k;
+        // Both parts in one f32 scratch, the lo part 256-byte aligned as cuBLAS prefers.
+        let lo_at = (2 * len).next_multiple_of(256);
+        let mut scratch = self.grown(&self.split_scratch, (lo_at + 2 * len).div_ceil(4));
+        let base = scratch
+            .as_mut()
+            .expect("grown")
+            .device_ptr_mut(&self.stream)
+            .0;
+        let (hi, lo) = (base, base + lo_at as u64);
+        let n64 = len as i64;
+        let mut l = self.stream.launch_builder(self.func("split_bf16"));
+        l.arg(x).arg(&hi).arg(&lo).arg(&n64);
+        ok(
+            unsafe { l.launch(cfg(blocks(len, 256).min(132 * 16) as usize, 256, 0)) },
+            "split_bf16",
+        );
+        let wp = w.device_ptr(&self.stream).0;
+        let op = out.device_ptr_mut(&self.stream).0;
+        for (part, beta) in [(hi, 0.0f32), (lo, 1.0f32)] {
+            let alpha = 1.0f32;
+            // Column-major, as `gemm_xwt`: outᵀ (n × rows) = w (k × n, transposed) · part (k × rows).
+            let r = unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *self.blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    n as i32,
+                    rows as i32,
+                    k as i32,
+                    (&alpha as *const f32).cast(),
+                    wp as *const std::ffi::c_void,
+                    cudaDataType::CUDA_R_16BF,
+                    k as i32,
+                    part as *const std::ffi::c_void,
+                    cudaDataType::CUDA_R_16BF,
+                    k as i32,
+                    (&beta as *const f32).cast(),
+                    op as *mut std::ffi::c_void,
+                    cudaDataType::CUDA_R_32F,
+                    n as i32,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            };
+            ok(r, "cuBLAS bf16 GEMM");
+        }
     }
 
     /// `out[rows, n] = x[rows, k] · w[n, :k]ᵀ` with `w` row-major of row stride `ldw`.
@@ -1511,7 +1683,14 @@ impl Cuda {
         probs: u64,
         out: u64,
     ) {
-        let (e, k, shape) = (r.experts, r.route.top_k, r.shape);
+        if rows > ROUTED_MAX_ROWS
+            && self.tensor_cores()
+            && gemm_grid_fits(rows * r.route.top_k, r.experts)
+        {
+            self.launch_routed_gemm(r, x, rows, hidden, probs, out);
+            return;
+        }
+        let (k, shape) = (r.route.top_k, r.shape);
         let (inter, pairs) = (shape.inter, rows * k);
         // ids, weights, gate, up, down: one scratch buffer, carved by offset.
         // Sized for at least the most rows a decode step routes, so that it is not
@@ -1536,28 +1715,9 @@ impl Cuda {
             at(2 * pairs + 2 * pairs * inter),
         );
 
-        let (ei, ki, rn) = (e as i32, k as i32, r.route.renormalize as i32);
-        // Up to ROUTE_WARP_MAX experts a warp holds a row in registers; more take a block.
-        let (name, launch) = if e <= ROUTE_WARP_MAX {
-            ("moe_route_warp", cfg(rows, 32, 0))
-        } else {
-            ("moe_route", cfg(rows, row_threads(e), e * 4))
-        };
-        let mut l = self.stream.launch_builder(self.func(name));
-        l.arg(&probs)
-            .arg(&r.keep)
-            .arg(&ids)
-            .arg(&weights)
-            .arg(&ei)
-            .arg(&ki)
-            .arg(&rn);
-        ok(unsafe { l.launch(launch) }, "moe_route");
-
-        let suffix = match shape.bits {
-            4 => "q4",
-            3 => "q3",
-            _ => "q2",
-        };
+        self.launch_route(r, rows, probs, ids, weights);
+        let ki = k as i32;
+        let suffix = bits_suffix(shape.bits);
         // A block per ROUTED_ROWS rows of each warp and per pair; `projections` in z.
         let grid = |out_rows: usize, cols: usize, projections: u32| LaunchConfig {
             grid_dim: (
@@ -1588,6 +1748,121 @@ impl Cuda {
         let mut l = self.stream.launch_builder(self.func("moe_combine"));
         l.arg(&d).arg(&weights).arg(&out).arg(&ki).arg(&w).arg(&n);
         self.launch_1d(l, rows * hidden, "moe_combine");
+    }
+
+    /// The route of `rows` rows: router probabilities (in place of the logits at `probs`)
+    /// and each row's top-k expert ids and weights.
+    fn launch_route(&self, r: &Routed<'_>, rows: usize, probs: u64, ids: u64, weights: u64) {
+        let e = r.experts;
+        let (ei, ki, rn) = (e as i32, r.route.top_k as i32, r.route.renormalize as i32);
+        // Up to ROUTE_WARP_MAX experts a warp holds a row in registers; more take a block.
+        let (name, launch) = if e <= ROUTE_WARP_MAX {
+            ("moe_route_warp", cfg(rows, 32, 0))
+        } else {
+            ("moe_route", cfg(rows, row_threads(e), e * 4))
+        };
+        let mut l = self.stream.launch_builder(self.func(name));
+        l.arg(&probs)
+            .arg(&r.keep)
+            .arg(&ids)
+            .arg(&weights)
+            .arg(&ei)
+            .arg(&ki)
+            .arg(&rn);
+        ok(unsafe { l.launch(launch) }, "moe_route");
+    }
+
+    /// [`launch_routed`](Self::launch_routed) for a prompt, on tensor cores and with no
+    /// host round trip: the route, the pairs grouped by expert on the device
+    /// (`moe_group_pairs`), then the grouped GEMMs over a grid sized for the most tiles
+    /// there could be (the kernels read the count). `out` is zeroed and the down GEMM
+    /// adds each pair's weighted output into its row.
+    fn launch_routed_gemm(
+        &self,
+        r: &Routed<'_>,
+        x: u64,
+        rows: usize,
+        hidden: usize,
+        probs: u64,
+        out: u64,
+    ) {
+        let (e, k, shape) = (r.experts, r.route.top_k, r.shape);
+        let (inter, pairs) = (shape.inter, rows * k);
+        let most_tiles = pairs / EXPERT_TILE_ROWS + e;
+        let words = |n: usize| ok(unsafe { self.stream.alloc::<u32>(n.max(1)) }, "alloc");
+        let (ids, weights) = (words(pairs), words(pairs));
+        let groups = ok(
+            unsafe { self.stream.alloc::<u64>(e * GROUP_ENTRY) },
+            "alloc",
+        );
+        let (pair_rows, pair_weights) = (words(pairs), words(pairs));
+        let (tiles, tiles_n) = (words(2 * most_tiles), words(1));
+        let mut h = ok(unsafe { self.stream.alloc::<f32>(pairs * inter) }, "alloc");
+        let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
+        self.launch_route(r, rows, probs, at(&ids), at(&weights));
+
+        let (pi, ki, ei) = (pairs as i32, k as i32, e as i32);
+        let mut l = self.stream.launch_builder(self.func("moe_group_pairs"));
+        l.arg(&ids).arg(&weights).arg(&pi).arg(&ki).arg(&ei);
+        l.arg(&r.table)
+            .arg(&groups)
+            .arg(&pair_rows)
+            .arg(&pair_weights);
+        l.arg(&tiles).arg(&tiles_n);
+        ok(
+            unsafe { l.launch(cfg(1, 1024, 3 * 4 * e)) },
+            "moe_group_pairs",
+        );
+
+        let n = (rows * hidden) as i64;
+        let (zero, out_v) = (0.0f32, out);
+        let mut l = self.stream.launch_builder(self.func("fill"));
+        l.arg(&out_v).arg(&zero).arg(&n);
+        ok(
+            unsafe {
+                l.launch(cfg(
+                    blocks(rows * hidden, 256).min(132 * 16) as usize,
+                    256,
+                    0,
+                ))
+            },
+            "fill",
+        );
+
+        let suffix = bits_suffix(shape.bits);
+        let grid = |outputs: usize| LaunchConfig {
+            grid_dim: (
+                outputs.div_ceil(EXPERT_TILE_OUTPUTS) as u32,
+                most_tiles as u32,
+                1,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
+        let mut l = self
+            .stream
+            .launch_builder(self.func(&format!("expert_mma_gate_up_{suffix}")));
+        l.arg(&groups)
+            .arg(&tiles)
+            .arg(&tiles_n)
+            .arg(&pair_rows)
+            .arg(&x)
+            .arg(&mut h);
+        l.arg(&ri).arg(&c).arg(&i);
+        ok(unsafe { l.launch(grid(inter)) }, "expert gate/up GEMM");
+        let (ri, c, i) = (hidden as i32, shape.down_cols as i32, inter as i32);
+        let mut l = self
+            .stream
+            .launch_builder(self.func(&format!("expert_mma_down_{suffix}")));
+        l.arg(&groups)
+            .arg(&tiles)
+            .arg(&tiles_n)
+            .arg(&pair_rows)
+            .arg(&pair_weights);
+        l.arg(&h).arg(&out_v);
+        l.arg(&ri).arg(&c).arg(&i);
+        ok(unsafe { l.launch(grid(hidden)) }, "expert down GEMM");
     }
 
     /// [`Backend::matmul`] into any device buffer: the matrix-vector kernel for a few
@@ -1621,6 +1896,9 @@ impl Cuda {
                 let mut l = self.stream.launch_builder(self.func("matvec_bf16"));
                 l.arg(w).arg(x).arg(&o).arg(&r).arg(&c).arg(&b);
                 ok(unsafe { l.launch(matvec) }, "matvec_bf16");
+            }
+            DeviceMatrix::Bf16(w) if self.tensor_cores() => {
+                self.gemm_bf16_split(x, w, rows, in_dim, out_dim, out)
             }
             DeviceMatrix::Bf16(w) => {
                 let n = out_dim * in_dim;
@@ -2423,7 +2701,12 @@ impl Backend for Cuda {
         out: &mut CudaSlice<f32>,
     ) -> bool {
         let (e, k) = (experts.count, route.top_k);
-        if rows == 0 || rows > ROUTED_MAX_ROWS || e == 0 || k == 0 || k > e || e > 4096 {
+        if rows == 0 || e == 0 || k == 0 || k > e || e > 4096 {
+            return false;
+        }
+        // Prompts take the grouped GEMMs, on tensor cores; without them each expert would
+        // be read once per row, and the host path's grouped products win.
+        if rows > ROUTED_MAX_ROWS && !(self.tensor_cores() && gemm_grid_fits(rows * k, e)) {
             return false;
         }
         if route.keep.is_some_and(|m| m.len() != e) {
@@ -2499,7 +2782,7 @@ impl Backend for Cuda {
         out: &mut CudaSlice<f32>,
     ) -> bool {
         let (e, k) = (slots.experts(), route.top_k);
-        if rows == 0 || k == 0 || k > e {
+        if rows == 0 || k == 0 || k > e || e > 4096 {
             return false;
         }
         let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
