@@ -2,8 +2,8 @@
 
     python3 kernel_times.py profile.csv [runs]
 
-`runs`: how many times the profiled program repeated the work (the totals are divided
-by it, so they read as one run's).
+`runs`: how many times the profiled program repeated the work (the totals and call
+counts are divided by it, so they read as one repetition's).
 """
 import csv
 import sys
@@ -26,7 +26,7 @@ for row in csv.DictReader(lines):
     total[name] += v * scale
     count[name] += 1
 grand = sum(total.values())
-print(f"{'kernel':<36} {'calls':>7} {'us/run':>10} {'share':>6}")
+print(f"{'kernel':<36} {'calls':>7} {'us/repeat':>10} {'share':>6}")
 for name, us in sorted(total.items(), key=lambda kv: -kv[1]):
     print(f"{name:<36} {count[name] / runs:>7.0f} {us / runs:>10.1f} {us / grand:>6.1%}")
 print(f"{'all kernels':<36} {sum(count.values()) / runs:>7.0f} {grand / runs:>10.1f}")

@@ -25,7 +25,7 @@
 #          (residency_235b.json)
 # cpu-vq   the CPU VQ matvec kernels against affine q2/q4 on this machine's CPU (vq_kernels.json)
 # profile  a 2-layer model's 512-token prompt and 8 decode steps at 4 bits under Nsight
-#          Compute: each kernel's time per run (profile.log, profile.csv)
+#          Compute: each kernel's time per prompt (profile.log, profile.csv)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
 #          keys, with dense weights in f32 instead of bf16, prompts without tensor cores,
 #          the prompt's attention by the per-row kernel instead of the tiled one, and
@@ -167,7 +167,9 @@ for step in $steps; do
         ncu --clock-control none --metrics gpu__time_duration.sum --csv \
             --log-file "$OUT/profile.csv" "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
             --prompt 512 --generate 8 --repeats 1 > /dev/null 2>&1 || status=1
-        python3 "$BIN/kernel_times.py" "$OUT/profile.csv" 2 2>&1 | tee -a "$OUT/profile.log"
+        # Four prompts ran (a warm-up and a timed run, with graphs and without): the
+        # prompt's kernels read per prompt; decode kernels are totals over 4 × 2 × 8 steps / 4.
+        python3 "$BIN/kernel_times.py" "$OUT/profile.csv" 4 2>&1 | tee -a "$OUT/profile.log"
         ;;
     *) echo "unknown step $step"; status=1 ;;
     esac
