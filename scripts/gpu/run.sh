@@ -28,8 +28,9 @@
 #          Compute: each kernel's time per prompt (profile.log, profile.csv)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
 #          keys, with dense weights in f32 instead of bf16, prompts without tensor cores,
-#          the prompt's attention by the per-row kernel instead of the tiled one, and
-#          decode after a 16-token prompt (model_variants.log)
+#          the prompt's attention by the per-row kernel instead of the tiled one, kernels
+#          launched without programmatic dependent launch, and decode after a 16-token
+#          prompt (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -151,6 +152,9 @@ for step in $steps; do
                 --prompt 512 --generate 128
             echo "-- prompts through the per-row attention kernel, not the tiled one"
             DYNMOE_CUDA_TILED_ATTENTION=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
+                --prompt 512 --generate 128
+            echo "-- kernels launched without programmatic dependent launch"
+            DYNMOE_CUDA_PDL=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
                 --prompt 512 --generate 128
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128

@@ -7,6 +7,17 @@
 // NVRTC compiles without the C headers that define INFINITY.
 #define NEG_INF __int_as_float(0xff800000)
 
+// Programmatic dependent launch (sm_90 and later): every kernel lets the next one on its
+// stream be scheduled at once, then waits until the previous one has finished and its
+// writes are visible before it touches memory. So a chain of small kernels (a decode
+// step) overlaps each launch with the tail of the kernel before it, and nothing reads
+// early. Both are no-ops for a launch that did not ask for it.
+#if __CUDA_ARCH__ >= 900
+#define PDL_ENTRY() asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory")
+#else
+#define PDL_ENTRY()
+#endif
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = WARP / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -45,6 +56,7 @@ __device__ __forceinline__ float bf16_bits(unsigned short h) {
 }
 
 extern "C" __global__ void fill(float* x, float v, long long n) {
+    PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long stride = (long long)gridDim.x * blockDim.x;
     for (; i < n; i += stride) x[i] = v;
@@ -52,6 +64,7 @@ extern "C" __global__ void fill(float* x, float v, long long n) {
 
 // Grid: one block per row.
 extern "C" __global__ void embed(const float* table, const unsigned* ids, float* out, int dim) {
+    PDL_ENTRY();
     const float* src = table + (size_t)ids[blockIdx.x] * dim;
     float* dst = out + (size_t)blockIdx.x * dim;
     for (int d = threadIdx.x; d < dim; d += blockDim.x) dst[d] = src[d];
@@ -60,6 +73,7 @@ extern "C" __global__ void embed(const float* table, const unsigned* ids, float*
 // The same from a table of bf16 values (their raw 16 bits).
 extern "C" __global__ void embed_bf16(const unsigned short* table, const unsigned* ids, float* out,
                                       int dim) {
+    PDL_ENTRY();
     const unsigned short* src = table + (size_t)ids[blockIdx.x] * dim;
     float* dst = out + (size_t)blockIdx.x * dim;
     for (int d = threadIdx.x; d < dim; d += blockDim.x) dst[d] = bf16_bits(src[d]);
@@ -67,6 +81,7 @@ extern "C" __global__ void embed_bf16(const unsigned short* table, const unsigne
 
 // dst[..n] = src[..n] widened from bf16: a bf16 matrix made ready for cuBLAS' sgemm.
 extern "C" __global__ void bf16_to_f32(const unsigned short* src, float* dst, long long n) {
+    PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long stride = (long long)gridDim.x * blockDim.x;
     for (; i < n; i += stride) dst[i] = bf16_bits(src[i]);
@@ -77,6 +92,7 @@ extern "C" __global__ void bf16_to_f32(const unsigned short* src, float* dst, lo
 // bf16 rounding would keep 8.
 extern "C" __global__ void split_bf16(const float* x, unsigned short* hi, unsigned short* lo,
                                       long long n) {
+    PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long stride = (long long)gridDim.x * blockDim.x;
     for (; i < n; i += stride) {
@@ -169,31 +185,37 @@ __device__ void norm_rows(float* x, const float* delta, const float* w, float* o
 
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int rows, int dim,
                                     float eps) {
+    PDL_ENTRY();
     // Written only through `out` (x is read, never stored to, without ADD).
     norm_rows<false>(const_cast<float*>(x), nullptr, w, out, rows, dim, eps);
 }
 
 extern "C" __global__ void rms_norm_inplace(float* x, const float* w, int rows, int dim, float eps) {
+    PDL_ENTRY();
     norm_rows<false>(x, nullptr, w, x, rows, dim, eps);
 }
 
 // x += delta, then out = RMSNorm(x)·w: the residual add and the next norm in one pass.
 extern "C" __global__ void add_rms_norm(float* x, const float* delta, const float* w, float* out,
                                         int rows, int dim, float eps) {
+    PDL_ENTRY();
     norm_rows<true>(x, delta, w, out, rows, dim, eps);
 }
 
 extern "C" __global__ void add_bias(float* x, const float* bias, int dim, long long n) {
+    PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += bias[i % dim];
 }
 
 extern "C" __global__ void add(float* x, const float* y, long long n) {
+    PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
 
 extern "C" __global__ void silu_mul(float* gate, const float* up, long long n) {
+    PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         float g = gate[i];
@@ -202,12 +224,14 @@ extern "C" __global__ void silu_mul(float* gate, const float* up, long long n) {
 }
 
 extern "C" __global__ void clamp_values(float* x, float limit, long long n) {
+    PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = fminf(fmaxf(x[i], -limit), limit);
 }
 
 // One block per row.
 extern "C" __global__ void softmax_rows(float* x, int dim) {
+    PDL_ENTRY();
     __shared__ float scratch[32];
     float* row = x + (size_t)blockIdx.x * dim;
     float m = NEG_INF;
@@ -227,6 +251,7 @@ extern "C" __global__ void softmax_rows(float* x, int dim) {
 // position positions[r], or pos0 + r when `positions` is null.
 extern "C" __global__ void rope(float* x, const unsigned* positions, unsigned pos0,
                                 const float* inv_freq, int heads, int head_dim) {
+    PDL_ENTRY();
     int r = blockIdx.x / heads, h = blockIdx.x % heads;
     int half = head_dim / 2;
     float* v = x + ((size_t)r * heads + h) * head_dim;
@@ -242,6 +267,7 @@ extern "C" __global__ void rope(float* x, const unsigned* positions, unsigned po
 
 // One block per row.
 extern "C" __global__ void gather_rows(const float* src, const unsigned* rows, float* dst, int width) {
+    PDL_ENTRY();
     const float* s = src + (size_t)rows[blockIdx.x] * width;
     float* d = dst + (size_t)blockIdx.x * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x) d[i] = s[i];
@@ -250,6 +276,7 @@ extern "C" __global__ void gather_rows(const float* src, const unsigned* rows, f
 // One block per source row. Atomic, since nothing forbids a row appearing twice.
 extern "C" __global__ void scatter_add_rows(const float* src, const unsigned* rows,
                                             const float* scales, float* dst, int width) {
+    PDL_ENTRY();
     const float* s = src + (size_t)blockIdx.x * width;
     float* d = dst + (size_t)rows[blockIdx.x] * width;
     float k = scales[blockIdx.x];
@@ -265,6 +292,7 @@ extern "C" __global__ void scatter_add_rows(const float* src, const unsigned* ro
 extern "C" __global__ void attention(const float* q, const float* k, const float* v, float* out,
                                      int pos0, int heads, int kv_heads, int head_dim, int window,
                                      const unsigned* pos_at) {
+    PDL_ENTRY();
     __shared__ float scratch[32];
     __shared__ float qs[256];
     __shared__ float sc[ATT_TILE];
@@ -535,11 +563,13 @@ __device__ void affine_dequant(const unsigned* words, const unsigned short* scal
                                                   const unsigned short* bi, const float* x,    \
                                                   float* out, int rows, int cols, int in_dim,  \
                                                   int batch) {                                 \
+        PDL_ENTRY();                                                                           \
         affine_matvec<B>(w, s, bi, x, out, rows, cols, in_dim, batch);                         \
     }                                                                                          \
     extern "C" __global__ void affine_gate_up_q##B(                                           \
         const unsigned long long* table, const unsigned* x_rows, const float* x, float* gate,  \
         float* up, int rows, int cols, int in_dim, int tile) {                                 \
+        PDL_ENTRY();                                                                           \
         int proj = blockIdx.z;                                                                 \
         affine_grouped<B>(table, proj, x_rows, x, proj == 0 ? gate : up, rows, cols, in_dim,   \
                           tile);                                                               \
@@ -547,11 +577,13 @@ __device__ void affine_dequant(const unsigned* words, const unsigned short* scal
     extern "C" __global__ void affine_down_q##B(const unsigned long long* table, const float* x, \
                                                 float* out, int rows, int cols, int in_dim,    \
                                                 int tile) {                                    \
+        PDL_ENTRY();                                                                           \
         affine_grouped<B>(table, 2, nullptr, x, out, rows, cols, in_dim, tile);                \
     }                                                                                          \
     extern "C" __global__ void affine_dequant_q##B(const unsigned* w, const unsigned short* s, \
                                                    const unsigned short* bi, float* out,       \
                                                    int rows, int cols) {                       \
+        PDL_ENTRY();                                                                           \
         affine_dequant<B>(w, s, bi, out, rows, cols);                                          \
     }
 
@@ -912,12 +944,14 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
     extern "C" __global__ void __launch_bounds__(128, 3) expert_mma_gate_up_q##B(              \
         const unsigned long long* table, const unsigned* tiles, const unsigned* tiles_n,       \
         const unsigned* x_rows, const float* x, float* h, int rows, int cols, int in_dim) {    \
+        PDL_ENTRY();                                                                           \
         expert_mma<B, true>(table, tiles, tiles_n, x_rows, nullptr, x, h, rows, cols, in_dim); \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) expert_mma_down_q##B(                    \
         const unsigned long long* table, const unsigned* tiles, const unsigned* tiles_n,       \
         const unsigned* x_rows, const float* pair_scales, const float* h, float* out,          \
         int rows, int cols, int in_dim) {                                                      \
+        PDL_ENTRY();                                                                           \
         expert_mma<B, false>(table, tiles, tiles_n, x_rows, pair_scales, h, out, rows, cols,   \
                              in_dim);                                                          \
     }
@@ -928,6 +962,7 @@ EXPERT_MMA_ENTRY(2)
 
 // Device-to-device copy at full width, the bandwidth ceiling kernels are compared with.
 extern "C" __global__ void copy_f4(const float4* src, float4* dst, long long n4) {
+    PDL_ENTRY();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long stride = (long long)gridDim.x * blockDim.x;
     for (; i < n4; i += stride) dst[i] = src[i];
@@ -963,6 +998,7 @@ __device__ void block_argmax(float& v, int& i, float* sv, int* si) {
 // `renormalize` divides the chosen ones by their sum. Dynamic shared memory: experts floats.
 extern "C" __global__ void moe_route(float* probs, const unsigned char* keep, int* ids,
                                      float* weights, int experts, int top_k, int renormalize) {
+    PDL_ENTRY();
     extern __shared__ float cand[];
     __shared__ float scratch[32];
     __shared__ int iscratch[32];
@@ -1018,6 +1054,7 @@ extern "C" __global__ void moe_route(float* probs, const unsigned char* keep, in
 extern "C" __global__ void moe_route_warp(float* probs, const unsigned char* keep, int* ids,
                                           float* weights, int experts, int top_k,
                                           int renormalize) {
+    PDL_ENTRY();
     int lane = threadIdx.x % WARP;
     float* row = probs + (size_t)blockIdx.x * experts;
     float v[ROUTE_PER_LANE];
@@ -1162,6 +1199,7 @@ __device__ void affine_routed(const unsigned long long* table, const int* ids, i
     extern "C" __global__ void affine_routed_gate_up_q##B(                                    \
         const unsigned long long* table, const int* ids, int top_k, const float* x,            \
         float* gate, float* up, int rows, int cols, int in_dim) {                              \
+        PDL_ENTRY();                                                                           \
         int proj = blockIdx.z;                                                                 \
         affine_routed<B>(table, ids, top_k, proj, x, nullptr, proj == 0 ? gate : up, rows,     \
                          cols, in_dim);                                                        \
@@ -1169,6 +1207,7 @@ __device__ void affine_routed(const unsigned long long* table, const int* ids, i
     extern "C" __global__ void affine_routed_down_q##B(                                       \
         const unsigned long long* table, const int* ids, int top_k, const float* gate,         \
         const float* up, float* out, int rows, int cols, int in_dim) {                         \
+        PDL_ENTRY();                                                                           \
         affine_routed<B>(table, ids, top_k, 2, gate, up, out, rows, cols, in_dim);             \
     }
 
@@ -1181,6 +1220,7 @@ ROUTED_AFFINE(2)
 // one block walking every column.
 extern "C" __global__ void moe_combine(const float* down, const float* weights, float* out,
                                        int top_k, int width, long long n) {
+    PDL_ENTRY();
     long long j = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= n) return;
     size_t r = j / width, i = j % width;
@@ -1203,6 +1243,7 @@ extern "C" __global__ void moe_group_pairs(const int* ids, const float* weights,
                                            unsigned long long* groups, unsigned* pair_rows,
                                            float* pair_weights, unsigned* tiles,
                                            unsigned* tiles_n) {
+    PDL_ENTRY();
     extern __shared__ unsigned counters[];
     unsigned* count = counters;
     unsigned* first = counters + experts;
@@ -1243,6 +1284,7 @@ extern "C" __global__ void moe_group_pairs(const int* ids, const float* weights,
 
 // dst row *pos = src row 0.
 extern "C" __global__ void write_row_at(const float* src, float* dst, const unsigned* pos, int width) {
+    PDL_ENTRY();
     float* d = dst + (size_t)*pos * width;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < width; i += gridDim.x * blockDim.x)
         d[i] = src[i];
@@ -1260,6 +1302,7 @@ extern "C" __global__ void attn_preamble_at(float* q, float* k, const float* v, 
                                             const float* inv_freq, float* k_cache,
                                             float* v_cache, int heads, int kv_heads,
                                             int head_dim) {
+    PDL_ENTRY();
     __shared__ float scratch[32];
     int b = blockIdx.x;
     size_t kvw = (size_t)kv_heads * head_dim;
@@ -1326,6 +1369,7 @@ extern "C" __global__ void attn_preamble_at(float* q, float* k, const float* v, 
 #define ARGMAX_THREADS 256
 extern "C" __global__ void argmax_rows(const float* x, unsigned* out, int dim, int chunk,
                                        unsigned* count, float* part, int* part_i) {
+    PDL_ENTRY();
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ int last;
@@ -1382,6 +1426,7 @@ extern "C" __global__ void argmax_rows(const float* x, unsigned* out, int dim, i
 #define MV_MAXB 4
 extern "C" __global__ void matvec_f32(const float* w, const float* x, float* out, int rows,
                                       int cols, int batch) {
+    PDL_ENTRY();
     int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     int lane = threadIdx.x % WARP;
     if (o >= rows) return;
@@ -1462,6 +1507,7 @@ __device__ __forceinline__ void matvec_bf16_row(const unsigned short* w, const f
 
 extern "C" __global__ void matvec_bf16(const unsigned short* w, const float* x, float* out,
                                        int rows, int cols, int batch) {
+    PDL_ENTRY();
     int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (o < rows) matvec_bf16_row(w, x, out, rows, o, cols, batch);
 }
@@ -1473,6 +1519,7 @@ extern "C" __global__ void matvec_bf16_3(const unsigned short* w0, const unsigne
                                          const unsigned short* w2, const float* x, float* o0,
                                          float* o1, float* o2, int r0, int r1, int r2, int cols,
                                          int batch) {
+    PDL_ENTRY();
     int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (o < r0) {
         matvec_bf16_row(w0, x, o0, r0, o, cols, batch);
@@ -1498,6 +1545,7 @@ extern "C" __global__ void attention_split(const float* q, const float* k, const
                                            float* acc, float* ml, int pos0, int heads,
                                            int kv_heads, int head_dim, int window,
                                            const unsigned* pos_at, int chunk) {
+    PDL_ENTRY();
     __shared__ float scratch[32];
     __shared__ float qs[256];
     __shared__ float sc[SPLIT_CHUNK_MAX];
@@ -1759,18 +1807,21 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_group_64(const float* q, const float* k, const float* v, float* acc, float* ml,
                        int pos0, int heads, int kv_heads, int head_dim, int window,
                        const unsigned* pos_at, int chunk) {
+    PDL_ENTRY();
     attention_group<2>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, pos_at, chunk);
 }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_group_128(const float* q, const float* k, const float* v, float* acc, float* ml,
                         int pos0, int heads, int kv_heads, int head_dim, int window,
                         const unsigned* pos_at, int chunk) {
+    PDL_ENTRY();
     attention_group<4>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, pos_at, chunk);
 }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attention_group_256(const float* q, const float* k, const float* v, float* acc, float* ml,
                         int pos0, int heads, int kv_heads, int head_dim, int window,
                         const unsigned* pos_at, int chunk) {
+    PDL_ENTRY();
     attention_group<8>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, pos_at, chunk);
 }
 
@@ -1782,6 +1833,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 #define COMBINE_TILE 1024
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     attention_combine(const float* acc, const float* ml, float* out, int splits, int head_dim) {
+    PDL_ENTRY();
     __shared__ float scratch[32];
     __shared__ float w[COMBINE_TILE];
     __shared__ float red[COMBINE_THREADS];
@@ -2053,17 +2105,20 @@ __device__ void attention_tiled(const float* __restrict__ q, const float* __rest
 extern "C" __global__ void __launch_bounds__(PA_THREADS, 2)
     attention_tiled_64(const float* q, const float* k, const float* v, float* out, int rows,
                        int pos0, int heads, int kv_heads, int head_dim, int window) {
+    PDL_ENTRY();
     attention_tiled<1>(q, k, v, out, rows, pos0, heads, kv_heads, head_dim, window);
 }
 extern "C" __global__ void __launch_bounds__(PA_THREADS, 2)
     attention_tiled_128(const float* q, const float* k, const float* v, float* out, int rows,
                         int pos0, int heads, int kv_heads, int head_dim, int window) {
+    PDL_ENTRY();
     attention_tiled<2>(q, k, v, out, rows, pos0, heads, kv_heads, head_dim, window);
 }
 // At 256 the shared memory (203 KB) allows one block an SM: all registers to it.
 extern "C" __global__ void __launch_bounds__(PA_THREADS, 1)
     attention_tiled_256(const float* q, const float* k, const float* v, float* out, int rows,
                         int pos0, int heads, int kv_heads, int head_dim, int window) {
+    PDL_ENTRY();
     attention_tiled<4>(q, k, v, out, rows, pos0, heads, kv_heads, head_dim, window);
 }
 
@@ -2105,6 +2160,7 @@ __device__ __forceinline__ float vq_sign(unsigned long long seed, int i) {
 // with the CPU's butterfly order and its 1/√R, so the values match it exactly.
 extern "C" __global__ void vq_rotate(const float* x, unsigned long long seed, float* xr, int cols,
                                      int block) {
+    PDL_ENTRY();
     __shared__ float buf[1024];
     int b = blockIdx.x, r = blockIdx.y, blocks = gridDim.x;
     const float* src = x + (size_t)r * cols;
@@ -2256,7 +2312,8 @@ __device__ void vq_decode(const unsigned char* codes, const unsigned short* norm
     extern "C" __global__ void vq_matvec_p##P(                                                \
         const unsigned char* codes, const unsigned short* norms, const unsigned short* book,   \
         const float* xr, float* out, int rows, int k, int block, int blocks,                   \
-        unsigned long long row_bytes, float inv_root, int batch, int book_shared) {           \
+        unsigned long long row_bytes, float inv_root, int batch, int book_shared) {            \
+        PDL_ENTRY();                                                                           \
         vq_matvec<P>(codes, norms, book, xr, out, rows, k, block, blocks, row_bytes, inv_root, \
                      batch, book_shared);                                                      \
     }                                                                                          \
@@ -2264,6 +2321,7 @@ __device__ void vq_decode(const unsigned char* codes, const unsigned short* norm
         const unsigned char* codes, const unsigned short* norms, const unsigned short* book,   \
         float* out, int rows, int k, int block, int blocks, unsigned long long row_bytes,      \
         float inv_root) {                                                                      \
+        PDL_ENTRY();                                                                           \
         vq_decode<P>(codes, norms, book, out, rows, k, block, blocks, row_bytes, inv_root);    \
     }
 

@@ -27,8 +27,13 @@
 //! Ops have no error path in [`Backend`]; a failing CUDA call after the backend was
 //! made (out of memory, a kernel fault) panics with the call's error.
 
+// A launch argument passed as `&mut` marks a buffer the kernel writes.
+#![allow(clippy::unnecessary_mut_passed)]
+
+mod launch;
 mod slots;
 
+use launch::Launch;
 pub use slots::CudaSlots;
 
 use std::collections::HashMap;
@@ -38,7 +43,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut,
-    DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
+    DevicePtr, DevicePtrMut, LaunchConfig,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use half::slice::HalfFloatSliceExt;
@@ -533,6 +538,9 @@ pub struct Cuda {
     tiled_head_dim: usize,
     /// Streaming multiprocessors of the device: what a launch needs blocks enough to fill.
     sms: usize,
+    /// Whether kernels launch with programmatic dependent launch (the `launch` module):
+    /// sm_90 and later, unless `DYNMOE_CUDA_PDL=0`.
+    programmatic: bool,
 }
 
 /// How the CUDA backend attends one query row (a decode step). Every way gives the same
@@ -822,6 +830,7 @@ impl Cuda {
             ),
             bf16_matrices: std::env::var("DYNMOE_CUDA_BF16").map_or(true, |v| v != "0"),
             decode_attention: AtomicU8::new(DecodeAttention::from_env() as u8),
+            programmatic: major >= 9 && std::env::var("DYNMOE_CUDA_PDL").map_or(true, |v| v != "0"),
             prefill_attention: AtomicU8::new(PrefillAttention::from_env() as u8),
             tiled_head_dim,
             sms,
@@ -1073,7 +1082,7 @@ impl Cuda {
         }
         let (c, b) = (cols as i32, block as i32);
         let o = xr.device_ptr_mut(&self.stream).0;
-        let mut l = self.stream.launch_builder(self.func("vq_rotate"));
+        let mut l = self.launcher(self.func("vq_rotate"));
         l.arg(x).arg(&seed).arg(&o).arg(&c).arg(&b);
         let grid = LaunchConfig {
             grid_dim: (cols.div_ceil(block) as u32, rows as u32, 1),
@@ -1115,9 +1124,7 @@ impl Cuda {
             let mut dense = self.grown(&self.dense_scratch, w.rows * width);
             let dense = dense.as_mut().expect("grown");
             let vectors = w.rows * width / w.rung.dim;
-            let mut l = self
-                .stream
-                .launch_builder(self.func(&format!("vq_decode_{suffix}")));
+            let mut l = self.launcher(self.func(&format!("vq_decode_{suffix}")));
             l.arg(&d.codes)
                 .arg(&d.norms)
                 .arg(&*book)
@@ -1143,7 +1150,7 @@ impl Cuda {
             let xs = xr.slice(t0 * width..(t0 + nb) * width);
             let mut os = out.slice_mut(t0 * w.rows..(t0 + nb) * w.rows);
             let (nbi, shared) = (nb as i32, tile.book_shared as i32);
-            let mut l = self.stream.launch_builder(f);
+            let mut l = self.launcher(f);
             l.arg(&d.codes)
                 .arg(&d.norms)
                 .arg(&*book)
@@ -1181,6 +1188,11 @@ impl Cuda {
             .sum()
     }
 
+    /// A launch of `f` on the compute stream, programmatic where the device allows.
+    fn launcher<'s>(&'s self, f: &'s CudaFunction) -> Launch<'s> {
+        Launch::new(&self.stream, f, self.programmatic)
+    }
+
     fn func(&self, name: &str) -> &CudaFunction {
         &self.k.f[name]
     }
@@ -1195,7 +1207,7 @@ impl Cuda {
             return;
         }
         let n64 = n as i64;
-        let mut l = self.stream.launch_builder(self.func("fill"));
+        let mut l = self.launcher(self.func("fill"));
         l.arg(x).arg(&v).arg(&n64);
         ok(
             unsafe { l.launch(cfg(blocks(n, 256).min(4096) as usize, 256, 0)) },
@@ -1211,7 +1223,7 @@ impl Cuda {
             "copy of {n} floats is not whole float4s"
         );
         let n4 = (n / 4) as i64;
-        let mut l = self.stream.launch_builder(self.func("copy_f4"));
+        let mut l = self.launcher(self.func("copy_f4"));
         l.arg(src).arg(dst).arg(&n4);
         ok(
             unsafe { l.launch(cfg(blocks(n / 4, 256).min(132 * 16) as usize, 256, 0)) },
@@ -1284,7 +1296,7 @@ impl Cuda {
             let name = format!("affine_dequant_{}", bits_suffix(w.bits));
             let (r, c) = (w.rows as i32, w.cols as i32);
             let chunks = w.rows * w.cols / 32;
-            let mut l = self.stream.launch_builder(self.func(&name));
+            let mut l = self.launcher(self.func(&name));
             l.arg(&d.words)
                 .arg(&d.scales)
                 .arg(&d.biases)
@@ -1308,7 +1320,7 @@ impl Cuda {
             let b = nb as i32;
             let xs = x.slice(t0 * in_dim..(t0 + nb) * in_dim);
             let mut os = out.slice_mut(t0 * w.rows..(t0 + nb) * w.rows);
-            let mut l = self.stream.launch_builder(self.func(&name));
+            let mut l = self.launcher(self.func(&name));
             l.arg(&d.words)
                 .arg(&d.scales)
                 .arg(&d.biases)
@@ -1424,7 +1436,7 @@ impl Cuda {
                     block_dim: (128, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut l = self.stream.launch_builder(gate_up);
+                let mut l = self.launcher(gate_up);
                 l.arg(&table_v)
                     .arg(&tiles_v)
                     .arg(&NO_COUNT)
@@ -1442,7 +1454,7 @@ impl Cuda {
                     block_dim: (128, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                let mut l = self.stream.launch_builder(down);
+                let mut l = self.launcher(down);
                 l.arg(&table_v)
                     .arg(&tiles_v)
                     .arg(&NO_COUNT)
@@ -1461,7 +1473,7 @@ impl Cuda {
         let (tile, row_bytes) = affine_tile(up_cols);
         let (r, c, i, t) = (inter as i32, up_cols as i32, hidden as i32, tile as i32);
         let f = self.func(&format!("affine_gate_up_{suffix}"));
-        let mut l = self.stream.launch_builder(f);
+        let mut l = self.launcher(f);
         l.arg(&table_v)
             .arg(&rows_v)
             .arg(x)
@@ -1477,14 +1489,14 @@ impl Cuda {
 
         let n = pairs * inter;
         let n64 = n as i64;
-        let mut l = self.stream.launch_builder(self.func("silu_mul"));
+        let mut l = self.launcher(self.func("silu_mul"));
         l.arg(&mut gate).arg(&up).arg(&n64);
         self.launch_1d(l, n, "silu_mul");
 
         let (tile, row_bytes) = affine_tile(down_cols);
         let (r, c, i, t) = (hidden as i32, down_cols as i32, inter as i32, tile as i32);
         let f = self.func(&format!("affine_down_{suffix}"));
-        let mut l = self.stream.launch_builder(f);
+        let mut l = self.launcher(f);
         l.arg(&table_v).arg(&gate).arg(&mut down);
         l.arg(&r).arg(&c).arg(&i).arg(&t);
         let grid = LaunchConfig {
@@ -1495,7 +1507,7 @@ impl Cuda {
         ok(unsafe { l.launch(grid) }, "affine down");
 
         let w = hidden as i32;
-        let mut l = self.stream.launch_builder(self.func("scatter_add_rows"));
+        let mut l = self.launcher(self.func("scatter_add_rows"));
         l.arg(&down).arg(&rows_v).arg(&scales_v).arg(out).arg(&w);
         ok(
             unsafe { l.launch(cfg(pairs, row_threads(hidden), 0)) },
@@ -1531,7 +1543,7 @@ impl Cuda {
             .0;
         let (hi, lo) = (base, base + lo_at as u64);
         let n64 = len as i64;
-        let mut l = self.stream.launch_builder(self.func("split_bf16"));
+        let mut l = self.launcher(self.func("split_bf16"));
         l.arg(x).arg(&hi).arg(&lo).arg(&n64);
         ok(
             unsafe { l.launch(cfg(blocks(len, 256).min(132 * 16) as usize, 256, 0)) },
@@ -1730,7 +1742,7 @@ impl Cuda {
         };
         let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
         let f = self.func(&format!("affine_routed_gate_up_{suffix}"));
-        let mut l = self.stream.launch_builder(f);
+        let mut l = self.launcher(f);
         l.arg(&r.table).arg(&ids).arg(&ki).arg(&x).arg(&g).arg(&u);
         l.arg(&ri).arg(&c).arg(&i);
         let gate_up = grid(inter, shape.up_cols, 2);
@@ -1738,14 +1750,14 @@ impl Cuda {
 
         let (ri, c, i) = (hidden as i32, shape.down_cols as i32, inter as i32);
         let f = self.func(&format!("affine_routed_down_{suffix}"));
-        let mut l = self.stream.launch_builder(f);
+        let mut l = self.launcher(f);
         l.arg(&r.table).arg(&ids).arg(&ki).arg(&g).arg(&u).arg(&d);
         l.arg(&ri).arg(&c).arg(&i);
         let down = grid(hidden, shape.down_cols, 1);
         ok(unsafe { l.launch(down) }, "routed down");
 
         let (w, n) = (hidden as i32, (rows * hidden) as i64);
-        let mut l = self.stream.launch_builder(self.func("moe_combine"));
+        let mut l = self.launcher(self.func("moe_combine"));
         l.arg(&d).arg(&weights).arg(&out).arg(&ki).arg(&w).arg(&n);
         self.launch_1d(l, rows * hidden, "moe_combine");
     }
@@ -1761,7 +1773,7 @@ impl Cuda {
         } else {
             ("moe_route", cfg(rows, row_threads(e), e * 4))
         };
-        let mut l = self.stream.launch_builder(self.func(name));
+        let mut l = self.launcher(self.func(name));
         l.arg(&probs)
             .arg(&r.keep)
             .arg(&ids)
@@ -1802,7 +1814,7 @@ impl Cuda {
         self.launch_route(r, rows, probs, at(&ids), at(&weights));
 
         let (pi, ki, ei) = (pairs as i32, k as i32, e as i32);
-        let mut l = self.stream.launch_builder(self.func("moe_group_pairs"));
+        let mut l = self.launcher(self.func("moe_group_pairs"));
         l.arg(&ids).arg(&weights).arg(&pi).arg(&ki).arg(&ei);
         l.arg(&r.table)
             .arg(&groups)
@@ -1816,7 +1828,7 @@ impl Cuda {
 
         let n = (rows * hidden) as i64;
         let (zero, out_v) = (0.0f32, out);
-        let mut l = self.stream.launch_builder(self.func("fill"));
+        let mut l = self.launcher(self.func("fill"));
         l.arg(&out_v).arg(&zero).arg(&n);
         ok(
             unsafe {
@@ -1840,9 +1852,7 @@ impl Cuda {
             shared_mem_bytes: 0,
         };
         let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
-        let mut l = self
-            .stream
-            .launch_builder(self.func(&format!("expert_mma_gate_up_{suffix}")));
+        let mut l = self.launcher(self.func(&format!("expert_mma_gate_up_{suffix}")));
         l.arg(&groups)
             .arg(&tiles)
             .arg(&tiles_n)
@@ -1852,9 +1862,7 @@ impl Cuda {
         l.arg(&ri).arg(&c).arg(&i);
         ok(unsafe { l.launch(grid(inter)) }, "expert gate/up GEMM");
         let (ri, c, i) = (hidden as i32, shape.down_cols as i32, inter as i32);
-        let mut l = self
-            .stream
-            .launch_builder(self.func(&format!("expert_mma_down_{suffix}")));
+        let mut l = self.launcher(self.func(&format!("expert_mma_down_{suffix}")));
         l.arg(&groups)
             .arg(&tiles)
             .arg(&tiles_n)
@@ -1885,7 +1893,7 @@ impl Cuda {
         match w {
             DeviceMatrix::F32(w) if rows <= MATVEC_MAX_BATCH && in_dim.is_multiple_of(4) => {
                 let o = out.device_ptr_mut(&self.stream).0;
-                let mut l = self.stream.launch_builder(self.func("matvec_f32"));
+                let mut l = self.launcher(self.func("matvec_f32"));
                 l.arg(w).arg(x).arg(&o).arg(&r).arg(&c).arg(&b);
                 ok(unsafe { l.launch(matvec) }, "matvec_f32");
             }
@@ -1893,7 +1901,7 @@ impl Cuda {
             // Any width: the kernel falls back to one value per lane off whole 8s.
             DeviceMatrix::Bf16(w) if rows <= MATVEC_MAX_BATCH => {
                 let o = out.device_ptr_mut(&self.stream).0;
-                let mut l = self.stream.launch_builder(self.func("matvec_bf16"));
+                let mut l = self.launcher(self.func("matvec_bf16"));
                 l.arg(w).arg(x).arg(&o).arg(&r).arg(&c).arg(&b);
                 ok(unsafe { l.launch(matvec) }, "matvec_bf16");
             }
@@ -1905,7 +1913,7 @@ impl Cuda {
                 let mut scratch = self.grown(&self.dense_scratch, n);
                 let wide = scratch.as_mut().expect("grown");
                 let n64 = n as i64;
-                let mut l = self.stream.launch_builder(self.func("bf16_to_f32"));
+                let mut l = self.launcher(self.func("bf16_to_f32"));
                 l.arg(w).arg(&mut *wide).arg(&n64);
                 ok(
                     unsafe { l.launch(cfg(blocks(n, 256).min(132 * 16) as usize, 256, 0)) },
@@ -1968,7 +1976,7 @@ impl Cuda {
         );
         let window = shape.window.map_or(0, |w| w as i32);
         let c = chunk as i32;
-        let mut l = self.stream.launch_builder(self.func(name));
+        let mut l = self.launcher(self.func(name));
         l.arg(q)
             .arg(k_cache)
             .arg(v_cache)
@@ -1989,7 +1997,7 @@ impl Cuda {
         ok(unsafe { l.launch(grid) }, name);
         drop(l);
         let n = splits as i32;
-        let mut l = self.stream.launch_builder(self.func("attention_combine"));
+        let mut l = self.launcher(self.func("attention_combine"));
         l.arg(&mut acc).arg(&mut ml).arg(out).arg(&n).arg(&d);
         ok(
             unsafe { l.launch(cfg(shape.heads, COMBINE_THREADS, 0)) },
@@ -2020,7 +2028,7 @@ impl Cuda {
             shape.head_dim as i32,
         );
         let window = shape.window.map_or(0, |w| w as i32);
-        let mut l = self.stream.launch_builder(self.func(name));
+        let mut l = self.launcher(self.func(name));
         l.arg(q)
             .arg(k_cache)
             .arg(v_cache)
@@ -2049,12 +2057,12 @@ impl Cuda {
         let ids = ids.device_ptr(&self.stream).0;
         let mut l = match table {
             DeviceMatrix::Bf16(t) => {
-                let mut l = self.stream.launch_builder(self.func("embed_bf16"));
+                let mut l = self.launcher(self.func("embed_bf16"));
                 l.arg(t);
                 l
             }
             DeviceMatrix::F32(t) => {
-                let mut l = self.stream.launch_builder(self.func("embed"));
+                let mut l = self.launcher(self.func("embed"));
                 l.arg(t);
                 l
             }
@@ -2067,7 +2075,7 @@ impl Cuda {
     }
 
     /// Launches `l` with a thread per element of `n`.
-    fn launch_1d(&self, mut l: LaunchArgs<'_>, n: usize, what: &str) {
+    fn launch_1d(&self, mut l: Launch<'_>, n: usize, what: &str) {
         if n == 0 {
             return;
         }
@@ -2144,7 +2152,7 @@ impl Backend for Cuda {
             return;
         }
         let (r, d) = (rows as i32, dim as i32);
-        let mut l = self.stream.launch_builder(self.func("rms_norm"));
+        let mut l = self.launcher(self.func("rms_norm"));
         l.arg(x).arg(w).arg(out).arg(&r).arg(&d).arg(&eps);
         ok(unsafe { l.launch(norm_cfg(rows, dim)) }, "rms_norm");
     }
@@ -2161,7 +2169,7 @@ impl Backend for Cuda {
             return;
         }
         let (r, d) = (rows as i32, dim as i32);
-        let mut l = self.stream.launch_builder(self.func("rms_norm_inplace"));
+        let mut l = self.launcher(self.func("rms_norm_inplace"));
         l.arg(x).arg(w).arg(&r).arg(&d).arg(&eps);
         ok(unsafe { l.launch(norm_cfg(rows, dim)) }, "rms_norm_inplace");
     }
@@ -2180,7 +2188,7 @@ impl Backend for Cuda {
             return;
         }
         let (r, d) = (rows as i32, dim as i32);
-        let mut l = self.stream.launch_builder(self.func("add_rms_norm"));
+        let mut l = self.launcher(self.func("add_rms_norm"));
         l.arg(x)
             .arg(delta)
             .arg(w)
@@ -2244,7 +2252,7 @@ impl Backend for Cuda {
                 let [o0, o1, o2] = outs;
                 let [r0, r1, r2] = out_dims.map(|d| d as i32);
                 let (cols, batch) = (in_dim as i32, rows as i32);
-                let mut l = self.stream.launch_builder(self.func("matvec_bf16_3"));
+                let mut l = self.launcher(self.func("matvec_bf16_3"));
                 l.arg(a).arg(b).arg(c).arg(x).arg(o0).arg(o1).arg(o2);
                 l.arg(&r0).arg(&r1).arg(&r2).arg(&cols).arg(&batch);
                 // A warp per output row of the three, 8 a block, as matvec_bf16.
@@ -2266,28 +2274,28 @@ impl Backend for Cuda {
         let dim = bias.len();
         let n = rows * dim;
         let (d, n64) = (dim as i32, n as i64);
-        let mut l = self.stream.launch_builder(self.func("add_bias"));
+        let mut l = self.launcher(self.func("add_bias"));
         l.arg(x).arg(bias).arg(&d).arg(&n64);
         self.launch_1d(l, n, "add_bias");
     }
 
     fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, n: usize) {
         let n64 = n as i64;
-        let mut l = self.stream.launch_builder(self.func("add"));
+        let mut l = self.launcher(self.func("add"));
         l.arg(x).arg(y).arg(&n64);
         self.launch_1d(l, n, "add");
     }
 
     fn silu_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>, n: usize) {
         let n64 = n as i64;
-        let mut l = self.stream.launch_builder(self.func("silu_mul"));
+        let mut l = self.launcher(self.func("silu_mul"));
         l.arg(gate).arg(up).arg(&n64);
         self.launch_1d(l, n, "silu_mul");
     }
 
     fn clamp(&self, x: &mut CudaSlice<f32>, limit: f32, n: usize) {
         let n64 = n as i64;
-        let mut l = self.stream.launch_builder(self.func("clamp_values"));
+        let mut l = self.launcher(self.func("clamp_values"));
         l.arg(x).arg(&limit).arg(&n64);
         self.launch_1d(l, n, "clamp_values");
     }
@@ -2297,7 +2305,7 @@ impl Backend for Cuda {
             return;
         }
         let d = dim as i32;
-        let mut l = self.stream.launch_builder(self.func("softmax_rows"));
+        let mut l = self.launcher(self.func("softmax_rows"));
         l.arg(x).arg(&d);
         ok(
             unsafe { l.launch(cfg(rows, row_threads(dim), 0)) },
@@ -2326,7 +2334,7 @@ impl Backend for Cuda {
         let freq = self.constant(inv_freq);
         let (h, d, p0) = (heads as i32, head_dim as i32, p0 as u32);
         let null = 0u64;
-        let mut l = self.stream.launch_builder(self.func("rope"));
+        let mut l = self.launcher(self.func("rope"));
         l.arg(x);
         match &pos {
             Some(p) => l.arg(p),
@@ -2392,7 +2400,7 @@ impl Backend for Cuda {
         );
         let window = shape.window.map_or(0, |w| w as i32);
         let null = 0u64;
-        let mut l = self.stream.launch_builder(self.func("attention"));
+        let mut l = self.launcher(self.func("attention"));
         l.arg(q)
             .arg(k_cache)
             .arg(v_cache)
@@ -2421,7 +2429,7 @@ impl Backend for Cuda {
         }
         let r = self.upload_u32(rows);
         let w = width as i32;
-        let mut l = self.stream.launch_builder(self.func("gather_rows"));
+        let mut l = self.launcher(self.func("gather_rows"));
         l.arg(src).arg(&r).arg(dst).arg(&w);
         ok(
             unsafe { l.launch(cfg(rows.len(), row_threads(width), 0)) },
@@ -2443,7 +2451,7 @@ impl Backend for Cuda {
         let r = self.upload_u32(rows);
         let s = ok(self.stream.clone_htod(scales), "upload");
         let w = width as i32;
-        let mut l = self.stream.launch_builder(self.func("scatter_add_rows"));
+        let mut l = self.launcher(self.func("scatter_add_rows"));
         l.arg(src).arg(&r).arg(&s).arg(dst).arg(&w);
         ok(
             unsafe { l.launch(cfg(rows.len(), row_threads(width), 0)) },
@@ -2487,7 +2495,7 @@ impl Backend for Cuda {
         let freq = self.constant(inv_freq);
         let pos = step.slice(1..2);
         let (h, d, p0) = (heads as i32, head_dim as i32, 0u32);
-        let mut l = self.stream.launch_builder(self.func("rope"));
+        let mut l = self.launcher(self.func("rope"));
         l.arg(x).arg(&pos).arg(&p0).arg(&*freq).arg(&h).arg(&d);
         ok(
             unsafe { l.launch(cfg(heads, row_threads(head_dim / 2), 0)) },
@@ -2504,7 +2512,7 @@ impl Backend for Cuda {
     ) {
         let pos = step.slice(1..2);
         let w = width as i32;
-        let mut l = self.stream.launch_builder(self.func("write_row_at"));
+        let mut l = self.launcher(self.func("write_row_at"));
         l.arg(src).arg(dst).arg(&pos).arg(&w);
         ok(
             unsafe { l.launch(cfg(blocks(width, 256) as usize, 256, 0)) },
@@ -2540,7 +2548,7 @@ impl Backend for Cuda {
         let null = 0u64;
         let eps = norm.map_or(0.0, |n| n.eps);
         let (h, kvh, hd) = (heads as i32, kv_heads as i32, d as i32);
-        let mut l = self.stream.launch_builder(self.func("attn_preamble_at"));
+        let mut l = self.launcher(self.func("attn_preamble_at"));
         l.arg(q).arg(k).arg(v);
         match &norm {
             Some(n) => l.arg(n.q).arg(n.k),
@@ -2587,7 +2595,7 @@ impl Backend for Cuda {
             self.attention_one_row(q, k_cache, v_cache, shape, at, out);
             return;
         }
-        let mut l = self.stream.launch_builder(self.func("attention"));
+        let mut l = self.launcher(self.func("attention"));
         l.arg(q)
             .arg(k_cache)
             .arg(v_cache)
@@ -2633,7 +2641,7 @@ impl Backend for Cuda {
             let n = per_launch.min(rows - r0);
             let xs = x.slice(r0 * dim..(r0 + n) * dim);
             let mut o = out.slice_mut(at + r0..at + r0 + n);
-            let mut l = self.stream.launch_builder(self.func("argmax_rows"));
+            let mut l = self.launcher(self.func("argmax_rows"));
             l.arg(&xs)
                 .arg(&mut o)
                 .arg(&d)
