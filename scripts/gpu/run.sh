@@ -137,25 +137,22 @@ for step in $steps; do
     variants)
         echo "== decode variants, 4 bits"
         m="$WORK/qwen3-30b-a3b-l$LAYERS"
+        # variant LABEL [VAR=VALUE]: 4-bit decode after a 512-token prompt, with VAR set.
+        variant() {
+            echo "-- $1"
+            env ${2:+"$2"} "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
+                --prompt 512 --generate 128
+        }
         {
-            echo "-- one block per head walking the whole context"
-            DYNMOE_CUDA_SPLIT_ATTENTION=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
-                --prompt 512 --generate 128
-            echo "-- one-row attention a block per query head and chunk, not per KV head"
-            DYNMOE_CUDA_GROUPED_ATTENTION=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
-                --prompt 512 --generate 128
-            echo "-- dense weights (attention, router, LM head) in f32, not bf16"
-            DYNMOE_CUDA_BF16=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
-                --prompt 512 --generate 128
-            echo "-- prompts without tensor cores (dense products widened for sgemm, experts one by one)"
-            DYNMOE_CUDA_TENSOR_CORES=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
-                --prompt 512 --generate 128
-            echo "-- prompts through the per-row attention kernel, not the tiled one"
-            DYNMOE_CUDA_TILED_ATTENTION=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
-                --prompt 512 --generate 128
-            echo "-- kernels launched without programmatic dependent launch"
-            DYNMOE_CUDA_PDL=0 "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
-                --prompt 512 --generate 128
+            variant "one block per head walking the whole context" DYNMOE_CUDA_SPLIT_ATTENTION=0
+            variant "one-row attention a block per query head and chunk, not per KV head" \
+                DYNMOE_CUDA_GROUPED_ATTENTION=0
+            variant "dense weights (attention, router, LM head) in f32, not bf16" DYNMOE_CUDA_BF16=0
+            variant "prompts without tensor cores (dense products widened for sgemm, experts one by one)" \
+                DYNMOE_CUDA_TENSOR_CORES=0
+            variant "prompts through the per-row attention kernel, not the tiled one" \
+                DYNMOE_CUDA_TILED_ATTENTION=0
+            variant "kernels launched without programmatic dependent launch" DYNMOE_CUDA_PDL=0
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128
         } 2>&1 | tee "$OUT/model_variants.log"

@@ -1913,6 +1913,21 @@ __device__ __forceinline__ void copy16_async(float4* dst, const float4* src, boo
 __device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
+// Queues the copies of keys (and values) first .. first + PA_BN - 1 of one KV head into
+// a tile of shared memory (K rows `qw` float4s apart, V rows `f4`); keys past `p_last`
+// are zero-filled, and never read past the cache.
+__device__ __forceinline__ void copy_kv_tile(float4* kd, float4* vd, const float4* k4,
+                                             const float4* v4, int first, int p_last, int f4,
+                                             int qw, size_t row4, int tid) {
+    for (int i = tid; i < PA_BN * f4; i += PA_THREADS) {
+        int j = i / f4, c = i % f4, kp = min(first + j, p_last);
+        size_t at = (size_t)kp * row4 + c;
+        copy16_async(kd + j * qw + c, k4 + at, first + j <= p_last);
+        copy16_async(vd + j * f4 + c, v4 + at, first + j <= p_last);
+    }
+    copies_commit();
+}
+
 template <int FO>
 __device__ void attention_tiled(const float* __restrict__ q, const float* __restrict__ k,
                                 const float* __restrict__ v, float* __restrict__ out, int rows,
@@ -1952,13 +1967,7 @@ __device__ void attention_tiled(const float* __restrict__ q, const float* __rest
 
         // The first K/V tile's copies, then Q (the previous pass read Q and the buffers
         // before its last barrier).
-        for (int i = tid; i < PA_BN * f4; i += PA_THREADS) {
-            int j = i / f4, c = i % f4, kp = min(lo_first + j, p_last);
-            size_t at = (size_t)kp * row4 + c;
-            copy16_async(ks + j * qw + c, k4 + at, lo_first + j <= p_last);
-            copy16_async(vs + j * f4 + c, v4 + at, lo_first + j <= p_last);
-        }
-        copies_commit();
+        copy_kv_tile(ks, vs, k4, v4, lo_first, p_last, f4, qw, row4, tid);
         for (int i = tid; i < PA_BM * f4; i += PA_THREADS) {
             int s = i / f4, c = i % f4, at = slot0 + s, r = at / group;
             qs[s * qw + c] = r < rows ? q4[((size_t)r * heads + h0 + at % group) * f4 + c] : zero;
@@ -1989,15 +1998,8 @@ __device__ void attention_tiled(const float* __restrict__ q, const float* __rest
             __syncthreads();
             const int nt = kt + PA_BN;
             if (nt <= p_last) {
-                float4* kb = ks + (buf ^ 1) * PA_BN * qw;
-                float4* vb = vs + (buf ^ 1) * PA_BN * f4;
-                for (int i = tid; i < PA_BN * f4; i += PA_THREADS) {
-                    int j = i / f4, c = i % f4, kp = min(nt + j, p_last);
-                    size_t at = (size_t)kp * row4 + c;
-                    copy16_async(kb + j * qw + c, k4 + at, nt + j <= p_last);
-                    copy16_async(vb + j * f4 + c, v4 + at, nt + j <= p_last);
-                }
-                copies_commit();
+                copy_kv_tile(ks + (buf ^ 1) * PA_BN * qw, vs + (buf ^ 1) * PA_BN * f4, k4, v4,
+                             nt, p_last, f4, qw, row4, tid);
             }
             const float4* kr = ks + buf * PA_BN * qw + kx * qw;
             const float4* vr = vs + buf * PA_BN * f4 + dx;

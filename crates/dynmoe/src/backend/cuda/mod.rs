@@ -510,7 +510,7 @@ pub struct Cuda {
     /// buffers it read, so whatever frees or replaces one of those drops them all.
     graphs: Mutex<Vec<((usize, u64), Recorded)>>,
     /// Whether [`Backend::replay_step`] records graphs (`DYNMOE_CUDA_GRAPHS=0`: never).
-    use_graphs: std::sync::atomic::AtomicBool,
+    use_graphs: Switch<bool>,
     /// Partial results of one-row attention split over the keys, grown as needed.
     attn_scratch: Mutex<Option<CudaSlice<f32>>>,
     /// `argmax_rows`' per-row block counts (zero between launches: the last block of a
@@ -525,14 +525,14 @@ pub struct Cuda {
     /// Whether products of many rows (prompts) run on tensor cores: bf16 dense matrices
     /// through cuBLAS, affine experts through the grouped `expert_mma` kernels. On from
     /// sm_80 unless `DYNMOE_CUDA_TENSOR_CORES=0`.
-    tensor_cores: std::sync::atomic::AtomicBool,
+    tensor_cores: Switch<bool>,
     /// Whether [`Backend::upload_matrix`] keeps bf16-exact matrices in bf16
     /// (`DYNMOE_CUDA_BF16=0`: always f32, to measure what bf16 saves).
     bf16_matrices: bool,
     /// How one-row attention runs (a [`DecodeAttention`] as its `u8`).
-    decode_attention: AtomicU8,
+    decode_attention: Switch<DecodeAttention>,
     /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
-    prefill_attention: AtomicU8,
+    prefill_attention: Switch<PrefillAttention>,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
     /// none; the device's per-block limit decides).
     tiled_head_dim: usize,
@@ -563,14 +563,19 @@ impl DecodeAttention {
     /// The way the environment asks for, [`Grouped`](Self::Grouped) unless one of the
     /// variables above turns it off.
     fn from_env() -> Self {
-        let off = |name: &str| std::env::var(name).is_ok_and(|v| v == "0");
-        if off("DYNMOE_CUDA_SPLIT_ATTENTION") {
+        if switched_off("DYNMOE_CUDA_SPLIT_ATTENTION") {
             DecodeAttention::Whole
-        } else if off("DYNMOE_CUDA_GROUPED_ATTENTION") {
+        } else if switched_off("DYNMOE_CUDA_GROUPED_ATTENTION") {
             DecodeAttention::PerHead
         } else {
             DecodeAttention::Grouped
         }
+    }
+}
+
+impl Way for DecodeAttention {
+    fn to_u8(self) -> u8 {
+        self as u8
     }
 
     fn from_u8(v: u8) -> Self {
@@ -599,11 +604,17 @@ pub enum PrefillAttention {
 
 impl PrefillAttention {
     fn from_env() -> Self {
-        if std::env::var("DYNMOE_CUDA_TILED_ATTENTION").is_ok_and(|v| v == "0") {
+        if switched_off("DYNMOE_CUDA_TILED_ATTENTION") {
             PrefillAttention::PerRow
         } else {
             PrefillAttention::Tiled
         }
+    }
+}
+
+impl Way for PrefillAttention {
+    fn to_u8(self) -> u8 {
+        self as u8
     }
 
     fn from_u8(v: u8) -> Self {
@@ -611,6 +622,46 @@ impl PrefillAttention {
             0 => PrefillAttention::Tiled,
             _ => PrefillAttention::PerRow,
         }
+    }
+}
+
+/// Whether the environment turns a way of running off (`NAME=0`).
+fn switched_off(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "0")
+}
+
+/// A way of running an op that a [`Switch`] holds.
+trait Way: Copy {
+    fn to_u8(self) -> u8;
+    fn from_u8(v: u8) -> Self;
+}
+
+impl Way for bool {
+    fn to_u8(self) -> u8 {
+        self as u8
+    }
+
+    fn from_u8(v: u8) -> Self {
+        v != 0
+    }
+}
+
+/// How an op runs, changeable while the backend lives (to measure one way against
+/// another in one process); read by every call.
+struct Switch<T>(AtomicU8, std::marker::PhantomData<T>);
+
+impl<T: Way> Switch<T> {
+    fn new(way: T) -> Self {
+        Switch(AtomicU8::new(way.to_u8()), std::marker::PhantomData)
+    }
+
+    fn get(&self) -> T {
+        T::from_u8(self.0.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    fn set(&self, way: T) {
+        self.0
+            .store(way.to_u8(), std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -818,20 +869,16 @@ impl Cuda {
             routed: Mutex::new(HashMap::new()),
             routed_scratch: Mutex::new(None),
             graphs: Mutex::new(Vec::new()),
-            use_graphs: std::sync::atomic::AtomicBool::new(
-                std::env::var("DYNMOE_CUDA_GRAPHS").map_or(true, |v| v != "0"),
-            ),
+            use_graphs: Switch::new(!switched_off("DYNMOE_CUDA_GRAPHS")),
             attn_scratch: Mutex::new(None),
             argmax_scratch: Mutex::new(None),
             dense_scratch: Mutex::new(None),
             split_scratch: Mutex::new(None),
-            tensor_cores: std::sync::atomic::AtomicBool::new(
-                major >= 8 && std::env::var("DYNMOE_CUDA_TENSOR_CORES").map_or(true, |v| v != "0"),
-            ),
-            bf16_matrices: std::env::var("DYNMOE_CUDA_BF16").map_or(true, |v| v != "0"),
-            decode_attention: AtomicU8::new(DecodeAttention::from_env() as u8),
-            programmatic: major >= 9 && std::env::var("DYNMOE_CUDA_PDL").map_or(true, |v| v != "0"),
-            prefill_attention: AtomicU8::new(PrefillAttention::from_env() as u8),
+            tensor_cores: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_TENSOR_CORES")),
+            bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
+            decode_attention: Switch::new(DecodeAttention::from_env()),
+            programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
+            prefill_attention: Switch::new(PrefillAttention::from_env()),
             tiled_head_dim,
             sms,
         })
@@ -898,8 +945,7 @@ impl Cuda {
     /// Whether decode steps are recorded as CUDA graphs and replayed (the default, unless
     /// `DYNMOE_CUDA_GRAPHS=0`); switching drops the records.
     pub fn set_graphs(&self, on: bool) {
-        self.use_graphs
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+        self.use_graphs.set(on);
         self.drop_graphs();
     }
 
@@ -907,16 +953,12 @@ impl Cuda {
     /// or what the environment asks for). Steps already recorded keep the way they were
     /// recorded with; every way gives the same result.
     pub fn set_decode_attention(&self, way: DecodeAttention) {
-        self.decode_attention
-            .store(way as u8, std::sync::atomic::Ordering::Relaxed);
+        self.decode_attention.set(way);
     }
 
     /// How one-row attention runs (see [`set_decode_attention`](Self::set_decode_attention)).
     pub fn decode_attention(&self) -> DecodeAttention {
-        DecodeAttention::from_u8(
-            self.decode_attention
-                .load(std::sync::atomic::Ordering::Relaxed),
-        )
+        self.decode_attention.get()
     }
 
     /// Whether products of many rows run on tensor cores from now on (the default on
@@ -929,30 +971,25 @@ impl Cuda {
             .parse::<u32>()
             .unwrap_or(0)
             >= 80;
-        self.tensor_cores
-            .store(on && able, std::sync::atomic::Ordering::Relaxed);
+        self.tensor_cores.set(on && able);
     }
 
     /// Whether products of many rows run on tensor cores (see
     /// [`set_tensor_cores`](Self::set_tensor_cores)).
     pub fn tensor_cores(&self) -> bool {
-        self.tensor_cores.load(std::sync::atomic::Ordering::Relaxed)
+        self.tensor_cores.get()
     }
 
     /// How attention of several rows runs from now on (the default:
     /// [`PrefillAttention::Tiled`], or what the environment asks for).
     pub fn set_prefill_attention(&self, way: PrefillAttention) {
-        self.prefill_attention
-            .store(way as u8, std::sync::atomic::Ordering::Relaxed);
+        self.prefill_attention.set(way);
     }
 
     /// How attention of several rows runs (see
     /// [`set_prefill_attention`](Self::set_prefill_attention)).
     pub fn prefill_attention(&self) -> PrefillAttention {
-        PrefillAttention::from_u8(
-            self.prefill_attention
-                .load(std::sync::atomic::Ordering::Relaxed),
-        )
+        self.prefill_attention.get()
     }
 
     /// Decode steps recorded as graphs and kept for replay.
@@ -2659,8 +2696,7 @@ impl Backend for Cuda {
     }
 
     fn replay_step(&self, key: (usize, u64), body: &mut dyn FnMut() -> bool) -> bool {
-        use std::sync::atomic::Ordering;
-        if !self.use_graphs.load(Ordering::Relaxed) {
+        if !self.use_graphs.get() {
             body();
             return false;
         }
