@@ -361,64 +361,40 @@ __device__ __forceinline__ int q2_column(int k, int p, int b) {
     return p < 2 ? 2 * (8 * k + 4 * p + b) : 2 * (8 * k + 4 * (p - 2) + b) + 1;
 }
 
-// A chunk's words: 4 at 4 bits, 2 at 2 bits, 3 at 3 bits (the rest of `w` unused), so a
-// kernel can load one chunk ahead and decode it later.
 template <int BITS>
-__device__ __forceinline__ void load_chunk(const unsigned* words, size_t chunk, unsigned (&w)[4]) {
+__device__ __forceinline__ void decode_chunk(const unsigned* words, size_t chunk, float* codes) {
     if (BITS == 4) {
-        uint4 v = *reinterpret_cast<const uint4*>(words + 4 * chunk);
-        w[0] = v.x;
-        w[1] = v.y;
-        w[2] = v.z;
-        w[3] = v.w;
-    } else if (BITS == 2) {
-        uint2 v = *reinterpret_cast<const uint2*>(words + 2 * chunk);
-        w[0] = v.x;
-        w[1] = v.y;
-        w[2] = w[3] = 0u;
-    } else {
-        const unsigned* c = words + 3 * chunk;
-        w[0] = c[0];
-        w[1] = c[1];
-        w[2] = c[2];
-        w[3] = 0u;
-    }
-}
-
-template <int BITS>
-__device__ __forceinline__ void decode_words(const unsigned (&w)[4], float* codes) {
-    if (BITS == 4) {
+        uint4 w = *reinterpret_cast<const uint4*>(words + 4 * chunk);
+        unsigned ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
         for (int l = 0; l < 4; l++)
 #pragma unroll
-            for (int n = 0; n < 8; n++) codes[8 * l + n] = (float)((w[l] >> (4 * n)) & 15u);
+            for (int n = 0; n < 8; n++) codes[8 * l + n] = (float)((ws[l] >> (4 * n)) & 15u);
     } else if (BITS == 2) {
+        uint2 w = *reinterpret_cast<const uint2*>(words + 2 * chunk);
+        unsigned ws[2] = {w.x, w.y};
 #pragma unroll
         for (int k = 0; k < 2; k++)
 #pragma unroll
             for (int p = 0; p < 4; p++)
 #pragma unroll
                 for (int b = 0; b < 4; b++)
-                    codes[q2_column(k, p, b)] = (float)((w[k] >> (8 * b + 2 * p)) & 3u);
+                    codes[q2_column(k, p, b)] = (float)((ws[k] >> (8 * b + 2 * p)) & 3u);
     } else {
+        const unsigned* c = words + 3 * chunk;
+        unsigned ws[2] = {c[0], c[1]};
+        unsigned low = c[2];
 #pragma unroll
         for (int k = 0; k < 2; k++)
 #pragma unroll
             for (int p = 0; p < 4; p++)
 #pragma unroll
                 for (int b = 0; b < 4; b++) {
-                    unsigned up = (w[k] >> (8 * b + 2 * p)) & 3u;
-                    unsigned lo = (w[2] >> (8 * b + 4 * k + p)) & 1u;
+                    unsigned up = (ws[k] >> (8 * b + 2 * p)) & 3u;
+                    unsigned lo = (low >> (8 * b + 4 * k + p)) & 1u;
                     codes[q2_column(k, p, b)] = (float)(2u * up + lo);
                 }
     }
-}
-
-template <int BITS>
-__device__ __forceinline__ void decode_chunk(const unsigned* words, size_t chunk, float* codes) {
-    unsigned w[4];
-    load_chunk<BITS>(words, chunk, w);
-    decode_words<BITS>(w, codes);
 }
 
 template <int BITS> __device__ __forceinline__ float recon_a() { return BITS == 4 ? 1.0f : (BITS == 3 ? 2.0f : 4.0f); }
