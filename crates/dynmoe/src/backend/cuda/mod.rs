@@ -473,6 +473,28 @@ struct Routed<'a> {
     route: DeviceRoute<'a>,
 }
 
+/// One launch pair of the grouped expert GEMMs ([`Cuda::launch_expert_gemms`]): device
+/// addresses of the group table (GROUP_ENTRY words a group), the (group, first pair)
+/// tiles, their count (or [`NO_COUNT`] when `grid_tiles` is exact), each pair's row and
+/// weight, the input rows, the SiLU outputs `[pairs, inter]` and the rows the down
+/// products add into; and the shapes.
+struct ExpertGemms {
+    bits: u32,
+    table: u64,
+    tiles: u64,
+    grid_tiles: usize,
+    tiles_n: u64,
+    pair_rows: u64,
+    pair_weights: u64,
+    x: u64,
+    h: u64,
+    out: u64,
+    hidden: usize,
+    inter: usize,
+    up_cols: usize,
+    down_cols: usize,
+}
+
 /// What confirms that a block's id still names the same weights.
 fn routed_check(experts: &RoutedExperts<'_, DeviceMatrix>) -> Option<[(AffineKey, [u32; 3]); 2]> {
     let gate = |e: usize| match (experts.weights)(e)[0] {
@@ -1240,12 +1262,17 @@ impl Cuda {
 
     /// `x[..n] = v` on the device.
     pub fn fill(&self, x: &mut CudaSlice<f32>, v: f32, n: usize) {
+        self.fill_at(x.device_ptr_mut(&self.stream).0, v, n);
+    }
+
+    /// [`fill`](Self::fill) of the `n` floats at device address `at`.
+    fn fill_at(&self, at: u64, v: f32, n: usize) {
         if n == 0 {
             return;
         }
         let n64 = n as i64;
         let mut l = self.launcher(self.func("fill"));
-        l.arg(x).arg(&v).arg(&n64);
+        l.arg(&at).arg(&v).arg(&n64);
         ok(
             unsafe { l.launch(cfg(blocks(n, 256).min(4096) as usize, 256, 0)) },
             "fill",
@@ -1458,48 +1485,27 @@ impl Cuda {
         let raw = |n: usize| ok(unsafe { self.stream.alloc::<f32>(n.max(1)) }, "alloc");
 
         if gemm {
-            let mut h = raw(pairs * inter);
+            let h = raw(pairs * inter);
             let tiles = (words.len() - tiles_at) / 2;
-            let (i, u, h_in) = (inter as i32, up_cols as i32, hidden as i32);
-            let (d, dc, d_in) = (hidden as i32, down_cols as i32, inter as i32);
-            let gate_up = self.func(&format!("expert_mma_gate_up_{suffix}"));
-            let down = self.func(&format!("expert_mma_down_{suffix}"));
+            let at = |v: &CudaView<'_, u32>| v.device_ptr(&self.stream).0;
             // A grid's y extent is at most 65 535 tiles; longer prompts take several.
             for t0 in (0..tiles).step_by(65_535) {
-                let nt = (tiles - t0).min(65_535);
-                let tiles_v = meta.slice(tiles_at + 2 * t0..tiles_at + 2 * (t0 + nt));
-                let launch = |outputs: usize| LaunchConfig {
-                    grid_dim: (outputs.div_ceil(EXPERT_TILE_OUTPUTS) as u32, nt as u32, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let mut l = self.launcher(gate_up);
-                l.arg(&table_v)
-                    .arg(&tiles_v)
-                    .arg(&NO_COUNT)
-                    .arg(&rows_v)
-                    .arg(x)
-                    .arg(&mut h);
-                l.arg(&i).arg(&u).arg(&h_in);
-                ok(unsafe { l.launch(launch(inter)) }, "expert gate/up GEMM");
-            }
-            for t0 in (0..tiles).step_by(65_535) {
-                let nt = (tiles - t0).min(65_535);
-                let tiles_v = meta.slice(tiles_at + 2 * t0..tiles_at + 2 * (t0 + nt));
-                let launch = LaunchConfig {
-                    grid_dim: (hidden.div_ceil(EXPERT_TILE_OUTPUTS) as u32, nt as u32, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                let mut l = self.launcher(down);
-                l.arg(&table_v)
-                    .arg(&tiles_v)
-                    .arg(&NO_COUNT)
-                    .arg(&rows_v)
-                    .arg(&scales_v);
-                l.arg(&h).arg(&mut *out);
-                l.arg(&d).arg(&dc).arg(&d_in);
-                ok(unsafe { l.launch(launch) }, "expert down GEMM");
+                self.launch_expert_gemms(&ExpertGemms {
+                    bits,
+                    table: at(&table_v),
+                    tiles: at(&meta.slice(tiles_at + 2 * t0..)),
+                    grid_tiles: (tiles - t0).min(65_535),
+                    tiles_n: NO_COUNT,
+                    pair_rows: at(&rows_v),
+                    pair_weights: at(&scales_v),
+                    x: x.device_ptr(&self.stream).0,
+                    h: h.device_ptr(&self.stream).0,
+                    out: out.device_ptr_mut(&self.stream).0,
+                    hidden,
+                    inter,
+                    up_cols,
+                    down_cols,
+                });
             }
             drop(keep);
             return rest;
@@ -1846,7 +1852,7 @@ impl Cuda {
         );
         let (pair_rows, pair_weights) = (words(pairs), words(pairs));
         let (tiles, tiles_n) = (words(2 * most_tiles), words(1));
-        let mut h = ok(unsafe { self.stream.alloc::<f32>(pairs * inter) }, "alloc");
+        let h = ok(unsafe { self.stream.alloc::<f32>(pairs * inter) }, "alloc");
         let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
         self.launch_route(r, rows, probs, at(&ids), at(&weights));
 
@@ -1863,51 +1869,59 @@ impl Cuda {
             "moe_group_pairs",
         );
 
-        let n = (rows * hidden) as i64;
-        let (zero, out_v) = (0.0f32, out);
-        let mut l = self.launcher(self.func("fill"));
-        l.arg(&out_v).arg(&zero).arg(&n);
-        ok(
-            unsafe {
-                l.launch(cfg(
-                    blocks(rows * hidden, 256).min(132 * 16) as usize,
-                    256,
-                    0,
-                ))
-            },
-            "fill",
-        );
+        self.fill_at(out, 0.0, rows * hidden);
+        self.launch_expert_gemms(&ExpertGemms {
+            bits: shape.bits,
+            table: groups.device_ptr(&self.stream).0,
+            tiles: at(&tiles),
+            grid_tiles: most_tiles,
+            tiles_n: at(&tiles_n),
+            pair_rows: at(&pair_rows),
+            pair_weights: at(&pair_weights),
+            x,
+            h: h.device_ptr(&self.stream).0,
+            out,
+            hidden,
+            inter,
+            up_cols: shape.up_cols,
+            down_cols: shape.down_cols,
+        });
+    }
 
-        let suffix = bits_suffix(shape.bits);
+    /// The two grouped expert GEMMs over `g.grid_tiles` pair tiles: gate and up with the
+    /// SiLU into `h`, then down with each pair's weighted output added into its row of
+    /// `out`.
+    fn launch_expert_gemms(&self, g: &ExpertGemms) {
+        let suffix = bits_suffix(g.bits);
         let grid = |outputs: usize| LaunchConfig {
             grid_dim: (
                 outputs.div_ceil(EXPERT_TILE_OUTPUTS) as u32,
-                most_tiles as u32,
+                g.grid_tiles as u32,
                 1,
             ),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
+        let (ri, c, i) = (g.inter as i32, g.up_cols as i32, g.hidden as i32);
         let mut l = self.launcher(self.func(&format!("expert_mma_gate_up_{suffix}")));
-        l.arg(&groups)
-            .arg(&tiles)
-            .arg(&tiles_n)
-            .arg(&pair_rows)
-            .arg(&x)
-            .arg(&mut h);
+        l.arg(&g.table)
+            .arg(&g.tiles)
+            .arg(&g.tiles_n)
+            .arg(&g.pair_rows)
+            .arg(&g.x)
+            .arg(&g.h);
         l.arg(&ri).arg(&c).arg(&i);
-        ok(unsafe { l.launch(grid(inter)) }, "expert gate/up GEMM");
-        let (ri, c, i) = (hidden as i32, shape.down_cols as i32, inter as i32);
+        ok(unsafe { l.launch(grid(g.inter)) }, "expert gate/up GEMM");
+        let (ri, c, i) = (g.hidden as i32, g.down_cols as i32, g.inter as i32);
         let mut l = self.launcher(self.func(&format!("expert_mma_down_{suffix}")));
-        l.arg(&groups)
-            .arg(&tiles)
-            .arg(&tiles_n)
-            .arg(&pair_rows)
-            .arg(&pair_weights);
-        l.arg(&h).arg(&out_v);
+        l.arg(&g.table)
+            .arg(&g.tiles)
+            .arg(&g.tiles_n)
+            .arg(&g.pair_rows)
+            .arg(&g.pair_weights);
+        l.arg(&g.h).arg(&g.out);
         l.arg(&ri).arg(&c).arg(&i);
-        ok(unsafe { l.launch(grid(hidden)) }, "expert down GEMM");
+        ok(unsafe { l.launch(grid(g.hidden)) }, "expert down GEMM");
     }
 
     /// [`Backend::matmul`] into any device buffer: the matrix-vector kernel for a few
