@@ -1365,7 +1365,9 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, bits: u32
         let (e_out, e_p) = (rel_err(&got, &want), rel_err(&got_p[at..], &want_p));
         println!(
             "check routed moe q{bits} E {experts} rows {rows} top-{top_k} renorm {renormalize:<5} \
-             mask {masked:<5} gate bf16 {gate_bf16:<5} tie {tie:<5} out {e_out:.2e} probs {e_p:.2e}"
+             mask {masked:<5} gate bf16 {gate_bf16:<5} tie {tie:<5} mma {:<5} out {e_out:.2e} \
+             probs {e_p:.2e}",
+            g.routed_mma()
         );
         assert!(
             e_out < 1e-5 && e_p < 1e-5,
@@ -1385,11 +1387,21 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     // and without renormalisation and a plan's mask, one row (decode) to 300 (a prompt,
     // through the grouped GEMMs). Then 128 experts (a warp routes a row, 4 experts a lane,
     // top-8 as Qwen3-30B-A3B), with a tie, and 260 (past the warp's 256: a block routes).
-    for bits in [4, 3, 2] {
-        check_routed(g, 256, 80, 12, bits, false);
+    // Decode steps run both ways: on tensor cores, and through the matrix-vector kernels.
+    // Rows 2112 wide and experts 1600 wide give the tensor-core warps more 64-column
+    // units than they load at once (33 for gate and up: 5 a warp and none for the last;
+    // 4 × 26 for down), so those take a second round.
+    let was = g.routed_mma();
+    for mma in [true, false] {
+        g.set_routed_mma(mma);
+        for bits in [4, 3, 2] {
+            check_routed(g, 256, 80, 12, bits, false);
+        }
+        check_routed(g, 128, 32, 128, 4, true);
+        check_routed(g, 128, 32, 260, 2, true);
+        check_routed(g, 2112, 1600, 6, 3, false);
     }
-    check_routed(g, 128, 32, 128, 4, true);
-    check_routed(g, 128, 32, 260, 2, true);
+    g.set_routed_mma(was);
     let (hidden, inter) = (256, 80);
     // Without tensor cores more than 8 rows are too many for the device path: it declines
     // and leaves the outputs alone.

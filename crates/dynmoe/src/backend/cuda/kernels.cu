@@ -1206,6 +1206,318 @@ extern "C" __global__ void moe_combine(const float* down, const float* weights, 
     out[j] = s;
 }
 
+// ---- Routed experts on tensor cores: a decode step's MoE dispatch ----
+//
+// The matrix-vector kernels above convert every code to a float on its own and issue a
+// row's loads only after the block has staged x. Here every lane first issues the loads
+// of all the words it will decode, then the block stages x. The codes become f16 by the
+// exponent trick of the grouped GEMMs, and mma.sync takes 16 weight rows as its A
+// operand (a lane of group g holds rows g and g + 8) and x as B: column 0 holds the f16
+// hi part of x, column 1 the lo part, the other six are zero. Lane (g, q = 0) then holds
+// rows g and g + 8 times both parts, and adds them per 64-column group with its scale
+// and bias, as every affine kernel does.
+//
+// A block takes RMMA_ROWS output rows. A unit is one 64-column group of one input row;
+// the warps split the units, and the block adds their partial sums in a fixed order, so
+// results do not depend on timing. A warp loads at most UNITS units' words at once and
+// takes more in further rounds.
+#define RMMA_WARPS 8
+#define RMMA_ROWS 16
+// A staged unit: f16x2 words [hi/lo][ks][q][h]; the lo half starts 40 words on, so the
+// two lane groups that read them (g = 0 and g = 1) fall in different banks.
+#define RMMA_HALF 40
+#define RMMA_UNIT (2 * RMMA_HALF)
+
+// Stages `units` units into `xs` (RMMA_UNIT words each) in the fragment order of
+// decode_fragments, and each unit's sum into `xsum`. Unit u is group u % groups of row
+// row_of(u / groups) of x, which is `in_dim` wide (zeros past it). A thread takes 16
+// columns (a quarter of a group) at a time; a unit's four quarters sit in consecutive
+// lanes. Every thread of the block must call it.
+template <int BITS, typename RowOf>
+__device__ void stage_units(unsigned* xs, float* xsum, const float* x, RowOf row_of, int units,
+                            int groups, int in_dim) {
+    bool vec = in_dim % 4 == 0;
+    int items = 4 * units;
+    for (int base = 0; base < items; base += blockDim.x) {
+        int i = base + threadIdx.x;
+        bool live = i < items;
+        int u = live ? i / 4 : 0, q = i % 4;
+        const float* src = x + (size_t)row_of(u / groups) * in_dim;
+        int k0 = (u % groups) * 64 + 16 * q;
+        float v[16];
+        if (live && vec && k0 + 16 <= in_dim) {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float4 f = *reinterpret_cast<const float4*>(src + k0 + 4 * j);
+                v[4 * j] = f.x;
+                v[4 * j + 1] = f.y;
+                v[4 * j + 2] = f.z;
+                v[4 * j + 3] = f.w;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 16; j++) v[j] = live && k0 + j < in_dim ? src[k0 + j] : 0.0f;
+        }
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; j++) s += v[j];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (!live) continue;
+        if (q == 0) xsum[u] = s;
+        unsigned hi[8], lo[8];
+        split_pairs<BITS>(v, hi, lo);
+        unsigned* dst = xs + (size_t)u * RMMA_UNIT + 2 * q;
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                dst[8 * ks + h] = hi[2 * ks + h];
+                dst[RMMA_HALF + 8 * ks + h] = lo[2 * ks + h];
+            }
+    }
+}
+
+// One unit's products for the lane's rows g and g + 8 of a matrix: the partial sums
+// Σ q·x of the group (on lanes with q = 0; the others hold zeros), from the lane's words
+// `w` (row g, row g + 8) and the staged unit's B fragments `bx`.
+template <int BITS>
+__device__ __forceinline__ float2 unit_products(const unsigned (&w)[2][2], int q,
+                                                const unsigned (&bx)[8]) {
+    unsigned a0[8], a1[8];
+    decode_fragments<BITS>(w[0], q, a0);
+    decode_fragments<BITS>(w[1], q, a1);
+    float c[4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++) {
+        unsigned a[4] = {a0[2 * ks], a1[2 * ks], a0[2 * ks + 1], a1[2 * ks + 1]};
+        if (ks == 0)
+            mma_f16_first(c, a, bx[0], bx[1]);
+        else
+            mma_f16(c, a, bx[2 * ks], bx[2 * ks + 1]);
+    }
+    return make_float2(c[0] + c[1], c[2] + c[3]);
+}
+
+// The B fragments of staged unit u for lane (g, q): hi for g = 0, lo for g = 1, zeros
+// for the rest.
+__device__ __forceinline__ void unit_fragments(const unsigned* xs, int u, int g, int q,
+                                               unsigned (&bx)[8]) {
+    const unsigned* src = xs + (size_t)u * RMMA_UNIT + g * RMMA_HALF + 2 * q;
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++) {
+        uint2 v = g < 2 ? *reinterpret_cast<const uint2*>(src + 8 * ks) : make_uint2(0u, 0u);
+        bx[2 * ks] = v.x;
+        bx[2 * ks + 1] = v.y;
+    }
+}
+
+// Scale and bias of rows g and g + 8 for lanes with q = 0: lane q of each quad loads
+// one of the four (scale g, bias g, scale g + 8, bias g + 8) as `mine`.
+__device__ __forceinline__ float4 quad_scales(unsigned short mine, int lane) {
+    float v = bf16_bits(mine);
+    int base = lane & ~3;
+    return make_float4(v, __shfl_sync(0xffffffffu, v, base + 1),
+                       __shfl_sync(0xffffffffu, v, base + 2),
+                       __shfl_sync(0xffffffffu, v, base + 3));
+}
+
+// The lane's words of unit group `gi` for rows g and g + 8 (`rows0`, `rows1` point at
+// them), and its quad item of the scales and biases.
+template <int BITS>
+__device__ __forceinline__ void load_unit(const unsigned* row0, const unsigned* row1,
+                                          const unsigned short* scales,
+                                          const unsigned short* biases, size_t sb_row0,
+                                          size_t sb_row1, int gi, int q, unsigned (&w)[2][2],
+                                          unsigned short& sb) {
+    load_lane_words<BITS>(row0, gi, q, w[0]);
+    load_lane_words<BITS>(row1, gi, q, w[1]);
+    const unsigned short* src = (q & 1) ? biases : scales;
+    sb = src[(q < 2 ? sb_row0 : sb_row1) + gi];
+}
+
+// Gate and up of pair blockIdx.y (input row pair / top_k of x), RMMA_ROWS rows from
+// blockIdx.x·RMMA_ROWS: h[pair] = silu(gate) ⊙ up. The unit is a group of x's row.
+template <int BITS, int UNITS>
+__device__ void routed_mma_gate_up(const unsigned long long* table, const int* ids, int top_k,
+                                   const float* x, float* h, int rows, int cols, int in_dim) {
+    extern __shared__ __align__(16) unsigned smem[];
+    int groups = cols / 64;
+    unsigned* xs = smem;
+    float* xsum = reinterpret_cast<float*>(smem + (size_t)groups * RMMA_UNIT);
+    float* red = xsum + groups;  // [RMMA_WARPS][2][RMMA_ROWS]
+    int pair = blockIdx.y, r0 = blockIdx.x * RMMA_ROWS;
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, q = lane & 3;
+    const unsigned long long* e = table + (size_t)ids[pair] * ROUTED_ENTRY;
+    size_t stride = row_words<BITS>(cols);
+    // Rows past the matrix read row 0 and are never stored.
+    int o0 = r0 + g < rows ? r0 + g : 0, o1 = r0 + g + 8 < rows ? r0 + g + 8 : 0;
+    const unsigned* rw[2][2];
+    const unsigned short* sc[2];
+    const unsigned short* bi[2];
+#pragma unroll
+    for (int m = 0; m < 2; m++) {
+        const unsigned* words = (const unsigned*)e[3 * m];
+        rw[m][0] = words + o0 * stride;
+        rw[m][1] = words + o1 * stride;
+        sc[m] = (const unsigned short*)e[3 * m + 1];
+        bi[m] = (const unsigned short*)e[3 * m + 2];
+    }
+    int per = (groups + RMMA_WARPS - 1) / RMMA_WARPS;
+    int u0 = min(groups, warp * per), u1 = min(groups, u0 + per);
+    float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+    const float a = recon_a<BITS>(), off = recon_o<BITS>();
+    unsigned w[UNITS][2][2][2];
+    unsigned short sb[UNITS][2];
+    auto load = [&](int base) {
+#pragma unroll
+        for (int j = 0; j < UNITS; j++)
+            if (base + j < u1)
+#pragma unroll
+                for (int m = 0; m < 2; m++)
+                    load_unit<BITS>(rw[m][0], rw[m][1], sc[m], bi[m], (size_t)o0 * groups,
+                                    (size_t)o1 * groups, base + j, q, w[j][m], sb[j][m]);
+    };
+    auto compute = [&](int base) {
+#pragma unroll
+        for (int j = 0; j < UNITS; j++) {
+            if (base + j >= u1) break;
+            unsigned bx[8];
+            unit_fragments(xs, base + j, g, q, bx);
+            float s = xsum[base + j];
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                float2 p = unit_products<BITS>(w[j][m], q, bx);
+                float4 f = quad_scales(sb[j][m], lane);
+                acc[m][0] += a * f.x * p.x + (off * f.x + f.y) * s;
+                acc[m][1] += a * f.z * p.y + (off * f.z + f.w) * s;
+            }
+        }
+    };
+    load(u0);
+    stage_units<BITS>(xs, xsum, x, [&](int) { return pair / top_k; }, groups, groups, in_dim);
+    __syncthreads();
+    compute(u0);
+    for (int base = u0 + UNITS; base < u1; base += UNITS) {
+        load(base);
+        compute(base);
+    }
+    if (q == 0) {
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            red[(warp * 2 + m) * RMMA_ROWS + g] = acc[m][0];
+            red[(warp * 2 + m) * RMMA_ROWS + g + 8] = acc[m][1];
+        }
+    }
+    __syncthreads();
+    int t = threadIdx.x;
+    if (t < RMMA_ROWS && r0 + t < rows) {
+        float gv = 0.0f, uv = 0.0f;
+        for (int k = 0; k < RMMA_WARPS; k++) {
+            gv += red[(k * 2) * RMMA_ROWS + t];
+            uv += red[(k * 2 + 1) * RMMA_ROWS + t];
+        }
+        h[(size_t)pair * rows + r0 + t] = gv / (1.0f + expf(-gv)) * uv;
+    }
+}
+
+// Down projections of token blockIdx.y's top_k pairs, RMMA_ROWS rows from
+// blockIdx.x·RMMA_ROWS, weighted by the route and added: out[token] = Σ_k weights[pair]
+// · down_k(h[pair]) (moe_combine folded in). Unit u is group u % groups of pair
+// token·top_k + u / groups.
+template <int BITS, int UNITS>
+__device__ void routed_mma_down(const unsigned long long* table, const int* ids,
+                                const float* weights, int top_k, const float* h, float* out,
+                                int rows, int cols, int in_dim) {
+    extern __shared__ __align__(16) unsigned smem[];
+    int groups = cols / 64, units = top_k * groups;
+    unsigned* xs = smem;
+    float* xsum = reinterpret_cast<float*>(smem + (size_t)units * RMMA_UNIT);
+    float* red = xsum + units;  // [RMMA_WARPS][RMMA_ROWS]
+    int token = blockIdx.y, r0 = blockIdx.x * RMMA_ROWS;
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, q = lane & 3;
+    size_t stride = row_words<BITS>(cols);
+    int o0 = r0 + g < rows ? r0 + g : 0, o1 = r0 + g + 8 < rows ? r0 + g + 8 : 0;
+    int per = (units + RMMA_WARPS - 1) / RMMA_WARPS;
+    int u0 = min(units, warp * per), u1 = min(units, u0 + per);
+    float acc[2] = {0.0f, 0.0f};
+    const float a = recon_a<BITS>(), off = recon_o<BITS>();
+    unsigned w[UNITS][2][2];
+    unsigned short sb[UNITS];
+    float pw[UNITS];
+    auto load = [&](int base) {
+#pragma unroll
+        for (int j = 0; j < UNITS; j++) {
+            int u = base + j;
+            if (u < u1) {
+                int pair = token * top_k + u / groups;
+                const unsigned long long* e = table + (size_t)ids[pair] * ROUTED_ENTRY;
+                const unsigned* words = (const unsigned*)e[6];
+                load_unit<BITS>(words + o0 * stride, words + o1 * stride,
+                                (const unsigned short*)e[7], (const unsigned short*)e[8],
+                                (size_t)o0 * groups, (size_t)o1 * groups, u % groups, q, w[j],
+                                sb[j]);
+                pw[j] = weights[pair];
+            }
+        }
+    };
+    auto compute = [&](int base) {
+#pragma unroll
+        for (int j = 0; j < UNITS; j++) {
+            if (base + j >= u1) break;
+            unsigned bx[8];
+            unit_fragments(xs, base + j, g, q, bx);
+            float s = xsum[base + j];
+            float2 p = unit_products<BITS>(w[j], q, bx);
+            float4 f = quad_scales(sb[j], lane);
+            acc[0] += pw[j] * (a * f.x * p.x + (off * f.x + f.y) * s);
+            acc[1] += pw[j] * (a * f.z * p.y + (off * f.z + f.w) * s);
+        }
+    };
+    load(u0);
+    stage_units<BITS>(xs, xsum, h, [&](int k) { return token * top_k + k; }, units, groups,
+                      in_dim);
+    __syncthreads();
+    compute(u0);
+    for (int base = u0 + UNITS; base < u1; base += UNITS) {
+        load(base);
+        compute(base);
+    }
+    if (q == 0) {
+        red[warp * RMMA_ROWS + g] = acc[0];
+        red[warp * RMMA_ROWS + g + 8] = acc[1];
+    }
+    __syncthreads();
+    int t = threadIdx.x;
+    if (t < RMMA_ROWS && r0 + t < rows) {
+        float v = 0.0f;
+        for (int k = 0; k < RMMA_WARPS; k++) v += red[k * RMMA_ROWS + t];
+        out[(size_t)token * rows + r0 + t] = v;
+    }
+}
+
+// Units a warp loads at once: gate and up take two matrices a unit.
+#define RMMA_GATE_UP_UNITS 4
+#define RMMA_DOWN_UNITS 12
+#define ROUTED_MMA(B)                                                                         \
+    extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, 3)                         \
+        routed_mma_gate_up_q##B(const unsigned long long* table, const int* ids, int top_k,    \
+                                const float* x, float* h, int rows, int cols, int in_dim) {    \
+        PDL_ENTRY();                                                                           \
+        routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, ids, top_k, x, h, rows, cols, in_dim); \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP) routed_mma_down_q##B(      \
+        const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
+        const float* h, float* out, int rows, int cols, int in_dim) {                          \
+        PDL_ENTRY();                                                                           \
+        routed_mma_down<B, RMMA_DOWN_UNITS>(table, ids, weights, top_k, h, out, rows, cols,    \
+                                            in_dim);                                           \
+    }
+
+ROUTED_MMA(4)
+ROUTED_MMA(3)
+ROUTED_MMA(2)
+
 // A routed block's (row, expert) pairs grouped by expert for the grouped GEMMs, on the
 // device so that a prompt's MoE layer needs no host round trip. One block; dynamic
 // shared memory holds three counters per expert. `ids`/`weights` are moe_route's (pair

@@ -94,6 +94,13 @@ const GROUP_ENTRY: usize = 11;
 const ROUTED_ENTRY: usize = 9;
 /// Output rows per warp of the routed expert kernels (the kernel's `ROUTED_ROWS`).
 const ROUTED_ROWS: usize = 4;
+/// Output rows of a `routed_mma_*` block (the kernels' `RMMA_ROWS`), and its warps
+/// (`RMMA_WARPS`).
+const RMMA_ROWS: usize = 16;
+const RMMA_WARPS: usize = 8;
+/// Shared memory of a staged 64-column unit of a `routed_mma_*` block: its f16 hi and lo
+/// fragments (`RMMA_UNIT` words) and its sum.
+const RMMA_UNIT_BYTES: usize = 80 * 4 + 4;
 /// Widest row a warp normalises alone (the kernels' `NORM_WARP_DIM`); wider rows take a
 /// block each.
 const NORM_WARP_DIM: usize = 512;
@@ -312,7 +319,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 69] = [
+const KERNEL_NAMES: [&str; 75] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -361,6 +368,12 @@ const KERNEL_NAMES: [&str; 69] = [
     "affine_routed_down_q4",
     "affine_routed_down_q3",
     "affine_routed_down_q2",
+    "routed_mma_gate_up_q4",
+    "routed_mma_gate_up_q3",
+    "routed_mma_gate_up_q2",
+    "routed_mma_down_q4",
+    "routed_mma_down_q3",
+    "routed_mma_down_q2",
     "write_row_at",
     "attn_preamble_at",
     "argmax_rows",
@@ -548,6 +561,10 @@ pub struct Cuda {
     /// through cuBLAS, affine experts through the grouped `expert_mma` kernels. On from
     /// sm_80 unless `DYNMOE_CUDA_TENSOR_CORES=0`.
     tensor_cores: Switch<bool>,
+    /// Whether a decode step's routed experts run on tensor cores (`routed_mma_*`) rather
+    /// than the matrix-vector kernels (`affine_routed_*`). On from sm_80 unless
+    /// `DYNMOE_CUDA_ROUTED_MMA=0`.
+    routed_mma: Switch<bool>,
     /// Whether [`Backend::upload_matrix`] keeps bf16-exact matrices in bf16
     /// (`DYNMOE_CUDA_BF16=0`: always f32, to measure what bf16 saves).
     bf16_matrices: bool,
@@ -788,6 +805,12 @@ fn routed_shared(cols: usize) -> usize {
     affine_tile(cols).1 + (cols / 32) * 4
 }
 
+/// Dynamic shared memory of a `routed_mma_*` block staging `units` 64-column units, with
+/// its partial sums of two matrices per warp.
+fn routed_mma_shared(units: usize) -> usize {
+    units * RMMA_UNIT_BYTES + RMMA_WARPS * 2 * RMMA_ROWS * 4
+}
+
 /// Whether the grouped GEMMs' grid, sized for the most tiles `pairs` pairs over
 /// `experts` experts could need, fits a grid's y extent.
 fn gemm_grid_fits(pairs: usize, experts: usize) -> bool {
@@ -897,6 +920,7 @@ impl Cuda {
             dense_scratch: Mutex::new(None),
             split_scratch: Mutex::new(None),
             tensor_cores: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_TENSOR_CORES")),
+            routed_mma: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_ROUTED_MMA")),
             bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
             decode_attention: Switch::new(DecodeAttention::from_env()),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
@@ -987,13 +1011,31 @@ impl Cuda {
     /// sm_80 and later); off, they take cuBLAS' f32 GEMM and the experts' one-by-one
     /// path, to measure one against the other. Ignored before sm_80.
     pub fn set_tensor_cores(&self, on: bool) {
-        let able = self
-            .arch
+        self.tensor_cores.set(on && self.has_mma());
+    }
+
+    /// Whether the device runs `mma.sync` with f16 inputs (sm_80 and later).
+    fn has_mma(&self) -> bool {
+        self.arch
             .trim_start_matches("sm_")
             .parse::<u32>()
             .unwrap_or(0)
-            >= 80;
-        self.tensor_cores.set(on && able);
+            >= 80
+    }
+
+    /// Whether the routed experts of a decode step (up to [`ROUTED_MAX_ROWS`] rows) run on
+    /// tensor cores from now on (the default on sm_80 and later) or through the
+    /// matrix-vector kernels, to measure one against the other. Steps already recorded
+    /// keep the way they were recorded with; both give the same result up to the order of
+    /// f32 sums. Ignored before sm_80.
+    pub fn set_routed_mma(&self, on: bool) {
+        self.routed_mma.set(on && self.has_mma());
+    }
+
+    /// Whether a decode step's routed experts run on tensor cores (see
+    /// [`set_routed_mma`](Self::set_routed_mma)).
+    pub fn routed_mma(&self) -> bool {
+        self.routed_mma.get()
     }
 
     /// Whether products of many rows run on tensor cores (see
@@ -1773,6 +1815,43 @@ impl Cuda {
         self.launch_route(r, rows, probs, ids, weights);
         let ki = k as i32;
         let suffix = bits_suffix(shape.bits);
+        let up_units = shape.up_cols / 64;
+        let down_units = k * (shape.down_cols / 64);
+        if self.routed_mma() && routed_mma_shared(up_units.max(down_units)) <= SHARED_LIMIT {
+            // Gate and up write silu(gate) ⊙ up per pair into `g`; down adds each row's
+            // pairs, weighted, straight into `out`.
+            let block = ((RMMA_WARPS * 32) as u32, 1, 1);
+            let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
+            let mut l = self.launcher(self.func(&format!("routed_mma_gate_up_{suffix}")));
+            l.arg(&r.table).arg(&ids).arg(&ki).arg(&x).arg(&g);
+            l.arg(&ri).arg(&c).arg(&i);
+            let gate_up = LaunchConfig {
+                grid_dim: (inter.div_ceil(RMMA_ROWS) as u32, pairs as u32, 1),
+                block_dim: block,
+                shared_mem_bytes: routed_mma_shared(up_units) as u32,
+            };
+            ok(
+                unsafe { l.launch(gate_up) },
+                "routed gate/up on tensor cores",
+            );
+
+            let (ri, c, i) = (hidden as i32, shape.down_cols as i32, inter as i32);
+            let mut l = self.launcher(self.func(&format!("routed_mma_down_{suffix}")));
+            l.arg(&r.table)
+                .arg(&ids)
+                .arg(&weights)
+                .arg(&ki)
+                .arg(&g)
+                .arg(&out);
+            l.arg(&ri).arg(&c).arg(&i);
+            let down = LaunchConfig {
+                grid_dim: (hidden.div_ceil(RMMA_ROWS) as u32, rows as u32, 1),
+                block_dim: block,
+                shared_mem_bytes: routed_mma_shared(down_units) as u32,
+            };
+            ok(unsafe { l.launch(down) }, "routed down on tensor cores");
+            return;
+        }
         // A block per ROUTED_ROWS rows of each warp and per pair; `projections` in z.
         let grid = |out_rows: usize, cols: usize, projections: u32| LaunchConfig {
             grid_dim: (
