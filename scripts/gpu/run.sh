@@ -29,7 +29,8 @@
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
 #          keys, with dense weights in f32 instead of bf16, prompts without tensor cores,
 #          the prompt's attention by the per-row kernel instead of the tiled one, kernels
-#          launched without programmatic dependent launch, and decode after a 16-token
+#          launched without programmatic dependent launch, a decode step's experts through
+#          the matrix-vector kernels instead of tensor cores, and decode after a 16-token
 #          prompt (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
@@ -153,6 +154,8 @@ for step in $steps; do
             variant "prompts through the per-row attention kernel, not the tiled one" \
                 DYNMOE_CUDA_TILED_ATTENTION=0
             variant "kernels launched without programmatic dependent launch" DYNMOE_CUDA_PDL=0
+            variant "decode experts through the matrix-vector kernels, not tensor cores" \
+                DYNMOE_CUDA_ROUTED_MMA=0
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128
         } 2>&1 | tee "$OUT/model_variants.log"

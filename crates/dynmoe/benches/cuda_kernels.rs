@@ -385,32 +385,38 @@ fn main() {
             .map(|t| g.upload(&fresh(hidden, 200 + t as u64)))
             .collect();
         let mut probs = g.alloc(experts);
-        let ms = time_ms(&g, || {
-            for x in &xs {
-                g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
-            }
-        });
-        let per_token = ms * 1e3 / tokens as f64;
-        let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
-        println!(
-            "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
-            format!("routed q{bits}"),
-            inter,
-            hidden,
-            1,
-            gb_s / copy_gb_s
-        );
-        rows_out.push(Row {
-            kernel: format!("moe_routed_on_device_top8_q{bits}"),
-            rows: inter,
-            cols: hidden,
-            batch: 1,
-            weight_bytes: bytes,
-            copies: tokens,
-            median_us_per_call: per_token,
-            gb_s,
-            fraction_of_copy: gb_s / copy_gb_s,
-        });
+        // On tensor cores (the default), then through the matrix-vector kernels.
+        let was = g.routed_mma();
+        for (mma, way) in [(true, "mma"), (false, "matvec")] {
+            g.set_routed_mma(mma);
+            let ms = time_ms(&g, || {
+                for x in &xs {
+                    g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
+                }
+            });
+            let per_token = ms * 1e3 / tokens as f64;
+            let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
+            println!(
+                "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
+                format!("routed q{bits} {way}"),
+                inter,
+                hidden,
+                1,
+                gb_s / copy_gb_s
+            );
+            rows_out.push(Row {
+                kernel: format!("moe_routed_on_device_top8_q{bits}_{way}"),
+                rows: inter,
+                cols: hidden,
+                batch: 1,
+                weight_bytes: bytes,
+                copies: tokens,
+                median_us_per_call: per_token,
+                gb_s,
+                fraction_of_copy: gb_s / copy_gb_s,
+            });
+        }
+        g.set_routed_mma(was);
         // A 512-token prompt's dispatch of the same experts (each token's top-8 drawn
         // anew, ~32 rows an expert): the grouped GEMMs on tensor cores, then the path
         // without them (grouped matrix-vector for groups of up to 8 rows, the rest one

@@ -11,12 +11,19 @@
 // stream be scheduled at once, then waits until the previous one has finished and its
 // writes are visible before it touches memory. So a chain of small kernels (a decode
 // step) overlaps each launch with the tail of the kernel before it, and nothing reads
-// early. Both are no-ops for a launch that did not ask for it.
+// early. Both are no-ops for a launch that did not ask for it. The dense matrix-vector
+// kernels split the two (PDL_LAUNCH, then PDL_WAIT): between them they load the first of
+// their weights, which no kernel writes, so those loads overlap the kernel before.
 #if __CUDA_ARCH__ >= 900
-#define PDL_ENTRY() asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory")
+#define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 #else
-#define PDL_ENTRY()
+#define PDL_LAUNCH()
+#define PDL_WAIT()
 #endif
+#define PDL_ENTRY() \
+    PDL_LAUNCH();   \
+    PDL_WAIT()
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = WARP / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -766,7 +773,7 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
         size_t src = GATED ? (size_t)x_rows[first + xr] : (size_t)(first + xr);
         xrow = x + src * in_dim;
     }
-    bool vec = in_dim % 4 == 0;
+    bool vec = in_dim % 4 == 0 && ((size_t)x & 15) == 0;  // whole float4s, aligned
     // This thread's scale and bias, if any: matrix t / 64, output row t % 64.
     int sm = t / MMA_BN, so = n0 + t % MMA_BN;
     bool scaler = sm < M && so < rows;
@@ -1236,7 +1243,7 @@ extern "C" __global__ void moe_combine(const float* down, const float* weights, 
 template <int BITS, typename RowOf>
 __device__ void stage_units(unsigned* xs, float* xsum, const float* x, RowOf row_of, int units,
                             int groups, int in_dim) {
-    bool vec = in_dim % 4 == 0;
+    bool vec = in_dim % 4 == 0 && ((size_t)x & 15) == 0;  // whole float4s, aligned
     int items = 4 * units;
     for (int base = 0; base < items; base += blockDim.x) {
         int i = base + threadIdx.x;
@@ -1746,37 +1753,60 @@ extern "C" __global__ void matvec_f32(const float* w, const float* x, float* out
 // matvec_f32 with w in bf16 (raw 16 bits), accumulated in f32 the same way: a warp per
 // output row, 16-byte loads of w (8 values) when cols is a multiple of 8, which keeps
 // every row 16-byte aligned; one value per lane otherwise. Half the bytes of the f32
-// kernel, which decode is bound by.
-// Output row o (< rows) of that product, by one warp.
+// kernel, which decode is bound by. The caller has issued PDL_LAUNCH; the first
+// MV_EARLY loads of each lane go out before PDL_WAIT.
+#define MV_EARLY 4
+
+// x · (8 bf16 values in a) for rows b < batch of x, 8 columns from 8·j.
+__device__ __forceinline__ void dot_bf16x8(float (&acc)[MV_MAXB], uint4 a, const float* x,
+                                           int cols, int j, int batch) {
+    // Little-endian: the lower half of each word is the earlier value.
+    float v[8] = {__uint_as_float(a.x << 16), __uint_as_float(a.x & 0xffff0000u),
+                  __uint_as_float(a.y << 16), __uint_as_float(a.y & 0xffff0000u),
+                  __uint_as_float(a.z << 16), __uint_as_float(a.z & 0xffff0000u),
+                  __uint_as_float(a.w << 16), __uint_as_float(a.w & 0xffff0000u)};
+#pragma unroll
+    for (int b = 0; b < MV_MAXB; b++) {
+        if (b < batch) {
+            const float4* xb = reinterpret_cast<const float4*>(x + (size_t)b * cols) + 2 * j;
+            float4 c = xb[0], d = xb[1];
+            acc[b] += v[0] * c.x + v[1] * c.y + v[2] * c.z + v[3] * c.w + v[4] * d.x +
+                      v[5] * d.y + v[6] * d.z + v[7] * d.w;
+        }
+    }
+}
+
+// Output row o (< rows, or none: the warp only waits) of that product, by one warp.
 __device__ __forceinline__ void matvec_bf16_row(const unsigned short* w, const float* x, float* out,
                                                 int rows, int o, int cols, int batch) {
     int lane = threadIdx.x % WARP;
-    const unsigned short* wr = w + (size_t)o * cols;
+    bool live = o < rows;
+    const unsigned short* wr = w + (size_t)(live ? o : 0) * cols;
     float acc[MV_MAXB];
 #pragma unroll
     for (int b = 0; b < MV_MAXB; b++) acc[b] = 0.0f;
     if (cols % 8 == 0) {
         const uint4* w8 = reinterpret_cast<const uint4*>(wr);
         int n8 = cols / 8;
-#pragma unroll 4
-        for (int j = lane; j < n8; j += WARP) {
-            uint4 a = w8[j];
-            // Little-endian: the lower half of each word is the earlier value.
-            float v[8] = {__uint_as_float(a.x << 16), __uint_as_float(a.x & 0xffff0000u),
-                          __uint_as_float(a.y << 16), __uint_as_float(a.y & 0xffff0000u),
-                          __uint_as_float(a.z << 16), __uint_as_float(a.z & 0xffff0000u),
-                          __uint_as_float(a.w << 16), __uint_as_float(a.w & 0xffff0000u)};
+        uint4 early[MV_EARLY];
 #pragma unroll
-            for (int b = 0; b < MV_MAXB; b++) {
-                if (b < batch) {
-                    const float4* xb = reinterpret_cast<const float4*>(x + (size_t)b * cols) + 2 * j;
-                    float4 c = xb[0], d = xb[1];
-                    acc[b] += v[0] * c.x + v[1] * c.y + v[2] * c.z + v[3] * c.w
-                            + v[4] * d.x + v[5] * d.y + v[6] * d.z + v[7] * d.w;
-                }
-            }
+        for (int i = 0; i < MV_EARLY; i++) {
+            int j = lane + WARP * i;
+            if (live && j < n8) early[i] = w8[j];
         }
+        PDL_WAIT();
+        if (!live) return;
+#pragma unroll
+        for (int i = 0; i < MV_EARLY; i++) {
+            int j = lane + WARP * i;
+            if (j < n8) dot_bf16x8(acc, early[i], x, cols, j, batch);
+        }
+#pragma unroll 4
+        for (int j = lane + WARP * MV_EARLY; j < n8; j += WARP)
+            dot_bf16x8(acc, w8[j], x, cols, j, batch);
     } else {
+        PDL_WAIT();
+        if (!live) return;
         for (int i = lane; i < cols; i += WARP) {
             float a = bf16_bits(wr[i]);
 #pragma unroll
@@ -1795,9 +1825,9 @@ __device__ __forceinline__ void matvec_bf16_row(const unsigned short* w, const f
 
 extern "C" __global__ void matvec_bf16(const unsigned short* w, const float* x, float* out,
                                        int rows, int cols, int batch) {
-    PDL_ENTRY();
+    PDL_LAUNCH();
     int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-    if (o < rows) matvec_bf16_row(w, x, out, rows, o, cols, batch);
+    matvec_bf16_row(w, x, out, rows, o, cols, batch);
 }
 
 // Three products of the same rows of x in one launch (a layer's q, k and v projections
@@ -1807,13 +1837,13 @@ extern "C" __global__ void matvec_bf16_3(const unsigned short* w0, const unsigne
                                          const unsigned short* w2, const float* x, float* o0,
                                          float* o1, float* o2, int r0, int r1, int r2, int cols,
                                          int batch) {
-    PDL_ENTRY();
+    PDL_LAUNCH();
     int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (o < r0) {
         matvec_bf16_row(w0, x, o0, r0, o, cols, batch);
     } else if (o - r0 < r1) {
         matvec_bf16_row(w1, x, o1, r1, o - r0, cols, batch);
-    } else if (o - r0 - r1 < r2) {
+    } else {
         matvec_bf16_row(w2, x, o2, r2, o - r0 - r1, cols, batch);
     }
 }

@@ -1792,7 +1792,9 @@ impl Cuda {
         // ids, weights, gate, up, down: one scratch buffer, carved by offset.
         // Sized for at least the most rows a decode step routes, so that it is not
         // replaced (under a recorded step) when a call with more rows follows.
-        let size = |pairs: usize| 2 * pairs + 2 * pairs * inter + pairs * hidden;
+        // Each starts on 16 bytes, for the kernels' float4 loads.
+        let pad = |n: usize| n.next_multiple_of(4);
+        let size = |pairs: usize| 2 * pad(pairs) + 2 * pad(pairs * inter) + pairs * hidden;
         let mut scratch = self.routed_scratch.lock().expect("scratch lock");
         if scratch.as_ref().is_none_or(|s| s.len() < size(pairs)) {
             self.drop_graphs();
@@ -1805,11 +1807,12 @@ impl Cuda {
             .device_ptr(&self.stream)
             .0;
         let at = |floats: usize| base + 4 * floats as u64;
-        let (ids, weights) = (at(0), at(pairs));
+        let (ids, weights) = (at(0), at(pad(pairs)));
+        let h = 2 * pad(pairs);
         let (g, u, d) = (
-            at(2 * pairs),
-            at(2 * pairs + pairs * inter),
-            at(2 * pairs + 2 * pairs * inter),
+            at(h),
+            at(h + pad(pairs * inter)),
+            at(h + 2 * pad(pairs * inter)),
         );
 
         self.launch_route(r, rows, probs, ids, weights);
