@@ -1028,18 +1028,18 @@ extern "C" __global__ void moe_route(float* probs, const unsigned char* keep, in
     }
 }
 
-// moe_route for at most ROUTE_WARP_MAX experts: a warp per row (one a block), each lane
-// holding experts lane, lane + 32, ... in registers, so the softmax and each of the top_k
-// picks are warp shuffles with no block barrier. The same steps and tie rules as
-// moe_route (only the order of the sums' terms differs).
+// moe_route for at most ROUTE_WARP_MAX experts, by one warp: each lane holds experts
+// lane, lane + 32, ... in registers, so the softmax and each of the top_k picks are warp
+// shuffles with no block barrier. The same steps and tie rules as moe_route (only the
+// order of the sums' terms differs). Reads the logits `row`; writes the probabilities to
+// `probs` when it is not null (it may be `row`: every lane has read it by then), and the
+// top_k ids and weights by lane 0.
 #define ROUTE_WARP_MAX 256
 #define ROUTE_PER_LANE (ROUTE_WARP_MAX / WARP)
-extern "C" __global__ void moe_route_warp(float* probs, const unsigned char* keep, int* ids,
-                                          float* weights, int experts, int top_k,
-                                          int renormalize) {
-    PDL_ENTRY();
+__device__ void route_warp(const float* row, float* probs, const unsigned char* keep,
+                           int* out_ids, float* out_w, int experts, int top_k,
+                           int renormalize) {
     int lane = threadIdx.x % WARP;
-    float* row = probs + (size_t)blockIdx.x * experts;
     float v[ROUTE_PER_LANE];
     float m = NEG_INF;
 #pragma unroll
@@ -1064,7 +1064,7 @@ extern "C" __global__ void moe_route_warp(float* probs, const unsigned char* kee
         int d = lane + WARP * j;
         if (d < experts) {
             v[j] = v[j] / s;
-            row[d] = v[j];
+            if (probs) probs[d] = v[j];
             if (!keep || keep[d]) kept += v[j];
         }
     }
@@ -1076,8 +1076,6 @@ extern "C" __global__ void moe_route_warp(float* probs, const unsigned char* kee
             if (d < experts) v[j] = keep[d] ? v[j] / kept : NEG_INF;
         }
     }
-    int* out_ids = ids + (size_t)blockIdx.x * top_k;
-    float* out_w = weights + (size_t)blockIdx.x * top_k;
     for (int k = 0; k < top_k; k++) {
         float bv = NEG_INF;
         int bi = 0x7fffffff;
@@ -1104,6 +1102,16 @@ extern "C" __global__ void moe_route_warp(float* probs, const unsigned char* kee
         for (int k = 0; k < top_k; k++) t += out_w[k];
         for (int k = 0; k < top_k; k++) out_w[k] /= t;
     }
+}
+
+// A warp per row of router logits (one a block), replaced by their probabilities.
+extern "C" __global__ void moe_route_warp(float* probs, const unsigned char* keep, int* ids,
+                                          float* weights, int experts, int top_k,
+                                          int renormalize) {
+    PDL_ENTRY();
+    float* row = probs + (size_t)blockIdx.x * experts;
+    route_warp(row, row, keep, ids + (size_t)blockIdx.x * top_k,
+               weights + (size_t)blockIdx.x * top_k, experts, top_k, renormalize);
 }
 
 // One routed expert product per (AFF_WARPS · ROUTED_ROWS output rows, pair): blockIdx.y is the pair
@@ -1239,14 +1247,14 @@ extern "C" __global__ void moe_combine(const float* down, const float* weights, 
 // decode_fragments, and each unit's sum into `xsum`. Unit u is group u % groups of row
 // row_of(u / groups) of x, which is `in_dim` wide (zeros past it). A thread takes 16
 // columns (a quarter of a group) at a time; a unit's four quarters sit in consecutive
-// lanes. Every thread of the block must call it.
+// lanes. Threads `tid` of `threads` (whole warps) share the work; each must call it.
 template <int BITS, typename RowOf>
 __device__ void stage_units(unsigned* xs, float* xsum, const float* x, RowOf row_of, int units,
-                            int groups, int in_dim) {
+                            int groups, int in_dim, int tid, int threads) {
     bool vec = in_dim % 4 == 0 && ((size_t)x & 15) == 0;  // whole float4s, aligned
     int items = 4 * units;
-    for (int base = 0; base < items; base += blockDim.x) {
-        int i = base + threadIdx.x;
+    for (int base = 0; base < items; base += threads) {
+        int i = base + tid;
         bool live = i < items;
         int u = live ? i / 4 : 0, q = i % 4;
         const float* src = x + (size_t)row_of(u / groups) * in_dim;
@@ -1343,33 +1351,46 @@ __device__ __forceinline__ void load_unit(const unsigned* row0, const unsigned* 
     sb = src[(q < 2 ? sb_row0 : sb_row1) + gi];
 }
 
-// Gate and up of pair blockIdx.y (input row pair / top_k of x), RMMA_ROWS rows from
-// blockIdx.x·RMMA_ROWS: h[pair] = silu(gate) ⊙ up. The unit is a group of x's row.
+// Gate and up of pair blockIdx.y (input row pair / top_k of x, its expert of rank
+// pair % top_k), RMMA_ROWS rows from blockIdx.x·RMMA_ROWS: h[pair] = silu(gate) ⊙ up. The
+// unit is a group of x's row. With `logits` null the pair's expert is ids[pair], routed
+// before; otherwise the block routes its token itself (route_warp on its row of
+// `logits`, as moe_route_warp: at most ROUTE_WARP_MAX experts) while its other warps
+// stage x, and the first block of the token's first pair writes the token's ids and
+// weights for the down kernel. The logits are left as they are: blocks of the same
+// token read them until the last has routed (the down kernel writes the probabilities).
 template <int BITS, int UNITS>
-__device__ void routed_mma_gate_up(const unsigned long long* table, const int* ids, int top_k,
-                                   const float* x, float* h, int rows, int cols, int in_dim) {
+__device__ void routed_mma_gate_up(const unsigned long long* table, const float* logits,
+                                   const unsigned char* keep, int experts, int renormalize,
+                                   int* ids, float* weights, int top_k, const float* x,
+                                   float* h, int rows, int cols, int in_dim) {
     extern __shared__ __align__(16) unsigned smem[];
+    __shared__ int route_ids[ROUTE_WARP_MAX];
+    __shared__ float route_w[ROUTE_WARP_MAX];
     int groups = cols / 64;
     unsigned* xs = smem;
     float* xsum = reinterpret_cast<float*>(smem + (size_t)groups * RMMA_UNIT);
     float* red = xsum + groups;  // [RMMA_WARPS][2][RMMA_ROWS]
     int pair = blockIdx.y, r0 = blockIdx.x * RMMA_ROWS;
+    int token = pair / top_k, rank = pair % top_k;
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, q = lane & 3;
-    const unsigned long long* e = table + (size_t)ids[pair] * ROUTED_ENTRY;
     size_t stride = row_words<BITS>(cols);
     // Rows past the matrix read row 0 and are never stored.
     int o0 = r0 + g < rows ? r0 + g : 0, o1 = r0 + g + 8 < rows ? r0 + g + 8 : 0;
     const unsigned* rw[2][2];
     const unsigned short* sc[2];
     const unsigned short* bi[2];
+    auto find = [&](int expert) {
+        const unsigned long long* e = table + (size_t)expert * ROUTED_ENTRY;
 #pragma unroll
-    for (int m = 0; m < 2; m++) {
-        const unsigned* words = (const unsigned*)e[3 * m];
-        rw[m][0] = words + o0 * stride;
-        rw[m][1] = words + o1 * stride;
-        sc[m] = (const unsigned short*)e[3 * m + 1];
-        bi[m] = (const unsigned short*)e[3 * m + 2];
-    }
+        for (int m = 0; m < 2; m++) {
+            const unsigned* words = (const unsigned*)e[3 * m];
+            rw[m][0] = words + o0 * stride;
+            rw[m][1] = words + o1 * stride;
+            sc[m] = (const unsigned short*)e[3 * m + 1];
+            bi[m] = (const unsigned short*)e[3 * m + 2];
+        }
+    };
     int per = (groups + RMMA_WARPS - 1) / RMMA_WARPS;
     int u0 = min(groups, warp * per), u1 = min(groups, u0 + per);
     float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
@@ -1401,9 +1422,31 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const int* i
             }
         }
     };
-    load(u0);
-    stage_units<BITS>(xs, xsum, x, [&](int) { return pair / top_k; }, groups, groups, in_dim);
-    __syncthreads();
+    auto x_row = [&](int) { return token; };
+    if (logits) {
+        if (warp == 0) {
+            route_warp(logits + (size_t)token * experts, nullptr, keep, route_ids, route_w,
+                       experts, top_k, renormalize);
+            __syncwarp();
+            if (blockIdx.x == 0 && rank == 0)
+                for (int k = lane; k < top_k; k += WARP) {
+                    ids[token * top_k + k] = route_ids[k];
+                    weights[token * top_k + k] = route_w[k];
+                }
+        } else {
+            stage_units<BITS>(xs, xsum, x, x_row, groups, groups, in_dim, threadIdx.x - WARP,
+                              blockDim.x - WARP);
+        }
+        __syncthreads();
+        find(route_ids[rank]);
+        load(u0);
+    } else {
+        // The words' loads go out before x is staged, to overlap their latency.
+        find(ids[pair]);
+        load(u0);
+        stage_units<BITS>(xs, xsum, x, x_row, groups, groups, in_dim, threadIdx.x, blockDim.x);
+        __syncthreads();
+    }
     compute(u0);
     for (int base = u0 + UNITS; base < u1; base += UNITS) {
         load(base);
@@ -1431,11 +1474,12 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const int* i
 // Down projections of token blockIdx.y's top_k pairs, RMMA_ROWS rows from
 // blockIdx.x·RMMA_ROWS, weighted by the route and added: out[token] = Σ_k weights[pair]
 // · down_k(h[pair]) (moe_combine folded in). Unit u is group u % groups of pair
-// token·top_k + u / groups.
+// token·top_k + u / groups. With `logits` not null (the gate and up kernel routed), the
+// token's first block also replaces its row of `experts` logits by their probabilities.
 template <int BITS, int UNITS>
 __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                 const float* weights, int top_k, const float* h, float* out,
-                                int rows, int cols, int in_dim) {
+                                int rows, int cols, int in_dim, float* logits, int experts) {
     extern __shared__ __align__(16) unsigned smem[];
     int groups = cols / 64, units = top_k * groups;
     unsigned* xs = smem;
@@ -1482,8 +1526,13 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
         }
     };
     load(u0);
+    // While its words are on their way.
+    if (logits && blockIdx.x == 0 && warp == 0) {
+        float* row = logits + (size_t)token * experts;
+        route_warp(row, row, nullptr, nullptr, nullptr, experts, 0, 0);
+    }
     stage_units<BITS>(xs, xsum, h, [&](int k) { return token * top_k + k; }, units, groups,
-                      in_dim);
+                      in_dim, threadIdx.x, blockDim.x);
     __syncthreads();
     compute(u0);
     for (int base = u0 + UNITS; base < u1; base += UNITS) {
@@ -1508,17 +1557,22 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
 #define RMMA_DOWN_UNITS 12
 #define ROUTED_MMA(B)                                                                         \
     extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, 3)                         \
-        routed_mma_gate_up_q##B(const unsigned long long* table, const int* ids, int top_k,    \
-                                const float* x, float* h, int rows, int cols, int in_dim) {    \
+        routed_mma_gate_up_q##B(const unsigned long long* table, const float* logits,          \
+                                const unsigned char* keep, int experts, int renormalize,       \
+                                int* ids, float* weights, int top_k, const float* x, float* h, \
+                                int rows, int cols, int in_dim) {                              \
         PDL_ENTRY();                                                                           \
-        routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, ids, top_k, x, h, rows, cols, in_dim); \
+        routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, logits, keep, experts, renormalize,   \
+                                                  ids, weights, top_k, x, h, rows, cols,       \
+                                                  in_dim);                                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP) routed_mma_down_q##B(      \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
-        const float* h, float* out, int rows, int cols, int in_dim) {                          \
+        const float* h, float* out, int rows, int cols, int in_dim, float* logits,             \
+        int experts) {                                                                         \
         PDL_ENTRY();                                                                           \
         routed_mma_down<B, RMMA_DOWN_UNITS>(table, ids, weights, top_k, h, out, rows, cols,    \
-                                            in_dim);                                           \
+                                            in_dim, logits, experts);                          \
     }
 
 ROUTED_MMA(4)

@@ -1815,18 +1815,28 @@ impl Cuda {
             at(h + 2 * pad(pairs * inter)),
         );
 
-        self.launch_route(r, rows, probs, ids, weights);
         let ki = k as i32;
         let suffix = bits_suffix(shape.bits);
         let up_units = shape.up_cols / 64;
         let down_units = k * (shape.down_cols / 64);
         if self.routed_mma() && routed_mma_shared(up_units.max(down_units)) <= SHARED_LIMIT {
+            // Up to ROUTE_WARP_MAX experts each gate/up block routes its row itself (a
+            // warp of it, as moe_route_warp), and the down kernel writes the
+            // probabilities; beyond, the route kernel runs first and `logits` is null.
+            let logits = if r.experts <= ROUTE_WARP_MAX {
+                probs
+            } else {
+                self.launch_route(r, rows, probs, ids, weights);
+                0u64
+            };
+            let (ei, rn) = (r.experts as i32, r.route.renormalize as i32);
             // Gate and up write silu(gate) ⊙ up per pair into `g`; down adds each row's
             // pairs, weighted, straight into `out`.
             let block = ((RMMA_WARPS * 32) as u32, 1, 1);
             let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
             let mut l = self.launcher(self.func(&format!("routed_mma_gate_up_{suffix}")));
-            l.arg(&r.table).arg(&ids).arg(&ki).arg(&x).arg(&g);
+            l.arg(&r.table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
+            l.arg(&ids).arg(&weights).arg(&ki).arg(&x).arg(&g);
             l.arg(&ri).arg(&c).arg(&i);
             let gate_up = LaunchConfig {
                 grid_dim: (inter.div_ceil(RMMA_ROWS) as u32, pairs as u32, 1),
@@ -1846,7 +1856,7 @@ impl Cuda {
                 .arg(&ki)
                 .arg(&g)
                 .arg(&out);
-            l.arg(&ri).arg(&c).arg(&i);
+            l.arg(&ri).arg(&c).arg(&i).arg(&logits).arg(&ei);
             let down = LaunchConfig {
                 grid_dim: (hidden.div_ceil(RMMA_ROWS) as u32, rows as u32, 1),
                 block_dim: block,
@@ -1855,6 +1865,7 @@ impl Cuda {
             ok(unsafe { l.launch(down) }, "routed down on tensor cores");
             return;
         }
+        self.launch_route(r, rows, probs, ids, weights);
         // A block per ROUTED_ROWS rows of each warp and per pair; `projections` in z.
         let grid = |out_rows: usize, cols: usize, projections: u32| LaunchConfig {
             grid_dim: (
