@@ -385,7 +385,8 @@ fn main() {
             .map(|t| g.upload(&fresh(hidden, 200 + t as u64)))
             .collect();
         let mut probs = g.alloc(experts);
-        // On tensor cores (the default), then through the matrix-vector kernels.
+        // On tensor cores (the default), then through the matrix-vector kernels; each
+        // launched call by call, then recorded as a graph (as a decode step runs).
         let was = g.routed_mma();
         for (mma, way) in [(true, "mma"), (false, "matvec")] {
             g.set_routed_mma(mma);
@@ -394,27 +395,33 @@ fn main() {
                     g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
                 }
             });
-            let per_token = ms * 1e3 / tokens as f64;
-            let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
-            println!(
-                "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
-                format!("routed q{bits} {way}"),
-                inter,
-                hidden,
-                1,
-                gb_s / copy_gb_s
-            );
-            rows_out.push(Row {
-                kernel: format!("moe_routed_on_device_top8_q{bits}_{way}"),
-                rows: inter,
-                cols: hidden,
-                batch: 1,
-                weight_bytes: bytes,
-                copies: tokens,
-                median_us_per_call: per_token,
-                gb_s,
-                fraction_of_copy: gb_s / copy_gb_s,
+            let eager = ms * 1e3 / tokens as f64;
+            let graph = graph_us(&g, 100 + 2 * bits as u64 + mma as u64, |i| {
+                let x = &xs[i % xs.len()];
+                g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
             });
+            for (per_token, launched) in [(eager, "eager"), (graph, "graph")] {
+                let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
+                println!(
+                    "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
+                    format!("routed q{bits} {way} {launched}"),
+                    inter,
+                    hidden,
+                    1,
+                    gb_s / copy_gb_s
+                );
+                rows_out.push(Row {
+                    kernel: format!("moe_routed_on_device_top8_q{bits}_{way}_{launched}"),
+                    rows: inter,
+                    cols: hidden,
+                    batch: 1,
+                    weight_bytes: bytes,
+                    copies: tokens,
+                    median_us_per_call: per_token,
+                    gb_s,
+                    fraction_of_copy: gb_s / copy_gb_s,
+                });
+            }
         }
         g.set_routed_mma(was);
         // A 512-token prompt's dispatch of the same experts (each token's top-8 drawn
@@ -867,6 +874,22 @@ fn main() {
         g.matmul(&xq, &m[2], 1, hidden, dims[2], &mut out_v);
     });
     small.push(("three_matvec_bf16_qkv".into(), 5120, hidden, qkv_bytes, us));
+    // The attention output (2048 rows over 4096) and the router (128 rows over 2048).
+    for (rows, cols, key) in [(hidden, 4096, 10), (128, hidden, 11)] {
+        let mats: Vec<_> = (0..8)
+            .map(|c| {
+                let w = fresh(rows * cols, 60 + c);
+                let w: Vec<f32> = w.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+                g.upload_matrix(&w, rows, cols)
+            })
+            .collect();
+        let x = g.upload(&fresh(cols, 59));
+        let mut y = g.alloc(rows);
+        let us = graph_us(&g, key, |i| {
+            g.matmul(&x, &mats[i % mats.len()], 1, cols, rows, &mut y)
+        });
+        small.push(("matvec_bf16".into(), rows, cols, rows * cols * 2, us));
+    }
     for (kernel, rows, cols, bytes, per_call) in small {
         let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
         println!(

@@ -1807,20 +1807,20 @@ extern "C" __global__ void matvec_f32(const float* w, const float* x, float* out
 // matvec_f32 with w in bf16 (raw 16 bits), accumulated in f32 the same way: a warp per
 // output row, 16-byte loads of w (8 values) when cols is a multiple of 8, which keeps
 // every row 16-byte aligned; one value per lane otherwise. Half the bytes of the f32
-// kernel, which decode is bound by. The caller has issued PDL_LAUNCH; the first
-// MV_EARLY loads of each lane go out before PDL_WAIT.
-#define MV_EARLY 4
-
-// x · (8 bf16 values in a) for rows b < batch of x, 8 columns from 8·j.
-__device__ __forceinline__ void dot_bf16x8(float (&acc)[MV_MAXB], uint4 a, const float* x,
-                                           int cols, int j, int batch) {
+// kernel, which decode is bound by. The caller has issued PDL_LAUNCH; a lane's first
+// EARLY loads go out before PDL_WAIT. MAXB is the most rows of x: the one-row kernels
+// (a decode step) hold a 2048-wide row's eight loads a lane at once in the registers the
+// others spend on four rows' sums.
+template <int MAXB>
+__device__ __forceinline__ void dot_bf16x8(float (&acc)[MAXB], uint4 a, const float* x, int cols,
+                                           int j, int batch) {
     // Little-endian: the lower half of each word is the earlier value.
     float v[8] = {__uint_as_float(a.x << 16), __uint_as_float(a.x & 0xffff0000u),
                   __uint_as_float(a.y << 16), __uint_as_float(a.y & 0xffff0000u),
                   __uint_as_float(a.z << 16), __uint_as_float(a.z & 0xffff0000u),
                   __uint_as_float(a.w << 16), __uint_as_float(a.w & 0xffff0000u)};
 #pragma unroll
-    for (int b = 0; b < MV_MAXB; b++) {
+    for (int b = 0; b < MAXB; b++) {
         if (b < batch) {
             const float4* xb = reinterpret_cast<const float4*>(x + (size_t)b * cols) + 2 * j;
             float4 c = xb[0], d = xb[1];
@@ -1831,45 +1831,46 @@ __device__ __forceinline__ void dot_bf16x8(float (&acc)[MV_MAXB], uint4 a, const
 }
 
 // Output row o (< rows, or none: the warp only waits) of that product, by one warp.
+template <int MAXB>
 __device__ __forceinline__ void matvec_bf16_row(const unsigned short* w, const float* x, float* out,
                                                 int rows, int o, int cols, int batch) {
+    constexpr int EARLY = MAXB == 1 ? 8 : 4;
     int lane = threadIdx.x % WARP;
     bool live = o < rows;
     const unsigned short* wr = w + (size_t)(live ? o : 0) * cols;
-    float acc[MV_MAXB];
+    float acc[MAXB];
 #pragma unroll
-    for (int b = 0; b < MV_MAXB; b++) acc[b] = 0.0f;
+    for (int b = 0; b < MAXB; b++) acc[b] = 0.0f;
     if (cols % 8 == 0) {
         const uint4* w8 = reinterpret_cast<const uint4*>(wr);
         int n8 = cols / 8;
-        uint4 early[MV_EARLY];
+        uint4 early[EARLY];
 #pragma unroll
-        for (int i = 0; i < MV_EARLY; i++) {
+        for (int i = 0; i < EARLY; i++) {
             int j = lane + WARP * i;
             if (live && j < n8) early[i] = w8[j];
         }
         PDL_WAIT();
         if (!live) return;
 #pragma unroll
-        for (int i = 0; i < MV_EARLY; i++) {
+        for (int i = 0; i < EARLY; i++) {
             int j = lane + WARP * i;
             if (j < n8) dot_bf16x8(acc, early[i], x, cols, j, batch);
         }
 #pragma unroll 4
-        for (int j = lane + WARP * MV_EARLY; j < n8; j += WARP)
-            dot_bf16x8(acc, w8[j], x, cols, j, batch);
+        for (int j = lane + WARP * EARLY; j < n8; j += WARP) dot_bf16x8(acc, w8[j], x, cols, j, batch);
     } else {
         PDL_WAIT();
         if (!live) return;
         for (int i = lane; i < cols; i += WARP) {
             float a = bf16_bits(wr[i]);
 #pragma unroll
-            for (int b = 0; b < MV_MAXB; b++)
+            for (int b = 0; b < MAXB; b++)
                 if (b < batch) acc[b] += a * x[(size_t)b * cols + i];
         }
     }
 #pragma unroll
-    for (int b = 0; b < MV_MAXB; b++) {
+    for (int b = 0; b < MAXB; b++) {
         if (b < batch) {
             float t = warp_sum(acc[b]);
             if (lane == 0) out[(size_t)b * rows + o] = t;
@@ -1877,30 +1878,49 @@ __device__ __forceinline__ void matvec_bf16_row(const unsigned short* w, const f
     }
 }
 
-extern "C" __global__ void matvec_bf16(const unsigned short* w, const float* x, float* out,
-                                       int rows, int cols, int batch) {
+template <int MAXB>
+__device__ void matvec_bf16(const unsigned short* w, const float* x, float* out, int rows,
+                            int cols, int batch) {
     PDL_LAUNCH();
     int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-    matvec_bf16_row(w, x, out, rows, o, cols, batch);
+    matvec_bf16_row<MAXB>(w, x, out, rows, o, cols, batch);
 }
 
 // Three products of the same rows of x in one launch (a layer's q, k and v projections
 // in decode, where the two narrow ones would each be a launch's latency for a few
 // blocks' work): the warps' output rows run through w0's r0 rows, then w1's, then w2's.
-extern "C" __global__ void matvec_bf16_3(const unsigned short* w0, const unsigned short* w1,
-                                         const unsigned short* w2, const float* x, float* o0,
-                                         float* o1, float* o2, int r0, int r1, int r2, int cols,
-                                         int batch) {
+template <int MAXB>
+__device__ void matvec_bf16_3(const unsigned short* w0, const unsigned short* w1,
+                              const unsigned short* w2, const float* x, float* o0, float* o1,
+                              float* o2, int r0, int r1, int r2, int cols, int batch) {
     PDL_LAUNCH();
     int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (o < r0) {
-        matvec_bf16_row(w0, x, o0, r0, o, cols, batch);
+        matvec_bf16_row<MAXB>(w0, x, o0, r0, o, cols, batch);
     } else if (o - r0 < r1) {
-        matvec_bf16_row(w1, x, o1, r1, o - r0, cols, batch);
+        matvec_bf16_row<MAXB>(w1, x, o1, r1, o - r0, cols, batch);
     } else {
-        matvec_bf16_row(w2, x, o2, r2, o - r0 - r1, cols, batch);
+        matvec_bf16_row<MAXB>(w2, x, o2, r2, o - r0 - r1, cols, batch);
     }
 }
+
+// BOUNDS: the one-row kernels ask for 5 blocks of 8 warps an SM, so that one wave covers
+// a layer's q, k and v rows (5 120 of them at Qwen3-30B-A3B's shape: 640 blocks on 132
+// SMs).
+#define MATVEC_BF16_ENTRY(NAME, MAXB, BOUNDS)                                                 \
+    extern "C" __global__ void BOUNDS matvec_bf16##NAME(                                      \
+        const unsigned short* w, const float* x, float* out, int rows, int cols, int batch) { \
+        matvec_bf16<MAXB>(w, x, out, rows, cols, batch);                                      \
+    }                                                                                         \
+    extern "C" __global__ void BOUNDS matvec_bf16_3##NAME(                                    \
+        const unsigned short* w0, const unsigned short* w1, const unsigned short* w2,         \
+        const float* x, float* o0, float* o1, float* o2, int r0, int r1, int r2, int cols,    \
+        int batch) {                                                                          \
+        matvec_bf16_3<MAXB>(w0, w1, w2, x, o0, o1, o2, r0, r1, r2, cols, batch);              \
+    }
+
+MATVEC_BF16_ENTRY(, MV_MAXB, )
+MATVEC_BF16_ENTRY(_one, 1, __launch_bounds__(256, 5))
 
 // ---- Decode attention split over the keys ----
 //

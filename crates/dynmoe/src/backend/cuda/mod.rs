@@ -319,7 +319,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 75] = [
+const KERNEL_NAMES: [&str; 77] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -327,6 +327,8 @@ const KERNEL_NAMES: [&str; 75] = [
     "split_bf16",
     "matvec_bf16",
     "matvec_bf16_3",
+    "matvec_bf16_one",
+    "matvec_bf16_3_one",
     "rms_norm",
     "rms_norm_inplace",
     "add_rms_norm",
@@ -803,6 +805,17 @@ fn affine_tile(cols: usize) -> (usize, usize) {
 /// Shared memory of a routed expert block: one staged row and a sum per 32 columns.
 fn routed_shared(cols: usize) -> usize {
     affine_tile(cols).1 + (cols / 32) * 4
+}
+
+/// The bf16 matrix-vector kernel of one matrix or of three for `rows` rows of x: the
+/// one-row versions keep more of each row's loads in flight, for a decode step.
+fn bf16_matvec_kernel(three: bool, rows: usize) -> &'static str {
+    match (three, rows == 1) {
+        (false, false) => "matvec_bf16",
+        (false, true) => "matvec_bf16_one",
+        (true, false) => "matvec_bf16_3",
+        (true, true) => "matvec_bf16_3_one",
+    }
 }
 
 /// Dynamic shared memory of a `routed_mma_*` block staging `units` 64-column units, with
@@ -2045,7 +2058,7 @@ impl Cuda {
             // Any width: the kernel falls back to one value per lane off whole 8s.
             DeviceMatrix::Bf16(w) if rows <= MATVEC_MAX_BATCH => {
                 let o = out.device_ptr_mut(&self.stream).0;
-                let mut l = self.launcher(self.func("matvec_bf16"));
+                let mut l = self.launcher(self.func(bf16_matvec_kernel(false, rows)));
                 l.arg(w).arg(x).arg(&o).arg(&r).arg(&c).arg(&b);
                 ok(unsafe { l.launch(matvec) }, "matvec_bf16");
             }
@@ -2396,7 +2409,7 @@ impl Backend for Cuda {
                 let [o0, o1, o2] = outs;
                 let [r0, r1, r2] = out_dims.map(|d| d as i32);
                 let (cols, batch) = (in_dim as i32, rows as i32);
-                let mut l = self.launcher(self.func("matvec_bf16_3"));
+                let mut l = self.launcher(self.func(bf16_matvec_kernel(true, rows)));
                 l.arg(a).arg(b).arg(c).arg(x).arg(o0).arg(o1).arg(o2);
                 l.arg(&r0).arg(&r1).arg(&r2).arg(&cols).arg(&batch);
                 // A warp per output row of the three, 8 a block, as matvec_bf16.
