@@ -168,7 +168,7 @@ for step in $steps; do
             -o "$m" --tokenizer-from fixtures/models/small-moe || status=1
         "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 512 --generate 8 \
             --repeats 1 2>&1 | tee "$OUT/profile.log"
-        ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
             --log-file "$OUT/profile.csv" "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
             --prompt 512 --generate 8 --repeats 1 > /dev/null 2>&1 || status=1
         # Four prompts ran (a warm-up and a timed run, with graphs and without): the
