@@ -248,9 +248,16 @@ fn bf16_matmul_matches_the_reference() {
     // the width is a multiple of 8 (the LM head's among them), one weight per lane
     // otherwise (100, 250, 7 columns). More rows widen the matrix to f32 in a scratch
     // buffer for cuBLAS: made for 2048 × 768, reused for the two smaller matrices after
-    // it, then grown for a 151936 × 2048 LM head at 5 rows.
+    // it, then grown for a 151936 × 2048 LM head at 5 rows. One row of whole 8s takes a
+    // warp per 2048 columns, the parts added in shared memory: 2 parts (one short) of
+    // 4096 and 2056 columns, 8 of 16384 and of 20000 (each past its loads held at once).
     let cases = [
         (1, 2048, 4096),
+        (1, 4096, 2048),
+        (1, 2056, 37),
+        (1, 16384, 20),
+        (1, 20000, 9),
+        (1, 250, 33),
         (1, 2048, 151936),
         (4, 2048, 151936),
         (2, 768, 2048),
@@ -766,6 +773,8 @@ fn three_products_in_one_launch_match_the_reference() {
     let cases = [
         ([512, 64, 64], 2048, 1, true),
         ([37, 5, 5], 2048, 4, true),
+        ([37, 5, 5], 4096, 1, true),
+        ([9, 3, 17], 24, 1, true),
         ([37, 5, 5], 100, 3, true),
         ([9, 3, 17], 24, 2, true),
         ([40, 8, 8], 256, 6, true),

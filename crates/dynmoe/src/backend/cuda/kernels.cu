@@ -1808,9 +1808,7 @@ extern "C" __global__ void matvec_f32(const float* w, const float* x, float* out
 // output row, 16-byte loads of w (8 values) when cols is a multiple of 8, which keeps
 // every row 16-byte aligned; one value per lane otherwise. Half the bytes of the f32
 // kernel, which decode is bound by. The caller has issued PDL_LAUNCH; a lane's first
-// EARLY loads go out before PDL_WAIT. MAXB is the most rows of x: the one-row kernels
-// (a decode step) hold a 2048-wide row's eight loads a lane at once in the registers the
-// others spend on four rows' sums.
+// EARLY loads go out before PDL_WAIT. MAXB is the most rows of x.
 template <int MAXB>
 __device__ __forceinline__ void dot_bf16x8(float (&acc)[MAXB], uint4 a, const float* x, int cols,
                                            int j, int batch) {
@@ -1834,7 +1832,7 @@ __device__ __forceinline__ void dot_bf16x8(float (&acc)[MAXB], uint4 a, const fl
 template <int MAXB>
 __device__ __forceinline__ void matvec_bf16_row(const unsigned short* w, const float* x, float* out,
                                                 int rows, int o, int cols, int batch) {
-    constexpr int EARLY = MAXB == 1 ? 8 : 4;
+    constexpr int EARLY = 4;
     int lane = threadIdx.x % WARP;
     bool live = o < rows;
     const unsigned short* wr = w + (size_t)(live ? o : 0) * cols;
@@ -1904,23 +1902,99 @@ __device__ void matvec_bf16_3(const unsigned short* w0, const unsigned short* w1
     }
 }
 
-// BOUNDS: the one-row kernels ask for 5 blocks of 8 warps an SM, so that one wave covers
-// a layer's q, k and v rows (5 120 of them at Qwen3-30B-A3B's shape: 640 blocks on 132
-// SMs).
-#define MATVEC_BF16_ENTRY(NAME, MAXB, BOUNDS)                                                 \
-    extern "C" __global__ void BOUNDS matvec_bf16##NAME(                                      \
-        const unsigned short* w, const float* x, float* out, int rows, int cols, int batch) { \
-        matvec_bf16<MAXB>(w, x, out, rows, cols, batch);                                      \
-    }                                                                                         \
-    extern "C" __global__ void BOUNDS matvec_bf16_3##NAME(                                    \
-        const unsigned short* w0, const unsigned short* w1, const unsigned short* w2,         \
-        const float* x, float* o0, float* o1, float* o2, int r0, int r1, int r2, int cols,    \
-        int batch) {                                                                          \
-        matvec_bf16_3<MAXB>(w0, w1, w2, x, o0, o1, o2, r0, r1, r2, cols, batch);              \
-    }
+// The one-row kernels: a lane holds all of its share's loads at once, 8 of them, so a warp
+// takes MV_ONE_COLS columns of a row; a wider row is cut into MV_ONE_PARTS(cols) parts (a
+// power of two, at most 8), one warp each, which add through shared memory. A block of 8
+// warps then takes 8 / parts rows. Rows of whole 8s only (the host sends others to the
+// general kernels).
+#define MV_ONE_COLS 2048
+__device__ __forceinline__ int mv_one_parts(int cols) {
+    int parts = 1;
+    while (parts < 8 && parts * MV_ONE_COLS < cols) parts *= 2;
+    return parts;
+}
 
-MATVEC_BF16_ENTRY(, MV_MAXB, )
-MATVEC_BF16_ENTRY(_one, 1, __launch_bounds__(256, 5))
+// The sum over this warp's part of row o (rows past `rows` read row 0, and are not
+// stored), after PDL_WAIT.
+__device__ __forceinline__ float matvec_bf16_part(const unsigned short* w, const float* x,
+                                                  int rows, int o, int cols, int part,
+                                                  int parts) {
+    int lane = threadIdx.x % WARP;
+    const uint4* w8 = reinterpret_cast<const uint4*>(w + (size_t)(o < rows ? o : 0) * cols);
+    int n8 = cols / 8, per = (n8 + parts - 1) / parts;
+    int j0 = part * per, j1 = min(n8, j0 + per);
+    constexpr int EARLY = MV_ONE_COLS / 8 / WARP;
+    uint4 early[EARLY];
+#pragma unroll
+    for (int i = 0; i < EARLY; i++) {
+        int j = j0 + lane + WARP * i;
+        if (j < j1) early[i] = w8[j];
+    }
+    PDL_WAIT();
+    float acc[1] = {0.0f};
+#pragma unroll
+    for (int i = 0; i < EARLY; i++) {
+        int j = j0 + lane + WARP * i;
+        if (j < j1) dot_bf16x8(acc, early[i], x, cols, j, 1);
+    }
+    for (int j = j0 + lane + WARP * EARLY; j < j1; j += WARP) dot_bf16x8(acc, w8[j], x, cols, j, 1);
+    return warp_sum(acc[0]);
+}
+
+// Adds the parts of each of the block's rows (warp 0 of a row's parts writes it).
+__device__ __forceinline__ void matvec_bf16_parts_done(float v, float* out, int rows, int o,
+                                                       int part, int parts) {
+    __shared__ float sums[8];
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    if (parts == 1) {
+        if (lane == 0 && o < rows) out[o] = v;
+        return;
+    }
+    if (lane == 0) sums[warp] = v;
+    __syncthreads();
+    if (lane == 0 && part == 0 && o < rows) {
+        float t = 0.0f;
+        for (int k = 0; k < parts; k++) t += sums[warp + k];
+        out[o] = t;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 5)
+    matvec_bf16_one(const unsigned short* w, const float* x, float* out, int rows, int cols,
+                    int batch) {
+    PDL_LAUNCH();
+    int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
+    int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
+    float v = matvec_bf16_part(w, x, rows, o, cols, part, parts);
+    matvec_bf16_parts_done(v, out, rows, o, part, parts);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 5)
+    matvec_bf16_3_one(const unsigned short* w0, const unsigned short* w1,
+                      const unsigned short* w2, const float* x, float* o0, float* o1,
+                      float* o2, int r0, int r1, int r2, int cols, int batch) {
+    PDL_LAUNCH();
+    int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
+    int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
+    const unsigned short* w = o < r0 ? w0 : (o - r0 < r1 ? w1 : w2);
+    float* out = o < r0 ? o0 : (o - r0 < r1 ? o1 : o2);
+    int rows = o < r0 ? r0 : (o - r0 < r1 ? r1 : r2);
+    int row = o < r0 ? o : (o - r0 < r1 ? o - r0 : o - r0 - r1);
+    float v = matvec_bf16_part(w, x, rows, row, cols, part, parts);
+    matvec_bf16_parts_done(v, out, rows, row, part, parts);
+}
+
+extern "C" __global__ void matvec_bf16(const unsigned short* w, const float* x, float* out,
+                                       int rows, int cols, int batch) {
+    matvec_bf16<MV_MAXB>(w, x, out, rows, cols, batch);
+}
+
+extern "C" __global__ void matvec_bf16_3(const unsigned short* w0, const unsigned short* w1,
+                                         const unsigned short* w2, const float* x, float* o0,
+                                         float* o1, float* o2, int r0, int r1, int r2, int cols,
+                                         int batch) {
+    matvec_bf16_3<MV_MAXB>(w0, w1, w2, x, o0, o1, o2, r0, r1, r2, cols, batch);
+}
 
 // ---- Decode attention split over the keys ----
 //

@@ -94,6 +94,8 @@ const GROUP_ENTRY: usize = 11;
 const ROUTED_ENTRY: usize = 9;
 /// Output rows per warp of the routed expert kernels (the kernel's `ROUTED_ROWS`).
 const ROUTED_ROWS: usize = 4;
+/// Columns of a row one warp of the one-row bf16 kernels takes (their `MV_ONE_COLS`).
+const MV_ONE_COLS: usize = 2048;
 /// Output rows of a `routed_mma_*` block (the kernels' `RMMA_ROWS`), and its warps
 /// (`RMMA_WARPS`).
 const RMMA_ROWS: usize = 16;
@@ -807,15 +809,35 @@ fn routed_shared(cols: usize) -> usize {
     affine_tile(cols).1 + (cols / 32) * 4
 }
 
-/// The bf16 matrix-vector kernel of one matrix or of three for `rows` rows of x: the
-/// one-row versions keep more of each row's loads in flight, for a decode step.
-fn bf16_matvec_kernel(three: bool, rows: usize) -> &'static str {
-    match (three, rows == 1) {
+/// The bf16 matrix-vector kernel of one matrix or of three for `rows` rows of x, `cols`
+/// wide, and its launch for `out_rows` output rows: the one-row versions (a decode step,
+/// rows of whole 8s) keep each lane's loads in flight at once, a warp per part of a row
+/// ([`one_row_parts`]); the others take a warp per row.
+fn bf16_matvec(
+    three: bool,
+    rows: usize,
+    cols: usize,
+    out_rows: usize,
+) -> (&'static str, LaunchConfig) {
+    let one = rows == 1 && cols.is_multiple_of(8);
+    let rows_per_block = if one { 8 / one_row_parts(cols) } else { 8 };
+    let name = match (three, one) {
         (false, false) => "matvec_bf16",
         (false, true) => "matvec_bf16_one",
         (true, false) => "matvec_bf16_3",
         (true, true) => "matvec_bf16_3_one",
+    };
+    (name, cfg(out_rows.div_ceil(rows_per_block).max(1), 256, 0))
+}
+
+/// Warps a row of `cols` columns is cut into by the one-row bf16 kernels (their
+/// `mv_one_parts`): a power of two, at most 8, each taking up to [`MV_ONE_COLS`].
+fn one_row_parts(cols: usize) -> usize {
+    let mut parts = 1;
+    while parts < 8 && parts * MV_ONE_COLS < cols {
+        parts *= 2;
     }
+    parts
 }
 
 /// Dynamic shared memory of a `routed_mma_*` block staging `units` 64-column units, with
@@ -2058,9 +2080,10 @@ impl Cuda {
             // Any width: the kernel falls back to one value per lane off whole 8s.
             DeviceMatrix::Bf16(w) if rows <= MATVEC_MAX_BATCH => {
                 let o = out.device_ptr_mut(&self.stream).0;
-                let mut l = self.launcher(self.func(bf16_matvec_kernel(false, rows)));
+                let (name, launch) = bf16_matvec(false, rows, in_dim, out_dim);
+                let mut l = self.launcher(self.func(name));
                 l.arg(w).arg(x).arg(&o).arg(&r).arg(&c).arg(&b);
-                ok(unsafe { l.launch(matvec) }, "matvec_bf16");
+                ok(unsafe { l.launch(launch) }, "matvec_bf16");
             }
             DeviceMatrix::Bf16(w) if self.tensor_cores() => {
                 self.gemm_bf16_split(x, w, rows, in_dim, out_dim, out)
@@ -2409,15 +2432,12 @@ impl Backend for Cuda {
                 let [o0, o1, o2] = outs;
                 let [r0, r1, r2] = out_dims.map(|d| d as i32);
                 let (cols, batch) = (in_dim as i32, rows as i32);
-                let mut l = self.launcher(self.func(bf16_matvec_kernel(true, rows)));
+                let total: usize = out_dims.iter().sum();
+                let (name, launch) = bf16_matvec(true, rows, in_dim, total);
+                let mut l = self.launcher(self.func(name));
                 l.arg(a).arg(b).arg(c).arg(x).arg(o0).arg(o1).arg(o2);
                 l.arg(&r0).arg(&r1).arg(&r2).arg(&cols).arg(&batch);
-                // A warp per output row of the three, 8 a block, as matvec_bf16.
-                let total: usize = out_dims.iter().sum();
-                ok(
-                    unsafe { l.launch(cfg(total.div_ceil(8).max(1), 256, 0)) },
-                    "matvec_bf16_3",
-                );
+                ok(unsafe { l.launch(launch) }, "matvec_bf16_3");
             }
             _ => {
                 for ((w, d), out) in ws.into_iter().zip(out_dims).zip(outs) {
