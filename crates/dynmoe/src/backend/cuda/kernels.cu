@@ -2122,14 +2122,11 @@ __device__ __forceinline__ void fma4(float4& a, float w, float4 x) {
     a.w += w * x.w;
 }
 
-// The block's chunk of keys for its heads: the partial softmax output into `acc_out` and
-// (max, sum) into `ml`, as attention_split writes them (attention_combine's input).
 template <int NV>
-__device__ void attention_group_chunk(const float* __restrict__ q, const float* __restrict__ k,
-                                      const float* __restrict__ v, float* __restrict__ acc_out,
-                                      float* __restrict__ ml, int pos0, int heads,
-                                      int kv_heads, int head_dim, int window,
-                                      const unsigned* pos_at, int chunk) {
+__device__ void attention_group(const float* __restrict__ q, const float* __restrict__ k,
+                                const float* __restrict__ v, float* __restrict__ acc_out,
+                                float* __restrict__ ml, int pos0, int heads, int kv_heads,
+                                int head_dim, int window, const unsigned* pos_at, int chunk) {
     static_assert(ATT_LANES == ATT_GROUP, "lane i of a key's lanes ends with head i's score");
     constexpr int KB = 8 / NV;  // keys a lane group loads at once
     constexpr int STEP = (ATT_THREADS / ATT_LANES) * KB;
@@ -2150,7 +2147,7 @@ __device__ void attention_group_chunk(const float* __restrict__ q, const float* 
             ml[2 * at] = NEG_INF;
             ml[2 * at + 1] = 0.0f;
         }
-        return;  // uniform over the block: no barrier is left waiting
+        return;
     }
     int tn = t1 - t0, f4 = head_dim / 4;
     size_t row4 = (size_t)kv_heads * f4;
@@ -2271,82 +2268,28 @@ __device__ void attention_group_chunk(const float* __restrict__ q, const float* 
     }
 }
 
-// attention_group_chunk, then the merge of attention_combine done by the last block of
-// each tile of heads to finish its chunk: each block publishes its partials (a fence,
-// then a count in `counters[blockIdx.x]`), and the one that brings the count to the
-// number of chunks reads every chunk's partials from L2 and writes the heads' `out`
-// rows, then resets the count for the next call. One launch fewer a decode layer.
-template <int NV>
-__device__ void attention_group(const float* __restrict__ q, const float* __restrict__ k,
-                                const float* __restrict__ v, float* __restrict__ acc_out,
-                                float* __restrict__ ml, float* __restrict__ out,
-                                unsigned* counters, int pos0, int heads, int kv_heads,
-                                int head_dim, int window, const unsigned* pos_at, int chunk) {
-    __shared__ bool last;
-    __shared__ float stat[ATT_GROUP][2];
-    attention_group_chunk<NV>(q, k, v, acc_out, ml, pos0, heads, kv_heads, head_dim, window,
-                              pos_at, chunk);
-    __threadfence();
-    __syncthreads();
-    int tid = threadIdx.x, splits = gridDim.y;
-    if (tid == 0) last = atomicAdd(&counters[blockIdx.x], 1u) == (unsigned)splits - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    int group = heads / kv_heads, tiles = (group + ATT_GROUP - 1) / ATT_GROUP;
-    int kvh = blockIdx.x / tiles, tile = blockIdx.x % tiles;
-    int h0 = kvh * group + tile * ATT_GROUP, gt = min(ATT_GROUP, group - tile * ATT_GROUP);
-    // Each head's largest max and its sum, a warp a head.
-    int lane = tid % WARP;
-    for (int g = tid / WARP; g < gt; g += ATT_THREADS / WARP) {
-        const float* mh = ml + (size_t)(h0 + g) * splits * 2;
-        float mx = NEG_INF;
-        for (int s = lane; s < splits; s += WARP) mx = fmaxf(mx, __ldcg(mh + 2 * s));
-        mx = warp_max(mx);
-        float l = 0.0f;
-        for (int s = lane; s < splits; s += WARP) {
-            float m = __ldcg(mh + 2 * s);
-            if (m != NEG_INF) l += __ldcg(mh + 2 * s + 1) * expf(m - mx);
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            stat[g][0] = mx;
-            stat[g][1] = l;
-        }
-    }
-    __syncthreads();
-    int f4 = head_dim / 4;
-    const float4* acc4 = reinterpret_cast<const float4*>(acc_out);
-    float4* out4 = reinterpret_cast<float4*>(out);
-    for (int i = tid; i < gt * f4; i += ATT_THREADS) {
-        int g = i / f4, c = i % f4, h = h0 + g;
-        const float* mh = ml + (size_t)h * splits * 2;
-        float mx = stat[g][0], inv = 1.0f / stat[g][1];
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (int s = 0; s < splits; s++) {
-            float m = __ldcg(mh + 2 * s);
-            if (m == NEG_INF) continue;  // no keys: its output was never written
-            fma4(a, expf(m - mx), __ldcg(acc4 + ((size_t)h * splits + s) * f4 + c));
-        }
-        out4[(size_t)h * f4 + c] = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
-    }
-    if (tid == 0) counters[blockIdx.x] = 0u;
-}
-
 // Head widths up to 64, 128 and 256, a multiple of 4 (float4 rows).
-#define ATTENTION_GROUP_ENTRY(WIDTH, NV)                                                      \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_group_##WIDTH(        \
-        const float* q, const float* k, const float* v, float* acc, float* ml, float* out,    \
-        unsigned* counters, int pos0, int heads, int kv_heads, int head_dim, int window,      \
-        const unsigned* pos_at, int chunk) {                                                  \
-        PDL_ENTRY();                                                                          \
-        attention_group<NV>(q, k, v, acc, ml, out, counters, pos0, heads, kv_heads, head_dim, \
-                            window, pos_at, chunk);                                           \
-    }
-
-ATTENTION_GROUP_ENTRY(64, 2)
-ATTENTION_GROUP_ENTRY(128, 4)
-ATTENTION_GROUP_ENTRY(256, 8)
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_group_64(const float* q, const float* k, const float* v, float* acc, float* ml,
+                       int pos0, int heads, int kv_heads, int head_dim, int window,
+                       const unsigned* pos_at, int chunk) {
+    PDL_ENTRY();
+    attention_group<2>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, pos_at, chunk);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_group_128(const float* q, const float* k, const float* v, float* acc, float* ml,
+                        int pos0, int heads, int kv_heads, int head_dim, int window,
+                        const unsigned* pos_at, int chunk) {
+    PDL_ENTRY();
+    attention_group<4>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, pos_at, chunk);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attention_group_256(const float* q, const float* k, const float* v, float* acc, float* ml,
+                        int pos0, int heads, int kv_heads, int head_dim, int window,
+                        const unsigned* pos_at, int chunk) {
+    PDL_ENTRY();
+    attention_group<8>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, pos_at, chunk);
+}
 
 // One block per head: out = Σ_s acc_s·e^(m_s − M) / Σ_s l_s·e^(m_s − M) over the splits,
 // M the largest m_s. A split with no keys has (m, l) = (−inf, 0) and its acc is never

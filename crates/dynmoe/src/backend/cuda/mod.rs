@@ -131,9 +131,6 @@ const ATT_THREADS: u32 = 128;
 const ATT_STEP: usize = 16;
 /// Most keys an `attention_group_*` block takes (its `ATT_CHUNK_MAX`).
 const ATT_CHUNK_MAX: usize = 256;
-/// Counts of finished chunks the grouped decode attention keeps, one per block column
-/// (KV head and tile of its query heads), at the start of the attention scratch buffer.
-const ATT_COUNTERS: usize = 1024;
 /// Threads of an `attention_combine` block (its `COMBINE_THREADS`).
 const COMBINE_THREADS: u32 = 512;
 /// Query slots (a row and a head of a GQA group each) of an `attention_tiled_*` block
@@ -2128,10 +2125,8 @@ impl Cuda {
         let tiles = group.div_ceil(ATT_GROUP);
         // The grouped kernel's float4 rows need 16-byte addresses: q and the caches are
         // whole allocations (256-byte aligned), so a head width of 4s gives them.
-        let grouped = group_kernel(shape.head_dim).filter(|_| {
-            self.decode_attention() == DecodeAttention::Grouped
-                && shape.kv_heads * tiles <= ATT_COUNTERS
-        });
+        let grouped = group_kernel(shape.head_dim)
+            .filter(|_| self.decode_attention() == DecodeAttention::Grouped);
         let (chunk, blocks_x, name, threads) = match grouped {
             Some(name) => (
                 group_chunk(capacity, shape.kv_heads * tiles, self.sms),
@@ -2147,17 +2142,11 @@ impl Cuda {
             ),
         };
         let splits = capacity.div_ceil(chunk);
-        // One buffer holds the grouped kernel's counts of finished chunks (first, at a
-        // fixed place: zeroed when the buffer is made, and each merge resets its own),
-        // the outputs ([heads, splits, head_dim]) and (max, sum) ([heads, splits, 2]).
+        // The merge reads the outputs ([heads, splits, head_dim]) and then (max, sum)
+        // ([heads, splits, 2]) from one buffer.
         let outputs = shape.heads * splits * shape.head_dim;
-        let mut scratch = self.grown_with(
-            &self.attn_scratch,
-            ATT_COUNTERS + outputs + shape.heads * splits * 2,
-            true,
-        );
+        let mut scratch = self.grown(&self.attn_scratch, outputs + shape.heads * splits * 2);
         let part = scratch.as_mut().expect("grown");
-        let (mut counters, mut part) = part.split_at_mut(ATT_COUNTERS);
         let (mut acc, mut ml) = part.split_at_mut(outputs);
         let (p0, h, kvh, d) = (
             shape.pos0 as i32,
@@ -2172,12 +2161,8 @@ impl Cuda {
             .arg(k_cache)
             .arg(v_cache)
             .arg(&mut acc)
-            .arg(&mut ml);
-        // The grouped kernel merges the chunks itself (its last block of each tile).
-        if grouped.is_some() {
-            l.arg(&mut *out).arg(&mut counters);
-        }
-        l.arg(&p0)
+            .arg(&mut ml)
+            .arg(&p0)
             .arg(&h)
             .arg(&kvh)
             .arg(&d)
@@ -2191,9 +2176,6 @@ impl Cuda {
         };
         ok(unsafe { l.launch(grid) }, name);
         drop(l);
-        if grouped.is_some() {
-            return;
-        }
         let n = splits as i32;
         let mut l = self.launcher(self.func("attention_combine"));
         l.arg(&mut acc).arg(&mut ml).arg(out).arg(&n).arg(&d);
