@@ -719,6 +719,25 @@ __device__ __forceinline__ void split_pairs(const float (&v)[16], unsigned (&hi)
         }
 }
 
+// Columns k0 .. k0 + 15 of `row` (`in_dim` wide; zeros past it, and for a null row), by
+// float4 when `vec` says the row's float4s are whole and aligned.
+__device__ __forceinline__ void load_x16(const float* row, int k0, int in_dim, bool vec,
+                                         float (&v)[16]) {
+    if (row && vec && k0 + 16 <= in_dim) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            float4 f = *reinterpret_cast<const float4*>(row + k0 + 4 * j);
+            v[4 * j] = f.x;
+            v[4 * j + 1] = f.y;
+            v[4 * j + 2] = f.z;
+            v[4 * j + 3] = f.w;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 16; j++) v[j] = row && k0 + j < in_dim ? row[k0 + j] : 0.0f;
+    }
+}
+
 // Pair tile `blockIdx.y` is entry (group, first row) of `tiles` (those at or past
 // `*tiles_n`, when given, do nothing); blockIdx.x picks MMA_BN output rows. GATED (gate and up, table entries 0 and 1): input row r is x[x_rows[p]],
 // out[p] = silu(gate) ⊙ up for pair p. Otherwise (down, entry 2): input row r is x[p] and
@@ -787,20 +806,7 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
     unsigned w[M][2][2];
     unsigned short sraw = 0, braw = 0;
     auto fetch = [&](int gi) {
-        int k0 = gi * 64 + 16 * xq;
-        if (xrow && vec && k0 + 16 <= in_dim) {
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                float4 f = *reinterpret_cast<const float4*>(xrow + k0 + 4 * j);
-                v[4 * j] = f.x;
-                v[4 * j + 1] = f.y;
-                v[4 * j + 2] = f.z;
-                v[4 * j + 3] = f.w;
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < 16; j++) v[j] = xrow && k0 + j < in_dim ? xrow[k0 + j] : 0.0f;
-        }
+        load_x16(xrow, gi * 64 + 16 * xq, in_dim, vec, v);
 #pragma unroll
         for (int m = 0; m < M; m++)
 #pragma unroll
@@ -1258,21 +1264,8 @@ __device__ void stage_units(unsigned* xs, float* xsum, const float* x, RowOf row
         bool live = i < items;
         int u = live ? i / 4 : 0, q = i % 4;
         const float* src = x + (size_t)row_of(u / groups) * in_dim;
-        int k0 = (u % groups) * 64 + 16 * q;
         float v[16];
-        if (live && vec && k0 + 16 <= in_dim) {
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                float4 f = *reinterpret_cast<const float4*>(src + k0 + 4 * j);
-                v[4 * j] = f.x;
-                v[4 * j + 1] = f.y;
-                v[4 * j + 2] = f.z;
-                v[4 * j + 3] = f.w;
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < 16; j++) v[j] = live && k0 + j < in_dim ? src[k0 + j] : 0.0f;
-        }
+        load_x16(live ? src : nullptr, (u % groups) * 64 + 16 * q, in_dim, vec, v);
         float s = 0.0f;
 #pragma unroll
         for (int j = 0; j < 16; j++) s += v[j];
