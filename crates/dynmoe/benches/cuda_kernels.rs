@@ -44,6 +44,32 @@ struct Row {
     fraction_of_copy: f64,
 }
 
+impl Row {
+    /// `kernel`'s row: `[rows, cols, batch]`, `per_call` µs a call moving `bytes`, over
+    /// `copies` copies of the weights, against the copy kernel's `copy_gb_s`.
+    fn new(
+        kernel: impl Into<String>,
+        [rows, cols, batch]: [usize; 3],
+        bytes: usize,
+        copies: usize,
+        per_call: f64,
+        copy_gb_s: f64,
+    ) -> Row {
+        let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
+        Row {
+            kernel: kernel.into(),
+            rows,
+            cols,
+            batch,
+            weight_bytes: bytes,
+            copies,
+            median_us_per_call: per_call,
+            gb_s,
+            fraction_of_copy: gb_s / copy_gb_s,
+        }
+    }
+}
+
 #[derive(Serialize)]
 struct Report {
     device: String,
@@ -170,17 +196,14 @@ fn main() {
                     format!("q{bits}"),
                     gb_s / copy_gb_s
                 );
-                rows_out.push(Row {
-                    kernel: format!("affine_q{bits}"),
-                    rows,
-                    cols,
-                    batch,
-                    weight_bytes: bytes,
+                rows_out.push(Row::new(
+                    format!("affine_q{bits}"),
+                    [rows, cols, batch],
+                    bytes,
                     copies,
-                    median_us_per_call: per_call,
-                    gb_s,
-                    fraction_of_copy: gb_s / copy_gb_s,
-                });
+                    per_call,
+                    copy_gb_s,
+                ));
             }
             drop(views);
             g.clear_weight_cache();
@@ -206,17 +229,14 @@ fn main() {
                 "f32 sgemm",
                 gb_s / copy_gb_s
             );
-            rows_out.push(Row {
-                kernel: "cublas_sgemm_f32".into(),
-                rows,
-                cols,
-                batch,
-                weight_bytes: bytes,
+            rows_out.push(Row::new(
+                "cublas_sgemm_f32",
+                [rows, cols, batch],
+                bytes,
                 copies,
-                median_us_per_call: per_call,
-                gb_s,
-                fraction_of_copy: gb_s / copy_gb_s,
-            });
+                per_call,
+                copy_gb_s,
+            ));
         }
     }
 
@@ -260,17 +280,14 @@ fn main() {
                     rung.name(),
                     gb_s / copy_gb_s
                 );
-                rows_out.push(Row {
-                    kernel: format!("{}_matvec", rung.name()),
-                    rows,
-                    cols,
-                    batch,
-                    weight_bytes: bytes,
+                rows_out.push(Row::new(
+                    format!("{}_matvec", rung.name()),
+                    [rows, cols, batch],
+                    bytes,
                     copies,
-                    median_us_per_call: per_call,
-                    gb_s,
-                    fraction_of_copy: gb_s / copy_gb_s,
-                });
+                    per_call,
+                    copy_gb_s,
+                ));
             }
             drop(views);
             g.clear_weight_cache();
@@ -350,17 +367,14 @@ fn main() {
             1,
             gb_s / copy_gb_s
         );
-        rows_out.push(Row {
-            kernel: format!("moe_decode_top8_q{bits}"),
-            rows: inter,
-            cols: hidden,
-            batch: 1,
-            weight_bytes: bytes,
-            copies: tokens,
-            median_us_per_call: per_token,
-            gb_s,
-            fraction_of_copy: gb_s / copy_gb_s,
-        });
+        rows_out.push(Row::new(
+            format!("moe_decode_top8_q{bits}"),
+            [inter, hidden, 1],
+            bytes,
+            tokens,
+            per_token,
+            copy_gb_s,
+        ));
         // The same experts routed on the device (`routed_moe`: router, top-8, grouped
         // products and combine, no host round trip), a fresh input row per token.
         let weights = |e: usize| {
@@ -410,17 +424,14 @@ fn main() {
                     1,
                     gb_s / copy_gb_s
                 );
-                rows_out.push(Row {
-                    kernel: format!("moe_routed_on_device_top8_q{bits}_{way}_{launched}"),
-                    rows: inter,
-                    cols: hidden,
-                    batch: 1,
-                    weight_bytes: bytes,
-                    copies: tokens,
-                    median_us_per_call: per_token,
-                    gb_s,
-                    fraction_of_copy: gb_s / copy_gb_s,
-                });
+                rows_out.push(Row::new(
+                    format!("moe_routed_on_device_top8_q{bits}_{way}_{launched}"),
+                    [inter, hidden, 1],
+                    bytes,
+                    tokens,
+                    per_token,
+                    copy_gb_s,
+                ));
             }
         }
         g.set_routed_mma(was);
@@ -470,24 +481,19 @@ fn main() {
                 gb_s / copy_gb_s,
                 flops / (us * 1e-6) / 1e12
             );
-            rows_out.push(Row {
-                kernel: format!(
-                    "moe_prompt512_top8_q{bits}_{}",
-                    if tensor_cores {
-                        "tensor_core_gemm"
-                    } else {
-                        "without_tensor_cores"
-                    }
-                ),
-                rows: inter,
-                cols: hidden,
-                batch: prompt,
-                weight_bytes: layer_bytes,
-                copies: 1,
-                median_us_per_call: us,
-                gb_s,
-                fraction_of_copy: gb_s / copy_gb_s,
-            });
+            let kind = if tensor_cores {
+                "tensor_core_gemm"
+            } else {
+                "without_tensor_cores"
+            };
+            rows_out.push(Row::new(
+                format!("moe_prompt512_top8_q{bits}_{kind}"),
+                [inter, hidden, prompt],
+                layer_bytes,
+                1,
+                us,
+                copy_gb_s,
+            ));
         }
         g.set_tensor_cores(was);
         g.clear_weight_cache();
@@ -518,24 +524,19 @@ fn main() {
                 format!("bf16 {way}"),
                 gb_s / copy_gb_s
             );
-            rows_out.push(Row {
-                kernel: format!(
-                    "dense_bf16_prompt512_{}",
-                    if tensor_cores {
-                        "tensor_core_split"
-                    } else {
-                        "widened_sgemm"
-                    }
-                ),
-                rows,
-                cols,
-                batch: prompt,
-                weight_bytes: bytes,
-                copies: 1,
-                median_us_per_call: us,
-                gb_s,
-                fraction_of_copy: gb_s / copy_gb_s,
-            });
+            let kind = if tensor_cores {
+                "tensor_core_split"
+            } else {
+                "widened_sgemm"
+            };
+            rows_out.push(Row::new(
+                format!("dense_bf16_prompt512_{kind}"),
+                [rows, cols, prompt],
+                bytes,
+                1,
+                us,
+                copy_gb_s,
+            ));
         }
         g.set_tensor_cores(was);
     }
@@ -575,17 +576,14 @@ fn main() {
                 1,
                 gb_s / copy_gb_s
             );
-            rows_out.push(Row {
-                kernel: format!("matvec_{name}"),
-                rows,
-                cols,
-                batch: 1,
-                weight_bytes: bytes,
+            rows_out.push(Row::new(
+                format!("matvec_{name}"),
+                [rows, cols, 1],
+                bytes,
                 copies,
-                median_us_per_call: per_call,
-                gb_s,
-                fraction_of_copy: gb_s / copy_gb_s,
-            });
+                per_call,
+                copy_gb_s,
+            ));
         }
     }
     // Decode attention at Qwen3-30B-A3B's heads (32 query, 4 KV, 128 wide) over a cache of
@@ -646,17 +644,14 @@ fn main() {
                     1,
                     gb_s / copy_gb_s
                 );
-                rows_out.push(Row {
+                rows_out.push(Row::new(
                     kernel,
-                    rows: ctx,
-                    cols: kvw,
-                    batch: 1,
-                    weight_bytes: bytes,
+                    [ctx, kvw, 1],
+                    bytes,
                     copies,
-                    median_us_per_call: per_call,
-                    gb_s,
-                    fraction_of_copy: gb_s / copy_gb_s,
-                });
+                    per_call,
+                    copy_gb_s,
+                ));
             }
         }
         g.set_decode_attention(DecodeAttention::Grouped);
@@ -710,20 +705,16 @@ fn main() {
                 }
             });
             let per_call = ms * 1e3 / copies as f64;
-            let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
             let gflop_s = flop / (per_call * 1e-6) / 1e9;
             println!("{label:<10} {n:>6} {kvw:>6} {n:>5} {per_call:>10.2} {gflop_s:>8.0} GFLOP/s");
-            rows_out.push(Row {
-                kernel: kernel.into(),
-                rows: n,
-                cols: kvw,
-                batch: n,
-                weight_bytes: bytes,
+            rows_out.push(Row::new(
+                kernel,
+                [n, kvw, n],
+                bytes,
                 copies,
-                median_us_per_call: per_call,
-                gb_s,
-                fraction_of_copy: gb_s / copy_gb_s,
-            });
+                per_call,
+                copy_gb_s,
+            ));
         }
         g.set_prefill_attention(PrefillAttention::Tiled);
     }
@@ -896,17 +887,14 @@ fn main() {
             "{kernel:<26} {rows:>6} {cols:>6} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
             gb_s / copy_gb_s
         );
-        rows_out.push(Row {
+        rows_out.push(Row::new(
             kernel,
-            rows,
-            cols,
-            batch: 1,
-            weight_bytes: bytes,
-            copies: GRAPH_CALLS,
-            median_us_per_call: per_call,
-            gb_s,
-            fraction_of_copy: gb_s / copy_gb_s,
-        });
+            [rows, cols, 1],
+            bytes,
+            GRAPH_CALLS,
+            per_call,
+            copy_gb_s,
+        ));
     }
 
     let report = Report {
