@@ -1801,7 +1801,7 @@ extern "C" __global__ void matvec_f32(const float* w, const float* x, float* out
 // output row, 16-byte loads of w (8 values) when cols is a multiple of 8, which keeps
 // every row 16-byte aligned; one value per lane otherwise. Half the bytes of the f32
 // kernel, which decode is bound by. The caller has issued PDL_LAUNCH; a lane's first
-// EARLY loads go out before PDL_WAIT. MAXB is the most rows of x.
+// EARLY loads go out before PDL_WAIT. MAXB is the most rows of x (`acc` holds a sum each).
 template <int MAXB>
 __device__ __forceinline__ void dot_bf16x8(float (&acc)[MAXB], uint4 a, const float* x, int cols,
                                            int j, int batch) {
@@ -1821,17 +1821,17 @@ __device__ __forceinline__ void dot_bf16x8(float (&acc)[MAXB], uint4 a, const fl
     }
 }
 
-// Output row o (< rows, or none: the warp only waits) of that product, by one warp.
-template <int MAXB>
+// Output row o (< rows, or none: the warp only waits) of that product, by one warp, for
+// up to MV_MAXB rows of x.
 __device__ __forceinline__ void matvec_bf16_row(const unsigned short* w, const float* x, float* out,
                                                 int rows, int o, int cols, int batch) {
     constexpr int EARLY = 4;
     int lane = threadIdx.x % WARP;
     bool live = o < rows;
     const unsigned short* wr = w + (size_t)(live ? o : 0) * cols;
-    float acc[MAXB];
+    float acc[MV_MAXB];
 #pragma unroll
-    for (int b = 0; b < MAXB; b++) acc[b] = 0.0f;
+    for (int b = 0; b < MV_MAXB; b++) acc[b] = 0.0f;
     if (cols % 8 == 0) {
         const uint4* w8 = reinterpret_cast<const uint4*>(wr);
         int n8 = cols / 8;
@@ -1856,12 +1856,12 @@ __device__ __forceinline__ void matvec_bf16_row(const unsigned short* w, const f
         for (int i = lane; i < cols; i += WARP) {
             float a = bf16_bits(wr[i]);
 #pragma unroll
-            for (int b = 0; b < MAXB; b++)
+            for (int b = 0; b < MV_MAXB; b++)
                 if (b < batch) acc[b] += a * x[(size_t)b * cols + i];
         }
     }
 #pragma unroll
-    for (int b = 0; b < MAXB; b++) {
+    for (int b = 0; b < MV_MAXB; b++) {
         if (b < batch) {
             float t = warp_sum(acc[b]);
             if (lane == 0) out[(size_t)b * rows + o] = t;
@@ -1869,34 +1869,33 @@ __device__ __forceinline__ void matvec_bf16_row(const unsigned short* w, const f
     }
 }
 
-template <int MAXB>
-__device__ void matvec_bf16(const unsigned short* w, const float* x, float* out, int rows,
-                            int cols, int batch) {
+extern "C" __global__ void matvec_bf16(const unsigned short* w, const float* x, float* out,
+                                       int rows, int cols, int batch) {
     PDL_LAUNCH();
     int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-    matvec_bf16_row<MAXB>(w, x, out, rows, o, cols, batch);
+    matvec_bf16_row(w, x, out, rows, o, cols, batch);
 }
 
 // Three products of the same rows of x in one launch (a layer's q, k and v projections
 // in decode, where the two narrow ones would each be a launch's latency for a few
 // blocks' work): the warps' output rows run through w0's r0 rows, then w1's, then w2's.
-template <int MAXB>
-__device__ void matvec_bf16_3(const unsigned short* w0, const unsigned short* w1,
-                              const unsigned short* w2, const float* x, float* o0, float* o1,
-                              float* o2, int r0, int r1, int r2, int cols, int batch) {
+extern "C" __global__ void matvec_bf16_3(const unsigned short* w0, const unsigned short* w1,
+                                         const unsigned short* w2, const float* x, float* o0,
+                                         float* o1, float* o2, int r0, int r1, int r2, int cols,
+                                         int batch) {
     PDL_LAUNCH();
     int o = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (o < r0) {
-        matvec_bf16_row<MAXB>(w0, x, o0, r0, o, cols, batch);
+        matvec_bf16_row(w0, x, o0, r0, o, cols, batch);
     } else if (o - r0 < r1) {
-        matvec_bf16_row<MAXB>(w1, x, o1, r1, o - r0, cols, batch);
+        matvec_bf16_row(w1, x, o1, r1, o - r0, cols, batch);
     } else {
-        matvec_bf16_row<MAXB>(w2, x, o2, r2, o - r0 - r1, cols, batch);
+        matvec_bf16_row(w2, x, o2, r2, o - r0 - r1, cols, batch);
     }
 }
 
 // The one-row kernels: a lane holds all of its share's loads at once, 8 of them, so a warp
-// takes MV_ONE_COLS columns of a row; a wider row is cut into MV_ONE_PARTS(cols) parts (a
+// takes MV_ONE_COLS columns of a row; a wider row is cut into mv_one_parts(cols) parts (a
 // power of two, at most 8), one warp each, which add through shared memory. A block of 8
 // warps then takes 8 / parts rows. Rows of whole 8s only (the host sends others to the
 // general kernels).
@@ -1975,18 +1974,6 @@ extern "C" __global__ void __launch_bounds__(256, 5)
     int row = o < r0 ? o : (o - r0 < r1 ? o - r0 : o - r0 - r1);
     float v = matvec_bf16_part(w, x, rows, row, cols, part, parts);
     matvec_bf16_parts_done(v, out, rows, row, part, parts);
-}
-
-extern "C" __global__ void matvec_bf16(const unsigned short* w, const float* x, float* out,
-                                       int rows, int cols, int batch) {
-    matvec_bf16<MV_MAXB>(w, x, out, rows, cols, batch);
-}
-
-extern "C" __global__ void matvec_bf16_3(const unsigned short* w0, const unsigned short* w1,
-                                         const unsigned short* w2, const float* x, float* o0,
-                                         float* o1, float* o2, int r0, int r1, int r2, int cols,
-                                         int batch) {
-    matvec_bf16_3<MV_MAXB>(w0, w1, w2, x, o0, o1, o2, r0, r1, r2, cols, batch);
 }
 
 // ---- Decode attention split over the keys ----
