@@ -499,6 +499,121 @@ fn main() {
         g.clear_weight_cache();
     }
 
+    // The same routed step with the experts at VQ rungs (random codes and norms): a
+    // decode token's route and top-8 of 128, then a 512-token prompt's, both through the
+    // routed VQ kernels. Bytes: the chosen experts' codes and norms (every expert's once
+    // for the prompt).
+    for rung in ["1.5", "2"] {
+        let rung = Rung::parse(rung).expect("a ladder rung");
+        let matrix = |rows: usize, cols: usize, rng: &mut Rng| {
+            let code_bytes = rows * row_bytes(rung, cols);
+            let blocks = cols.div_ceil(rotation::block_size(cols));
+            let codes: Vec<u8> = (0..code_bytes.div_ceil(8))
+                .flat_map(|_| rng.next_u64().to_le_bytes())
+                .take(code_bytes)
+                .collect();
+            let norms: Vec<f16> = (0..rows * blocks)
+                .map(|_| f16::from_f32(0.5 + 0.5 * rng.uniform()))
+                .collect();
+            (codes, norms)
+        };
+        let mats: Vec<[(Vec<u8>, Vec<f16>); 3]> = (0..experts)
+            .map(|_| {
+                [
+                    matrix(inter, hidden, &mut rng),
+                    matrix(inter, hidden, &mut rng),
+                    matrix(hidden, inter, &mut rng),
+                ]
+            })
+            .collect();
+        let expert_bytes: usize = mats[0].iter().map(|(c, n)| c.len() + 2 * n.len()).sum();
+        let weights = |e: usize| {
+            let view = |p: usize, rows, cols| {
+                let (c, n) = &mats[e][p];
+                let seed = (3 * e + p) as u64;
+                Weight::Vq(VqView::from_parts(rows, cols, rung, seed, n, c).expect("sizes"))
+            };
+            [
+                view(0, inter, hidden),
+                view(1, inter, hidden),
+                view(2, hidden, inter),
+            ]
+        };
+        let routed = RoutedExperts {
+            id: 2,
+            count: experts,
+            weights: &weights,
+        };
+        let route = DeviceRoute {
+            top_k,
+            renormalize: true,
+            keep: None,
+        };
+        let gate = g.upload_matrix(&fresh(experts * hidden, 14), experts, hidden);
+        let xs: Vec<_> = (0..tokens)
+            .map(|t| g.upload(&fresh(hidden, 300 + t as u64)))
+            .collect();
+        let (mut probs, mut out) = (g.alloc(512 * experts), g.alloc(512 * hidden));
+        let mut step = |x| {
+            let done = g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
+            assert!(done, "VQ experts route on the device");
+        };
+        let ms = time_ms(&g, || xs.iter().for_each(&mut step));
+        let eager = ms * 1e3 / tokens as f64;
+        let graph = graph_us(&g, 120 + rung.position() as u64, |i| {
+            step(&xs[i % xs.len()])
+        });
+        let bytes = top_k * expert_bytes;
+        for (per_token, launched) in [(eager, "eager"), (graph, "graph")] {
+            let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
+            println!(
+                "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
+                format!("routed {} {launched}", rung.name()),
+                inter,
+                hidden,
+                1,
+                gb_s / copy_gb_s
+            );
+            rows_out.push(Row::new(
+                format!("moe_routed_on_device_top8_{}_{launched}", rung.name()),
+                [inter, hidden, 1],
+                bytes,
+                tokens,
+                per_token,
+                copy_gb_s,
+            ));
+        }
+        let prompt = 512;
+        let xp = g.upload(&fresh(prompt * hidden, 15));
+        let us = time_ms(&g, || {
+            let done = g.routed_moe(
+                &xp, prompt, hidden, &gate, &routed, route, &mut probs, 0, &mut out,
+            );
+            assert!(done, "VQ experts route on the device");
+        }) * 1e3;
+        let layer_bytes = experts * expert_bytes;
+        let gb_s = layer_bytes as f64 / (us * 1e-6) / 1e9;
+        let flops = 2.0 * 3.0 * (prompt * top_k * inter * hidden) as f64;
+        println!(
+            "{:<10} {:>6} {:>6} {:>5} {us:>10.2} {gb_s:>8.0} {:>7.2}  {:.1} TFLOP/s",
+            format!("routed512 {}", rung.name()),
+            inter,
+            hidden,
+            prompt,
+            gb_s / copy_gb_s,
+            flops / (us * 1e-6) / 1e12
+        );
+        rows_out.push(Row::new(
+            format!("moe_routed_prompt512_top8_{}", rung.name()),
+            [inter, hidden, prompt],
+            layer_bytes,
+            1,
+            us,
+            copy_gb_s,
+        ));
+        g.clear_weight_cache();
+    }
+
     // A prompt's dense products (512 rows through a bf16 4096 × 2048 projection): on
     // tensor cores (x split into two bf16 parts, two cuBLAS bf16 GEMMs), then the matrix
     // widened to f32 for cuBLAS' sgemm.

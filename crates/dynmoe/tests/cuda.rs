@@ -1251,7 +1251,8 @@ fn routed_reference<'w>(
                 down,
                 intermediate: match gate {
                     Weight::Affine(a) => a.rows,
-                    _ => unreachable!("affine experts"),
+                    Weight::Vq(v) => v.rows,
+                    Weight::Dense(_) => unreachable!("quantized experts"),
                 },
                 rows: r,
                 scales: s,
@@ -1263,25 +1264,86 @@ fn routed_reference<'w>(
     (probs, out)
 }
 
-/// [`Cuda::routed_moe`] against the host route for `experts` random affine experts
-/// (`inter` wide over `hidden`-wide rows) at `bits`, for each case (rows, top-k,
+/// The codes of the experts [`check_routed`] makes: affine at a width, or a VQ rung.
+#[derive(Clone, Copy)]
+enum Codes {
+    Affine(u32),
+    Vq(&'static str),
+}
+
+/// Random experts `inter` wide over `hidden`-wide rows, gate, up and down each.
+enum Experts {
+    Affine(Vec<[Affine; 3]>),
+    Vq(Vec<[dynmoe::codec::vq::VqMatrix; 3]>),
+}
+
+impl Experts {
+    fn new(codes: Codes, experts: usize, hidden: usize, inter: usize) -> Experts {
+        let salt = |e: usize, p: usize| 300 + (3 * e + p) as u64;
+        match codes {
+            Codes::Affine(bits) => {
+                // The down input padded to whole quantization groups.
+                let down_cols = inter.next_multiple_of(64);
+                Experts::Affine(
+                    (0..experts)
+                        .map(|e| {
+                            [
+                                Affine::new(inter, hidden, bits, salt(e, 0)),
+                                Affine::new(inter, hidden, bits, salt(e, 1)),
+                                Affine::new(hidden, down_cols, bits, salt(e, 2)),
+                            ]
+                        })
+                        .collect(),
+                )
+            }
+            Codes::Vq(rung) => {
+                use dynmoe::codec::vq::{Rung, VqMatrix};
+                let rung = Rung::parse(rung).unwrap();
+                let enc = |rows, cols, salt| {
+                    VqMatrix::encode(&fresh(rows * cols, salt), rows, cols, rung, salt).unwrap()
+                };
+                Experts::Vq(
+                    (0..experts)
+                        .map(|e| {
+                            [
+                                enc(inter, hidden, salt(e, 0)),
+                                enc(inter, hidden, salt(e, 1)),
+                                enc(hidden, inter, salt(e, 2)),
+                            ]
+                        })
+                        .collect(),
+                )
+            }
+        }
+    }
+
+    fn weights<T>(&self, e: usize) -> [Weight<'_, T>; 3] {
+        match self {
+            Experts::Affine(m) => m[e].each_ref().map(|m| Weight::Affine(m.view())),
+            Experts::Vq(m) => m[e].each_ref().map(|m| Weight::Vq(m.view())),
+        }
+    }
+}
+
+impl std::fmt::Display for Codes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Codes::Affine(bits) => write!(f, "q{bits}"),
+            Codes::Vq(rung) => write!(f, "vq{rung}"),
+        }
+    }
+}
+
+/// [`Cuda::routed_moe`] against the host route for `experts` random experts (`inter`
+/// wide over `hidden`-wide rows) coded as `codes`, for each case (rows, top-k,
 /// renormalise, plan mask). With `tie`, experts 3 and 7 have the same router row, the
 /// largest logit of row 0 (so top-1 must pick expert 3, the lower id).
-fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, bits: u32, tie: bool) {
+fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Codes, tie: bool) {
     let keep: Vec<bool> = (0..experts).map(|e| e % 3 != 1).collect();
-    // The down input padded to whole quantization groups.
-    let down_cols = inter.next_multiple_of(64);
-    let mats: Vec<[Affine; 3]> = (0..experts as u64)
-        .map(|e| {
-            [
-                Affine::new(inter, hidden, bits, 300 + 3 * e),
-                Affine::new(inter, hidden, bits, 301 + 3 * e),
-                Affine::new(hidden, down_cols, bits, 302 + 3 * e),
-            ]
-        })
-        .collect();
-    // Past 8 rows (a prompt) the pairs are grouped by expert on the device and run
-    // through the grouped GEMMs on tensor cores.
+    let mats = Experts::new(codes, experts, hidden, inter);
+    // Past 8 rows (a prompt) affine pairs are grouped by expert on the device and run
+    // through the grouped GEMMs on tensor cores; VQ pairs run through the decode
+    // kernels, over 512 rows of top-8 in chunks of 4 096 pairs.
     let mut cases = vec![
         (1, 4, true, false),
         (1, 2, false, true),
@@ -1297,12 +1359,15 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, bits: u32
             (2, 8, false, false),
             (300, 8, true, true),
         ]);
+        if matches!(codes, Codes::Vq(_)) {
+            cases.push((600, 8, false, true));
+        }
     }
     if tie {
         cases.extend([(1, 1, false, false), (1, 1, true, false)]);
     }
     for (case, &(rows, top_k, renormalize, masked)) in cases.iter().enumerate() {
-        let salt = 400 + 10 * case as u64 + bits as u64;
+        let salt = 400 + 10 * case as u64 + experts as u64;
         let x = fresh(rows * hidden, salt);
         // Router weights scaled so the probabilities are spread, not one-hot; in bf16
         // (as a checkpoint's) on every other case.
@@ -1320,13 +1385,7 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, bits: u32
         let gate_bf16 = case % 2 == 0;
         let gate = if gate_bf16 { bf16_values(&gate) } else { gate };
         let keep = masked.then_some(keep.as_slice());
-        let host = |e: usize| -> [Weight<'_, Vec<f32>>; 3] {
-            [
-                Weight::Affine(mats[e][0].view()),
-                Weight::Affine(mats[e][1].view()),
-                Weight::Affine(mats[e][2].view()),
-            ]
-        };
+        let host = |e: usize| -> [Weight<'_, Vec<f32>>; 3] { mats.weights(e) };
         let (want_p, want) = routed_reference(
             &x,
             &gate,
@@ -1338,13 +1397,7 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, bits: u32
             renormalize,
             keep,
         );
-        let dev = |e: usize| -> [Weight<'_, _>; 3] {
-            [
-                Weight::Affine(mats[e][0].view()),
-                Weight::Affine(mats[e][1].view()),
-                Weight::Affine(mats[e][2].view()),
-            ]
-        };
+        let dev = |e: usize| -> [Weight<'_, _>; 3] { mats.weights(e) };
         // One block id for every case: each new set of weights under it must replace
         // the device table, never reuse it.
         let ex = RoutedExperts {
@@ -1365,7 +1418,7 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, bits: u32
         let mut out = g.alloc(rows * hidden);
         assert!(
             g.routed_moe(&xd, rows, hidden, &gd, &ex, r, &mut probs, at, &mut out),
-            "affine experts of one shape route on the device"
+            "experts of one shape and codes route on the device"
         );
         let mut got = vec![0.0; rows * hidden];
         g.download(&out, &mut got);
@@ -1373,7 +1426,7 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, bits: u32
         g.download(&probs, &mut got_p);
         let (e_out, e_p) = (rel_err(&got, &want), rel_err(&got_p[at..], &want_p));
         println!(
-            "check routed moe q{bits} E {experts} rows {rows} top-{top_k} renorm {renormalize:<5} \
+            "check routed moe {codes} E {experts} rows {rows} top-{top_k} renorm {renormalize:<5} \
              mask {masked:<5} gate bf16 {gate_bf16:<5} tie {tie:<5} mma {:<5} out {e_out:.2e} \
              probs {e_p:.2e}",
             g.routed_mma()
@@ -1404,11 +1457,11 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     for mma in [true, false] {
         g.set_routed_mma(mma);
         for bits in [4, 3, 2] {
-            check_routed(g, 256, 80, 12, bits, false);
+            check_routed(g, 256, 80, 12, Codes::Affine(bits), false);
         }
-        check_routed(g, 128, 32, 128, 4, true);
-        check_routed(g, 128, 32, 260, 2, true);
-        check_routed(g, 2112, 1600, 6, 3, false);
+        check_routed(g, 128, 32, 128, Codes::Affine(4), true);
+        check_routed(g, 128, 32, 260, Codes::Affine(2), true);
+        check_routed(g, 2112, 1600, 6, Codes::Affine(3), false);
     }
     g.set_routed_mma(was);
     let (hidden, inter) = (256, 80);
@@ -1451,6 +1504,21 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     let declined = !g.routed_moe(&xd, rows, hidden, &gd, &ex, r, &mut probs, 0, &mut out);
     g.set_tensor_cores(was);
     assert!(declined);
+}
+
+#[test]
+fn vq_experts_routed_on_the_device_match_the_host_route() {
+    let Some(g) = gpu() else { return };
+    // Experts 80 wide over 256-wide rows (gate and up rotated in one block of 256, down
+    // in one padded block of 128) at a rung of each vector length: 8 (book of 64 KiB and
+    // of 1 MiB), 4, 16 and 2. Then 128 experts top-8 as Qwen3-30B-A3B routes them, with a
+    // tie and past 512 rows (two chunks), over 32-value blocks; and that model's own
+    // shape (two blocks of 1024 for gate and up, three of 256 for down).
+    for rung in ["1.5", "2", "3", "0.7", "5"] {
+        check_routed(g, 256, 80, 12, Codes::Vq(rung), false);
+    }
+    check_routed(g, 128, 32, 128, Codes::Vq("1.5"), true);
+    check_routed(g, 2048, 768, 10, Codes::Vq("1.5"), false);
 }
 
 #[test]

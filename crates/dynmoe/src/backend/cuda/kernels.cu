@@ -2577,8 +2577,9 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS, 1)
 // codewords v), so w · x = n[o, b] / √R · v · (H D x). vq_rotate takes each activation
 // block to H D x once; the products then look up each vector's codeword and dot it with
 // the rotated activations, scaled per block. Indices are k bits, packed LSB-first per
-// row; the device copy of the codes carries 4 bytes of padding so the 3-byte read of the
-// last index stays inside it. Codebooks are all 2^k codewords of p fp16 values.
+// row; the device copy of the codes carries 8 bytes of padding so the 3-byte read of the
+// last index, and the routed kernels' aligned 8-byte window around it, stay inside it.
+// Codebooks are all 2^k codewords of p fp16 values.
 
 __device__ __forceinline__ float half_bits(unsigned short h) {
     float f;
@@ -2777,3 +2778,230 @@ VQ_ENTRY(2)
 VQ_ENTRY(4)
 VQ_ENTRY(8)
 VQ_ENTRY(16)
+
+// ---- VQ experts of a decode step, routed on the device ----
+//
+// The routed experts of a layer coded at a VQ rung, chosen by the route kernel. Every
+// matrix has its own rotation seed, so each block rotates the activations it needs
+// itself: a warp per block of R = 32·V values, lane l holding values l·V .. l·V + V − 1,
+// the butterflies within a lane first and then across lanes by shuffles, in vq_rotate's
+// order (h = 1, 2, 4, ...), so the rotated values are the same floats. A warp then takes
+// several output rows at once, so that each rotated value it reads from shared memory
+// serves all of them. Codewords are read from global memory through L1: the rows of one
+// block touch most of a book, and a book is up to 1 MiB. An expert's table entry
+// (ROUTED_ENTRY words) holds the codes, the norms and the rotation seed of gate, up and
+// down in turn.
+#define VQR_WARPS 8
+#define VQR_GATE_UP_ROWS 4
+#define VQR_DOWN_ROWS 2
+
+// The k-bit index at bit `at` of `words`, by two aligned 32-bit loads (the device codes'
+// padding keeps the second load inside the copy).
+__device__ __forceinline__ unsigned vq_index_word(const unsigned* words, size_t at, int k) {
+    size_t w = at >> 5;
+    unsigned long long v = (unsigned long long)words[w] | ((unsigned long long)words[w + 1] << 32);
+    return (unsigned)(v >> (at & 31)) & ((1u << k) - 1u);
+}
+
+template <int V>
+__device__ __forceinline__ void vq_rotate_warp(const float* src, int valid, unsigned long long seed,
+                                               float* dst) {
+    int lane = threadIdx.x % WARP;
+    float a[V];
+#pragma unroll
+    for (int r = 0; r < V; r++) {
+        int i = lane * V + r;
+        a[r] = i < valid ? src[i] * vq_sign(seed, i) : 0.0f;
+    }
+#pragma unroll
+    for (int h = 1; h < V; h *= 2) {
+#pragma unroll
+        for (int r = 0; r < V; r++) {
+            if ((r & h) == 0) {
+                float p = a[r], q = a[r + h];
+                a[r] = p + q;
+                a[r + h] = p - q;
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 1; m < WARP; m *= 2) {
+        bool upper = (lane & m) != 0;
+#pragma unroll
+        for (int r = 0; r < V; r++) {
+            float o = __shfl_xor_sync(0xffffffffu, a[r], m);
+            a[r] = upper ? o - a[r] : a[r] + o;
+        }
+    }
+    float scale = 1.0f / sqrtf((float)(V * WARP));
+#pragma unroll
+    for (int r = 0; r < V; r++) dst[lane * V + r] = a[r] * scale;
+}
+
+// dst[0 .. block) = H D src[0 .. block) / √block by the calling warp, src read as zeros
+// from `valid` on. `block` is a power of two from 32 to 1024 (the host checks).
+__device__ __forceinline__ void vq_rotate_block(const float* src, int valid,
+                                                unsigned long long seed, int block, float* dst) {
+    switch (block) {
+    case 32: vq_rotate_warp<1>(src, valid, seed, dst); break;
+    case 64: vq_rotate_warp<2>(src, valid, seed, dst); break;
+    case 128: vq_rotate_warp<4>(src, valid, seed, dst); break;
+    case 256: vq_rotate_warp<8>(src, valid, seed, dst); break;
+    case 512: vq_rotate_warp<16>(src, valid, seed, dst); break;
+    default: vq_rotate_warp<32>(src, valid, seed, dst); break;
+    }
+}
+
+// out[r] = row o0 + r of the matrix · the rotated activations `xs` (shared memory), for
+// the calling warp's ROWS rows from o0 (those below `rows`), in every lane.
+template <int P, int ROWS>
+__device__ __forceinline__ void vq_rows(const unsigned* __restrict__ codes,
+                                        const unsigned short* __restrict__ norms,
+                                        const unsigned short* __restrict__ book, const float* xs,
+                                        int o0, int rows, int k, int block, int blocks,
+                                        size_t row_bytes, float (&out)[ROWS]) {
+    int lane = threadIdx.x % WARP;
+    int vectors = blocks * block / P, per_block = block / P, n = min(ROWS, rows - o0);
+    float inv_root = 1.0f / sqrtf((float)block);
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+#pragma unroll 2
+    for (int j = lane; j < vectors; j += WARP) {
+        float xv[P];
+        if constexpr (P == 2) {
+            float2 v = *reinterpret_cast<const float2*>(xs + (size_t)j * P);
+            xv[0] = v.x;
+            xv[1] = v.y;
+        } else {
+#pragma unroll
+            for (int q = 0; q < P / 4; q++) {
+                float4 v = reinterpret_cast<const float4*>(xs + (size_t)j * P)[q];
+                xv[4 * q] = v.x;
+                xv[4 * q + 1] = v.y;
+                xv[4 * q + 2] = v.z;
+                xv[4 * q + 3] = v.w;
+            }
+        }
+        int b = j / per_block;
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            if (r < n) {
+                size_t o = (size_t)(o0 + r);
+                float cw[P];
+                vq_codeword<P>(book, vq_index_word(codes, o * row_bytes * 8 + (size_t)j * k, k),
+                               cw);
+                float d = 0.0f;
+#pragma unroll
+                for (int q = 0; q < P; q++) d += cw[q] * xv[q];
+                acc[r] += half_bits(norms[o * blocks + b]) * inv_root * d;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) out[r] = warp_sum(acc[r]);
+}
+
+// h[pair, o] = silu(gate_e(x_t)[o]) · up_e(x_t)[o] for pair = blockIdx.y (token
+// t = pair / top_k, expert e = ids[pair]), over VQR_WARPS · VQR_GATE_UP_ROWS rows o a
+// block. Dynamic shared memory: x_t rotated for gate and for up, 2 · width floats.
+template <int P>
+__device__ void routed_vq_gate_up(const unsigned long long* __restrict__ table,
+                                  const int* __restrict__ ids, int top_k,
+                                  const float* __restrict__ x, float* __restrict__ h, int inter,
+                                  int hidden, const unsigned short* __restrict__ book, int k,
+                                  int block, size_t row_bytes) {
+    extern __shared__ float4 vqr_shared[];
+    float* xs = reinterpret_cast<float*>(vqr_shared);
+    int pair = blockIdx.y, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    int blocks = (hidden + block - 1) / block, width = blocks * block;
+    const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
+    const float* xt = x + (size_t)(pair / top_k) * hidden;
+    for (int c = warp; c < 2 * blocks; c += VQR_WARPS) {
+        int m = c / blocks, b = c % blocks;
+        vq_rotate_block(xt + b * block, hidden - b * block, ent[3 * m + 2], block,
+                        xs + m * width + b * block);
+    }
+    __syncthreads();
+    int o0 = (blockIdx.x * VQR_WARPS + warp) * VQR_GATE_UP_ROWS;
+    if (o0 >= inter) return;
+    float g[VQR_GATE_UP_ROWS], u[VQR_GATE_UP_ROWS];
+    vq_rows<P, VQR_GATE_UP_ROWS>(reinterpret_cast<const unsigned*>(ent[0]),
+                                 reinterpret_cast<const unsigned short*>(ent[1]), book, xs, o0,
+                                 inter, k, block, blocks, row_bytes, g);
+    vq_rows<P, VQR_GATE_UP_ROWS>(reinterpret_cast<const unsigned*>(ent[3]),
+                                 reinterpret_cast<const unsigned short*>(ent[4]), book,
+                                 xs + width, o0, inter, k, block, blocks, row_bytes, u);
+#pragma unroll
+    for (int r = 0; r < VQR_GATE_UP_ROWS; r++) {
+        if (lane == r && o0 + r < inter) {
+            h[(size_t)pair * inter + o0 + r] = g[r] / (1.0f + expf(-g[r])) * u[r];
+        }
+    }
+}
+
+// out[t, o] = Σ_q weights[t·top_k + q] · down_e(h[t·top_k + q])[o], the pairs added in
+// order, for token t = blockIdx.y, over VQR_WARPS · VQR_DOWN_ROWS rows o a block. Dynamic
+// shared memory: each of the token's pairs' h rotated with its expert's seed,
+// top_k · width floats.
+template <int P>
+__device__ void routed_vq_down(const unsigned long long* __restrict__ table,
+                               const int* __restrict__ ids, const float* __restrict__ weights,
+                               int top_k, const float* __restrict__ h, float* __restrict__ out,
+                               int hidden, int inter, const unsigned short* __restrict__ book,
+                               int k, int block, size_t row_bytes) {
+    extern __shared__ float4 vqr_shared[];
+    float* hs = reinterpret_cast<float*>(vqr_shared);
+    int t = blockIdx.y, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    int blocks = (inter + block - 1) / block, width = blocks * block;
+    for (int c = warp; c < top_k * blocks; c += VQR_WARPS) {
+        int q = c / blocks, b = c % blocks, pair = t * top_k + q;
+        const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
+        vq_rotate_block(h + (size_t)pair * inter + b * block, inter - b * block, ent[8], block,
+                        hs + q * width + b * block);
+    }
+    __syncthreads();
+    int o0 = (blockIdx.x * VQR_WARPS + warp) * VQR_DOWN_ROWS;
+    if (o0 >= hidden) return;
+    float total[VQR_DOWN_ROWS];
+#pragma unroll
+    for (int r = 0; r < VQR_DOWN_ROWS; r++) total[r] = 0.0f;
+    for (int q = 0; q < top_k; q++) {
+        int pair = t * top_k + q;
+        const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
+        float d[VQR_DOWN_ROWS];
+        vq_rows<P, VQR_DOWN_ROWS>(reinterpret_cast<const unsigned*>(ent[6]),
+                                  reinterpret_cast<const unsigned short*>(ent[7]), book,
+                                  hs + q * width, o0, hidden, k, block, blocks, row_bytes, d);
+        float w = weights[pair];
+#pragma unroll
+        for (int r = 0; r < VQR_DOWN_ROWS; r++) total[r] += w * d[r];
+    }
+#pragma unroll
+    for (int r = 0; r < VQR_DOWN_ROWS; r++) {
+        if (lane == r && o0 + r < hidden) out[(size_t)t * hidden + o0 + r] = total[r];
+    }
+}
+
+#define VQR_ENTRY(P)                                                                           \
+    extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP) routed_vq_gate_up_p##P(     \
+        const unsigned long long* table, const int* ids, int top_k, const float* x, float* h,  \
+        int inter, int hidden, const unsigned short* book, int k, int block,                   \
+        unsigned long long row_bytes) {                                                        \
+        PDL_ENTRY();                                                                           \
+        routed_vq_gate_up<P>(table, ids, top_k, x, h, inter, hidden, book, k, block,           \
+                             row_bytes);                                                       \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP) routed_vq_down_p##P(        \
+        const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
+        const float* h, float* out, int hidden, int inter, const unsigned short* book, int k,  \
+        int block, unsigned long long row_bytes) {                                             \
+        PDL_ENTRY();                                                                           \
+        routed_vq_down<P>(table, ids, weights, top_k, h, out, hidden, inter, book, k, block,   \
+                          row_bytes);                                                          \
+    }
+
+VQR_ENTRY(2)
+VQR_ENTRY(4)
+VQR_ENTRY(8)
+VQR_ENTRY(16)

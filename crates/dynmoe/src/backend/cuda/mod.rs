@@ -70,9 +70,10 @@ const VQ_WARPS: usize = 8;
 /// each block copies the whole book from L2, so the blocks loop over the rows instead
 /// of the grid growing with them (two per SM of an H200).
 const VQ_SHARED_BOOK_BLOCKS: usize = 264;
-/// Bytes of zeros after a VQ matrix's device codes: the kernels read an index as the
-/// 3 bytes from its first.
-const VQ_CODE_PADDING: usize = 4;
+/// Bytes of zeros after a VQ matrix's device codes: the matrix-vector kernels read an
+/// index as the 3 bytes from its first, the routed ones as the two aligned 32-bit words
+/// from the one it starts in (up to 7 bytes past its last).
+const VQ_CODE_PADDING: usize = 8;
 /// Rows of `x` one affine matrix-vector launch takes (the kernel's `AFF_MAXB`).
 const AFFINE_MAX_BATCH: usize = 4;
 /// Output rows per affine matrix-vector block (the kernel's `AFF_WARPS`).
@@ -99,6 +100,11 @@ const MV_ONE_COLS: usize = 2048;
 /// Output rows of a `routed_mma_*` block (the kernels' `RMMA_ROWS`), and its warps
 /// (`RMMA_WARPS`).
 const RMMA_ROWS: usize = 16;
+/// Warps of a `routed_vq_*` block, and the output rows each takes at once in gate/up and
+/// in down (the kernels' `VQR_WARPS`, `VQR_GATE_UP_ROWS`, `VQR_DOWN_ROWS`).
+const VQR_WARPS: usize = 8;
+const VQR_GATE_UP_ROWS: usize = 4;
+const VQR_DOWN_ROWS: usize = 2;
 const RMMA_WARPS: usize = 8;
 /// Shared memory of a staged 64-column unit of a `routed_mma_*` block: its f16 hi and lo
 /// fragments (`RMMA_UNIT` words) and its sum.
@@ -231,7 +237,7 @@ struct DeviceVq {
     /// The rotation seed (one per matrix of a model, so a slot refilled with another
     /// expert differs here), host code bytes sampled when it was copied (first, middle,
     /// last) and the norms' first bits: a re-mapped record is never served stale weights.
-    fingerprint: (u64, [u16; 4]),
+    fingerprint: VqFingerprint,
 }
 
 /// The kernels' name suffix for vectors of `p` values.
@@ -271,7 +277,17 @@ fn vq_book_bytes(rung: Rung) -> usize {
     rung.codewords() * rung.dim * 2
 }
 
-fn vq_fingerprint(w: &VqView<'_>) -> (u64, [u16; 4]) {
+/// Host address and length of a VQ view's codes: what the weight cache is keyed by.
+type VqKey = (usize, usize);
+
+/// A VQ view's rotation seed and sampled code bytes and norm bits.
+type VqFingerprint = (u64, [u16; 4]);
+
+fn vq_key(w: &VqView<'_>) -> VqKey {
+    (w.codes.as_ptr() as usize, w.codes.len())
+}
+
+fn vq_fingerprint(w: &VqView<'_>) -> VqFingerprint {
     let c = w.codes;
     let at = |i: usize| c.get(i).copied().unwrap_or(0) as u16;
     (
@@ -321,7 +337,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 77] = [
+const KERNEL_NAMES: [&str; 85] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -399,6 +415,14 @@ const KERNEL_NAMES: [&str; 77] = [
     "vq_decode_p4",
     "vq_decode_p8",
     "vq_decode_p16",
+    "routed_vq_gate_up_p2",
+    "routed_vq_gate_up_p4",
+    "routed_vq_gate_up_p8",
+    "routed_vq_gate_up_p16",
+    "routed_vq_down_p2",
+    "routed_vq_down_p4",
+    "routed_vq_down_p8",
+    "routed_vq_down_p16",
 ];
 
 /// PTX of [`SOURCE`] per architecture, compiled once per process.
@@ -434,11 +458,10 @@ type Constant = (Vec<f32>, Arc<CudaSlice<f32>>);
 struct RoutedBlock {
     table: CudaSlice<u64>,
     /// The copies the table points into, kept alive with it.
-    _weights: Vec<Arc<DeviceAffine>>,
-    /// Cache key and sampled words of the first and last experts' gate projections: the
-    /// block's id is trusted only while these still match.
-    check: [(AffineKey, [u32; 3]); 2],
-    shape: RoutedShape,
+    _weights: Vec<Arc<dyn Send + Sync>>,
+    /// What confirms the block's id: it is trusted only while this still matches.
+    check: RoutedCheck,
+    kind: RoutedKind,
     /// The expert mask last used with the block, and its device copy.
     keep: Option<(Vec<bool>, CudaSlice<u8>)>,
 }
@@ -479,9 +502,63 @@ impl RoutedShape {
     }
 }
 
+/// The VQ rung and shapes every expert of a block routed on the device shares: gate and
+/// up are `inter × hidden`, down `hidden × inter`, rotated in blocks of `up_block` and
+/// `down_block` values.
+#[derive(Debug, Clone, Copy)]
+struct VqRoutedShape {
+    rung: Rung,
+    inter: usize,
+    up_block: usize,
+    down_block: usize,
+}
+
+impl VqRoutedShape {
+    /// The shape of an expert's gate and down, if the routed VQ kernels take it for a
+    /// residual stream of `hidden`: a warp rotates one block (32 to 1024 values), and a
+    /// gate/up block holds the row rotated twice.
+    fn of(gate: &VqView<'_>, down: &VqView<'_>, hidden: usize) -> Option<Self> {
+        let warp_block = |b: usize| (32..=1024).contains(&b);
+        (gate.cols == hidden
+            && down.rows == hidden
+            && down.cols == gate.rows
+            && down.rung == gate.rung
+            && warp_block(gate.block)
+            && warp_block(down.block)
+            && 2 * gate.blocks() * gate.block * 4 <= SHARED_LIMIT)
+            .then_some(VqRoutedShape {
+                rung: gate.rung,
+                inter: gate.rows,
+                up_block: gate.block,
+                down_block: down.block,
+            })
+    }
+
+    /// Dynamic shared memory of the down kernel: each of a token's `top_k` rows of
+    /// SiLU outputs, rotated.
+    fn down_shared(&self, top_k: usize) -> usize {
+        top_k * self.inter.div_ceil(self.down_block) * self.down_block * 4
+    }
+}
+
+/// The codes of a block routed on the device.
+#[derive(Debug, Clone, Copy)]
+enum RoutedKind {
+    Affine(RoutedShape),
+    Vq(VqRoutedShape),
+}
+
+/// What confirms that a block's id still names the same weights: cache key and sampled
+/// words of the first and last experts' gate projections.
+#[derive(Debug, Clone, PartialEq)]
+enum RoutedCheck {
+    Affine([(AffineKey, [u32; 3]); 2]),
+    Vq([(VqKey, VqFingerprint); 2]),
+}
+
 /// One routed launch sequence: where the expert table and the mask are, and how to route.
 struct Routed<'a> {
-    shape: RoutedShape,
+    kind: RoutedKind,
     /// Device address of the `[E, ROUTED_ENTRY]` pointer table.
     table: u64,
     /// Device address of the `[E]` byte mask (0: every expert may be chosen).
@@ -513,12 +590,19 @@ struct ExpertGemms {
 }
 
 /// What confirms that a block's id still names the same weights.
-fn routed_check(experts: &RoutedExperts<'_, DeviceMatrix>) -> Option<[(AffineKey, [u32; 3]); 2]> {
-    let gate = |e: usize| match (experts.weights)(e)[0] {
-        Weight::Affine(a) => Some((affine_key(&a), fingerprint(&a))),
+fn routed_check(experts: &RoutedExperts<'_, DeviceMatrix>) -> Option<RoutedCheck> {
+    let gate = |e: usize| (experts.weights)(e)[0];
+    match (gate(0), gate(experts.count - 1)) {
+        (Weight::Affine(a), Weight::Affine(b)) => Some(RoutedCheck::Affine([
+            (affine_key(&a), fingerprint(&a)),
+            (affine_key(&b), fingerprint(&b)),
+        ])),
+        (Weight::Vq(a), Weight::Vq(b)) => Some(RoutedCheck::Vq([
+            (vq_key(&a), vq_fingerprint(&a)),
+            (vq_key(&b), vq_fingerprint(&b)),
+        ])),
         _ => None,
-    };
-    Some([gate(0)?, gate(experts.count - 1)?])
+    }
 }
 
 /// The CUDA backend on one device.
@@ -533,7 +617,7 @@ pub struct Cuda {
     device_name: String,
     affine: Mutex<HashMap<AffineKey, Arc<DeviceAffine>>>,
     /// Device copies of VQ matrices' codes and norms, by host address of their codes.
-    vq: Mutex<HashMap<(usize, usize), Arc<DeviceVq>>>,
+    vq: Mutex<HashMap<VqKey, Arc<DeviceVq>>>,
     /// Each rung's codebook expanded to all `2^k` codewords in fp16, by ladder position.
     vq_books: Mutex<HashMap<usize, Arc<CudaSlice<u16>>>>,
     /// Activations in a VQ matrix's rotated domain, grown as needed.
@@ -1111,7 +1195,7 @@ impl Cuda {
 
     /// The device copy of a VQ matrix's codes and norms, made the first time it is seen.
     fn device_vq(&self, w: &VqView<'_>) -> Arc<DeviceVq> {
-        let key = (w.codes.as_ptr() as usize, w.codes.len());
+        let key = vq_key(w);
         let print = vq_fingerprint(w);
         let mut cache = self.vq.lock().expect("weight cache lock");
         if let Some(d) = cache.get(&key) {
@@ -1755,49 +1839,76 @@ impl Cuda {
         }
     }
 
-    /// Copies every expert of a block to the device and tables their pointers.
+    /// Copies every expert of a block to the device and tables their pointers: gate, up
+    /// and down in turn, each as its codes, then its scales and biases (affine) or its
+    /// norms and rotation seed (VQ).
     fn build_routed(
         &self,
         experts: &RoutedExperts<'_, DeviceMatrix>,
         hidden: usize,
-        check: [(AffineKey, [u32; 3]); 2],
+        check: RoutedCheck,
     ) -> Option<RoutedBlock> {
-        let first = match (experts.weights)(0) {
-            [Weight::Affine(g), Weight::Affine(_), Weight::Affine(d)] => (g, d),
+        let mut table = Vec::with_capacity(experts.count * ROUTED_ENTRY);
+        let mut weights: Vec<Arc<dyn Send + Sync>> = Vec::with_capacity(experts.count * 3);
+        let kind = match (experts.weights)(0) {
+            [Weight::Affine(g), Weight::Affine(_), Weight::Affine(d)] => {
+                let (bits, inter, up_cols, down_cols) = (g.bits, g.rows, g.cols, d.cols);
+                let shape = RoutedShape::of(bits, inter, up_cols, down_cols, hidden)?;
+                for e in 0..experts.count {
+                    let [Weight::Affine(g), Weight::Affine(u), Weight::Affine(d)] =
+                        (experts.weights)(e)
+                    else {
+                        return None;
+                    };
+                    let same = |m: &AffineView<'_>, rows: usize, cols: usize| {
+                        m.bits == bits && m.rows == rows && m.cols == cols
+                    };
+                    if !(same(&g, inter, up_cols)
+                        && same(&u, inter, up_cols)
+                        && same(&d, hidden, down_cols))
+                    {
+                        return None;
+                    }
+                    for m in [g, u, d] {
+                        let dev = self.device_affine(&m);
+                        table.push(dev.words.device_ptr(&self.stream).0);
+                        table.push(dev.scales.device_ptr(&self.stream).0);
+                        table.push(dev.biases.device_ptr(&self.stream).0);
+                        weights.push(dev);
+                    }
+                }
+                RoutedKind::Affine(shape)
+            }
+            [Weight::Vq(g), Weight::Vq(_), Weight::Vq(d)] => {
+                let shape = VqRoutedShape::of(&g, &d, hidden)?;
+                let like = |m: &VqView<'_>, n: &VqView<'_>| {
+                    (m.rung, m.rows, m.cols, m.block) == (n.rung, n.rows, n.cols, n.block)
+                };
+                for e in 0..experts.count {
+                    let [Weight::Vq(eg), Weight::Vq(eu), Weight::Vq(ed)] = (experts.weights)(e)
+                    else {
+                        return None;
+                    };
+                    if !(like(&eg, &g) && like(&eu, &g) && like(&ed, &d)) {
+                        return None;
+                    }
+                    for m in [eg, eu, ed] {
+                        let dev = self.device_vq(&m);
+                        table.push(dev.codes.device_ptr(&self.stream).0);
+                        table.push(dev.norms.device_ptr(&self.stream).0);
+                        table.push(m.seed);
+                        weights.push(dev);
+                    }
+                }
+                RoutedKind::Vq(shape)
+            }
             _ => return None,
         };
-        let (bits, inter, up_cols, down_cols) =
-            (first.0.bits, first.0.rows, first.0.cols, first.1.cols);
-        let shape = RoutedShape::of(bits, inter, up_cols, down_cols, hidden)?;
-        let mut table = Vec::with_capacity(experts.count * ROUTED_ENTRY);
-        let mut weights = Vec::with_capacity(experts.count * 3);
-        for e in 0..experts.count {
-            let [Weight::Affine(g), Weight::Affine(u), Weight::Affine(d)] = (experts.weights)(e)
-            else {
-                return None;
-            };
-            let same = |m: &AffineView<'_>, rows: usize, cols: usize| {
-                m.bits == bits && m.rows == rows && m.cols == cols
-            };
-            if !(same(&g, inter, up_cols)
-                && same(&u, inter, up_cols)
-                && same(&d, hidden, down_cols))
-            {
-                return None;
-            }
-            for m in [g, u, d] {
-                let dev = self.device_affine(&m);
-                table.push(dev.words.device_ptr(&self.stream).0);
-                table.push(dev.scales.device_ptr(&self.stream).0);
-                table.push(dev.biases.device_ptr(&self.stream).0);
-                weights.push(dev);
-            }
-        }
         Some(RoutedBlock {
             table: ok(self.stream.clone_htod(&table), "upload"),
             _weights: weights,
             check,
-            shape,
+            kind,
             keep: None,
         })
     }
@@ -1815,40 +1926,22 @@ impl Cuda {
         probs: u64,
         out: u64,
     ) {
+        let shape = match r.kind {
+            RoutedKind::Affine(shape) => shape,
+            RoutedKind::Vq(shape) => {
+                return self.launch_routed_vq(r, shape, x, rows, hidden, probs, out);
+            }
+        };
         if rows > ROUTED_MAX_ROWS
             && self.tensor_cores()
             && gemm_grid_fits(rows * r.route.top_k, r.experts)
         {
-            self.launch_routed_gemm(r, x, rows, hidden, probs, out);
+            self.launch_routed_gemm(r, shape, x, rows, hidden, probs, out);
             return;
         }
-        let (k, shape) = (r.route.top_k, r.shape);
+        let k = r.route.top_k;
         let (inter, pairs) = (shape.inter, rows * k);
-        // ids, weights, gate, up, down: one scratch buffer, carved by offset.
-        // Sized for at least the most rows a decode step routes, so that it is not
-        // replaced (under a recorded step) when a call with more rows follows.
-        // Each starts on 16 bytes, for the kernels' float4 loads.
-        let pad = |n: usize| n.next_multiple_of(4);
-        let size = |pairs: usize| 2 * pad(pairs) + 2 * pad(pairs * inter) + pairs * hidden;
-        let mut scratch = self.routed_scratch.lock().expect("scratch lock");
-        if scratch.as_ref().is_none_or(|s| s.len() < size(pairs)) {
-            self.drop_graphs();
-            let n = size(pairs.max(ROUTED_MAX_ROWS * k));
-            *scratch = Some(ok(unsafe { self.stream.alloc::<f32>(n) }, "alloc"));
-        }
-        let base = scratch
-            .as_ref()
-            .expect("set above")
-            .device_ptr(&self.stream)
-            .0;
-        let at = |floats: usize| base + 4 * floats as u64;
-        let (ids, weights) = (at(0), at(pad(pairs)));
-        let h = 2 * pad(pairs);
-        let (g, u, d) = (
-            at(h),
-            at(h + pad(pairs * inter)),
-            at(h + 2 * pad(pairs * inter)),
-        );
+        let [ids, weights, g, u, d] = self.routed_scratch_at(pairs, k, inter, hidden);
 
         let ki = k as i32;
         let suffix = bits_suffix(shape.bits);
@@ -1933,6 +2026,134 @@ impl Cuda {
         self.launch_1d(l, rows * hidden, "moe_combine");
     }
 
+    /// Device addresses of the intermediates of routing `pairs` pairs (`top_k` a row):
+    /// expert ids, weights, then gate, up and down outputs, carved from one scratch
+    /// buffer, each on 16 bytes for the kernels' float4 loads. The buffer is sized for at
+    /// least the most rows a decode step routes, so that it is not replaced (under a
+    /// recorded step) when a call with more rows follows; a larger call replaces it, which
+    /// the single stream orders after every launch that read the old one.
+    fn routed_scratch_at(
+        &self,
+        pairs: usize,
+        top_k: usize,
+        inter: usize,
+        hidden: usize,
+    ) -> [u64; 5] {
+        let pad = |n: usize| n.next_multiple_of(4);
+        let size = |pairs: usize| 2 * pad(pairs) + 2 * pad(pairs * inter) + pairs * hidden;
+        let mut scratch = self.routed_scratch.lock().expect("scratch lock");
+        if scratch.as_ref().is_none_or(|s| s.len() < size(pairs)) {
+            self.drop_graphs();
+            let n = size(pairs.max(ROUTED_MAX_ROWS * top_k));
+            *scratch = Some(ok(unsafe { self.stream.alloc::<f32>(n) }, "alloc"));
+        }
+        let base = scratch
+            .as_ref()
+            .expect("set above")
+            .device_ptr(&self.stream)
+            .0;
+        let at = |floats: usize| base + 4 * floats as u64;
+        let h = 2 * pad(pairs);
+        [
+            at(0),
+            at(pad(pairs)),
+            at(h),
+            at(h + pad(pairs * inter)),
+            at(h + 2 * pad(pairs * inter)),
+        ]
+    }
+
+    /// [`launch_routed`](Self::launch_routed) for experts at a VQ rung: the route kernel,
+    /// then gate and up with the SiLU into the scratch, then down with each row's pairs
+    /// added, weighted, in order, into `out`. Every matrix has its own rotation seed, so
+    /// each block rotates the activations it reads itself. At most 65 535 pairs (the
+    /// grid's second dimension): callers go through
+    /// [`launch_routed_chunks`](Self::launch_routed_chunks).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_routed_vq(
+        &self,
+        r: &Routed<'_>,
+        shape: VqRoutedShape,
+        x: u64,
+        rows: usize,
+        hidden: usize,
+        probs: u64,
+        out: u64,
+    ) {
+        let k = r.route.top_k;
+        let (inter, pairs) = (shape.inter, rows * k);
+        let [ids, weights, h, ..] = self.routed_scratch_at(pairs, k, inter, hidden);
+        self.launch_route(r, rows, probs, ids, weights);
+        let book = self.vq_book(shape.rung);
+        let suffix = vq_suffix(shape.rung.dim);
+        let (ki, ri, hi) = (k as i32, inter as i32, hidden as i32);
+        let bits = shape.rung.index_bits as i32;
+        let block = ((VQR_WARPS * 32) as u32, 1, 1);
+        let width = |cols: usize, b: usize| cols.div_ceil(b) * b;
+
+        let (b, rb) = (shape.up_block as i32, row_bytes(shape.rung, hidden) as u64);
+        let mut l = self.launcher(self.func(&format!("routed_vq_gate_up_{suffix}")));
+        l.arg(&r.table).arg(&ids).arg(&ki).arg(&x).arg(&h);
+        l.arg(&ri).arg(&hi).arg(&*book).arg(&bits).arg(&b).arg(&rb);
+        let gate_up = LaunchConfig {
+            grid_dim: (
+                inter.div_ceil(VQR_WARPS * VQR_GATE_UP_ROWS) as u32,
+                pairs as u32,
+                1,
+            ),
+            block_dim: block,
+            shared_mem_bytes: (2 * width(hidden, shape.up_block) * 4) as u32,
+        };
+        ok(unsafe { l.launch(gate_up) }, "routed VQ gate/up");
+
+        let (b, rb) = (shape.down_block as i32, row_bytes(shape.rung, inter) as u64);
+        let mut l = self.launcher(self.func(&format!("routed_vq_down_{suffix}")));
+        l.arg(&r.table)
+            .arg(&ids)
+            .arg(&weights)
+            .arg(&ki)
+            .arg(&h)
+            .arg(&out);
+        l.arg(&hi).arg(&ri).arg(&*book).arg(&bits).arg(&b).arg(&rb);
+        let down = LaunchConfig {
+            grid_dim: (
+                hidden.div_ceil(VQR_WARPS * VQR_DOWN_ROWS) as u32,
+                rows as u32,
+                1,
+            ),
+            block_dim: block,
+            shared_mem_bytes: shape.down_shared(k) as u32,
+        };
+        ok(unsafe { l.launch(down) }, "routed VQ down");
+    }
+
+    /// [`launch_routed`](Self::launch_routed) over `rows` rows in chunks that keep the
+    /// grid (a block row per pair) within bounds; `probs` holds `experts` values a row.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_routed_chunks(
+        &self,
+        r: &Routed<'_>,
+        x: u64,
+        rows: usize,
+        hidden: usize,
+        probs: u64,
+        out: u64,
+    ) {
+        let chunk = (ROUTED_CHUNK_PAIRS / r.route.top_k).max(1);
+        for r0 in (0..rows).step_by(chunk) {
+            let n = chunk.min(rows - r0);
+            let f = |at: u64, width: usize| at + 4 * (r0 * width) as u64;
+            self.launch_routed(
+                r,
+                f(x, hidden),
+                n,
+                hidden,
+                f(probs, r.experts),
+                f(out, hidden),
+            );
+        }
+    }
+
     /// The route of `rows` rows: router probabilities (in place of the logits at `probs`)
     /// and each row's top-k expert ids and weights.
     fn launch_route(&self, r: &Routed<'_>, rows: usize, probs: u64, ids: u64, weights: u64) {
@@ -1960,16 +2181,18 @@ impl Cuda {
     /// (`moe_group_pairs`), then the grouped GEMMs over a grid sized for the most tiles
     /// there could be (the kernels read the count). `out` is zeroed and the down GEMM
     /// adds each pair's weighted output into its row.
+    #[allow(clippy::too_many_arguments)]
     fn launch_routed_gemm(
         &self,
         r: &Routed<'_>,
+        shape: RoutedShape,
         x: u64,
         rows: usize,
         hidden: usize,
         probs: u64,
         out: u64,
     ) {
-        let (e, k, shape) = (r.experts, r.route.top_k, r.shape);
+        let (e, k) = (r.experts, r.route.top_k);
         let (inter, pairs) = (shape.inter, rows * k);
         let most_tiles = pairs / EXPERT_TILE_ROWS + e;
         let words = |n: usize| ok(unsafe { self.stream.alloc::<u32>(n.max(1)) }, "alloc");
@@ -2888,11 +3111,6 @@ impl Backend for Cuda {
         if rows == 0 || e == 0 || k == 0 || k > e || e > 4096 {
             return false;
         }
-        // Prompts take the grouped GEMMs, on tensor cores; without them each expert would
-        // be read once per row, and the host path's grouped products win.
-        if rows > ROUTED_MAX_ROWS && !(self.tensor_cores() && gemm_grid_fits(rows * k, e)) {
-            return false;
-        }
         if route.keep.is_some_and(|m| m.len() != e) {
             return false;
         }
@@ -2900,6 +3118,20 @@ impl Backend for Cuda {
         let Some(block) = self.routed_block(&mut map, experts, hidden) else {
             return false;
         };
+        match block.kind {
+            // Affine prompts take the grouped GEMMs, on tensor cores; without them each
+            // expert would be read once per row, and the host path's grouped products win.
+            RoutedKind::Affine(_)
+                if rows > ROUTED_MAX_ROWS
+                    && !(self.tensor_cores() && gemm_grid_fits(rows * k, e)) =>
+            {
+                return false
+            }
+            // VQ experts of any number of rows take the routed kernels, each pair reading
+            // its expert: the host path would decode every expert to f32 for a GEMM.
+            RoutedKind::Vq(shape) if shape.down_shared(k) > SHARED_LIMIT => return false,
+            _ => {}
+        }
         let keep = match route.keep {
             None => 0u64,
             Some(mask) => {
@@ -2917,7 +3149,7 @@ impl Backend for Cuda {
                 dev.device_ptr(&self.stream).0
             }
         };
-        let shape = block.shape;
+        let kind = block.kind;
         let table = block.table.device_ptr(&self.stream).0;
         // Router logits into the probabilities' slot; the route kernel turns them into
         // probabilities in place.
@@ -2927,13 +3159,20 @@ impl Backend for Cuda {
         let x_ptr = x.device_ptr(&self.stream).0;
         let out_ptr = out.device_ptr_mut(&self.stream).0;
         let routed = Routed {
-            shape,
+            kind,
             table,
             keep,
             experts: e,
             route,
         };
-        self.launch_routed(&routed, x_ptr, rows, hidden, probs_ptr, out_ptr);
+        match kind {
+            RoutedKind::Affine(_) => {
+                self.launch_routed(&routed, x_ptr, rows, hidden, probs_ptr, out_ptr)
+            }
+            RoutedKind::Vq(_) => {
+                self.launch_routed_chunks(&routed, x_ptr, rows, hidden, probs_ptr, out_ptr)
+            }
+        }
         true
     }
 
@@ -2977,28 +3216,15 @@ impl Backend for Cuda {
             out.device_ptr_mut(&self.stream).0,
         );
         let routed = Routed {
-            shape: slots.shape,
+            kind: RoutedKind::Affine(slots.shape),
             table: slots.table_at(),
             keep: slots.keep_at(),
             experts: e,
             route,
         };
         // The routed kernels read each chosen expert once per row: fine for a decode step,
-        // and for a prompt the only path that reads device slots. Chunks keep the grid
-        // (one block row per row and expert) within bounds.
-        let chunk = (ROUTED_CHUNK_PAIRS / k).max(1);
-        for r0 in (0..rows).step_by(chunk) {
-            let n = chunk.min(rows - r0);
-            let f = |at: u64, width: usize| at + 4 * (r0 * width) as u64;
-            self.launch_routed(
-                &routed,
-                f(x_at, hidden),
-                n,
-                hidden,
-                f(probs_at, e),
-                f(out_at, hidden),
-            );
-        }
+        // and for a prompt the only path that reads device slots.
+        self.launch_routed_chunks(&routed, x_at, rows, hidden, probs_at, out_at);
         true
     }
 
