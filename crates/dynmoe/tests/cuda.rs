@@ -21,7 +21,7 @@ use dynmoe::codec::affine::{lowbit, quantize};
 use dynmoe::eval::ppl::{perplexity, PplOptions};
 use dynmoe::model::config::Router;
 use dynmoe::model::moe::route;
-use dynmoe::model::{self, ExpertBits};
+use dynmoe::model::{self, Codecs, ExpertBits};
 use dynmoe::residency::confine;
 use dynmoe::runtime::generate::{generate_ids, Sampling};
 use dynmoe::testing::{fixture, fixtures_root, fresh, rel_err, Rng, TempDir};
@@ -1576,15 +1576,14 @@ fn test_text(domain: &str) -> String {
 
 /// Perplexity over 4 chunks of 512 on the CPU and the device, and the greedy decode of
 /// 24 tokens after a 16-token prompt on both. The caller has checked for a device.
-fn compare_end_to_end(label: &str, dir: &std::path::Path, bits: Option<u32>) {
-    let eb = ExpertBits {
-        default: bits,
-        ..ExpertBits::default()
-    };
-    let cpu = model::load_with(dir, Cpu::fast(), &eb).unwrap();
+/// CPU and GPU perplexity, greedy decodes and one decode step's router probabilities and
+/// logits of the model in `dir` loaded with `codecs`. With `routed`, every MoE layer's
+/// experts are quantized, so each routes on the device and decode steps are recorded.
+fn compare_end_to_end(label: &str, dir: &std::path::Path, codecs: &Codecs, routed: bool) {
+    let cpu = model::load_with_codecs(dir, Cpu::fast(), codecs).unwrap();
     // The device backend is borrowed by every model; `Cuda` is not `Clone`, so each
     // model gets its own backend on the same device.
-    let dev = model::load_with(dir, Cuda::new(0).unwrap(), &eb).unwrap();
+    let dev = model::load_with_codecs(dir, Cuda::new(0).unwrap(), codecs).unwrap();
     let opts = PplOptions {
         ctx: 512,
         max_chunks: Some(4),
@@ -1615,11 +1614,11 @@ fn compare_end_to_end(label: &str, dir: &std::path::Path, bits: Option<u32>) {
             "{label} {domain}: greedy decodes differ"
         );
     }
-    // From an expert store every MoE layer routes on the device, so the decode steps
+    // With quantized experts every MoE layer routes on the device, so the decode steps
     // after the first were replayed from a recorded graph.
     let recorded = dev.model.backend().recorded_steps();
     println!("graphs {label:<19} recorded decode steps {recorded}");
-    if bits.is_some() {
+    if routed {
         assert!(recorded > 0, "{label}: no decode step was recorded");
     }
     // A decode step's router probabilities (read back once, at the end of the step, when
@@ -1688,12 +1687,28 @@ fn fixtures_agree_with_the_cpu_end_to_end() {
         "tiny-olmoe",
         "tiny-mixtral",
     ] {
-        compare_end_to_end(name, &fixture(name), None);
+        compare_end_to_end(name, &fixture(name), &Codecs::default(), false);
     }
     let converted = TempDir::new("cuda-stores");
     dynmoe::store::base::convert(&fixture("small-moe"), converted.dir(), &mut |_, _| {}).unwrap();
     for bits in [4, 3, 2] {
-        compare_end_to_end(&format!("small-moe q{bits}"), converted.dir(), Some(bits));
+        let eb = ExpertBits {
+            default: Some(bits),
+            ..ExpertBits::default()
+        };
+        let label = format!("small-moe q{bits}");
+        compare_end_to_end(&label, converted.dir(), &(&eb).into(), true);
+    }
+    // Every expert at a VQ rung (encoded beside a copy of the checkpoint on first load),
+    // routed on the device by the VQ kernels: gate and up rotated in one block of 256,
+    // down in one padded block of 128.
+    let copy = dynmoe::testing::fixture_copy("small-moe");
+    for rung in ["vq1.5", "vq3"] {
+        let codecs = Codecs {
+            default: Some(rung.parse().unwrap()),
+            ..Codecs::default()
+        };
+        compare_end_to_end(&format!("small-moe {rung}"), copy.dir(), &codecs, true);
     }
 }
 

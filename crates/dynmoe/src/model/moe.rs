@@ -226,10 +226,10 @@ pub fn forward<B: Backend>(
 /// probabilities left on the backend in `probs[probs_at ..]`. With `slots` (a resident
 /// set in the backend's memory) routing is confined to the residents and their weights
 /// read from the slots ([`Backend::routed_moe_slots`]); otherwise every expert of an
-/// affine store is routed ([`Backend::routed_moe`]). Returns `false`, having done
-/// nothing, when the block or the backend needs the host path: a shared expert (its gate
-/// is read on the host), a coded router, experts not in an affine store, or a backend
-/// without the path.
+/// affine store or at a VQ rung is routed ([`Backend::routed_moe`]). Returns `false`,
+/// having done nothing, when the block or the backend needs the host path: a shared
+/// expert (its gate is read on the host), a coded router, dense experts, or a backend
+/// without the path for these experts.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_on_device<B: Backend>(
     b: &B,
@@ -263,17 +263,20 @@ pub fn forward_on_device<B: Backend>(
         };
         return b.routed_moe_slots(x, rows, hidden, gate, slots, route, probs, probs_at, out);
     }
-    let Experts::Stored { store, layer } = &moe.experts else {
+    if matches!(moe.experts, Experts::Dense(_)) {
         return false;
-    };
-    let layer = *layer;
-    let weights = move |e: usize| {
-        let r = store.record(layer, e);
-        [
-            Weight::Affine(r.gate),
-            Weight::Affine(r.up),
-            Weight::Affine(r.down),
-        ]
+    }
+    let weights = |e: usize| match &moe.experts {
+        Experts::Stored { store, layer } => {
+            let r = store.record(*layer, e);
+            [
+                Weight::Affine(r.gate),
+                Weight::Affine(r.up),
+                Weight::Affine(r.down),
+            ]
+        }
+        Experts::Vq(vq) => vq.expert(e).map(Weight::Vq),
+        Experts::Dense(_) => unreachable!("dense experts return above"),
     };
     let experts = RoutedExperts {
         id: moe as *const Moe<B> as usize,
