@@ -1,25 +1,30 @@
-//! `dynmoe synth` and `dynmoe bench decode`: random checkpoints (or converted
-//! directories) of published shapes, and batch-1 prefill and decode speed on them at each
-//! expert precision.
+//! `dynmoe synth` and `dynmoe bench decode`: random checkpoints (or converted or
+//! compressed directories) of published shapes, and batch-1 prefill and decode speed on
+//! them at each expert precision, or at a compressed directory's plan.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, Subcommand, ValueEnum};
+use clap::{ArgGroup, Args, Subcommand, ValueEnum};
 
 use crate::{cuda_backend, BackendKind};
+use dynmoe::alloc::plan::{Plan, PLAN_FILE};
 use dynmoe::backend::Backend;
 use dynmoe::codec::affine::lowbit::words_per_row;
 use dynmoe::codec::affine::GROUP_SIZE;
-use dynmoe::model::{synth, Config, ExpertBits, LoadedModel};
+use dynmoe::codec::vq::Rung;
+use dynmoe::codec::Codec;
+use dynmoe::model::{synth, Codecs, Config, ExpertBits, LoadedModel};
 use dynmoe::runtime::generate::argmax;
+use dynmoe::store::compressed;
 use dynmoe::testing::Rng;
 use serde::Serialize;
 
 use crate::progress;
 
 #[derive(Args)]
+#[command(group(ArgGroup::new("stores").args(["bits", "vq"])))]
 pub struct SynthArgs {
     /// Shape to copy: qwen3-30b-a3b or qwen3-235b-a22b.
     #[arg(long)]
@@ -41,10 +46,19 @@ pub struct SynthArgs {
     /// checkpoint to convert.
     #[arg(long, value_delimiter = ',')]
     bits: Vec<u32>,
-    /// With --bits: write as many of the layers as fit in this many bytes (dense weights
-    /// and stores), saying so when that is fewer than asked.
-    #[arg(long, requires = "bits")]
+    /// Write a compressed model directory instead, every MoE layer's routed experts at
+    /// this rung of the VQ ladder (`vq1.5` or `1.5`, ...) and resident, its store of
+    /// random records generated directly (no encoding) beside a plan that says so.
+    #[arg(long, value_parser = parse_rung)]
+    vq: Option<Rung>,
+    /// With --bits or --vq: write as many of the layers as fit in this many bytes (dense
+    /// weights and stores), saying so when that is fewer than asked.
+    #[arg(long, requires = "stores")]
     fit_in: Option<u64>,
+}
+
+fn parse_rung(s: &str) -> Result<Rung, String> {
+    Rung::parse(s).map_err(|e| e.to_string())
 }
 
 pub fn synth(a: SynthArgs) -> Result<()> {
@@ -53,6 +67,9 @@ pub fn synth(a: SynthArgs) -> Result<()> {
         .tokenizer_from
         .clone()
         .unwrap_or_else(|| dynmoe::testing::fixture("small-moe"));
+    if let Some(rung) = a.vq {
+        return synth_compressed(&a, &shape, rung, &tok);
+    }
     if !a.bits.is_empty() {
         return synth_converted(&a, &shape, &tok);
     }
@@ -75,32 +92,41 @@ pub fn synth(a: SynthArgs) -> Result<()> {
     Ok(())
 }
 
+/// The layers to write: as asked, or with `--fit-in` the most that `fitting` says fit,
+/// saying so when that is fewer. `what` names the stores in messages.
+fn layers_to_write(
+    a: &SynthArgs,
+    shape: &synth::Shape,
+    what: &str,
+    fitting: impl Fn(usize, u64) -> Result<usize, dynmoe::model::Error>,
+) -> Result<usize> {
+    let asked = a.layers.unwrap_or(shape.layers);
+    let Some(budget) = a.fit_in else {
+        return Ok(asked);
+    };
+    let n = fitting(asked.min(shape.layers), budget)?;
+    if n == 0 {
+        bail!(
+            "not one layer of {} fits in {:.1} GB at {what}",
+            shape.name,
+            budget as f64 / 1e9,
+        );
+    }
+    if n < asked {
+        eprintln!(
+            "only {n} of {asked} layers of {} fit in {:.1} GB at {what}: writing {n}",
+            shape.name,
+            budget as f64 / 1e9,
+        );
+    }
+    Ok(n)
+}
+
 /// `dynmoe synth --bits`: a converted directory of random records, no conversion.
 fn synth_converted(a: &SynthArgs, shape: &synth::Shape, tok: &std::path::Path) -> Result<()> {
-    let asked = a.layers.unwrap_or(shape.layers);
-    let layers = match a.fit_in {
-        Some(budget) => {
-            let n = shape.layers_fitting(asked.min(shape.layers), &a.bits, budget)?;
-            if n == 0 {
-                bail!(
-                    "not one layer of {} fits in {:.1} GB at {:?} bits",
-                    shape.name,
-                    budget as f64 / 1e9,
-                    a.bits
-                );
-            }
-            if n < asked {
-                eprintln!(
-                    "only {n} of {asked} layers of {} fit in {:.1} GB at {:?} bits: writing {n}",
-                    shape.name,
-                    budget as f64 / 1e9,
-                    a.bits
-                );
-            }
-            n
-        }
-        None => asked,
-    };
+    let layers = layers_to_write(a, shape, &format!("{:?} bits", a.bits), |n, budget| {
+        shape.layers_fitting(n, &a.bits, budget)
+    })?;
     let bar = progress::bar("synth MB");
     let r = synth::synth_converted(
         shape,
@@ -143,6 +169,57 @@ fn synth_converted(a: &SynthArgs, shape: &synth::Shape, tok: &std::path::Path) -
     Ok(())
 }
 
+/// `dynmoe synth --vq`: a compressed directory of random VQ records, no encoding.
+fn synth_compressed(
+    a: &SynthArgs,
+    shape: &synth::Shape,
+    rung: Rung,
+    tok: &std::path::Path,
+) -> Result<()> {
+    let layers = layers_to_write(a, shape, &rung.name(), |n, budget| {
+        shape.layers_fitting_vq(n, rung, budget)
+    })?;
+    let bar = progress::bar("synth MB");
+    let r = synth::synth_compressed(
+        shape,
+        Some(layers),
+        rung,
+        tok,
+        &a.out,
+        a.seed,
+        &mut |d, t| progress::update(&bar, d >> 20, t >> 20),
+    )
+    .with_context(|| format!("writing {}", a.out.display()))?;
+    bar.finish_and_clear();
+    let s = &r.store;
+    println!(
+        "  {}: {}, {:.2} GB ({} bytes per record, {} of codes and norms per expert)",
+        s.path.display(),
+        s.rung,
+        s.bytes as f64 / 1e9,
+        s.record_size,
+        s.expert_bytes
+    );
+    let store_seconds = r.seconds - r.dense_seconds;
+    println!(
+        "{}: {} layers of {} at {} ({:.3} resident bits per weight): dense {:.2} GB in {:.1} s, \
+         store {:.2} GB in {:.1} s ({:.2} GB/s); {:.2} GB in {:.1} s",
+        r.dir.display(),
+        r.layers,
+        shape.name,
+        s.rung,
+        r.resident_bits,
+        r.dense_bytes as f64 / 1e9,
+        r.dense_seconds,
+        s.bytes as f64 / 1e9,
+        store_seconds,
+        s.bytes as f64 / 1e9 / store_seconds,
+        r.bytes() as f64 / 1e9,
+        r.seconds,
+    );
+    Ok(())
+}
+
 #[derive(Subcommand)]
 pub enum BenchCommand {
     /// Batch-1 prefill and decode tokens per second at each expert precision.
@@ -160,13 +237,16 @@ pub enum BenchCommand {
 
 #[derive(Args)]
 pub struct DecodeArgs {
-    /// A converted model directory (`dynmoe convert`).
+    /// A converted model directory (`dynmoe convert`, `dynmoe synth --bits`), measured at
+    /// each of --bits; or a compressed one (`dynmoe compress`, `dynmoe synth --vq`),
+    /// measured once, at its plan.
     model: PathBuf,
     /// Compute backend.
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
-    /// Expert precisions to measure.
-    #[arg(long, value_delimiter = ',', default_value = "4,3,2")]
+    /// Expert precisions of a converted directory to measure [default: 4,3,2]. A
+    /// compressed directory runs the codecs of its plan and refuses this.
+    #[arg(long, value_delimiter = ',')]
     bits: Vec<u32>,
     /// Prompt tokens (random ids), processed as one prefill.
     #[arg(long, default_value_t = 512)]
@@ -191,6 +271,73 @@ pub fn bench(c: BenchCommand) -> Result<()> {
     }
 }
 
+/// What one measured case runs.
+enum Setting {
+    /// A converted directory's routed experts at this many bits.
+    Affine(u32),
+    /// A compressed directory at its own plan.
+    Plan(Plan),
+}
+
+impl Setting {
+    /// The case's name in the table: the bits, or the plan's codecs (one rung's name, or
+    /// the distinct ones in layer order joined by `+`).
+    fn label(&self) -> String {
+        match self {
+            Setting::Affine(bits) => bits.to_string(),
+            Setting::Plan(plan) => {
+                let mut codecs: Vec<String> = Vec::new();
+                for l in &plan.layers {
+                    let c = l.codec.to_string();
+                    if !codecs.contains(&c) {
+                        codecs.push(c);
+                    }
+                }
+                codecs.join("+")
+            }
+        }
+    }
+
+    /// The codecs to load with: the affine precision, or for a plan the defaults (a
+    /// compressed directory runs its plan's and refuses others).
+    fn codecs(&self) -> Codecs {
+        match self {
+            Setting::Affine(bits) => Codecs::from(&ExpertBits {
+                default: Some(*bits),
+                ..ExpertBits::default()
+            }),
+            Setting::Plan(_) => Codecs::default(),
+        }
+    }
+
+    /// Bytes of one routed expert of each MoE layer as the kernels read it: affine codes
+    /// with their scales and biases; a VQ record's codes and block norms (its
+    /// `VqLayout`'s parts, header and page padding left out); bf16 experts of a plan at
+    /// `dense` bytes a weight, as the backend keeps dense matrices.
+    fn expert_bytes(&self, c: &Config, dense: usize) -> Result<Vec<usize>> {
+        let (h, i) = (c.hidden_size, c.moe.expert_intermediate);
+        match self {
+            Setting::Affine(bits) => Ok(vec![expert_bytes(c, *bits); c.moe_layers().count()]),
+            Setting::Plan(plan) => plan
+                .layers
+                .iter()
+                .map(|l| match l.codec.rung()? {
+                    Some(rung) => {
+                        let layout = dynmoe::store::vq::VqLayout::new(rung, h, i)?;
+                        Ok(dynmoe::store::synth_vq::expert_bytes(&layout))
+                    }
+                    None if l.codec == Codec::Bf16 => Ok(3 * h * i * dense),
+                    None => bail!(
+                        "layer {}: plans run bf16 and VQ rungs, not {}",
+                        l.layer,
+                        l.codec
+                    ),
+                })
+                .collect(),
+        }
+    }
+}
+
 /// llama.cpp's CUDA build on an H200 on the 12-layer Qwen3-30B-A3B shape at batch 1
 /// (decode of 128, prefill of 512 tokens) at Q4_K_M and Q2_K, as (decode, prefill)
 /// tokens per second; `None` for other shapes and precisions.
@@ -212,7 +359,19 @@ fn llama_cpp(c: &Config, bits: u32) -> Option<(f64, f64)> {
 
 #[derive(Serialize)]
 struct Case {
+    /// The routed experts' precision in whole bits: the affine bits; for a compressed
+    /// directory, its experts' stored bits per weight rounded to the nearest integer
+    /// (2 for vq1.5), so that readers of this field see a number of the same kind; `plan`
+    /// and `expert_bits_per_weight` say exactly what ran.
     bits: u32,
+    /// For a compressed directory, the codecs of its plan's MoE layers (`vq1.5`, or the
+    /// distinct ones joined by `+`); absent for a converted directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    plan: Option<String>,
+    /// Stored bits per routed-expert weight, the per-group scales and biases or per-block
+    /// norms included (4.5 at 4 bits, about 1.52 at vq1.5 on Qwen3-30B-A3B's shape),
+    /// averaged over the MoE layers.
+    expert_bits_per_weight: f64,
     prefill_tok_s: f64,
     /// Greedy decode with the token picked on the backend (`Model::decode_greedy`; on
     /// CUDA each step replayed from a graph).
@@ -228,7 +387,8 @@ struct Case {
     decode_paths_agree: bool,
     /// Weight bytes one decode step must read: dense matrices (attention, router, LM
     /// head) as the backend stores them (see `dense_bytes_per_weight`) and top-k experts
-    /// of every MoE layer at `bits`.
+    /// of every MoE layer at `bits`, or at its plan's codec (a VQ expert's codes and block
+    /// norms).
     decode_bytes_per_token: usize,
     /// Bytes a dense weight takes on the backend: 2 on CUDA, which keeps a bf16
     /// checkpoint's matrices in bf16 (unless `DYNMOE_CUDA_BF16=0`), 4 on the CPU (f32).
@@ -258,11 +418,10 @@ fn affine_bytes(rows: usize, cols: usize, bits: u32) -> usize {
 }
 
 /// Bytes a decode step reads, from the configuration, with dense weights of `dense`
-/// bytes each (see [`Case`]).
-fn decode_bytes(c: &Config, bits: u32, dense: usize) -> usize {
-    let moe = c.moe_layers().count();
+/// bytes each and routed experts of `experts` bytes in each MoE layer (see [`Case`]).
+fn decode_bytes(c: &Config, experts: &[usize], dense: usize) -> usize {
     dense * (layer_dense_weights(c) + c.vocab_size * c.hidden_size)
-        + moe * c.moe.top_k * expert_bytes(c, bits)
+        + c.moe.top_k * experts.iter().sum::<usize>()
 }
 
 /// Weights of every layer's attention projections and every MoE router: the dense
@@ -362,6 +521,24 @@ fn decode(a: DecodeArgs) -> Result<()> {
     }
     let config = Config::from_file(&a.model.join("config.json"))
         .with_context(|| format!("reading {}", a.model.display()))?;
+    let settings = if compressed::is_compressed(&a.model) {
+        let (_, plan) =
+            compressed::open(&a.model).with_context(|| format!("reading {}", a.model.display()))?;
+        let plan = Setting::Plan(plan);
+        if !a.bits.is_empty() {
+            bail!(
+                "{} is a compressed model: it runs the codecs of its {PLAN_FILE} ({}); --bits \
+                 picks the affine stores of a converted directory",
+                a.model.display(),
+                plan.label()
+            );
+        }
+        vec![plan]
+    } else if a.bits.is_empty() {
+        [4, 3, 2].map(Setting::Affine).into()
+    } else {
+        a.bits.iter().map(|&b| Setting::Affine(b)).collect()
+    };
     let (device, copy_gb_s) = device_info(a.backend)?;
     let mut cases = Vec::new();
     println!(
@@ -373,7 +550,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         a.repeats
     );
     println!(
-        "{:>4} {:>12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>13} {:>14}",
+        "{:>6} {:>12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>13} {:>14}",
         "bits",
         "prefill t/s",
         "decode t/s",
@@ -384,31 +561,41 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "llama.cpp dec",
         "llama.cpp pre"
     );
-    for &bits in &a.bits {
-        let eb = ExpertBits {
-            default: Some(bits),
-            ..ExpertBits::default()
-        };
+    let expert_weights = 3 * config.hidden_size * config.moe.expert_intermediate;
+    for setting in &settings {
+        let codecs = setting.codecs();
         // A backend per model, so that each precision's device weights go with it.
         let (runs, eager, dense) = match a.backend {
             BackendKind::Cuda => {
-                let m = crate::load(&a.model, cuda_backend()?, &(&eb).into())?;
+                let m = crate::load(&a.model, cuda_backend()?, &codecs)?;
                 let runs = measure(&m, a.prompt, a.generate, a.repeats)?;
                 let eager = eager_runs(&m, a.prompt, a.generate, a.repeats)?;
                 (runs, eager, dense_bytes(&m))
             }
             other => {
-                let m = crate::load(&a.model, other.cpu(), &(&eb).into())?;
+                let m = crate::load(&a.model, other.cpu(), &codecs)?;
                 (measure(&m, a.prompt, a.generate, a.repeats)?, None, 4)
             }
         };
         let agree = runs.agree && eager.as_ref().is_none_or(|e| e.agree);
         let (pre, dec) = (runs.prefill, runs.greedy);
-        let bytes = decode_bytes(&config, bits, dense);
+        let experts = setting.expert_bytes(&config, dense)?;
+        let bytes = decode_bytes(&config, &experts, dense);
         let floor = copy_gb_s.map(|bw| bw * 1e9 / bytes as f64);
-        let ll = llama_cpp(&config, bits);
+        let expert_bits_per_weight = experts.iter().sum::<usize>() as f64 * 8.0
+            / (experts.len() * expert_weights).max(1) as f64;
+        let (bits, plan, ll) = match setting {
+            Setting::Affine(bits) => (*bits, None, llama_cpp(&config, *bits)),
+            Setting::Plan(_) => (
+                expert_bits_per_weight.round() as u32,
+                Some(setting.label()),
+                None,
+            ),
+        };
         let case = Case {
             bits,
+            plan,
+            expert_bits_per_weight,
             prefill_tok_s: median(&pre),
             decode_tok_s: median(&dec),
             prefill_runs_tok_s: pre,
@@ -423,11 +610,12 @@ fn decode(a: DecodeArgs) -> Result<()> {
             llama_cpp_prefill_tok_s: ll.map(|l| l.1),
         };
         let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
+        let label = setting.label();
         if !case.decode_paths_agree {
-            eprintln!("warning: {bits}-bit greedy decode differs between the two decode paths");
+            eprintln!("warning: greedy decode at {label} differs between the two decode paths");
         }
         println!(
-            "{bits:>4} {:>12.0} {:>11.1} {:>11} {:>11.1} {:>11} {:>11.1} {:>13} {:>14}",
+            "{label:>6} {:>12.0} {:>11.1} {:>11} {:>11.1} {:>11} {:>11.1} {:>13} {:>14}",
             case.prefill_tok_s,
             case.decode_tok_s,
             case.decode_eager_tok_s

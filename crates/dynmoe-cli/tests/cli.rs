@@ -627,3 +627,100 @@ fn vq_codec_builds_its_store_once_and_runs_resident_sets_over_it() {
     assert_eq!(resident["residency"]["resident_per_layer"], 4, "{resident}");
     assert_eq!(resident["residency"]["loads_failed"], 0, "{resident}");
 }
+
+/// `synth --vq` takes one rung of the ladder, not `--bits` beside it: both mistakes are
+/// usage errors that say what is wrong, before anything is written.
+#[test]
+fn synth_vq_refuses_bits_beside_it_and_rungs_off_the_ladder() {
+    let out = TempDir::new("cli-synth-vq");
+    let dir = out.path("q30").display().to_string();
+    let base = [
+        "synth",
+        "--like",
+        "qwen3-30b-a3b",
+        "--layers",
+        "1",
+        "-o",
+        &dir,
+    ];
+    let cases: [(&[&str], &[&str]); 2] = [
+        (
+            &["--vq", "vq1.5", "--bits", "2"],
+            &["--vq", "--bits", "cannot be used with"],
+        ),
+        (&["--vq", "vq1.4"], &["vq1.4", "rung", "1.5", "0.7"]),
+    ];
+    for (extra, want) in cases {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        let o = dynmoe(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: a usage error");
+        let err = String::from_utf8_lossy(&o.stderr);
+        for w in want {
+            assert!(err.contains(w), "{args:?}: {w:?} not in {err}");
+        }
+        assert!(!out.path("q30").exists(), "{args:?} wrote {dir}");
+    }
+}
+
+/// `bench decode` on a compressed directory measures its plan once, labelled by it, with
+/// the VQ records' codes and norms counted in the bytes a token reads; `--bits` is
+/// refused there.
+#[test]
+fn bench_decode_runs_a_compressed_directory_at_its_plan() {
+    use dynmoe::codec::vq::Rung;
+    use dynmoe::store::{synth_vq, vq::VqLayout};
+    use dynmoe::testing::TINY_SHAPE as S;
+    let out = TempDir::new("cli-bench-vq");
+    let rung = Rung::parse("vq1.5").unwrap();
+    let tok = root().join("fixtures/models/small-moe");
+    dynmoe::model::synth::synth_compressed(&S, Some(2), rung, &tok, out.dir(), 0, &mut |_, _| {})
+        .unwrap();
+    let dir = out.dir().display().to_string();
+    let err = failure_of(&["bench", "decode", &dir, "--bits", "4"]);
+    assert!(
+        err.contains("compressed") && err.contains("--bits") && err.contains("vq1.5"),
+        "{err}"
+    );
+
+    let json = out.path("bench.json").display().to_string();
+    let o = dynmoe(&[
+        "bench",
+        "decode",
+        &dir,
+        "--prompt",
+        "4",
+        "--generate",
+        "2",
+        "--repeats",
+        "1",
+        "--json",
+        &json,
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        table.lines().any(|l| l.trim_start().starts_with("vq1.5")),
+        "{table}"
+    );
+    let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let cases = r["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 1);
+    let c = &cases[0];
+    assert_eq!(c["plan"], "vq1.5");
+    let expert =
+        synth_vq::expert_bytes(&VqLayout::new(rung, S.hidden, S.moe_intermediate).unwrap());
+    let per_weight = expert as f64 * 8.0 / (3 * S.hidden * S.moe_intermediate) as f64;
+    assert!((c["expert_bits_per_weight"].as_f64().unwrap() - per_weight).abs() < 1e-9);
+    assert_eq!(c["bits"], per_weight.round() as u64);
+    // Dense matrices at 4 bytes (f32 on the CPU): two layers' attention projections and
+    // routers, and the LM head; then top-2 experts of both MoE layers.
+    let (q, kv) = (S.heads * S.head_dim, S.kv_heads * S.head_dim);
+    let dense =
+        2 * (2 * q * S.hidden + 2 * kv * S.hidden + S.experts * S.hidden) + S.vocab * S.hidden;
+    assert_eq!(
+        c["decode_bytes_per_token"].as_u64().unwrap() as usize,
+        4 * dense + 2 * S.top_k * expert
+    );
+    assert!(c["llama_cpp_decode_tok_s"].is_null());
+    assert!(c["decode_tok_s"].as_f64().unwrap() > 0.0);
+}

@@ -115,6 +115,24 @@ pub fn fixture_copy(name: &str) -> TempDir {
     dir
 }
 
+/// A Qwen3-MoE shape small enough for tests of synthetic directories (a few MB written,
+/// with the small-moe fixture's tokenizer and its 8192-entry vocabulary): an expert width
+/// of 96, which is neither a multiple of 64 (affine stores pad it) nor of a rotation
+/// block (VQ rotations pad it to 128).
+pub const TINY_SHAPE: crate::model::synth::Shape = crate::model::synth::Shape {
+    name: "tiny-synth",
+    hidden: 128,
+    moe_intermediate: 96,
+    layers: 3,
+    heads: 4,
+    kv_heads: 2,
+    head_dim: 32,
+    experts: 8,
+    top_k: 2,
+    vocab: 8192,
+    rope_theta: 1e6,
+};
+
 /// Every fixture model directory (those holding a `config.json`), sorted.
 pub fn fixture_dirs() -> Vec<PathBuf> {
     let root = fixtures_root();

@@ -8,6 +8,13 @@
 //! memory holds a few records and a few MB of dense weights per thread, so the whole of
 //! Qwen3-235B-A22B's shape is written at the speed of the disk.
 //!
+//! [`synth_compressed`] writes a compressed model directory (`store::compressed`) the same
+//! way, with every MoE layer's routed experts at one rung of the VQ ladder: the same
+//! `dense.safetensors`, one VQ store of random records generated directly
+//! (`store::synth_vq`, never encoded), a `plan.json` that keeps every expert resident at
+//! that rung, and `compressed.json` last. It loads and runs as a compressed checkpoint
+//! does, through the same checks.
+//!
 //! [`synth`] writes a Hugging Face checkpoint instead, for `dynmoe convert`. Its directory
 //! holds a `config.json` of the named model (its first `layers` layers, if
 //! asked), bf16 safetensors in Hugging Face's per-expert layout (one shard per decoder
@@ -27,8 +34,11 @@ use rayon::prelude::*;
 use safetensors::tensor::{Dtype, TensorView};
 
 use super::Error;
-use crate::store::manifest::ModelInfo;
-use crate::store::{self, atomic, DENSE_FILE};
+use crate::alloc::plan::{LayerPlan, Plan, PlanError, PLAN_FILE};
+use crate::codec::vq::{Rung, LADDER};
+use crate::codec::Codec;
+use crate::store::manifest::{Generator, ModelInfo};
+use crate::store::{self, atomic, compressed, synth_vq, vq, DENSE_FILE};
 use crate::testing::Rng;
 
 /// The shape of a published model.
@@ -224,12 +234,17 @@ impl Shape {
         }
     }
 
+    /// Size of `dense.safetensors` of a `layers`-layer model.
+    fn dense_bytes(&self, layers: usize) -> Result<u64, Error> {
+        let dense = self.dense_layout(layers);
+        let header = store::base::safetensors_header(Path::new(DENSE_FILE), &dense)?;
+        Ok((8 + header.len() + dense.iter().map(|t| t.3).sum::<usize>()) as u64)
+    }
+
     /// Bytes of `dense.safetensors` and the stores at `bits` that [`synth_converted`]
     /// writes for `layers` layers (the config and tokenizer files aside).
     pub fn converted_bytes(&self, layers: usize, bits: &[u32]) -> Result<u64, Error> {
-        let dense = self.dense_layout(layers);
-        let header = store::base::safetensors_header(Path::new(DENSE_FILE), &dense)?;
-        let mut bytes = (8 + header.len() + dense.iter().map(|t| t.3).sum::<usize>()) as u64;
+        let mut bytes = self.dense_bytes(layers)?;
         let spec = self.expert_spec(layers, 0);
         let mut seen = Vec::new();
         for &b in bits {
@@ -241,16 +256,102 @@ impl Shape {
         Ok(bytes)
     }
 
+    /// Bytes of `dense.safetensors` and the VQ store at `rung` that [`synth_compressed`]
+    /// writes for `layers` layers (the small JSON and tokenizer files aside).
+    pub fn compressed_bytes(&self, layers: usize, rung: Rung) -> Result<u64, Error> {
+        let layout = vq::VqLayout::new(rung, self.hidden, self.moe_intermediate)?;
+        Ok(self.dense_bytes(layers)? + layout.file_size(layers * self.experts))
+    }
+
     /// The most layers, up to `layers`, whose converted directory at `bits` takes at
     /// most `budget` bytes; 0 if not even one layer does.
     pub fn layers_fitting(&self, layers: usize, bits: &[u32], budget: u64) -> Result<usize, Error> {
-        for n in (1..=layers).rev() {
-            if self.converted_bytes(n, bits)? <= budget {
-                return Ok(n);
-            }
-        }
-        Ok(0)
+        most_layers(layers, budget, |n| self.converted_bytes(n, bits))
     }
+
+    /// The most layers, up to `layers`, whose compressed directory at `rung` takes at most
+    /// `budget` bytes; 0 if not even one layer does.
+    pub fn layers_fitting_vq(
+        &self,
+        layers: usize,
+        rung: Rung,
+        budget: u64,
+    ) -> Result<usize, Error> {
+        most_layers(layers, budget, |n| self.compressed_bytes(n, rung))
+    }
+
+    /// The plan of a `layers`-layer synthetic compressed directory: every MoE layer at
+    /// `rung` with every expert resident, priced as `dynmoe compress` prices plans (dense
+    /// bf16 tensors and the rung's codebook in `dense_bytes`, every parameter in
+    /// `params_total`); the budget is exactly what it spends.
+    fn vq_plan(&self, layers: usize, rung: Rung, seed: u64) -> Result<Plan, Error> {
+        let codec: Codec = rung.name().parse().expect("rung names parse as codecs");
+        let encode = |source| Error::Encode {
+            tensor: format!("{} experts at {}", self.name, rung.name()),
+            source,
+        };
+        let (h, i, e) = (self.hidden, self.moe_intermediate, self.experts);
+        let expert = 2 * codec.matrix_bytes(i, h).map_err(encode)?
+            + codec.matrix_bytes(h, i).map_err(encode)?;
+        let dense_params: u64 = self
+            .dense_layout(layers)
+            .iter()
+            .map(|t| t.2.iter().product::<usize>() as u64)
+            .sum();
+        let dense_bytes = 2 * dense_params + codec.codebook_bytes().map_err(encode)?;
+        let plans: Vec<LayerPlan> = (0..layers)
+            .map(|layer| LayerPlan {
+                layer,
+                codec,
+                experts: e,
+                resident: e,
+                resident_bytes: e as u64 * expert,
+                reservoir_bytes: 0,
+                keep: Vec::new(),
+            })
+            .collect();
+        let resident_bytes = dense_bytes + plans.iter().map(|l| l.resident_bytes).sum::<u64>();
+        let params_total = dense_params + (layers * e * 3 * h * i) as u64;
+        Ok(Plan {
+            format: crate::alloc::plan::FORMAT.to_string(),
+            version: crate::alloc::plan::VERSION,
+            model_type: "qwen3_moe".to_string(),
+            source: format!("synthetic {}", self.name),
+            budget_bits: resident_bytes as f64 * 8.0 / params_total as f64,
+            budget_bytes: resident_bytes,
+            params_total,
+            dense_codec: Codec::Bf16,
+            dense_bytes,
+            resident_bytes,
+            reservoir_bytes: 0,
+            unspent_bytes: 0,
+            layers: plans,
+            rounds: serde_json::json!({
+                "scope": "model",
+                "synthetic": {
+                    "like": self.name,
+                    "rung": rung.name(),
+                    "generator": synth_vq::GENERATOR,
+                    "seed": seed,
+                    "note": "every layer at one rung, every expert resident: no allocation ran",
+                },
+            }),
+        })
+    }
+}
+
+/// The most layers `n` in `1..=layers` with `bytes(n) ≤ budget`; 0 if none.
+fn most_layers(
+    layers: usize,
+    budget: u64,
+    bytes: impl Fn(usize) -> Result<u64, Error>,
+) -> Result<usize, Error> {
+    for n in (1..=layers).rev() {
+        if bytes(n)? <= budget {
+            return Ok(n);
+        }
+    }
+    Ok(0)
 }
 
 /// Standard deviation of the random dense (and bf16 expert) weights.
@@ -512,6 +613,153 @@ pub fn synth_converted(
         dense_bytes,
         dense_seconds,
         stores,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// What [`synth_compressed`] wrote.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CompressedReport {
+    /// Output directory.
+    pub dir: PathBuf,
+    /// Decoder layers written.
+    pub layers: usize,
+    /// Tensors in `dense.safetensors`.
+    pub dense_tensors: usize,
+    /// Size of `dense.safetensors`.
+    pub dense_bytes: u64,
+    /// Wall time of `dense.safetensors`.
+    pub dense_seconds: f64,
+    /// The VQ expert store.
+    pub store: synth_vq::Written,
+    /// Resident bits per weight of the plan (every parameter counted).
+    pub resident_bits: f64,
+    /// Wall time of the whole directory.
+    pub seconds: f64,
+}
+
+impl CompressedReport {
+    /// Bytes of `dense.safetensors` and the store.
+    pub fn bytes(&self) -> u64 {
+        self.dense_bytes + self.store.bytes
+    }
+}
+
+/// Refuses an output directory that holds a model `synth_compressed` did not write
+/// (a checkpoint, a converted directory, a compressed checkpoint or the journal of one
+/// being compressed): its files would be mixed with the synthetic ones or deleted.
+fn check_compressed_out(out: &Path) -> Result<(), Error> {
+    let refuse = |path: PathBuf, what: &str| {
+        Error::InvalidField {
+        path,
+        field: "out".into(),
+        reason: format!(
+            "the output directory holds {what}, which a synthetic compressed model would be              mixed with; choose another directory"
+        ),
+    }
+    };
+    for (file, what) in [
+        ("model.safetensors", "a checkpoint"),
+        ("model.safetensors.index.json", "a checkpoint"),
+        ("probes.jsonl", "the probe journal of `dynmoe compress`"),
+    ] {
+        if out.join(file).exists() {
+            return Err(refuse(out.join(file), what));
+        }
+    }
+    if store::is_converted(out) {
+        return Err(refuse(
+            out.to_path_buf(),
+            "a converted model's expert stores",
+        ));
+    }
+    let manifest = out.join(compressed::MANIFEST_FILE);
+    if manifest.exists() {
+        let text = std::fs::read(&manifest).map_err(io(&manifest))?;
+        let synthetic = serde_json::from_slice::<serde_json::Value>(&text)
+            .is_ok_and(|v| v.get("generator").is_some_and(|g| !g.is_null()));
+        if !synthetic {
+            return Err(refuse(manifest, "a compressed checkpoint"));
+        }
+    }
+    Ok(())
+}
+
+/// Writes a compressed model directory (`store::compressed`) of `shape` with its first
+/// `layers` layers (all if `None`) into `out`, every MoE layer's routed experts at `rung`
+/// and resident: `config.json`, the tokenizer files of `tokenizer_dir`,
+/// `dense.safetensors` with random bf16 weights (as [`synth_converted`] writes it), the
+/// store `experts-vq{bits}.bin` of random records (`store::synth_vq`), `plan.json`, and
+/// `compressed.json` naming the generator and seed, all from `seed`: two runs with the
+/// same arguments write the same bytes (the store's manifest aside, which carries the
+/// time). `progress(done, total)` counts bytes.
+///
+/// Under the directory's exclusive lock: `compressed.json` is removed first and written
+/// last, every file atomically, so an interrupted run leaves no directory a loader would
+/// take for a model. Stores of other rungs a previous run left are removed. A directory
+/// that holds another model is refused ([`check_compressed_out`]).
+pub fn synth_compressed(
+    shape: &Shape,
+    layers: Option<usize>,
+    rung: Rung,
+    tokenizer_dir: &Path,
+    out: &Path,
+    seed: u64,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<CompressedReport, Error> {
+    let start = Instant::now();
+    let layers = layer_count(shape, layers, out)?;
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    check_compressed_out(out)?;
+    let total = shape.compressed_bytes(layers, rung)? as usize;
+    let plan = shape.vq_plan(layers, rung, seed)?;
+    let _lock = atomic::lock_exclusive(out)?;
+    atomic::remove_stale_temps(out)?;
+    atomic::remove_committed(&out.join(compressed::MANIFEST_FILE))?;
+    for other in LADDER.iter().filter(|r| **r != rung) {
+        atomic::remove_committed(&out.join(vq::manifest_file_name(*other)))?;
+        atomic::remove_committed(&out.join(vq::data_file_name(*other)))?;
+    }
+    write_config_and_tokenizer(shape, layers, tokenizer_dir, out)?;
+    let (dense_tensors, dense_bytes) =
+        write_dense(shape, layers, seed, &out.join(DENSE_FILE), &mut |done| {
+            progress(done as usize, total)
+        })?;
+    let dense_seconds = start.elapsed().as_secs_f64();
+    let spec = shape.expert_spec(layers, seed);
+    let record_size = vq::VqLayout::new(rung, shape.hidden, shape.moe_intermediate)?.record_size;
+    let store = synth_vq::write_store(out, &spec, rung, &mut |done, _| {
+        progress((dense_bytes as usize) + done * record_size, total)
+    })?;
+    let plan_path = out.join(PLAN_FILE);
+    plan.save(&plan_path).map_err(|e| match e {
+        PlanError::Store(e) => Error::from(e),
+        other => Error::Config(other.to_string()),
+    })?;
+    let plan_bytes = std::fs::read(&plan_path).map_err(io(&plan_path))?;
+    let manifest = compressed::Manifest {
+        format: compressed::FORMAT.to_string(),
+        version: compressed::VERSION,
+        source: format!("synthetic {}", shape.name),
+        source_fingerprint: spec.source_of(synth_vq::GENERATOR).fingerprint,
+        plan_checksum: compressed::checksum(&plan_bytes),
+        dense_bytes,
+        stores: [(rung.name(), spec.layers.clone())].into(),
+        dense_vq: None,
+        generator: Some(Generator {
+            name: synth_vq::GENERATOR.to_string(),
+            seed,
+        }),
+    };
+    compressed::write_manifest(out, &manifest)?;
+    Ok(CompressedReport {
+        dir: out.to_path_buf(),
+        layers,
+        dense_tensors,
+        dense_bytes,
+        dense_seconds,
+        store,
+        resident_bits: plan.resident_bits(),
         seconds: start.elapsed().as_secs_f64(),
     })
 }

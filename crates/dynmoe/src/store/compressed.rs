@@ -14,6 +14,12 @@
 //!   fingerprint the stores were encoded from, and a checksum of `plan.json`. Its presence
 //!   marks a complete directory; it is removed first whenever the directory is rewritten.
 //!
+//! `model::synth::synth_compressed` (`dynmoe synth --vq`) writes the same directory with
+//! random contents and no checkpoint: its stores' records come from a generator
+//! ([`super::synth_vq`]), and the manifest says so (`generator`); its `source_fingerprint`
+//! is then the generator's, seed's and shape's, which the stores name instead of a
+//! checkpoint's. Loading checks it exactly as it checks a compressed checkpoint.
+//!
 //! `docs/FORMAT.md` §14 lists the fields.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -21,6 +27,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use super::manifest::Generator;
 use super::{atomic, base, tensors, Error, DENSE_FILE};
 use crate::alloc::plan::{Plan, PLAN_FILE};
 use crate::backend::Backend;
@@ -46,9 +53,11 @@ pub struct Manifest {
     pub format: String,
     /// [`VERSION`].
     pub version: u32,
-    /// The checkpoint directory compressed, as given.
+    /// The checkpoint directory compressed, as given (for a synthetic directory, the
+    /// shape it copies: `synthetic qwen3-30b-a3b`).
     pub source: String,
-    /// Its fingerprint (shard headers and `config.json`): what the VQ stores name.
+    /// Its fingerprint (shard headers and `config.json`), or for a synthetic directory the
+    /// fingerprint of its generator, seed and expert shape: what the VQ stores name.
     pub source_fingerprint: String,
     /// FNV-1a 64 of `plan.json`, hex.
     pub plan_checksum: String,
@@ -61,6 +70,10 @@ pub struct Manifest {
     /// codes them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dense_vq: Option<String>,
+    /// Present only in a synthetic directory: the generator and seed its expert records
+    /// were made by (`store::synth_vq::GENERATOR`); no checkpoint was compressed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generator: Option<Generator>,
 }
 
 /// Whether `dir` is a complete compressed directory (its manifest exists).
@@ -68,8 +81,17 @@ pub fn is_compressed(dir: &Path) -> bool {
     dir.join(MANIFEST_FILE).exists()
 }
 
-fn checksum(bytes: &[u8]) -> String {
+/// The `plan_checksum` of a plan file's bytes.
+pub(crate) fn checksum(bytes: &[u8]) -> String {
     format!("{:016x}", fnv1a(bytes))
+}
+
+/// Writes `manifest` as `dir`'s `compressed.json`, atomically: the last step of writing a
+/// directory, which makes it a compressed model. Call under the directory's exclusive
+/// lock.
+pub(crate) fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), Error> {
+    let text = serde_json::to_string_pretty(manifest).expect("a manifest serialises");
+    atomic::write_file(&dir.join(MANIFEST_FILE), text.as_bytes())
 }
 
 fn unusable(dir: &Path, reason: String) -> Error {
@@ -144,10 +166,10 @@ pub fn write(
             .len(),
         stores,
         dense_vq: dense_rung.map(|rung| rung.name()),
+        generator: None,
     };
     let _lock = atomic::lock_exclusive(out)?;
-    let text = serde_json::to_string_pretty(&manifest).expect("a manifest serialises");
-    atomic::write_file(&out.join(MANIFEST_FILE), text.as_bytes())?;
+    write_manifest(out, &manifest)?;
     Ok(manifest)
 }
 
@@ -172,6 +194,18 @@ pub fn open(dir: &Path) -> Result<(Manifest, Plan), Error> {
             "version",
             format!("is {}, this build reads {VERSION}", m.version),
         ));
+    }
+    if let Some(g) = &m.generator {
+        if g.name != super::synth_vq::GENERATOR {
+            return Err(field(
+                "generator",
+                format!(
+                    "names {:?}; this build makes and checks synthetic directories of {:?}",
+                    g.name,
+                    super::synth_vq::GENERATOR
+                ),
+            ));
+        }
     }
     let plan_path = dir.join(PLAN_FILE);
     let plan_bytes = std::fs::read(&plan_path).map_err(|source| Error::Io {

@@ -83,8 +83,9 @@ pub struct ModelInfo {
 /// What a store was built from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Source {
-    /// `checkpoint` (the base store), `store` (a low-bit store, from `experts.bin`) or
-    /// `synthetic` (random records, see `store::synth`).
+    /// `checkpoint` (the base store, or a VQ store encoded from it), `store` (a low-bit
+    /// store, from `experts.bin`) or `synthetic` (random records, see `store::synth` and
+    /// `store::synth_vq`).
     pub kind: String,
     /// For a checkpoint: FNV-1a 64 over its shards' names, sizes and headers and its
     /// `config.json`. For a store: the source store's own `fingerprint`. For random
@@ -100,7 +101,8 @@ pub struct Source {
 /// The random generator of a synthetic store's records.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Generator {
-    /// Name and version of the generator (`store::synth::GENERATOR`).
+    /// Name and version of the generator (`store::synth::GENERATOR` for affine stores,
+    /// `store::synth_vq::GENERATOR` for VQ stores).
     pub name: String,
     /// Its seed.
     pub seed: u64,

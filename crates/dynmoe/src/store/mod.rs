@@ -15,7 +15,8 @@
 //! - `experts.lock`: the lock writers and readers share (see [`atomic`]).
 //!
 //! [`synth`] writes the same stores with random records for the shapes of published
-//! models, with or without `experts.bin`.
+//! models, with or without `experts.bin`, and [`synth_vq`] VQ stores of random records
+//! for synthetic compressed model directories ([`compressed`]).
 //!
 //! [`layout::Layout`] fixes where each part of a record sits, [`manifest::Manifest`]
 //! what a store claims to hold, and [`reader::ExpertStore`] maps a checked store and
@@ -44,6 +45,7 @@ pub mod lowbit;
 pub mod manifest;
 pub mod reader;
 pub mod synth;
+pub mod synth_vq;
 mod tensors;
 pub mod vq;
 

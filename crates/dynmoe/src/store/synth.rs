@@ -12,6 +12,9 @@
 //! whether or not the 4-bit store is written, so a 2-bit store is the same bytes with
 //! or without its base.
 //!
+//! The VQ counterpart, random VQ records for synthetic compressed directories, is
+//! [`super::synth_vq`]; it shares this module's stream, [`Spec`], [`STD`] and [`SPREAD`].
+//!
 //! Manifests say what the records are: the source of a store made here has kind
 //! [`SOURCE_KIND`] and names the generator and seed. A 4-bit store is written with
 //! such a source, and the low-bit stores written beside it are derived from it as
@@ -91,7 +94,8 @@ pub struct Spec {
 }
 
 impl Spec {
-    fn count(&self) -> usize {
+    /// Records per store: every expert of every MoE layer.
+    pub(crate) fn count(&self) -> usize {
         self.layers.len() * self.experts_per_layer
     }
 
@@ -100,12 +104,18 @@ impl Spec {
         Ok(Layout::new(bits, self.hidden, self.intermediate)?.file_size(self.count()))
     }
 
-    /// The source every store made from this spec names, directly or through
+    /// The source every affine store made from this spec names, directly or through
     /// `experts.bin`.
     fn source(&self) -> Source {
+        self.source_of(GENERATOR)
+    }
+
+    /// The source of stores whose records `generator` makes from this spec: the same
+    /// generator, seed and shape always have the same fingerprint.
+    pub(crate) fn source_of(&self, generator: &str) -> Source {
         let mut h = Fnv64::default();
         h.field(SOURCE_KIND.as_bytes())
-            .field(GENERATOR.as_bytes())
+            .field(generator.as_bytes())
             .u64(self.seed)
             .u64(self.hidden as u64)
             .u64(self.intermediate as u64)
@@ -119,7 +129,7 @@ impl Spec {
             fingerprint: h.hex(),
             files: Vec::new(),
             generator: Some(Generator {
-                name: GENERATOR.to_string(),
+                name: generator.to_string(),
                 seed: self.seed,
             }),
         }
@@ -133,17 +143,31 @@ fn mean_scale() -> f32 {
     STD / (255.0 / 12.0 * (1.0 + SPREAD * SPREAD / 3.0)).sqrt()
 }
 
-/// The generator of one record: FNV-1a of the generator's name, the seed, the layer and
-/// the expert seeds a SplitMix64 stream.
-fn record_rng(seed: u64, layer: usize, expert: usize) -> Rng {
+/// The generator of one record of `generator`: FNV-1a of the generator's name, the seed,
+/// the layer and the expert seeds a SplitMix64 stream.
+pub(crate) fn record_rng(generator: &str, seed: u64, layer: usize, expert: usize) -> Rng {
     Rng::seeded(
         Fnv64::default()
-            .field(GENERATOR.as_bytes())
+            .field(generator.as_bytes())
             .u64(seed)
             .u64(layer as u64)
             .u64(expert as u64)
             .finish(),
     )
+}
+
+/// Fills `bytes` with the stream's 64-bit outputs, little-endian; a tail shorter than 8
+/// bytes takes the first bytes of one more output.
+pub(crate) fn fill_random(rng: &mut Rng, bytes: &mut [u8]) {
+    let mut chunks = bytes.chunks_exact_mut(8);
+    for chunk in &mut chunks {
+        chunk.copy_from_slice(&rng.next_u64().to_le_bytes());
+    }
+    let tail = chunks.into_remainder();
+    if !tail.is_empty() {
+        let last = rng.next_u64().to_le_bytes();
+        tail.copy_from_slice(&last[..tail.len()]);
+    }
 }
 
 /// The 4-bit record of `expert` of `layer`: the code parts of gate, up and down filled
@@ -153,17 +177,9 @@ fn record_rng(seed: u64, layer: usize, expert: usize) -> Rng {
 fn q4_record(layout: &Layout, seed: u64, layer: usize, expert: usize) -> Vec<u8> {
     debug_assert_eq!(layout.bits, 4);
     let mut record = vec![0u8; layout.record_size];
-    let mut rng = record_rng(seed, layer, expert);
+    let mut rng = record_rng(GENERATOR, seed, layer, expert);
     for m in &layout.matrices {
-        let mut chunks = record[m.codes.range()].chunks_exact_mut(8);
-        for chunk in &mut chunks {
-            chunk.copy_from_slice(&rng.next_u64().to_le_bytes());
-        }
-        let tail = chunks.into_remainder();
-        if !tail.is_empty() {
-            let bytes = rng.next_u64().to_le_bytes();
-            tail.copy_from_slice(&bytes[..tail.len()]);
-        }
+        fill_random(&mut rng, &mut record[m.codes.range()]);
     }
     let mean = mean_scale();
     for m in &layout.matrices {

@@ -15,7 +15,10 @@
 //! headers and `config.json`), the codebook the codes index, and a checksum of every
 //! record. Stores are written as the affine ones are (`atomic`): data to a temporary
 //! file, flushed, renamed, then the manifest, under the directory's exclusive lock, the
-//! manifest removed first; so a half-written store is never used.
+//! manifest removed first; so a half-written store is never used. One writer
+//! ([`write_store`]) does this for stores encoded here and for stores of random records
+//! ([`super::synth_vq`]), whose manifest names their generator instead of a checkpoint
+//! and which opening holds to it (a few records made again and compared).
 //!
 //! ```no_run
 //! use std::collections::BTreeMap;
@@ -443,8 +446,9 @@ impl VqManifest {
             return bad(
                 "source.fingerprint",
                 format!(
-                    "is {}, the checkpoint beside it is {}: the store was encoded from another \
-                     checkpoint (or this one changed)",
+                    "is {}, the directory's source (the checkpoint beside it, or the \
+                     source_fingerprint of its compressed.json) is {}: the store was made from \
+                     another checkpoint or generator (or the source changed)",
                     self.source.fingerprint, want.source.fingerprint
                 ),
             );
@@ -682,7 +686,7 @@ impl VqStore {
             path: self.path.clone(),
             reason: format!("record {index} (layer {layer}, expert {e}): {reason}"),
         };
-        let sum = Fnv64::default().bytes(bytes).hex();
+        let sum = record_checksum(bytes);
         if sum != self.checksum(index) {
             return Err(unusable(format!(
                 "checksum {sum} differs from field layers[{pos}].checksums[{e}] of {} ({}): \
@@ -760,6 +764,14 @@ fn open_checked(dir: &Path, rung: Rung, want: &Expected) -> Result<VqStore, Erro
     };
     for i in picks {
         store.verify(&manifest_path, i)?;
+    }
+    if store.manifest.source.kind == super::synth::SOURCE_KIND {
+        // Random records: the manifest claims a generator and seed made them; a few are
+        // made again to hold it to that.
+        super::synth_vq::spot_check(&store).map_err(|reason| Error::Unusable {
+            path: store.path.clone(),
+            reason,
+        })?;
     }
     Ok(store)
 }
@@ -892,8 +904,8 @@ pub fn ensure(
 
 /// Writes `rung`'s store holding `layers`: records of `old` copied where it holds the
 /// layer and the record still matches its checksum, the rest encoded from the
-/// checkpoint. The manifest is removed first and written last. Returns the opened store
-/// and the layers encoded and copied.
+/// checkpoint ([`write_store`]). Returns the opened store and the layers encoded and
+/// copied.
 #[allow(clippy::too_many_arguments)]
 fn build(
     dir: &Path,
@@ -905,82 +917,196 @@ fn build(
     old: Option<&VqStore>,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(VqStore, Vec<usize>, Vec<usize>), Error> {
+    let layout = VqLayout::new(rung, want.shape.hidden, want.shape.intermediate)?;
+    let experts = want.shape.experts;
+    let total = layers.len() * experts;
+    let batch = 2 * rayon::current_num_threads().max(1);
+    let (mut encoded, mut copied) = (Vec::new(), Vec::new());
+    let model = ModelInfo {
+        model_type: want.model_type.clone(),
+        name: want.name.clone(),
+    };
+    write_store(dir, &layout, experts, model, want.source.clone(), |sink| {
+        progress(0, total);
+        for (pos, &layer) in layers.iter().enumerate() {
+            let reusable = old.filter(|s| {
+                (0..experts).all(|e| {
+                    let i = s.record_index(layer, e);
+                    i.is_some_and(|i| record_checksum(s.record_bytes(i)) == s.checksum(i))
+                })
+            });
+            let tensors = match reusable {
+                Some(_) => None,
+                None => Some(expert_tensors(config, ckpt, layer)?.0),
+            };
+            for first in (0..experts).step_by(batch) {
+                let range = first..(first + batch).min(experts);
+                let records: Vec<Vec<u8>> = match (reusable, &tensors) {
+                    (Some(s), _) => range
+                        .clone()
+                        .map(|e| {
+                            s.record_bytes(s.record_index(layer, e).expect("held"))
+                                .to_vec()
+                        })
+                        .collect(),
+                    (None, Some(t)) => range
+                        .clone()
+                        .into_par_iter()
+                        .map(|e| {
+                            let mats = encode_expert(config, ckpt, t, layer, e, [rung; 3])?;
+                            Ok(pack_record(&layout, layer, e, &mats))
+                        })
+                        .collect::<Result<_, crate::model::Error>>()?,
+                    (None, None) => unreachable!("tensors are found for every layer not copied"),
+                };
+                for r in records {
+                    sink.push(layer, &r, record_checksum(&r))?;
+                }
+                progress(pos * experts + range.end, total);
+            }
+            match reusable {
+                Some(_) => copied.push(layer),
+                None => encoded.push(layer),
+            }
+        }
+        Ok(format!(
+            "routed experts of layers {encoded:?} encoded at {} from the checkpoint{}",
+            rung.name(),
+            if copied.is_empty() {
+                String::new()
+            } else {
+                format!("; layers {copied:?} copied from the previous store")
+            }
+        ))
+    })?;
+    Ok((open_checked(dir, rung, want)?, encoded, copied))
+}
+
+/// FNV-1a 64 of a whole record, padding included: what the manifest's
+/// `layers[i].checksums` hold.
+pub fn record_checksum(record: &[u8]) -> String {
+    Fnv64::default().bytes(record).hex()
+}
+
+/// The data file of a store being written by [`write_store`]: whole records appended
+/// layer by layer (ascending), each layer's experts in order, with their checksums.
+pub(crate) struct RecordSink {
+    out: BufWriter<TempOutput>,
+    layout: VqLayout,
+    experts: usize,
+    entries: Vec<VqLayerEntry>,
+}
+
+impl RecordSink {
+    /// Appends the record of the next expert of decoder layer `layer`, whose checksum
+    /// ([`record_checksum`]) is `checksum`: computed by the caller, where records are
+    /// made in parallel.
+    pub(crate) fn push(
+        &mut self,
+        layer: usize,
+        record: &[u8],
+        checksum: String,
+    ) -> Result<(), Error> {
+        let path = self.out.get_ref().path();
+        if record.len() != self.layout.record_size {
+            return Err(Error::Unusable {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "a record of {} bytes, the layout's are {}",
+                    record.len(),
+                    self.layout.record_size
+                ),
+            });
+        }
+        let open = self
+            .entries
+            .last()
+            .is_some_and(|e| e.checksums.len() < self.experts);
+        match self.entries.last() {
+            Some(e) if open && e.layer != layer => {
+                return Err(Error::BadShape {
+                    reason: format!(
+                        "{}: layer {layer} begins after {} of layer {}'s {} experts",
+                        path.display(),
+                        e.checksums.len(),
+                        e.layer,
+                        self.experts
+                    ),
+                })
+            }
+            Some(e) if !open && e.layer >= layer => {
+                return Err(Error::BadShape {
+                    reason: format!(
+                        "{}: layer {layer} after layer {}: layers must ascend",
+                        path.display(),
+                        e.layer
+                    ),
+                })
+            }
+            _ if open => {}
+            _ => self.entries.push(VqLayerEntry {
+                layer,
+                offset: self.layout.record_offset(self.entries.len() * self.experts),
+                checksums: Vec::with_capacity(self.experts),
+            }),
+        }
+        if let Err(source) = self.out.write_all(record) {
+            let path = self.out.get_ref().path().to_path_buf();
+            return Err(Error::Io { path, source });
+        }
+        self.entries
+            .last_mut()
+            .expect("an entry was opened above")
+            .checksums
+            .push(checksum);
+        Ok(())
+    }
+}
+
+/// Writes `rung`'s store (`layout.rung`) into `dir` from the records `fill` appends,
+/// the way every VQ store is written: the manifest removed first (its removal flushed),
+/// the data file written to a temporary name, flushed and renamed, then the manifest,
+/// naming `model`, `source` and the note `fill` returns. A crash leaves at worst a data
+/// file without a manifest, which is never used. Call under the directory's exclusive
+/// lock. Returns the manifest written.
+pub(crate) fn write_store(
+    dir: &Path,
+    layout: &VqLayout,
+    experts: usize,
+    model: ModelInfo,
+    source: Source,
+    fill: impl FnOnce(&mut RecordSink) -> Result<String, Error>,
+) -> Result<VqManifest, Error> {
+    let rung = layout.rung;
     let manifest_path = dir.join(manifest_file_name(rung));
     let path = dir.join(data_file_name(rung));
-    let layout = VqLayout::new(rung, want.shape.hidden, want.shape.intermediate)?;
     let codebook = codebook_id(rung).map_err(|reason| Error::Unusable {
         path: path.clone(),
         reason,
     })?;
     atomic::remove_committed(&manifest_path)?;
-    let mut out = BufWriter::with_capacity(4 << 20, TempOutput::create(&path)?);
-    let experts = want.shape.experts;
-    let total = layers.len() * experts;
-    let batch = 2 * rayon::current_num_threads().max(1);
-    let (mut encoded, mut copied) = (Vec::new(), Vec::new());
-    let mut entries = Vec::with_capacity(layers.len());
-    progress(0, total);
-    for (pos, &layer) in layers.iter().enumerate() {
-        let reusable = old.filter(|s| {
-            (0..experts).all(|e| {
-                let i = s.record_index(layer, e);
-                i.is_some_and(|i| Fnv64::default().bytes(s.record_bytes(i)).hex() == s.checksum(i))
-            })
-        });
-        let tensors = match reusable {
-            Some(_) => None,
-            None => Some(expert_tensors(config, ckpt, layer)?.0),
-        };
-        let mut checksums = Vec::with_capacity(experts);
-        for first in (0..experts).step_by(batch) {
-            let range = first..(first + batch).min(experts);
-            let records: Vec<Vec<u8>> = match (reusable, &tensors) {
-                (Some(s), _) => range
-                    .clone()
-                    .map(|e| {
-                        s.record_bytes(s.record_index(layer, e).expect("held"))
-                            .to_vec()
-                    })
-                    .collect(),
-                (None, Some(t)) => range
-                    .clone()
-                    .into_par_iter()
-                    .map(|e| {
-                        let mats = encode_expert(config, ckpt, t, layer, e, [rung; 3])?;
-                        Ok(pack_record(&layout, layer, e, &mats))
-                    })
-                    .collect::<Result<_, crate::model::Error>>()?,
-                (None, None) => unreachable!("tensors are found for every layer not copied"),
-            };
-            for r in records {
-                checksums.push(Fnv64::default().bytes(&r).hex());
-                out.write_all(&r).map_err(|source| Error::Io {
-                    path: path.clone(),
-                    source,
-                })?;
-            }
-            progress(pos * experts + range.end, total);
-        }
-        match reusable {
-            Some(_) => copied.push(layer),
-            None => encoded.push(layer),
-        }
-        entries.push(VqLayerEntry {
-            layer,
-            offset: layout.record_offset(pos * experts),
-            checksums,
+    let mut sink = RecordSink {
+        out: BufWriter::with_capacity(4 << 20, TempOutput::create(&path)?),
+        layout: *layout,
+        experts,
+        entries: Vec::new(),
+    };
+    let note = fill(&mut sink)?;
+    let RecordSink { out, entries, .. } = sink;
+    if entries.is_empty() || entries.iter().any(|e| e.checksums.len() != experts) {
+        return Err(Error::BadShape {
+            reason: format!(
+                "{}: every layer needs its {experts} experts; written: {:?}",
+                path.display(),
+                entries
+                    .iter()
+                    .map(|e| (e.layer, e.checksums.len()))
+                    .collect::<Vec<_>>()
+            ),
         });
     }
     atomic::commit_buffered(out)?;
-    let note = format!(
-        "routed experts of layers {encoded:?} encoded at {} from the checkpoint{}",
-        rung.name(),
-        if copied.is_empty() {
-            String::new()
-        } else {
-            format!("; layers {copied:?} copied from the previous store")
-        }
-    );
+    let total = entries.len() * experts;
     let manifest = VqManifest {
         format: FORMAT.to_string(),
         version: VERSION,
@@ -991,23 +1117,20 @@ fn build(
         codebook,
         page: PAGE,
         header: HEADER,
-        hidden: want.shape.hidden,
-        intermediate: want.shape.intermediate,
+        hidden: layout.hidden,
+        intermediate: layout.intermediate,
         experts_per_layer: experts,
         seed: SEED_RULE.to_string(),
         record_size: layout.record_size as u64,
         record_count: total as u64,
         file_size: layout.file_size(total),
         layers: entries,
-        model: ModelInfo {
-            model_type: want.model_type.clone(),
-            name: want.name.clone(),
-        },
-        source: want.source.clone(),
+        model,
+        source,
         created: Created::now(&note),
     };
     atomic::write_file(&manifest_path, &manifest.to_bytes())?;
-    Ok((open_checked(dir, rung, want)?, encoded, copied))
+    Ok(manifest)
 }
 
 #[cfg(test)]
