@@ -2783,14 +2783,17 @@ VQ_ENTRY(16)
 //
 // The routed experts of a layer coded at a VQ rung, chosen by the route kernel. Every
 // matrix has its own rotation seed, so each block rotates the activations it needs
-// itself: a warp per block of R = 32·V values, lane l holding values l·V .. l·V + V − 1,
-// the butterflies within a lane first and then across lanes by shuffles, in vq_rotate's
-// order (h = 1, 2, 4, ...), so the rotated values are the same floats. A warp then takes
-// several output rows at once, so that each rotated value it reads from shared memory
-// serves all of them. Codewords are read from global memory through L1: the rows of one
-// block touch most of a book, and a book is up to 1 MiB. An expert's table entry
-// (ROUTED_ENTRY words) holds the codes, the norms and the rotation seed of gate, up and
-// down in turn.
+// itself: a warp per block of R = 32·V values, lane l holding values l, l + 32, ...,
+// the butterflies across lanes by shuffles first (h < 32) and then within a lane, in
+// vq_rotate's order (h = 1, 2, 4, ...), so the rotated values are the same floats; the
+// strided layout keeps the loads coalesced and the shared-memory stores free of bank
+// conflicts. Before rotating, each warp asks for its rows' codes (and the block for a
+// small book) to be brought into L1, so the lookups after it do not wait on HBM. A warp
+// then takes several output rows at once, so that each rotated value it reads from
+// shared memory serves all of them. Codewords are read from global memory through L1:
+// the rows of one block touch most of a book, and a book is up to 1 MiB. An expert's
+// table entry (ROUTED_ENTRY words) holds the codes, the norms and the rotation seed of
+// gate, up and down in turn.
 #define VQR_WARPS 8
 #define VQR_GATE_UP_ROWS 4
 #define VQR_DOWN_ROWS 2
@@ -2810,8 +2813,17 @@ __device__ __forceinline__ void vq_rotate_warp(const float* src, int valid, unsi
     float a[V];
 #pragma unroll
     for (int r = 0; r < V; r++) {
-        int i = lane * V + r;
+        int i = r * WARP + lane;
         a[r] = i < valid ? src[i] * vq_sign(seed, i) : 0.0f;
+    }
+#pragma unroll
+    for (int m = 1; m < WARP; m *= 2) {
+        bool upper = (lane & m) != 0;
+#pragma unroll
+        for (int r = 0; r < V; r++) {
+            float o = __shfl_xor_sync(0xffffffffu, a[r], m);
+            a[r] = upper ? o - a[r] : a[r] + o;
+        }
     }
 #pragma unroll
     for (int h = 1; h < V; h *= 2) {
@@ -2824,18 +2836,40 @@ __device__ __forceinline__ void vq_rotate_warp(const float* src, int valid, unsi
             }
         }
     }
-#pragma unroll
-    for (int m = 1; m < WARP; m *= 2) {
-        bool upper = (lane & m) != 0;
-#pragma unroll
-        for (int r = 0; r < V; r++) {
-            float o = __shfl_xor_sync(0xffffffffu, a[r], m);
-            a[r] = upper ? o - a[r] : a[r] + o;
-        }
-    }
     float scale = 1.0f / sqrtf((float)(V * WARP));
 #pragma unroll
-    for (int r = 0; r < V; r++) dst[lane * V + r] = a[r] * scale;
+    for (int r = 0; r < V; r++) dst[r * WARP + lane] = a[r] * scale;
+}
+
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
+// Asks for the 128-byte lines of [p, p + bytes) to be brought into L1, a lane a line.
+__device__ __forceinline__ void prefetch_lines(const void* p, size_t bytes) {
+    const char* c = reinterpret_cast<const char*>((size_t)p & ~(size_t)127);
+    const char* end = reinterpret_cast<const char*>(p) + bytes;
+    for (c += (threadIdx.x % WARP) * 128; c < end; c += WARP * 128) prefetch_l1(c);
+}
+
+// Books up to this size are fetched into L1 by every block before its lookups.
+#define VQR_PREFETCH_BOOK (64 << 10)
+
+// The warp's ROWS rows from o0 of a matrix (codes and norms) into L1.
+__device__ __forceinline__ void prefetch_rows(const unsigned long long* m, int o0, int n,
+                                              int blocks, size_t row_bytes) {
+    prefetch_lines(reinterpret_cast<const char*>(m[0]) + (size_t)o0 * row_bytes, n * row_bytes);
+    prefetch_lines(reinterpret_cast<const unsigned short*>(m[1]) + (size_t)o0 * blocks,
+                   (size_t)n * blocks * 2);
+}
+
+// Every block's share of a small book into L1 (all of it: blocks on one SM share L1).
+template <int P>
+__device__ __forceinline__ void prefetch_book(const unsigned short* book, int k) {
+    size_t bytes = ((size_t)P << k) * 2;
+    if (bytes > VQR_PREFETCH_BOOK) return;
+    for (size_t at = threadIdx.x * 128; at < bytes; at += blockDim.x * 128)
+        prefetch_l1(reinterpret_cast<const char*>(book) + at);
 }
 
 // dst[0 .. block) = H D src[0 .. block) / √block by the calling warp, src read as zeros
@@ -2902,29 +2936,66 @@ __device__ __forceinline__ void vq_rows(const unsigned* __restrict__ codes,
     for (int r = 0; r < ROWS; r++) out[r] = warp_sum(acc[r]);
 }
 
+// Copies n floats (n a multiple of 4, both 16-byte aligned) into shared memory.
+__device__ __forceinline__ void stage_floats(const float* src, float* dst, int n) {
+    for (int i = threadIdx.x; i < n / 4; i += blockDim.x)
+        reinterpret_cast<float4*>(dst)[i] = reinterpret_cast<const float4*>(src)[i];
+}
+
+// A prompt's routed pairs' activations rotated once each, for the products to stage
+// rather than rotate in every block: warp blockIdx.x · VQR_WARPS + warp of pair
+// blockIdx.y rotates block b of matrix m (of `mats`, seeds at table word
+// seed_word + 3m) of the pair's source row (row pair / top_k of `src`, or row pair with
+// `by_pair`) into dst[pair, m, b · block ..].
+extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP)
+    routed_vq_rotate(const unsigned long long* table, const int* ids, int top_k, const float* src,
+                     int by_pair, float* dst, int cols, int block, int mats, int seed_word) {
+    PDL_ENTRY();
+    int pair = blockIdx.y, c = blockIdx.x * VQR_WARPS + threadIdx.x / WARP;
+    int blocks = (cols + block - 1) / block, width = blocks * block;
+    if (c >= mats * blocks) return;
+    int m = c / blocks, b = c % blocks;
+    const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
+    const float* row = src + (size_t)(by_pair ? pair : pair / top_k) * cols;
+    vq_rotate_block(row + b * block, cols - b * block, ent[seed_word + 3 * m], block,
+                    dst + ((size_t)pair * mats + m) * width + b * block);
+}
+
 // h[pair, o] = silu(gate_e(x_t)[o]) · up_e(x_t)[o] for pair = blockIdx.y (token
 // t = pair / top_k, expert e = ids[pair]), over VQR_WARPS · VQR_GATE_UP_ROWS rows o a
-// block. Dynamic shared memory: x_t rotated for gate and for up, 2 · width floats.
+// block. Dynamic shared memory: x_t rotated for gate and for up, 2 · width floats,
+// staged from `xr` ([pairs, 2, width], routed_vq_rotate) when it is not null.
 template <int P>
 __device__ void routed_vq_gate_up(const unsigned long long* __restrict__ table,
                                   const int* __restrict__ ids, int top_k,
-                                  const float* __restrict__ x, float* __restrict__ h, int inter,
-                                  int hidden, const unsigned short* __restrict__ book, int k,
-                                  int block, size_t row_bytes) {
+                                  const float* __restrict__ x, const float* __restrict__ xr,
+                                  float* __restrict__ h, int inter, int hidden,
+                                  const unsigned short* __restrict__ book, int k, int block,
+                                  size_t row_bytes) {
     extern __shared__ float4 vqr_shared[];
     float* xs = reinterpret_cast<float*>(vqr_shared);
     int pair = blockIdx.y, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     int blocks = (hidden + block - 1) / block, width = blocks * block;
     const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
     const float* xt = x + (size_t)(pair / top_k) * hidden;
-    for (int c = warp; c < 2 * blocks; c += VQR_WARPS) {
-        int m = c / blocks, b = c % blocks;
-        vq_rotate_block(xt + b * block, hidden - b * block, ent[3 * m + 2], block,
-                        xs + m * width + b * block);
+    int o0 = (blockIdx.x * VQR_WARPS + warp) * VQR_GATE_UP_ROWS;
+    int n = min(VQR_GATE_UP_ROWS, inter - o0);
+    if (n > 0) {
+        prefetch_rows(ent, o0, n, blocks, row_bytes);
+        prefetch_rows(ent + 3, o0, n, blocks, row_bytes);
+    }
+    prefetch_book<P>(book, k);
+    if (xr) {
+        stage_floats(xr + (size_t)pair * 2 * width, xs, 2 * width);
+    } else {
+        for (int c = warp; c < 2 * blocks; c += VQR_WARPS) {
+            int m = c / blocks, b = c % blocks;
+            vq_rotate_block(xt + b * block, hidden - b * block, ent[3 * m + 2], block,
+                            xs + m * width + b * block);
+        }
     }
     __syncthreads();
-    int o0 = (blockIdx.x * VQR_WARPS + warp) * VQR_GATE_UP_ROWS;
-    if (o0 >= inter) return;
+    if (n <= 0) return;
     float g[VQR_GATE_UP_ROWS], u[VQR_GATE_UP_ROWS];
     vq_rows<P, VQR_GATE_UP_ROWS>(reinterpret_cast<const unsigned*>(ent[0]),
                                  reinterpret_cast<const unsigned short*>(ent[1]), book, xs, o0,
@@ -2943,26 +3014,36 @@ __device__ void routed_vq_gate_up(const unsigned long long* __restrict__ table,
 // out[t, o] = Σ_q weights[t·top_k + q] · down_e(h[t·top_k + q])[o], the pairs added in
 // order, for token t = blockIdx.y, over VQR_WARPS · VQR_DOWN_ROWS rows o a block. Dynamic
 // shared memory: each of the token's pairs' h rotated with its expert's seed,
-// top_k · width floats.
+// top_k · width floats, staged from `hr` ([pairs, width]) when it is not null.
 template <int P>
 __device__ void routed_vq_down(const unsigned long long* __restrict__ table,
                                const int* __restrict__ ids, const float* __restrict__ weights,
-                               int top_k, const float* __restrict__ h, float* __restrict__ out,
-                               int hidden, int inter, const unsigned short* __restrict__ book,
-                               int k, int block, size_t row_bytes) {
+                               int top_k, const float* __restrict__ h,
+                               const float* __restrict__ hr, float* __restrict__ out, int hidden,
+                               int inter, const unsigned short* __restrict__ book, int k,
+                               int block, size_t row_bytes) {
     extern __shared__ float4 vqr_shared[];
     float* hs = reinterpret_cast<float*>(vqr_shared);
     int t = blockIdx.y, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     int blocks = (inter + block - 1) / block, width = blocks * block;
-    for (int c = warp; c < top_k * blocks; c += VQR_WARPS) {
-        int q = c / blocks, b = c % blocks, pair = t * top_k + q;
-        const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
-        vq_rotate_block(h + (size_t)pair * inter + b * block, inter - b * block, ent[8], block,
-                        hs + q * width + b * block);
+    int o0 = (blockIdx.x * VQR_WARPS + warp) * VQR_DOWN_ROWS;
+    int n = min(VQR_DOWN_ROWS, hidden - o0);
+    for (int q = 0; n > 0 && q < top_k; q++)
+        prefetch_rows(table + (size_t)ids[t * top_k + q] * ROUTED_ENTRY + 6, o0, n, blocks,
+                      row_bytes);
+    prefetch_book<P>(book, k);
+    if (hr) {
+        stage_floats(hr + (size_t)t * top_k * width, hs, top_k * width);
+    } else {
+        for (int c = warp; c < top_k * blocks; c += VQR_WARPS) {
+            int q = c / blocks, b = c % blocks, pair = t * top_k + q;
+            const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
+            vq_rotate_block(h + (size_t)pair * inter + b * block, inter - b * block, ent[8],
+                            block, hs + q * width + b * block);
+        }
     }
     __syncthreads();
-    int o0 = (blockIdx.x * VQR_WARPS + warp) * VQR_DOWN_ROWS;
-    if (o0 >= hidden) return;
+    if (n <= 0) return;
     float total[VQR_DOWN_ROWS];
 #pragma unroll
     for (int r = 0; r < VQR_DOWN_ROWS; r++) total[r] = 0.0f;
@@ -2985,20 +3066,20 @@ __device__ void routed_vq_down(const unsigned long long* __restrict__ table,
 
 #define VQR_ENTRY(P)                                                                           \
     extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP) routed_vq_gate_up_p##P(     \
-        const unsigned long long* table, const int* ids, int top_k, const float* x, float* h,  \
-        int inter, int hidden, const unsigned short* book, int k, int block,                   \
-        unsigned long long row_bytes) {                                                        \
+        const unsigned long long* table, const int* ids, int top_k, const float* x,            \
+        const float* xr, float* h, int inter, int hidden, const unsigned short* book, int k,   \
+        int block, unsigned long long row_bytes) {                                             \
         PDL_ENTRY();                                                                           \
-        routed_vq_gate_up<P>(table, ids, top_k, x, h, inter, hidden, book, k, block,           \
+        routed_vq_gate_up<P>(table, ids, top_k, x, xr, h, inter, hidden, book, k, block,       \
                              row_bytes);                                                       \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP) routed_vq_down_p##P(        \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
-        const float* h, float* out, int hidden, int inter, const unsigned short* book, int k,  \
-        int block, unsigned long long row_bytes) {                                             \
+        const float* h, const float* hr, float* out, int hidden, int inter,                    \
+        const unsigned short* book, int k, int block, unsigned long long row_bytes) {          \
         PDL_ENTRY();                                                                           \
-        routed_vq_down<P>(table, ids, weights, top_k, h, out, hidden, inter, book, k, block,   \
-                          row_bytes);                                                          \
+        routed_vq_down<P>(table, ids, weights, top_k, h, hr, out, hidden, inter, book, k,      \
+                          block, row_bytes);                                                   \
     }
 
 VQR_ENTRY(2)

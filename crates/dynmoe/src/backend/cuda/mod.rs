@@ -337,7 +337,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 85] = [
+const KERNEL_NAMES: [&str; 86] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -423,6 +423,7 @@ const KERNEL_NAMES: [&str; 85] = [
     "routed_vq_down_p4",
     "routed_vq_down_p8",
     "routed_vq_down_p16",
+    "routed_vq_rotate",
 ];
 
 /// PTX of [`SOURCE`] per architecture, compiled once per process.
@@ -2065,10 +2066,11 @@ impl Cuda {
 
     /// [`launch_routed`](Self::launch_routed) for experts at a VQ rung: the route kernel,
     /// then gate and up with the SiLU into the scratch, then down with each row's pairs
-    /// added, weighted, in order, into `out`. Every matrix has its own rotation seed, so
-    /// each block rotates the activations it reads itself. At most 65 535 pairs (the
-    /// grid's second dimension): callers go through
-    /// [`launch_routed_chunks`](Self::launch_routed_chunks).
+    /// added, weighted, in order, into `out`. Every matrix has its own rotation seed: in a
+    /// decode step each block rotates the activations it reads itself (a launch fewer);
+    /// for a prompt `routed_vq_rotate` rotates each pair's once, for every block of its
+    /// products to read. At most 65 535 pairs (the grid's second dimension): callers go
+    /// through [`launch_routed_chunks`](Self::launch_routed_chunks).
     #[allow(clippy::too_many_arguments)]
     fn launch_routed_vq(
         &self,
@@ -2090,10 +2092,50 @@ impl Cuda {
         let bits = shape.rung.index_bits as i32;
         let block = ((VQR_WARPS * 32) as u32, 1, 1);
         let width = |cols: usize, b: usize| cols.div_ceil(b) * b;
+        let (up_width, down_width) = (
+            width(hidden, shape.up_block),
+            width(inter, shape.down_block),
+        );
+        // A prompt's pairs rotated: [pairs, 2, up_width] for gate and up, then
+        // [pairs, down_width] for down. Null in a decode step.
+        let mut rotated = (rows > ROUTED_MAX_ROWS)
+            .then(|| self.grown(&self.vq_scratch, pairs * (2 * up_width + down_width)));
+        let (xr, hr) = match rotated.as_mut() {
+            Some(buf) => {
+                let at = buf.as_mut().expect("grown").device_ptr_mut(&self.stream).0;
+                (at, at + 4 * (pairs * 2 * up_width) as u64)
+            }
+            None => (0u64, 0u64),
+        };
+        // Rotates each pair's row of `src` (row pair / top_k, or row pair with `by_pair`)
+        // into `dst`, for `mats` matrices whose seeds sit at table word `seed_word` + 3m.
+        let rotate = |src: u64, by_pair: i32, dst: u64, cols: usize, b: usize, mats: usize| {
+            let chunks = mats * cols.div_ceil(b);
+            let seed_word: i32 = if by_pair == 0 { 2 } else { 8 };
+            let (ci, bi, mi) = (cols as i32, b as i32, mats as i32);
+            let mut l = self.launcher(self.func("routed_vq_rotate"));
+            l.arg(&r.table)
+                .arg(&ids)
+                .arg(&ki)
+                .arg(&src)
+                .arg(&by_pair)
+                .arg(&dst);
+            l.arg(&ci).arg(&bi).arg(&mi).arg(&seed_word);
+            let launch = LaunchConfig {
+                grid_dim: (chunks.div_ceil(VQR_WARPS) as u32, pairs as u32, 1),
+                block_dim: block,
+                shared_mem_bytes: 0,
+            };
+            ok(unsafe { l.launch(launch) }, "routed VQ rotation");
+        };
 
+        if xr != 0 {
+            // Gate's and up's seeds: table words 2 and 5.
+            rotate(x, 0, xr, hidden, shape.up_block, 2);
+        }
         let (b, rb) = (shape.up_block as i32, row_bytes(shape.rung, hidden) as u64);
         let mut l = self.launcher(self.func(&format!("routed_vq_gate_up_{suffix}")));
-        l.arg(&r.table).arg(&ids).arg(&ki).arg(&x).arg(&h);
+        l.arg(&r.table).arg(&ids).arg(&ki).arg(&x).arg(&xr).arg(&h);
         l.arg(&ri).arg(&hi).arg(&*book).arg(&bits).arg(&b).arg(&rb);
         let gate_up = LaunchConfig {
             grid_dim: (
@@ -2102,18 +2144,18 @@ impl Cuda {
                 1,
             ),
             block_dim: block,
-            shared_mem_bytes: (2 * width(hidden, shape.up_block) * 4) as u32,
+            shared_mem_bytes: (2 * up_width * 4) as u32,
         };
         ok(unsafe { l.launch(gate_up) }, "routed VQ gate/up");
 
+        if hr != 0 {
+            // Down's seed: table word 8.
+            rotate(h, 1, hr, inter, shape.down_block, 1);
+        }
         let (b, rb) = (shape.down_block as i32, row_bytes(shape.rung, inter) as u64);
         let mut l = self.launcher(self.func(&format!("routed_vq_down_{suffix}")));
-        l.arg(&r.table)
-            .arg(&ids)
-            .arg(&weights)
-            .arg(&ki)
-            .arg(&h)
-            .arg(&out);
+        l.arg(&r.table).arg(&ids).arg(&weights).arg(&ki);
+        l.arg(&h).arg(&hr).arg(&out);
         l.arg(&hi).arg(&ri).arg(&*book).arg(&bits).arg(&b).arg(&rb);
         let down = LaunchConfig {
             grid_dim: (
