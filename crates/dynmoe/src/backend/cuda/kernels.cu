@@ -2793,28 +2793,23 @@ VQ_ENTRY(16)
 // shared memory serves all of them. Codewords are read from global memory through L1:
 // the rows of one block touch most of a book, and a book is up to 1 MiB. An expert's
 // table entry (ROUTED_ENTRY words) holds the codes, the norms and the rotation seed of
-// gate, up and down in turn.
+// gate, up and down in turn, the seed as its rotation's sign bits (bit i of word w set
+// where entry 32w + i is −1, made on the host once per matrix): hashing each entry's
+// sign here cost more than the rest of the rotation.
 #define VQR_WARPS 8
 #define VQR_GATE_UP_ROWS 4
 #define VQR_DOWN_ROWS 2
 
-// The k-bit index at bit `at` of `words`, by two aligned 32-bit loads (the device codes'
-// padding keeps the second load inside the copy).
-__device__ __forceinline__ unsigned vq_index_word(const unsigned* words, size_t at, int k) {
-    size_t w = at >> 5;
-    unsigned long long v = (unsigned long long)words[w] | ((unsigned long long)words[w + 1] << 32);
-    return (unsigned)(v >> (at & 31)) & ((1u << k) - 1u);
-}
-
 template <int V>
-__device__ __forceinline__ void vq_rotate_warp(const float* src, int valid, unsigned long long seed,
+__device__ __forceinline__ void vq_rotate_warp(const float* src, int valid, const unsigned* signs,
                                                float* dst) {
     int lane = threadIdx.x % WARP;
     float a[V];
 #pragma unroll
     for (int r = 0; r < V; r++) {
         int i = r * WARP + lane;
-        a[r] = i < valid ? src[i] * vq_sign(seed, i) : 0.0f;
+        float v = i < valid ? src[i] : 0.0f;
+        a[r] = (signs[r] >> lane) & 1u ? -v : v;
     }
 #pragma unroll
     for (int m = 1; m < WARP; m *= 2) {
@@ -2873,21 +2868,28 @@ __device__ __forceinline__ void prefetch_book(const unsigned short* book, int k)
 }
 
 // dst[0 .. block) = H D src[0 .. block) / √block by the calling warp, src read as zeros
-// from `valid` on. `block` is a power of two from 32 to 1024 (the host checks).
-__device__ __forceinline__ void vq_rotate_block(const float* src, int valid,
-                                                unsigned long long seed, int block, float* dst) {
+// from `valid` on, D's signs as bits (`signs`, block / 32 words). `block` is a power of
+// two from 32 to 1024 (the host checks).
+__device__ __forceinline__ void vq_rotate_block(const float* src, int valid, const unsigned* signs,
+                                                int block, float* dst) {
     switch (block) {
-    case 32: vq_rotate_warp<1>(src, valid, seed, dst); break;
-    case 64: vq_rotate_warp<2>(src, valid, seed, dst); break;
-    case 128: vq_rotate_warp<4>(src, valid, seed, dst); break;
-    case 256: vq_rotate_warp<8>(src, valid, seed, dst); break;
-    case 512: vq_rotate_warp<16>(src, valid, seed, dst); break;
-    default: vq_rotate_warp<32>(src, valid, seed, dst); break;
+    case 32: vq_rotate_warp<1>(src, valid, signs, dst); break;
+    case 64: vq_rotate_warp<2>(src, valid, signs, dst); break;
+    case 128: vq_rotate_warp<4>(src, valid, signs, dst); break;
+    case 256: vq_rotate_warp<8>(src, valid, signs, dst); break;
+    case 512: vq_rotate_warp<16>(src, valid, signs, dst); break;
+    default: vq_rotate_warp<32>(src, valid, signs, dst); break;
     }
 }
 
+__device__ __forceinline__ const unsigned* signs_of(const unsigned long long* m) {
+    return reinterpret_cast<const unsigned*>(m[2]);
+}
+
 // out[r] = row o0 + r of the matrix · the rotated activations `xs` (shared memory), for
-// the calling warp's ROWS rows from o0 (those below `rows`), in every lane.
+// the calling warp's ROWS rows from o0 (those below `rows`), in every lane. Lane l takes
+// vectors l, l + 32, ...: 32 vectors are 32·k bits, k whole words, so a lane's index
+// sits at the same shift in every round, read by one funnel shift of two aligned words.
 template <int P, int ROWS>
 __device__ __forceinline__ void vq_rows(const unsigned* __restrict__ codes,
                                         const unsigned short* __restrict__ norms,
@@ -2895,13 +2897,25 @@ __device__ __forceinline__ void vq_rows(const unsigned* __restrict__ codes,
                                         int o0, int rows, int k, int block, int blocks,
                                         size_t row_bytes, float (&out)[ROWS]) {
     int lane = threadIdx.x % WARP;
-    int vectors = blocks * block / P, per_block = block / P, n = min(ROWS, rows - o0);
+    int vectors = blocks * block / P, n = min(ROWS, rows - o0);
+    int block_shift = __ffs(block / P) - 1;
     float inv_root = 1.0f / sqrtf((float)block);
+    unsigned mask = (1u << k) - 1u;
+    const unsigned* words[ROWS];
+    const unsigned short* norm[ROWS];
+    int shift[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        size_t bit = (size_t)(o0 + min(r, n - 1)) * row_bytes * 8 + (size_t)lane * k;
+        words[r] = codes + (bit >> 5);
+        shift[r] = (int)(bit & 31);
+        norm[r] = norms + (size_t)(o0 + min(r, n - 1)) * blocks;
+    }
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
 #pragma unroll 2
-    for (int j = lane; j < vectors; j += WARP) {
+    for (int j = lane, w = 0; j < vectors; j += WARP, w += k) {
         float xv[P];
         if constexpr (P == 2) {
             float2 v = *reinterpret_cast<const float2*>(xs + (size_t)j * P);
@@ -2917,18 +2931,17 @@ __device__ __forceinline__ void vq_rows(const unsigned* __restrict__ codes,
                 xv[4 * q + 3] = v.w;
             }
         }
-        int b = j / per_block;
+        int b = j >> block_shift;
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             if (r < n) {
-                size_t o = (size_t)(o0 + r);
+                unsigned idx = __funnelshift_r(words[r][w], words[r][w + 1], shift[r]) & mask;
                 float cw[P];
-                vq_codeword<P>(book, vq_index_word(codes, o * row_bytes * 8 + (size_t)j * k, k),
-                               cw);
+                vq_codeword<P>(book, idx, cw);
                 float d = 0.0f;
 #pragma unroll
                 for (int q = 0; q < P; q++) d += cw[q] * xv[q];
-                acc[r] += half_bits(norms[o * blocks + b]) * inv_root * d;
+                acc[r] += half_bits(norm[r][b]) * inv_root * d;
             }
         }
     }
@@ -2944,12 +2957,12 @@ __device__ __forceinline__ void stage_floats(const float* src, float* dst, int n
 
 // A prompt's routed pairs' activations rotated once each, for the products to stage
 // rather than rotate in every block: warp blockIdx.x · VQR_WARPS + warp of pair
-// blockIdx.y rotates block b of matrix m (of `mats`, seeds at table word
-// seed_word + 3m) of the pair's source row (row pair / top_k of `src`, or row pair with
+// blockIdx.y rotates block b of matrix m (of `mats`, sign bits at table word
+// signs_word + 3m) of the pair's source row (row pair / top_k of `src`, or row pair with
 // `by_pair`) into dst[pair, m, b · block ..].
 extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP)
     routed_vq_rotate(const unsigned long long* table, const int* ids, int top_k, const float* src,
-                     int by_pair, float* dst, int cols, int block, int mats, int seed_word) {
+                     int by_pair, float* dst, int cols, int block, int mats, int signs_word) {
     PDL_ENTRY();
     int pair = blockIdx.y, c = blockIdx.x * VQR_WARPS + threadIdx.x / WARP;
     int blocks = (cols + block - 1) / block, width = blocks * block;
@@ -2957,7 +2970,8 @@ extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP)
     int m = c / blocks, b = c % blocks;
     const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
     const float* row = src + (size_t)(by_pair ? pair : pair / top_k) * cols;
-    vq_rotate_block(row + b * block, cols - b * block, ent[seed_word + 3 * m], block,
+    vq_rotate_block(row + b * block, cols - b * block,
+                    reinterpret_cast<const unsigned*>(ent[signs_word + 3 * m]), block,
                     dst + ((size_t)pair * mats + m) * width + b * block);
 }
 
@@ -2990,7 +3004,7 @@ __device__ void routed_vq_gate_up(const unsigned long long* __restrict__ table,
     } else {
         for (int c = warp; c < 2 * blocks; c += VQR_WARPS) {
             int m = c / blocks, b = c % blocks;
-            vq_rotate_block(xt + b * block, hidden - b * block, ent[3 * m + 2], block,
+            vq_rotate_block(xt + b * block, hidden - b * block, signs_of(ent + 3 * m), block,
                             xs + m * width + b * block);
         }
     }
@@ -3038,8 +3052,8 @@ __device__ void routed_vq_down(const unsigned long long* __restrict__ table,
         for (int c = warp; c < top_k * blocks; c += VQR_WARPS) {
             int q = c / blocks, b = c % blocks, pair = t * top_k + q;
             const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
-            vq_rotate_block(h + (size_t)pair * inter + b * block, inter - b * block, ent[8],
-                            block, hs + q * width + b * block);
+            vq_rotate_block(h + (size_t)pair * inter + b * block, inter - b * block,
+                            signs_of(ent + 6), block, hs + q * width + b * block);
         }
     }
     __syncthreads();

@@ -55,7 +55,7 @@ use super::{
 use crate::codec::affine::kernels::AffineView;
 use crate::codec::affine::lowbit::words_per_row;
 use crate::codec::affine::GROUP_SIZE;
-use crate::codec::vq::{row_bytes, Rung, VqView};
+use crate::codec::vq::{rotation, row_bytes, Rung, VqView};
 use crate::store::Layout;
 
 /// The kernels' CUDA C source.
@@ -234,6 +234,9 @@ struct DeviceVq {
     codes: CudaSlice<u8>,
     /// `[rows, blocks]` fp16 norms, their raw bits.
     norms: CudaSlice<u16>,
+    /// The rotation's signs as bits (bit i of word w set where entry 32w + i is −1), for
+    /// the routed kernels.
+    signs: CudaSlice<u32>,
     /// The rotation seed (one per matrix of a model, so a slot refilled with another
     /// expert differs here), host code bytes sampled when it was copied (first, middle,
     /// last) and the norms' first bits: a re-mapped record is never served stale weights.
@@ -1218,9 +1221,16 @@ impl Cuda {
         let mut head = codes.slice_mut(..n);
         ok(self.stream.memcpy_htod(&w.codes[..n], &mut head), "upload");
         let norms = &w.norms[..w.rows * w.blocks()];
+        let mut signs = vec![0u32; w.block.div_ceil(32)];
+        for (i, s) in rotation::signs(w.seed, w.block).iter().enumerate() {
+            if *s < 0.0 {
+                signs[i / 32] |= 1 << (i % 32);
+            }
+        }
         let d = Arc::new(DeviceVq {
             codes,
             norms: ok(self.stream.clone_htod(norms.reinterpret_cast()), "upload"),
+            signs: ok(self.stream.clone_htod(&signs), "upload"),
             fingerprint: print,
         });
         cache.insert(key, d.clone());
@@ -1842,7 +1852,7 @@ impl Cuda {
 
     /// Copies every expert of a block to the device and tables their pointers: gate, up
     /// and down in turn, each as its codes, then its scales and biases (affine) or its
-    /// norms and rotation seed (VQ).
+    /// norms and rotation sign bits (VQ).
     fn build_routed(
         &self,
         experts: &RoutedExperts<'_, DeviceMatrix>,
@@ -1897,7 +1907,7 @@ impl Cuda {
                         let dev = self.device_vq(&m);
                         table.push(dev.codes.device_ptr(&self.stream).0);
                         table.push(dev.norms.device_ptr(&self.stream).0);
-                        table.push(m.seed);
+                        table.push(dev.signs.device_ptr(&self.stream).0);
                         weights.push(dev);
                     }
                 }
@@ -2108,10 +2118,11 @@ impl Cuda {
             None => (0u64, 0u64),
         };
         // Rotates each pair's row of `src` (row pair / top_k, or row pair with `by_pair`)
-        // into `dst`, for `mats` matrices whose seeds sit at table word `seed_word` + 3m.
+        // into `dst`, for `mats` matrices whose sign bits sit at table word
+        // `signs_word` + 3m.
         let rotate = |src: u64, by_pair: i32, dst: u64, cols: usize, b: usize, mats: usize| {
             let chunks = mats * cols.div_ceil(b);
-            let seed_word: i32 = if by_pair == 0 { 2 } else { 8 };
+            let signs_word: i32 = if by_pair == 0 { 2 } else { 8 };
             let (ci, bi, mi) = (cols as i32, b as i32, mats as i32);
             let mut l = self.launcher(self.func("routed_vq_rotate"));
             l.arg(&r.table)
@@ -2120,7 +2131,7 @@ impl Cuda {
                 .arg(&src)
                 .arg(&by_pair)
                 .arg(&dst);
-            l.arg(&ci).arg(&bi).arg(&mi).arg(&seed_word);
+            l.arg(&ci).arg(&bi).arg(&mi).arg(&signs_word);
             let launch = LaunchConfig {
                 grid_dim: (chunks.div_ceil(VQR_WARPS) as u32, pairs as u32, 1),
                 block_dim: block,
@@ -2130,7 +2141,7 @@ impl Cuda {
         };
 
         if xr != 0 {
-            // Gate's and up's seeds: table words 2 and 5.
+            // Gate's and up's sign bits: table words 2 and 5.
             rotate(x, 0, xr, hidden, shape.up_block, 2);
         }
         let (b, rb) = (shape.up_block as i32, row_bytes(shape.rung, hidden) as u64);
@@ -2149,7 +2160,7 @@ impl Cuda {
         ok(unsafe { l.launch(gate_up) }, "routed VQ gate/up");
 
         if hr != 0 {
-            // Down's seed: table word 8.
+            // Down's sign bits: table word 8.
             rotate(h, 1, hr, inter, shape.down_block, 1);
         }
         let (b, rb) = (shape.down_block as i32, row_bytes(shape.rung, inter) as u64);
