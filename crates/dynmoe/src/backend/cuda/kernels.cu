@@ -2790,8 +2790,10 @@ VQ_ENTRY(16)
 // conflicts. Before rotating, each warp asks for its rows' codes (and the block for a
 // small book) to be brought into L1, so the lookups after it do not wait on HBM. A warp
 // then takes several output rows at once, so that each rotated value it reads from
-// shared memory serves all of them. Codewords are read from global memory through L1:
-// the rows of one block touch most of a book, and a book is up to 1 MiB. An expert's
+// shared memory serves all of them. A book that fits (the host decides, `book_shared`)
+// is copied into shared memory first: the rows of one block touch most of it, and a
+// warp's 32 scattered codeword loads cost far more through L1 than from shared memory.
+// Larger books (up to 1 MiB) are read from global memory through L1. An expert's
 // table entry (ROUTED_ENTRY words) holds the codes, the norms and the rotation seed of
 // gate, up and down in turn, the seed as its rotation's sign bits (bit i of word w set
 // where entry 32w + i is −1, made on the host once per matrix): hashing each entry's
@@ -2849,6 +2851,22 @@ __device__ __forceinline__ void prefetch_lines(const void* p, size_t bytes) {
 
 // Books up to this size are fetched into L1 by every block before its lookups.
 #define VQR_PREFETCH_BOOK (64 << 10)
+
+// The dynamic shared memory of a routed VQ block: the book first when `book_shared`
+// (copied in, 16 bytes a thread at a time), then the rotated activations. Returns the
+// book to look codewords up in and sets `xs`.
+template <int P>
+__device__ __forceinline__ const unsigned short* vqr_shared_book(const unsigned short* book, int k,
+                                                                 int book_shared, float*& xs) {
+    extern __shared__ float4 vqr_shared[];
+    xs = reinterpret_cast<float*>(vqr_shared);
+    if (!book_shared) return book;
+    int n4 = (int)(((size_t)P << k) * 2 / 16);
+    for (int i = threadIdx.x; i < n4; i += blockDim.x)
+        vqr_shared[i] = reinterpret_cast<const float4*>(book)[i];
+    xs = reinterpret_cast<float*>(vqr_shared + n4);
+    return reinterpret_cast<const unsigned short*>(vqr_shared);
+}
 
 // The warp's ROWS rows from o0 of a matrix (codes and norms) into L1.
 __device__ __forceinline__ void prefetch_rows(const unsigned long long* m, int o0, int n,
@@ -2985,9 +3003,7 @@ __device__ void routed_vq_gate_up(const unsigned long long* __restrict__ table,
                                   const float* __restrict__ x, const float* __restrict__ xr,
                                   float* __restrict__ h, int inter, int hidden,
                                   const unsigned short* __restrict__ book, int k, int block,
-                                  size_t row_bytes) {
-    extern __shared__ float4 vqr_shared[];
-    float* xs = reinterpret_cast<float*>(vqr_shared);
+                                  size_t row_bytes, int book_shared) {
     int pair = blockIdx.y, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     int blocks = (hidden + block - 1) / block, width = blocks * block;
     const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
@@ -2998,7 +3014,9 @@ __device__ void routed_vq_gate_up(const unsigned long long* __restrict__ table,
         prefetch_rows(ent, o0, n, blocks, row_bytes);
         prefetch_rows(ent + 3, o0, n, blocks, row_bytes);
     }
-    prefetch_book<P>(book, k);
+    float* xs;
+    if (!book_shared) prefetch_book<P>(book, k);
+    const unsigned short* bk = vqr_shared_book<P>(book, k, book_shared, xs);
     if (xr) {
         stage_floats(xr + (size_t)pair * 2 * width, xs, 2 * width);
     } else {
@@ -3012,11 +3030,11 @@ __device__ void routed_vq_gate_up(const unsigned long long* __restrict__ table,
     if (n <= 0) return;
     float g[VQR_GATE_UP_ROWS], u[VQR_GATE_UP_ROWS];
     vq_rows<P, VQR_GATE_UP_ROWS>(reinterpret_cast<const unsigned*>(ent[0]),
-                                 reinterpret_cast<const unsigned short*>(ent[1]), book, xs, o0,
+                                 reinterpret_cast<const unsigned short*>(ent[1]), bk, xs, o0,
                                  inter, k, block, blocks, row_bytes, g);
     vq_rows<P, VQR_GATE_UP_ROWS>(reinterpret_cast<const unsigned*>(ent[3]),
-                                 reinterpret_cast<const unsigned short*>(ent[4]), book,
-                                 xs + width, o0, inter, k, block, blocks, row_bytes, u);
+                                 reinterpret_cast<const unsigned short*>(ent[4]), bk, xs + width,
+                                 o0, inter, k, block, blocks, row_bytes, u);
 #pragma unroll
     for (int r = 0; r < VQR_GATE_UP_ROWS; r++) {
         if (lane == r && o0 + r < inter) {
@@ -3035,9 +3053,7 @@ __device__ void routed_vq_down(const unsigned long long* __restrict__ table,
                                int top_k, const float* __restrict__ h,
                                const float* __restrict__ hr, float* __restrict__ out, int hidden,
                                int inter, const unsigned short* __restrict__ book, int k,
-                               int block, size_t row_bytes) {
-    extern __shared__ float4 vqr_shared[];
-    float* hs = reinterpret_cast<float*>(vqr_shared);
+                               int block, size_t row_bytes, int book_shared) {
     int t = blockIdx.y, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     int blocks = (inter + block - 1) / block, width = blocks * block;
     int o0 = (blockIdx.x * VQR_WARPS + warp) * VQR_DOWN_ROWS;
@@ -3045,7 +3061,9 @@ __device__ void routed_vq_down(const unsigned long long* __restrict__ table,
     for (int q = 0; n > 0 && q < top_k; q++)
         prefetch_rows(table + (size_t)ids[t * top_k + q] * ROUTED_ENTRY + 6, o0, n, blocks,
                       row_bytes);
-    prefetch_book<P>(book, k);
+    float* hs;
+    if (!book_shared) prefetch_book<P>(book, k);
+    const unsigned short* bk = vqr_shared_book<P>(book, k, book_shared, hs);
     if (hr) {
         stage_floats(hr + (size_t)t * top_k * width, hs, top_k * width);
     } else {
@@ -3066,7 +3084,7 @@ __device__ void routed_vq_down(const unsigned long long* __restrict__ table,
         const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
         float d[VQR_DOWN_ROWS];
         vq_rows<P, VQR_DOWN_ROWS>(reinterpret_cast<const unsigned*>(ent[6]),
-                                  reinterpret_cast<const unsigned short*>(ent[7]), book,
+                                  reinterpret_cast<const unsigned short*>(ent[7]), bk,
                                   hs + q * width, o0, hidden, k, block, blocks, row_bytes, d);
         float w = weights[pair];
 #pragma unroll
@@ -3082,18 +3100,19 @@ __device__ void routed_vq_down(const unsigned long long* __restrict__ table,
     extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP) routed_vq_gate_up_p##P(     \
         const unsigned long long* table, const int* ids, int top_k, const float* x,            \
         const float* xr, float* h, int inter, int hidden, const unsigned short* book, int k,   \
-        int block, unsigned long long row_bytes) {                                             \
+        int block, unsigned long long row_bytes, int book_shared) {                            \
         PDL_ENTRY();                                                                           \
         routed_vq_gate_up<P>(table, ids, top_k, x, xr, h, inter, hidden, book, k, block,       \
-                             row_bytes);                                                       \
+                             row_bytes, book_shared);                                          \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP) routed_vq_down_p##P(        \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
         const float* h, const float* hr, float* out, int hidden, int inter,                    \
-        const unsigned short* book, int k, int block, unsigned long long row_bytes) {          \
+        const unsigned short* book, int k, int block, unsigned long long row_bytes,            \
+        int book_shared) {                                                                     \
         PDL_ENTRY();                                                                           \
         routed_vq_down<P>(table, ids, weights, top_k, h, hr, out, hidden, inter, book, k,      \
-                          block, row_bytes);                                                   \
+                          block, row_bytes, book_shared);                                      \
     }
 
 VQR_ENTRY(2)

@@ -105,6 +105,9 @@ const RMMA_ROWS: usize = 16;
 const VQR_WARPS: usize = 8;
 const VQR_GATE_UP_ROWS: usize = 4;
 const VQR_DOWN_ROWS: usize = 2;
+/// Largest book the routed VQ kernels copy into shared memory (vq1.5's and vq0.7's; the
+/// kernels' `VQR_PREFETCH_BOOK` too).
+const VQR_SHARED_BOOK: usize = 64 << 10;
 const RMMA_WARPS: usize = 8;
 /// Shared memory of a staged 64-column unit of a `routed_mma_*` block: its f16 hi and lo
 /// fragments (`RMMA_UNIT` words) and its sum.
@@ -667,6 +670,9 @@ pub struct Cuda {
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
     /// none; the device's per-block limit decides).
     tiled_head_dim: usize,
+    /// Dynamic shared memory the routed VQ kernels may take (their book beside their
+    /// activations).
+    vq_routed_shared: usize,
     /// Streaming multiprocessors of the device: what a launch needs blocks enough to fill.
     sms: usize,
     /// Whether kernels launch with programmatic dependent launch (the `launch` module):
@@ -1017,6 +1023,18 @@ impl Cuda {
             }
             tiled_head_dim = width;
         }
+        // The routed VQ kernels copy a book of up to VQR_SHARED_BOOK into shared memory
+        // beside their activations; without the opt-in they read it through L1.
+        let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        let vq_routed_shared = if KERNEL_NAMES
+            .iter()
+            .filter(|n| n.starts_with("routed_vq_gate_up") || n.starts_with("routed_vq_down"))
+            .all(|n| f[n].set_attribute(attr, optin as i32).is_ok())
+        {
+            optin
+        } else {
+            SHARED_LIMIT
+        };
         // A stream of its own: the legacy default stream cannot be recorded into a graph.
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
@@ -1049,6 +1067,7 @@ impl Cuda {
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
             prefill_attention: Switch::new(PrefillAttention::from_env()),
             tiled_head_dim,
+            vq_routed_shared,
             sms,
         })
     }
@@ -2144,10 +2163,22 @@ impl Cuda {
             // Gate's and up's sign bits: table words 2 and 5.
             rotate(x, 0, xr, hidden, shape.up_block, 2);
         }
+        // The book goes into shared memory beside the activations when both fit.
+        let book_bytes = vq_book_bytes(shape.rung);
+        let with_book = |activations: usize| {
+            let shared =
+                book_bytes <= VQR_SHARED_BOOK && book_bytes + activations <= self.vq_routed_shared;
+            (
+                shared as i32,
+                activations + if shared { book_bytes } else { 0 },
+            )
+        };
         let (b, rb) = (shape.up_block as i32, row_bytes(shape.rung, hidden) as u64);
+        let (book_shared, bytes) = with_book(2 * up_width * 4);
         let mut l = self.launcher(self.func(&format!("routed_vq_gate_up_{suffix}")));
         l.arg(&r.table).arg(&ids).arg(&ki).arg(&x).arg(&xr).arg(&h);
         l.arg(&ri).arg(&hi).arg(&*book).arg(&bits).arg(&b).arg(&rb);
+        l.arg(&book_shared);
         let gate_up = LaunchConfig {
             grid_dim: (
                 inter.div_ceil(VQR_WARPS * VQR_GATE_UP_ROWS) as u32,
@@ -2155,7 +2186,7 @@ impl Cuda {
                 1,
             ),
             block_dim: block,
-            shared_mem_bytes: (2 * up_width * 4) as u32,
+            shared_mem_bytes: bytes as u32,
         };
         ok(unsafe { l.launch(gate_up) }, "routed VQ gate/up");
 
@@ -2168,6 +2199,8 @@ impl Cuda {
         l.arg(&r.table).arg(&ids).arg(&weights).arg(&ki);
         l.arg(&h).arg(&hr).arg(&out);
         l.arg(&hi).arg(&ri).arg(&*book).arg(&bits).arg(&b).arg(&rb);
+        let (book_shared, bytes) = with_book(shape.down_shared(k));
+        l.arg(&book_shared);
         let down = LaunchConfig {
             grid_dim: (
                 hidden.div_ceil(VQR_WARPS * VQR_DOWN_ROWS) as u32,
@@ -2175,7 +2208,7 @@ impl Cuda {
                 1,
             ),
             block_dim: block,
-            shared_mem_bytes: shape.down_shared(k) as u32,
+            shared_mem_bytes: bytes as u32,
         };
         ok(unsafe { l.launch(down) }, "routed VQ down");
     }
