@@ -2798,9 +2798,13 @@ VQ_ENTRY(16)
 // gate, up and down in turn, the seed as its rotation's sign bits (bit i of word w set
 // where entry 32w + i is −1, made on the host once per matrix): hashing each entry's
 // sign here cost more than the rest of the rotation.
-#define VQR_WARPS 8
-#define VQR_GATE_UP_ROWS 4
-#define VQR_DOWN_ROWS 2
+// The kernels wait on dependent loads (code words, then codewords), so they want many
+// warps: 16 a block, two blocks an SM beside a 64 KiB book (64 registers a thread), and
+// few rows a warp (under Nsight Compute 8 warps of 4 and 2 rows issued an instruction
+// every 5 cycles per scheduler).
+#define VQR_WARPS 16
+#define VQR_GATE_UP_ROWS 2
+#define VQR_DOWN_ROWS 1
 
 template <int V>
 __device__ __forceinline__ void vq_rotate_warp(const float* src, int valid, const unsigned* signs,
@@ -3097,7 +3101,7 @@ __device__ void routed_vq_down(const unsigned long long* __restrict__ table,
 }
 
 #define VQR_ENTRY(P)                                                                           \
-    extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP) routed_vq_gate_up_p##P(     \
+    extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP, 2) routed_vq_gate_up_p##P(  \
         const unsigned long long* table, const int* ids, int top_k, const float* x,            \
         const float* xr, float* h, int inter, int hidden, const unsigned short* book, int k,   \
         int block, unsigned long long row_bytes, int book_shared) {                            \
@@ -3105,7 +3109,7 @@ __device__ void routed_vq_down(const unsigned long long* __restrict__ table,
         routed_vq_gate_up<P>(table, ids, top_k, x, xr, h, inter, hidden, book, k, block,       \
                              row_bytes, book_shared);                                          \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP) routed_vq_down_p##P(        \
+    extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP, 2) routed_vq_down_p##P(     \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
         const float* h, const float* hr, float* out, int hidden, int inter,                    \
         const unsigned short* book, int k, int block, unsigned long long row_bytes,            \

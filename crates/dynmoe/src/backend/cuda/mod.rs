@@ -102,9 +102,9 @@ const MV_ONE_COLS: usize = 2048;
 const RMMA_ROWS: usize = 16;
 /// Warps of a `routed_vq_*` block, and the output rows each takes at once in gate/up and
 /// in down (the kernels' `VQR_WARPS`, `VQR_GATE_UP_ROWS`, `VQR_DOWN_ROWS`).
-const VQR_WARPS: usize = 8;
-const VQR_GATE_UP_ROWS: usize = 4;
-const VQR_DOWN_ROWS: usize = 2;
+const VQR_WARPS: usize = 16;
+const VQR_GATE_UP_ROWS: usize = 2;
+const VQR_DOWN_ROWS: usize = 1;
 /// Largest book the routed VQ kernels copy into shared memory (vq1.5's and vq0.7's; the
 /// kernels' `VQR_PREFETCH_BOOK` too).
 const VQR_SHARED_BOOK: usize = 64 << 10;
