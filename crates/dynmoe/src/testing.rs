@@ -115,6 +115,14 @@ pub fn fixture_copy(name: &str) -> TempDir {
     dir
 }
 
+/// Mean and (population) standard deviation of `v`, in f64.
+pub fn mean_std(v: &[f32]) -> (f64, f64) {
+    let n = v.len() as f64;
+    let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+    let var = v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+    (mean, var.sqrt())
+}
+
 /// A Qwen3-MoE shape small enough for tests of synthetic directories (a few MB written,
 /// with the small-moe fixture's tokenizer and its 8192-entry vocabulary): an expert width
 /// of 96, which is neither a multiple of 64 (affine stores pad it) nor of a rotation

@@ -15,19 +15,7 @@ use dynmoe::testing::{fixture, TempDir};
 
 /// A small Qwen3-MoE shape: intermediate 96 is not a multiple of 64, so the stored
 /// columns are padded as in the fixtures.
-const SHAPE: Shape = Shape {
-    name: "tiny-synth",
-    hidden: 128,
-    moe_intermediate: 96,
-    layers: 3,
-    heads: 4,
-    kv_heads: 2,
-    head_dim: 32,
-    experts: 8,
-    top_k: 2,
-    vocab: 8192,
-    rope_theta: 1e6,
-};
+const SHAPE: Shape = dynmoe::testing::TINY_SHAPE;
 
 fn write(dir: &Path, bits: &[u32], seed: u64) -> ConvertedReport {
     synth_converted(

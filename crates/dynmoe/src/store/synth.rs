@@ -485,6 +485,7 @@ mod tests {
     use super::*;
     use crate::codec::affine::lowbit::dequantize;
     use crate::store::layout::get_u32s;
+    use crate::testing::mean_std;
 
     fn decoded(record: &[u8], layout: &Layout) -> Vec<f32> {
         let bf16s = |b: &[u8]| -> Vec<bf16> {
@@ -506,13 +507,6 @@ mod tests {
                 )
             })
             .collect()
-    }
-
-    fn mean_std(v: &[f32]) -> (f64, f64) {
-        let n = v.len() as f64;
-        let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
-        let var = v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
-        (mean, var.sqrt())
     }
 
     /// Decoded weights have mean zero and the intended spread at 4 bits; at 2 and 3 bits

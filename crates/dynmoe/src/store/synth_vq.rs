@@ -299,16 +299,10 @@ mod tests {
     use super::*;
     use crate::codec::vq::get_bits;
     use crate::store::vq::{record_views, RecordHeader};
+    use crate::testing::mean_std;
 
     fn rung(name: &str) -> Rung {
         Rung::parse(name).unwrap()
-    }
-
-    fn mean_std(v: &[f32]) -> (f64, f64) {
-        let n = v.len() as f64;
-        let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
-        let var = v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
-        (mean, var.sqrt())
     }
 
     /// Decoded through the reference decoder (codewords looked up, rotation undone),
