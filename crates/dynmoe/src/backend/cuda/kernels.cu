@@ -2794,10 +2794,10 @@ VQ_ENTRY(16)
 // is copied into shared memory first: the rows of one block touch most of it, and a
 // warp's 32 scattered codeword loads cost far more through L1 than from shared memory.
 // Larger books (up to 1 MiB) are read from global memory through L1. An expert's
-// table entry (ROUTED_ENTRY words) holds the codes, the norms and the rotation seed of
-// gate, up and down in turn, the seed as its rotation's sign bits (bit i of word w set
-// where entry 32w + i is −1, made on the host once per matrix): hashing each entry's
-// sign here cost more than the rest of the rotation.
+// table entry (ROUTED_ENTRY words) holds the codes, the norms and the rotation's sign
+// bits of gate, up and down in turn (bit i of word w set where entry 32w + i is −1, made
+// on the host once per matrix: hashing each entry's sign here cost more than the rest of
+// the rotation).
 // The kernels wait on dependent loads (code words, then codewords), so they want many
 // warps: 16 a block, two blocks an SM beside a 64 KiB book (64 registers a thread), and
 // few rows a warp (under Nsight Compute 8 warps of 4 and 2 rows issued an instruction
@@ -2856,20 +2856,11 @@ __device__ __forceinline__ void prefetch_lines(const void* p, size_t bytes) {
 // Books up to this size are fetched into L1 by every block before its lookups.
 #define VQR_PREFETCH_BOOK (64 << 10)
 
-// The dynamic shared memory of a routed VQ block: the book first when `book_shared`
-// (copied in, 16 bytes a thread at a time), then the rotated activations. Returns the
-// book to look codewords up in and sets `xs`.
-template <int P>
-__device__ __forceinline__ const unsigned short* vqr_shared_book(const unsigned short* book, int k,
-                                                                 int book_shared, float*& xs) {
-    extern __shared__ float4 vqr_shared[];
-    xs = reinterpret_cast<float*>(vqr_shared);
-    if (!book_shared) return book;
-    int n4 = (int)(((size_t)P << k) * 2 / 16);
-    for (int i = threadIdx.x; i < n4; i += blockDim.x)
-        vqr_shared[i] = reinterpret_cast<const float4*>(book)[i];
-    xs = reinterpret_cast<float*>(vqr_shared + n4);
-    return reinterpret_cast<const unsigned short*>(vqr_shared);
+// Copies n floats (n a multiple of 4, both 16-byte aligned) into shared memory, 16
+// bytes a thread at a time; the bits are copied as they are.
+__device__ __forceinline__ void stage_floats(const float* src, float* dst, int n) {
+    for (int i = threadIdx.x; i < n / 4; i += blockDim.x)
+        reinterpret_cast<float4*>(dst)[i] = reinterpret_cast<const float4*>(src)[i];
 }
 
 // The warp's ROWS rows from o0 of a matrix (codes and norms) into L1.
@@ -2880,13 +2871,25 @@ __device__ __forceinline__ void prefetch_rows(const unsigned long long* m, int o
                    (size_t)n * blocks * 2);
 }
 
-// Every block's share of a small book into L1 (all of it: blocks on one SM share L1).
+// The dynamic shared memory of a routed VQ block: the book first when `book_shared`,
+// then the rotated activations. Returns the book to look codewords up in and sets `xs`.
+// A book left in global memory is asked into L1 when small (all of it by every block:
+// blocks on one SM share L1).
 template <int P>
-__device__ __forceinline__ void prefetch_book(const unsigned short* book, int k) {
+__device__ __forceinline__ const unsigned short* vqr_shared_book(const unsigned short* book, int k,
+                                                                 int book_shared, float*& xs) {
+    extern __shared__ float4 vqr_shared[];
     size_t bytes = ((size_t)P << k) * 2;
-    if (bytes > VQR_PREFETCH_BOOK) return;
-    for (size_t at = threadIdx.x * 128; at < bytes; at += blockDim.x * 128)
-        prefetch_l1(reinterpret_cast<const char*>(book) + at);
+    xs = reinterpret_cast<float*>(vqr_shared);
+    if (!book_shared) {
+        for (size_t at = threadIdx.x * 128; bytes <= VQR_PREFETCH_BOOK && at < bytes;
+             at += blockDim.x * 128)
+            prefetch_l1(reinterpret_cast<const char*>(book) + at);
+        return book;
+    }
+    stage_floats(reinterpret_cast<const float*>(book), xs, (int)(bytes / 4));
+    xs += bytes / 4;
+    return reinterpret_cast<const unsigned short*>(vqr_shared);
 }
 
 // dst[0 .. block) = H D src[0 .. block) / √block by the calling warp, src read as zeros
@@ -2908,16 +2911,18 @@ __device__ __forceinline__ const unsigned* signs_of(const unsigned long long* m)
     return reinterpret_cast<const unsigned*>(m[2]);
 }
 
-// out[r] = row o0 + r of the matrix · the rotated activations `xs` (shared memory), for
-// the calling warp's ROWS rows from o0 (those below `rows`), in every lane. Lane l takes
+// out[r] = row o0 + r of matrix `m` (its table words: codes, norms, signs) · the rotated
+// activations `xs` (shared memory), for the calling warp's ROWS rows from o0 (those below
+// `rows`), in every lane. Lane l takes
 // vectors l, l + 32, ...: 32 vectors are 32·k bits, k whole words, so a lane's index
 // sits at the same shift in every round, read by one funnel shift of two aligned words.
 template <int P, int ROWS>
-__device__ __forceinline__ void vq_rows(const unsigned* __restrict__ codes,
-                                        const unsigned short* __restrict__ norms,
+__device__ __forceinline__ void vq_rows(const unsigned long long* m,
                                         const unsigned short* __restrict__ book, const float* xs,
                                         int o0, int rows, int k, int block, int blocks,
                                         size_t row_bytes, float (&out)[ROWS]) {
+    const unsigned* codes = reinterpret_cast<const unsigned*>(m[0]);
+    const unsigned short* norms = reinterpret_cast<const unsigned short*>(m[1]);
     int lane = threadIdx.x % WARP;
     int vectors = blocks * block / P, n = min(ROWS, rows - o0);
     int block_shift = __ffs(block / P) - 1;
@@ -2971,20 +2976,14 @@ __device__ __forceinline__ void vq_rows(const unsigned* __restrict__ codes,
     for (int r = 0; r < ROWS; r++) out[r] = warp_sum(acc[r]);
 }
 
-// Copies n floats (n a multiple of 4, both 16-byte aligned) into shared memory.
-__device__ __forceinline__ void stage_floats(const float* src, float* dst, int n) {
-    for (int i = threadIdx.x; i < n / 4; i += blockDim.x)
-        reinterpret_cast<float4*>(dst)[i] = reinterpret_cast<const float4*>(src)[i];
-}
-
 // A prompt's routed pairs' activations rotated once each, for the products to stage
 // rather than rotate in every block: warp blockIdx.x · VQR_WARPS + warp of pair
-// blockIdx.y rotates block b of matrix m (of `mats`, sign bits at table word
-// signs_word + 3m) of the pair's source row (row pair / top_k of `src`, or row pair with
+// blockIdx.y rotates block b of the m-th of `mats` matrices from matrix `first` (0 gate,
+// 2 down) of the pair's source row (row pair / top_k of `src`, or row pair with
 // `by_pair`) into dst[pair, m, b · block ..].
 extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP)
     routed_vq_rotate(const unsigned long long* table, const int* ids, int top_k, const float* src,
-                     int by_pair, float* dst, int cols, int block, int mats, int signs_word) {
+                     int by_pair, float* dst, int cols, int block, int mats, int first) {
     PDL_ENTRY();
     int pair = blockIdx.y, c = blockIdx.x * VQR_WARPS + threadIdx.x / WARP;
     int blocks = (cols + block - 1) / block, width = blocks * block;
@@ -2992,8 +2991,7 @@ extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP)
     int m = c / blocks, b = c % blocks;
     const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
     const float* row = src + (size_t)(by_pair ? pair : pair / top_k) * cols;
-    vq_rotate_block(row + b * block, cols - b * block,
-                    reinterpret_cast<const unsigned*>(ent[signs_word + 3 * m]), block,
+    vq_rotate_block(row + b * block, cols - b * block, signs_of(ent + 3 * (first + m)), block,
                     dst + ((size_t)pair * mats + m) * width + b * block);
 }
 
@@ -3019,7 +3017,6 @@ __device__ void routed_vq_gate_up(const unsigned long long* __restrict__ table,
         prefetch_rows(ent + 3, o0, n, blocks, row_bytes);
     }
     float* xs;
-    if (!book_shared) prefetch_book<P>(book, k);
     const unsigned short* bk = vqr_shared_book<P>(book, k, book_shared, xs);
     if (xr) {
         stage_floats(xr + (size_t)pair * 2 * width, xs, 2 * width);
@@ -3033,12 +3030,9 @@ __device__ void routed_vq_gate_up(const unsigned long long* __restrict__ table,
     __syncthreads();
     if (n <= 0) return;
     float g[VQR_GATE_UP_ROWS], u[VQR_GATE_UP_ROWS];
-    vq_rows<P, VQR_GATE_UP_ROWS>(reinterpret_cast<const unsigned*>(ent[0]),
-                                 reinterpret_cast<const unsigned short*>(ent[1]), bk, xs, o0,
-                                 inter, k, block, blocks, row_bytes, g);
-    vq_rows<P, VQR_GATE_UP_ROWS>(reinterpret_cast<const unsigned*>(ent[3]),
-                                 reinterpret_cast<const unsigned short*>(ent[4]), bk, xs + width,
-                                 o0, inter, k, block, blocks, row_bytes, u);
+    vq_rows<P, VQR_GATE_UP_ROWS>(ent, bk, xs, o0, inter, k, block, blocks, row_bytes, g);
+    vq_rows<P, VQR_GATE_UP_ROWS>(ent + 3, bk, xs + width, o0, inter, k, block, blocks, row_bytes,
+                                 u);
 #pragma unroll
     for (int r = 0; r < VQR_GATE_UP_ROWS; r++) {
         if (lane == r && o0 + r < inter) {
@@ -3066,7 +3060,6 @@ __device__ void routed_vq_down(const unsigned long long* __restrict__ table,
         prefetch_rows(table + (size_t)ids[t * top_k + q] * ROUTED_ENTRY + 6, o0, n, blocks,
                       row_bytes);
     float* hs;
-    if (!book_shared) prefetch_book<P>(book, k);
     const unsigned short* bk = vqr_shared_book<P>(book, k, book_shared, hs);
     if (hr) {
         stage_floats(hr + (size_t)t * top_k * width, hs, top_k * width);
@@ -3087,9 +3080,8 @@ __device__ void routed_vq_down(const unsigned long long* __restrict__ table,
         int pair = t * top_k + q;
         const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
         float d[VQR_DOWN_ROWS];
-        vq_rows<P, VQR_DOWN_ROWS>(reinterpret_cast<const unsigned*>(ent[6]),
-                                  reinterpret_cast<const unsigned short*>(ent[7]), bk,
-                                  hs + q * width, o0, hidden, k, block, blocks, row_bytes, d);
+        vq_rows<P, VQR_DOWN_ROWS>(ent + 6, bk, hs + q * width, o0, hidden, k, block, blocks,
+                                  row_bytes, d);
         float w = weights[pair];
 #pragma unroll
         for (int r = 0; r < VQR_DOWN_ROWS; r++) total[r] += w * d[r];

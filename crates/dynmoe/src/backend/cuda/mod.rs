@@ -100,6 +100,10 @@ const MV_ONE_COLS: usize = 2048;
 /// Output rows of a `routed_mma_*` block (the kernels' `RMMA_ROWS`), and its warps
 /// (`RMMA_WARPS`).
 const RMMA_ROWS: usize = 16;
+const RMMA_WARPS: usize = 8;
+/// Shared memory of a staged 64-column unit of a `routed_mma_*` block: its f16 hi and lo
+/// fragments (`RMMA_UNIT` words) and its sum.
+const RMMA_UNIT_BYTES: usize = 80 * 4 + 4;
 /// Warps of a `routed_vq_*` block, and the output rows each takes at once in gate/up and
 /// in down (the kernels' `VQR_WARPS`, `VQR_GATE_UP_ROWS`, `VQR_DOWN_ROWS`).
 const VQR_WARPS: usize = 16;
@@ -108,10 +112,6 @@ const VQR_DOWN_ROWS: usize = 1;
 /// Largest book the routed VQ kernels copy into shared memory (vq1.5's and vq0.7's; the
 /// kernels' `VQR_PREFETCH_BOOK` too).
 const VQR_SHARED_BOOK: usize = 64 << 10;
-const RMMA_WARPS: usize = 8;
-/// Shared memory of a staged 64-column unit of a `routed_mma_*` block: its f16 hi and lo
-/// fragments (`RMMA_UNIT` words) and its sum.
-const RMMA_UNIT_BYTES: usize = 80 * 4 + 4;
 /// Widest row a warp normalises alone (the kernels' `NORM_WARP_DIM`); wider rows take a
 /// block each.
 const NORM_WARP_DIM: usize = 512;
@@ -515,6 +515,7 @@ impl RoutedShape {
 #[derive(Debug, Clone, Copy)]
 struct VqRoutedShape {
     rung: Rung,
+    hidden: usize,
     inter: usize,
     up_block: usize,
     down_block: usize,
@@ -526,25 +527,41 @@ impl VqRoutedShape {
     /// gate/up block holds the row rotated twice.
     fn of(gate: &VqView<'_>, down: &VqView<'_>, hidden: usize) -> Option<Self> {
         let warp_block = |b: usize| (32..=1024).contains(&b);
+        let shape = VqRoutedShape {
+            rung: gate.rung,
+            hidden,
+            inter: gate.rows,
+            up_block: gate.block,
+            down_block: down.block,
+        };
         (gate.cols == hidden
             && down.rows == hidden
             && down.cols == gate.rows
             && down.rung == gate.rung
             && warp_block(gate.block)
             && warp_block(down.block)
-            && 2 * gate.blocks() * gate.block * 4 <= SHARED_LIMIT)
-            .then_some(VqRoutedShape {
-                rung: gate.rung,
-                inter: gate.rows,
-                up_block: gate.block,
-                down_block: down.block,
-            })
+            && shape.gate_up_shared() <= SHARED_LIMIT)
+            .then_some(shape)
+    }
+
+    /// Rotated widths of a gate/up input row and of a down input row: whole blocks.
+    fn up_width(&self) -> usize {
+        self.hidden.next_multiple_of(self.up_block)
+    }
+
+    fn down_width(&self) -> usize {
+        self.inter.next_multiple_of(self.down_block)
+    }
+
+    /// Dynamic shared memory of the gate/up kernel: the row rotated for gate and for up.
+    fn gate_up_shared(&self) -> usize {
+        2 * self.up_width() * 4
     }
 
     /// Dynamic shared memory of the down kernel: each of a token's `top_k` rows of
     /// SiLU outputs, rotated.
     fn down_shared(&self, top_k: usize) -> usize {
-        top_k * self.inter.div_ceil(self.down_block) * self.down_block * 4
+        top_k * self.down_width() * 4
     }
 }
 
@@ -2120,11 +2137,7 @@ impl Cuda {
         let (ki, ri, hi) = (k as i32, inter as i32, hidden as i32);
         let bits = shape.rung.index_bits as i32;
         let block = ((VQR_WARPS * 32) as u32, 1, 1);
-        let width = |cols: usize, b: usize| cols.div_ceil(b) * b;
-        let (up_width, down_width) = (
-            width(hidden, shape.up_block),
-            width(inter, shape.down_block),
-        );
+        let (up_width, down_width) = (shape.up_width(), shape.down_width());
         // A prompt's pairs rotated: [pairs, 2, up_width] for gate and up, then
         // [pairs, down_width] for down. Null in a decode step.
         let mut rotated = (rows > ROUTED_MAX_ROWS)
@@ -2137,11 +2150,10 @@ impl Cuda {
             None => (0u64, 0u64),
         };
         // Rotates each pair's row of `src` (row pair / top_k, or row pair with `by_pair`)
-        // into `dst`, for `mats` matrices whose sign bits sit at table word
-        // `signs_word` + 3m.
+        // into `dst`, for `mats` matrices from matrix `first` (0 gate, 2 down) on.
         let rotate = |src: u64, by_pair: i32, dst: u64, cols: usize, b: usize, mats: usize| {
             let chunks = mats * cols.div_ceil(b);
-            let signs_word: i32 = if by_pair == 0 { 2 } else { 8 };
+            let first: i32 = if by_pair == 0 { 0 } else { 2 };
             let (ci, bi, mi) = (cols as i32, b as i32, mats as i32);
             let mut l = self.launcher(self.func("routed_vq_rotate"));
             l.arg(&r.table)
@@ -2150,7 +2162,7 @@ impl Cuda {
                 .arg(&src)
                 .arg(&by_pair)
                 .arg(&dst);
-            l.arg(&ci).arg(&bi).arg(&mi).arg(&signs_word);
+            l.arg(&ci).arg(&bi).arg(&mi).arg(&first);
             let launch = LaunchConfig {
                 grid_dim: (chunks.div_ceil(VQR_WARPS) as u32, pairs as u32, 1),
                 block_dim: block,
@@ -2160,7 +2172,6 @@ impl Cuda {
         };
 
         if xr != 0 {
-            // Gate's and up's sign bits: table words 2 and 5.
             rotate(x, 0, xr, hidden, shape.up_block, 2);
         }
         // In a decode step the book goes into shared memory beside the activations when
@@ -2177,7 +2188,7 @@ impl Cuda {
             )
         };
         let (b, rb) = (shape.up_block as i32, row_bytes(shape.rung, hidden) as u64);
-        let (book_shared, bytes) = with_book(2 * up_width * 4);
+        let (book_shared, bytes) = with_book(shape.gate_up_shared());
         let mut l = self.launcher(self.func(&format!("routed_vq_gate_up_{suffix}")));
         l.arg(&r.table).arg(&ids).arg(&ki).arg(&x).arg(&xr).arg(&h);
         l.arg(&ri).arg(&hi).arg(&*book).arg(&bits).arg(&b).arg(&rb);
@@ -2194,7 +2205,6 @@ impl Cuda {
         ok(unsafe { l.launch(gate_up) }, "routed VQ gate/up");
 
         if hr != 0 {
-            // Down's sign bits: table word 8.
             rotate(h, 1, hr, inter, shape.down_block, 1);
         }
         let (b, rb) = (shape.down_block as i32, row_bytes(shape.rung, inter) as u64);
