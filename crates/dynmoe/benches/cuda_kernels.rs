@@ -113,6 +113,45 @@ fn time_ms(g: &Cuda, mut f: impl FnMut()) -> f64 {
     ts[REPEATS / 2]
 }
 
+/// One decode token's routed step (`step(t)` routes token `t` of `tokens`), launched call
+/// by call and then recorded as a graph (as a decode step runs; `key` names the graph):
+/// a printed line and a row `name_eager`, `name_graph` of each, `bytes` a token.
+#[allow(clippy::too_many_arguments)]
+fn routed_step_rows(
+    g: &Cuda,
+    key: u64,
+    tokens: usize,
+    mut step: impl FnMut(usize),
+    [label, name]: [&str; 2],
+    [inter, hidden]: [usize; 2],
+    bytes: usize,
+    copy_gb_s: f64,
+    rows_out: &mut Vec<Row>,
+) {
+    let ms = time_ms(g, || (0..tokens).for_each(&mut step));
+    let eager = ms * 1e3 / tokens as f64;
+    let graph = graph_us(g, key, |i| step(i % tokens));
+    for (per_token, launched) in [(eager, "eager"), (graph, "graph")] {
+        let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
+        println!(
+            "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
+            format!("{label} {launched}"),
+            inter,
+            hidden,
+            1,
+            gb_s / copy_gb_s
+        );
+        rows_out.push(Row::new(
+            format!("{name}_{launched}"),
+            [inter, hidden, 1],
+            bytes,
+            tokens,
+            per_token,
+            copy_gb_s,
+        ));
+    }
+}
+
 struct HostAffine {
     words: Vec<u32>,
     scales: Vec<bf16>,
@@ -404,35 +443,23 @@ fn main() {
         let was = g.routed_mma();
         for (mma, way) in [(true, "mma"), (false, "matvec")] {
             g.set_routed_mma(mma);
-            let ms = time_ms(&g, || {
-                for x in &xs {
+            routed_step_rows(
+                &g,
+                100 + 2 * bits as u64 + mma as u64,
+                tokens,
+                |t| {
+                    let x = &xs[t];
                     g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
-                }
-            });
-            let eager = ms * 1e3 / tokens as f64;
-            let graph = graph_us(&g, 100 + 2 * bits as u64 + mma as u64, |i| {
-                let x = &xs[i % xs.len()];
-                g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
-            });
-            for (per_token, launched) in [(eager, "eager"), (graph, "graph")] {
-                let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
-                println!(
-                    "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
-                    format!("routed q{bits} {way} {launched}"),
-                    inter,
-                    hidden,
-                    1,
-                    gb_s / copy_gb_s
-                );
-                rows_out.push(Row::new(
-                    format!("moe_routed_on_device_top8_q{bits}_{way}_{launched}"),
-                    [inter, hidden, 1],
-                    bytes,
-                    tokens,
-                    per_token,
-                    copy_gb_s,
-                ));
-            }
+                },
+                [
+                    &format!("routed q{bits} {way}"),
+                    &format!("moe_routed_on_device_top8_q{bits}_{way}"),
+                ],
+                [inter, hidden],
+                bytes,
+                copy_gb_s,
+                &mut rows_out,
+            );
         }
         g.set_routed_mma(was);
         // A 512-token prompt's dispatch of the same experts (each token's top-8 drawn
@@ -554,35 +581,25 @@ fn main() {
             .map(|t| g.upload(&fresh(hidden, 300 + t as u64)))
             .collect();
         let (mut probs, mut out) = (g.alloc(512 * experts), g.alloc(512 * hidden));
-        let mut step = |x| {
-            let done = g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
-            assert!(done, "VQ experts route on the device");
-        };
-        let ms = time_ms(&g, || xs.iter().for_each(&mut step));
-        let eager = ms * 1e3 / tokens as f64;
-        let graph = graph_us(&g, 120 + rung.position() as u64, |i| {
-            step(&xs[i % xs.len()])
-        });
-        let bytes = top_k * expert_bytes;
-        for (per_token, launched) in [(eager, "eager"), (graph, "graph")] {
-            let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
-            println!(
-                "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
-                format!("routed {} {launched}", rung.name()),
-                inter,
-                hidden,
-                1,
-                gb_s / copy_gb_s
-            );
-            rows_out.push(Row::new(
-                format!("moe_routed_on_device_top8_{}_{launched}", rung.name()),
-                [inter, hidden, 1],
-                bytes,
-                tokens,
-                per_token,
-                copy_gb_s,
-            ));
-        }
+        routed_step_rows(
+            &g,
+            120 + rung.position() as u64,
+            tokens,
+            |t| {
+                let x = &xs[t];
+                let done =
+                    g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
+                assert!(done, "VQ experts route on the device");
+            },
+            [
+                &format!("routed {}", rung.name()),
+                &format!("moe_routed_on_device_top8_{}", rung.name()),
+            ],
+            [inter, hidden],
+            top_k * expert_bytes,
+            copy_gb_s,
+            &mut rows_out,
+        );
         let prompt = 512;
         let xp = g.upload(&fresh(prompt * hidden, 15));
         let us = time_ms(&g, || {
