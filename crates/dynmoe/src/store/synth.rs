@@ -225,22 +225,32 @@ fn records(
         .collect()
 }
 
+/// The generator a synthetic store's `source` names, if it is `name` (the one this build
+/// makes and checks such records with).
+pub(crate) fn source_generator<'s>(
+    source: &'s Source,
+    name: &str,
+) -> Result<&'s Generator, String> {
+    let Some(generator) = &source.generator else {
+        return Err(format!(
+            "source kind {SOURCE_KIND:?} but no source.generator in the manifest"
+        ));
+    };
+    if generator.name != name {
+        return Err(format!(
+            "records of generator {:?}; this build makes and checks {name:?}",
+            generator.name
+        ));
+    }
+    Ok(generator)
+}
+
 /// The spot check of a store of random records: the records `lowbit` spot-checks
 /// (first, last, evenly spread ones between) made again from the manifest's generator
 /// and seed, and compared with the stored ones byte for byte, padding included.
 pub(crate) fn spot_check(store: &Checked) -> Result<(), String> {
     let m = &store.manifest;
-    let Some(generator) = &m.source.generator else {
-        return Err(format!(
-            "source kind {SOURCE_KIND:?} but no generator in the manifest"
-        ));
-    };
-    if generator.name != GENERATOR {
-        return Err(format!(
-            "records of generator {:?}; this build makes and checks {GENERATOR:?}",
-            generator.name
-        ));
-    }
+    let generator = source_generator(&m.source, GENERATOR)?;
     let q4 = store.layout.with_bits(4).map_err(|e| e.to_string())?;
     let per_layer = m.experts_per_layer;
     let picks = lowbit::spot_check_records(

@@ -54,7 +54,7 @@ use half::f16;
 use rayon::prelude::*;
 use serde::Serialize;
 
-use super::synth::{fill_random, pipelined, record_rng, Spec, SPREAD, STD};
+use super::synth::{fill_random, pipelined, record_rng, source_generator, Spec, SPREAD, STD};
 use super::vq::{self, data_file_name, pack_record, record_checksum, VqLayout, VqStore};
 use super::{lowbit, Error};
 use crate::codec::vq::{row_bytes, Rung, VqMatrix};
@@ -255,17 +255,7 @@ pub fn write_store(
 /// between) must be the ones it makes from the manifest's seed, byte for byte.
 pub(crate) fn spot_check(store: &VqStore) -> Result<(), String> {
     let m = store.manifest();
-    let Some(generator) = &m.source.generator else {
-        return Err(format!(
-            "source kind {SOURCE_KIND:?} but no source.generator in the manifest"
-        ));
-    };
-    if generator.name != GENERATOR {
-        return Err(format!(
-            "records of generator {:?}; this build makes and checks {GENERATOR:?}",
-            generator.name
-        ));
-    }
+    let generator = source_generator(&m.source, GENERATOR)?;
     let layout = *store.layout();
     let maker =
         RecordMaker::new(layout, m.experts_per_layer, generator.seed).map_err(|e| e.to_string())?;
