@@ -357,32 +357,19 @@ pub fn write_stores(
         .collect::<Result<Vec<_>, _>>()?;
 
     let total = spec.count();
-    let batch = 2 * rayon::current_num_threads().max(1);
-    let per_layer = spec.experts_per_layer;
-    progress(0, total);
-    pipelined(
-        total.div_ceil(batch),
-        |k| {
-            (k * batch..total.min((k + 1) * batch))
-                .into_par_iter()
-                .map(|i| {
-                    let layer = spec.layers[i / per_layer];
-                    records(&q4, &layouts, spec.seed, layer, i % per_layer)
-                })
-                .collect::<Vec<_>>()
-        },
-        |k, made| {
-            for record in made {
-                for (out, bytes) in outs.iter_mut().zip(record) {
-                    out.write_all(&bytes).map_err(|source| Error::Io {
-                        path: out.get_ref().path().to_path_buf(),
-                        source,
-                    })?;
-                }
+    make_records(
+        spec,
+        |layer, expert| records(&q4, &layouts, spec.seed, layer, expert),
+        |_, record| {
+            for (out, bytes) in outs.iter_mut().zip(record) {
+                out.write_all(&bytes).map_err(|source| Error::Io {
+                    path: out.get_ref().path().to_path_buf(),
+                    source,
+                })?;
             }
-            progress(total.min((k + 1) * batch), total);
             Ok(())
         },
+        progress,
     )?;
     let mut written = Vec::new();
     for (out, layout) in outs.into_iter().zip(&layouts) {
@@ -462,6 +449,39 @@ fn store_fingerprint(source: &Source, bits: u32) -> String {
         .u64(bits as u64)
         .u64(VERSION as u64)
         .hex()
+}
+
+/// Every record of `spec`'s experts, in order: `make(layer, expert)` runs on all cores a
+/// batch at a time, one batch ahead of `take(layer, record)`; `progress(done, total)`
+/// counts records.
+pub(crate) fn make_records<T: Send>(
+    spec: &Spec,
+    make: impl Fn(usize, usize) -> T + Sync,
+    mut take: impl FnMut(usize, T) -> Result<(), Error>,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(), Error> {
+    let (total, per_layer) = (spec.count(), spec.experts_per_layer);
+    let batch = 2 * rayon::current_num_threads().max(1);
+    progress(0, total);
+    pipelined(
+        total.div_ceil(batch),
+        |k| {
+            (k * batch..total.min((k + 1) * batch))
+                .into_par_iter()
+                .map(|i| {
+                    let layer = spec.layers[i / per_layer];
+                    (layer, make(layer, i % per_layer))
+                })
+                .collect::<Vec<_>>()
+        },
+        |k, made| {
+            for (layer, record) in made {
+                take(layer, record)?;
+            }
+            progress(total.min((k + 1) * batch), total);
+            Ok(())
+        },
+    )
 }
 
 /// Runs `make(k)` for `k` in `0..n` on a thread of its own (parallel inside `make`),

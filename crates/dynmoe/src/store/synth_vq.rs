@@ -51,10 +51,9 @@
 use std::path::PathBuf;
 
 use half::f16;
-use rayon::prelude::*;
 use serde::Serialize;
 
-use super::synth::{fill_random, pipelined, record_rng, source_generator, Spec, SPREAD, STD};
+use super::synth::{fill_random, make_records, record_rng, source_generator, Spec, SPREAD, STD};
 use super::vq::{self, data_file_name, pack_record, record_checksum, VqLayout, VqStore};
 use super::{lowbit, Error};
 use crate::codec::vq::{row_bytes, Rung, VqMatrix};
@@ -202,37 +201,23 @@ pub fn write_store(
             reason: e.to_string(),
         }
     })?;
-    let per_layer = spec.experts_per_layer;
-    let batch = 2 * rayon::current_num_threads().max(1);
     let source = spec.source_of(GENERATOR);
     vq::write_store(
         dir,
         &layout,
-        per_layer,
+        spec.experts_per_layer,
         spec.model.clone(),
         source,
         |sink| {
-            progress(0, total);
-            pipelined(
-                total.div_ceil(batch),
-                |k| {
-                    (k * batch..total.min((k + 1) * batch))
-                        .into_par_iter()
-                        .map(|i| {
-                            let layer = spec.layers[i / per_layer];
-                            let record = maker.record(layer, i % per_layer);
-                            let checksum = record_checksum(&record);
-                            (layer, record, checksum)
-                        })
-                        .collect::<Vec<_>>()
+            make_records(
+                spec,
+                |layer, expert| {
+                    let record = maker.record(layer, expert);
+                    let checksum = record_checksum(&record);
+                    (record, checksum)
                 },
-                |k, made| {
-                    for (layer, record, checksum) in made {
-                        sink.push(layer, &record, checksum)?;
-                    }
-                    progress(total.min((k + 1) * batch), total);
-                    Ok(())
-                },
+                |layer, (record, checksum)| sink.push(layer, &record, checksum),
+                progress,
             )?;
             Ok(format!(
             "synthetic: random {} records ({GENERATOR}, seed {}), not encoded from a checkpoint",
