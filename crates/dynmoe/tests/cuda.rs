@@ -1341,9 +1341,10 @@ impl std::fmt::Display for Codes {
 fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Codes, tie: bool) {
     let keep: Vec<bool> = (0..experts).map(|e| e % 3 != 1).collect();
     let mats = Experts::new(codes, experts, hidden, inter);
-    // Past 8 rows (a prompt) affine pairs are grouped by expert on the device and run
-    // through the grouped GEMMs on tensor cores; VQ pairs run through the decode
-    // kernels, over 512 rows of top-8 in chunks of 4 096 pairs.
+    // Past 8 rows (a prompt) pairs are grouped by expert on the device and run through
+    // the grouped GEMMs on tensor cores (VQ ones over 512 rows of top-8 in chunks of
+    // 4 096 pairs); VQ rungs of 2-value vectors, and rotation blocks under 64, through
+    // the decode kernels.
     let mut cases = vec![
         (1, 4, true, false),
         (1, 2, false, true),
@@ -1511,8 +1512,9 @@ fn vq_experts_routed_on_the_device_match_the_host_route() {
     let Some(g) = gpu() else { return };
     // Experts 80 wide over 256-wide rows (gate and up rotated in one block of 256, down
     // in one padded block of 128) at a rung of each vector length: 8 (book of 64 KiB and
-    // of 1 MiB), 4, 16 and 2. Then 128 experts top-8 as Qwen3-30B-A3B routes them, with a
-    // tie and past 512 rows (two chunks), over 32-value blocks; and that model's own
+    // of 1 MiB), 4, 16 and 2; prompts take the grouped GEMMs but at 2. Then 128 experts
+    // top-8 as Qwen3-30B-A3B routes them, with a tie and past 512 rows (two chunks), over
+    // 32-value blocks (down's: prompts through the decode kernels); and that model's own
     // shape (two blocks of 1024 for gate and up, three of 256 for down).
     for rung in ["1.5", "2", "3", "0.7", "5"] {
         check_routed(g, 256, 80, 12, Codes::Vq(rung), false);

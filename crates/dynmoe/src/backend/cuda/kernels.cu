@@ -1577,14 +1577,15 @@ ROUTED_MMA(2)
 // shared memory holds three counters per expert. `ids`/`weights` are moe_route's (pair
 // p is row p / top_k). Writes each expert's group entry (its nine pointers from `table`,
 // then its first pair and count), the pairs' rows and weights in expert order (the order
-// within an expert is the atomics', which changes no pair's result), and the tiles
+// within an expert is the atomics', which changes no pair's result), the pairs themselves
+// when `pair_ids` is not null (the VQ GEMMs read inputs rotated per pair), and the tiles
 // (expert, first pair) of MMA_BM pairs with their count in `*tiles_n`.
 extern "C" __global__ void moe_group_pairs(const int* ids, const float* weights, int pairs,
                                            int top_k, int experts,
                                            const unsigned long long* table,
                                            unsigned long long* groups, unsigned* pair_rows,
-                                           float* pair_weights, unsigned* tiles,
-                                           unsigned* tiles_n) {
+                                           float* pair_weights, unsigned* pair_ids,
+                                           unsigned* tiles, unsigned* tiles_n) {
     PDL_ENTRY();
     extern __shared__ unsigned counters[];
     unsigned* count = counters;
@@ -1619,6 +1620,7 @@ extern "C" __global__ void moe_group_pairs(const int* ids, const float* weights,
         unsigned at = first[e] + atomicAdd(&cursor[e], 1u);
         pair_rows[at] = p / top_k;
         pair_weights[at] = weights[p];
+        if (pair_ids) pair_ids[at] = p;
     }
 }
 
@@ -3115,3 +3117,285 @@ VQR_ENTRY(2)
 VQR_ENTRY(4)
 VQR_ENTRY(8)
 VQR_ENTRY(16)
+
+// ---- VQ experts of a prompt: grouped GEMMs on tensor cores ----
+//
+// expert_mma for experts at a VQ rung of 4-, 8- or 16-value vectors and rotation blocks
+// of at least 64 values: a tile of MMA_BM pairs of one expert (moe_group_pairs) against
+// 16 output rows a warp, over the rotated inputs a 64-column group at a time. Quarter q
+// of a warp takes columns 16q .. 16q + 15 of a group for its output row, so k step ks
+// pairs columns 16q + 4ks + (0, 1) (b0) and + (2, 3) (b1): the codewords' own f16
+// pairs in their stored order, looked up from the book straight into B fragments with
+// no conversion. The inputs are staged as f16 hi and lo parts in column order, so the A
+// fragments of the same k step are words 2ks and 2ks + 1 of the lane's eight in a row,
+// and the products keep the f32 inputs' precision. A row's norm is one number over its
+// rotation block, so the products of a block add up unscaled and are scaled once.
+// Gate and up: warps 0-3 take gate and 4-7 up, over 64 output rows a block; down: all
+// eight take down, over 128.
+#define VQG_WARPS 8
+#define VQG_LDU 9  // 16-byte units a staged row: 8, and 1 so that rows g and g + 1 of an
+                   // A fragment load fall in different banks
+
+// The lane's 16 columns of one output row in a group as 8 f16 pairs (b[2ks + h]), from
+// its 16 / P codewords.
+template <int P>
+__device__ __forceinline__ void vqg_fragments(const unsigned short* book,
+                                              const unsigned (&idx)[16 / P], unsigned (&b)[8]) {
+    if constexpr (P == 4) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            uint2 v = reinterpret_cast<const uint2*>(book)[idx[j]];
+            b[2 * j] = v.x;
+            b[2 * j + 1] = v.y;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8 / (P / 2); j++)
+#pragma unroll
+            for (int h = 0; h < P / 8; h++) {
+                uint4 v = reinterpret_cast<const uint4*>(book)[(size_t)idx[j] * (P / 8) + h];
+                int at = 4 * (j * (P / 8) + h);
+                b[at] = v.x;
+                b[at + 1] = v.y;
+                b[at + 2] = v.z;
+                b[at + 3] = v.w;
+            }
+    }
+}
+
+// The 16 / P indices of the lane's columns, from the code words `w` (the words from the
+// one its first index starts in; `off` the bit there) of k-bit indices.
+template <int P>
+__device__ __forceinline__ void vqg_indices(const unsigned (&w)[4], int off, int k,
+                                            unsigned (&idx)[16 / P]) {
+    unsigned mask = (1u << k) - 1u;
+#pragma unroll
+    for (int j = 0; j < 16 / P; j++) {
+        int s = off + j * k;
+        unsigned lo = s < 32 ? w[0] : s < 64 ? w[1] : w[2];
+        unsigned hi = s < 32 ? w[1] : s < 64 ? w[2] : w[3];
+        idx[j] = __funnelshift_r(lo, hi, s & 31) & mask;
+    }
+}
+
+// Pair tile blockIdx.y ((group, first pair) in `tiles`, nothing past `*tiles_n`) of
+// inputs `xr` rotated per pair in pair order (routed_vq_rotate): [pairs, 2, width] for
+// gate and up, [pairs, width] for down. GATED: h[p] = silu(gate) ⊙ up for pair p =
+// pair_ids[row]; otherwise out[x_rows[row]] += pair_scales[row] · down, atomically.
+// Dynamic shared memory: the book first when `book_shared`, then the staged tiles.
+template <int P, bool GATED>
+__device__ void vq_expert_mma(const unsigned long long* __restrict__ groups,
+                              const unsigned* __restrict__ tiles, const unsigned* tiles_n,
+                              const unsigned* __restrict__ pair_ids,
+                              const unsigned* __restrict__ x_rows,
+                              const float* __restrict__ pair_scales,
+                              const float* __restrict__ xr, float* __restrict__ out, int rows,
+                              int width, const unsigned short* __restrict__ book, int k,
+                              int block, size_t row_bytes, int book_shared) {
+    constexpr int M = GATED ? 2 : 1;
+    constexpr int BN = GATED ? 64 : 128;
+    constexpr int N = 16 / P;
+    if (blockIdx.y >= *tiles_n) return;
+    extern __shared__ float4 vqg_shared[];
+    const unsigned long long* e = groups + (size_t)tiles[2 * blockIdx.y] * GROUP_ENTRY;
+    int first = (int)e[9] + (int)tiles[2 * blockIdx.y + 1];
+    int count = min(MMA_BM, (int)e[10] - (int)tiles[2 * blockIdx.y + 1]);
+    int t = threadIdx.x, lane = t % WARP, warp = t / WARP, g = lane >> 2, q = lane & 3;
+    int m = GATED ? warp / 4 : 0, wr = GATED ? warp % 4 : warp;
+    int n0 = blockIdx.x * BN + 16 * wr;
+
+    const unsigned short* bk = book;
+    uint4* xs = reinterpret_cast<uint4*>(vqg_shared);
+    if (book_shared) {
+        size_t bytes = ((size_t)P << k) * 2;
+        stage_floats(reinterpret_cast<const float*>(book), reinterpret_cast<float*>(vqg_shared),
+                     (int)(bytes / 4));
+        bk = reinterpret_cast<const unsigned short*>(vqg_shared);
+        xs += bytes / 16;
+    }
+    uint4* xs_hi = xs;                                  // [M][MMA_BM][VQG_LDU]
+    uint4* xs_lo = xs + M * MMA_BM * VQG_LDU;           // the same
+    float* wscale = reinterpret_cast<float*>(xs_lo + M * MMA_BM * VQG_LDU);  // [8 · 16]
+
+    int proj = GATED ? m : 2;
+    const unsigned* codes = reinterpret_cast<const unsigned*>(e[3 * proj]);
+    int blocks = width / block, per_block = block / 64, n_groups = width / 64;
+    // The lane's two output rows (one per n8 fragment); a row past the matrix reads row 0
+    // and is never stored.
+    size_t bit0[2];
+#pragma unroll
+    for (int jt = 0; jt < 2; jt++) {
+        int o = n0 + 8 * jt + g;
+        bit0[jt] = (size_t)(o < rows ? o : 0) * row_bytes * 8 + (size_t)(16 * q / P) * k;
+    }
+    // This thread's norm, staged once a rotation block: that of warp t / 16's row t % 16.
+    int so = blockIdx.x * BN + 16 * (GATED ? (t / 16) % 4 : t / 16) + t % 16;
+    bool scaler = t < VQG_WARPS * 16 && so < rows;
+    const unsigned short* my_norms =
+        reinterpret_cast<const unsigned short*>(e[3 * (GATED ? t / 64 : 2) + 1]);
+    float inv_root = 1.0f / sqrtf((float)block);
+    // This thread's share of the input tile: 2M float4s, item i being float4 u % 16 of
+    // row (u % 512) / 16 of matrix u / 512, u = t + 256 i.
+    const float* src[2 * M];
+#pragma unroll
+    for (int i = 0; i < 2 * M; i++) {
+        int u = t + VQG_WARPS * WARP * i, mi = u / 512, r = (u % 512) / 16;
+        src[i] = r < count ? xr + (size_t)pair_ids[first + r] * M * width + (size_t)mi * width +
+                                 4 * (u % 16)
+                           : nullptr;
+    }
+
+    float4 v[2 * M];
+    unsigned words[2][4];
+    int offs[2];
+    unsigned short nraw = 0;
+    auto fetch = [&](int gi) {
+#pragma unroll
+        for (int i = 0; i < 2 * M; i++)
+            v[i] = src[i] ? *reinterpret_cast<const float4*>(src[i] + 64 * gi)
+                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int jt = 0; jt < 2; jt++) {
+            size_t bit = bit0[jt] + (size_t)gi * (64 / P) * k;
+            const unsigned* w = codes + (bit >> 5);
+            int off = (int)(bit & 31), last = (off + (N - 1) * k) >> 5;
+            offs[jt] = off;
+            words[jt][0] = w[0];
+            words[jt][1] = w[1];
+            words[jt][2] = last >= 1 ? w[2] : 0u;
+            words[jt][3] = last >= 2 ? w[3] : 0u;
+        }
+        if (scaler && gi % per_block == 0) nraw = my_norms[(size_t)so * blocks + gi / per_block];
+    };
+
+    float acc[2][2][4], part[2][2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int jt = 0; jt < 2; jt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[mt][jt][i] = 0.0f;
+
+    fetch(0);
+    for (int gi = 0; gi < n_groups; gi++) {
+        // The previous group's fragment reads (and the book's staging) are done.
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 2 * M; i++) {
+            int u = t + VQG_WARPS * WARP * i, at = ((u / 512) * MMA_BM + (u % 512) / 16) * VQG_LDU;
+            unsigned h0 = pack_f16x2(v[i].x, v[i].y), h1 = pack_f16x2(v[i].z, v[i].w);
+            float2 r0 = unpack_f16x2(h0), r1 = unpack_f16x2(h1);
+            int word = 2 * (u % 16);
+            reinterpret_cast<uint2*>(xs_hi + at)[word / 2] = make_uint2(h0, h1);
+            reinterpret_cast<uint2*>(xs_lo + at)[word / 2] = make_uint2(
+                pack_f16x2(v[i].x - r0.x, v[i].y - r0.y), pack_f16x2(v[i].z - r1.x, v[i].w - r1.y));
+        }
+        if (scaler && gi % per_block == 0) wscale[t] = half_bits(nraw) * inv_root;
+        __syncthreads();
+        unsigned b[2][8];
+#pragma unroll
+        for (int jt = 0; jt < 2; jt++) {
+            unsigned idx[N];
+            vqg_indices<P>(words[jt], offs[jt], k, idx);
+            vqg_fragments<P>(bk, idx, b[jt]);
+        }
+        if (gi + 1 < n_groups) fetch(gi + 1);
+
+        bool opens = gi % per_block == 0;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const uint4* rh = xs_hi + (m * MMA_BM + 16 * mt + g) * VQG_LDU + 2 * q + c;
+                const uint4* rl = xs_lo + (m * MMA_BM + 16 * mt + g) * VQG_LDU + 2 * q + c;
+                uint4 h0 = rh[0], h8 = rh[8 * VQG_LDU], l0 = rl[0], l8 = rl[8 * VQG_LDU];
+#pragma unroll
+                for (int s = 0; s < 2; s++) {
+                    int ks = 2 * c + s;
+                    unsigned ah[4] = {s ? h0.z : h0.x, s ? h8.z : h8.x, s ? h0.w : h0.y,
+                                      s ? h8.w : h8.y};
+                    unsigned al[4] = {s ? l0.z : l0.x, s ? l8.z : l8.x, s ? l0.w : l0.y,
+                                      s ? l8.w : l8.y};
+#pragma unroll
+                    for (int jt = 0; jt < 2; jt++) {
+                        unsigned b0 = b[jt][2 * ks], b1 = b[jt][2 * ks + 1];
+                        if (ks == 0 && opens)
+                            mma_f16_first(part[mt][jt], ah, b0, b1);
+                        else
+                            mma_f16(part[mt][jt], ah, b0, b1);
+                        mma_f16(part[mt][jt], al, b0, b1);
+                    }
+                }
+            }
+        if (gi % per_block == per_block - 1) {
+            // Fragment element i sits at output row 16·wr + 8·jt + 2q (+1 for odd i).
+#pragma unroll
+            for (int jt = 0; jt < 2; jt++) {
+                float2 sc = *reinterpret_cast<const float2*>(wscale + 16 * warp + 8 * jt + 2 * q);
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) acc[mt][jt][i] += (i & 1 ? sc.y : sc.x) * part[mt][jt][i];
+            }
+        }
+    }
+
+    if (GATED) {
+        // Gate and up meet in shared memory (over the staged tiles): red[m][row][col].
+        __syncthreads();
+        float* red = reinterpret_cast<float*>(xs_hi);
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int jt = 0; jt < 2; jt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int r = 16 * mt + g + (i >= 2 ? 8 : 0), c = 16 * wr + 8 * jt + 2 * q + (i & 1);
+                    red[(m * MMA_BM + r) * BN + c] = acc[mt][jt][i];
+                }
+        __syncthreads();
+        for (int u = t; u < MMA_BM * BN; u += VQG_WARPS * WARP) {
+            int r = u / BN, c = blockIdx.x * BN + u % BN;
+            if (r >= count || c >= rows) continue;
+            float gv = red[u], uv = red[MMA_BM * BN + u];
+            out[(size_t)pair_ids[first + r] * rows + c] = gv / (1.0f + expf(-gv)) * uv;
+        }
+    } else {
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int jt = 0; jt < 2; jt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int r = 16 * mt + g + (i >= 2 ? 8 : 0);
+                    int c = n0 + 8 * jt + 2 * q + (i & 1);
+                    if (r >= count || c >= rows) continue;
+                    atomicAdd(out + (size_t)x_rows[first + r] * rows + c,
+                              pair_scales[first + r] * acc[mt][jt][i]);
+                }
+    }
+}
+
+#define VQG_ENTRY(P)                                                                           \
+    extern "C" __global__ void __launch_bounds__(VQG_WARPS * WARP, 2) vq_expert_mma_gate_up_p##P( \
+        const unsigned long long* groups, const unsigned* tiles, const unsigned* tiles_n,      \
+        const unsigned* pair_ids, const float* xr, float* h, int rows, int width,              \
+        const unsigned short* book, int k, int block, unsigned long long row_bytes,            \
+        int book_shared) {                                                                     \
+        PDL_ENTRY();                                                                           \
+        vq_expert_mma<P, true>(groups, tiles, tiles_n, pair_ids, nullptr, nullptr, xr, h,      \
+                               rows, width, book, k, block, row_bytes, book_shared);           \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(VQG_WARPS * WARP, 2) vq_expert_mma_down_p##P( \
+        const unsigned long long* groups, const unsigned* tiles, const unsigned* tiles_n,      \
+        const unsigned* pair_ids, const unsigned* x_rows, const float* pair_scales,            \
+        const float* hr, float* out, int rows, int width, const unsigned short* book, int k,   \
+        int block, unsigned long long row_bytes, int book_shared) {                            \
+        PDL_ENTRY();                                                                           \
+        vq_expert_mma<P, false>(groups, tiles, tiles_n, pair_ids, x_rows, pair_scales, hr,     \
+                                out, rows, width, book, k, block, row_bytes, book_shared);     \
+    }
+
+VQG_ENTRY(4)
+VQG_ENTRY(8)
+VQG_ENTRY(16)

@@ -109,6 +109,11 @@ const RMMA_UNIT_BYTES: usize = 80 * 4 + 4;
 const VQR_WARPS: usize = 16;
 const VQR_GATE_UP_ROWS: usize = 2;
 const VQR_DOWN_ROWS: usize = 1;
+/// Warps of a `vq_expert_mma_*` block, and its output rows in gate/up (64 a matrix,
+/// four warps each) and in down (the kernels' `VQG_WARPS`).
+const VQG_WARPS: usize = 8;
+const VQG_GATE_UP_OUTPUTS: usize = 64;
+const VQG_DOWN_OUTPUTS: usize = 128;
 /// Largest book the routed VQ kernels copy into shared memory (vq1.5's and vq0.7's; the
 /// kernels' `VQR_PREFETCH_BOOK` too).
 const VQR_SHARED_BOOK: usize = 64 << 10;
@@ -343,7 +348,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 86] = [
+const KERNEL_NAMES: [&str; 92] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -430,6 +435,12 @@ const KERNEL_NAMES: [&str; 86] = [
     "routed_vq_down_p8",
     "routed_vq_down_p16",
     "routed_vq_rotate",
+    "vq_expert_mma_gate_up_p4",
+    "vq_expert_mma_gate_up_p8",
+    "vq_expert_mma_gate_up_p16",
+    "vq_expert_mma_down_p4",
+    "vq_expert_mma_down_p8",
+    "vq_expert_mma_down_p16",
 ];
 
 /// PTX of [`SOURCE`] per architecture, compiled once per process.
@@ -544,6 +555,13 @@ impl VqRoutedShape {
             .then_some(shape)
     }
 
+    /// Whether a prompt's pairs take the grouped GEMMs on tensor cores: their B
+    /// fragments are whole codewords of 4, 8 or 16 values, and a norm covers whole
+    /// 64-column groups.
+    fn grouped_gemm(&self) -> bool {
+        self.rung.dim >= 4 && self.up_block >= 64 && self.down_block >= 64
+    }
+
     /// Rotated widths of a gate/up input row and of a down input row: whole blocks.
     fn up_width(&self) -> usize {
         self.hidden.next_multiple_of(self.up_block)
@@ -611,6 +629,23 @@ struct ExpertGemms {
     inter: usize,
     up_cols: usize,
     down_cols: usize,
+}
+
+/// A prompt's routed pairs grouped by expert on the device ([`Cuda::group_pairs`]):
+/// the route (ids and weights a pair), the group table (GROUP_ENTRY words an expert),
+/// each grouped pair's row, weight and (when asked for) own index, and the (group, first
+/// pair) tiles with their count. Kept until the launches that read them are queued.
+struct PairGroups {
+    ids: CudaSlice<u32>,
+    weights: CudaSlice<u32>,
+    table: CudaSlice<u64>,
+    pair_rows: CudaSlice<u32>,
+    pair_weights: CudaSlice<u32>,
+    pair_ids: Option<CudaSlice<u32>>,
+    tiles: CudaSlice<u32>,
+    tiles_n: CudaSlice<u32>,
+    /// The most tiles there could be, which the GEMM grids are sized for.
+    most_tiles: usize,
 }
 
 /// What confirms that a block's id still names the same weights.
@@ -959,6 +994,13 @@ fn routed_mma_shared(units: usize) -> usize {
 
 /// Whether the grouped GEMMs' grid, sized for the most tiles `pairs` pairs over
 /// `experts` experts could need, fits a grid's y extent.
+/// Dynamic shared memory of a `vq_expert_mma_*` block of `mats` matrices, less the
+/// book: each matrix's tile of EXPERT_TILE_ROWS inputs staged as f16 hi and lo parts
+/// (rows of 9 16-byte units, the kernels' `VQG_LDU`), and a norm for each warp's rows.
+fn vq_gemm_shared(mats: usize) -> usize {
+    mats * 2 * EXPERT_TILE_ROWS * 9 * 16 + VQG_WARPS * 16 * 4
+}
+
 fn gemm_grid_fits(pairs: usize, experts: usize) -> bool {
     pairs / EXPERT_TILE_ROWS + experts <= 65_535
 }
@@ -1040,12 +1082,16 @@ impl Cuda {
             }
             tiled_head_dim = width;
         }
-        // The routed VQ kernels copy a book of up to VQR_SHARED_BOOK into shared memory
-        // beside their activations; without the opt-in they read it through L1.
+        // The routed VQ kernels and the VQ GEMMs copy a book into shared memory beside
+        // their activations; without the opt-in they read it through L1.
         let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         let vq_routed_shared = if KERNEL_NAMES
             .iter()
-            .filter(|n| n.starts_with("routed_vq_gate_up") || n.starts_with("routed_vq_down"))
+            .filter(|n| {
+                ["routed_vq_gate_up", "routed_vq_down", "vq_expert_mma"]
+                    .iter()
+                    .any(|p| n.starts_with(p))
+            })
             .all(|n| f[n].set_attribute(attr, optin as i32).is_ok())
         {
             optin
@@ -2130,6 +2176,14 @@ impl Cuda {
     ) {
         let k = r.route.top_k;
         let (inter, pairs) = (shape.inter, rows * k);
+        if rows > ROUTED_MAX_ROWS
+            && self.tensor_cores()
+            && shape.grouped_gemm()
+            && gemm_grid_fits(pairs, r.experts)
+        {
+            self.launch_routed_vq_gemm(r, shape, x, rows, hidden, probs, out);
+            return;
+        }
         let [ids, weights, h, ..] = self.routed_scratch_at(pairs, k, inter, hidden);
         self.launch_route(r, rows, probs, ids, weights);
         let book = self.vq_book(shape.rung);
@@ -2137,42 +2191,15 @@ impl Cuda {
         let (ki, ri, hi) = (k as i32, inter as i32, hidden as i32);
         let bits = shape.rung.index_bits as i32;
         let block = ((VQR_WARPS * 32) as u32, 1, 1);
-        let (up_width, down_width) = (shape.up_width(), shape.down_width());
         // A prompt's pairs rotated: [pairs, 2, up_width] for gate and up, then
         // [pairs, down_width] for down. Null in a decode step.
-        let mut rotated = (rows > ROUTED_MAX_ROWS)
-            .then(|| self.grown(&self.vq_scratch, pairs * (2 * up_width + down_width)));
+        let mut rotated = (rows > ROUTED_MAX_ROWS).then(|| self.rotated_pairs(shape, pairs));
         let (xr, hr) = match rotated.as_mut() {
-            Some(buf) => {
-                let at = buf.as_mut().expect("grown").device_ptr_mut(&self.stream).0;
-                (at, at + 4 * (pairs * 2 * up_width) as u64)
-            }
+            Some(buf) => self.rotated_at(buf, shape, pairs),
             None => (0u64, 0u64),
         };
-        // Rotates each pair's row of `src` (row pair / top_k, or row pair with `by_pair`)
-        // into `dst`, for `mats` matrices from matrix `first` (0 gate, 2 down) on.
-        let rotate = |src: u64, by_pair: i32, dst: u64, cols: usize, b: usize, mats: usize| {
-            let chunks = mats * cols.div_ceil(b);
-            let first: i32 = if by_pair == 0 { 0 } else { 2 };
-            let (ci, bi, mi) = (cols as i32, b as i32, mats as i32);
-            let mut l = self.launcher(self.func("routed_vq_rotate"));
-            l.arg(&r.table)
-                .arg(&ids)
-                .arg(&ki)
-                .arg(&src)
-                .arg(&by_pair)
-                .arg(&dst);
-            l.arg(&ci).arg(&bi).arg(&mi).arg(&first);
-            let launch = LaunchConfig {
-                grid_dim: (chunks.div_ceil(VQR_WARPS) as u32, pairs as u32, 1),
-                block_dim: block,
-                shared_mem_bytes: 0,
-            };
-            ok(unsafe { l.launch(launch) }, "routed VQ rotation");
-        };
-
         if xr != 0 {
-            rotate(x, 0, xr, hidden, shape.up_block, 2);
+            self.launch_pair_rotation(r, ids, pairs, x, false, xr, hidden, shape.up_block);
         }
         // In a decode step the book goes into shared memory beside the activations when
         // both fit. Not for a prompt: its thousands of blocks would each copy it (at 512
@@ -2205,7 +2232,7 @@ impl Cuda {
         ok(unsafe { l.launch(gate_up) }, "routed VQ gate/up");
 
         if hr != 0 {
-            rotate(h, 1, hr, inter, shape.down_block, 1);
+            self.launch_pair_rotation(r, ids, pairs, h, true, hr, inter, shape.down_block);
         }
         let (b, rb) = (shape.down_block as i32, row_bytes(shape.rung, inter) as u64);
         let mut l = self.launcher(self.func(&format!("routed_vq_down_{suffix}")));
@@ -2224,6 +2251,147 @@ impl Cuda {
             shared_mem_bytes: bytes as u32,
         };
         ok(unsafe { l.launch(down) }, "routed VQ down");
+    }
+
+    /// The buffer for a prompt's `pairs` pairs rotated for gate and up, then for down.
+    fn rotated_pairs(
+        &self,
+        shape: VqRoutedShape,
+        pairs: usize,
+    ) -> MutexGuard<'_, Option<CudaSlice<f32>>> {
+        let n = pairs * (2 * shape.up_width() + shape.down_width());
+        self.grown(&self.vq_scratch, n)
+    }
+
+    /// Device addresses of the gate/up inputs (`[pairs, 2, up_width]`) and the down
+    /// inputs (`[pairs, down_width]`) in a [`rotated_pairs`](Self::rotated_pairs) buffer.
+    fn rotated_at(
+        &self,
+        buf: &mut Option<CudaSlice<f32>>,
+        shape: VqRoutedShape,
+        pairs: usize,
+    ) -> (u64, u64) {
+        let at = buf.as_mut().expect("grown").device_ptr_mut(&self.stream).0;
+        (at, at + 4 * (pairs * 2 * shape.up_width()) as u64)
+    }
+
+    /// Rotates each of `pairs` pairs' row of `src` (row pair / top_k, or row pair with
+    /// `by_pair`) with its expert's seeds (`ids` a pair) into `dst`: for gate and up,
+    /// `[pairs, 2, width]`, or with `by_pair` for down, `[pairs, width]`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_pair_rotation(
+        &self,
+        r: &Routed<'_>,
+        ids: u64,
+        pairs: usize,
+        src: u64,
+        by_pair: bool,
+        dst: u64,
+        cols: usize,
+        block: usize,
+    ) {
+        let mats = if by_pair { 1 } else { 2 };
+        let chunks = mats * cols.div_ceil(block);
+        let (first, by) = if by_pair { (2i32, 1i32) } else { (0, 0) };
+        let (ki, ci, bi, mi) = (r.route.top_k as i32, cols as i32, block as i32, mats as i32);
+        let mut l = self.launcher(self.func("routed_vq_rotate"));
+        l.arg(&r.table)
+            .arg(&ids)
+            .arg(&ki)
+            .arg(&src)
+            .arg(&by)
+            .arg(&dst);
+        l.arg(&ci).arg(&bi).arg(&mi).arg(&first);
+        let launch = LaunchConfig {
+            grid_dim: (chunks.div_ceil(VQR_WARPS) as u32, pairs as u32, 1),
+            block_dim: ((VQR_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        ok(unsafe { l.launch(launch) }, "routed VQ rotation");
+    }
+
+    /// [`launch_routed_vq`](Self::launch_routed_vq) for a prompt, on tensor cores: the
+    /// pairs grouped by expert ([`group_pairs`](Self::group_pairs)), each pair's row
+    /// rotated for gate and up, the grouped gate/up GEMM with the SiLU into `h` (pair
+    /// order), `h` rotated for down, and the grouped down GEMM adding each pair's weighted
+    /// output into its row of `out` (zeroed first).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_routed_vq_gemm(
+        &self,
+        r: &Routed<'_>,
+        shape: VqRoutedShape,
+        x: u64,
+        rows: usize,
+        hidden: usize,
+        probs: u64,
+        out: u64,
+    ) {
+        let inter = shape.inter;
+        let pairs = rows * r.route.top_k;
+        let groups = self.group_pairs(r, rows, probs, true);
+        let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
+        let (ids, pair_ids) = (at(&groups.ids), groups.pair_ids.as_ref().map_or(0, at));
+        let (table, tiles, tiles_n) = (
+            groups.table.device_ptr(&self.stream).0,
+            at(&groups.tiles),
+            at(&groups.tiles_n),
+        );
+        let mut rotated = self.rotated_pairs(shape, pairs);
+        let (xr, hr) = self.rotated_at(&mut rotated, shape, pairs);
+        let h = ok(unsafe { self.stream.alloc::<f32>(pairs * inter) }, "alloc");
+        let h_at = h.device_ptr(&self.stream).0;
+
+        let book = self.vq_book(shape.rung);
+        let book_bytes = vq_book_bytes(shape.rung);
+        let suffix = vq_suffix(shape.rung.dim);
+        let bits = shape.rung.index_bits as i32;
+        // The book goes into shared memory beside the staged tiles when both fit.
+        let with_book = |tiles: usize| {
+            let shared = book_bytes + tiles <= self.vq_routed_shared;
+            (shared as i32, tiles + if shared { book_bytes } else { 0 })
+        };
+        let launch = |outputs: usize, per_block: usize, shared: usize| LaunchConfig {
+            grid_dim: (
+                outputs.div_ceil(per_block) as u32,
+                groups.most_tiles as u32,
+                1,
+            ),
+            block_dim: ((VQG_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+
+        self.launch_pair_rotation(r, ids, pairs, x, false, xr, hidden, shape.up_block);
+        let (ri, wi, bi) = (inter as i32, shape.up_width() as i32, shape.up_block as i32);
+        let rb = row_bytes(shape.rung, hidden) as u64;
+        let (book_shared, bytes) = with_book(vq_gemm_shared(2));
+        let mut l = self.launcher(self.func(&format!("vq_expert_mma_gate_up_{suffix}")));
+        l.arg(&table).arg(&tiles).arg(&tiles_n).arg(&pair_ids);
+        l.arg(&xr).arg(&h_at).arg(&ri).arg(&wi);
+        l.arg(&*book).arg(&bits).arg(&bi).arg(&rb).arg(&book_shared);
+        ok(
+            unsafe { l.launch(launch(inter, VQG_GATE_UP_OUTPUTS, bytes)) },
+            "VQ expert gate/up GEMM",
+        );
+
+        self.launch_pair_rotation(r, ids, pairs, h_at, true, hr, inter, shape.down_block);
+        self.fill_at(out, 0.0, rows * hidden);
+        let (ri, wi, bi) = (
+            hidden as i32,
+            shape.down_width() as i32,
+            shape.down_block as i32,
+        );
+        let rb = row_bytes(shape.rung, inter) as u64;
+        let (book_shared, bytes) = with_book(vq_gemm_shared(1));
+        let (pair_rows, pair_weights) = (at(&groups.pair_rows), at(&groups.pair_weights));
+        let mut l = self.launcher(self.func(&format!("vq_expert_mma_down_{suffix}")));
+        l.arg(&table).arg(&tiles).arg(&tiles_n).arg(&pair_ids);
+        l.arg(&pair_rows).arg(&pair_weights).arg(&hr).arg(&out);
+        l.arg(&ri).arg(&wi);
+        l.arg(&*book).arg(&bits).arg(&bi).arg(&rb).arg(&book_shared);
+        ok(
+            unsafe { l.launch(launch(hidden, VQG_DOWN_OUTPUTS, bytes)) },
+            "VQ expert down GEMM",
+        );
     }
 
     /// [`launch_routed`](Self::launch_routed) over `rows` rows in chunks that keep the
@@ -2276,10 +2444,10 @@ impl Cuda {
     }
 
     /// [`launch_routed`](Self::launch_routed) for a prompt, on tensor cores and with no
-    /// host round trip: the route, the pairs grouped by expert on the device
-    /// (`moe_group_pairs`), then the grouped GEMMs over a grid sized for the most tiles
-    /// there could be (the kernels read the count). `out` is zeroed and the down GEMM
-    /// adds each pair's weighted output into its row.
+    /// host round trip: the route and the pairs grouped by expert on the device
+    /// ([`group_pairs`](Self::group_pairs)), then the grouped GEMMs over a grid sized for
+    /// the most tiles there could be (the kernels read the count). `out` is zeroed and the
+    /// down GEMM adds each pair's weighted output into its row.
     #[allow(clippy::too_many_arguments)]
     fn launch_routed_gemm(
         &self,
@@ -2291,51 +2459,70 @@ impl Cuda {
         probs: u64,
         out: u64,
     ) {
-        let (e, k) = (r.experts, r.route.top_k);
-        let (inter, pairs) = (shape.inter, rows * k);
-        let most_tiles = pairs / EXPERT_TILE_ROWS + e;
-        let words = |n: usize| ok(unsafe { self.stream.alloc::<u32>(n.max(1)) }, "alloc");
-        let (ids, weights) = (words(pairs), words(pairs));
-        let groups = ok(
-            unsafe { self.stream.alloc::<u64>(e * GROUP_ENTRY) },
+        let pairs = rows * r.route.top_k;
+        let groups = self.group_pairs(r, rows, probs, false);
+        let h = ok(
+            unsafe { self.stream.alloc::<f32>(pairs * shape.inter) },
             "alloc",
         );
-        let (pair_rows, pair_weights) = (words(pairs), words(pairs));
-        let (tiles, tiles_n) = (words(2 * most_tiles), words(1));
-        let h = ok(unsafe { self.stream.alloc::<f32>(pairs * inter) }, "alloc");
         let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
-        self.launch_route(r, rows, probs, at(&ids), at(&weights));
-
-        let (pi, ki, ei) = (pairs as i32, k as i32, e as i32);
-        let mut l = self.launcher(self.func("moe_group_pairs"));
-        l.arg(&ids).arg(&weights).arg(&pi).arg(&ki).arg(&ei);
-        l.arg(&r.table)
-            .arg(&groups)
-            .arg(&pair_rows)
-            .arg(&pair_weights);
-        l.arg(&tiles).arg(&tiles_n);
-        ok(
-            unsafe { l.launch(cfg(1, 1024, 3 * 4 * e)) },
-            "moe_group_pairs",
-        );
-
         self.fill_at(out, 0.0, rows * hidden);
         self.launch_expert_gemms(&ExpertGemms {
             bits: shape.bits,
-            table: groups.device_ptr(&self.stream).0,
-            tiles: at(&tiles),
-            grid_tiles: most_tiles,
-            tiles_n: at(&tiles_n),
-            pair_rows: at(&pair_rows),
-            pair_weights: at(&pair_weights),
+            table: groups.table.device_ptr(&self.stream).0,
+            tiles: at(&groups.tiles),
+            grid_tiles: groups.most_tiles,
+            tiles_n: at(&groups.tiles_n),
+            pair_rows: at(&groups.pair_rows),
+            pair_weights: at(&groups.pair_weights),
             x,
             h: h.device_ptr(&self.stream).0,
             out,
             hidden,
-            inter,
+            inter: shape.inter,
             up_cols: shape.up_cols,
             down_cols: shape.down_cols,
         });
+    }
+
+    /// Routes `rows` rows (`moe_route`) and groups their pairs by expert on the device
+    /// (`moe_group_pairs`), with each grouped pair's own index when `with_ids`.
+    fn group_pairs(&self, r: &Routed<'_>, rows: usize, probs: u64, with_ids: bool) -> PairGroups {
+        let (e, k) = (r.experts, r.route.top_k);
+        let pairs = rows * k;
+        let most_tiles = pairs / EXPERT_TILE_ROWS + e;
+        let words = |n: usize| ok(unsafe { self.stream.alloc::<u32>(n.max(1)) }, "alloc");
+        let g = PairGroups {
+            ids: words(pairs),
+            weights: words(pairs),
+            table: ok(
+                unsafe { self.stream.alloc::<u64>(e * GROUP_ENTRY) },
+                "alloc",
+            ),
+            pair_rows: words(pairs),
+            pair_weights: words(pairs),
+            pair_ids: with_ids.then(|| words(pairs)),
+            tiles: words(2 * most_tiles),
+            tiles_n: words(1),
+            most_tiles,
+        };
+        let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
+        self.launch_route(r, rows, probs, at(&g.ids), at(&g.weights));
+        let (pi, ki, ei) = (pairs as i32, k as i32, e as i32);
+        let pair_ids = g.pair_ids.as_ref().map_or(0u64, at);
+        let mut l = self.launcher(self.func("moe_group_pairs"));
+        l.arg(&g.ids).arg(&g.weights).arg(&pi).arg(&ki).arg(&ei);
+        l.arg(&r.table)
+            .arg(&g.table)
+            .arg(&g.pair_rows)
+            .arg(&g.pair_weights)
+            .arg(&pair_ids);
+        l.arg(&g.tiles).arg(&g.tiles_n);
+        ok(
+            unsafe { l.launch(cfg(1, 1024, 3 * 4 * e)) },
+            "moe_group_pairs",
+        );
+        g
     }
 
     /// The two grouped expert GEMMs over `g.grid_tiles` pair tiles: gate and up with the
