@@ -6,7 +6,8 @@
 #
 #   bash scripts/gpu/run.sh [checks] [kernels] [cli] [model]     (these by default)
 #
-# checks   every kernel against the CPU reference, fixture perplexity and greedy decode
+# checks   every kernel against the CPU reference, fixture perplexity and greedy decode;
+#          with nvcc there, that no kernel touches memory before its launch wait
 # kernels  quantized matvec GB/s against the copy kernel (cuda_kernels.json)
 # cli      `dynmoe eval ppl` and `dynmoe run` with --backend cuda beside --backend cpu
 # model    a converted directory of Qwen3-30B-A3B's shape with random weights (first $LAYERS
@@ -65,6 +66,11 @@ for step in $steps; do
         # shellcheck disable=SC2086
         "$BIN/cuda-tests" --test-threads=1 --nocapture ${CHECKS:-} 2>&1 | tee "$OUT/checks.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        # No kernel may read before its programmatic-launch wait (needs nvcc).
+        if command -v nvcc > /dev/null; then
+            bash "$BIN/pdl_order.sh" "$BIN/kernels.cu" 2>&1 | tee -a "$OUT/checks.log"
+            [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        fi
         ;;
     kernels)
         echo "== kernel bandwidth"

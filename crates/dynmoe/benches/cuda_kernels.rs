@@ -581,25 +581,31 @@ fn main() {
             .map(|t| g.upload(&fresh(hidden, 300 + t as u64)))
             .collect();
         let (mut probs, mut out) = (g.alloc(512 * experts), g.alloc(512 * hidden));
-        routed_step_rows(
-            &g,
-            120 + rung.position() as u64,
-            tokens,
-            |t| {
-                let x = &xs[t];
-                let done =
-                    g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
-                assert!(done, "VQ experts route on the device");
-            },
-            [
-                &format!("routed {}", rung.name()),
-                &format!("moe_routed_on_device_top8_{}", rung.name()),
-            ],
-            [inter, hidden],
-            top_k * expert_bytes,
-            copy_gb_s,
-            &mut rows_out,
-        );
+        // On tensor cores (the default), then on CUDA cores, as for affine experts.
+        let was = g.routed_mma();
+        for (mma, way) in [(true, "mma"), (false, "matvec")] {
+            g.set_routed_mma(mma);
+            routed_step_rows(
+                &g,
+                120 + 2 * rung.position() as u64 + mma as u64,
+                tokens,
+                |t| {
+                    let x = &xs[t];
+                    let done =
+                        g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
+                    assert!(done, "VQ experts route on the device");
+                },
+                [
+                    &format!("routed {} {way}", rung.name()),
+                    &format!("moe_routed_on_device_top8_{}_{way}", rung.name()),
+                ],
+                [inter, hidden],
+                top_k * expert_bytes,
+                copy_gb_s,
+                &mut rows_out,
+            );
+        }
+        g.set_routed_mma(was);
         let prompt = 512;
         let xp = g.upload(&fresh(prompt * hidden, 15));
         let us = time_ms(&g, || {

@@ -1516,11 +1516,18 @@ fn vq_experts_routed_on_the_device_match_the_host_route() {
     // top-8 as Qwen3-30B-A3B routes them, with a tie and past 512 rows (two chunks), over
     // 32-value blocks (down's: prompts through the decode kernels); and that model's own
     // shape (two blocks of 1024 for gate and up, three of 256 for down).
-    for rung in ["1.5", "2", "3", "0.7", "5"] {
-        check_routed(g, 256, 80, 12, Codes::Vq(rung), false);
+    // Decode steps run both ways: on tensor cores (but at 2 values a vector and under
+    // 64-value blocks), and on CUDA cores.
+    let was = g.routed_mma();
+    for mma in [true, false] {
+        g.set_routed_mma(mma);
+        for rung in ["1.5", "2", "3", "0.7", "5"] {
+            check_routed(g, 256, 80, 12, Codes::Vq(rung), false);
+        }
+        check_routed(g, 128, 32, 128, Codes::Vq("1.5"), true);
+        check_routed(g, 2048, 768, 10, Codes::Vq("1.5"), false);
     }
-    check_routed(g, 128, 32, 128, Codes::Vq("1.5"), true);
-    check_routed(g, 2048, 768, 10, Codes::Vq("1.5"), false);
+    g.set_routed_mma(was);
 }
 
 #[test]

@@ -2808,9 +2808,9 @@ VQ_ENTRY(16)
 #define VQR_GATE_UP_ROWS 2
 #define VQR_DOWN_ROWS 1
 
-template <int V>
+template <int V, typename Store>
 __device__ __forceinline__ void vq_rotate_warp(const float* src, int valid, const unsigned* signs,
-                                               float* dst) {
+                                               Store store) {
     int lane = threadIdx.x % WARP;
     float a[V];
 #pragma unroll
@@ -2841,7 +2841,7 @@ __device__ __forceinline__ void vq_rotate_warp(const float* src, int valid, cons
     }
     float scale = 1.0f / sqrtf((float)(V * WARP));
 #pragma unroll
-    for (int r = 0; r < V; r++) dst[r * WARP + lane] = a[r] * scale;
+    for (int r = 0; r < V; r++) store(r * WARP + lane, a[r] * scale);
 }
 
 __device__ __forceinline__ void prefetch_l1(const void* p) {
@@ -2894,19 +2894,26 @@ __device__ __forceinline__ const unsigned short* vqr_shared_book(const unsigned 
     return reinterpret_cast<const unsigned short*>(vqr_shared);
 }
 
-// dst[0 .. block) = H D src[0 .. block) / √block by the calling warp, src read as zeros
-// from `valid` on, D's signs as bits (`signs`, block / 32 words). `block` is a power of
-// two from 32 to 1024 (the host checks).
+// store(i, value i) for i < block of H D src[0 .. block) / √block by the calling warp, src
+// read as zeros from `valid` on, D's signs as bits (`signs`, block / 32 words). `block` is
+// a power of two from 32 to 1024 (the host checks).
+template <typename Store>
+__device__ __forceinline__ void vq_rotate_block_to(const float* src, int valid,
+                                                   const unsigned* signs, int block, Store store) {
+    switch (block) {
+    case 32: vq_rotate_warp<1>(src, valid, signs, store); break;
+    case 64: vq_rotate_warp<2>(src, valid, signs, store); break;
+    case 128: vq_rotate_warp<4>(src, valid, signs, store); break;
+    case 256: vq_rotate_warp<8>(src, valid, signs, store); break;
+    case 512: vq_rotate_warp<16>(src, valid, signs, store); break;
+    default: vq_rotate_warp<32>(src, valid, signs, store); break;
+    }
+}
+
+// dst[0 .. block) = H D src[0 .. block) / √block (vq_rotate_block_to).
 __device__ __forceinline__ void vq_rotate_block(const float* src, int valid, const unsigned* signs,
                                                 int block, float* dst) {
-    switch (block) {
-    case 32: vq_rotate_warp<1>(src, valid, signs, dst); break;
-    case 64: vq_rotate_warp<2>(src, valid, signs, dst); break;
-    case 128: vq_rotate_warp<4>(src, valid, signs, dst); break;
-    case 256: vq_rotate_warp<8>(src, valid, signs, dst); break;
-    case 512: vq_rotate_warp<16>(src, valid, signs, dst); break;
-    default: vq_rotate_warp<32>(src, valid, signs, dst); break;
-    }
+    vq_rotate_block_to(src, valid, signs, block, [&](int i, float v) { dst[i] = v; });
 }
 
 __device__ __forceinline__ const unsigned* signs_of(const unsigned long long* m) {
@@ -3002,10 +3009,10 @@ extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP)
 // block. Dynamic shared memory: x_t rotated for gate and for up, 2 · width floats,
 // staged from `xr` ([pairs, 2, width], routed_vq_rotate) when it is not null.
 template <int P>
-__device__ void routed_vq_gate_up(const unsigned long long* __restrict__ table,
-                                  const int* __restrict__ ids, int top_k,
-                                  const float* __restrict__ x, const float* __restrict__ xr,
-                                  float* __restrict__ h, int inter, int hidden,
+__device__ void routed_vq_gate_up(const unsigned long long* table,
+                                  const int* ids, int top_k,
+                                  const float* x, const float* xr,
+                                  float* h, int inter, int hidden,
                                   const unsigned short* __restrict__ book, int k, int block,
                                   size_t row_bytes, int book_shared) {
     int pair = blockIdx.y, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
@@ -3048,10 +3055,10 @@ __device__ void routed_vq_gate_up(const unsigned long long* __restrict__ table,
 // shared memory: each of the token's pairs' h rotated with its expert's seed,
 // top_k · width floats, staged from `hr` ([pairs, width]) when it is not null.
 template <int P>
-__device__ void routed_vq_down(const unsigned long long* __restrict__ table,
-                               const int* __restrict__ ids, const float* __restrict__ weights,
-                               int top_k, const float* __restrict__ h,
-                               const float* __restrict__ hr, float* __restrict__ out, int hidden,
+__device__ void routed_vq_down(const unsigned long long* table,
+                               const int* ids, const float* weights,
+                               int top_k, const float* h,
+                               const float* hr, float* out, int hidden,
                                int inter, const unsigned short* __restrict__ book, int k,
                                int block, size_t row_bytes, int book_shared) {
     int t = blockIdx.y, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
@@ -3184,12 +3191,12 @@ __device__ __forceinline__ void vqg_indices(const unsigned (&w)[4], int off, int
 // pair_ids[row]; otherwise out[x_rows[row]] += pair_scales[row] · down, atomically.
 // Dynamic shared memory: the book first when `book_shared`, then the staged tiles.
 template <int P, bool GATED>
-__device__ void vq_expert_mma(const unsigned long long* __restrict__ groups,
-                              const unsigned* __restrict__ tiles, const unsigned* tiles_n,
-                              const unsigned* __restrict__ pair_ids,
-                              const unsigned* __restrict__ x_rows,
-                              const float* __restrict__ pair_scales,
-                              const float* __restrict__ xr, float* __restrict__ out, int rows,
+__device__ void vq_expert_mma(const unsigned long long* groups,
+                              const unsigned* tiles, const unsigned* tiles_n,
+                              const unsigned* pair_ids,
+                              const unsigned* x_rows,
+                              const float* pair_scales,
+                              const float* xr, float* out, int rows,
                               int width, const unsigned short* __restrict__ book, int k,
                               int block, size_t row_bytes, int book_shared) {
     constexpr int M = GATED ? 2 : 1;
@@ -3399,3 +3406,238 @@ __device__ void vq_expert_mma(const unsigned long long* __restrict__ groups,
 VQG_ENTRY(4)
 VQG_ENTRY(8)
 VQG_ENTRY(16)
+
+// ---- VQ experts of a decode step on tensor cores ----
+//
+// The routed VQ kernels with each warp's products on tensor cores, as routed_mma does
+// for affine codes: mma.sync takes 16 weight rows as A, their codewords looked up from
+// the book straight into fragments in the column order of vq_expert_mma (lane quarter q
+// takes columns 16q .. 16q + 15 of a 64-column unit), and the rotated activations as B:
+// column 0 their f16 hi part, column 1 the lo part, the other six zero. Each block still
+// rotates what it reads (a warp per rotation block), straight into f16 hi and lo halves.
+// The warps split a row tile's units; the block adds their partial sums in a fixed order.
+// For 4-, 8- and 16-value vectors and rotation blocks of at least 64 values.
+#define VQM_TILES 2  // 16-row tiles of gate and up a block
+
+// Staged activations of one matrix: `width` f16 hi halves, 4 words of padding (so the
+// lanes reading hi and those reading lo fall in different banks), the lo halves, 4 more.
+__device__ __forceinline__ int vqm_stride(int width) { return width + 8; }  // in words
+
+__device__ __forceinline__ unsigned short f16_bits(float v) {
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+}
+
+// Stores value i of a rotated row as its f16 hi and lo halves.
+__device__ __forceinline__ void vqm_store(unsigned* staged, int width, int i, float v) {
+    unsigned short* hi = reinterpret_cast<unsigned short*>(staged);
+    unsigned short* lo = reinterpret_cast<unsigned short*>(staged + width / 2 + 4);
+    unsigned short hv = f16_bits(v);
+    hi[i] = hv;
+    lo[i] = f16_bits(v - half_bits(hv));
+}
+
+// Σ over units [u0, u1) of the lane's rows o_g and o_g8 (g and g + 8 of a tile; clamped
+// rows for those past the matrix) of matrix `m` (its table words) times the staged
+// activations, each unit's products scaled by the rows' norms of its rotation block.
+// Lanes with q = 0 get the two sums; the others hold parts of no use.
+template <int P>
+__device__ __forceinline__ float2 vqm_rows(const unsigned long long* m,
+                                           const unsigned short* book, const unsigned* staged,
+                                           int width, int o_g, int o_g8, int u0, int u1, int k,
+                                           int block, size_t row_bytes) {
+    const unsigned* codes = reinterpret_cast<const unsigned*>(m[0]);
+    const unsigned short* norms = reinterpret_cast<const unsigned short*>(m[1]);
+    int lane = threadIdx.x % WARP, g = lane >> 2, q = lane & 3;
+    int blocks = width / block;
+    size_t bits[2] = {(size_t)o_g * row_bytes * 8 + (size_t)(16 * q / P) * k,
+                      (size_t)o_g8 * row_bytes * 8 + (size_t)(16 * q / P) * k};
+    // Lane groups 0 and 1 feed B's columns 0 (hi) and 1 (lo); the rest, zeros.
+    const unsigned* bsrc = staged + (g == 1 ? width / 2 + 4 : 0) + 8 * q;
+    float2 acc = make_float2(0.0f, 0.0f);
+#pragma unroll 1
+    for (int u = u0; u < u1; u++) {
+        unsigned a[2][8];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            size_t bit = bits[r] + (size_t)u * (64 / P) * k;
+            const unsigned* w = codes + (bit >> 5);
+            int off = (int)(bit & 31), last = (off + (16 / P - 1) * k) >> 5;
+            unsigned words[4] = {w[0], w[1], last >= 1 ? w[2] : 0u, last >= 2 ? w[3] : 0u};
+            unsigned idx[16 / P];
+            vqg_indices<P>(words, off, k, idx);
+            vqg_fragments<P>(book, idx, a[r]);
+        }
+        unsigned bx[8];
+        if (g < 2) {
+            uint4 v0 = reinterpret_cast<const uint4*>(bsrc + 32 * u)[0];
+            uint4 v1 = reinterpret_cast<const uint4*>(bsrc + 32 * u)[1];
+            bx[0] = v0.x, bx[1] = v0.y, bx[2] = v0.z, bx[3] = v0.w;
+            bx[4] = v1.x, bx[5] = v1.y, bx[6] = v1.z, bx[7] = v1.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) bx[i] = 0u;
+        }
+        float c[4];
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++) {
+            unsigned af[4] = {a[0][2 * ks], a[1][2 * ks], a[0][2 * ks + 1], a[1][2 * ks + 1]};
+            if (ks == 0)
+                mma_f16_first(c, af, bx[0], bx[1]);
+            else
+                mma_f16(c, af, bx[2 * ks], bx[2 * ks + 1]);
+        }
+        int b = u * 64 / block;
+        acc.x += half_bits(norms[(size_t)o_g * blocks + b]) * (c[0] + c[1]);
+        acc.y += half_bits(norms[(size_t)o_g8 * blocks + b]) * (c[2] + c[3]);
+    }
+    float inv_root = 1.0f / sqrtf((float)block);
+    return make_float2(acc.x * inv_root, acc.y * inv_root);
+}
+
+// The rows a warp of units [u0, u1) of `units`, split `parts` ways, takes: part `part`.
+__device__ __forceinline__ int2 vqm_units(int units, int parts, int part) {
+    int per = (units + parts - 1) / parts;
+    int u0 = min(units, part * per);
+    return make_int2(u0, min(units, u0 + per));
+}
+
+// h[pair, o] = silu(gate_e(x_t)[o]) · up_e(x_t)[o] for pair = blockIdx.y, over
+// VQM_TILES · 16 rows o a block. Warp w takes matrix w / 8 (gate, up), tile (w / 4) % 2 and
+// a quarter of the units. Dynamic shared memory: the book when `book_shared`, x_t
+// rotated for gate and for up (vqm_stride words each), and the partial sums.
+template <int P>
+__device__ void routed_vq_mma_gate_up(const unsigned long long* table,
+                                      const int* ids, int top_k,
+                                      const float* x, float* h,
+                                      int inter, int hidden,
+                                      const unsigned short* __restrict__ book, int k, int block,
+                                      size_t row_bytes, int book_shared) {
+    constexpr int PARTS = VQR_WARPS / (2 * VQM_TILES);
+    int pair = blockIdx.y, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    int g = lane >> 2, q = lane & 3;
+    int blocks = (hidden + block - 1) / block, width = blocks * block, stride = vqm_stride(width);
+    const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
+    const float* xt = x + (size_t)(pair / top_k) * hidden;
+    int mat = warp / (VQM_TILES * PARTS), tile = (warp / PARTS) % VQM_TILES, part = warp % PARTS;
+    int r0 = blockIdx.x * 16 * VQM_TILES + 16 * tile;
+    {
+        // The part's quarter of the tile's rows into L1 while the block rotates.
+        int p0 = r0 + 4 * part, n = min(4, inter - p0);
+        if (n > 0) prefetch_rows(ent + 3 * mat, p0, n, blocks, row_bytes);
+    }
+    float* xs;
+    const unsigned short* bk = vqr_shared_book<P>(book, k, book_shared, xs);
+    unsigned* staged = reinterpret_cast<unsigned*>(xs);
+    float* red = reinterpret_cast<float*>(staged + 2 * stride);  // [VQR_WARPS][16]
+    for (int c = warp; c < 2 * blocks; c += VQR_WARPS) {
+        int m = c / blocks, b = c % blocks;
+        unsigned* dst = staged + m * stride;
+        vq_rotate_block_to(xt + b * block, hidden - b * block, signs_of(ent + 3 * m), block,
+                           [&](int i, float v) { vqm_store(dst, width, b * block + i, v); });
+    }
+    __syncthreads();
+    int o_g = r0 + g < inter ? r0 + g : 0, o_g8 = r0 + g + 8 < inter ? r0 + g + 8 : 0;
+    int2 us = vqm_units(width / 64, PARTS, part);
+    float2 s = vqm_rows<P>(ent + 3 * mat, bk, staged + mat * stride, width, o_g, o_g8, us.x,
+                           us.y, k, block, row_bytes);
+    if (q == 0) {
+        red[warp * 16 + g] = s.x;
+        red[warp * 16 + g + 8] = s.y;
+    }
+    __syncthreads();
+    int t = threadIdx.x;
+    if (t < 16 * VQM_TILES) {
+        int o = blockIdx.x * 16 * VQM_TILES + t;
+        int tl = t / 16, r = t % 16;
+        float gv = 0.0f, uv = 0.0f;
+        for (int p = 0; p < PARTS; p++) {
+            gv += red[((0 * VQM_TILES + tl) * PARTS + p) * 16 + r];
+            uv += red[((1 * VQM_TILES + tl) * PARTS + p) * 16 + r];
+        }
+        if (o < inter) h[(size_t)pair * inter + o] = gv / (1.0f + expf(-gv)) * uv;
+    }
+}
+
+// out[t, o] = Σ_q weights[t·top_k + q] · down_e(h[t·top_k + q])[o], the pairs added in
+// order, for token t = blockIdx.y, over 16 rows o a block. The warps split the pairs, and
+// each pair's units `parts` ways (VQR_WARPS / top_k when that is more than one). Dynamic
+// shared memory: the book when `book_shared`, each pair's h rotated (vqm_stride words
+// each), and the partial sums.
+template <int P>
+__device__ void routed_vq_mma_down(const unsigned long long* table,
+                                   const int* ids, const float* weights,
+                                   int top_k, const float* h,
+                                   float* out, int hidden, int inter,
+                                   const unsigned short* __restrict__ book, int k, int block,
+                                   size_t row_bytes, int book_shared) {
+    int t = blockIdx.y, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    int g = lane >> 2, q = lane & 3;
+    int blocks = (inter + block - 1) / block, width = blocks * block, stride = vqm_stride(width);
+    int parts = max(1, VQR_WARPS / top_k), slots = VQR_WARPS / parts;
+    int part = warp % parts, r0 = blockIdx.x * 16;
+    for (int p = warp / parts; p < top_k; p += slots) {
+        int p0 = r0 + part * (16 / parts), n = min(16 / parts, hidden - p0);
+        const unsigned long long* ent = table + (size_t)ids[t * top_k + p] * ROUTED_ENTRY;
+        if (n > 0) prefetch_rows(ent + 6, p0, n, blocks, row_bytes);
+    }
+    float* hs;
+    const unsigned short* bk = vqr_shared_book<P>(book, k, book_shared, hs);
+    unsigned* staged = reinterpret_cast<unsigned*>(hs);
+    float* red = reinterpret_cast<float*>(staged + (size_t)top_k * stride);  // [top_k][parts][16]
+    for (int c = warp; c < top_k * blocks; c += VQR_WARPS) {
+        int p = c / blocks, b = c % blocks, pair = t * top_k + p;
+        const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
+        unsigned* dst = staged + p * stride;
+        vq_rotate_block_to(h + (size_t)pair * inter + b * block, inter - b * block,
+                           signs_of(ent + 6), block,
+                           [&](int i, float v) { vqm_store(dst, width, b * block + i, v); });
+    }
+    __syncthreads();
+    int o_g = r0 + g < hidden ? r0 + g : 0, o_g8 = r0 + g + 8 < hidden ? r0 + g + 8 : 0;
+    int2 us = vqm_units(width / 64, parts, part);
+    for (int p = warp / parts; p < top_k; p += slots) {
+        const unsigned long long* ent = table + (size_t)ids[t * top_k + p] * ROUTED_ENTRY;
+        float2 s = vqm_rows<P>(ent + 6, bk, staged + p * stride, width, o_g, o_g8, us.x, us.y,
+                               k, block, row_bytes);
+        if (q == 0) {
+            red[(p * parts + part) * 16 + g] = s.x;
+            red[(p * parts + part) * 16 + g + 8] = s.y;
+        }
+    }
+    __syncthreads();
+    int r = threadIdx.x;
+    if (r < 16 && r0 + r < hidden) {
+        float total = 0.0f;
+        for (int p = 0; p < top_k; p++) {
+            float d = 0.0f;
+            for (int j = 0; j < parts; j++) d += red[(p * parts + j) * 16 + r];
+            total += weights[t * top_k + p] * d;
+        }
+        out[(size_t)t * hidden + r0 + r] = total;
+    }
+}
+
+#define VQM_ENTRY(P)                                                                           \
+    extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP, 2)                          \
+        routed_vq_gate_up_mma_p##P(const unsigned long long* table, const int* ids, int top_k, \
+                                   const float* x, float* h, int inter, int hidden,            \
+                                   const unsigned short* book, int k, int block,               \
+                                   unsigned long long row_bytes, int book_shared) {            \
+        PDL_ENTRY();                                                                           \
+        routed_vq_mma_gate_up<P>(table, ids, top_k, x, h, inter, hidden, book, k, block,       \
+                                 row_bytes, book_shared);                                      \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP, 2) routed_vq_down_mma_p##P( \
+        const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
+        const float* h, float* out, int hidden, int inter, const unsigned short* book, int k,  \
+        int block, unsigned long long row_bytes, int book_shared) {                            \
+        PDL_ENTRY();                                                                           \
+        routed_vq_mma_down<P>(table, ids, weights, top_k, h, out, hidden, inter, book, k,      \
+                              block, row_bytes, book_shared);                                  \
+    }
+
+VQM_ENTRY(4)
+VQM_ENTRY(8)
+VQM_ENTRY(16)

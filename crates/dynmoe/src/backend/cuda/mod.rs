@@ -109,6 +109,8 @@ const RMMA_UNIT_BYTES: usize = 80 * 4 + 4;
 const VQR_WARPS: usize = 16;
 const VQR_GATE_UP_ROWS: usize = 2;
 const VQR_DOWN_ROWS: usize = 1;
+/// 16-row tiles of gate and up a `routed_vq_gate_up_mma_*` block takes (its `VQM_TILES`).
+const VQM_TILES: usize = 2;
 /// Warps of a `vq_expert_mma_*` block, and its output rows in gate/up (64 a matrix,
 /// four warps each) and in down (the kernels' `VQG_WARPS`).
 const VQG_WARPS: usize = 8;
@@ -348,7 +350,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 92] = [
+const KERNEL_NAMES: [&str; 98] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -435,6 +437,12 @@ const KERNEL_NAMES: [&str; 92] = [
     "routed_vq_down_p8",
     "routed_vq_down_p16",
     "routed_vq_rotate",
+    "routed_vq_gate_up_mma_p4",
+    "routed_vq_gate_up_mma_p8",
+    "routed_vq_gate_up_mma_p16",
+    "routed_vq_down_mma_p4",
+    "routed_vq_down_mma_p8",
+    "routed_vq_down_mma_p16",
     "vq_expert_mma_gate_up_p4",
     "vq_expert_mma_gate_up_p8",
     "vq_expert_mma_gate_up_p16",
@@ -555,11 +563,26 @@ impl VqRoutedShape {
             .then_some(shape)
     }
 
-    /// Whether a prompt's pairs take the grouped GEMMs on tensor cores: their B
-    /// fragments are whole codewords of 4, 8 or 16 values, and a norm covers whole
-    /// 64-column groups.
-    fn grouped_gemm(&self) -> bool {
+    /// Whether the tensor-core kernels (a prompt's grouped GEMMs, a decode step's
+    /// `routed_vq_*_mma`) take these experts: their weight fragments are whole codewords
+    /// of 4, 8 or 16 values, and a norm covers whole 64-column units.
+    fn on_tensor_cores(&self) -> bool {
         self.rung.dim >= 4 && self.up_block >= 64 && self.down_block >= 64
+    }
+
+    /// Dynamic shared memory of `routed_vq_gate_up_mma_*`, less the book: the row
+    /// rotated for gate and for up as f16 hi and lo halves (with 8 words of padding
+    /// each), and each warp's partial sums of 16 rows.
+    fn mma_gate_up_shared(&self) -> usize {
+        2 * (self.up_width() + 8) * 4 + VQR_WARPS * 16 * 4
+    }
+
+    /// Dynamic shared memory of `routed_vq_down_mma_*`, less the book: each of a
+    /// token's `top_k` rows rotated as f16 halves, and the partial sums of 16 rows of
+    /// each pair's part (the warps split a pair's units `VQR_WARPS / top_k` ways).
+    fn mma_down_shared(&self, top_k: usize) -> usize {
+        let parts = (VQR_WARPS / top_k).max(1);
+        top_k * (self.down_width() + 8) * 4 + top_k * parts * 16 * 4
     }
 
     /// Rotated widths of a gate/up input row and of a down input row: whole blocks.
@@ -2178,7 +2201,7 @@ impl Cuda {
         let (inter, pairs) = (shape.inter, rows * k);
         if rows > ROUTED_MAX_ROWS
             && self.tensor_cores()
-            && shape.grouped_gemm()
+            && shape.on_tensor_cores()
             && gemm_grid_fits(pairs, r.experts)
         {
             self.launch_routed_vq_gemm(r, shape, x, rows, hidden, probs, out);
@@ -2187,13 +2210,25 @@ impl Cuda {
         let [ids, weights, h, ..] = self.routed_scratch_at(pairs, k, inter, hidden);
         self.launch_route(r, rows, probs, ids, weights);
         let book = self.vq_book(shape.rung);
-        let suffix = vq_suffix(shape.rung.dim);
         let (ki, ri, hi) = (k as i32, inter as i32, hidden as i32);
         let bits = shape.rung.index_bits as i32;
         let block = ((VQR_WARPS * 32) as u32, 1, 1);
+        // A decode step's products run on tensor cores where the codewords make whole
+        // fragments (`routed_vq_*_mma`), else on CUDA cores (`routed_vq_*`, which also
+        // take a prompt's pairs at rungs the grouped GEMMs do not).
+        let decode = rows <= ROUTED_MAX_ROWS;
+        let mma = decode
+            && self.routed_mma()
+            && shape.on_tensor_cores()
+            && shape.mma_gate_up_shared().max(shape.mma_down_shared(k)) <= self.vq_routed_shared;
+        let suffix = format!(
+            "{}{}",
+            if mma { "mma_" } else { "" },
+            vq_suffix(shape.rung.dim)
+        );
         // A prompt's pairs rotated: [pairs, 2, up_width] for gate and up, then
         // [pairs, down_width] for down. Null in a decode step.
-        let mut rotated = (rows > ROUTED_MAX_ROWS).then(|| self.rotated_pairs(shape, pairs));
+        let mut rotated = (!decode).then(|| self.rotated_pairs(shape, pairs));
         let (xr, hr) = match rotated.as_mut() {
             Some(buf) => self.rotated_at(buf, shape, pairs),
             None => (0u64, 0u64),
@@ -2206,7 +2241,7 @@ impl Cuda {
         // rows that took 14.9 ms a layer against 9.3 through L1).
         let book_bytes = vq_book_bytes(shape.rung);
         let with_book = |activations: usize| {
-            let shared = rows <= ROUTED_MAX_ROWS
+            let shared = decode
                 && book_bytes <= VQR_SHARED_BOOK
                 && book_bytes + activations <= self.vq_routed_shared;
             (
@@ -2214,18 +2249,30 @@ impl Cuda {
                 activations + if shared { book_bytes } else { 0 },
             )
         };
+        let (up_rows, up_shared, down_rows, down_shared) = if mma {
+            let (up, down) = (shape.mma_gate_up_shared(), shape.mma_down_shared(k));
+            (VQM_TILES * 16, up, 16, down)
+        } else {
+            let (up, down) = (shape.gate_up_shared(), shape.down_shared(k));
+            (
+                VQR_WARPS * VQR_GATE_UP_ROWS,
+                up,
+                VQR_WARPS * VQR_DOWN_ROWS,
+                down,
+            )
+        };
         let (b, rb) = (shape.up_block as i32, row_bytes(shape.rung, hidden) as u64);
-        let (book_shared, bytes) = with_book(shape.gate_up_shared());
+        let (book_shared, bytes) = with_book(up_shared);
         let mut l = self.launcher(self.func(&format!("routed_vq_gate_up_{suffix}")));
-        l.arg(&r.table).arg(&ids).arg(&ki).arg(&x).arg(&xr).arg(&h);
+        l.arg(&r.table).arg(&ids).arg(&ki).arg(&x);
+        if !mma {
+            l.arg(&xr);
+        }
+        l.arg(&h);
         l.arg(&ri).arg(&hi).arg(&*book).arg(&bits).arg(&b).arg(&rb);
         l.arg(&book_shared);
         let gate_up = LaunchConfig {
-            grid_dim: (
-                inter.div_ceil(VQR_WARPS * VQR_GATE_UP_ROWS) as u32,
-                pairs as u32,
-                1,
-            ),
+            grid_dim: (inter.div_ceil(up_rows) as u32, pairs as u32, 1),
             block_dim: block,
             shared_mem_bytes: bytes as u32,
         };
@@ -2236,17 +2283,16 @@ impl Cuda {
         }
         let (b, rb) = (shape.down_block as i32, row_bytes(shape.rung, inter) as u64);
         let mut l = self.launcher(self.func(&format!("routed_vq_down_{suffix}")));
-        l.arg(&r.table).arg(&ids).arg(&weights).arg(&ki);
-        l.arg(&h).arg(&hr).arg(&out);
+        l.arg(&r.table).arg(&ids).arg(&weights).arg(&ki).arg(&h);
+        if !mma {
+            l.arg(&hr);
+        }
+        l.arg(&out);
         l.arg(&hi).arg(&ri).arg(&*book).arg(&bits).arg(&b).arg(&rb);
-        let (book_shared, bytes) = with_book(shape.down_shared(k));
+        let (book_shared, bytes) = with_book(down_shared);
         l.arg(&book_shared);
         let down = LaunchConfig {
-            grid_dim: (
-                hidden.div_ceil(VQR_WARPS * VQR_DOWN_ROWS) as u32,
-                rows as u32,
-                1,
-            ),
+            grid_dim: (hidden.div_ceil(down_rows) as u32, rows as u32, 1),
             block_dim: block,
             shared_mem_bytes: bytes as u32,
         };

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Checks, on a machine with the CUDA toolkit, that no kernel touches global memory before
+# its programmatic-launch wait (`griddepcontrol.wait`, ACQBULK in SASS). ptxas may hoist a
+# load through a `const __restrict__` pointer (LDG.E.CONSTANT) above the wait, and the
+# kernel then reads what the kernel before it has not yet written. The dense
+# matrix-vector kernels load their first weights before the wait on purpose (no kernel
+# writes weights); they are listed in EARLY.
+#
+#   bash scripts/gpu/pdl_order.sh [kernels.cu] [arch]
+set -euo pipefail
+src=${1:-crates/dynmoe/src/backend/cuda/kernels.cu}
+arch=${2:-sm_90}
+EARLY="matvec_bf16_one matvec_bf16_3_one"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cp "$src" "$tmp/kernels.cu"
+nvcc -std=c++17 -arch="$arch" -cubin -o "$tmp/kernels.cubin" "$tmp/kernels.cu"
+cuobjdump -sass "$tmp/kernels.cubin" > "$tmp/kernels.sass"
+# Per function: the first global load, store or atomic before ACQBULK, if any.
+awk -v early="$EARLY" '
+    BEGIN { n = split(early, e, " "); for (i = 1; i <= n; i++) ok[e[i]] = 1 }
+    /Function : / { f = $3; waited = 0; next }
+    /ACQBULK/ { waited = 1 }
+    !waited && f != "" && !(f in ok) && /(LDG|STG|ATOMG|RED\.|LD\.E|ST\.E)/ {
+        print f ": " $0; bad = 1; waited = 1
+    }
+    END { exit bad }
+' "$tmp/kernels.sass" && echo "pdl order: every kernel waits before touching global memory"
