@@ -3413,10 +3413,12 @@ VQG_ENTRY(16)
 // for affine codes: mma.sync takes 16 weight rows as A, their codewords looked up from
 // the book straight into fragments in the column order of vq_expert_mma (lane quarter q
 // takes columns 16q .. 16q + 15 of a 64-column unit), and the rotated activations as B:
-// column 0 their f16 hi part, column 1 the lo part, the other six zero. Each block still
-// rotates what it reads (a warp per rotation block), straight into f16 hi and lo halves.
-// The warps split a row tile's units; the block adds their partial sums in a fixed order.
-// For 4-, 8- and 16-value vectors and rotation blocks of at least 64 values.
+// column 0 their f16 hi part, column 1 the lo part, the other six zero. The block first
+// queues asynchronous copies of the book and of its rows' codes and norms into shared
+// memory, rotates what it reads (a warp per rotation block, straight into f16 hi and lo
+// halves) while they land, and only then looks anything up: no lookup waits on device
+// memory. The warps split a row tile's units; the block adds their partial sums in a
+// fixed order. For 4-, 8- and 16-value vectors and rotation blocks of at least 64 values.
 #define VQM_TILES 2  // 16-row tiles of gate and up a block
 
 // Staged activations of one matrix: `width` f16 hi halves, 4 words of padding (so the
@@ -3438,33 +3440,96 @@ __device__ __forceinline__ void vqm_store(unsigned* staged, int width, int i, fl
     lo[i] = f16_bits(v - half_bits(hv));
 }
 
-// Σ over units [u0, u1) of the lane's rows o_g and o_g8 (g and g + 8 of a tile; clamped
-// rows for those past the matrix) of matrix `m` (its table words) times the staged
+// Bytes of shared memory that hold `bytes` bytes from any offset, staged whole 16-byte
+// chunks at a time (stage_bytes_async).
+__device__ __forceinline__ int staged_bytes(int bytes) { return (bytes + 15) / 16 * 16 + 16; }
+
+// Queues copies of bytes [begin, end) of `src` (16-byte aligned, readable to the end of
+// the chunk holding byte end - 1: the device copies' padding) into `dst`, whole 16-byte
+// chunks from the one holding `begin`, by the block's threads. Byte b lands at
+// dst + b - (begin & ~15).
+__device__ __forceinline__ void stage_bytes_async(void* dst, const void* src, size_t begin,
+                                                  size_t end) {
+    size_t first = begin & ~(size_t)15;
+    int chunks = (int)((end - first + 15) / 16);
+    const float4* from = reinterpret_cast<const float4*>(reinterpret_cast<const char*>(src) + first);
+    for (int i = threadIdx.x; i < chunks; i += blockDim.x)
+        copy16_async(reinterpret_cast<float4*>(dst) + i, from + i, true);
+}
+
+// Bytes a staged row of codes takes in shared memory: room for its 16-byte chunks, an
+// odd number of them, so that the 8 rows a warp reads at once start in different banks.
+__device__ __forceinline__ int vqm_code_stride(size_t row_bytes) {
+    int chunks = (int)((row_bytes + 15) / 16) + 1;
+    return 16 * (chunks | 1);
+}
+
+// Rows of a matrix's codes and norms staged in shared memory from row o0 on
+// (vqm_stage_rows): row o's codes from bit ((o - o0) · stride + (o · row_bytes) % 16) · 8 of
+// `codes`, and its norm of block b at entry o · blocks + b - norm0 of `norms`.
+struct VqmRows {
+    const unsigned* codes;
+    const unsigned short* norms;
+    int o0, stride;
+    size_t norm0;
+};
+
+__device__ __forceinline__ VqmRows vqm_staged(const char* codes, const char* norms, int o0,
+                                              int blocks, size_t row_bytes) {
+    return VqmRows{reinterpret_cast<const unsigned*>(codes),
+                   reinterpret_cast<const unsigned short*>(norms), o0,
+                   vqm_code_stride(row_bytes), ((size_t)o0 * blocks * 2 & ~(size_t)15) / 2};
+}
+
+// Queues the copies of rows [o0, o0 + n) of a matrix's codes and norms (its table words
+// `m`) into `codes` and `norms` (shared), as vqm_staged finds them: each code row the
+// 16-byte chunks that hold it, the norms as one range.
+__device__ __forceinline__ void vqm_stage_rows(const unsigned long long* m, int o0, int n,
+                                               int blocks, size_t row_bytes, char* codes,
+                                               char* norms) {
+    const char* src = reinterpret_cast<const char*>(m[0]);
+    int stride = vqm_code_stride(row_bytes), per = stride / 16;
+    for (int i = threadIdx.x; i < n * per; i += blockDim.x) {
+        int r = i / per, c = i % per;
+        size_t first = ((size_t)(o0 + r) * row_bytes & ~(size_t)15) + 16 * c;
+        if (first < (size_t)(o0 + r + 1) * row_bytes)
+            copy16_async(reinterpret_cast<float4*>(codes + (size_t)r * stride) + c,
+                         reinterpret_cast<const float4*>(src + first), true);
+    }
+    size_t n0 = (size_t)o0 * blocks * 2;
+    stage_bytes_async(norms, reinterpret_cast<const void*>(m[1]), n0,
+                      n0 + (size_t)n * blocks * 2);
+}
+
+// Σ over units [u0, u1) of the lane's rows o_g and o_g8 (g and g + 8 of a tile; rows
+// past the matrix clamped to a staged one) of the staged rows `w` times the staged
 // activations, each unit's products scaled by the rows' norms of its rotation block.
 // Lanes with q = 0 get the two sums; the others hold parts of no use.
 template <int P>
-__device__ __forceinline__ float2 vqm_rows(const unsigned long long* m,
-                                           const unsigned short* book, const unsigned* staged,
-                                           int width, int o_g, int o_g8, int u0, int u1, int k,
-                                           int block, size_t row_bytes) {
-    const unsigned* codes = reinterpret_cast<const unsigned*>(m[0]);
-    const unsigned short* norms = reinterpret_cast<const unsigned short*>(m[1]);
+__device__ __forceinline__ float2 vqm_rows(const VqmRows& w, const unsigned short* book,
+                                           const unsigned* staged, int width, int o_g, int o_g8,
+                                           int u0, int u1, int k, int block, size_t row_bytes) {
     int lane = threadIdx.x % WARP, g = lane >> 2, q = lane & 3;
     int blocks = width / block;
-    size_t bits[2] = {(size_t)o_g * row_bytes * 8 + (size_t)(16 * q / P) * k,
-                      (size_t)o_g8 * row_bytes * 8 + (size_t)(16 * q / P) * k};
+    auto first_bit = [&](int o) {
+        size_t lead = (size_t)o * row_bytes & 15;
+        return ((size_t)(o - w.o0) * w.stride + lead) * 8 + (size_t)(16 * q / P) * k;
+    };
+    size_t bits[2] = {first_bit(o_g), first_bit(o_g8)};
+    const unsigned short* norm[2] = {w.norms + (size_t)o_g * blocks - w.norm0,
+                                     w.norms + (size_t)o_g8 * blocks - w.norm0};
     // Lane groups 0 and 1 feed B's columns 0 (hi) and 1 (lo); the rest, zeros.
     const unsigned* bsrc = staged + (g == 1 ? width / 2 + 4 : 0) + 8 * q;
     float2 acc = make_float2(0.0f, 0.0f);
-#pragma unroll 1
+#pragma unroll 2
     for (int u = u0; u < u1; u++) {
         unsigned a[2][8];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             size_t bit = bits[r] + (size_t)u * (64 / P) * k;
-            const unsigned* w = codes + (bit >> 5);
+            const unsigned* c = w.codes + (bit >> 5);
             int off = (int)(bit & 31), last = (off + (16 / P - 1) * k) >> 5;
-            unsigned words[4] = {w[0], w[1], last >= 1 ? w[2] : 0u, last >= 2 ? w[3] : 0u};
+            unsigned words[4] = {c[0], c[1], last >= 1 ? c[2] : 0u, last >= 2 ? c[3] : 0u};
             unsigned idx[16 / P];
             vqg_indices<P>(words, off, k, idx);
             vqg_fragments<P>(book, idx, a[r]);
@@ -3489,130 +3554,161 @@ __device__ __forceinline__ float2 vqm_rows(const unsigned long long* m,
                 mma_f16(c, af, bx[2 * ks], bx[2 * ks + 1]);
         }
         int b = u * 64 / block;
-        acc.x += half_bits(norms[(size_t)o_g * blocks + b]) * (c[0] + c[1]);
-        acc.y += half_bits(norms[(size_t)o_g8 * blocks + b]) * (c[2] + c[3]);
+        acc.x += half_bits(norm[0][b]) * (c[0] + c[1]);
+        acc.y += half_bits(norm[1][b]) * (c[2] + c[3]);
     }
     float inv_root = 1.0f / sqrtf((float)block);
     return make_float2(acc.x * inv_root, acc.y * inv_root);
 }
 
-// The rows a warp of units [u0, u1) of `units`, split `parts` ways, takes: part `part`.
+// Units [u0, u1) of `units`, split `parts` ways: part `part`'s.
 __device__ __forceinline__ int2 vqm_units(int units, int parts, int part) {
     int per = (units + parts - 1) / parts;
     int u0 = min(units, part * per);
     return make_int2(u0, min(units, u0 + per));
 }
 
+// The dynamic shared memory of a routed_vq_*_mma block: the book (when `book_shared`,
+// else it is read from `book`), `mats` rotated rows (vqm_stride words each), each
+// matrix's `rows` rows of codes and norms, staged, and `red` floats of partial sums.
+struct VqmShared {
+    const unsigned short* book;
+    unsigned* staged;
+    char* codes;
+    char* norms;
+    float* red;
+    int code_stride, norm_stride;
+};
+
+template <int P>
+__device__ __forceinline__ VqmShared vqm_shared(const unsigned short* book, int k, int book_shared,
+                                                int mats, int width, int rows, int blocks,
+                                                size_t row_bytes) {
+    extern __shared__ float4 vqm_smem[];
+    char* at = reinterpret_cast<char*>(vqm_smem);
+    VqmShared sh;
+    sh.book = book;
+    if (book_shared) {
+        size_t bytes = ((size_t)P << k) * 2;
+        stage_bytes_async(at, book, 0, bytes);
+        sh.book = reinterpret_cast<const unsigned short*>(at);
+        at += bytes;
+    }
+    sh.staged = reinterpret_cast<unsigned*>(at);
+    at += (size_t)mats * vqm_stride(width) * 4;
+    sh.code_stride = rows * vqm_code_stride(row_bytes);
+    sh.norm_stride = staged_bytes(rows * blocks * 2);
+    sh.codes = at;
+    at += (size_t)mats * sh.code_stride;
+    sh.norms = at;
+    at += (size_t)mats * sh.norm_stride;
+    sh.red = reinterpret_cast<float*>(at);
+    return sh;
+}
+
 // h[pair, o] = silu(gate_e(x_t)[o]) · up_e(x_t)[o] for pair = blockIdx.y, over
 // VQM_TILES · 16 rows o a block. Warp w takes matrix w / 8 (gate, up), tile (w / 4) % 2 and
-// a quarter of the units. Dynamic shared memory: the book when `book_shared`, x_t
-// rotated for gate and for up (vqm_stride words each), and the partial sums.
+// a quarter of the units.
 template <int P>
-__device__ void routed_vq_mma_gate_up(const unsigned long long* table,
-                                      const int* ids, int top_k,
-                                      const float* x, float* h,
-                                      int inter, int hidden,
+__device__ void routed_vq_gate_up_mma(const unsigned long long* table, const int* ids, int top_k,
+                                      const float* x, float* h, int inter, int hidden,
                                       const unsigned short* __restrict__ book, int k, int block,
                                       size_t row_bytes, int book_shared) {
     constexpr int PARTS = VQR_WARPS / (2 * VQM_TILES);
+    constexpr int ROWS = 16 * VQM_TILES;
     int pair = blockIdx.y, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     int g = lane >> 2, q = lane & 3;
     int blocks = (hidden + block - 1) / block, width = blocks * block, stride = vqm_stride(width);
     const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
     const float* xt = x + (size_t)(pair / top_k) * hidden;
     int mat = warp / (VQM_TILES * PARTS), tile = (warp / PARTS) % VQM_TILES, part = warp % PARTS;
-    int r0 = blockIdx.x * 16 * VQM_TILES + 16 * tile;
-    {
-        // The part's quarter of the tile's rows into L1 while the block rotates.
-        int p0 = r0 + 4 * part, n = min(4, inter - p0);
-        if (n > 0) prefetch_rows(ent + 3 * mat, p0, n, blocks, row_bytes);
-    }
-    float* xs;
-    const unsigned short* bk = vqr_shared_book<P>(book, k, book_shared, xs);
-    unsigned* staged = reinterpret_cast<unsigned*>(xs);
-    float* red = reinterpret_cast<float*>(staged + 2 * stride);  // [VQR_WARPS][16]
+    int b0 = blockIdx.x * ROWS, n = min(ROWS, inter - b0);
+    VqmShared sh = vqm_shared<P>(book, k, book_shared, 2, width, ROWS, blocks, row_bytes);
+    for (int m = 0; m < 2; m++)
+        vqm_stage_rows(ent + 3 * m, b0, n, blocks, row_bytes, sh.codes + m * sh.code_stride,
+                       sh.norms + m * sh.norm_stride);
+    copies_commit();
     for (int c = warp; c < 2 * blocks; c += VQR_WARPS) {
         int m = c / blocks, b = c % blocks;
-        unsigned* dst = staged + m * stride;
+        unsigned* dst = sh.staged + m * stride;
         vq_rotate_block_to(xt + b * block, hidden - b * block, signs_of(ent + 3 * m), block,
                            [&](int i, float v) { vqm_store(dst, width, b * block + i, v); });
     }
+    copies_wait();
     __syncthreads();
-    int o_g = r0 + g < inter ? r0 + g : 0, o_g8 = r0 + g + 8 < inter ? r0 + g + 8 : 0;
+    int r0 = b0 + 16 * tile;
+    int o_g = r0 + g < inter ? r0 + g : b0, o_g8 = r0 + g + 8 < inter ? r0 + g + 8 : b0;
     int2 us = vqm_units(width / 64, PARTS, part);
-    float2 s = vqm_rows<P>(ent + 3 * mat, bk, staged + mat * stride, width, o_g, o_g8, us.x,
-                           us.y, k, block, row_bytes);
+    VqmRows rows = vqm_staged(sh.codes + mat * sh.code_stride, sh.norms + mat * sh.norm_stride,
+                              b0, blocks, row_bytes);
+    float2 s = vqm_rows<P>(rows, sh.book, sh.staged + mat * stride, width, o_g, o_g8, us.x, us.y,
+                           k, block, row_bytes);
     if (q == 0) {
-        red[warp * 16 + g] = s.x;
-        red[warp * 16 + g + 8] = s.y;
+        sh.red[warp * 16 + g] = s.x;
+        sh.red[warp * 16 + g + 8] = s.y;
     }
     __syncthreads();
     int t = threadIdx.x;
-    if (t < 16 * VQM_TILES) {
-        int o = blockIdx.x * 16 * VQM_TILES + t;
+    if (t < ROWS && t < n) {
         int tl = t / 16, r = t % 16;
         float gv = 0.0f, uv = 0.0f;
         for (int p = 0; p < PARTS; p++) {
-            gv += red[((0 * VQM_TILES + tl) * PARTS + p) * 16 + r];
-            uv += red[((1 * VQM_TILES + tl) * PARTS + p) * 16 + r];
+            gv += sh.red[((0 * VQM_TILES + tl) * PARTS + p) * 16 + r];
+            uv += sh.red[((1 * VQM_TILES + tl) * PARTS + p) * 16 + r];
         }
-        if (o < inter) h[(size_t)pair * inter + o] = gv / (1.0f + expf(-gv)) * uv;
+        h[(size_t)pair * inter + b0 + t] = gv / (1.0f + expf(-gv)) * uv;
     }
 }
 
 // out[t, o] = Σ_q weights[t·top_k + q] · down_e(h[t·top_k + q])[o], the pairs added in
 // order, for token t = blockIdx.y, over 16 rows o a block. The warps split the pairs, and
-// each pair's units `parts` ways (VQR_WARPS / top_k when that is more than one). Dynamic
-// shared memory: the book when `book_shared`, each pair's h rotated (vqm_stride words
-// each), and the partial sums.
+// each pair's units `parts` ways (VQR_WARPS / top_k when that is more than one).
 template <int P>
-__device__ void routed_vq_mma_down(const unsigned long long* table,
-                                   const int* ids, const float* weights,
-                                   int top_k, const float* h,
-                                   float* out, int hidden, int inter,
-                                   const unsigned short* __restrict__ book, int k, int block,
-                                   size_t row_bytes, int book_shared) {
+__device__ void routed_vq_down_mma(const unsigned long long* table, const int* ids,
+                                   const float* weights, int top_k, const float* h, float* out,
+                                   int hidden, int inter, const unsigned short* __restrict__ book,
+                                   int k, int block, size_t row_bytes, int book_shared) {
     int t = blockIdx.y, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     int g = lane >> 2, q = lane & 3;
     int blocks = (inter + block - 1) / block, width = blocks * block, stride = vqm_stride(width);
     int parts = max(1, VQR_WARPS / top_k), slots = VQR_WARPS / parts;
-    int part = warp % parts, r0 = blockIdx.x * 16;
-    for (int p = warp / parts; p < top_k; p += slots) {
-        int p0 = r0 + part * (16 / parts), n = min(16 / parts, hidden - p0);
+    int part = warp % parts, r0 = blockIdx.x * 16, n = min(16, hidden - r0);
+    VqmShared sh = vqm_shared<P>(book, k, book_shared, top_k, width, 16, blocks, row_bytes);
+    for (int p = 0; p < top_k; p++) {
         const unsigned long long* ent = table + (size_t)ids[t * top_k + p] * ROUTED_ENTRY;
-        if (n > 0) prefetch_rows(ent + 6, p0, n, blocks, row_bytes);
+        vqm_stage_rows(ent + 6, r0, n, blocks, row_bytes, sh.codes + p * sh.code_stride,
+                       sh.norms + p * sh.norm_stride);
     }
-    float* hs;
-    const unsigned short* bk = vqr_shared_book<P>(book, k, book_shared, hs);
-    unsigned* staged = reinterpret_cast<unsigned*>(hs);
-    float* red = reinterpret_cast<float*>(staged + (size_t)top_k * stride);  // [top_k][parts][16]
+    copies_commit();
     for (int c = warp; c < top_k * blocks; c += VQR_WARPS) {
         int p = c / blocks, b = c % blocks, pair = t * top_k + p;
         const unsigned long long* ent = table + (size_t)ids[pair] * ROUTED_ENTRY;
-        unsigned* dst = staged + p * stride;
+        unsigned* dst = sh.staged + p * stride;
         vq_rotate_block_to(h + (size_t)pair * inter + b * block, inter - b * block,
                            signs_of(ent + 6), block,
                            [&](int i, float v) { vqm_store(dst, width, b * block + i, v); });
     }
+    copies_wait();
     __syncthreads();
-    int o_g = r0 + g < hidden ? r0 + g : 0, o_g8 = r0 + g + 8 < hidden ? r0 + g + 8 : 0;
+    int o_g = r0 + g < hidden ? r0 + g : r0, o_g8 = r0 + g + 8 < hidden ? r0 + g + 8 : r0;
     int2 us = vqm_units(width / 64, parts, part);
     for (int p = warp / parts; p < top_k; p += slots) {
-        const unsigned long long* ent = table + (size_t)ids[t * top_k + p] * ROUTED_ENTRY;
-        float2 s = vqm_rows<P>(ent + 6, bk, staged + p * stride, width, o_g, o_g8, us.x, us.y,
-                               k, block, row_bytes);
+        VqmRows rows = vqm_staged(sh.codes + p * sh.code_stride, sh.norms + p * sh.norm_stride,
+                                  r0, blocks, row_bytes);
+        float2 s = vqm_rows<P>(rows, sh.book, sh.staged + p * stride, width, o_g, o_g8, us.x,
+                               us.y, k, block, row_bytes);
         if (q == 0) {
-            red[(p * parts + part) * 16 + g] = s.x;
-            red[(p * parts + part) * 16 + g + 8] = s.y;
+            sh.red[(p * parts + part) * 16 + g] = s.x;
+            sh.red[(p * parts + part) * 16 + g + 8] = s.y;
         }
     }
     __syncthreads();
     int r = threadIdx.x;
-    if (r < 16 && r0 + r < hidden) {
+    if (r < n) {
         float total = 0.0f;
         for (int p = 0; p < top_k; p++) {
             float d = 0.0f;
-            for (int j = 0; j < parts; j++) d += red[(p * parts + j) * 16 + r];
+            for (int j = 0; j < parts; j++) d += sh.red[(p * parts + j) * 16 + r];
             total += weights[t * top_k + p] * d;
         }
         out[(size_t)t * hidden + r0 + r] = total;
@@ -3626,7 +3722,7 @@ __device__ void routed_vq_mma_down(const unsigned long long* table,
                                    const unsigned short* book, int k, int block,               \
                                    unsigned long long row_bytes, int book_shared) {            \
         PDL_ENTRY();                                                                           \
-        routed_vq_mma_gate_up<P>(table, ids, top_k, x, h, inter, hidden, book, k, block,       \
+        routed_vq_gate_up_mma<P>(table, ids, top_k, x, h, inter, hidden, book, k, block,       \
                                  row_bytes, book_shared);                                      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP, 2) routed_vq_down_mma_p##P( \
@@ -3634,7 +3730,7 @@ __device__ void routed_vq_mma_down(const unsigned long long* table,
         const float* h, float* out, int hidden, int inter, const unsigned short* book, int k,  \
         int block, unsigned long long row_bytes, int book_shared) {                            \
         PDL_ENTRY();                                                                           \
-        routed_vq_mma_down<P>(table, ids, weights, top_k, h, out, hidden, inter, book, k,      \
+        routed_vq_down_mma<P>(table, ids, weights, top_k, h, out, hidden, inter, book, k,      \
                               block, row_bytes, book_shared);                                  \
     }
 

@@ -70,10 +70,11 @@ const VQ_WARPS: usize = 8;
 /// each block copies the whole book from L2, so the blocks loop over the rows instead
 /// of the grid growing with them (two per SM of an H200).
 const VQ_SHARED_BOOK_BLOCKS: usize = 264;
-/// Bytes of zeros after a VQ matrix's device codes: the matrix-vector kernels read an
-/// index as the 3 bytes from its first, the routed ones as the two aligned 32-bit words
-/// from the one it starts in (up to 7 bytes past its last).
-const VQ_CODE_PADDING: usize = 8;
+/// Bytes of zeros after a VQ matrix's device codes and after its norms: the
+/// matrix-vector kernels read an index as the 3 bytes from its first, the routed ones as
+/// the two aligned 32-bit words from the one it starts in (up to 7 bytes past its last),
+/// and the tensor-core ones copy rows in whole 16-byte chunks (up to 15 bytes past).
+const VQ_CODE_PADDING: usize = 16;
 /// Rows of `x` one affine matrix-vector launch takes (the kernel's `AFF_MAXB`).
 const AFFINE_MAX_BATCH: usize = 4;
 /// Output rows per affine matrix-vector block (the kernel's `AFF_WARPS`).
@@ -242,7 +243,7 @@ fn is_bf16_exact(v: f32) -> bool {
 struct DeviceVq {
     /// `rows · row_bytes` bytes of codes, then [`VQ_CODE_PADDING`] zeros.
     codes: CudaSlice<u8>,
-    /// `[rows, blocks]` fp16 norms, their raw bits.
+    /// `[rows, blocks]` fp16 norms, their raw bits, then [`VQ_CODE_PADDING`] bytes of zeros.
     norms: CudaSlice<u16>,
     /// The rotation's signs as bits (bit i of word w set where entry 32w + i is −1), for
     /// the routed kernels.
@@ -572,17 +573,31 @@ impl VqRoutedShape {
 
     /// Dynamic shared memory of `routed_vq_gate_up_mma_*`, less the book: the row
     /// rotated for gate and for up as f16 hi and lo halves (with 8 words of padding
-    /// each), and each warp's partial sums of 16 rows.
+    /// each), the block's rows of each matrix's codes and norms, and each warp's partial
+    /// sums of 16 rows.
     fn mma_gate_up_shared(&self) -> usize {
-        2 * (self.up_width() + 8) * 4 + VQR_WARPS * 16 * 4
+        let rows = VQM_TILES * 16;
+        let staged = staged_rows(rows, row_bytes(self.rung, self.hidden), self.up_blocks());
+        2 * ((self.up_width() + 8) * 4 + staged) + VQR_WARPS * 16 * 4
     }
 
     /// Dynamic shared memory of `routed_vq_down_mma_*`, less the book: each of a
-    /// token's `top_k` rows rotated as f16 halves, and the partial sums of 16 rows of
-    /// each pair's part (the warps split a pair's units `VQR_WARPS / top_k` ways).
+    /// token's `top_k` rows rotated as f16 halves, the block's 16 rows of each pair's
+    /// codes and norms, and the partial sums of 16 rows of each pair's part (the warps
+    /// split a pair's units `VQR_WARPS / top_k` ways).
     fn mma_down_shared(&self, top_k: usize) -> usize {
         let parts = (VQR_WARPS / top_k).max(1);
-        top_k * (self.down_width() + 8) * 4 + top_k * parts * 16 * 4
+        let staged = staged_rows(16, row_bytes(self.rung, self.inter), self.down_blocks());
+        top_k * ((self.down_width() + 8) * 4 + staged + parts * 16 * 4)
+    }
+
+    /// Rotation blocks of a gate/up input row and of a down input row.
+    fn up_blocks(&self) -> usize {
+        self.up_width() / self.up_block
+    }
+
+    fn down_blocks(&self) -> usize {
+        self.down_width() / self.down_block
     }
 
     /// Rotated widths of a gate/up input row and of a down input row: whole blocks.
@@ -1017,6 +1032,15 @@ fn routed_mma_shared(units: usize) -> usize {
 
 /// Whether the grouped GEMMs' grid, sized for the most tiles `pairs` pairs over
 /// `experts` experts could need, fits a grid's y extent.
+/// Shared memory a `routed_vq_*_mma` block stages `rows` rows of a matrix's codes
+/// (`row_bytes` each) and norms (`blocks` fp16 each) in: each code row in an odd number
+/// of 16-byte chunks, one more than it may touch (the kernels' `vqm_code_stride`), and
+/// the norms in whole chunks from the one holding the first (`staged_bytes`).
+fn staged_rows(rows: usize, row_bytes: usize, blocks: usize) -> usize {
+    let code_stride = 16 * ((row_bytes.div_ceil(16) + 1) | 1);
+    rows * code_stride + (rows * blocks * 2).next_multiple_of(16) + 16
+}
+
 /// Dynamic shared memory of a `vq_expert_mma_*` block of `mats` matrices, less the
 /// book: each matrix's tile of EXPERT_TILE_ROWS inputs staged as f16 hi and lo parts
 /// (rows of 9 16-byte units, the kernels' `VQG_LDU`), and a norm for each warp's rows.
@@ -1332,9 +1356,19 @@ impl Cuda {
                 signs[i / 32] |= 1 << (i % 32);
             }
         }
+        let mut padded_norms = ok(
+            self.stream
+                .alloc_zeros::<u16>(norms.len() + VQ_CODE_PADDING / 2),
+            "alloc",
+        );
+        let mut head = padded_norms.slice_mut(..norms.len());
+        ok(
+            self.stream.memcpy_htod(norms.reinterpret_cast(), &mut head),
+            "upload",
+        );
         let d = Arc::new(DeviceVq {
             codes,
-            norms: ok(self.stream.clone_htod(norms.reinterpret_cast()), "upload"),
+            norms: padded_norms,
             signs: ok(self.stream.clone_htod(&signs), "upload"),
             fingerprint: print,
         });
