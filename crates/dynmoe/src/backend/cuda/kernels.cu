@@ -738,6 +738,34 @@ __device__ __forceinline__ void load_x16(const float* row, int k0, int in_dim, b
     }
 }
 
+// f(mt, jt, i, r, c) for each element i of a warp's (mt, jt) accumulator fragments over
+// 32 pair rows and 16 output columns: pair row r = 16·mt + g (+8 for i ≥ 2), output
+// column c = c0 + 8·jt + 2q (+1 for odd i).
+template <typename F>
+__device__ __forceinline__ void for_fragments(int c0, F f) {
+    int lane = threadIdx.x % WARP, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int jt = 0; jt < 2; jt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                f(mt, jt, i, 16 * mt + g + (i >= 2 ? 8 : 0), c0 + 8 * jt + 2 * q + (i & 1));
+}
+
+// A down GEMM tile's products (for_fragments from column c0) added into their rows:
+// out[x_rows[first + r], c] += pair_scales[first + r] · acc, atomically (a token's experts
+// add into its row). Rows from `count` on and columns from `rows` on are not there.
+__device__ __forceinline__ void add_down_fragments(const float (&acc)[2][2][4], int c0, int count,
+                                                   int rows, int first, const unsigned* x_rows,
+                                                   const float* pair_scales, float* out) {
+    for_fragments(c0, [&](int mt, int jt, int i, int r, int c) {
+        if (r < count && c < rows)
+            atomicAdd(out + (size_t)x_rows[first + r] * rows + c,
+                      pair_scales[first + r] * acc[mt][jt][i]);
+    });
+}
+
 // Pair tile `blockIdx.y` is entry (group, first row) of `tiles` (those at or past
 // `*tiles_n`, when given, do nothing); blockIdx.x picks MMA_BN output rows. GATED (gate and up, table entries 0 and 1): input row r is x[x_rows[p]],
 // out[p] = silu(gate) ⊙ up for pair p. Otherwise (down, entry 2): input row r is x[p] and
@@ -909,24 +937,15 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
             }
     }
 
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int jt = 0; jt < 2; jt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int r = 16 * mt + g + (i >= 2 ? 8 : 0);
-                int c = n0 + 16 * warp + 8 * jt + 2 * q + (i & 1);
-                if (r >= count || c >= rows) continue;
-                if (GATED) {
-                    float gv = acc[0][mt][jt][i];
-                    out[(size_t)(first + r) * rows + c] =
-                        gv / (1.0f + expf(-gv)) * acc[M - 1][mt][jt][i];
-                } else {
-                    size_t dst = (size_t)x_rows[first + r] * rows + c;
-                    atomicAdd(out + dst, pair_scales[first + r] * acc[0][mt][jt][i]);
-                }
-            }
+    if constexpr (GATED) {
+        for_fragments(n0 + 16 * warp, [&](int mt, int jt, int i, int r, int c) {
+            if (r >= count || c >= rows) return;
+            float gv = acc[0][mt][jt][i];
+            out[(size_t)(first + r) * rows + c] = gv / (1.0f + expf(-gv)) * acc[M - 1][mt][jt][i];
+        });
+    } else {
+        add_down_fragments(acc[0], n0 + 16 * warp, count, rows, first, x_rows, pair_scales, out);
+    }
 }
 
 #define EXPERT_MMA_ENTRY(B)                                                                    \
@@ -3351,15 +3370,9 @@ __device__ void vq_expert_mma(const unsigned long long* groups,
         // Gate and up meet in shared memory (over the staged tiles): red[m][row][col].
         __syncthreads();
         float* red = reinterpret_cast<float*>(xs_hi);
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int jt = 0; jt < 2; jt++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    int r = 16 * mt + g + (i >= 2 ? 8 : 0), c = 16 * wr + 8 * jt + 2 * q + (i & 1);
-                    red[(m * MMA_BM + r) * BN + c] = acc[mt][jt][i];
-                }
+        for_fragments(16 * wr, [&](int mt, int jt, int i, int r, int c) {
+            red[(m * MMA_BM + r) * BN + c] = acc[mt][jt][i];
+        });
         __syncthreads();
         for (int u = t; u < MMA_BM * BN; u += VQG_WARPS * WARP) {
             int r = u / BN, c = blockIdx.x * BN + u % BN;
@@ -3368,18 +3381,7 @@ __device__ void vq_expert_mma(const unsigned long long* groups,
             out[(size_t)pair_ids[first + r] * rows + c] = gv / (1.0f + expf(-gv)) * uv;
         }
     } else {
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int jt = 0; jt < 2; jt++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    int r = 16 * mt + g + (i >= 2 ? 8 : 0);
-                    int c = n0 + 8 * jt + 2 * q + (i & 1);
-                    if (r >= count || c >= rows) continue;
-                    atomicAdd(out + (size_t)x_rows[first + r] * rows + c,
-                              pair_scales[first + r] * acc[mt][jt][i]);
-                }
+        add_down_fragments(acc, n0, count, rows, first, x_rows, pair_scales, out);
     }
 }
 
