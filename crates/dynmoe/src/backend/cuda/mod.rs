@@ -19,6 +19,10 @@
 //! rung; in shared memory when it fits beside the activations) and scales the block
 //! sums by the norms. Above [`MATVEC_MAX_BATCH`] rows the matrix is decoded in the
 //! rotated domain into a scratch buffer and multiplied by cuBLAS with the rotated rows.
+//! A MoE block's VQ experts are routed on the device like affine ones; at rungs of 4- to
+//! 16-value vectors their products run on tensor cores, each codeword looked up from the
+//! book straight into an `mma.sync` fragment (a prompt's pairs grouped by expert for two
+//! grouped GEMMs, a decode step's through `routed_vq_*_mma`).
 //!
 //! Dense weight matrices ([`DeviceMatrix`]) are kept in bf16 when every value is one
 //! (checkpoint weights are), else in f32: decode reads the LM head and the attention
@@ -1030,8 +1034,6 @@ fn routed_mma_shared(units: usize) -> usize {
     units * RMMA_UNIT_BYTES + RMMA_WARPS * 2 * RMMA_ROWS * 4
 }
 
-/// Whether the grouped GEMMs' grid, sized for the most tiles `pairs` pairs over
-/// `experts` experts could need, fits a grid's y extent.
 /// Shared memory a `routed_vq_*_mma` block stages `rows` rows of a matrix's codes
 /// (`row_bytes` each) and norms (`blocks` fp16 each) in: each code row in an odd number
 /// of 16-byte chunks, one more than it may touch (the kernels' `vqm_code_stride`), and
@@ -1048,6 +1050,8 @@ fn vq_gemm_shared(mats: usize) -> usize {
     mats * 2 * EXPERT_TILE_ROWS * 9 * 16 + VQG_WARPS * 16 * 4
 }
 
+/// Whether the grouped GEMMs' grid, sized for the most tiles `pairs` pairs over
+/// `experts` experts could need, fits a grid's y extent.
 fn gemm_grid_fits(pairs: usize, experts: usize) -> bool {
     pairs / EXPERT_TILE_ROWS + experts <= 65_535
 }
@@ -2218,8 +2222,10 @@ impl Cuda {
     /// added, weighted, in order, into `out`. Every matrix has its own rotation seed: in a
     /// decode step each block rotates the activations it reads itself (a launch fewer);
     /// for a prompt `routed_vq_rotate` rotates each pair's once, for every block of its
-    /// products to read. At most 65 535 pairs (the grid's second dimension): callers go
-    /// through [`launch_routed_chunks`](Self::launch_routed_chunks).
+    /// products to read. A prompt whose codewords make whole tensor-core fragments takes
+    /// the grouped GEMMs instead ([`launch_routed_vq_gemm`](Self::launch_routed_vq_gemm)).
+    /// At most 65 535 pairs (the grid's second dimension): callers go through
+    /// [`launch_routed_chunks`](Self::launch_routed_chunks).
     #[allow(clippy::too_many_arguments)]
     fn launch_routed_vq(
         &self,
