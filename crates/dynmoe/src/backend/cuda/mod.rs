@@ -3629,8 +3629,9 @@ impl Backend for Cuda {
 #[cfg(test)]
 mod tests {
     use super::{
-        group_chunk, group_kernel, is_bf16_exact, tiled_kernel, tiled_shared, vq_book_bytes,
-        vq_suffix, vq_tile, VqTile, ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT,
+        group_chunk, group_kernel, is_bf16_exact, staged_rows, tiled_kernel, tiled_shared,
+        vq_book_bytes, vq_suffix, vq_tile, VqRoutedShape, VqTile, ATT_CHUNK_MAX, ATT_STEP,
+        SHARED_LIMIT, VQR_SHARED_BOOK,
     };
     use crate::codec::vq::{Rung, LADDER};
     use crate::testing::fresh;
@@ -3673,6 +3674,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn tensor_core_vq_kernels_take_whole_codewords_and_fit_an_h200_with_the_book() {
+        use crate::codec::vq::rotation::block_size;
+        let shape = |rung: &str, hidden: usize, inter: usize| VqRoutedShape {
+            rung: Rung::parse(rung).unwrap(),
+            hidden,
+            inter,
+            up_block: block_size(hidden),
+            down_block: block_size(inter),
+        };
+        // 2-value vectors, and rotation blocks under 64 (a 32-wide expert), stay on CUDA
+        // cores: a codeword would be part of a fragment, a norm change within a unit.
+        assert!(!shape("5", 2048, 768).on_tensor_cores());
+        assert!(!shape("1.5", 128, 32).on_tensor_cores());
+        for rung in ["0.7", "1.5", "3", "4"] {
+            assert!(shape(rung, 2048, 768).on_tensor_cores(), "{rung}");
+        }
+        // The shared memory the host asks for, book included where the kernels copy it,
+        // fits the 227 KiB an H200 block may opt into, for Qwen3-30B-A3B's and
+        // Qwen3-235B-A22B's experts at top-8. Code rows take an odd number of 16-byte
+        // chunks, one more than they touch: 384-byte rows 400, 24-byte rows 48.
+        assert_eq!(staged_rows(1, 384, 0) - staged_rows(0, 384, 0), 400);
+        assert_eq!(staged_rows(1, 24, 0) - staged_rows(0, 24, 0), 48);
+        let optin = 227 << 10;
+        for (hidden, inter) in [(2048, 768), (4096, 1536)] {
+            for rung in ["1.5", "0.7", "3", "2"] {
+                let s = shape(rung, hidden, inter);
+                let book = vq_book_bytes(s.rung);
+                let book = if book <= VQR_SHARED_BOOK { book } else { 0 };
+                let most = s.mma_gate_up_shared().max(s.mma_down_shared(8));
+                assert!(
+                    most + book <= optin,
+                    "{rung} {hidden}x{inter}: {most} + {book}"
+                );
+            }
+        }
+        // Two vq1.5 blocks of the 30B shape share an SM (228 KiB, 1 KiB a block kept).
+        let s = shape("1.5", 2048, 768);
+        let most = s.mma_gate_up_shared().max(s.mma_down_shared(8)) + vq_book_bytes(s.rung);
+        assert!(2 * (most + 1024) <= 228 << 10, "{most}");
     }
 
     #[test]
