@@ -113,9 +113,11 @@ fn time_ms(g: &Cuda, mut f: impl FnMut()) -> f64 {
     ts[REPEATS / 2]
 }
 
-/// One decode token's routed step (`step(t)` routes token `t` of `tokens`), launched call
-/// by call and then recorded as a graph (as a decode step runs; `key` names the graph):
-/// a printed line and a row `name_eager`, `name_graph` of each, `bytes` a token.
+/// One decode token's routed step (`step(t)` routes token `t` of `tokens`) with the
+/// experts' products on tensor cores (the default, graph key `key + 1`), then on CUDA
+/// cores (`key`), each launched call by call and then recorded as a graph (as a decode
+/// step runs): a printed line and a row `name_{mma,matvec}_{eager,graph}` of each,
+/// `bytes` a token.
 #[allow(clippy::too_many_arguments)]
 fn routed_step_rows(
     g: &Cuda,
@@ -128,28 +130,33 @@ fn routed_step_rows(
     copy_gb_s: f64,
     rows_out: &mut Vec<Row>,
 ) {
-    let ms = time_ms(g, || (0..tokens).for_each(&mut step));
-    let eager = ms * 1e3 / tokens as f64;
-    let graph = graph_us(g, key, |i| step(i % tokens));
-    for (per_token, launched) in [(eager, "eager"), (graph, "graph")] {
-        let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
-        println!(
-            "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
-            format!("{label} {launched}"),
-            inter,
-            hidden,
-            1,
-            gb_s / copy_gb_s
-        );
-        rows_out.push(Row::new(
-            format!("{name}_{launched}"),
-            [inter, hidden, 1],
-            bytes,
-            tokens,
-            per_token,
-            copy_gb_s,
-        ));
+    let was = g.routed_mma();
+    for (mma, way) in [(true, "mma"), (false, "matvec")] {
+        g.set_routed_mma(mma);
+        let ms = time_ms(g, || (0..tokens).for_each(&mut step));
+        let eager = ms * 1e3 / tokens as f64;
+        let graph = graph_us(g, key + mma as u64, |i| step(i % tokens));
+        for (per_token, launched) in [(eager, "eager"), (graph, "graph")] {
+            let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
+            println!(
+                "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
+                format!("{label} {way} {launched}"),
+                inter,
+                hidden,
+                1,
+                gb_s / copy_gb_s
+            );
+            rows_out.push(Row::new(
+                format!("{name}_{way}_{launched}"),
+                [inter, hidden, 1],
+                bytes,
+                tokens,
+                per_token,
+                copy_gb_s,
+            ));
+        }
     }
+    g.set_routed_mma(was);
 }
 
 struct HostAffine {
@@ -438,30 +445,23 @@ fn main() {
             .map(|t| g.upload(&fresh(hidden, 200 + t as u64)))
             .collect();
         let mut probs = g.alloc(experts);
-        // On tensor cores (the default), then through the matrix-vector kernels; each
-        // launched call by call, then recorded as a graph (as a decode step runs).
-        let was = g.routed_mma();
-        for (mma, way) in [(true, "mma"), (false, "matvec")] {
-            g.set_routed_mma(mma);
-            routed_step_rows(
-                &g,
-                100 + 2 * bits as u64 + mma as u64,
-                tokens,
-                |t| {
-                    let x = &xs[t];
-                    g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
-                },
-                [
-                    &format!("routed q{bits} {way}"),
-                    &format!("moe_routed_on_device_top8_q{bits}_{way}"),
-                ],
-                [inter, hidden],
-                bytes,
-                copy_gb_s,
-                &mut rows_out,
-            );
-        }
-        g.set_routed_mma(was);
+        routed_step_rows(
+            &g,
+            100 + 2 * bits as u64,
+            tokens,
+            |t| {
+                let x = &xs[t];
+                g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
+            },
+            [
+                &format!("routed q{bits}"),
+                &format!("moe_routed_on_device_top8_q{bits}"),
+            ],
+            [inter, hidden],
+            bytes,
+            copy_gb_s,
+            &mut rows_out,
+        );
         // A 512-token prompt's dispatch of the same experts (each token's top-8 drawn
         // anew, ~32 rows an expert): the grouped GEMMs on tensor cores, then the path
         // without them (grouped matrix-vector for groups of up to 8 rows, the rest one
@@ -581,31 +581,25 @@ fn main() {
             .map(|t| g.upload(&fresh(hidden, 300 + t as u64)))
             .collect();
         let (mut probs, mut out) = (g.alloc(512 * experts), g.alloc(512 * hidden));
-        // On tensor cores (the default), then on CUDA cores, as for affine experts.
-        let was = g.routed_mma();
-        for (mma, way) in [(true, "mma"), (false, "matvec")] {
-            g.set_routed_mma(mma);
-            routed_step_rows(
-                &g,
-                120 + 2 * rung.position() as u64 + mma as u64,
-                tokens,
-                |t| {
-                    let x = &xs[t];
-                    let done =
-                        g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
-                    assert!(done, "VQ experts route on the device");
-                },
-                [
-                    &format!("routed {} {way}", rung.name()),
-                    &format!("moe_routed_on_device_top8_{}_{way}", rung.name()),
-                ],
-                [inter, hidden],
-                top_k * expert_bytes,
-                copy_gb_s,
-                &mut rows_out,
-            );
-        }
-        g.set_routed_mma(was);
+        routed_step_rows(
+            &g,
+            120 + 2 * rung.position() as u64,
+            tokens,
+            |t| {
+                let x = &xs[t];
+                let done =
+                    g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
+                assert!(done, "VQ experts route on the device");
+            },
+            [
+                &format!("routed {}", rung.name()),
+                &format!("moe_routed_on_device_top8_{}", rung.name()),
+            ],
+            [inter, hidden],
+            top_k * expert_bytes,
+            copy_gb_s,
+            &mut rows_out,
+        );
         let prompt = 512;
         let xp = g.upload(&fresh(prompt * hidden, 15));
         let us = time_ms(&g, || {
