@@ -73,13 +73,10 @@ pub fn synth(a: SynthArgs) -> Result<()> {
     if !a.bits.is_empty() {
         return synth_converted(&a, &shape, &tok);
     }
-    let bar = progress::bar("synth");
     let start = Instant::now();
-    let r = synth::synth(&shape, a.layers, &tok, &a.out, a.seed, &mut |d, t| {
-        progress::update(&bar, d, t)
-    })
-    .with_context(|| format!("writing {}", a.out.display()))?;
-    bar.finish_and_clear();
+    let r = writing(&a.out, "synth", 0, |progress| {
+        synth::synth(&shape, a.layers, &tok, &a.out, a.seed, progress)
+    })?;
     println!(
         "{}: {} layers of {}, {:.2} B parameters, {:.1} GB bf16 in {:.0} s",
         r.dir.display(),
@@ -90,6 +87,24 @@ pub fn synth(a: SynthArgs) -> Result<()> {
         start.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// What `write` returns, under a progress bar labelled `label` that shows its (done,
+/// total) counts shifted right by `shift` bits; an error names `out`.
+fn writing<T, E>(
+    out: &std::path::Path,
+    label: &str,
+    shift: u32,
+    write: impl FnOnce(&mut dyn FnMut(usize, usize)) -> Result<T, E>,
+) -> Result<T>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let bar = progress::bar(label);
+    let r = write(&mut |d, t| progress::update(&bar, d >> shift, t >> shift))
+        .with_context(|| format!("writing {}", out.display()))?;
+    bar.finish_and_clear();
+    Ok(r)
 }
 
 /// The layers to write: as asked, or with `--fit-in` the most that `fitting` says fit,
@@ -127,18 +142,9 @@ fn synth_converted(a: &SynthArgs, shape: &synth::Shape, tok: &std::path::Path) -
     let layers = layers_to_write(a, shape, &format!("{:?} bits", a.bits), |n, budget| {
         shape.layers_fitting(n, &a.bits, budget)
     })?;
-    let bar = progress::bar("synth MB");
-    let r = synth::synth_converted(
-        shape,
-        Some(layers),
-        &a.bits,
-        tok,
-        &a.out,
-        a.seed,
-        &mut |d, t| progress::update(&bar, d >> 20, t >> 20),
-    )
-    .with_context(|| format!("writing {}", a.out.display()))?;
-    bar.finish_and_clear();
+    let r = writing(&a.out, "synth MB", 20, |progress| {
+        synth::synth_converted(shape, Some(layers), &a.bits, tok, &a.out, a.seed, progress)
+    })?;
     for s in &r.stores {
         println!(
             "  {}: {}-bit, {:.2} GB ({} bytes per record)",
@@ -179,18 +185,9 @@ fn synth_compressed(
     let layers = layers_to_write(a, shape, &rung.name(), |n, budget| {
         shape.layers_fitting_vq(n, rung, budget)
     })?;
-    let bar = progress::bar("synth MB");
-    let r = synth::synth_compressed(
-        shape,
-        Some(layers),
-        rung,
-        tok,
-        &a.out,
-        a.seed,
-        &mut |d, t| progress::update(&bar, d >> 20, t >> 20),
-    )
-    .with_context(|| format!("writing {}", a.out.display()))?;
-    bar.finish_and_clear();
+    let r = writing(&a.out, "synth MB", 20, |progress| {
+        synth::synth_compressed(shape, Some(layers), rung, tok, &a.out, a.seed, progress)
+    })?;
     let s = &r.store;
     println!(
         "  {}: {}, {:.2} GB ({} bytes per record, {} of codes and norms per expert)",
