@@ -26,7 +26,7 @@ use crate::progress;
 #[derive(Args)]
 #[command(group(ArgGroup::new("stores").args(["bits", "vq"])))]
 pub struct SynthArgs {
-    /// Shape to copy: qwen3-30b-a3b or qwen3-235b-a22b.
+    /// Shape to copy: qwen3-30b-a3b, qwen3-235b-a22b or qwen3-coder-480b-a35b.
     #[arg(long)]
     like: String,
     /// Keep only the first N decoder layers.

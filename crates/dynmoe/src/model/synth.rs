@@ -69,7 +69,7 @@ pub struct Shape {
 }
 
 /// The shapes `--like` knows (Qwen3-MoE, from the models' published configs).
-pub const SHAPES: [Shape; 2] = [
+pub const SHAPES: [Shape; 3] = [
     Shape {
         name: "qwen3-30b-a3b",
         hidden: 2048,
@@ -95,6 +95,19 @@ pub const SHAPES: [Shape; 2] = [
         top_k: 8,
         vocab: 151936,
         rope_theta: 1e6,
+    },
+    Shape {
+        name: "qwen3-coder-480b-a35b",
+        hidden: 6144,
+        moe_intermediate: 2560,
+        layers: 62,
+        heads: 96,
+        kv_heads: 8,
+        head_dim: 128,
+        experts: 160,
+        top_k: 8,
+        vocab: 151936,
+        rope_theta: 1e7,
     },
 ];
 
@@ -876,6 +889,29 @@ mod tests {
         let mut state = m.model.new_state(8);
         let logits = m.model.forward(&mut state, &[1, 2, 3], 2).unwrap();
         assert!(logits.len() == 8192 && logits.iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn known_shapes_have_their_published_sizes() {
+        // Total and active parameters as the models' cards give them, in billions: a
+        // mistyped field of a shape moves one or the other by more than 2%.
+        for (name, total, active) in [
+            ("qwen3-30b-a3b", 30.5, 3.3),
+            ("qwen3-235b-a22b", 235.0, 22.0),
+            ("qwen3-coder-480b-a35b", 480.0, 35.0),
+        ] {
+            let s = shape(name).unwrap();
+            let count = |t: Vec<(String, Vec<usize>)>| -> usize {
+                t.iter().map(|(_, d)| d.iter().product::<usize>()).sum()
+            };
+            let layer = count(s.tensors(Some(0)));
+            let experts = 3 * s.hidden * s.moe_intermediate;
+            let rest = count(s.tensors(None));
+            let all = (s.layers * layer + rest) as f64 / 1e9;
+            let on = (s.layers * (layer - (s.experts - s.top_k) * experts) + rest) as f64 / 1e9;
+            assert!((all / total - 1.0).abs() < 0.02, "{name}: {all:.1} B");
+            assert!((on / active - 1.0).abs() < 0.02, "{name}: {on:.1} B active");
+        }
     }
 
     #[test]

@@ -548,8 +548,9 @@ struct VqRoutedShape {
 impl VqRoutedShape {
     /// The shape of an expert's gate and down, if the routed VQ kernels take it for a
     /// residual stream of `hidden`: a warp rotates one block (32 to 1024 values), and a
-    /// gate/up block holds the row rotated twice.
-    fn of(gate: &VqView<'_>, down: &VqView<'_>, hidden: usize) -> Option<Self> {
+    /// gate/up block holds the row rotated twice in the `shared` bytes of shared memory
+    /// the kernels were given.
+    fn of(gate: &VqView<'_>, down: &VqView<'_>, hidden: usize, shared: usize) -> Option<Self> {
         let warp_block = |b: usize| (32..=1024).contains(&b);
         let shape = VqRoutedShape {
             rung: gate.rung,
@@ -564,7 +565,7 @@ impl VqRoutedShape {
             && down.rung == gate.rung
             && warp_block(gate.block)
             && warp_block(down.block)
-            && shape.gate_up_shared() <= SHARED_LIMIT)
+            && shape.gate_up_shared() <= shared)
             .then_some(shape)
     }
 
@@ -2034,7 +2035,7 @@ impl Cuda {
                 RoutedKind::Affine(shape)
             }
             [Weight::Vq(g), Weight::Vq(_), Weight::Vq(d)] => {
-                let shape = VqRoutedShape::of(&g, &d, hidden)?;
+                let shape = VqRoutedShape::of(&g, &d, hidden, self.vq_routed_shared)?;
                 let like = |m: &VqView<'_>, n: &VqView<'_>| {
                     (m.rung, m.rows, m.cols, m.block) == (n.rung, n.rows, n.cols, n.block)
                 };
@@ -3500,8 +3501,11 @@ impl Backend for Cuda {
                 return false
             }
             // VQ experts of any number of rows take the routed kernels, each pair reading
-            // its expert: the host path would decode every expert to f32 for a GEMM.
-            RoutedKind::Vq(shape) if shape.down_shared(k) > SHARED_LIMIT => return false,
+            // its expert: the host path would decode every expert to f32 for a GEMM. The
+            // CUDA-core down kernel, which every shape may fall back to, holds a token's
+            // top_k rows: on an H200 that is 8 rows up to 7 264 wide, not 1 536 as
+            // without the opt-in (Qwen3-Coder-480B's 2 560 needs it).
+            RoutedKind::Vq(shape) if shape.down_shared(k) > self.vq_routed_shared => return false,
             _ => {}
         }
         let keep = match route.keep {
@@ -3711,6 +3715,15 @@ mod tests {
                     "{rung} {hidden}x{inter}: {most} + {book}"
                 );
             }
+        }
+        // Qwen3-Coder-480B-A35B's experts need the opt-in even on CUDA cores (a token's 8
+        // rotated down inputs are 80 KiB), and take the tensor cores, at some rungs with
+        // the book read through L1 (vq3's 32 KiB do not fit beside 205 KiB).
+        for rung in ["1.5", "0.7", "3", "2"] {
+            let s = shape(rung, 6144, 2560);
+            assert!(s.down_shared(8) > SHARED_LIMIT && s.down_shared(8) <= optin);
+            let most = s.mma_gate_up_shared().max(s.mma_down_shared(8));
+            assert!(most <= optin, "{rung}: {most}");
         }
         // Two vq1.5 blocks of the 30B shape share an SM (228 KiB, 1 KiB a block kept).
         let s = shape("1.5", 2048, 768);
