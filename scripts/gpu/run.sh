@@ -14,10 +14,11 @@
 #          layers; LAYERS=48 is the whole model, about 41 GB under $WORK) written straight
 #          as 4/3/2-bit stores by `dynmoe synth --bits`, decode and prefill tok/s at each
 #          (model_speed.json)
-# model-vq the same shape as a compressed directory whose plan puts every MoE layer's
-#          experts at the VQ rung $VQ (default vq1.5), random codes written straight by
-#          `dynmoe synth --vq`: decode and prefill tok/s with those experts routed on the
-#          device (model_speed_vq.json)
+# model-vq the same shape (or $LIKE's, e.g. LIKE=qwen3-coder-480b-a35b LAYERS=4) as a
+#          compressed directory whose plan puts every MoE layer's experts at the VQ rung
+#          $VQ (default vq1.5), random codes written straight by `dynmoe synth --vq`: decode
+#          and prefill tok/s with those experts routed on the device (model_speed_vq.json,
+#          or model_speed_vq_$LIKE.json)
 # big      Qwen3-235B-A22B's shape with random weights, its 2-bit store only (no 4-bit
 #          base: 94 layers are about 87 GB with the dense weights), under /dev/shm: all
 #          94 layers if they fit in /dev/shm and in free memory less $BIG_MARGIN_GB
@@ -99,14 +100,16 @@ for step in $steps; do
         ;;
     model-vq)
         vq=${VQ:-vq1.5}
-        echo "== Qwen3-30B-A3B shape, $LAYERS layers, every expert at $vq"
-        m="$WORK/qwen3-30b-a3b-l$LAYERS-$vq"
+        like=${LIKE:-qwen3-30b-a3b}
+        name=$([ "$like" = qwen3-30b-a3b ] && echo vq || echo "vq_$like")
+        echo "== $like shape, $LAYERS layers, every expert at $vq"
+        m="$WORK/$like-l$LAYERS-$vq"
         if [ ! -e "$m/compressed.json" ]; then
-            time "$BIN/dynmoe" synth --like qwen3-30b-a3b --layers "$LAYERS" --vq "$vq" \
+            time "$BIN/dynmoe" synth --like "$like" --layers "$LAYERS" --vq "$vq" \
                 -o "$m" --tokenizer-from fixtures/models/small-moe || status=1
         fi
         "$BIN/dynmoe" bench decode "$m" --backend cuda --prompt 512 --generate 128 \
-            --json "$OUT/model_speed_vq.json" 2>&1 | tee "$OUT/model_vq.log"
+            --json "$OUT/model_speed_$name.json" 2>&1 | tee "$OUT/model_$name.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     big)
