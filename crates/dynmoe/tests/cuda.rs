@@ -1721,15 +1721,15 @@ fn fixtures_agree_with_the_cpu_end_to_end() {
     }
 }
 
-/// Resident sets in device memory (the small fixture's 4-bit store, 12 of 32 experts
-/// per layer, dynamic swaps every 4 tokens from a RAM and a disk reservoir): each greedy
-/// step, replayed from a recorded graph or run through `forward`, picks the token the CPU picks with routing masked to the sets
-/// that step used; swaps happen and commit only once their copies have landed; and a
-/// whole sequence through the device slots (the prompt path) equals the CPU model masked
-/// to the final sets.
+/// Resident sets in device memory (the small fixture's 4-bit store, and its experts at
+/// vq1.5, 12 of 32 experts per layer, dynamic swaps every 4 tokens from a RAM and a disk
+/// reservoir): each greedy step, replayed from a recorded graph or run through
+/// `forward`, picks the token the CPU picks with routing masked to the sets that step
+/// used; swaps happen and commit only once their copies have landed; and a whole
+/// sequence through the device slots (the prompt path) equals the CPU model masked to
+/// the final sets.
 #[test]
 fn resident_sets_in_device_memory_route_as_masks() {
-    use dynmoe::residency::{Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount};
     let Some(_) = gpu() else { return };
     let converted = TempDir::new("cuda-residency");
     dynmoe::store::base::convert(&fixture("small-moe"), converted.dir(), &mut |_, _| {}).unwrap();
@@ -1737,8 +1737,21 @@ fn resident_sets_in_device_memory_route_as_masks() {
         default: Some(4),
         ..ExpertBits::default()
     };
-    let mut cpu = model::load_with(converted.dir(), Cpu::fast(), &eb).unwrap();
-    let mut dev = model::load_with(converted.dir(), Cuda::new(0).unwrap(), &eb).unwrap();
+    check_resident_sets("q4", converted.dir(), &(&eb).into());
+    // VQ slots hold each expert's rotation signs beside its record.
+    let copy = dynmoe::testing::fixture_copy("small-moe");
+    let codecs = Codecs {
+        default: Some("vq1.5".parse().unwrap()),
+        ..Codecs::default()
+    };
+    check_resident_sets("vq1.5", copy.dir(), &codecs);
+}
+
+fn check_resident_sets(label: &str, dir: &std::path::Path, codecs: &Codecs) {
+    use dynmoe::residency::{Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount};
+    let mut cpu = model::load_with_codecs(dir, Cpu::fast(), codecs).unwrap();
+    let mut dev = model::load_with_codecs(dir, Cuda::new(0).unwrap(), codecs).unwrap();
+    dev.model.backend().set_vq_slots(true);
     let e = cpu.model.config.moe.num_experts;
     let layers: Vec<usize> = cpu.model.config.moe_layers().collect();
     for kind in [ReservoirKind::Ram, ReservoirKind::Disk] {
@@ -1764,7 +1777,7 @@ fn resident_sets_in_device_memory_route_as_masks() {
         assert_eq!(
             rep.layers_on_device,
             layers.len(),
-            "{kind:?}: sets on the host"
+            "{label} {kind:?}: sets on the host"
         );
 
         let ids = cpu.tokenizer.encode(&test_text("en")).unwrap();
@@ -1783,8 +1796,11 @@ fn resident_sets_in_device_memory_route_as_masks() {
         let lc = cpu.model.forward(&mut sc, prompt, 15).unwrap();
         let ld = dev.model.forward(&mut sd, prompt, 15).unwrap();
         let err = rel_err(&ld, &lc);
-        println!("residency {kind:?} prompt through device slots: logits {err:.2e}");
-        assert!(err < 1e-4, "{kind:?}: prompt logits differ ({err:.2e})");
+        println!("residency {label} {kind:?} prompt through device slots: logits {err:.2e}");
+        assert!(
+            err < 1e-4,
+            "{label} {kind:?}: prompt logits differ ({err:.2e})"
+        );
         dev.model.residency().unwrap().wait_loads();
 
         let mut next = dynmoe::runtime::generate::argmax(&lc);
@@ -1807,7 +1823,7 @@ fn resident_sets_in_device_memory_route_as_masks() {
                 dynmoe::runtime::generate::argmax(&cpu.model.forward(&mut sc, &[next], 0).unwrap());
             assert_eq!(
                 t, want,
-                "{kind:?} step {step}: device slots and CPU mask disagree"
+                "{label} {kind:?} step {step}: device slots and CPU mask disagree"
             );
             // Both reservoirs commit at the same boundaries: every load lands before
             // the next step (a real run never waits).
@@ -1816,7 +1832,7 @@ fn resident_sets_in_device_memory_route_as_masks() {
         }
         let rep = dev.model.residency().unwrap().report();
         println!(
-            "residency {kind:?}: {} swaps, {} bytes moved, {} stalls, {} late boundaries, sets changed at {changed} steps, {} graphs recorded, {:.1} MB on the device",
+            "residency {label} {kind:?}: {} swaps, {} bytes moved, {} stalls, {} late boundaries, sets changed at {changed} steps, {} graphs recorded, {:.1} MB on the device",
             rep.counters.swaps,
             rep.counters.bytes_moved,
             rep.counters.stalls,
@@ -1826,7 +1842,7 @@ fn resident_sets_in_device_memory_route_as_masks() {
         );
         assert!(
             rep.counters.swaps > 0 && changed > 0,
-            "{kind:?}: no swap committed"
+            "{label} {kind:?}: no swap committed"
         );
         assert_eq!(rep.counters.loads_failed, 0);
         assert!(
@@ -1844,8 +1860,11 @@ fn resident_sets_in_device_memory_route_as_masks() {
         masks(&mut cpu, &sets);
         let lc = cpu.model.forward(&mut sc, seq, 0).unwrap();
         let err = rel_err(&ld, &lc);
-        println!("residency {kind:?} sequence after swaps: logits {err:.2e}");
-        assert!(err < 1e-4, "{kind:?}: sequence logits differ ({err:.2e})");
+        println!("residency {label} {kind:?} sequence after swaps: logits {err:.2e}");
+        assert!(
+            err < 1e-4,
+            "{label} {kind:?}: sequence logits differ ({err:.2e})"
+        );
         dev.model.set_residency(None);
         for &l in &layers {
             cpu.model.set_expert_mask(l, None).unwrap();

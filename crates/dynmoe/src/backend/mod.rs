@@ -381,17 +381,18 @@ pub trait Backend: Send + Sync {
         false
     }
 
-    /// `count` slots for records of `layout` in the backend's memory, routing over
-    /// `experts` experts, none of them resident yet; `None` when the backend keeps a
-    /// resident set's records in host memory (the default) or cannot route these on the
-    /// device.
+    /// `count` slots for records of `format` (an affine or VQ store's) in the backend's
+    /// memory, routing `top_k` of `experts` experts a token, none of them resident yet;
+    /// `None` when the backend keeps a resident set's records in host memory (the
+    /// default) or cannot route these on the device.
     fn new_slots(
         &self,
-        layout: &crate::store::Layout,
+        format: &crate::residency::RecordFormat,
         experts: usize,
+        top_k: usize,
         count: usize,
     ) -> Option<Self::Slots> {
-        let _ = (layout, experts, count);
+        let _ = (format, experts, top_k, count);
         None
     }
 

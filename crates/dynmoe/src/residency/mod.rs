@@ -324,7 +324,7 @@ impl<B: Backend> Residency<B> {
                     buffers,
                     spares,
                     evidence,
-                    on_device.contains(&layer),
+                    on_device.contains(&layer).then_some(top_k),
                 ),
             );
         }

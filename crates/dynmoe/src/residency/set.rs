@@ -92,10 +92,11 @@ impl<B: Backend> LayerSet<B> {
     /// A set holding `experts` (loaded into `buffers`, one each), with `spares` spare
     /// buffers, out of `num_experts`.
     ///
-    /// With `on_device` and a backend that keeps slots in its own memory for this format,
-    /// the set lives there: `experts` are copied into device slots (and `buffers` dropped),
-    /// `spares` are page-locked as the staging of later loads, and one more device slot per
-    /// spare receives loads in flight.
+    /// With `on_device` (a block the backend can route, and its experts per token) and a
+    /// backend that keeps slots in its own memory for this format, the set lives there:
+    /// `experts` are copied into device slots (and `buffers` dropped), `spares` are
+    /// page-locked as the staging of later loads, and one more device slot per spare
+    /// receives loads in flight.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         b: &B,
@@ -105,11 +106,11 @@ impl<B: Backend> LayerSet<B> {
         buffers: Vec<Buffer>,
         mut spares: Vec<Buffer>,
         evidence: Evidence,
-        on_device: bool,
+        on_device: Option<usize>,
     ) -> LayerSet<B> {
-        let device = match format {
-            RecordFormat::Affine(layout) if on_device => {
-                b.new_slots(&layout, num_experts, experts.len() + spares.len())
+        let device = match (format, on_device) {
+            (RecordFormat::Affine(_) | RecordFormat::Vq(_), Some(top_k)) => {
+                b.new_slots(&format, num_experts, top_k, experts.len() + spares.len())
             }
             _ => None,
         };

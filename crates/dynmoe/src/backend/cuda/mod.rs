@@ -60,7 +60,8 @@ use crate::codec::affine::kernels::AffineView;
 use crate::codec::affine::lowbit::words_per_row;
 use crate::codec::affine::GROUP_SIZE;
 use crate::codec::vq::{rotation, row_bytes, Rung, VqView};
-use crate::store::Layout;
+use crate::residency::RecordFormat;
+use crate::store::vq::VqLayout;
 
 /// The kernels' CUDA C source.
 pub const SOURCE: &str = include_str!("kernels.cu");
@@ -547,11 +548,10 @@ struct VqRoutedShape {
 
 impl VqRoutedShape {
     /// The shape of an expert's gate and down, if the routed VQ kernels take it for a
-    /// residual stream of `hidden`: a warp rotates one block (32 to 1024 values), and a
-    /// gate/up block holds the row rotated twice in the `shared` bytes of shared memory
-    /// the kernels were given.
+    /// residual stream of `hidden` with `shared` bytes of shared memory ([`fits`]).
+    ///
+    /// [`fits`]: Self::fits
     fn of(gate: &VqView<'_>, down: &VqView<'_>, hidden: usize, shared: usize) -> Option<Self> {
-        let warp_block = |b: usize| (32..=1024).contains(&b);
         let shape = VqRoutedShape {
             rung: gate.rung,
             hidden,
@@ -563,10 +563,28 @@ impl VqRoutedShape {
             && down.rows == hidden
             && down.cols == gate.rows
             && down.rung == gate.rung
-            && warp_block(gate.block)
-            && warp_block(down.block)
-            && shape.gate_up_shared() <= shared)
-            .then_some(shape)
+            && shape.fits(shared))
+        .then_some(shape)
+    }
+
+    /// The shape of a VQ store's records ([`of`](Self::of) for every expert alike).
+    fn of_layout(layout: &VqLayout, shared: usize) -> Option<Self> {
+        let shape = VqRoutedShape {
+            rung: layout.rung,
+            hidden: layout.hidden,
+            inter: layout.intermediate,
+            up_block: rotation::block_size(layout.hidden),
+            down_block: rotation::block_size(layout.intermediate),
+        };
+        shape.fits(shared).then_some(shape)
+    }
+
+    /// Whether the routed kernels take this shape with `shared` bytes of shared memory: a
+    /// warp rotates one block (32 to 1024 values), and a gate/up block holds the row
+    /// rotated twice.
+    fn fits(&self, shared: usize) -> bool {
+        let warp_block = |b: usize| (32..=1024).contains(&b);
+        warp_block(self.up_block) && warp_block(self.down_block) && self.gate_up_shared() <= shared
     }
 
     /// Whether the tensor-core kernels (a prompt's grouped GEMMs, a decode step's
@@ -755,6 +773,8 @@ pub struct Cuda {
     /// than the matrix-vector kernels (`affine_routed_*`). On from sm_80 unless
     /// `DYNMOE_CUDA_ROUTED_MMA=0`.
     routed_mma: Switch<bool>,
+    /// Whether resident sets of VQ experts live in device slots (`DYNMOE_CUDA_VQ_SLOTS=1`).
+    vq_slots: Switch<bool>,
     /// Whether [`Backend::upload_matrix`] keeps bf16-exact matrices in bf16
     /// (`DYNMOE_CUDA_BF16=0`: always f32, to measure what bf16 saves).
     bf16_matrices: bool,
@@ -1044,6 +1064,18 @@ fn staged_rows(rows: usize, row_bytes: usize, blocks: usize) -> usize {
     rows * code_stride + (rows * blocks * 2).next_multiple_of(16) + 16
 }
 
+/// The signs of a rotation of `block` values from `seed` as the routed VQ kernels read
+/// them: bit i of word w set where entry 32w + i is −1.
+fn sign_bits(seed: u64, block: usize) -> Vec<u32> {
+    let mut bits = vec![0u32; block.div_ceil(32)];
+    for (i, s) in rotation::signs(seed, block).iter().enumerate() {
+        if *s < 0.0 {
+            bits[i / 32] |= 1 << (i % 32);
+        }
+    }
+    bits
+}
+
 /// Dynamic shared memory of a `vq_expert_mma_*` block of `mats` matrices, less the
 /// book: each matrix's tile of EXPERT_TILE_ROWS inputs staged as f16 hi and lo parts
 /// (rows of 9 16-byte units, the kernels' `VQG_LDU`), and a norm for each warp's rows.
@@ -1177,6 +1209,7 @@ impl Cuda {
             split_scratch: Mutex::new(None),
             tensor_cores: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_TENSOR_CORES")),
             routed_mma: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_ROUTED_MMA")),
+            vq_slots: Switch::new(std::env::var("DYNMOE_CUDA_VQ_SLOTS").is_ok_and(|v| v == "1")),
             bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
             decode_attention: Switch::new(DecodeAttention::from_env()),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
@@ -1295,6 +1328,19 @@ impl Cuda {
         self.routed_mma.get()
     }
 
+    /// Whether resident sets of VQ experts made from now on live in device slots and are
+    /// routed there, as affine ones always are, or stay in host memory and take the host
+    /// path (the default, unless `DYNMOE_CUDA_VQ_SLOTS=1`).
+    pub fn set_vq_slots(&self, on: bool) {
+        self.vq_slots.set(on);
+    }
+
+    /// Whether resident sets of VQ experts live in device slots (see
+    /// [`set_vq_slots`](Self::set_vq_slots)).
+    pub fn vq_slots(&self) -> bool {
+        self.vq_slots.get()
+    }
+
     /// Whether products of many rows run on tensor cores (see
     /// [`set_tensor_cores`](Self::set_tensor_cores)).
     pub fn tensor_cores(&self) -> bool {
@@ -1355,12 +1401,7 @@ impl Cuda {
         let mut head = codes.slice_mut(..n);
         ok(self.stream.memcpy_htod(&w.codes[..n], &mut head), "upload");
         let norms = &w.norms[..w.rows * w.blocks()];
-        let mut signs = vec![0u32; w.block.div_ceil(32)];
-        for (i, s) in rotation::signs(w.seed, w.block).iter().enumerate() {
-            if *s < 0.0 {
-                signs[i / 32] |= 1 << (i % 32);
-            }
-        }
+        let signs = sign_bits(w.seed, w.block);
         let mut padded_norms = ok(
             self.stream
                 .alloc_zeros::<u16>(norms.len() + VQ_CODE_PADDING / 2),
@@ -3552,17 +3593,39 @@ impl Backend for Cuda {
         true
     }
 
-    fn new_slots(&self, layout: &Layout, experts: usize, count: usize) -> Option<CudaSlots> {
-        let [gate, _, down] = layout.matrices;
-        let shape = RoutedShape::of(layout.bits, gate.rows, gate.cols, down.cols, layout.hidden)?;
-        if experts == 0 || experts > 4096 {
+    fn new_slots(
+        &self,
+        format: &RecordFormat,
+        experts: usize,
+        top_k: usize,
+        count: usize,
+    ) -> Option<CudaSlots> {
+        if experts == 0 || experts > 4096 || top_k == 0 || top_k > experts {
             return None;
         }
+        let kind = match format {
+            RecordFormat::Affine(layout) => {
+                let [gate, _, down] = layout.matrices;
+                let shape =
+                    RoutedShape::of(layout.bits, gate.rows, gate.cols, down.cols, layout.hidden)?;
+                RoutedKind::Affine(shape)
+            }
+            // As in `routed_moe`: the CUDA-core down kernel, which every shape may fall
+            // back to, holds a token's top_k rows.
+            RecordFormat::Vq(layout) if self.vq_slots() => {
+                let shape = VqRoutedShape::of_layout(layout, self.vq_routed_shared)?;
+                if shape.down_shared(top_k) > self.vq_routed_shared {
+                    return None;
+                }
+                RoutedKind::Vq(shape)
+            }
+            _ => return None,
+        };
         Some(CudaSlots::new(
             &self.stream,
             &self.copies,
-            shape,
-            layout,
+            kind,
+            format,
             experts,
             count,
         ))
@@ -3592,7 +3655,7 @@ impl Backend for Cuda {
             out.device_ptr_mut(&self.stream).0,
         );
         let routed = Routed {
-            kind: RoutedKind::Affine(slots.shape),
+            kind: slots.kind,
             table: slots.table_at(),
             keep: slots.keep_at(),
             experts: e,

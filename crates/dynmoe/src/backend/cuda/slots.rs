@@ -1,21 +1,27 @@
 //! A resident set's expert slots in device memory (DESIGN.md §7 on the GPU).
 //!
-//! One allocation holds every slot of a MoE layer, each one affine expert record as
-//! stored, so that a swap is one copy of the record's bytes. The routed kernels reach
-//! an expert through a table of pointers indexed by expert id; a resident expert's
+//! One allocation holds every slot of a MoE layer, each one expert record as stored
+//! (affine or VQ), so that a swap is one copy of the record's bytes. The routed kernels
+//! reach an expert through a table of pointers indexed by expert id; a resident expert's
 //! entries point into its slot, and a byte mask keeps routing off the others. Loads
 //! run on a copy stream of their own, from page-locked host buffers, so a token never
 //! waits for one; the table and mask change only when the resident set flushes them at
 //! a token boundary, on the compute stream, so every launch sees one consistent set.
+//!
+//! A VQ slot also holds its expert's rotation signs as bits after the record: the
+//! kernels read them from the table, and a record carries only their seeds. They are
+//! made on the host when the record is loaded and copied beside it.
 
 use std::sync::Arc;
 
 use cudarc::driver::sys;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 
-use super::{ok, RoutedShape, ROUTED_ENTRY};
+use super::{ok, sign_bits, RoutedKind, ROUTED_ENTRY, VQ_CODE_PADDING};
 use crate::backend::ExpertSlots;
-use crate::store::Layout;
+use crate::residency::reservoir::words_as_bytes;
+use crate::residency::RecordFormat;
+use crate::store::vq::{record_views, VqLayout};
 
 /// Slots of one MoE layer on the device, with their routing table and mask.
 pub struct CudaSlots {
@@ -23,12 +29,18 @@ pub struct CudaSlots {
     stream: Arc<CudaStream>,
     /// The stream loads run on.
     copies: Arc<CudaStream>,
-    pub(super) shape: RoutedShape,
-    layout: Layout,
+    pub(super) kind: RoutedKind,
+    format: RecordFormat,
+    /// Bytes from one slot to the next: the record, then (VQ) its signs.
+    stride: usize,
     // Owned here, addressed through `pool_at`.
     _pool: CudaSlice<u8>,
     pool_at: u64,
     count: usize,
+    /// VQ: each slot's signs as last loaded (gate's, up's, then down's words, `signs`
+    /// a slot), in page-locked memory, the source of their copies.
+    signs_host: Option<PinnedHostSlice<u32>>,
+    signs: usize,
     /// `[E, ROUTED_ENTRY]` pointers, host mirror and device copy.
     table_host: Vec<u64>,
     table: CudaSlice<u64>,
@@ -47,29 +59,53 @@ pub struct CudaSlots {
 // resident set's lock).
 unsafe impl Send for CudaSlots {}
 
+/// Sign words of one VQ expert: gate's and up's rotation blocks, then down's.
+fn sign_words(layout: &VqLayout) -> usize {
+    layout.matrices.iter().map(|m| m.block.div_ceil(32)).sum()
+}
+
 impl CudaSlots {
-    /// `count` slots for records of `layout`, over `experts` experts.
+    /// `count` slots for records of `format` (affine or VQ, routed as `kind`), over
+    /// `experts` experts.
     pub(super) fn new(
         stream: &Arc<CudaStream>,
         copies: &Arc<CudaStream>,
-        shape: RoutedShape,
-        layout: &Layout,
+        kind: RoutedKind,
+        format: &RecordFormat,
         experts: usize,
         count: usize,
     ) -> CudaSlots {
+        let signs = match format {
+            RecordFormat::Vq(l) => sign_words(l),
+            _ => 0,
+        };
+        // Records are whole pages, so every part stays 16-byte aligned; the kernels copy
+        // VQ codes in 16-byte chunks, up to 15 bytes past a part's end, hence the tail.
+        let stride = format.record_bytes() + (4 * signs).next_multiple_of(16);
         let pool: CudaSlice<u8> = ok(
-            stream.alloc_zeros(count.max(1) * layout.record_size),
+            stream.alloc_zeros(count.max(1) * stride + VQ_CODE_PADDING),
             "slot pool",
         );
         let pool_at = pool.device_ptr(stream).0;
         let mut slots = CudaSlots {
             stream: stream.clone(),
             copies: copies.clone(),
-            shape,
-            layout: *layout,
+            kind,
+            format: *format,
+            stride,
             _pool: pool,
             pool_at,
             count,
+            signs_host: (signs > 0).then(|| {
+                // SAFETY: every word is written before it is read (zeroed here).
+                let mut host = ok(
+                    unsafe { stream.context().alloc_pinned::<u32>(count.max(1) * signs) },
+                    "page-locked signs",
+                );
+                ok(host.as_mut_slice(), "page-locked signs").fill(0);
+                host
+            }),
+            signs,
             table_host: vec![0; experts * ROUTED_ENTRY],
             table: ok(stream.alloc_zeros(experts * ROUTED_ENTRY), "slot table"),
             keep_host: vec![0; experts],
@@ -101,16 +137,49 @@ impl CudaSlots {
         self.keep_host.len()
     }
 
-    /// Points expert `e`'s table entries at slot `slot`'s gate, up and down parts.
+    /// Points expert `e`'s table entries at slot `slot`'s gate, up and down parts: an
+    /// affine matrix's codes, scales and biases, a VQ matrix's codes, norms and signs.
     fn point(&mut self, e: usize, slot: usize) {
-        let base = self.pool_at + (slot * self.layout.record_size) as u64;
+        let base = self.pool_at + (slot * self.stride) as u64;
         let entry = &mut self.table_host[e * ROUTED_ENTRY..(e + 1) * ROUTED_ENTRY];
-        for (m, parts) in self.layout.matrices.iter().zip(entry.chunks_mut(3)) {
-            parts[0] = base + m.codes.offset as u64;
-            parts[1] = base + m.scales.offset as u64;
-            parts[2] = base + m.biases.offset as u64;
-        }
+        entry.copy_from_slice(&slot_entry(&self.format, base));
     }
+}
+
+/// The table entry of an expert whose record sits at device address `base`: for each of
+/// gate, up and down, an affine record's codes, scales and biases, or a VQ record's
+/// codes and norms and the address of its signs after the record ([`CudaSlots::new`]).
+fn slot_entry(format: &RecordFormat, base: u64) -> [u64; ROUTED_ENTRY] {
+    let mut entry = [0u64; ROUTED_ENTRY];
+    match format {
+        RecordFormat::Affine(layout) => {
+            for (m, parts) in layout.matrices.iter().zip(entry.chunks_mut(3)) {
+                parts[0] = base + m.codes.offset as u64;
+                parts[1] = base + m.scales.offset as u64;
+                parts[2] = base + m.biases.offset as u64;
+            }
+        }
+        RecordFormat::Vq(layout) => {
+            let mut signs = base + layout.record_size as u64;
+            for (m, parts) in layout.matrices.iter().zip(entry.chunks_mut(3)) {
+                parts[0] = base + m.codes.offset as u64;
+                parts[1] = base + m.norms.offset as u64;
+                parts[2] = signs;
+                signs += 4 * m.block.div_ceil(32) as u64;
+            }
+        }
+        RecordFormat::Dense { .. } => unreachable!("dense records take no device slots"),
+    }
+    entry
+}
+
+/// A VQ record's rotation signs as the kernels read them, gate's, up's and down's words
+/// in turn ([`slot_entry`] points at each).
+fn record_signs(layout: &VqLayout, record: &[u8]) -> Vec<u32> {
+    record_views(layout, record)
+        .iter()
+        .flat_map(|m| sign_bits(m.seed, m.block))
+        .collect()
 }
 
 impl ExpertSlots for CudaSlots {
@@ -132,22 +201,38 @@ impl ExpertSlots for CudaSlots {
 
     fn load(&mut self, slot: usize, record: &[u32]) {
         assert!(slot < self.count, "slot {slot} of {}", self.count);
-        let bytes = std::mem::size_of_val(record).min(self.layout.record_size);
+        let size = self.format.record_bytes();
+        let bytes = std::mem::size_of_val(record).min(size);
         // The copy starts only once the compute stream has passed this point: a slot
         // freed at this boundary may still be read by the step before it.
         let passed = ok(self.stream.record_event(None), "event");
         ok(self.copies.wait(&passed), "stream wait");
-        let dst = self.pool_at + (slot * self.layout.record_size) as u64;
-        // SAFETY: `dst` lies inside the pool (slot < count, bytes ≤ record size); the
-        // caller keeps `record` unchanged until `loaded(slot)`.
-        let r = unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst, record.as_ptr().cast(), bytes, self.copies.cu_stream())
+        let dst = self.pool_at + (slot * self.stride) as u64;
+        let copy = |dst: u64, src: *const u32, bytes: usize| {
+            // SAFETY: `dst .. dst + bytes` lies inside the pool (slot < count, the
+            // record and its signs within the stride); the caller keeps `record`
+            // unchanged until `loaded(slot)`, and `signs_host` is only rewritten after
+            // the slot's previous load has landed (below).
+            let r = unsafe {
+                sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), bytes, self.copies.cu_stream())
+            };
+            assert_eq!(
+                r,
+                sys::CUresult::CUDA_SUCCESS,
+                "copying a record into slot {slot}"
+            );
         };
-        assert_eq!(
-            r,
-            sys::CUresult::CUDA_SUCCESS,
-            "copying a record into slot {slot}"
-        );
+        copy(dst, record.as_ptr(), bytes);
+        if let (RecordFormat::Vq(layout), Some(host)) = (self.format, self.signs_host.as_mut()) {
+            // The slot's previous signs may still be on their way.
+            if let Some(previous) = &self.loads[slot] {
+                ok(previous.synchronize(), "event");
+            }
+            let at = &mut ok(host.as_mut_slice(), "page-locked signs")
+                [slot * self.signs..(slot + 1) * self.signs];
+            at.copy_from_slice(&record_signs(&layout, words_as_bytes(record)));
+            copy(dst + size as u64, at.as_ptr(), 4 * self.signs);
+        }
         self.loads[slot] = Some(ok(self.copies.record_event(None), "event"));
     }
 
@@ -189,7 +274,7 @@ impl ExpertSlots for CudaSlots {
     }
 
     fn bytes(&self) -> usize {
-        self.count * self.layout.record_size + self.table_host.len() * 8 + self.keep_host.len()
+        self.count * self.stride + self.table_host.len() * 8 + self.keep_host.len()
     }
 }
 
@@ -201,5 +286,68 @@ impl Drop for CudaSlots {
             // SAFETY: each address was registered by `pin` and not since unregistered.
             unsafe { sys::cuMemHostUnregister(at as *mut std::ffi::c_void) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{record_signs, sign_words, slot_entry};
+    use crate::codec::vq::{rotation, Rung, VqMatrix};
+    use crate::residency::RecordFormat;
+    use crate::store::vq::{pack_record, VqLayout};
+    use crate::testing::fresh;
+
+    /// The small fixture's experts: gate/up rows of 256 (one rotation block) and down
+    /// rows of 80 (one padded block of 128).
+    fn layout() -> VqLayout {
+        VqLayout::new(Rung::parse("1.5").unwrap(), 256, 80).unwrap()
+    }
+
+    #[test]
+    fn a_vq_slot_entry_points_at_the_record_parts_and_the_signs_after_it() {
+        let l = layout();
+        let base = 1 << 20;
+        let entry = slot_entry(&RecordFormat::Vq(l), base);
+        let mut signs = base + l.record_size as u64;
+        for (m, parts) in l.matrices.iter().zip(entry.chunks(3)) {
+            assert_eq!(parts[0], base + m.codes.offset as u64);
+            assert_eq!(parts[1], base + m.norms.offset as u64);
+            // The kernels copy codes and norms in 16-byte chunks from aligned sources.
+            assert!(parts[0] % 16 == 0 && parts[1] % 16 == 0);
+            assert!(parts[1] + m.norms.len as u64 <= base + l.record_size as u64);
+            assert_eq!(parts[2], signs);
+            signs += 4 * m.block.div_ceil(32) as u64;
+        }
+        // Gate's and up's 256-value blocks take 8 words each, down's 128 four.
+        assert_eq!(sign_words(&l), 8 + 8 + 4);
+        assert_eq!(
+            signs,
+            base + l.record_size as u64 + 4 * sign_words(&l) as u64
+        );
+    }
+
+    #[test]
+    fn a_vq_records_signs_are_its_seeds_rotations_as_bits() {
+        let l = layout();
+        let seeds = [11u64, 22, 33];
+        let mats = [0, 1, 2].map(|i| {
+            let m = &l.matrices[i];
+            let w = fresh(m.rows * m.cols, seeds[i]);
+            VqMatrix::encode(&w, m.rows, m.cols, l.rung, seeds[i]).unwrap()
+        });
+        let record = pack_record(&l, 3, 5, &mats);
+        let bits = record_signs(&l, &record);
+        assert_eq!(bits.len(), sign_words(&l));
+        let mut at = 0;
+        for (m, &seed) in l.matrices.iter().zip(&seeds) {
+            let signs = rotation::signs(seed, m.block);
+            for (i, s) in signs.iter().enumerate() {
+                let bit = bits[at + i / 32] >> (i % 32) & 1;
+                assert_eq!(bit == 1, *s < 0.0, "seed {seed}, entry {i}");
+            }
+            at += m.block.div_ceil(32);
+        }
+        // Some of each sign: a stuck word would fail above only by chance.
+        assert!(bits.iter().any(|&w| w != 0) && bits.iter().any(|&w| w != u32::MAX));
     }
 }
