@@ -26,6 +26,9 @@
 # residency after `model`, at 2 bits: decode with half (then 60%: 1.5 resident bits) of each
 #          layer's experts resident in device memory, swapping from a RAM reservoir, beside
 #          every expert resident (residency_30b*.json)
+# residency-vq after `model-vq`: the same with that directory's VQ experts, their sets in
+#          device slots (DYNMOE_CUDA_VQ_SLOTS=1), half of each layer's experts resident
+#          (residency_30b_vq.json)
 # big-run  after `big`: that model fully resident, then within $BIG_BUDGET_GB (default 40) GB
 #          of device memory with dynamic residency, the store read from /dev/shm
 #          (residency_235b.json)
@@ -145,6 +148,16 @@ for step in $steps; do
             --swap-interval 32 --max-swaps 4 --swap-margin 0 --loader-threads 4 \
             --prompt 16 --generate 256 --json "$OUT/residency_30b_1p5.json" 2>&1 |
             tee "$OUT/residency_30b_1p5.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        ;;
+    residency-vq)
+        vq=${VQ:-vq1.5}
+        echo "== resident sets of $vq experts in device memory, $LAYERS layers"
+        m="$WORK/qwen3-30b-a3b-l$LAYERS-$vq"
+        DYNMOE_CUDA_VQ_SLOTS=1 "$BIN/dynmoe" bench residency "$m" --resident-fraction 0.5 \
+            --reservoir ram --swap-interval 32 --max-swaps 4 --swap-margin 0 --loader-threads 4 \
+            --prompt 16 --generate 256 --json "$OUT/residency_30b_vq.json" 2>&1 |
+            tee "$OUT/residency_30b_vq.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     big-run)

@@ -2,7 +2,7 @@
 //! compressed directories) of published shapes, and batch-1 prefill and decode speed on
 //! them at each expert precision, or at a compressed directory's plan.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -269,7 +269,7 @@ pub fn bench(c: BenchCommand) -> Result<()> {
 }
 
 /// What one measured case runs.
-enum Setting {
+pub(crate) enum Setting {
     /// A converted directory's routed experts at this many bits.
     Affine(u32),
     /// A compressed directory at its own plan.
@@ -279,7 +279,7 @@ enum Setting {
 impl Setting {
     /// The case's name in the table: the bits, or the plan's codecs (one rung's name, or
     /// the distinct ones in layer order joined by `+`).
-    fn label(&self) -> String {
+    pub(crate) fn label(&self) -> String {
         match self {
             Setting::Affine(bits) => bits.to_string(),
             Setting::Plan(plan) => {
@@ -297,7 +297,7 @@ impl Setting {
 
     /// The codecs to load with: the affine precision, or for a plan the defaults (a
     /// compressed directory runs its plan's and refuses others).
-    fn codecs(&self) -> Codecs {
+    pub(crate) fn codecs(&self) -> Codecs {
         match self {
             Setting::Affine(bits) => Codecs::from(&ExpertBits {
                 default: Some(*bits),
@@ -311,7 +311,7 @@ impl Setting {
     /// with their scales and biases; a VQ record's codes and block norms (its
     /// `VqLayout`'s parts, header and page padding left out); bf16 experts of a plan at
     /// `dense` bytes a weight, as the backend keeps dense matrices.
-    fn expert_bytes(&self, c: &Config, dense: usize) -> Result<Vec<usize>> {
+    pub(crate) fn expert_bytes(&self, c: &Config, dense: usize) -> Result<Vec<usize>> {
         let (h, i) = (c.hidden_size, c.moe.expert_intermediate);
         match self {
             Setting::Affine(bits) => Ok(vec![expert_bytes(c, *bits); c.moe_layers().count()]),
@@ -331,6 +331,52 @@ impl Setting {
                     ),
                 })
                 .collect(),
+        }
+    }
+}
+
+/// What to measure in `model`: a compressed directory at its plan (refusing `bits`), or
+/// a converted one at each of `bits` (`default` when none are given).
+pub(crate) fn settings(model: &Path, bits: &[u32], default: &[u32]) -> Result<Vec<Setting>> {
+    if compressed::is_compressed(model) {
+        let (_, plan) =
+            compressed::open(model).with_context(|| format!("reading {}", model.display()))?;
+        let plan = Setting::Plan(plan);
+        if !bits.is_empty() {
+            bail!(
+                "{} is a compressed model: it runs the codecs of its {PLAN_FILE} ({}); --bits \
+                 picks the affine stores of a converted directory",
+                model.display(),
+                plan.label()
+            );
+        }
+        return Ok(vec![plan]);
+    }
+    let bits = if bits.is_empty() { default } else { bits };
+    Ok(bits.iter().map(|&b| Setting::Affine(b)).collect())
+}
+
+impl Setting {
+    /// Bytes of the largest record a resident slot holds: the affine store's, or the
+    /// largest of the plan's VQ stores'.
+    pub(crate) fn record_bytes(&self, c: &Config) -> Result<usize> {
+        let (h, i) = (c.hidden_size, c.moe.expert_intermediate);
+        match self {
+            Setting::Affine(bits) => Ok(dynmoe::store::Layout::new(*bits, h, i)?.record_size),
+            Setting::Plan(plan) => {
+                let mut most = 0;
+                for l in &plan.layers {
+                    let Some(rung) = l.codec.rung()? else {
+                        bail!(
+                            "layer {}: resident slots hold affine or VQ records, not {}",
+                            l.layer,
+                            l.codec
+                        );
+                    };
+                    most = most.max(dynmoe::store::vq::VqLayout::new(rung, h, i)?.record_size);
+                }
+                Ok(most)
+            }
         }
     }
 }
@@ -518,24 +564,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
     }
     let config = Config::from_file(&a.model.join("config.json"))
         .with_context(|| format!("reading {}", a.model.display()))?;
-    let settings = if compressed::is_compressed(&a.model) {
-        let (_, plan) =
-            compressed::open(&a.model).with_context(|| format!("reading {}", a.model.display()))?;
-        let plan = Setting::Plan(plan);
-        if !a.bits.is_empty() {
-            bail!(
-                "{} is a compressed model: it runs the codecs of its {PLAN_FILE} ({}); --bits \
-                 picks the affine stores of a converted directory",
-                a.model.display(),
-                plan.label()
-            );
-        }
-        vec![plan]
-    } else if a.bits.is_empty() {
-        [4, 3, 2].map(Setting::Affine).into()
-    } else {
-        a.bits.iter().map(|&b| Setting::Affine(b)).collect()
-    };
+    let settings = settings(&a.model, &a.bits, &[4, 3, 2])?;
     let (device, copy_gb_s) = device_info(a.backend)?;
     let mut cases = Vec::new();
     println!(

@@ -8,24 +8,24 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 
-use crate::bench::{expert_bytes, layer_dense_weights, median, random_prompt};
+use crate::bench::{layer_dense_weights, median, random_prompt, settings, Setting};
 use crate::residency::ResidencyArgs;
 use crate::{cuda_backend, BackendKind};
 use dynmoe::backend::Backend;
-use dynmoe::model::{Config, ExpertBits, LoadedModel};
+use dynmoe::model::{Config, LoadedModel};
 use dynmoe::residency::ResidencyReport;
 use dynmoe::runtime::generate::argmax;
 
 #[derive(Args)]
 pub struct ResidencyBenchArgs {
-    /// A converted model directory.
+    /// A converted model directory, or a compressed one (run at its plan).
     model: PathBuf,
     /// Compute backend.
     #[arg(long, value_enum, default_value = "cuda")]
     backend: BackendKind,
-    /// Expert precision.
-    #[arg(long, default_value_t = 2)]
-    bits: u32,
+    /// Expert precision of a converted directory (default 2).
+    #[arg(long)]
+    bits: Option<u32>,
     /// Prompt tokens (random ids).
     #[arg(long, default_value_t = 16)]
     prompt: usize,
@@ -52,7 +52,11 @@ struct Report {
     model: PathBuf,
     backend: String,
     layers: usize,
-    bits: u32,
+    /// The affine experts' bits; `null` for a compressed directory.
+    bits: Option<u32>,
+    /// A compressed directory's plan: its MoE layers' codecs (`vq1.5`, or several
+    /// joined by `+`).
+    plan: Option<String>,
     prompt: usize,
     generate: usize,
     repeats: usize,
@@ -64,7 +68,7 @@ struct Report {
     resident_tok_s: f64,
     /// `resident_tok_s / full_tok_s`.
     ratio: f64,
-    /// Bytes of every routed expert at `bits` (what full residency keeps).
+    /// Bytes of every routed expert as the kernels read it (what full residency keeps).
     all_expert_bytes: usize,
     /// Bytes of the dense weights on the backend (bf16 on CUDA).
     dense_bytes: usize,
@@ -117,18 +121,18 @@ pub fn bench_residency(a: ResidencyBenchArgs) -> Result<()> {
     if a.residency.config()?.is_none() && a.device_budget_gb.is_none() {
         bail!("give --device-budget-gb, --resident-fraction (below 1) or --resident-count: what to compare full residency with");
     }
-    let eb = ExpertBits {
-        default: Some(a.bits),
-        ..ExpertBits::default()
-    };
+    let setting = settings(&a.model, &a.bits.into_iter().collect::<Vec<_>>(), &[2])?
+        .pop()
+        .expect("one setting");
+    let codecs = setting.codecs();
     match a.backend {
         BackendKind::Cuda => {
-            let mut m = crate::load(&a.model, cuda_backend()?, &(&eb).into())?;
-            run(&a, &mut m, 2, &mut |m| free_device_copies(m))
+            let mut m = crate::load(&a.model, cuda_backend()?, &codecs)?;
+            run(&a, &setting, &mut m, 2, &mut |m| free_device_copies(m))
         }
         other => {
-            let mut m = crate::load(&a.model, other.cpu(), &(&eb).into())?;
-            run(&a, &mut m, 4, &mut |_| {})
+            let mut m = crate::load(&a.model, other.cpu(), &codecs)?;
+            run(&a, &setting, &mut m, 4, &mut |_| {})
         }
     }
 }
@@ -159,22 +163,23 @@ fn count_in_budget(
 
 fn run<B: Backend>(
     a: &ResidencyBenchArgs,
+    setting: &Setting,
     m: &mut LoadedModel<B>,
     dense: usize,
     free: &mut dyn FnMut(&LoadedModel<B>),
 ) -> Result<()> {
     let c = m.model.config.clone();
-    let (h, i) = (c.hidden_size, c.moe.expert_intermediate);
-    let expert = expert_bytes(&c, a.bits);
-    let all_expert_bytes = c.moe_layers().count() * c.moe.num_experts * expert;
+    let experts = setting.expert_bytes(&c, dense)?;
+    let all_expert_bytes = c.moe.num_experts * experts.iter().sum::<usize>();
+    let expert = all_expert_bytes / (c.moe.num_experts * experts.len()).max(1);
     let dense_bytes = dense_weight_bytes(&c, dense);
+    let label = setting.label();
     println!(
-        "{} ({} layers, {} experts of {:.1} MB at {} bits: {:.2} GB; dense {:.2} GB), prompt {} / decode {} tokens, median of {}",
+        "{} ({} layers, {} experts of {:.1} MB at {label}: {:.2} GB; dense {:.2} GB), prompt {} / decode {} tokens, median of {}",
         a.model.display(),
         c.layers.len(),
         c.moe.num_experts,
         expert as f64 / 1e6,
-        a.bits,
         all_expert_bytes as f64 / 1e9,
         dense_bytes as f64 / 1e9,
         a.prompt,
@@ -187,7 +192,7 @@ fn run<B: Backend>(
     free(m);
     let mut residency_args = a.residency.clone();
     if let Some(gb) = a.device_budget_gb {
-        let record = dynmoe::store::Layout::new(a.bits, h, i)?.record_size;
+        let record = setting.record_bytes(&c)?;
         let k = count_in_budget(&c, gb * 1e9, dense_bytes, record, a.residency.max_swaps)?;
         println!(
             "{gb} GB of device memory: {k} of {} experts resident per layer (+{} spare slots)",
@@ -239,7 +244,11 @@ fn run<B: Backend>(
         model: a.model.clone(),
         backend: m.model.backend().name().to_string(),
         layers: c.layers.len(),
-        bits: a.bits,
+        bits: match setting {
+            Setting::Affine(bits) => Some(*bits),
+            Setting::Plan(_) => None,
+        },
+        plan: matches!(setting, Setting::Plan(_)).then_some(label),
         prompt: a.prompt,
         generate: a.generate,
         repeats: a.repeats,

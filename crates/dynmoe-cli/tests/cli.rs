@@ -724,3 +724,62 @@ fn bench_decode_runs_a_compressed_directory_at_its_plan() {
     assert!(c["llama_cpp_decode_tok_s"].is_null());
     assert!(c["decode_tok_s"].as_f64().unwrap() > 0.0);
 }
+
+/// `bench residency` on a compressed directory runs its plan with half of each layer's
+/// VQ experts resident, beside all of them: the report names the plan and counts the VQ
+/// records' bytes; `--bits` is refused there.
+#[test]
+fn bench_residency_runs_a_compressed_directory_at_its_plan() {
+    use dynmoe::codec::vq::Rung;
+    use dynmoe::store::{synth_vq, vq::VqLayout};
+    use dynmoe::testing::TINY_SHAPE as S;
+    let out = TempDir::new("cli-bench-residency-vq");
+    let rung = Rung::parse("vq1.5").unwrap();
+    let tok = root().join("fixtures/models/small-moe");
+    dynmoe::model::synth::synth_compressed(&S, Some(2), rung, &tok, out.dir(), 0, &mut |_, _| {})
+        .unwrap();
+    let dir = out.dir().display().to_string();
+    let common = [
+        "bench",
+        "residency",
+        &dir,
+        "--backend",
+        "cpu",
+        "--resident-fraction",
+        "0.5",
+    ];
+    let err = failure_of(&[&common[..], &["--bits", "2"]].concat());
+    assert!(
+        err.contains("compressed") && err.contains("--bits") && err.contains("vq1.5"),
+        "{err}"
+    );
+    let json = out.path("residency.json").display().to_string();
+    let args = [
+        "--prompt",
+        "4",
+        "--generate",
+        "48",
+        "--repeats",
+        "1",
+        "--swap-interval",
+        "4",
+        "--swap-margin",
+        "0",
+        "--json",
+        &json,
+    ];
+    let o = dynmoe(&[&common[..], &args[..]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(r["plan"], "vq1.5");
+    assert!(r["bits"].is_null());
+    let expert =
+        synth_vq::expert_bytes(&VqLayout::new(rung, S.hidden, S.moe_intermediate).unwrap());
+    assert_eq!(
+        r["all_expert_bytes"].as_u64().unwrap() as usize,
+        2 * S.experts * expert
+    );
+    assert_eq!(r["residency"]["resident_per_layer"], S.experts / 2);
+    assert_eq!(r["residency"]["loads_failed"], 0);
+    assert!(r["full_tok_s"].as_f64().unwrap() > 0.0 && r["resident_tok_s"].as_f64().unwrap() > 0.0);
+}
