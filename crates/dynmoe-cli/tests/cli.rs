@@ -662,19 +662,34 @@ fn synth_vq_refuses_bits_beside_it_and_rungs_off_the_ladder() {
     }
 }
 
+/// A compressed directory of the tiny synthetic shape's first two layers, every MoE
+/// layer's experts at vq1.5 (random records), and that rung.
+fn tiny_vq_model(name: &str) -> (TempDir, dynmoe::codec::vq::Rung) {
+    let out = TempDir::new(name);
+    let rung = dynmoe::codec::vq::Rung::parse("vq1.5").unwrap();
+    let tok = root().join("fixtures/models/small-moe");
+    let shape = dynmoe::testing::TINY_SHAPE;
+    dynmoe::model::synth::synth_compressed(
+        &shape,
+        Some(2),
+        rung,
+        &tok,
+        out.dir(),
+        0,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    (out, rung)
+}
+
 /// `bench decode` on a compressed directory measures its plan once, labelled by it, with
 /// the VQ records' codes and norms counted in the bytes a token reads; `--bits` is
 /// refused there.
 #[test]
 fn bench_decode_runs_a_compressed_directory_at_its_plan() {
-    use dynmoe::codec::vq::Rung;
     use dynmoe::store::{synth_vq, vq::VqLayout};
     use dynmoe::testing::TINY_SHAPE as S;
-    let out = TempDir::new("cli-bench-vq");
-    let rung = Rung::parse("vq1.5").unwrap();
-    let tok = root().join("fixtures/models/small-moe");
-    dynmoe::model::synth::synth_compressed(&S, Some(2), rung, &tok, out.dir(), 0, &mut |_, _| {})
-        .unwrap();
+    let (out, rung) = tiny_vq_model("cli-bench-vq");
     let dir = out.dir().display().to_string();
     let err = failure_of(&["bench", "decode", &dir, "--bits", "4"]);
     assert!(
@@ -730,14 +745,9 @@ fn bench_decode_runs_a_compressed_directory_at_its_plan() {
 /// records' bytes; `--bits` is refused there.
 #[test]
 fn bench_residency_runs_a_compressed_directory_at_its_plan() {
-    use dynmoe::codec::vq::Rung;
     use dynmoe::store::{synth_vq, vq::VqLayout};
     use dynmoe::testing::TINY_SHAPE as S;
-    let out = TempDir::new("cli-bench-residency-vq");
-    let rung = Rung::parse("vq1.5").unwrap();
-    let tok = root().join("fixtures/models/small-moe");
-    dynmoe::model::synth::synth_compressed(&S, Some(2), rung, &tok, out.dir(), 0, &mut |_, _| {})
-        .unwrap();
+    let (out, rung) = tiny_vq_model("cli-bench-residency-vq");
     let dir = out.dir().display().to_string();
     let common = [
         "bench",
