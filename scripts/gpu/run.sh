@@ -20,9 +20,10 @@
 #          and prefill tok/s with those experts routed on the device (model_speed_vq.json,
 #          or model_speed_vq_$LIKE.json)
 # big      Qwen3-235B-A22B's shape with random weights, its 2-bit store only (no 4-bit
-#          base: 94 layers are about 87 GB with the dense weights), under /dev/shm: all
-#          94 layers if they fit in /dev/shm and in free memory less $BIG_MARGIN_GB
-#          (default 16) GB, else as many as do (big.log; the directory is $BIG)
+#          base: 94 layers are about 87 GB with the dense weights), or with BIG_VQ=vq1.5 a
+#          compressed directory at that rung (about 60 GB), under /dev/shm: all 94 layers
+#          if they fit in /dev/shm and in free memory less $BIG_MARGIN_GB (default 16) GB,
+#          else as many as do (big.log; the directory is $BIG)
 # residency after `model`, at 2 bits: decode with half (then 60%: 1.5 resident bits) of each
 #          layer's experts resident in device memory, swapping from a RAM reservoir, beside
 #          every expert resident (residency_30b*.json)
@@ -31,7 +32,7 @@
 #          (residency_30b_vq.json)
 # big-run  after `big`: that model fully resident, then within $BIG_BUDGET_GB (default 40) GB
 #          of device memory with dynamic residency, the store read from /dev/shm
-#          (residency_235b.json)
+#          (residency_235b.json; with BIG_VQ, VQ sets in device slots, residency_235b_vq.json)
 # cpu-vq   the CPU VQ matvec kernels against affine q2/q4 on this machine's CPU (vq_kernels.json)
 # profile  a 2-layer model's 512-token prompt and 8 decode steps at 4 bits under Nsight
 #          Compute: each kernel's time per prompt (profile.log, profile.csv)
@@ -46,7 +47,8 @@ BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
 LAYERS=${LAYERS:-12}
 WORK=${WORK:-/tmp/dynmoe-gpu}
-BIG=${BIG:-/dev/shm/dynmoe-qwen3-235b-a22b-q2}
+BIG_VQ=${BIG_VQ:-}
+BIG=${BIG:-/dev/shm/dynmoe-qwen3-235b-a22b-${BIG_VQ:-q2}}
 BIG_MARGIN_GB=${BIG_MARGIN_GB:-16}
 mkdir -p "$OUT" "$WORK"
 steps=${*:-checks kernels cli model}
@@ -128,7 +130,9 @@ for step in $steps; do
         if [ "$budget" -le 0 ]; then
             echo "no room for even one layer"; status=1
         else
-            { time "$BIN/dynmoe" synth --like qwen3-235b-a22b --bits 2 --fit-in "$budget" \
+            stores=(--bits 2)
+            [ -n "$BIG_VQ" ] && stores=(--vq "$BIG_VQ")
+            { time "$BIN/dynmoe" synth --like qwen3-235b-a22b "${stores[@]}" --fit-in "$budget" \
                 -o "$BIG" --tokenizer-from fixtures/models/small-moe; } 2>&1 | tee "$OUT/big.log"
             [ "${PIPESTATUS[0]}" = 0 ] || status=1
             ls -l "$BIG" | tee -a "$OUT/big.log"
@@ -162,10 +166,13 @@ for step in $steps; do
         ;;
     big-run)
         echo "== Qwen3-235B-A22B shape in ${BIG_BUDGET_GB:-40} GB of device memory"
-        "$BIN/dynmoe" bench residency "$BIG" --bits 2 --device-budget-gb "${BIG_BUDGET_GB:-40}" \
-            --reservoir disk --swap-interval 32 --max-swaps 4 --swap-margin 0 --loader-threads 8 \
-            --prompt 16 --generate 128 --repeats 2 --json "$OUT/residency_235b.json" 2>&1 |
-            tee "$OUT/residency_235b.log"
+        # A compressed directory runs at its plan; its VQ sets go to device slots.
+        stores=(--bits 2) name=residency_235b
+        [ -n "$BIG_VQ" ] && stores=() name=residency_235b_vq
+        DYNMOE_CUDA_VQ_SLOTS=1 "$BIN/dynmoe" bench residency "$BIG" ${stores[@]+"${stores[@]}"} \
+            --device-budget-gb "${BIG_BUDGET_GB:-40}" --reservoir disk --swap-interval 32 \
+            --max-swaps 4 --swap-margin 0 --loader-threads 8 --prompt 16 --generate 128 \
+            --repeats 2 --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     cpu-vq)
