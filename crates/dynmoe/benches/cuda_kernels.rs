@@ -70,6 +70,16 @@ impl Row {
     }
 }
 
+/// Prints `row` as a line of the table under `label`, `note` after it, and keeps it for
+/// the JSON.
+fn report(rows_out: &mut Vec<Row>, label: &str, row: Row, note: &str) {
+    println!(
+        "{label:<10} {:>6} {:>6} {:>5} {:>10.2} {:>8.0} {:>7.2}{note}",
+        row.rows, row.cols, row.batch, row.median_us_per_call, row.gb_s, row.fraction_of_copy
+    );
+    rows_out.push(row);
+}
+
 #[derive(Serialize)]
 struct Report {
     device: String,
@@ -137,23 +147,15 @@ fn routed_step_rows(
         let eager = ms * 1e3 / tokens as f64;
         let graph = graph_us(g, key + mma as u64, |i| step(i % tokens));
         for (per_token, launched) in [(eager, "eager"), (graph, "graph")] {
-            let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
-            println!(
-                "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
-                format!("{label} {way} {launched}"),
-                inter,
-                hidden,
-                1,
-                gb_s / copy_gb_s
-            );
-            rows_out.push(Row::new(
+            let row = Row::new(
                 format!("{name}_{way}_{launched}"),
                 [inter, hidden, 1],
                 bytes,
                 tokens,
                 per_token,
                 copy_gb_s,
-            ));
+            );
+            report(rows_out, &format!("{label} {way} {launched}"), row, "");
         }
     }
     g.set_routed_mma(was);
@@ -236,20 +238,15 @@ fn main() {
                     }
                 });
                 let per_call = ms * 1e3 / copies as f64;
-                let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
-                println!(
-                    "{:<10} {rows:>6} {cols:>6} {batch:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
-                    format!("q{bits}"),
-                    gb_s / copy_gb_s
-                );
-                rows_out.push(Row::new(
+                let row = Row::new(
                     format!("affine_q{bits}"),
                     [rows, cols, batch],
                     bytes,
                     copies,
                     per_call,
                     copy_gb_s,
-                ));
+                );
+                report(&mut rows_out, &format!("q{bits}"), row, "");
             }
             drop(views);
             g.clear_weight_cache();
@@ -269,20 +266,15 @@ fn main() {
                 }
             });
             let per_call = ms * 1e3 / copies as f64;
-            let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
-            println!(
-                "{:<10} {rows:>6} {cols:>6} {batch:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
-                "f32 sgemm",
-                gb_s / copy_gb_s
-            );
-            rows_out.push(Row::new(
+            let row = Row::new(
                 "cublas_sgemm_f32",
                 [rows, cols, batch],
                 bytes,
                 copies,
                 per_call,
                 copy_gb_s,
-            ));
+            );
+            report(&mut rows_out, "f32 sgemm", row, "");
         }
     }
 
@@ -320,20 +312,15 @@ fn main() {
                     }
                 });
                 let per_call = ms * 1e3 / copies as f64;
-                let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
-                println!(
-                    "{:<10} {rows:>6} {cols:>6} {batch:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
-                    rung.name(),
-                    gb_s / copy_gb_s
-                );
-                rows_out.push(Row::new(
+                let row = Row::new(
                     format!("{}_matvec", rung.name()),
                     [rows, cols, batch],
                     bytes,
                     copies,
                     per_call,
                     copy_gb_s,
-                ));
+                );
+                report(&mut rows_out, &rung.name(), row, "");
             }
             drop(views);
             g.clear_weight_cache();
@@ -404,23 +391,15 @@ fn main() {
             * (2 * (inter * words_per_row(hidden, bits) * 4 + inter * hidden / 64 * 4)
                 + hidden * words_per_row(inter, bits) * 4
                 + hidden * inter / 64 * 4);
-        let gb_s = bytes as f64 / (per_token * 1e-6) / 1e9;
-        println!(
-            "{:<10} {:>6} {:>6} {:>5} {per_token:>10.2} {gb_s:>8.0} {:>7.2}",
-            format!("moe8 q{bits}"),
-            inter,
-            hidden,
-            1,
-            gb_s / copy_gb_s
-        );
-        rows_out.push(Row::new(
+        let row = Row::new(
             format!("moe_decode_top8_q{bits}"),
             [inter, hidden, 1],
             bytes,
             tokens,
             per_token,
             copy_gb_s,
-        ));
+        );
+        report(&mut rows_out, &format!("moe8 q{bits}"), row, "");
         // The same experts routed on the device (`routed_moe`: router, top-8, grouped
         // products and combine, no host round trip), a fresh input row per token.
         let weights = |e: usize| {
@@ -497,30 +476,23 @@ fn main() {
                 })
                 .collect();
             let us = time_ms(&g, || g.swiglu_groups(&xp, hidden, &groups, &mut outp)) * 1e3;
-            let gb_s = layer_bytes as f64 / (us * 1e-6) / 1e9;
             let way = if tensor_cores { "gemm" } else { "1by1" };
-            println!(
-                "{:<10} {:>6} {:>6} {:>5} {us:>10.2} {gb_s:>8.0} {:>7.2}  {:.1} TFLOP/s",
-                format!("moe512 q{bits} {way}"),
-                inter,
-                hidden,
-                prompt,
-                gb_s / copy_gb_s,
-                flops / (us * 1e-6) / 1e12
-            );
             let kind = if tensor_cores {
                 "tensor_core_gemm"
             } else {
                 "without_tensor_cores"
             };
-            rows_out.push(Row::new(
+            let row = Row::new(
                 format!("moe_prompt512_top8_q{bits}_{kind}"),
                 [inter, hidden, prompt],
                 layer_bytes,
                 1,
                 us,
                 copy_gb_s,
-            ));
+            );
+            let tflops = flops / (us * 1e-6) / 1e12;
+            let note = format!("  {tflops:.1} TFLOP/s");
+            report(&mut rows_out, &format!("moe512 q{bits} {way}"), row, &note);
         }
         g.set_tensor_cores(was);
         g.clear_weight_cache();
@@ -609,25 +581,22 @@ fn main() {
             assert!(done, "VQ experts route on the device");
         }) * 1e3;
         let layer_bytes = experts * expert_bytes;
-        let gb_s = layer_bytes as f64 / (us * 1e-6) / 1e9;
         let flops = 2.0 * 3.0 * (prompt * top_k * inter * hidden) as f64;
-        println!(
-            "{:<10} {:>6} {:>6} {:>5} {us:>10.2} {gb_s:>8.0} {:>7.2}  {:.1} TFLOP/s",
-            format!("routed512 {}", rung.name()),
-            inter,
-            hidden,
-            prompt,
-            gb_s / copy_gb_s,
-            flops / (us * 1e-6) / 1e12
-        );
-        rows_out.push(Row::new(
+        let row = Row::new(
             format!("moe_routed_prompt512_top8_{}", rung.name()),
             [inter, hidden, prompt],
             layer_bytes,
             1,
             us,
             copy_gb_s,
-        ));
+        );
+        let note = format!("  {:.1} TFLOP/s", flops / (us * 1e-6) / 1e12);
+        report(
+            &mut rows_out,
+            &format!("routed512 {}", rung.name()),
+            row,
+            &note,
+        );
         g.clear_weight_cache();
     }
 
@@ -650,25 +619,21 @@ fn main() {
             let tflops = 2.0 * (prompt * rows * cols) as f64 / (us * 1e-6) / 1e12;
             let way = if tensor_cores { "split" } else { "sgemm" };
             let bytes = rows * cols * 2;
-            let gb_s = bytes as f64 / (us * 1e-6) / 1e9;
-            println!(
-                "{:<10} {rows:>6} {cols:>6} {prompt:>5} {us:>10.2} {gb_s:>8.0} {:>7.2}  {tflops:.1} TFLOP/s",
-                format!("bf16 {way}"),
-                gb_s / copy_gb_s
-            );
             let kind = if tensor_cores {
                 "tensor_core_split"
             } else {
                 "widened_sgemm"
             };
-            rows_out.push(Row::new(
+            let row = Row::new(
                 format!("dense_bf16_prompt512_{kind}"),
                 [rows, cols, prompt],
                 bytes,
                 1,
                 us,
                 copy_gb_s,
-            ));
+            );
+            let note = format!("  {tflops:.1} TFLOP/s");
+            report(&mut rows_out, &format!("bf16 {way}"), row, &note);
         }
         g.set_tensor_cores(was);
     }
@@ -700,22 +665,16 @@ fn main() {
                 }
             });
             let per_call = ms * 1e3 / copies as f64;
-            let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
             let name = if bf16_weights { "bf16" } else { "f32" };
-            println!(
-                "{:<10} {rows:>6} {cols:>6} {:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
-                format!("{name} matvec"),
-                1,
-                gb_s / copy_gb_s
-            );
-            rows_out.push(Row::new(
+            let row = Row::new(
                 format!("matvec_{name}"),
                 [rows, cols, 1],
                 bytes,
                 copies,
                 per_call,
                 copy_gb_s,
-            ));
+            );
+            report(&mut rows_out, &format!("{name} matvec"), row, "");
         }
     }
     // Decode attention at Qwen3-30B-A3B's heads (32 query, 4 KV, 128 wide) over a cache of
@@ -770,20 +729,8 @@ fn main() {
                 (label.to_string(), kernel.to_string(), queued),
                 (format!("{label} g"), format!("{kernel}_graph"), graph),
             ] {
-                let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
-                println!(
-                    "{label:<10} {ctx:>6} {kvw:>6} {:>5} {per_call:>10.2} {gb_s:>8.0} {:>7.2}",
-                    1,
-                    gb_s / copy_gb_s
-                );
-                rows_out.push(Row::new(
-                    kernel,
-                    [ctx, kvw, 1],
-                    bytes,
-                    copies,
-                    per_call,
-                    copy_gb_s,
-                ));
+                let row = Row::new(kernel, [ctx, kvw, 1], bytes, copies, per_call, copy_gb_s);
+                report(&mut rows_out, &label, row, "");
             }
         }
         g.set_decode_attention(DecodeAttention::Grouped);
