@@ -121,7 +121,7 @@ pub fn bench_residency(a: ResidencyBenchArgs) -> Result<()> {
     if a.residency.config()?.is_none() && a.device_budget_gb.is_none() {
         bail!("give --device-budget-gb, --resident-fraction (below 1) or --resident-count: what to compare full residency with");
     }
-    let setting = settings(&a.model, &a.bits.into_iter().collect::<Vec<_>>(), &[2])?
+    let setting = settings(&a.model, a.bits.as_slice(), &[2])?
         .pop()
         .expect("one setting");
     let codecs = setting.codecs();
