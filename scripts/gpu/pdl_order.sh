@@ -2,15 +2,15 @@
 # Checks, on a machine with the CUDA toolkit, that no kernel touches global memory before
 # its programmatic-launch wait (`griddepcontrol.wait`, ACQBULK in SASS). ptxas may hoist a
 # load through a `const __restrict__` pointer (LDG.E.CONSTANT) above the wait, and the
-# kernel then reads what the kernel before it has not yet written. The dense
-# matrix-vector kernels load their first weights before the wait on purpose (no kernel
-# writes weights); they are listed in EARLY.
+# kernel then reads what the kernel before it has not yet written. The one-row dense
+# kernels (bf16 and affine) load their first weights before the wait on purpose (no
+# kernel writes weights); they are listed in EARLY.
 #
 #   bash scripts/gpu/pdl_order.sh [kernels.cu] [arch]
 set -euo pipefail
 src=${1:-crates/dynmoe/src/backend/cuda/kernels.cu}
 arch=${2:-sm_90}
-EARLY="matvec_bf16_one matvec_bf16_3_one"
+EARLY="matvec_bf16_one matvec_bf16_3_one dense_mma_q4 dense_mma_q3 dense_mma_q2"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cp "$src" "$tmp/kernels.cu"

@@ -1,5 +1,5 @@
-// The routed VQ kernels (a MoE layer's experts at a VQ rung, routed on the device) run on
-// the CPU through shim.h against a plain double-precision reference of their definition,
+// The dense affine one-row kernels and the routed VQ kernels (a MoE layer's experts at a
+// VQ rung, routed on the device) run on the CPU through shim.h against a plain double-precision reference of their definition,
 // on fresh random inputs with the outputs poisoned first. For each rung shape (values a
 // codeword, bits an index) and each expert shape, both decode paths (CUDA cores and
 // tensor cores), the book in shared memory and not, gate/up (SiLU · up per pair) and down
@@ -10,6 +10,7 @@
 // restate codec::vq's for this C++ program.
 #include "kernels_host.cpp"
 
+#include <array>
 #include <random>
 #include <string>
 
@@ -235,9 +236,254 @@ double check(const char* rung, int p, int k, int hidden, int inter, int experts,
     return worst;
 }
 
+// ---- Dense affine matrices of one input row (dense_mma_q*) ----
+
+// Column of the code at word k, bit pair p, byte b of a 32-column chunk in seed 000's
+// 2-bit layout (docs/FORMAT.md): even columns from the first half of the chunk's
+// deinterleaved stream, odd ones from the second.
+int chunk_column(int k, int p, int b) {
+    return p < 2 ? 2 * (8 * k + 4 * p + b) : 2 * (8 * k + 4 * (p - 2) + b) + 1;
+}
+
+// One affine matrix as the device holds it: words, bf16 scales and biases per 64 columns.
+struct Affine {
+    int bits, rows, cols;
+    std::vector<unsigned> words;
+    std::vector<unsigned short> scales, biases;
+
+    Affine(int bits, int rows, int cols) : bits(bits), rows(rows), cols(cols) {
+        words.resize((size_t)rows * cols * bits / 32 + 4);
+        for (auto& w : words) w = (unsigned)rng();
+        auto bf16 = [](float v) {
+            unsigned u;
+            std::memcpy(&u, &v, 4);
+            return (unsigned short)(u >> 16);
+        };
+        for (int i = 0; i < rows * cols / 64; i++) {
+            scales.push_back(bf16(0.01f * (1.0f + std::abs(normal()))));
+            biases.push_back(bf16(0.05f * normal()));
+        }
+    }
+
+    int code(int row, int col) const {
+        int chunk = col / 32, j = col % 32;
+        if (bits == 4) return (words[(size_t)row * cols / 8 + col / 8] >> (4 * (col % 8))) & 15;
+        const unsigned* c = &words[(size_t)row * cols * bits / 32 + (size_t)chunk * bits];
+        for (int k = 0; k < 2; k++)
+            for (int p = 0; p < 4; p++)
+                for (int b = 0; b < 4; b++)
+                    if (chunk_column(k, p, b) == j) {
+                        int up = (c[k] >> (8 * b + 2 * p)) & 3;
+                        return bits == 2 ? up : 2 * up + ((c[2] >> (8 * b + 4 * k + p)) & 1);
+                    }
+        std::abort();
+    }
+
+    double value(int row, int col) const {
+        double a = bits == 4 ? 1.0 : (bits == 3 ? 2.0 : 4.0);
+        double o = bits == 4 ? 0.0 : (bits == 3 ? 0.5 : 1.5);
+        size_t g = (size_t)row * (cols / 64) + col / 64;
+        auto wide = [](unsigned short h) {
+            unsigned u = (unsigned)h << 16;
+            float f;
+            std::memcpy(&f, &u, 4);
+            return (double)f;
+        };
+        return (a * code(row, col) + o) * wide(scales[g]) + wide(biases[g]);
+    }
+};
+
+using DenseKernel = void (*)(const unsigned*, const unsigned short*, const unsigned short*,
+                             float*, int, const unsigned*, const unsigned short*,
+                             const unsigned short*, float*, int, const unsigned*,
+                             const unsigned short*, const unsigned short*, float*, int, int,
+                             const float*, int, int, int);
+
+// `rows` of up to three matrices of `cols` columns times one row of `in_dim` values (read
+// as zeros up to `cols`), split `parts` ways over a grid of `blocks` blocks.
+double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int parts, int blocks) {
+    DenseKernel f = bits == 4 ? dense_mma_q4 : (bits == 3 ? dense_mma_q3 : dense_mma_q2);
+    std::vector<Affine> mats;
+    for (int r : rows) mats.emplace_back(bits, r, cols);
+    std::vector<float> x(in_dim);
+    for (auto& v : x) v = normal();
+    std::vector<std::vector<float>> got;
+    std::vector<double> want;
+    std::vector<float> flat;
+    for (auto& m : mats) {
+        got.emplace_back(m.rows, NAN);
+        for (int o = 0; o < m.rows; o++) {
+            double acc = 0.0;
+            for (int c = 0; c < in_dim; c++) acc += m.value(o, c) * x[c];
+            want.push_back(acc);
+        }
+    }
+    auto arg = [&](int i) -> const Affine& { return mats[std::min<size_t>(i, mats.size() - 1)]; };
+    auto out = [&](int i) { return got[std::min<size_t>(i, got.size() - 1)].data(); };
+    auto live = [&](int i) { return i < (int)mats.size() ? mats[i].rows : 0; };
+    size_t shared = (size_t)(cols / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
+    shim::launch({(unsigned)blocks, 1, 1}, {256, 1, 1}, shared, [&] {
+        f(arg(0).words.data(), arg(0).scales.data(), arg(0).biases.data(), out(0), live(0),
+          arg(1).words.data(), arg(1).scales.data(), arg(1).biases.data(), out(1), live(1),
+          arg(2).words.data(), arg(2).scales.data(), arg(2).biases.data(), out(2), live(2),
+          (int)mats.size(), x.data(), cols, in_dim, parts);
+    });
+    for (auto& g : got) flat.insert(flat.end(), g.begin(), g.end());
+    double e = rel_err(flat, want);
+    std::printf("dense q%d, %zu matrices of %d..%d rows x %d (x %d wide), %d parts, %d blocks: %.2e\n",
+                bits, rows.size(), *std::min_element(rows.begin(), rows.end()),
+                *std::max_element(rows.begin(), rows.end()), cols, in_dim, parts, blocks, e);
+    return e;
+}
+
+// ---- The route of a row of router logits (moe_route, route_block) ----
+
+// A route by its definition: softmax, the mask's kept share rescaled to one, the top_k
+// best (ties to the lower id), renormalised when asked.
+struct Route {
+    std::vector<double> probs;   // every expert's, unmasked
+    std::vector<int> ids;        // best first
+    std::vector<double> weights;
+};
+
+// Router logits, distinct but for a few exact ties and two of the best on one score (so
+// that the tie decides their places).
+std::vector<float> route_logits(int experts) {
+    std::vector<float> logits(experts);
+    for (int e = 0; e < experts; e++) logits[e] = 0.25f * normal();
+    for (int t = 0; t < experts / 8; t++) logits[rng() % experts] = logits[rng() % experts];
+    if (experts > 2) logits[rng() % experts] = logits[rng() % experts] = 2.0f;
+    return logits;
+}
+
+// The route by its definition, in double precision.
+Route reference_route(const std::vector<float>& logits, const std::vector<unsigned char>& keep,
+                      int top_k, bool renormalize) {
+    int experts = (int)logits.size();
+    double m = *std::max_element(logits.begin(), logits.end()), sum = 0.0, kept = 0.0;
+    std::vector<double> p(experts), c(experts);
+    for (int e = 0; e < experts; e++) sum += p[e] = std::exp((double)logits[e] - m);
+    for (int e = 0; e < experts; e++) {
+        p[e] /= sum;
+        if (keep[e]) kept += p[e];
+    }
+    std::vector<int> order;
+    for (int e = 0; e < experts; e++)
+        if (keep[e]) order.push_back(e);
+    for (int e : order) c[e] = p[e] / kept;
+    // Equal logits give equal scores in any precision: ties go to the lower id.
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+        return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
+    });
+    Route r{p, {}, {}};
+    double chosen = 0.0;
+    for (int k = 0; k < top_k; k++) chosen += c[order[k]];
+    for (int k = 0; k < top_k; k++) {
+        r.ids.push_back(order[k]);
+        r.weights.push_back(renormalize ? c[order[k]] / chosen : c[order[k]]);
+    }
+    return r;
+}
+
+// A row's route through moe_route with `threads` threads, against the definition.
+// Returns the worst relative error of probabilities and weights; a wrong id is reported
+// and fails.
+double check_route(int experts, int top_k, int threads, bool masked, bool renormalize) {
+    std::vector<float> logits = route_logits(experts);
+    std::vector<unsigned char> keep(experts, 1);
+    if (masked)
+        for (int e = 0; e < experts; e++) keep[e] = (rng() % 3) != 0 || e < top_k;
+    Route want = reference_route(logits, keep, top_k, renormalize);
+    std::vector<float> probs = logits, got_w(top_k, NAN);
+    std::vector<int> got_ids(top_k, -1);
+    shim::launch({1, 1, 1}, {(unsigned)threads, 1, 1}, experts * 4 + 16, [&] {
+        moe_route(probs.data(), masked ? keep.data() : nullptr, got_ids.data(), got_w.data(),
+                  experts, top_k, renormalize);
+    });
+    bool ids_ok = got_ids == want.ids;
+    double ep = rel_err(probs, want.probs), ew = rel_err(got_w, want.weights);
+    std::printf("route top-%d of %d, %d threads, mask %d, renormalise %d: ids %s, probs %.2e, "
+                "weights %.2e\n",
+                top_k, experts, threads, masked, renormalize, ids_ok ? "same" : "DIFFER", ep, ew);
+    return ids_ok ? std::max(ep, ew) : INFINITY;
+}
+
+// ---- A decode step's routed affine experts (routed_mma_gate_up_q*, routed_mma_down_q*) ----
+
+using AffineGateUp = void (*)(const unsigned long long*, const float*, const unsigned char*, int,
+                              int, int*, float*, int, const float*, float*, int, int, int);
+using AffineDown = void (*)(const unsigned long long*, const int*, const float*, int,
+                            const float*, float*, int, int, int, float*, int);
+
+// One token routed to top_k of `experts` affine experts (hidden × inter), the route taken
+// inside the gate/up kernel from the router logits, the probabilities written by the down
+// kernel: ids, weights, SiLU · up per pair and the weighted sum against the definition.
+double check_routed_affine(int bits, int hidden, int inter, int experts, int top_k) {
+    AffineGateUp gate_up = bits == 4 ? routed_mma_gate_up_q4
+                                     : (bits == 3 ? routed_mma_gate_up_q3 : routed_mma_gate_up_q2);
+    AffineDown down = bits == 4 ? routed_mma_down_q4
+                                : (bits == 3 ? routed_mma_down_q3 : routed_mma_down_q2);
+    std::vector<std::array<Affine, 3>> ex;
+    for (int e = 0; e < experts; e++)
+        ex.push_back({Affine(bits, inter, hidden), Affine(bits, inter, hidden),
+                      Affine(bits, hidden, inter)});
+    std::vector<unsigned long long> table;
+    for (auto& e : ex)
+        for (auto& m : e) {
+            table.push_back((unsigned long long)m.words.data());
+            table.push_back((unsigned long long)m.scales.data());
+            table.push_back((unsigned long long)m.biases.data());
+        }
+    std::vector<float> logits = route_logits(experts), x(hidden);
+    for (auto& v : x) v = normal();
+    std::vector<unsigned char> keep(experts, 1);
+    Route want = reference_route(logits, keep, top_k, true);
+    std::vector<double> want_h((size_t)top_k * inter), want_out(hidden, 0.0);
+    auto product = [](const Affine& m, const float* v, int o) {
+        double acc = 0.0;
+        for (int c = 0; c < m.cols; c++) acc += m.value(o, c) * v[c];
+        return acc;
+    };
+    for (int k = 0; k < top_k; k++) {
+        const auto& e = ex[want.ids[k]];
+        for (int o = 0; o < inter; o++) {
+            double g = product(e[0], x.data(), o), u = product(e[1], x.data(), o);
+            want_h[(size_t)k * inter + o] = g / (1.0 + std::exp(-g)) * u;
+        }
+    }
+    std::vector<float> got_h(want_h.size(), NAN), got_out(hidden, NAN), probs = logits;
+    std::vector<float> got_w(top_k, NAN);
+    std::vector<int> got_ids(top_k, -1);
+    size_t up_shared = (size_t)(hidden / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
+    size_t down_shared = (size_t)(top_k * inter / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
+    shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
+        gate_up(table.data(), probs.data(), nullptr, experts, 1, got_ids.data(), got_w.data(),
+                top_k, x.data(), got_h.data(), inter, hidden, hidden);
+    });
+    // Down reads the reference's h, so that its error is its own.
+    std::vector<float> h(want_h.begin(), want_h.end());
+    for (int k = 0; k < top_k; k++) {
+        auto d = [&](int o) { return product(ex[want.ids[k]][2], &h[(size_t)k * inter], o); };
+        for (int o = 0; o < hidden; o++) want_out[o] += want.weights[k] * d(o);
+    }
+    shim::launch({(unsigned)(hidden + 15) / 16, 1, 1}, {256, 1, 1}, down_shared, [&] {
+        down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), got_out.data(), hidden,
+             inter, inter, probs.data(), experts);
+    });
+    bool ids_ok = got_ids == want.ids;
+    double ew = rel_err(got_w, want.weights), ep = rel_err(probs, want.probs);
+    double eh = rel_err(got_h, want_h), eo = rel_err(got_out, want_out);
+    std::printf("routed q%d %d x %d, top-%d of %d: ids %s, weights %.2e, probs %.2e, gate/up "
+                "%.2e, down %.2e\n",
+                bits, hidden, inter, top_k, experts, ids_ok ? "same" : "DIFFER", ew, ep, eh, eo);
+    return ids_ok ? std::max({ew, ep, eh, eo}) : INFINITY;
+}
+
 }  // namespace
 
-int main() {
+// With an argument, only the checks whose family it names (dense, route, affine, routed).
+int main(int argc, char** argv) {
+    auto wanted = [&](const char* family) { return argc < 2 || std::string(argv[1]) == family; };
     struct Rung {
         const char* name;
         int p, k;
@@ -247,9 +493,36 @@ int main() {
     // Qwen3-30B-A3B's (2048 x 768), for two tokens.
     const int shapes[][4] = {{256, 80, 6, 4}, {2048, 768, 16, 8}};
     double worst = 0.0;
-    for (const Rung& r : rungs)
+    // Dense one-row products: ragged tiles, several matrices a launch, every split of a
+    // job, grids that loop over rounds and grids with blocks to spare, a padded input.
+    for (int bits : {4, 3, 2}) {
+        if (!wanted("dense")) break;
+        worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 1, 2));
+        worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 4, 1));
+        worst = std::max(worst, check_dense(bits, {37}, 640, 600, 8, 3));
+        worst = std::max(worst, check_dense(bits, {16, 16}, 128, 128, 2, 5));
+    }
+    // Routes: one and several experts a thread, widths off whole float4s, masks, ties.
+    const int routes[][3] = {{128, 8, 128}, {128, 8, 256}, {12, 4, 32}, {130, 2, 256},
+                             {256, 8, 256}, {300, 8, 256}, {64, 1, 64}};
+    for (const auto& r : routes) {
+        if (!wanted("route")) break;
+        for (int masked = 0; masked < 2; masked++)
+            for (int renorm = 0; renorm < 2; renorm++)
+                worst = std::max(worst, check_route(r[0], r[1], r[2], masked, renorm));
+    }
+    // The affine experts of a decode step: the small fixture's shape (256 × 80 is padded to
+    // whole groups: 256 × 128) and a narrow Qwen3-like one.
+    for (int bits : {4, 3, 2}) {
+        if (!wanted("affine")) break;
+        worst = std::max(worst, check_routed_affine(bits, 256, 128, 12, 4));
+        worst = std::max(worst, check_routed_affine(bits, 512, 192, 128, 8));
+    }
+    for (const Rung& r : rungs) {
+        if (!wanted("routed")) break;
         for (const auto& s : shapes)
             worst = std::max(worst, check(r.name, r.p, r.k, s[0], s[1], s[2], s[3], 2));
+    }
     std::printf("worst %.2e\n", worst);
     return worst < 1e-4 ? 0 : 1;
 }

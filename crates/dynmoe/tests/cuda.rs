@@ -966,6 +966,81 @@ fn affine_products_match_the_reference_at_every_width_and_batch() {
 }
 
 #[test]
+fn dense_affine_products_match_the_reference_every_way() {
+    let Some(g) = gpu() else { return };
+    // Dense layers at an affine codec: the LM head and attention shapes of Qwen3-30B-A3B
+    // (one row: `dense_mma`, which splits a job of the narrow ones over warps and loops a
+    // grid over the head's 9 496 tiles), a ragged 100-row matrix with a padded input, and
+    // prompts of 9 and 300 rows (the grouped GEMM with one group). Each also the other
+    // way: one row through the matrix-vector kernel, prompts through expand-then-GEMM.
+    let shapes = [
+        (151936, 2048, 2048, 1),
+        (4096, 2048, 2048, 1),
+        (2048, 4096, 4096, 1),
+        (512, 2048, 2048, 1),
+        (100, 192, 150, 1),
+        (4096, 2048, 2048, 9),
+        (512, 2048, 2048, 300),
+        (100, 192, 150, 40),
+    ];
+    let (mma, cores) = (g.routed_mma(), g.tensor_cores());
+    for bits in [4, 3, 2] {
+        for (i, &(rows, cols, in_dim, batch)) in shapes.iter().enumerate() {
+            let m = Affine::new(rows, cols, bits, 70 + i as u64);
+            let x = fresh(batch * in_dim, 75 + i as u64);
+            let w = m.view();
+            for tensor_cores in [true, false] {
+                g.set_routed_mma(tensor_cores && mma);
+                g.set_tensor_cores(tensor_cores && cores);
+                both!(
+                    &format!(
+                        "dense q{bits} {rows}x{cols} (in {in_dim}) rows {batch} mma {tensor_cores}"
+                    ),
+                    &[&x],
+                    batch * rows,
+                    1e-5,
+                    |b, t, o| b.matmul_affine(&t[0], &w, batch, in_dim, o)
+                );
+            }
+        }
+        // A layer's q, k and v at the codec in one launch, and a ragged three.
+        for (case, (dims, cols)) in [([4096, 512, 512], 2048), ([37, 5, 21], 128)]
+            .into_iter()
+            .enumerate()
+        {
+            let ms: Vec<Affine> = (0..3)
+                .map(|j| Affine::new(dims[j], cols, bits, 80 + 3 * case as u64 + j as u64))
+                .collect();
+            let x = fresh(cols, 85 + case as u64);
+            let total: usize = dims.iter().sum();
+            both!(
+                &format!("linear3 q{bits} {dims:?} x {cols}"),
+                &[&x],
+                total,
+                1e-5,
+                |b, t, o| {
+                    let (mut q, mut k, mut v) =
+                        (b.alloc(dims[0]), b.alloc(dims[1]), b.alloc(dims[2]));
+                    b.linear3(
+                        &t[0],
+                        [0, 1, 2].map(|j| Weight::Affine(ms[j].view())),
+                        1,
+                        cols,
+                        dims,
+                        [&mut q, &mut k, &mut v],
+                    );
+                    b.write_rows(&q, o, 0, dims[0], 1);
+                    b.write_rows(&k, o, dims[0], dims[1], 1);
+                    b.write_rows(&v, o, dims[0] + dims[1], dims[2], 1)
+                }
+            );
+        }
+    }
+    g.set_routed_mma(mma);
+    g.set_tensor_cores(cores);
+}
+
+#[test]
 fn vq_products_match_the_reference() {
     let Some(_) = gpu() else { return };
     use dynmoe::codec::vq::{VqMatrix, LADDER};

@@ -999,144 +999,89 @@ __device__ void block_argmax(float& v, int& i, float* sv, int* si) {
     }
 }
 
-// One block per row of router logits `probs` ([rows, experts], replaced by their softmax,
-// unmasked): the top_k experts among those `keep` marks (all when null), best first, ties
-// to the lower id, into ids[row·top_k ..], and their weights. As on the host (moe::route
-// after residency::confine), a mask first rescales the kept probabilities to sum to one;
-// `renormalize` divides the chosen ones by their sum. Dynamic shared memory: experts floats.
-extern "C" __global__ void moe_route(float* probs, const unsigned char* keep, int* ids,
-                                     float* weights, int experts, int top_k, int renormalize) {
-    PDL_ENTRY();
-    extern __shared__ float cand[];
-    __shared__ float scratch[32];
-    __shared__ int iscratch[32];
-    float* row = probs + (size_t)blockIdx.x * experts;
+// Most experts a routed expert kernel routes itself, its candidates in static shared
+// memory (the host routes more in moe_route first).
+#define ROUTE_SHARED_MAX 256
+
+// The route of one row of `experts` router logits by every thread of the block: softmax,
+// then among the experts `keep` marks (all when null) the top_k, best first, ties to the
+// lower id, with their weights. As on the host (moe::route after residency::confine), a
+// mask first rescales the kept probabilities to sum to one; `renormalize` divides the
+// chosen ones by their sum. Each candidate's place is its rank among all of them, counted
+// by its own thread against `cand` in shared memory (`experts` floats), so no thread waits
+// on a pick of one expert after another: a single warp picking top-8 of 128 by shuffles
+// took ~7 µs, most of a decode step's routed experts. Writes the unmasked probabilities to
+// `probs` when it is not null (it may be `row`: a thread reads and writes only its own
+// experts), the ids and weights to `out_ids`/`out_w` (complete for every thread when this
+// returns). `scratch`: 32 shared floats. Every thread of the block calls.
+__device__ void route_block(const float* row, float* probs, const unsigned char* keep,
+                            int* out_ids, float* out_w, int experts, int top_k, int renormalize,
+                            float* cand, float* scratch) {
     float m = NEG_INF;
     for (int d = threadIdx.x; d < experts; d += blockDim.x) m = fmaxf(m, row[d]);
     m = block_max(m, scratch);
     float s = 0.0f;
     for (int d = threadIdx.x; d < experts; d += blockDim.x) {
         float e = expf(row[d] - m);
-        row[d] = e;
+        cand[d] = e;
         s += e;
     }
     s = block_sum(s, scratch);
     float kept = 0.0f;
     for (int d = threadIdx.x; d < experts; d += blockDim.x) {
-        float p = row[d] / s;
-        row[d] = p;
+        float p = cand[d] / s;
+        if (probs) probs[d] = p;
+        cand[d] = p;
         if (!keep || keep[d]) kept += p;
     }
     if (keep) kept = block_sum(kept, scratch);
-    for (int d = threadIdx.x; d < experts; d += blockDim.x)
-        cand[d] = !keep ? row[d] : (keep[d] ? row[d] / kept : NEG_INF);
-    __syncthreads();
-    int* out_ids = ids + (size_t)blockIdx.x * top_k;
-    float* out_w = weights + (size_t)blockIdx.x * top_k;
-    for (int k = 0; k < top_k; k++) {
-        float v = NEG_INF;
-        int i = 0x7fffffff;
-        for (int d = threadIdx.x; d < experts; d += blockDim.x)
-            if (cand[d] > v || (cand[d] == v && d < i)) { v = cand[d]; i = d; }
-        block_argmax(v, i, scratch, iscratch);
-        if (threadIdx.x == 0) {
-            out_ids[k] = i;
-            out_w[k] = v;
-            cand[i] = NEG_INF;
-        }
-        __syncthreads();
+    for (int d = threadIdx.x; d < experts; d += blockDim.x) {
+        float p = !keep ? cand[d] : (keep[d] ? cand[d] / kept : NEG_INF);
+        cand[d] = p == p ? p : NEG_INF;  // NaN ranks as masked: never above a number
     }
+    __syncthreads();
+    bool vec = experts % 4 == 0;
+    for (int d = threadIdx.x; d < experts; d += blockDim.x) {
+        float x = cand[d];
+        int rank = 0;
+        // Better scores, and equal ones of lower ids, until top_k are found.
+        if (vec) {
+            const float4* c4 = reinterpret_cast<const float4*>(cand);
+            for (int j = 0; j < experts / 4 && rank < top_k; j++) {
+                float4 y = c4[j];
+                int e = 4 * j;
+                rank += (y.x > x || (y.x == x && e < d)) + (y.y > x || (y.y == x && e + 1 < d)) +
+                        (y.z > x || (y.z == x && e + 2 < d)) + (y.w > x || (y.w == x && e + 3 < d));
+            }
+        } else {
+            for (int j = 0; j < experts && rank < top_k; j++)
+                rank += cand[j] > x || (cand[j] == x && j < d);
+        }
+        if (rank < top_k) {
+            out_ids[rank] = d;
+            out_w[rank] = x;
+        }
+    }
+    __syncthreads();
     if (renormalize && threadIdx.x == 0) {
         float t = 0.0f;
         for (int k = 0; k < top_k; k++) t += out_w[k];
         for (int k = 0; k < top_k; k++) out_w[k] /= t;
     }
+    __syncthreads();
 }
 
-// moe_route for at most ROUTE_WARP_MAX experts, by one warp: each lane holds experts
-// lane, lane + 32, ... in registers, so the softmax and each of the top_k picks are warp
-// shuffles with no block barrier. The same steps and tie rules as moe_route (only the
-// order of the sums' terms differs). Reads the logits `row`; writes the probabilities to
-// `probs` when it is not null (it may be `row`: every lane has read it by then), and the
-// top_k ids and weights by lane 0.
-#define ROUTE_WARP_MAX 256
-#define ROUTE_PER_LANE (ROUTE_WARP_MAX / WARP)
-__device__ void route_warp(const float* row, float* probs, const unsigned char* keep,
-                           int* out_ids, float* out_w, int experts, int top_k,
-                           int renormalize) {
-    int lane = threadIdx.x % WARP;
-    float v[ROUTE_PER_LANE];
-    float m = NEG_INF;
-#pragma unroll
-    for (int j = 0; j < ROUTE_PER_LANE; j++) {
-        int d = lane + WARP * j;
-        v[j] = d < experts ? row[d] : NEG_INF;
-        m = fmaxf(m, v[j]);
-    }
-    m = warp_max(m);
-    float s = 0.0f;
-#pragma unroll
-    for (int j = 0; j < ROUTE_PER_LANE; j++) {
-        if (lane + WARP * j < experts) {
-            v[j] = expf(v[j] - m);
-            s += v[j];
-        }
-    }
-    s = warp_sum(s);
-    float kept = 0.0f;
-#pragma unroll
-    for (int j = 0; j < ROUTE_PER_LANE; j++) {
-        int d = lane + WARP * j;
-        if (d < experts) {
-            v[j] = v[j] / s;
-            if (probs) probs[d] = v[j];
-            if (!keep || keep[d]) kept += v[j];
-        }
-    }
-    if (keep) kept = warp_sum(kept);
-    if (keep) {
-#pragma unroll
-        for (int j = 0; j < ROUTE_PER_LANE; j++) {
-            int d = lane + WARP * j;
-            if (d < experts) v[j] = keep[d] ? v[j] / kept : NEG_INF;
-        }
-    }
-    for (int k = 0; k < top_k; k++) {
-        float bv = NEG_INF;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < ROUTE_PER_LANE; j++) {
-            int d = lane + WARP * j;
-            if (d < experts && (v[j] > bv || (v[j] == bv && d < bi))) { bv = v[j]; bi = d; }
-        }
-        for (int o = WARP / 2; o > 0; o /= 2) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
-        if (lane == 0) {
-            out_ids[k] = bi;
-            out_w[k] = bv;
-        }
-#pragma unroll
-        for (int j = 0; j < ROUTE_PER_LANE; j++)
-            if (lane + WARP * j == bi) v[j] = NEG_INF;
-    }
-    if (renormalize && lane == 0) {
-        float t = 0.0f;
-        for (int k = 0; k < top_k; k++) t += out_w[k];
-        for (int k = 0; k < top_k; k++) out_w[k] /= t;
-    }
-}
-
-// A warp per row of router logits (one a block), replaced by their probabilities.
-extern "C" __global__ void moe_route_warp(float* probs, const unsigned char* keep, int* ids,
-                                          float* weights, int experts, int top_k,
-                                          int renormalize) {
+// One block per row of router logits `probs` ([rows, experts], replaced by their softmax,
+// unmasked): the row's route (route_block) into ids[row·top_k ..] and weights[row·top_k ..].
+// Dynamic shared memory: experts floats.
+extern "C" __global__ void moe_route(float* probs, const unsigned char* keep, int* ids,
+                                     float* weights, int experts, int top_k, int renormalize) {
     PDL_ENTRY();
+    extern __shared__ float cand[];
+    __shared__ float scratch[32];
     float* row = probs + (size_t)blockIdx.x * experts;
-    route_warp(row, row, keep, ids + (size_t)blockIdx.x * top_k,
-               weights + (size_t)blockIdx.x * top_k, experts, top_k, renormalize);
+    route_block(row, row, keep, ids + (size_t)blockIdx.x * top_k,
+                weights + (size_t)blockIdx.x * top_k, experts, top_k, renormalize, cand, scratch);
 }
 
 // One routed expert product per (AFF_WARPS · ROUTED_ROWS output rows, pair): blockIdx.y is the pair
@@ -1366,9 +1311,9 @@ __device__ __forceinline__ void load_unit(const unsigned* row0, const unsigned* 
 // Gate and up of pair blockIdx.y (input row pair / top_k of x, its expert of rank
 // pair % top_k), RMMA_ROWS rows from blockIdx.x·RMMA_ROWS: h[pair] = silu(gate) ⊙ up. The
 // unit is a group of x's row. With `logits` null the pair's expert is ids[pair], routed
-// before; otherwise the block routes its token itself (route_warp on its row of
-// `logits`, as moe_route_warp: at most ROUTE_WARP_MAX experts) while its other warps
-// stage x, and the first block of the token's first pair writes the token's ids and
+// before; otherwise the block routes its token itself (route_block on its row of
+// `logits`: at most ROUTE_SHARED_MAX experts), issues its words' loads and stages x while
+// they come, and the first block of the token's first pair writes the token's ids and
 // weights for the down kernel. The logits are left as they are: blocks of the same
 // token read them until the last has routed (the down kernel writes the probabilities).
 template <int BITS, int UNITS>
@@ -1377,8 +1322,10 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
                                    int* ids, float* weights, int top_k, const float* x,
                                    float* h, int rows, int cols, int in_dim) {
     extern __shared__ __align__(16) unsigned smem[];
-    __shared__ int route_ids[ROUTE_WARP_MAX];
-    __shared__ float route_w[ROUTE_WARP_MAX];
+    __shared__ int route_ids[ROUTE_SHARED_MAX];
+    __shared__ float route_w[ROUTE_SHARED_MAX];
+    __shared__ __align__(16) float cand[ROUTE_SHARED_MAX];
+    __shared__ float scratch[32];
     int groups = cols / 64;
     unsigned* xs = smem;
     float* xsum = reinterpret_cast<float*>(smem + (size_t)groups * RMMA_UNIT);
@@ -1436,29 +1383,21 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
     };
     auto x_row = [&](int) { return token; };
     if (logits) {
-        if (warp == 0) {
-            route_warp(logits + (size_t)token * experts, nullptr, keep, route_ids, route_w,
-                       experts, top_k, renormalize);
-            __syncwarp();
-            if (blockIdx.x == 0 && rank == 0)
-                for (int k = lane; k < top_k; k += WARP) {
-                    ids[token * top_k + k] = route_ids[k];
-                    weights[token * top_k + k] = route_w[k];
-                }
-        } else {
-            stage_units<BITS>(xs, xsum, x, x_row, groups, groups, in_dim, threadIdx.x - WARP,
-                              blockDim.x - WARP);
-        }
-        __syncthreads();
+        route_block(logits + (size_t)token * experts, nullptr, keep, route_ids, route_w,
+                    experts, top_k, renormalize, cand, scratch);
+        if (blockIdx.x == 0 && rank == 0)
+            for (int k = threadIdx.x; k < top_k; k += blockDim.x) {
+                ids[token * top_k + k] = route_ids[k];
+                weights[token * top_k + k] = route_w[k];
+            }
         find(route_ids[rank]);
-        load(u0);
     } else {
-        // The words' loads go out before x is staged, to overlap their latency.
         find(ids[pair]);
-        load(u0);
-        stage_units<BITS>(xs, xsum, x, x_row, groups, groups, in_dim, threadIdx.x, blockDim.x);
-        __syncthreads();
     }
+    // The words' loads go out before x is staged, to overlap their latency.
+    load(u0);
+    stage_units<BITS>(xs, xsum, x, x_row, groups, groups, in_dim, threadIdx.x, blockDim.x);
+    __syncthreads();
     compute(u0);
     for (int base = u0 + UNITS; base < u1; base += UNITS) {
         load(base);
@@ -1538,10 +1477,12 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
         }
     };
     load(u0);
-    // While its words are on their way.
-    if (logits && blockIdx.x == 0 && warp == 0) {
+    // While its words are on their way: the probabilities, by every thread of the block.
+    if (logits && blockIdx.x == 0) {
+        __shared__ __align__(16) float cand[ROUTE_SHARED_MAX];
+        __shared__ float scratch[32];
         float* row = logits + (size_t)token * experts;
-        route_warp(row, row, nullptr, nullptr, nullptr, experts, 0, 0);
+        route_block(row, row, nullptr, nullptr, nullptr, experts, 0, 0, cand, scratch);
     }
     stage_units<BITS>(xs, xsum, h, [&](int k) { return token * top_k + k; }, units, groups,
                       in_dim, threadIdx.x, blockDim.x);
@@ -1590,6 +1531,147 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
 ROUTED_MMA(4)
 ROUTED_MMA(3)
 ROUTED_MMA(2)
+
+// ---- Dense affine matrices of one input row on tensor cores ----
+//
+// The LM head and attention projections of a decode step coded as affine q4/q3/q2
+// (`--dense-codec`, `--head-codec`): the routed kernels' units and fragments, with no
+// route. Up to three matrices of one input (a layer's q, k and v) share a launch. A job
+// is a tile of RMMA_ROWS rows of one matrix; the `parts` warps of a job split its units
+// (parts divides RMMA_WARPS) and add their sums in a fixed order, so a block takes
+// RMMA_WARPS / parts jobs a round. Blocks stage x once and loop over rounds, so a grid
+// sized for the device streams a 151936-row head without staging x 9 496 times. Every
+// warp's first units go out before PDL_WAIT: no kernel writes weights.
+#define DMMA_UNITS 8
+struct DenseMat {
+    const unsigned* words;
+    const unsigned short* scales;
+    const unsigned short* biases;
+    float* out;
+    int rows;
+};
+
+template <int BITS>
+__device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int cols,
+                          int in_dim, int parts) {
+    extern __shared__ __align__(16) unsigned smem[];
+    int groups = cols / 64;
+    unsigned* xs = smem;
+    float* xsum = reinterpret_cast<float*>(smem + (size_t)groups * RMMA_UNIT);
+    float* red = xsum + groups;  // [RMMA_WARPS][RMMA_ROWS]
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, q = lane & 3;
+    int per_round = RMMA_WARPS / parts, slot = warp / parts, part = warp % parts;
+    int tiles[3];
+#pragma unroll
+    for (int i = 0; i < 3; i++) tiles[i] = i < mats ? (m[i].rows + RMMA_ROWS - 1) / RMMA_ROWS : 0;
+    int jobs = tiles[0] + tiles[1] + tiles[2];
+    int per = (groups + parts - 1) / parts;
+    int u0 = min(groups, part * per), u1 = min(groups, u0 + per);
+    size_t stride = row_words<BITS>(cols);
+    const float a = recon_a<BITS>(), off = recon_o<BITS>();
+    // The job's matrix (picked by selects: an indexed array of them would sit in local
+    // memory), first row and rows g, g + 8 (a row past the matrix reads row 0 and is
+    // never stored).
+    DenseMat cur = m[0];
+    int r0 = 0, o0 = 0, o1 = 0;
+    auto place = [&](int job) {
+        int mi = job < tiles[0] ? 0 : (job < tiles[0] + tiles[1] ? 1 : 2);
+        job -= mi == 0 ? 0 : (mi == 1 ? tiles[0] : tiles[0] + tiles[1]);
+        cur = mi == 0 ? m[0] : (mi == 1 ? m[1] : m[2]);
+        r0 = job * RMMA_ROWS;
+        o0 = r0 + g < cur.rows ? r0 + g : 0;
+        o1 = r0 + g + 8 < cur.rows ? r0 + g + 8 : 0;
+    };
+    unsigned w[DMMA_UNITS][2][2];
+    unsigned short sb[DMMA_UNITS];
+    auto load = [&](int base) {
+#pragma unroll
+        for (int j = 0; j < DMMA_UNITS; j++)
+            if (base + j < u1)
+                load_unit<BITS>(cur.words + o0 * stride, cur.words + o1 * stride, cur.scales,
+                                cur.biases, (size_t)o0 * groups, (size_t)o1 * groups, base + j,
+                                q, w[j], sb[j]);
+    };
+    float acc[2];
+    auto compute = [&](int base) {
+#pragma unroll
+        for (int j = 0; j < DMMA_UNITS; j++) {
+            if (base + j >= u1) break;
+            unsigned bx[8];
+            unit_fragments(xs, base + j, g, q, bx);
+            float s = xsum[base + j];
+            float2 p = unit_products<BITS>(w[j], q, bx);
+            float4 f = quad_scales(sb[j], lane);
+            acc[0] += a * f.x * p.x + (off * f.x + f.y) * s;
+            acc[1] += a * f.z * p.y + (off * f.z + f.w) * s;
+        }
+    };
+    int first = blockIdx.x * per_round + slot, step = gridDim.x * per_round;
+    bool live = first < jobs;
+    if (live) {
+        place(first);
+        load(u0);
+    }
+    PDL_WAIT();
+    stage_units<BITS>(xs, xsum, x, [](int) { return 0; }, groups, groups, in_dim, threadIdx.x,
+                      blockDim.x);
+    __syncthreads();
+    // Every warp runs every round (the block adds parts through shared memory); a warp
+    // whose job is past the last only takes part in the barriers.
+    for (int round = blockIdx.x * per_round; round < jobs; round += step) {
+        int job = round + slot;
+        live = job < jobs;
+        acc[0] = acc[1] = 0.0f;
+        if (live) {
+            if (job != first) {
+                place(job);
+                load(u0);
+            }
+            compute(u0);
+            for (int base = u0 + DMMA_UNITS; base < u1; base += DMMA_UNITS) {
+                load(base);
+                compute(base);
+            }
+        }
+        if (parts == 1) {
+            if (live && q == 0) {
+                if (r0 + g < cur.rows) cur.out[r0 + g] = acc[0];
+                if (r0 + g + 8 < cur.rows) cur.out[r0 + g + 8] = acc[1];
+            }
+            continue;
+        }
+        if (q == 0) {
+            red[warp * RMMA_ROWS + g] = acc[0];
+            red[warp * RMMA_ROWS + g + 8] = acc[1];
+        }
+        __syncthreads();
+        // The first part's warp adds the job's parts, in order.
+        if (live && part == 0 && lane < RMMA_ROWS && r0 + lane < cur.rows) {
+            float v = 0.0f;
+            for (int k = 0; k < parts; k++) v += red[(warp + k) * RMMA_ROWS + lane];
+            cur.out[r0 + lane] = v;
+        }
+        __syncthreads();
+    }
+}
+
+#define DENSE_MMA(B)                                                                          \
+    extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, 3) dense_mma_q##B(        \
+        const unsigned* w0, const unsigned short* s0, const unsigned short* b0, float* out0,   \
+        int rows0, const unsigned* w1, const unsigned short* s1, const unsigned short* b1,     \
+        float* out1, int rows1, const unsigned* w2, const unsigned short* s2,                  \
+        const unsigned short* b2, float* out2, int rows2, int mats, const float* x, int cols,  \
+        int in_dim, int parts) {                                                               \
+        PDL_LAUNCH();                                                                          \
+        const DenseMat m[3] = {{w0, s0, b0, out0, rows0},                                      \
+                               {w1, s1, b1, out1, rows1},                                      \
+                               {w2, s2, b2, out2, rows2}};                                     \
+        dense_mma<B>(m, mats, x, cols, in_dim, parts);                                         \
+    }
+
+DENSE_MMA(4)
+DENSE_MMA(3)
+DENSE_MMA(2)
 
 // A routed block's (row, expert) pairs grouped by expert for the grouped GEMMs, on the
 // device so that a prompt's MoE layer needs no host round trip. One block; dynamic

@@ -128,8 +128,9 @@ const VQR_SHARED_BOOK: usize = 64 << 10;
 /// Widest row a warp normalises alone (the kernels' `NORM_WARP_DIM`); wider rows take a
 /// block each.
 const NORM_WARP_DIM: usize = 512;
-/// Most experts `moe_route_warp` holds in one warp's registers (its `ROUTE_WARP_MAX`).
-const ROUTE_WARP_MAX: usize = 256;
+/// Most experts a routed expert kernel routes itself (the kernels' `ROUTE_SHARED_MAX`:
+/// their candidates in static shared memory); more are routed by `moe_route` first.
+const ROUTE_SHARED_MAX: usize = 256;
 /// Threads of an `argmax_rows` block (its `ARGMAX_THREADS`); a block takes a multiple of
 /// four times this many values of a row.
 const ARGMAX_THREADS: usize = 256;
@@ -356,7 +357,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 98] = [
+const KERNEL_NAMES: [&str; 100] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -398,7 +399,6 @@ const KERNEL_NAMES: [&str; 98] = [
     "expert_mma_down_q2",
     "copy_f4",
     "moe_route",
-    "moe_route_warp",
     "moe_combine",
     "moe_group_pairs",
     "affine_routed_gate_up_q4",
@@ -413,6 +413,9 @@ const KERNEL_NAMES: [&str; 98] = [
     "routed_mma_down_q4",
     "routed_mma_down_q3",
     "routed_mma_down_q2",
+    "dense_mma_q4",
+    "dense_mma_q3",
+    "dense_mma_q2",
     "write_row_at",
     "attn_preamble_at",
     "argmax_rows",
@@ -773,7 +776,8 @@ pub struct Cuda {
     /// than the matrix-vector kernels (`affine_routed_*`). On from sm_80 unless
     /// `DYNMOE_CUDA_ROUTED_MMA=0`.
     routed_mma: Switch<bool>,
-    /// Whether resident sets of VQ experts live in device slots (`DYNMOE_CUDA_VQ_SLOTS=1`).
+    /// Whether resident sets of VQ experts live in device slots (`DYNMOE_CUDA_VQ_SLOTS=0`
+    /// keeps them in host memory).
     vq_slots: Switch<bool>,
     /// Whether [`Backend::upload_matrix`] keeps bf16-exact matrices in bf16
     /// (`DYNMOE_CUDA_BF16=0`: always f32, to measure what bf16 saves).
@@ -1055,6 +1059,21 @@ fn routed_mma_shared(units: usize) -> usize {
     units * RMMA_UNIT_BYTES + RMMA_WARPS * 2 * RMMA_ROWS * 4
 }
 
+/// The warps that split a job of the one-row dense kernels (`dense_mma`'s `parts`, a
+/// power of two up to [`RMMA_WARPS`]) and the blocks of the launch, for `tiles` tiles of
+/// [`RMMA_ROWS`] rows of `groups` 64-column groups on `sms` multiprocessors. A job of
+/// one warp keeps the most bytes a warp in flight, so as few parts as give every
+/// multiprocessor two blocks' worth of warps; at most three blocks a multiprocessor
+/// (the kernels' launch bounds), which loop over the remaining jobs.
+fn dense_mma_layout(tiles: usize, groups: usize, sms: usize) -> (usize, usize) {
+    let mut parts = 1;
+    while parts < RMMA_WARPS && 2 * parts <= groups && tiles * parts < 2 * RMMA_WARPS * sms {
+        parts *= 2;
+    }
+    let blocks = tiles.div_ceil(RMMA_WARPS / parts).clamp(1, 3 * sms.max(1));
+    (parts, blocks)
+}
+
 /// Shared memory a `routed_vq_*_mma` block stages `rows` rows of a matrix's codes
 /// (`row_bytes` each) and norms (`blocks` fp16 each) in: each code row in an odd number
 /// of 16-byte chunks, one more than it may touch (the kernels' `vqm_code_stride`), and
@@ -1209,7 +1228,7 @@ impl Cuda {
             split_scratch: Mutex::new(None),
             tensor_cores: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_TENSOR_CORES")),
             routed_mma: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_ROUTED_MMA")),
-            vq_slots: Switch::new(std::env::var("DYNMOE_CUDA_VQ_SLOTS").is_ok_and(|v| v == "1")),
+            vq_slots: Switch::new(!switched_off("DYNMOE_CUDA_VQ_SLOTS")),
             bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
             decode_attention: Switch::new(DecodeAttention::from_env()),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
@@ -1329,8 +1348,8 @@ impl Cuda {
     }
 
     /// Whether resident sets of VQ experts made from now on live in device slots and are
-    /// routed there, as affine ones always are, or stay in host memory and take the host
-    /// path (the default, unless `DYNMOE_CUDA_VQ_SLOTS=1`).
+    /// routed there, as affine ones always are (the default, unless
+    /// `DYNMOE_CUDA_VQ_SLOTS=0`), or stay in host memory and take the host path.
     pub fn set_vq_slots(&self, on: bool) {
         self.vq_slots.set(on);
     }
@@ -1709,6 +1728,16 @@ impl Cuda {
             "input of {in_dim} columns for a matrix of {}",
             w.cols
         );
+        let groups = w.cols / GROUP_SIZE;
+        if rows == 1 && self.routed_mma() && routed_mma_shared(groups) <= SHARED_LIMIT {
+            let o = out.device_ptr_mut(&self.stream).0;
+            self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim);
+            return;
+        }
+        if rows > AFFINE_GEMM_ROWS && self.tensor_cores() {
+            self.affine_gemm(x, w, d, rows, in_dim, out);
+            return;
+        }
         if rows > AFFINE_GEMM_ROWS {
             let mut dense = ok(
                 unsafe { self.stream.alloc::<f32>(w.rows * w.cols) },
@@ -1757,6 +1786,84 @@ impl Cuda {
             );
             t0 += nb;
         }
+    }
+
+    /// One input row times up to three affine matrices of `cols` columns and the same
+    /// bits (`mats`: device copy, rows, output address) in one `dense_mma` launch, on
+    /// tensor cores. `x` is `in_dim` wide, read as zeros up to `cols`.
+    fn launch_dense_mma(
+        &self,
+        bits: u32,
+        mats: &[(&DeviceAffine, usize, u64)],
+        x: &CudaSlice<f32>,
+        cols: usize,
+        in_dim: usize,
+    ) {
+        debug_assert!((1..=3).contains(&mats.len()));
+        let groups = cols / GROUP_SIZE;
+        let tiles: usize = mats.iter().map(|m| m.1.div_ceil(RMMA_ROWS)).sum();
+        let (parts, blocks) = dense_mma_layout(tiles, groups, self.sms);
+        let mut l = self.launcher(self.func(&format!("dense_mma_{}", bits_suffix(bits))));
+        for i in 0..3 {
+            // Unused slots repeat the first matrix with no rows.
+            let (d, rows, o) = mats.get(i).copied().unwrap_or((mats[0].0, 0, mats[0].2));
+            let r = rows as i32;
+            l.arg(&d.words)
+                .arg(&d.scales)
+                .arg(&d.biases)
+                .arg(&o)
+                .arg(&r);
+        }
+        let (n, c, i, p) = (mats.len() as i32, cols as i32, in_dim as i32, parts as i32);
+        l.arg(&n).arg(x).arg(&c).arg(&i).arg(&p);
+        let launch = cfg(blocks, (RMMA_WARPS * 32) as u32, routed_mma_shared(groups));
+        ok(unsafe { l.launch(launch) }, "dense_mma");
+    }
+
+    /// `rows` input rows times an affine matrix on tensor cores: the grouped expert GEMM
+    /// (`expert_mma_down_*`) over one group that holds every row, with unit weights, so a
+    /// prompt's dense products read the codes as the experts' do and keep f32 precision.
+    fn affine_gemm(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &AffineView<'_>,
+        d: &DeviceAffine,
+        rows: usize,
+        in_dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
+        let mut entry = [0u64; GROUP_ENTRY];
+        entry[6] = at(&d.words);
+        entry[7] = d.scales.device_ptr(&self.stream).0;
+        entry[8] = d.biases.device_ptr(&self.stream).0;
+        entry[10] = rows as u64;
+        let table = ok(self.stream.clone_htod(&entry), "upload");
+        let tiles: Vec<u32> = (0..rows.div_ceil(EXPERT_TILE_ROWS))
+            .flat_map(|t| [0, (t * EXPERT_TILE_ROWS) as u32])
+            .collect();
+        let tiles = self.upload_u32(&tiles);
+        let pair_rows = self.upload_u32(&(0..rows as u32).collect::<Vec<_>>());
+        let ones = self.upload(&vec![1.0f32; rows]);
+        self.fill(out, 0.0, rows * w.rows);
+        let (r, c, i) = (w.rows as i32, w.cols as i32, in_dim as i32);
+        let mut l = self.launcher(self.func(&format!("expert_mma_down_{}", bits_suffix(w.bits))));
+        l.arg(&table)
+            .arg(&tiles)
+            .arg(&0u64)
+            .arg(&pair_rows)
+            .arg(&ones);
+        l.arg(x).arg(out).arg(&r).arg(&c).arg(&i);
+        let launch = LaunchConfig {
+            grid_dim: (
+                w.rows.div_ceil(EXPERT_TILE_OUTPUTS) as u32,
+                rows.div_ceil(EXPERT_TILE_ROWS) as u32,
+                1,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        ok(unsafe { l.launch(launch) }, "affine GEMM");
     }
 
     /// The MoE dispatch of [`Backend::swiglu_groups`] for affine groups sharing one
@@ -2144,10 +2251,10 @@ impl Cuda {
         let up_units = shape.up_cols / 64;
         let down_units = k * (shape.down_cols / 64);
         if self.routed_mma() && routed_mma_shared(up_units.max(down_units)) <= SHARED_LIMIT {
-            // Up to ROUTE_WARP_MAX experts each gate/up block routes its row itself (a
-            // warp of it, as moe_route_warp), and the down kernel writes the
-            // probabilities; beyond, the route kernel runs first and `logits` is null.
-            let logits = if r.experts <= ROUTE_WARP_MAX {
+            // Up to ROUTE_SHARED_MAX experts each gate/up block routes its row itself, and
+            // the down kernel writes the probabilities; beyond, the route kernel runs
+            // first and `logits` is null.
+            let logits = if r.experts <= ROUTE_SHARED_MAX {
                 probs
             } else {
                 self.launch_route(r, rows, probs, ids, weights);
@@ -2554,13 +2661,9 @@ impl Cuda {
     fn launch_route(&self, r: &Routed<'_>, rows: usize, probs: u64, ids: u64, weights: u64) {
         let e = r.experts;
         let (ei, ki, rn) = (e as i32, r.route.top_k as i32, r.route.renormalize as i32);
-        // Up to ROUTE_WARP_MAX experts a warp holds a row in registers; more take a block.
-        let (name, launch) = if e <= ROUTE_WARP_MAX {
-            ("moe_route_warp", cfg(rows, 32, 0))
-        } else {
-            ("moe_route", cfg(rows, row_threads(e), e * 4))
-        };
-        let mut l = self.launcher(self.func(name));
+        // A block a row, a thread per expert up to 256 of them.
+        let launch = cfg(rows, row_threads(e), e * 4);
+        let mut l = self.launcher(self.func("moe_route"));
         l.arg(&probs)
             .arg(&r.keep)
             .arg(&ids)
@@ -3075,6 +3178,23 @@ impl Backend for Cuda {
                 l.arg(a).arg(b).arg(c).arg(x).arg(o0).arg(o1).arg(o2);
                 l.arg(&r0).arg(&r1).arg(&r2).arg(&cols).arg(&batch);
                 ok(unsafe { l.launch(launch) }, "matvec_bf16_3");
+            }
+            [Weight::Affine(a), Weight::Affine(b), Weight::Affine(c)]
+                if rows == 1
+                    && self.routed_mma()
+                    && [b.bits, c.bits] == [a.bits; 2]
+                    && [b.cols, c.cols] == [a.cols; 2]
+                    && in_dim <= a.cols
+                    && routed_mma_shared(a.cols / GROUP_SIZE) <= SHARED_LIMIT =>
+            {
+                let devs = [&a, &b, &c].map(|w| self.device_affine(w));
+                let [o0, o1, o2] = outs.map(|o| o.device_ptr_mut(&self.stream).0);
+                let mats = [
+                    (&*devs[0], a.rows, o0),
+                    (&*devs[1], b.rows, o1),
+                    (&*devs[2], c.rows, o2),
+                ];
+                self.launch_dense_mma(a.bits, &mats, x, a.cols, in_dim);
             }
             _ => {
                 for ((w, d), out) in ws.into_iter().zip(out_dims).zip(outs) {
