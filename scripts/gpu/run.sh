@@ -36,6 +36,8 @@
 # cpu-vq   the CPU VQ matvec kernels against affine q2/q4 on this machine's CPU (vq_kernels.json)
 # profile  a 2-layer model's 512-token prompt and 8 decode steps at 4 bits under Nsight
 #          Compute: each kernel's time per prompt (profile.log, profile.csv)
+# profile-routed  Nsight Compute's speed-of-light, occupancy and warp-state sections for the
+#          routed expert kernels of a decode step, 2-layer model at 4 bits (profile_routed.log)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
 #          keys, with dense weights in f32 instead of bf16, prompts without tensor cores,
 #          the prompt's attention by the per-row kernel instead of the tiled one, kernels
@@ -219,6 +221,20 @@ for step in $steps; do
         # Four prompts ran (a warm-up and a timed run, with graphs and without): the
         # prompt's kernels read per prompt; decode kernels are totals over 4 × 2 × 8 steps / 4.
         python3 "$BIN/kernel_times.py" "$OUT/profile.csv" 4 2>&1 | tee -a "$OUT/profile.log"
+        ;;
+    profile-routed)
+        echo "== where a decode step's routed expert kernels wait (Nsight Compute)"
+        m="$WORK/qwen3-30b-a3b-l2"
+        [ -e "$m/experts.json" ] || "$BIN/dynmoe" synth --like qwen3-30b-a3b --layers 2 --bits 4 \
+            -o "$m" --tokenizer-from fixtures/models/small-moe || status=1
+        # Skip the warm-up's eager steps: kernels of recorded steps, as decode runs them.
+        ncu --clock-control none --cache-control none -k 'regex:(routed_mma_(gate_up|down)_q4|attention_group_128|attention_combine|matvec_bf16_one)' \
+            --launch-skip 60 --launch-count 10 --section SpeedOfLight --section Occupancy \
+            --section LaunchStats --section WarpStateStats --section SchedulerStats \
+            --section MemoryWorkloadAnalysis "$BIN/dynmoe" bench decode "$m" --backend cuda \
+            --bits 4 --prompt 16 --generate 32 --repeats 1 > "$OUT/profile_routed.log" 2>&1 ||
+            status=1
+        tail -5 "$OUT/profile_routed.log"
         ;;
     *) echo "unknown step $step"; status=1 ;;
     esac

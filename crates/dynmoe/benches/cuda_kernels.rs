@@ -123,6 +123,15 @@ fn time_ms(g: &Cuda, mut f: impl FnMut()) -> f64 {
     ts[REPEATS / 2]
 }
 
+/// `len` fresh values (seed `salt`) rounded to bf16, as a checkpoint's dense matrices are
+/// (so the device keeps them in bf16).
+fn fresh_bf16(len: usize, salt: u64) -> Vec<f32> {
+    fresh(len, salt)
+        .into_iter()
+        .map(|v| bf16::from_f32(v).to_f32())
+        .collect()
+}
+
 /// One decode token's routed step (`step(t)` routes token `t` of `tokens`) with the
 /// experts' products on tensor cores (the default, graph key `key + 1`), then on CUDA
 /// cores (`key`), each launched call by call and then recorded as a graph (as a decode
@@ -168,6 +177,22 @@ struct HostAffine {
 }
 
 impl HostAffine {
+    /// Random codes, scales and biases of a `rows` × `cols` matrix at `bits`.
+    fn random(rng: &mut Rng, rows: usize, cols: usize, bits: u32) -> HostAffine {
+        let groups = rows * cols / 64;
+        HostAffine {
+            words: (0..rows * words_per_row(cols, bits))
+                .map(|_| rng.next_u64() as u32)
+                .collect(),
+            scales: (0..groups)
+                .map(|_| bf16::from_f32(0.01 + 0.01 * rng.uniform()))
+                .collect(),
+            biases: (0..groups)
+                .map(|_| bf16::from_f32(-0.08 * rng.uniform()))
+                .collect(),
+        }
+    }
+
     fn view(&self, bits: u32, rows: usize, cols: usize) -> AffineView<'_> {
         AffineView {
             bits,
@@ -208,27 +233,10 @@ fn main() {
             let bytes = nw * 4 + groups * 4;
             let copies = WORKING_SET.div_ceil(bytes);
             let mats: Vec<HostAffine> = (0..copies)
-                .map(|_| HostAffine {
-                    words: (0..nw).map(|_| rng.next_u64() as u32).collect(),
-                    scales: (0..groups)
-                        .map(|_| bf16::from_f32(0.01 + 0.01 * rng.uniform()))
-                        .collect(),
-                    biases: (0..groups)
-                        .map(|_| bf16::from_f32(-0.08 * rng.uniform()))
-                        .collect(),
-                })
+                .map(|_| HostAffine::random(&mut rng, rows, cols, bits))
                 .collect();
-            let views: Vec<AffineView<'_>> = mats
-                .iter()
-                .map(|m| AffineView {
-                    bits,
-                    rows,
-                    cols,
-                    words: &m.words,
-                    scales: &m.scales,
-                    biases: &m.biases,
-                })
-                .collect();
+            let views: Vec<AffineView<'_>> =
+                mats.iter().map(|m| m.view(bits, rows, cols)).collect();
             for batch in BATCHES {
                 let x = g.upload(&fresh(batch * cols, 9));
                 let mut out = g.alloc(batch * rows);
@@ -332,20 +340,8 @@ fn main() {
     // launch for gate and up, one for down).
     let (hidden, inter, experts, top_k, tokens) = (2048, 768, 128, 8, 64);
     for bits in [4u32, 3, 2] {
-        let mk = |rows: usize, cols: usize, rng: &mut Rng| {
-            let groups = rows * cols / 64;
-            HostAffine {
-                words: (0..rows * words_per_row(cols, bits))
-                    .map(|_| rng.next_u64() as u32)
-                    .collect(),
-                scales: (0..groups)
-                    .map(|_| bf16::from_f32(0.01 + 0.01 * rng.uniform()))
-                    .collect(),
-                biases: (0..groups)
-                    .map(|_| bf16::from_f32(-0.08 * rng.uniform()))
-                    .collect(),
-            }
-        };
+        let mk =
+            |rows: usize, cols: usize, rng: &mut Rng| HostAffine::random(rng, rows, cols, bits);
         let mats: Vec<[HostAffine; 3]> = (0..experts)
             .map(|_| {
                 [
@@ -419,7 +415,7 @@ fn main() {
             renormalize: true,
             keep: None,
         };
-        let gate = g.upload_matrix(&fresh(experts * hidden, 12), experts, hidden);
+        let gate = g.upload_matrix(&fresh_bf16(experts * hidden, 12), experts, hidden);
         let xs: Vec<_> = (0..tokens)
             .map(|t| g.upload(&fresh(hidden, 200 + t as u64)))
             .collect();
@@ -441,6 +437,60 @@ fn main() {
             copy_gb_s,
             &mut rows_out,
         );
+        // Where the routed step's time goes: its router product alone, the same step with
+        // the route confined to 8 experts (their 20 MB then stay in L2), and with top-1 of
+        // all 128 (an eighth of the bytes, the same launches). Tensor cores, in a graph.
+        let eight: Vec<bool> = (0..experts).map(|e| e % 16 == 3).collect();
+        let cases = [
+            (
+                "l2",
+                "routed step, 8 experts kept (in L2)",
+                top_k,
+                Some(&eight[..]),
+                bytes,
+            ),
+            ("top1", "routed step, top-1", 1, None, bytes / top_k),
+        ];
+        let mut logits = g.alloc(experts);
+        let us = graph_us(&g, 149 + 4 * bits as u64, |t| {
+            g.matmul(&xs[t % tokens], &gate, 1, hidden, experts, &mut logits)
+        });
+        let row = Row::new(
+            format!("moe_router_q{bits}"),
+            [experts, hidden, 1],
+            experts * hidden * 2,
+            GRAPH_CALLS,
+            us,
+            copy_gb_s,
+        );
+        report(
+            &mut rows_out,
+            &format!("router product alone q{bits}"),
+            row,
+            "",
+        );
+        for (i, (name, label, k, keep, b)) in cases.into_iter().enumerate() {
+            let route = DeviceRoute {
+                top_k: k,
+                renormalize: true,
+                keep,
+            };
+            let mut step = |t: usize| {
+                let x = &xs[t % tokens];
+                g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
+            };
+            step(0);
+            let us = graph_us(&g, 150 + 4 * bits as u64 + i as u64, step);
+            let row = Row::new(
+                format!("moe_routed_on_device_{name}_q{bits}"),
+                [inter, hidden, 1],
+                b,
+                GRAPH_CALLS,
+                us,
+                copy_gb_s,
+            );
+            report(&mut rows_out, &format!("{label} q{bits}"), row, "");
+        }
         // A 512-token prompt's dispatch of the same experts (each token's top-8 drawn
         // anew, ~32 rows an expert): the grouped GEMMs on tensor cores, then the path
         // without them (grouped matrix-vector for groups of up to 8 rows, the rest one
@@ -548,7 +598,7 @@ fn main() {
             renormalize: true,
             keep: None,
         };
-        let gate = g.upload_matrix(&fresh(experts * hidden, 14), experts, hidden);
+        let gate = g.upload_matrix(&fresh_bf16(experts * hidden, 14), experts, hidden);
         let xs: Vec<_> = (0..tokens)
             .map(|t| g.upload(&fresh(hidden, 300 + t as u64)))
             .collect();
@@ -605,11 +655,7 @@ fn main() {
     // widened to f32 for cuBLAS' sgemm.
     {
         let (rows, cols, prompt) = (4096, 2048, 512);
-        let w: Vec<f32> = fresh(rows * cols, 31)
-            .into_iter()
-            .map(|v| bf16::from_f32(v).to_f32())
-            .collect();
-        let m = g.upload_matrix(&w, rows, cols);
+        let m = g.upload_matrix(&fresh_bf16(rows * cols, 31), rows, cols);
         let x = g.upload(&fresh(prompt * cols, 32));
         let mut out = g.alloc(prompt * rows);
         let was = g.tensor_cores();
@@ -911,9 +957,7 @@ fn main() {
             dims.iter()
                 .enumerate()
                 .map(|(j, &r)| {
-                    let w = fresh(r * hidden, 30 + 3 * c + j as u64);
-                    let w: Vec<f32> = w.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
-                    g.upload_matrix(&w, r, hidden)
+                    g.upload_matrix(&fresh_bf16(r * hidden, 30 + 3 * c + j as u64), r, hidden)
                 })
                 .collect()
         })
@@ -947,11 +991,7 @@ fn main() {
     // The attention output (2048 rows over 4096) and the router (128 rows over 2048).
     for (rows, cols, key) in [(hidden, 4096, 10), (128, hidden, 11)] {
         let mats: Vec<_> = (0..8)
-            .map(|c| {
-                let w = fresh(rows * cols, 60 + c);
-                let w: Vec<f32> = w.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
-                g.upload_matrix(&w, rows, cols)
-            })
+            .map(|c| g.upload_matrix(&fresh_bf16(rows * cols, 60 + c), rows, cols))
             .collect();
         let x = g.upload(&fresh(cols, 59));
         let mut y = g.alloc(rows);
@@ -959,6 +999,73 @@ fn main() {
             g.matmul(&x, &mats[i % mats.len()], 1, cols, rows, &mut y)
         });
         small.push(("matvec_bf16".into(), rows, cols, rows * cols * 2, us));
+    }
+    // The same dense products with the matrices at affine codecs (`--dense-codec`,
+    // `--head-codec`: one row on tensor cores), and the LM head (151936 × 2048) in bf16
+    // and coded; the head is larger than L2, one copy of it.
+    let bf16_head = g.upload_matrix(&fresh_bf16(vocab * hidden, 70), vocab, hidden);
+    let mut logits = g.alloc(vocab);
+    let us = graph_us(&g, 12, |_| {
+        g.matmul(&xq, &bf16_head, 1, hidden, vocab, &mut logits)
+    });
+    small.push(("lm_head_bf16".into(), vocab, hidden, vocab * hidden * 2, us));
+    drop(bf16_head);
+    let mut rng = Rng::new(71);
+    for bits in [4u32, 3, 2] {
+        let bytes =
+            |rows: usize, cols: usize| rows * words_per_row(cols, bits) * 4 + rows * cols / 64 * 4;
+        let qkv: Vec<[HostAffine; 3]> = (0..8)
+            .map(|_| dims.map(|r| HostAffine::random(&mut rng, r, hidden, bits)))
+            .collect();
+        // Device copies are made at first use, which a recording may not do.
+        let mut qkv_step = |i: usize| {
+            let m = &qkv[i % qkv.len()];
+            g.linear3(
+                &xq,
+                [0, 1, 2].map(|j| Weight::Affine(m[j].view(bits, dims[j], hidden))),
+                1,
+                hidden,
+                dims,
+                [&mut out_q, &mut out_k, &mut out_v],
+            )
+        };
+        (0..qkv.len()).for_each(&mut qkv_step);
+        let us = graph_us(&g, 20 + bits as u64, qkv_step);
+        let qkv_bytes = dims.iter().map(|&r| bytes(r, hidden)).sum();
+        small.push((format!("linear3_qkv_q{bits}"), 5120, hidden, qkv_bytes, us));
+        drop(qkv);
+        let o: Vec<HostAffine> = (0..8)
+            .map(|_| HostAffine::random(&mut rng, hidden, 4096, bits))
+            .collect();
+        let xo = g.upload(&fresh(4096, 72));
+        let mut y = g.alloc(hidden);
+        let mut o_step = |i: usize| {
+            let v = o[i % o.len()].view(bits, hidden, 4096);
+            g.matmul_affine(&xo, &v, 1, 4096, &mut y)
+        };
+        (0..o.len()).for_each(&mut o_step);
+        let us = graph_us(&g, 30 + bits as u64, o_step);
+        small.push((
+            format!("dense_q{bits}"),
+            hidden,
+            4096,
+            bytes(hidden, 4096),
+            us,
+        ));
+        drop(o);
+        let head = HostAffine::random(&mut rng, vocab, hidden, bits);
+        let v = head.view(bits, vocab, hidden);
+        let us = graph_us(&g, 40 + bits as u64, |_| {
+            g.matmul_affine(&xq, &v, 1, hidden, &mut logits)
+        });
+        small.push((
+            format!("lm_head_q{bits}"),
+            vocab,
+            hidden,
+            bytes(vocab, hidden),
+            us,
+        ));
+        g.clear_weight_cache();
     }
     for (kernel, rows, cols, bytes, per_call) in small {
         let gb_s = bytes as f64 / (per_call * 1e-6) / 1e9;
