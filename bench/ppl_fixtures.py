@@ -15,8 +15,14 @@ with its experts read from the 4-, 3- or 2-bit store.
     python3 bench/ppl_fixtures.py --models small-moe --chunks 16 \
         --bits bf16,vq1,vq1.5,vq2,vq3,vq4,2,3,4 --out bench/results/ppl_codecs.json
 
-A VQ precision written `vq3+dense` also runs the dense linear layers (attention, shared
-experts) at that rung (`--dense-codec`); its row gives their bits per weight too.
+A precision written `vq3+dense` also runs the dense linear layers (attention, shared
+experts) at the experts' codec (`--dense-codec`), `+head` the untied LM head
+(`--head-codec`); `+dense=q4` and `+head=q4` name another codec (bf16 experts:
+`bf16+dense=q4+head=q4`; an affine dense or head codec is quantized at load). Rows give the
+bits per dense and per head weight too.
+
+    python3 bench/ppl_fixtures.py --models small-moe --chunks 8 \
+        --bits bf16,bf16+dense=q4,bf16+head=q4,bf16+dense=q4+head=q4,4+dense+head
 """
 
 import argparse
@@ -41,25 +47,37 @@ def transformers_ppl(model_dir: Path) -> dict:
     return {d: float(p) for d, p, _, _ in rows}
 
 
-def split(precision: str) -> tuple[str, str]:
-    """(expert codec, dense codec) of a precision: `vq3+dense` puts both at vq3."""
-    experts, _, dense = precision.partition("+")
+def split(precision: str) -> tuple[str, str, str]:
+    """(expert, dense, head codec) of a precision: `vq3+dense` puts the experts and the
+    dense layers at vq3, `bf16+dense=q4+head=q4` the dense layers and the head at q4."""
+    experts, *parts = precision.split("+")
     codec = "bf16" if experts == "bf16" else experts if experts.startswith("vq") else f"q{experts}"
-    return codec, codec if dense == "dense" else "bf16"
+    chosen = {"dense": "bf16", "head": "bf16"}
+    for part in parts:
+        what, _, other = part.partition("=")
+        if what not in chosen:
+            raise SystemExit(f"{precision}: {part!r} is not dense, head, dense=CODEC or head=CODEC")
+        chosen[what] = other or codec
+    return codec, chosen["dense"], chosen["head"]
 
 
-def priced_bits(binary: str, model: Path, precision: str) -> tuple[float, float]:
-    """Bits per routed-expert weight and per dense-linear weight, as `dynmoe inspect`
-    prices them."""
-    codec, dense = split(precision)
+def priced_bits(binary: str, model: Path, precision: str) -> tuple[float, float, float]:
+    """Bits per routed-expert weight, per dense-linear weight and per LM head weight, as
+    `dynmoe inspect` prices them."""
+    codec, dense, head = split(precision)
     out = json.loads(subprocess.run([binary, "inspect", str(model), "--codec", codec, "--dense-codec", dense,
-                                     "--json"], check=True, capture_output=True, text=True).stdout)
+                                     "--head-codec", head, "--json"],
+                                    check=True, capture_output=True, text=True).stdout)
     bits = out["bits"]
     expert_bytes = sum(l["resident_bytes"] for l in bits["layers"])
     params = out["params_by_kind"]
-    dense_params = sum(params.get(k, 0) for k in ("attention", "shared_experts", "dense_mlp"))
-    dense_bytes = sum(bits["resident_by_kind"].get(k, 0) for k in ("attention", "shared_experts", "dense_mlp"))
-    return round(expert_bytes * 8 / params["routed_experts"], 4), round(dense_bytes * 8 / dense_params, 4)
+
+    def per_weight(kinds: tuple[str, ...]) -> float:
+        n = sum(params.get(k, 0) for k in kinds)
+        return round(sum(bits["resident_by_kind"].get(k, 0) for k in kinds) * 8 / n, 4) if n else 16.0
+
+    return (round(expert_bytes * 8 / params["routed_experts"], 4),
+            per_weight(("attention", "shared_experts", "dense_mlp")), per_weight(("lm_head",)))
 
 
 def main() -> int:
@@ -84,15 +102,17 @@ def main() -> int:
         converted = None
         for precision in args.bits.split(","):
             run_dir, extra = model, []
-            if precision.startswith("vq"):
-                codec, dense = split(precision)
-                extra = ["--codec", codec] + (["--dense-codec", dense] if dense != "bf16" else [])
-            elif precision != "bf16":
+            codec, dense, head = split(precision)
+            if codec.startswith("vq"):
+                extra = ["--codec", codec]
+            elif codec != "bf16":
                 if converted is None:
                     converted = Path(work.name) / name
                     subprocess.run([args.binary, "convert", "--model", str(model), "-o", str(converted)],
                                    check=True, capture_output=True)
-                run_dir, extra = converted, ["--expert-bits", precision]
+                run_dir, extra = converted, ["--expert-bits", codec[1:]]
+            extra += ["--dense-codec", dense] if dense != "bf16" else []
+            extra += ["--head-codec", head] if head != "bf16" else []
             for label, path in texts:
                 t = time.time()
                 out = subprocess.run(
@@ -101,9 +121,10 @@ def main() -> int:
                     check=True, capture_output=True, text=True,
                 ).stdout
                 r = json.loads(out)
-                expert_bpw, dense_bpw = priced_bits(args.binary, model, precision)
+                expert_bpw, dense_bpw, head_bpw = priced_bits(args.binary, model, precision)
                 r.update(model=name, precision=precision, text=label, wall_s=round(time.time() - t, 2),
                          expert_bits_per_weight=expert_bpw, dense_bits_per_weight=dense_bpw,
+                         head_bits_per_weight=head_bpw,
                          transformers_ppl=reference.get(label) if precision == "bf16" else None)
                 results.append(r)
                 ref = f"{r['transformers_ppl']:.3f}" if r["transformers_ppl"] else "-"
@@ -114,11 +135,13 @@ def main() -> int:
     for r in results:
         by.setdefault((r["model"], r["precision"]), {})[r["text"]] = r["ppl"]
     labels = [t for t, _ in texts]
-    print(f"\n{'model':<10} {'codec':>10} {'experts':>7} {'dense':>7} " + " ".join(f"{t:>9}" for t in labels))
+    width = max(10, *(len(p) for _, p in by))
+    print(f"\n{'model':<10} {'codec':>{width}} {'experts':>7} {'dense':>7} {'head':>7} "
+          + " ".join(f"{t:>9}" for t in labels))
     for (m, p), row in by.items():
         r0 = next(r for r in results if r["model"] == m and r["precision"] == p)
-        print(f"{m:<10} {p:>10} {r0['expert_bits_per_weight']:>7.3f} {r0['dense_bits_per_weight']:>7.3f} "
-              + " ".join(f"{row.get(t, float('nan')):>9.3f}" for t in labels))
+        print(f"{m:<10} {p:>{width}} {r0['expert_bits_per_weight']:>7.3f} {r0['dense_bits_per_weight']:>7.3f} "
+              f"{r0['head_bits_per_weight']:>7.3f} " + " ".join(f"{row.get(t, float('nan')):>9.3f}" for t in labels))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"ctx": 512, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -8,11 +8,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args, Subcommand, ValueEnum};
 
-use crate::{cuda_backend, BackendKind};
+use crate::{cuda_backend, BackendKind, DenseCodecArgs};
 use dynmoe::alloc::plan::{Plan, PLAN_FILE};
 use dynmoe::backend::Backend;
-use dynmoe::codec::affine::lowbit::words_per_row;
-use dynmoe::codec::affine::GROUP_SIZE;
 use dynmoe::codec::vq::Rung;
 use dynmoe::codec::Codec;
 use dynmoe::model::{synth, Codecs, Config, ExpertBits, LoadedModel};
@@ -254,6 +252,9 @@ pub struct DecodeArgs {
     /// Timed repetitions; medians are reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// The dense layers and LM head of every setting measured (a converted directory's).
+    #[command(flatten)]
+    dense: DenseCodecArgs,
     /// Also write the report here as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -295,15 +296,30 @@ impl Setting {
         }
     }
 
-    /// The codecs to load with: the affine precision, or for a plan the defaults (a
-    /// compressed directory runs its plan's and refuses others).
-    pub(crate) fn codecs(&self) -> Codecs {
+    /// The codecs to load with: the affine precision and `dense`, or for a plan the
+    /// defaults (a compressed directory runs its plan's and refuses others).
+    pub(crate) fn codecs(&self, dense: &DenseCodecArgs) -> Codecs {
         match self {
-            Setting::Affine(bits) => Codecs::from(&ExpertBits {
+            Setting::Affine(bits) => dense.apply(Codecs::from(&ExpertBits {
                 default: Some(*bits),
                 ..ExpertBits::default()
-            }),
+            })),
             Setting::Plan(_) => Codecs::default(),
+        }
+    }
+
+    /// The codecs the dense linear layers and the LM head run at: `dense`'s (bf16 where
+    /// unset), or a plan's dense codec and a bf16 head.
+    pub(crate) fn dense_codecs(&self, dense: &DenseCodecArgs) -> DenseCodecs {
+        match self {
+            Setting::Affine(_) => DenseCodecs {
+                dense: dense.dense_codec.unwrap_or(Codec::Bf16),
+                head: dense.head_codec.unwrap_or(Codec::Bf16),
+            },
+            Setting::Plan(plan) => DenseCodecs {
+                dense: plan.dense_codec,
+                head: Codec::Bf16,
+            },
         }
     }
 
@@ -314,7 +330,7 @@ impl Setting {
     pub(crate) fn expert_bytes(&self, c: &Config, dense: usize) -> Result<Vec<usize>> {
         let (h, i) = (c.hidden_size, c.moe.expert_intermediate);
         match self {
-            Setting::Affine(bits) => Ok(vec![expert_bytes(c, *bits); c.moe_layers().count()]),
+            Setting::Affine(bits) => Ok(vec![expert_bytes(c, *bits)?; c.moe_layers().count()]),
             Setting::Plan(plan) => plan
                 .layers
                 .iter()
@@ -335,22 +351,32 @@ impl Setting {
     }
 }
 
-/// What to measure in `model`: a compressed directory at its plan (refusing `bits`), or
-/// a converted one at each of `bits` (`default` when none are given).
-pub(crate) fn settings(model: &Path, bits: &[u32], default: &[u32]) -> Result<Vec<Setting>> {
+/// What to measure in `model`: a compressed directory at its plan (refusing `bits` and
+/// `dense`), or a converted one at each of `bits` (`default` when none are given).
+pub(crate) fn settings(
+    model: &Path,
+    bits: &[u32],
+    default: &[u32],
+    dense: &DenseCodecArgs,
+) -> Result<Vec<Setting>> {
     if compressed::is_compressed(model) {
         let (_, plan) =
             compressed::open(model).with_context(|| format!("reading {}", model.display()))?;
+        let dense_codec = plan.dense_codec;
         let plan = Setting::Plan(plan);
-        if !bits.is_empty() {
-            bail!(
-                "{} is a compressed model: it runs the codecs of its {PLAN_FILE} ({}); --bits \
-                 picks the affine stores of a converted directory",
-                model.display(),
-                plan.label()
-            );
-        }
-        return Ok(vec![plan]);
+        let refused = if !bits.is_empty() {
+            "--bits picks the affine stores of a converted directory"
+        } else if dense.is_set() {
+            "--dense-codec and --head-codec apply to a converted directory"
+        } else {
+            return Ok(vec![plan]);
+        };
+        bail!(
+            "{} is a compressed model: it runs the codecs of its {PLAN_FILE} ({}, dense \
+             {dense_codec}); {refused}",
+            model.display(),
+            plan.label(),
+        );
     }
     let bits = if bits.is_empty() { default } else { bits };
     Ok(bits.iter().map(|&b| Setting::Affine(b)).collect())
@@ -400,6 +426,17 @@ fn llama_cpp(c: &Config, bits: u32) -> Option<(f64, f64)> {
     }
 }
 
+/// The codecs of a setting's dense linear layers and LM head.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub(crate) struct DenseCodecs {
+    /// Attention projections (and shared experts, dense MLPs).
+    #[serde(rename = "dense_codec")]
+    pub(crate) dense: Codec,
+    /// An untied LM head (a tied one is the embedding table, at the dense bytes).
+    #[serde(rename = "head_codec")]
+    pub(crate) head: Codec,
+}
+
 #[derive(Serialize)]
 struct Case {
     /// The routed experts' precision in whole bits: the affine bits; for a compressed
@@ -407,6 +444,9 @@ struct Case {
     /// (2 for vq1.5), so that readers of this field see a number of the same kind; `plan`
     /// and `expert_bits_per_weight` say exactly what ran.
     bits: u32,
+    /// Codecs of the attention projections and the LM head.
+    #[serde(flatten)]
+    codecs: DenseCodecs,
     /// For a compressed directory, the codecs of its plan's MoE layers (`vq1.5`, or the
     /// distinct ones joined by `+`); absent for a converted directory.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -428,10 +468,11 @@ struct Case {
     decode_logits_tok_s: f64,
     /// Whether the two decode paths chose the same tokens in every run.
     decode_paths_agree: bool,
-    /// Weight bytes one decode step must read: dense matrices (attention, router, LM
-    /// head) as the backend stores them (see `dense_bytes_per_weight`) and top-k experts
-    /// of every MoE layer at `bits`, or at its plan's codec (a VQ expert's codes and block
-    /// norms).
+    /// Weight bytes one decode step must read: attention projections and the LM head at
+    /// their codecs (bf16 ones as the backend stores dense matrices, see
+    /// `dense_bytes_per_weight`; affine ones as codes with a bf16 scale and bias per 64
+    /// weights), routers at the dense bytes, and top-k experts of every MoE layer at
+    /// `bits`, or at its plan's codec (a VQ expert's codes and block norms).
     decode_bytes_per_token: usize,
     /// Bytes a dense weight takes on the backend: 2 on CUDA, which keeps a bf16
     /// checkpoint's matrices in bf16 (unless `DYNMOE_CUDA_BF16=0`), 4 on the CPU (f32).
@@ -455,29 +496,50 @@ struct Report {
     cases: Vec<Case>,
 }
 
-fn affine_bytes(rows: usize, cols: usize, bits: u32) -> usize {
-    let cols = cols.div_ceil(GROUP_SIZE) * GROUP_SIZE;
-    rows * words_per_row(cols, bits) * 4 + rows * (cols / GROUP_SIZE) * 4
+/// Bytes of a `[rows, cols]` matrix at `codec` as the kernels read it: `dense` bytes a
+/// weight at bf16 (the backend's dense matrices), else the codec's codes with their scales
+/// and biases or norms.
+fn matrix_bytes(codec: Codec, rows: usize, cols: usize, dense: usize) -> Result<usize> {
+    Ok(match codec {
+        Codec::Bf16 => dense * rows * cols,
+        _ => codec.matrix_bytes(rows, cols)? as usize,
+    })
 }
 
 /// Bytes a decode step reads, from the configuration, with dense weights of `dense`
 /// bytes each and routed experts of `experts` bytes in each MoE layer (see [`Case`]).
-fn decode_bytes(c: &Config, experts: &[usize], dense: usize) -> usize {
-    dense * (layer_dense_weights(c) + c.vocab_size * c.hidden_size)
-        + c.moe.top_k * experts.iter().sum::<usize>()
+fn decode_bytes(c: &Config, experts: &[usize], dense: usize, codecs: DenseCodecs) -> Result<usize> {
+    Ok(layer_dense_bytes(c, dense, codecs.dense)?
+        + head_bytes(c, dense, codecs.head)?
+        + c.moe.top_k * experts.iter().sum::<usize>())
 }
 
-/// Weights of every layer's attention projections and every MoE router: the dense
-/// matrices besides embeddings and LM head.
-pub(crate) fn layer_dense_weights(c: &Config) -> usize {
+/// Bytes of every layer's attention projections at `codec` and every MoE router at
+/// `dense` bytes a weight: the dense matrices besides embeddings and LM head.
+pub(crate) fn layer_dense_bytes(c: &Config, dense: usize, codec: Codec) -> Result<usize> {
     let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
-    c.layers.len() * (2 * q * h + 2 * kv * h) + c.moe_layers().count() * c.moe.num_experts * h
+    let attention = 2 * matrix_bytes(codec, kv, h, dense)?
+        + matrix_bytes(codec, q, h, dense)?
+        + matrix_bytes(codec, h, q, dense)?;
+    Ok(c.layers.len() * attention + c.moe_layers().count() * c.moe.num_experts * h * dense)
+}
+
+/// Bytes of the LM head: an untied one at `codec`, a tied one (the embedding table) at
+/// `dense` bytes a weight.
+pub(crate) fn head_bytes(c: &Config, dense: usize, codec: Codec) -> Result<usize> {
+    let codec = if c.tie_word_embeddings {
+        Codec::Bf16
+    } else {
+        codec
+    };
+    matrix_bytes(codec, c.vocab_size, c.hidden_size, dense)
 }
 
 /// Bytes of one routed expert (gate, up, down) at `bits`.
-pub(crate) fn expert_bytes(c: &Config, bits: u32) -> usize {
+pub(crate) fn expert_bytes(c: &Config, bits: u32) -> Result<usize> {
     let (h, i) = (c.hidden_size, c.moe.expert_intermediate);
-    2 * affine_bytes(i, h, bits) + affine_bytes(h, i, bits)
+    let codec = Codec::Affine { bits };
+    Ok(2 * codec.matrix_bytes(i, h)? as usize + codec.matrix_bytes(h, i)? as usize)
 }
 
 /// Tokens per second of each run of one way of decoding.
@@ -564,16 +626,20 @@ fn decode(a: DecodeArgs) -> Result<()> {
     }
     let config = Config::from_file(&a.model.join("config.json"))
         .with_context(|| format!("reading {}", a.model.display()))?;
-    let settings = settings(&a.model, &a.bits, &[4, 3, 2])?;
+    let settings = settings(&a.model, &a.bits, &[4, 3, 2], &a.dense)?;
     let (device, copy_gb_s) = device_info(a.backend)?;
     let mut cases = Vec::new();
+    let codecs = settings[0].dense_codecs(&a.dense);
     println!(
-        "{} ({} layers) on {device}, prefill {} / decode {} tokens, batch 1, median of {}",
+        "{} ({} layers) on {device}, prefill {} / decode {} tokens, batch 1, median of {}, \
+         dense {}, LM head {}",
         a.model.display(),
         config.layers.len(),
         a.prompt,
         a.generate,
-        a.repeats
+        a.repeats,
+        codecs.dense,
+        codecs.head
     );
     println!(
         "{:>6} {:>12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>13} {:>14}",
@@ -589,7 +655,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
     );
     let expert_weights = 3 * config.hidden_size * config.moe.expert_intermediate;
     for setting in &settings {
-        let codecs = setting.codecs();
+        let codecs = setting.codecs(&a.dense);
         // A backend per model, so that each precision's device weights go with it.
         let (runs, eager, dense) = match a.backend {
             BackendKind::Cuda => {
@@ -606,7 +672,8 @@ fn decode(a: DecodeArgs) -> Result<()> {
         let agree = runs.agree && eager.as_ref().is_none_or(|e| e.agree);
         let (pre, dec) = (runs.prefill, runs.greedy);
         let experts = setting.expert_bytes(&config, dense)?;
-        let bytes = decode_bytes(&config, &experts, dense);
+        let dense_codecs = setting.dense_codecs(&a.dense);
+        let bytes = decode_bytes(&config, &experts, dense, dense_codecs)?;
         let floor = copy_gb_s.map(|bw| bw * 1e9 / bytes as f64);
         let expert_bits_per_weight = experts.iter().sum::<usize>() as f64 * 8.0
             / (experts.len() * expert_weights).max(1) as f64;
@@ -620,6 +687,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         };
         let case = Case {
             bits,
+            codecs: dense_codecs,
             plan,
             expert_bits_per_weight,
             prefill_tok_s: median(&pre),

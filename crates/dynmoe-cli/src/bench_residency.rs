@@ -8,9 +8,11 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 
-use crate::bench::{layer_dense_weights, median, random_prompt, settings, Setting};
+use crate::bench::{
+    head_bytes, layer_dense_bytes, median, random_prompt, settings, DenseCodecs, Setting,
+};
 use crate::residency::ResidencyArgs;
-use crate::{cuda_backend, BackendKind};
+use crate::{cuda_backend, BackendKind, DenseCodecArgs};
 use dynmoe::backend::Backend;
 use dynmoe::model::{Config, LoadedModel};
 use dynmoe::residency::ResidencyReport;
@@ -26,6 +28,9 @@ pub struct ResidencyBenchArgs {
     /// Expert precision of a converted directory (default 2).
     #[arg(long)]
     bits: Option<u32>,
+    /// The dense layers and LM head (a converted directory's).
+    #[command(flatten)]
+    dense: DenseCodecArgs,
     /// Prompt tokens (random ids).
     #[arg(long, default_value_t = 16)]
     prompt: usize,
@@ -57,6 +62,9 @@ struct Report {
     /// A compressed directory's plan: its MoE layers' codecs (`vq1.5`, or several
     /// joined by `+`).
     plan: Option<String>,
+    /// Codecs of the attention projections and the LM head.
+    #[serde(flatten)]
+    codecs: DenseCodecs,
     prompt: usize,
     generate: usize,
     repeats: usize,
@@ -70,7 +78,8 @@ struct Report {
     ratio: f64,
     /// Bytes of every routed expert as the kernels read it (what full residency keeps).
     all_expert_bytes: usize,
-    /// Bytes of the dense weights on the backend (bf16 on CUDA).
+    /// Bytes of the dense weights on the backend: attention projections and LM head at
+    /// their codecs, the rest at the backend's dense precision (bf16 on CUDA).
     dense_bytes: usize,
     /// The device memory budget asked for, in GB.
     device_budget_gb: Option<f64>,
@@ -78,11 +87,15 @@ struct Report {
     residency: ResidencyReport,
 }
 
-/// Bytes of the non-expert weights at `dense` bytes each: attention, routers,
-/// embeddings and an untied LM head.
-fn dense_weight_bytes(c: &Config, dense: usize) -> usize {
-    let tables = if c.tie_word_embeddings { 1 } else { 2 } * c.vocab_size * c.hidden_size;
-    dense * (layer_dense_weights(c) + tables)
+/// Bytes of the non-expert weights: attention and an untied LM head at `codecs`, routers
+/// and embeddings at `dense` bytes each.
+fn dense_weight_bytes(c: &Config, dense: usize, codecs: DenseCodecs) -> Result<usize> {
+    let embedding = if c.tie_word_embeddings {
+        0 // the LM head
+    } else {
+        dense * c.vocab_size * c.hidden_size
+    };
+    Ok(layer_dense_bytes(c, dense, codecs.dense)? + head_bytes(c, dense, codecs.head)? + embedding)
 }
 
 /// Greedy decode tok/s of `repeats` runs after a warm-up run, each from a fresh prefill
@@ -121,10 +134,10 @@ pub fn bench_residency(a: ResidencyBenchArgs) -> Result<()> {
     if a.residency.config()?.is_none() && a.device_budget_gb.is_none() {
         bail!("give --device-budget-gb, --resident-fraction (below 1) or --resident-count: what to compare full residency with");
     }
-    let setting = settings(&a.model, a.bits.as_slice(), &[2])?
+    let setting = settings(&a.model, a.bits.as_slice(), &[2], &a.dense)?
         .pop()
         .expect("one setting");
-    let codecs = setting.codecs();
+    let codecs = setting.codecs(&a.dense);
     match a.backend {
         BackendKind::Cuda => {
             let mut m = crate::load(&a.model, cuda_backend()?, &codecs)?;
@@ -172,16 +185,19 @@ fn run<B: Backend>(
     let experts = setting.expert_bytes(&c, dense)?;
     let all_expert_bytes = c.moe.num_experts * experts.iter().sum::<usize>();
     let expert = all_expert_bytes / (c.moe.num_experts * experts.len()).max(1);
-    let dense_bytes = dense_weight_bytes(&c, dense);
+    let codecs = setting.dense_codecs(&a.dense);
+    let dense_bytes = dense_weight_bytes(&c, dense, codecs)?;
     let label = setting.label();
     println!(
-        "{} ({} layers, {} experts of {:.1} MB at {label}: {:.2} GB; dense {:.2} GB), prompt {} / decode {} tokens, median of {}",
+        "{} ({} layers, {} experts of {:.1} MB at {label}: {:.2} GB; dense {:.2} GB at {}, LM head {}), prompt {} / decode {} tokens, median of {}",
         a.model.display(),
         c.layers.len(),
         c.moe.num_experts,
         expert as f64 / 1e6,
         all_expert_bytes as f64 / 1e9,
         dense_bytes as f64 / 1e9,
+        codecs.dense,
+        codecs.head,
         a.prompt,
         a.generate,
         a.repeats
@@ -249,6 +265,7 @@ fn run<B: Backend>(
             Setting::Plan(_) => None,
         },
         plan: matches!(setting, Setting::Plan(_)).then_some(label),
+        codecs,
         prompt: a.prompt,
         generate: a.generate,
         repeats: a.repeats,

@@ -48,7 +48,8 @@ pub struct CompressArgs {
     #[arg(long, default_value_t = 4)]
     chunks: usize,
     /// Codec of the dense linear layers (attention, shared experts, dense MLPs): bf16
-    /// (default) or a VQ rung such as vq4. Under --scope model the budget pays for it.
+    /// (default), q4, q3, q2 (kept bf16 in the directory, quantized at load) or a VQ rung
+    /// such as vq4. Under --scope model the budget pays for it.
     #[arg(long)]
     dense_codec: Option<Codec>,
     /// Print the plan as JSON.

@@ -147,34 +147,57 @@ pub(crate) struct ModelArgs {
     #[arg(long, value_delimiter = ',', value_parser = parse_layer_codec,
           conflicts_with_all = ["expert_bits", "expert_bits_layer"])]
     codec_layer: Vec<(usize, Codec)>,
+    #[command(flatten)]
+    dense: DenseCodecArgs,
+}
+
+/// The codecs of the dense linear layers and of an untied LM head.
+#[derive(Args, Clone, Copy)]
+pub(crate) struct DenseCodecArgs {
     /// Codec of the dense linear layers (attention projections, shared experts, dense
-    /// MLPs): bf16 or a VQ rung such as vq3 (from `dense-vq3.safetensors` beside the
-    /// checkpoint, encoded from its bf16 weights on first use).
+    /// MLPs): bf16; q4, q3 or q2 (MLX affine, quantized at load from the checkpoint or a
+    /// converted directory); or a VQ rung such as vq3 (from `dense-vq3.safetensors` beside
+    /// the checkpoint, encoded from its bf16 weights on first use). A compressed
+    /// directory runs its plan's.
     #[arg(long)]
-    dense_codec: Option<Codec>,
-    /// Codec of an untied LM head: bf16 or a VQ rung, coded like --dense-codec's layers.
+    pub(crate) dense_codec: Option<Codec>,
+    /// Codec of an untied LM head: bf16, q4, q3, q2 or a VQ rung, coded like
+    /// --dense-codec's layers.
     #[arg(long)]
-    head_codec: Option<Codec>,
+    pub(crate) head_codec: Option<Codec>,
+}
+
+impl DenseCodecArgs {
+    /// Whether either was given.
+    pub(crate) fn is_set(&self) -> bool {
+        self.dense_codec.is_some() || self.head_codec.is_some()
+    }
+
+    /// `codecs` with these dense and head codecs.
+    pub(crate) fn apply(&self, codecs: Codecs) -> Codecs {
+        Codecs {
+            dense: self.dense_codec,
+            head: self.head_codec,
+            ..codecs
+        }
+    }
 }
 
 impl ModelArgs {
     fn expert_codecs(&self) -> Codecs {
-        let mut codecs = if self.codec.is_some() || !self.codec_layer.is_empty() {
-            Codecs {
-                default: self.codec,
-                per_layer: self.codec_layer.iter().copied().collect(),
-                dense: None,
-                head: None,
-            }
-        } else {
-            Codecs::from(&ExpertBits {
-                default: self.expert_bits,
-                per_layer: self.expert_bits_layer.iter().copied().collect(),
+        self.dense
+            .apply(if self.codec.is_some() || !self.codec_layer.is_empty() {
+                Codecs {
+                    default: self.codec,
+                    per_layer: self.codec_layer.iter().copied().collect(),
+                    ..Codecs::default()
+                }
+            } else {
+                Codecs::from(&ExpertBits {
+                    default: self.expert_bits,
+                    per_layer: self.expert_bits_layer.iter().copied().collect(),
+                })
             })
-        };
-        codecs.dense = self.dense_codec;
-        codecs.head = self.head_codec;
-        codecs
     }
 
     /// Loads the model these arguments name, for commands that run on the CPU only.

@@ -90,6 +90,38 @@ fn inspect_counts_parameters_by_kind() {
     assert_eq!(r["bytes_by_dtype"]["BF16"], 2 * total);
 }
 
+/// `inspect --dense-codec q4 --head-codec q4` prices the attention projections and the
+/// LM head at 4.5 bits a weight (codes and a bf16 scale and bias per 64), the rest as
+/// before.
+#[test]
+fn inspect_prices_affine_dense_layers_and_head() {
+    let bf16 = json_of(&["inspect", &tiny(), "--json"]);
+    let q4 = json_of(&[
+        "inspect",
+        &tiny(),
+        "--dense-codec",
+        "q4",
+        "--head-codec",
+        "q4",
+        "--json",
+    ]);
+    for kind in ["attention", "lm_head"] {
+        let params = bf16["params_by_kind"][kind].as_u64().unwrap();
+        assert_eq!(
+            q4["bits"]["resident_by_kind"][kind].as_u64().unwrap() * 16,
+            params * 9,
+            "{kind}"
+        );
+    }
+    for kind in ["embedding", "router", "routed_experts", "norm"] {
+        assert_eq!(
+            q4["bits"]["resident_by_kind"][kind], bf16["bits"]["resident_by_kind"][kind],
+            "{kind}"
+        );
+    }
+    assert_eq!(q4["bits"]["codebook_bytes"], 0);
+}
+
 #[test]
 fn run_generates_deterministically_with_a_seed() {
     let args = [
@@ -738,6 +770,76 @@ fn bench_decode_runs_a_compressed_directory_at_its_plan() {
     );
     assert!(c["llama_cpp_decode_tok_s"].is_null());
     assert!(c["decode_tok_s"].as_f64().unwrap() > 0.0);
+}
+
+/// `bench decode --dense-codec q4 --head-codec q4` on a converted directory runs every
+/// setting with them: its JSON names the codecs and counts the attention projections and
+/// the LM head at their codes, scales and biases (the routers stay at 4 bytes a weight on
+/// the CPU), fewer bytes than without; a compressed directory refuses them.
+#[test]
+fn bench_decode_takes_dense_and_head_codecs() {
+    use dynmoe::codec::Codec;
+    use dynmoe::testing::TINY_SHAPE as S;
+    let out = TempDir::new("cli-bench-dense-codec");
+    let tok = root().join("fixtures/models/small-moe");
+    let model = out.path("model");
+    dynmoe::model::synth::synth_converted(&S, Some(2), &[4], &tok, &model, 0, &mut |_, _| {})
+        .unwrap();
+    let dir = model.display().to_string();
+    let bench = |extra: &[&str], json: &str| -> Value {
+        let json = out.path(json).display().to_string();
+        let args = [
+            &["bench", "decode", &dir, "--bits", "4", "--prompt", "4"][..],
+            &["--generate", "2", "--repeats", "1", "--json", &json],
+            extra,
+        ]
+        .concat();
+        let o = dynmoe(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let header = String::from_utf8_lossy(&o.stdout);
+        let codecs = match extra {
+            [] => "dense bf16, LM head bf16",
+            _ => "dense q4, LM head q4",
+        };
+        assert!(header.lines().next().unwrap().contains(codecs), "{header}");
+        let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        r["cases"][0].clone()
+    };
+    let plain = bench(&[], "bf16.json");
+    let coded = bench(&["--dense-codec", "q4", "--head-codec", "q4"], "q4.json");
+    assert_eq!(
+        (&plain["dense_codec"], &plain["head_codec"]),
+        (&"bf16".into(), &"bf16".into())
+    );
+    assert_eq!(
+        (&coded["dense_codec"], &coded["head_codec"]),
+        (&"q4".into(), &"q4".into())
+    );
+    let bytes = |c: &Value| c["decode_bytes_per_token"].as_u64().unwrap() as usize;
+    let (q, kv) = (S.heads * S.head_dim, S.kv_heads * S.head_dim);
+    let q4 = |rows: usize, cols: usize| {
+        Codec::Affine { bits: 4 }.matrix_bytes(rows, cols).unwrap() as usize
+    };
+    let attention = 2 * q * S.hidden + 2 * kv * S.hidden;
+    let attention_q4 = q4(q, S.hidden) + q4(S.hidden, q) + 2 * q4(kv, S.hidden);
+    assert_eq!(
+        bytes(&plain) - bytes(&coded),
+        2 * (4 * attention - attention_q4) + 4 * S.vocab * S.hidden - q4(S.vocab, S.hidden)
+    );
+    assert!(coded["decode_tok_s"].as_f64().unwrap() > 0.0);
+
+    let (compressed, _) = tiny_vq_model("cli-bench-dense-codec-vq");
+    let err = failure_of(&[
+        "bench",
+        "decode",
+        &compressed.dir().display().to_string(),
+        "--dense-codec",
+        "q4",
+    ]);
+    assert!(
+        err.contains("compressed") && err.contains("--dense-codec") && err.contains("dense bf16"),
+        "{err}"
+    );
 }
 
 /// `bench residency` on a compressed directory runs its plan with half of each layer's

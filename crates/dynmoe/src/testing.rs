@@ -187,6 +187,53 @@ impl Drop for TempDir {
     }
 }
 
+/// The logits of every position of `text`, run from an empty state.
+pub fn logits_of<B: crate::backend::Backend>(
+    m: &crate::model::LoadedModel<B>,
+    text: &str,
+) -> Vec<f32> {
+    let ids = m.tokenizer.encode(text).unwrap();
+    let mut state = m.model.new_state(ids.len());
+    m.model.forward(&mut state, &ids, 0).unwrap()
+}
+
+/// Writes `ckpt` to `path` as one safetensors file, each tensor as it is stored except
+/// those in `replaced` (name → row-major values), written as f32: the checkpoint that
+/// holds the weights a codec's codes stand for.
+///
+/// # Panics
+/// If a tensor cannot be read or the file cannot be written.
+pub fn write_checkpoint_replacing(
+    ckpt: &crate::model::Checkpoint,
+    replaced: &std::collections::BTreeMap<String, Vec<f32>>,
+    path: &Path,
+) {
+    use safetensors::tensor::TensorView;
+    let data: Vec<(&str, safetensors::Dtype, Vec<usize>, Vec<u8>)> = ckpt
+        .names()
+        .into_iter()
+        .map(|name| {
+            let raw = ckpt.raw(name).unwrap();
+            match replaced.get(name) {
+                Some(w) => (
+                    name,
+                    safetensors::Dtype::F32,
+                    raw.shape.to_vec(),
+                    w.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                ),
+                None => (name, raw.dtype, raw.shape.to_vec(), raw.bytes.to_vec()),
+            }
+        })
+        .collect();
+    let views: Vec<(&str, TensorView<'_>)> = data
+        .iter()
+        .map(|(n, d, s, b)| (*n, TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(views, Some(meta), path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+}
+
 /// Writes a benchmark's JSON report as `name` into the directory `DYNMOE_BENCH_OUT`
 /// names, or the repository's `bench/results/` (a staged bench binary on another machine
 /// has no repository), and returns the path.

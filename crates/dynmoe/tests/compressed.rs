@@ -11,15 +11,10 @@ use dynmoe::calib::probe::load_plan;
 use dynmoe::codec::Codec;
 use dynmoe::model;
 use dynmoe::store::compressed;
-use dynmoe::testing::{fixture, TempDir};
+use dynmoe::testing::{fixture, logits_of, TempDir};
 
 fn logits(m: &model::LoadedModel<Cpu>) -> Vec<f32> {
-    let ids = m
-        .tokenizer
-        .encode("def main():\n    print('the whale and the lighthouse')")
-        .unwrap();
-    let mut state = m.model.new_state(ids.len());
-    m.model.forward(&mut state, &ids, 0).unwrap()
+    logits_of(m, "def main():\n    print('the whale and the lighthouse')")
 }
 
 /// A plan for tiny-moe at 2 bits over its experts and the directory written from it.
@@ -199,6 +194,55 @@ fn a_compressed_directory_with_coded_dense_layers() {
     );
     std::fs::write(&coded, &bytes).unwrap();
     assert!(model::load(dir, Cpu::fast()).is_ok());
+}
+
+/// With the dense layers at an affine width, the directory keeps them in
+/// `dense.safetensors` and no coded file, quantizes them at load and runs exactly as the
+/// checkpoint under the same plan; codecs asked beside a compressed directory are refused.
+#[test]
+fn a_compressed_directory_with_affine_dense_layers() {
+    let q4 = Codec::Affine { bits: 4 };
+    let (out, plan) = compressed_tiny_with(q4);
+    let dir = out.dir();
+    assert_eq!(plan.dense_codec, q4);
+    let manifest = compressed::open(dir).unwrap().0;
+    assert_eq!(manifest.dense_vq, None);
+    assert!(std::fs::read_dir(dir).unwrap().all(|e| !e
+        .unwrap()
+        .file_name()
+        .to_string_lossy()
+        .starts_with("dense-")));
+    let dense = model::Checkpoint::open(dir).unwrap();
+    assert!(dense
+        .names()
+        .iter()
+        .any(|n| n.contains("self_attn.q_proj.weight")));
+
+    let (from_dir, _) = compressed::load(dir, Cpu::fast()).unwrap();
+    let mut from_ckpt = load_plan(&fixture("tiny-moe"), &plan, &mut |_, _| {}).unwrap();
+    for l in &plan.layers {
+        from_ckpt.model.set_expert_mask(l.layer, None).unwrap();
+    }
+    assert_eq!(logits(&from_dir), logits(&from_ckpt));
+    let bf16_plan = Plan {
+        dense_codec: Codec::Bf16,
+        ..plan.clone()
+    };
+    let mut bf16_dense = load_plan(&fixture("tiny-moe"), &bf16_plan, &mut |_, _| {}).unwrap();
+    for l in &plan.layers {
+        bf16_dense.model.set_expert_mask(l.layer, None).unwrap();
+    }
+    assert_ne!(logits(&from_dir), logits(&bf16_dense));
+
+    let codecs = model::Codecs {
+        dense: Some(q4),
+        ..model::Codecs::default()
+    };
+    let err = model::load_with_codecs(dir, Cpu::fast(), &codecs)
+        .err()
+        .expect("a compressed directory runs its plan's codecs")
+        .to_string();
+    assert!(err.contains("plan.json"), "{err}");
 }
 
 /// A budget over the whole model pays for the dense layers at their codec: the plan's

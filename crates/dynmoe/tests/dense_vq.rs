@@ -12,9 +12,8 @@ use dynmoe::codec::Codec;
 use dynmoe::model::{self, Checkpoint, Codecs};
 use dynmoe::store::dense_vq::{self, dense_linear_weights, lm_head_weight};
 use dynmoe::store::Error;
-use dynmoe::testing::{fixture_copy, rel_err, TempDir};
+use dynmoe::testing::{fixture_copy, logits_of, rel_err, write_checkpoint_replacing, TempDir};
 use safetensors::tensor::TensorView;
-use safetensors::Dtype;
 
 fn rung(s: &str) -> Rung {
     Rung::parse(s).unwrap()
@@ -28,12 +27,10 @@ fn fingerprint_of(dir: &Path) -> String {
 }
 
 fn logits(m: &model::LoadedModel<Cpu>) -> Vec<f32> {
-    let ids = m
-        .tokenizer
-        .encode("The keeper of the lighthouse wrote: def main(): return 42")
-        .unwrap();
-    let mut state = m.model.new_state(ids.len());
-    m.model.forward(&mut state, &ids, 0).unwrap()
+    logits_of(
+        m,
+        "The keeper of the lighthouse wrote: def main(): return 42",
+    )
 }
 
 /// The model with its dense layers and its LM head at `codec`.
@@ -123,33 +120,11 @@ fn coded_dense_layers_equal_their_decoded_weights() {
         "attention projections and the head: {weights:?}"
     );
     let coded = dense_vq::encode(&ckpt, rung("vq2"), &weights, &mut |_, _| {}).unwrap();
-
-    // The checkpoint again, with every coded weight replaced by its decoding.
-    let mut data: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
-    for name in ckpt.names() {
-        let info = ckpt.info(name).unwrap();
-        let bytes = match coded.get(name) {
-            Some(m) => {
-                let w = m.decode().unwrap();
-                data.push((
-                    name.to_string(),
-                    Dtype::F32,
-                    info.shape.clone(),
-                    f32_bytes(&w),
-                ));
-                continue;
-            }
-            None => ckpt.raw(name).unwrap().bytes.to_vec(),
-        };
-        data.push((name.to_string(), info.dtype, info.shape.clone(), bytes));
-    }
-    let views: Vec<(&str, TensorView<'_>)> = data
+    let decoded = coded
         .iter()
-        .map(|(n, d, s, b)| (n.as_str(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .map(|(name, m)| (name.clone(), m.decode().unwrap()))
         .collect();
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(views, Some(meta), &decoded_dir.path("model.safetensors"))
-        .unwrap();
+    write_checkpoint_replacing(&ckpt, &decoded, &decoded_dir.path("model.safetensors"));
     drop(ckpt);
 
     let a = logits(&with_dense(coded_dir.dir(), "vq2"));
@@ -159,10 +134,6 @@ fn coded_dense_layers_equal_their_decoded_weights() {
     assert!(err < 1e-5, "coded vs decoded logits: {err:e}");
     // And the coding is not a no-op.
     assert!(rel_err(&a, &plain) > 1e-3);
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
 fn expect_manifest_field(err: Error, path: &Path, field: &str) {
@@ -269,13 +240,15 @@ fn dense_codec_choices_are_checked() {
     let m = with_dense(dir.dir(), "vq3");
     assert!(dir.path("dense-vq3.safetensors").exists());
     assert!(logits(&m).iter().all(|v| v.is_finite()));
-    let codecs = Codecs {
-        dense: Some(Codec::Affine { bits: 4 }),
-        ..Codecs::default()
-    };
-    let err = model::load_with_codecs(dir.dir(), Cpu::fast(), &codecs)
-        .err()
-        .expect("affine dense layers are refused")
-        .to_string();
-    assert!(err.contains("dense layers take bf16 or a VQ rung"), "{err}");
+    for codec in [Codec::Affine { bits: 8 }, Codec::Vq { millibits: 1300 }] {
+        let codecs = Codecs {
+            dense: Some(codec),
+            ..Codecs::default()
+        };
+        let err = model::load_with_codecs(dir.dir(), Cpu::fast(), &codecs)
+            .err()
+            .unwrap_or_else(|| panic!("dense layers at {codec} loaded"))
+            .to_string();
+        assert!(err.contains(&codec.to_string()), "{err}");
+    }
 }

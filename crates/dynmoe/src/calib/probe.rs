@@ -16,7 +16,7 @@ use crate::alloc::isp::{Prober, Setting};
 use crate::backend::{Backend, Cpu};
 use crate::codec::Codec;
 use crate::eval::ppl::{perplexity_tokens, PplError, PplOptions};
-use crate::model::weights::{encode_experts, DenseVq, VqExperts};
+use crate::model::weights::{encode_experts, CodedLayers, VqExperts};
 use crate::model::{Checkpoint, Config, Error, LoadedModel, Model, Tokenizer};
 use crate::residency::{self, ResidencyConfig, ResidentCount};
 
@@ -36,7 +36,7 @@ pub struct ModelProber {
     opts: PplOptions,
     encoded: Mutex<HashMap<(usize, Codec), VqExperts>>,
     /// The dense linear layers every probed model runs coded (none: bf16).
-    dense: DenseVq,
+    dense: CodedLayers,
 }
 
 /// Saliency over several texts: per expert, the token-weighted mean of each text's.
@@ -93,12 +93,12 @@ impl ModelProber {
             calib,
             opts,
             encoded: Mutex::new(HashMap::new()),
-            dense: DenseVq::new(),
+            dense: CodedLayers::new(),
         })
     }
 
-    /// Probes with the dense linear layers at `codec` (coded once, beside the
-    /// checkpoint), as the compressed model will run them.
+    /// Probes with the dense linear layers at `codec` (coded once: a VQ rung beside the
+    /// checkpoint, an affine width in memory), as the compressed model will run them.
     pub fn with_dense_codec(
         mut self,
         codec: Codec,
@@ -208,7 +208,7 @@ pub fn assemble(
     config: Config,
     ckpt: &Checkpoint,
     vq: &BTreeMap<usize, VqExperts>,
-    dense: &DenseVq,
+    dense: &CodedLayers,
     keep: &BTreeMap<usize, Vec<u32>>,
 ) -> Result<LoadedModel<Cpu>, Error> {
     let e = config.moe.num_experts;

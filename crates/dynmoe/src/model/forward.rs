@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use super::moe::{self, MoeObserver, Routing};
 use super::weights::{
-    Attention, DenseVq, Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts,
+    Attention, CodedLayers, Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts,
 };
 use super::Error;
 use crate::backend::{AttentionShape, Backend, HeadNorm, Weight};
@@ -104,13 +104,14 @@ pub fn rope_inv_freq(theta: f32, head_dim: usize, linear_factor: f32) -> Vec<f32
 impl<B: Backend> Model<B> {
     /// Builds the model from a checkpoint (and, for a converted directory, the expert
     /// store of each MoE layer), checking every tensor's shape. The MoE layers in `vq`
-    /// run those VQ-encoded experts; the dense linear layers in `dense_vq` run coded.
+    /// run those VQ-encoded experts; the dense linear layers (and LM head) in `coded` run
+    /// coded.
     pub fn load(
         config: Config,
         ckpt: &Checkpoint,
         stores: Option<LayerStores>,
         vq: &BTreeMap<usize, VqExperts>,
-        dense_vq: &DenseVq,
+        coded: &CodedLayers,
         backend: B,
     ) -> Result<Model<B>, Error> {
         let (v, h) = (config.vocab_size, config.hidden_size);
@@ -118,7 +119,7 @@ impl<B: Backend> Model<B> {
             ckpt,
             stores: stores.as_ref(),
             vq,
-            dense_vq,
+            coded,
             backend: &backend,
             config: &config,
         };

@@ -232,7 +232,8 @@ impl ExpertBits {
 /// form: bf16 for a Hugging Face checkpoint, the 4-bit store for a converted
 /// directory's experts. Affine expert codecs (`q4`, `q3`, `q2`) need a converted
 /// directory; VQ rungs are read from the VQ stores beside a checkpoint, encoded from its
-/// bf16 weights on first use ([`stored_vq_experts`], [`crate::store::dense_vq`]).
+/// bf16 weights on first use ([`stored_vq_experts`], [`crate::store::dense_vq`]). Dense
+/// layers at an affine width are quantized at load, from either kind of directory.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Codecs {
     /// Codec of every MoE layer not overridden.
@@ -240,9 +241,9 @@ pub struct Codecs {
     /// Codecs of particular layers.
     pub per_layer: BTreeMap<usize, crate::codec::Codec>,
     /// Codec of the dense linear layers (attention projections, shared experts, dense
-    /// MLPs): bf16 or a VQ rung.
+    /// MLPs): bf16, an affine width or a VQ rung.
     pub dense: Option<crate::codec::Codec>,
-    /// Codec of an untied LM head: bf16 or a VQ rung.
+    /// Codec of an untied LM head: bf16, an affine width or a VQ rung.
     pub head: Option<crate::codec::Codec>,
 }
 
@@ -296,7 +297,8 @@ pub fn load_with_codecs<B: Backend>(
 }
 
 /// [`load_with_codecs`], calling `progress(done, total)` with the expert records written
-/// while a VQ expert store is built (a one-time cost of the first load at a rung).
+/// while a VQ expert store is built (a one-time cost of the first load at a rung), and
+/// with the dense weights coded.
 pub fn load_with_progress<B: Backend>(
     dir: &Path,
     backend: B,
@@ -367,7 +369,7 @@ pub fn load_with_progress<B: Backend>(
         None
     };
     let vq = stored_vq_experts(dir, &config, &checkpoint, &rungs, progress)?;
-    let dense_vq = coded_layers(
+    let coded = coded_layers(
         dir,
         &checkpoint,
         &config,
@@ -375,7 +377,7 @@ pub fn load_with_progress<B: Backend>(
         converted,
         progress,
     )?;
-    let model = Model::load(config, &checkpoint, stores, &vq, &dense_vq, backend)?;
+    let model = Model::load(config, &checkpoint, stores, &vq, &coded, backend)?;
     let tokenizer = Tokenizer::from_dir(dir)?;
     Ok(LoadedModel {
         dir: dir.to_path_buf(),
@@ -385,8 +387,9 @@ pub fn load_with_progress<B: Backend>(
 }
 
 /// The dense linear layers (`codecs[0]`) and the untied LM head (`codecs[1]`) of the
-/// checkpoint in `dir` coded at their rungs (none coded for bf16 or unset), from the coded
-/// files beside it, encoded on first use.
+/// checkpoint in `dir` coded at their codecs (none coded for bf16 or unset): at a VQ rung
+/// from the coded files beside it, encoded on first use; at an affine width quantized
+/// from the checkpoint's values, which a converted directory (`converted`) keeps too.
 pub fn coded_layers(
     dir: &Path,
     ckpt: &Checkpoint,
@@ -394,16 +397,16 @@ pub fn coded_layers(
     codecs: [Option<crate::codec::Codec>; 2],
     converted: bool,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<weights::DenseVq, Error> {
+) -> Result<weights::CodedLayers, Error> {
+    use crate::codec::Codec;
     use crate::store::dense_vq;
-    let mut by_rung: BTreeMap<String, (crate::codec::vq::Rung, dense_vq::WeightShapes)> =
-        BTreeMap::new();
+    let mut by_codec: BTreeMap<Codec, dense_vq::WeightShapes> = BTreeMap::new();
     for (i, codec) in codecs.into_iter().enumerate() {
-        let Some(codec) = codec else { continue };
-        let Some(rung) = dense_vq::rung_of(codec).map_err(Error::Config)? else {
+        let Some(codec) = codec.filter(|&c| c != Codec::Bf16) else {
             continue;
         };
-        if converted {
+        let rung = dense_vq::rung_of(codec).map_err(Error::Config)?;
+        if converted && rung.is_some() {
             return Err(Error::Config(format!(
                 "{}: layers at {codec} are encoded from a Hugging Face checkpoint's bf16 \
                  weights; a converted directory holds none",
@@ -417,15 +420,22 @@ pub fn coded_layers(
                 .into_iter()
                 .collect()
         };
-        by_rung
-            .entry(rung.name())
-            .or_insert_with(|| (rung, Vec::new()))
-            .1
-            .extend(weights);
+        by_codec.entry(codec).or_default().extend(weights);
     }
-    let mut out = weights::DenseVq::new();
-    for (rung, weights) in by_rung.into_values() {
-        out.extend(dense_vq::ensure(dir, ckpt, rung, &weights, progress)?);
+    let mut out = weights::CodedLayers::new();
+    for (codec, weights) in by_codec {
+        match codec {
+            Codec::Affine { bits } => {
+                out.extend(dense_vq::quantize_affine(ckpt, bits, &weights, progress)?)
+            }
+            _ => {
+                let rung = dense_vq::rung_of(codec)
+                    .map_err(Error::Config)?
+                    .expect("a VQ codec is coded into a file");
+                let coded = dense_vq::ensure(dir, ckpt, rung, &weights, progress)?;
+                out.extend(weights::vq_layers(coded));
+            }
+        }
     }
     Ok(out)
 }

@@ -9,6 +9,7 @@ use super::config::{Config, QkNorm};
 use super::experts::{ExpertShape, ExpertTensors};
 use super::Error;
 use crate::backend::{Backend, Weight};
+use crate::codec::affine::AffineMatrix;
 use crate::codec::vq::{Rung, VqMatrix, VqView};
 use crate::model::experts::Extent;
 use crate::residency::{LayerSource, RecordFormat};
@@ -31,9 +32,8 @@ pub struct Linear<B: Backend> {
 pub enum LinearWeight<B: Backend> {
     /// At the checkpoint's precision, on the backend.
     Dense(B::Matrix),
-    /// Coded at a VQ rung, in host memory (shared, so several models can hold one
-    /// encoding).
-    Vq(Arc<VqMatrix>),
+    /// Coded in host memory.
+    Coded(CodedWeight),
 }
 
 impl<B: Backend> Linear<B> {
@@ -41,7 +41,8 @@ impl<B: Backend> Linear<B> {
     pub fn weight(&self) -> Weight<'_, B::Matrix> {
         match &self.w {
             LinearWeight::Dense(m) => Weight::Dense(m),
-            LinearWeight::Vq(m) => Weight::Vq(m.view()),
+            LinearWeight::Coded(CodedWeight::Vq(m)) => Weight::Vq(m.view()),
+            LinearWeight::Coded(CodedWeight::Affine(m)) => Weight::Affine(m.view()),
         }
     }
 
@@ -50,14 +51,47 @@ impl<B: Backend> Linear<B> {
     pub fn dense(&self) -> Option<&B::Matrix> {
         match &self.w {
             LinearWeight::Dense(m) => Some(m),
-            LinearWeight::Vq(_) => None,
+            LinearWeight::Coded(_) => None,
+        }
+    }
+}
+
+/// A dense linear layer's weight coded in host memory (shared, so several models can
+/// hold one coding).
+#[derive(Debug, Clone, PartialEq)]
+pub enum CodedWeight {
+    /// At a VQ rung.
+    Vq(Arc<VqMatrix>),
+    /// At an affine width (4, 3 or 2 bits).
+    Affine(Arc<AffineMatrix>),
+}
+
+impl CodedWeight {
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            CodedWeight::Vq(m) => (m.rows, m.cols),
+            CodedWeight::Affine(m) => (m.rows, m.cols),
         }
     }
 }
 
 /// Dense linear layers (attention projections, shared experts, dense MLPs) coded at VQ
-/// rungs, by the name of their weight tensor (`model.layers.3.self_attn.q_proj.weight`).
+/// rungs, by the name of their weight tensor (`model.layers.3.self_attn.q_proj.weight`):
+/// what a `dense-vq{bits}.safetensors` file holds.
 pub type DenseVq = BTreeMap<String, Arc<VqMatrix>>;
+
+/// Dense linear layers and an untied LM head coded at any codec, by the name of their
+/// weight tensor: what a model runs coded.
+pub type CodedLayers = BTreeMap<String, CodedWeight>;
+
+/// The VQ-coded layers of `coded`, as a model runs them.
+pub fn vq_layers(coded: DenseVq) -> CodedLayers {
+    coded
+        .into_iter()
+        .map(|(name, m)| (name, CodedWeight::Vq(m)))
+        .collect()
+}
 
 /// A SwiGLU MLP: `down(silu(gate(x)) * up(x))`. Dense MLPs, routed experts and shared
 /// experts are all this.
@@ -245,8 +279,8 @@ pub struct Loader<'a, B: Backend> {
     pub stores: Option<&'a LayerStores>,
     /// MoE layers whose experts come encoded at a VQ rung ([`encode_experts`]).
     pub vq: &'a BTreeMap<usize, VqExperts>,
-    /// Dense linear layers coded at a VQ rung, by weight tensor name.
-    pub dense_vq: &'a DenseVq,
+    /// Dense linear layers and the LM head coded, by weight tensor name.
+    pub coded: &'a CodedLayers,
     /// The backend the weights go to.
     pub backend: &'a B,
     /// The resolved configuration.
@@ -274,13 +308,13 @@ impl<B: Backend> Loader<'_, B> {
         bias: bool,
     ) -> Result<Linear<B>, Error> {
         let name = format!("{prefix}.weight");
-        let w = match self.dense_vq.get(&name) {
-            Some(m) if (m.rows, m.cols) == (out_dim, in_dim) => LinearWeight::Vq(m.clone()),
+        let w = match self.coded.get(&name) {
+            Some(m) if m.shape() == (out_dim, in_dim) => LinearWeight::Coded(m.clone()),
             Some(m) => {
+                let (rows, cols) = m.shape();
                 return Err(Error::Config(format!(
-                    "{name}: VQ-coded as {}×{}, the config implies {out_dim}×{in_dim}",
-                    m.rows, m.cols
-                )))
+                    "{name}: coded as {rows}×{cols}, the config implies {out_dim}×{in_dim}"
+                )));
             }
             None => LinearWeight::Dense(self.matrix(&name, out_dim, in_dim)?),
         };

@@ -8,7 +8,8 @@
 //!   [`super::vq`]), holding the layers at that rung;
 //! - when the plan's dense codec is a VQ rung, `dense-vq{bits}.safetensors`
 //!   ([`super::dense_vq`]): the attention, shared-expert and dense-MLP weights coded
-//!   (and left out of `dense.safetensors`);
+//!   (and left out of `dense.safetensors`); at an affine width they stay in
+//!   `dense.safetensors` and are quantized at load;
 //! - `plan.json` ([`crate::alloc::plan`]): per layer the codec and the resident experts;
 //! - `compressed.json`, written last: what the directory holds, the source checkpoint's
 //!   fingerprint the stores were encoded from, and a checksum of `plan.json`. Its presence
@@ -33,7 +34,8 @@ use crate::alloc::plan::{Plan, PLAN_FILE};
 use crate::backend::Backend;
 use crate::codec::vq::codebook::fnv1a;
 use crate::codec::vq::Rung;
-use crate::model::weights::{expert_tensors, VqExperts};
+use crate::codec::Codec;
+use crate::model::weights::{expert_tensors, vq_layers, VqExperts};
 use crate::model::{self, Checkpoint, Config, LoadedModel, Model, Tokenizer};
 
 /// The manifest of a compressed directory, and its commit mark.
@@ -292,16 +294,26 @@ pub fn load<B: Backend>(dir: &Path, backend: B) -> Result<(LoadedModel<B>, Plan)
             );
         }
     }
-    let dense = match &manifest.dense_vq {
-        None => Default::default(),
-        Some(name) => {
+    // `open` checked that the manifest names a coded file exactly when the plan's dense
+    // codec is a VQ rung.
+    let dense = match (&manifest.dense_vq, plan.dense_codec) {
+        (Some(name), _) => {
             let rung = Rung::parse(name).map_err(|source| model::Error::Encode {
                 tensor: format!("{} dense_vq {name}", dir.display()),
                 source,
             })?;
             let path = dir.join(super::dense_vq::file_name(rung));
-            super::dense_vq::read(&path, rung, &manifest.source_fingerprint)?
+            vq_layers(super::dense_vq::read(
+                &path,
+                rung,
+                &manifest.source_fingerprint,
+            )?)
         }
+        (None, Codec::Affine { bits }) => {
+            let weights = super::dense_vq::dense_linear_weights(&ckpt)?;
+            super::dense_vq::quantize_affine(&ckpt, bits, &weights, &mut |_, _| {})?
+        }
+        (None, _) => Default::default(),
     };
     let model = Model::load(config, &ckpt, None, &vq, &dense, backend)?;
     Ok((

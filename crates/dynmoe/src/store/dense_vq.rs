@@ -1,7 +1,8 @@
 //! Dense linear layers (attention projections, shared experts, dense MLPs) coded at a
 //! rung of the VQ ladder: `dense-vq{bits}.safetensors`, beside a Hugging Face checkpoint
 //! (encoded on first use, like the VQ expert stores) or inside a compressed model
-//! directory (written by `dynmoe compress`).
+//! directory (written by `dynmoe compress`). At an affine width (`q4`, `q3`, `q2`) they
+//! need no file: [`quantize_affine`] codes them from the checkpoint at every load.
 //!
 //! A safetensors file, so any safetensors reader can list it: for each coded weight
 //! `NAME`, `NAME.vq_codes` (U8, `[rows, row_bytes]`) and `NAME.vq_norms` (F16,
@@ -22,10 +23,11 @@ use serde::{Deserialize, Serialize};
 
 use super::manifest::Fnv64;
 use super::{atomic, tensors, Error};
+use crate::codec::affine::AffineMatrix;
 use crate::codec::vq::{row_bytes, Rung, VqMatrix, VqView};
-use crate::codec::Codec;
+use crate::codec::{Codec, CodecError};
 use crate::eval::inspect::is_dense_linear;
-use crate::model::weights::DenseVq;
+use crate::model::weights::{CodedLayers, CodedWeight, DenseVq};
 use crate::model::{Checkpoint, Config};
 
 /// Value of the `format` metadata field.
@@ -34,14 +36,15 @@ pub const FORMAT: &str = "dynmoe-dense-vq";
 /// The version this build writes and reads.
 pub const VERSION: u32 = 1;
 
-/// The rung dense layers at `codec` are coded at: none for bf16. Affine codecs are
-/// refused (they exist for expert stores), with the reason.
+/// The rung of the file dense layers at `codec` are coded into: none for bf16, and none
+/// for the affine widths, which are quantized at load. A codec dense layers cannot take
+/// is refused, with the reason.
 pub fn rung_of(codec: Codec) -> Result<Option<Rung>, String> {
     match codec {
-        Codec::Bf16 => Ok(None),
+        Codec::Bf16 | Codec::Affine { bits: 2..=4 } => Ok(None),
         Codec::Vq { .. } => codec.rung().map_err(|e| e.to_string()),
         Codec::Affine { .. } => Err(format!(
-            "dense layers take bf16 or a VQ rung (vq0.7 … vq5), not {codec}"
+            "dense layers take bf16, q4, q3, q2 or a VQ rung (vq0.7 … vq5), not {codec}"
         )),
     }
 }
@@ -99,15 +102,42 @@ pub fn encode(
     weights: &[(String, [usize; 2])],
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<DenseVq, Error> {
-    let mut out = DenseVq::new();
+    code_each(ckpt, weights, progress, |w, rows, cols, name| {
+        VqMatrix::encode(w, rows, cols, rung, seed(name)).map(Arc::new)
+    })
+}
+
+/// Quantizes `weights` of `ckpt` at `bits` (4, 3 or 2) as [`AffineMatrix::quantize`]
+/// does; `progress(done, total)` after each weight. A width that is not a whole number
+/// of quantization groups is an error naming the tensor and its file.
+pub fn quantize_affine(
+    ckpt: &Checkpoint,
+    bits: u32,
+    weights: &[(String, [usize; 2])],
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<CodedLayers, Error> {
+    code_each(ckpt, weights, progress, |w, rows, cols, _| {
+        AffineMatrix::quantize(w, rows, cols, bits).map(|m| CodedWeight::Affine(Arc::new(m)))
+    })
+}
+
+/// Each of `weights` read from `ckpt` as f32 and coded by `code(w, rows, cols, name)`,
+/// failures naming the tensor and its shard; `progress(done, total)` after each.
+fn code_each<T>(
+    ckpt: &Checkpoint,
+    weights: &[(String, [usize; 2])],
+    progress: &mut dyn FnMut(usize, usize),
+    code: impl Fn(&[f32], usize, usize, &str) -> Result<T, CodecError>,
+) -> Result<BTreeMap<String, T>, Error> {
+    let mut out = BTreeMap::new();
     for (i, (name, [rows, cols])) in weights.iter().enumerate() {
         let w = ckpt.f32(name, &[*rows, *cols])?;
-        let m = VqMatrix::encode(&w, *rows, *cols, rung, seed(name)).map_err(|e| Error::Codec {
+        let m = code(&w, *rows, *cols, name).map_err(|e| Error::Codec {
             path: ckpt.info(name).map(|i| i.file).unwrap_or_default(),
             tensor: name.clone(),
             reason: e.to_string(),
         })?;
-        out.insert(name.clone(), Arc::new(m));
+        out.insert(name.clone(), m);
         progress(i + 1, weights.len());
     }
     Ok(out)

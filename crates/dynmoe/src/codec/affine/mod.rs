@@ -59,6 +59,83 @@ impl Quantized {
     }
 }
 
+/// An owned matrix in a layout the [`kernels`] read: MLX's 4-bit words, or the 3- and
+/// 2-bit layouts of [`lowbit`] derived from them (keeping the 4-bit scales and biases),
+/// the same derivation as the 3- and 2-bit expert stores.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AffineMatrix {
+    /// Bits per code: 4, 3 or 2.
+    pub bits: u32,
+    /// Output features.
+    pub rows: usize,
+    /// Input features, a multiple of [`GROUP_SIZE`].
+    pub cols: usize,
+    /// `rows * lowbit::words_per_row(cols, bits)` words, row-major.
+    pub words: Vec<u32>,
+    /// `[rows, cols / 64]` step sizes.
+    pub scales: Vec<bf16>,
+    /// `[rows, cols / 64]` offsets.
+    pub biases: Vec<bf16>,
+}
+
+impl AffineMatrix {
+    /// `w` (row-major `[rows, cols]`) quantized at 4 bits by [`quantize`], then for 3 and
+    /// 2 bits repacked by [`lowbit::pack_matrix`].
+    pub fn quantize(
+        w: &[f32],
+        rows: usize,
+        cols: usize,
+        bits: u32,
+    ) -> Result<AffineMatrix, CodecError> {
+        if !matches!(bits, 2..=4) {
+            return Err(CodecError::Bits {
+                bits,
+                supported: "2, 3, 4",
+            });
+        }
+        let q4 = quantize(w, rows, cols, 4)?;
+        let words = if bits == 4 {
+            q4.words
+        } else {
+            let mut packed = vec![0; rows * lowbit::words_per_row(cols, bits)];
+            lowbit::pack_matrix(&q4.words, rows, cols, bits, &mut packed);
+            packed
+        };
+        Ok(AffineMatrix {
+            bits,
+            rows,
+            cols,
+            words,
+            scales: q4.scales,
+            biases: q4.biases,
+        })
+    }
+
+    /// The view the kernels take.
+    pub fn view(&self) -> kernels::AffineView<'_> {
+        kernels::AffineView {
+            bits: self.bits,
+            rows: self.rows,
+            cols: self.cols,
+            words: &self.words,
+            scales: &self.scales,
+            biases: &self.biases,
+        }
+    }
+
+    /// Expands the matrix to row-major f32, as the kernels reconstruct it.
+    pub fn dequantize(&self) -> Vec<f32> {
+        lowbit::dequantize(
+            &self.words,
+            &self.scales,
+            &self.biases,
+            self.rows,
+            self.cols,
+            self.bits,
+        )
+    }
+}
+
 /// Step, offset and codes of one group, exactly as MLX derives them.
 ///
 /// The zero point sits on the larger-magnitude extreme (`edge`), which code 0 therefore
@@ -394,6 +471,14 @@ mod tests {
                 expected: 128,
                 got: 64
             })
+        ));
+        assert!(matches!(
+            AffineMatrix::quantize(&[0.0; 64], 1, 64, 8),
+            Err(CodecError::Bits { bits: 8, .. })
+        ));
+        assert!(matches!(
+            AffineMatrix::quantize(&[0.0; 96], 1, 96, 3),
+            Err(CodecError::Cols { cols: 96, .. })
         ));
     }
 }
