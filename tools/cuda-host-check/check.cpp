@@ -415,6 +415,53 @@ using AffineGateUp = void (*)(const unsigned long long*, const float*, const uns
 using AffineDown = void (*)(const unsigned long long*, const int*, const float*, int,
                             const float*, float*, int, int, int, float*, int);
 
+// A MoE layer's affine experts (gate, up: inter × hidden; down: hidden × inter) and the
+// device's table of their pointers (ROUTED_ENTRY a expert).
+struct AffineExperts {
+    std::vector<std::array<Affine, 3>> ex;
+    std::vector<unsigned long long> table;
+
+    AffineExperts(int bits, int hidden, int inter, int experts) {
+        for (int e = 0; e < experts; e++)
+            ex.push_back({Affine(bits, inter, hidden), Affine(bits, inter, hidden),
+                          Affine(bits, hidden, inter)});
+        for (auto& e : ex)
+            for (auto& m : e) {
+                table.push_back((unsigned long long)m.words.data());
+                table.push_back((unsigned long long)m.scales.data());
+                table.push_back((unsigned long long)m.biases.data());
+            }
+    }
+
+    static double product(const Affine& m, const float* v, int o) {
+        double acc = 0.0;
+        for (int c = 0; c < m.cols; c++) acc += m.value(o, c) * v[c];
+        return acc;
+    }
+
+    // SiLU(gate) · up of x for each routed expert, [top_k][inter].
+    std::vector<double> gate_up(const Route& r, const std::vector<float>& x, int inter) const {
+        std::vector<double> h(r.ids.size() * inter);
+        for (size_t k = 0; k < r.ids.size(); k++)
+            for (int o = 0; o < inter; o++) {
+                const auto& e = ex[r.ids[k]];
+                double g = product(e[0], x.data(), o), u = product(e[1], x.data(), o);
+                h[k * inter + o] = g / (1.0 + std::exp(-g)) * u;
+            }
+        return h;
+    }
+
+    // Σ_k weight_k · down_k(h_k), [hidden].
+    std::vector<double> down(const Route& r, const std::vector<float>& h, int hidden,
+                             int inter) const {
+        std::vector<double> out(hidden, 0.0);
+        for (size_t k = 0; k < r.ids.size(); k++)
+            for (int o = 0; o < hidden; o++)
+                out[o] += r.weights[k] * product(ex[r.ids[k]][2], &h[k * inter], o);
+        return out;
+    }
+};
+
 // One token routed to top_k of `experts` affine experts (hidden × inter), the route taken
 // inside the gate/up kernel from the router logits, the probabilities written by the down
 // kernel: ids, weights, SiLU · up per pair and the weighted sum against the definition.
@@ -423,34 +470,13 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
                                      : (bits == 3 ? routed_mma_gate_up_q3 : routed_mma_gate_up_q2);
     AffineDown down = bits == 4 ? routed_mma_down_q4
                                 : (bits == 3 ? routed_mma_down_q3 : routed_mma_down_q2);
-    std::vector<std::array<Affine, 3>> ex;
-    for (int e = 0; e < experts; e++)
-        ex.push_back({Affine(bits, inter, hidden), Affine(bits, inter, hidden),
-                      Affine(bits, hidden, inter)});
-    std::vector<unsigned long long> table;
-    for (auto& e : ex)
-        for (auto& m : e) {
-            table.push_back((unsigned long long)m.words.data());
-            table.push_back((unsigned long long)m.scales.data());
-            table.push_back((unsigned long long)m.biases.data());
-        }
+    AffineExperts ex(bits, hidden, inter, experts);
+    const auto& table = ex.table;
     std::vector<float> logits = route_logits(experts), x(hidden);
     for (auto& v : x) v = normal();
     std::vector<unsigned char> keep(experts, 1);
     Route want = reference_route(logits, keep, top_k, true);
-    std::vector<double> want_h((size_t)top_k * inter), want_out(hidden, 0.0);
-    auto product = [](const Affine& m, const float* v, int o) {
-        double acc = 0.0;
-        for (int c = 0; c < m.cols; c++) acc += m.value(o, c) * v[c];
-        return acc;
-    };
-    for (int k = 0; k < top_k; k++) {
-        const auto& e = ex[want.ids[k]];
-        for (int o = 0; o < inter; o++) {
-            double g = product(e[0], x.data(), o), u = product(e[1], x.data(), o);
-            want_h[(size_t)k * inter + o] = g / (1.0 + std::exp(-g)) * u;
-        }
-    }
+    std::vector<double> want_h = ex.gate_up(want, x, inter);
     std::vector<float> got_h(want_h.size(), NAN), got_out(hidden, NAN), probs = logits;
     std::vector<float> got_w(top_k, NAN);
     std::vector<int> got_ids(top_k, -1);
@@ -462,10 +488,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     });
     // Down reads the reference's h, so that its error is its own.
     std::vector<float> h(want_h.begin(), want_h.end());
-    for (int k = 0; k < top_k; k++) {
-        auto d = [&](int o) { return product(ex[want.ids[k]][2], &h[(size_t)k * inter], o); };
-        for (int o = 0; o < hidden; o++) want_out[o] += want.weights[k] * d(o);
-    }
+    std::vector<double> want_out = ex.down(want, h, hidden, inter);
     shim::launch({(unsigned)(hidden + 15) / 16, 1, 1}, {256, 1, 1}, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), got_out.data(), hidden,
              inter, inter, probs.data(), experts);
@@ -479,9 +502,70 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     return ids_ok ? std::max({ew, ep, eh, eo}) : INFINITY;
 }
 
+// ---- A decode step's MoE layer in one launch (moe_step_q*) ----
+
+using MoeStep = void (*)(const unsigned short*, const float*, float*, const unsigned char*, int,
+                         int, int, const unsigned long long*, float*, float*, unsigned*, int, int,
+                         int, int);
+
+// One token through moe_step on a grid of `blocks` resident blocks: the router (bf16
+// rows), the route (a mask when `masked`), gate/up and down, against the definition in
+// double precision; the probabilities left for the host, the output, and the counters
+// back at zero.
+double check_moe_step(int bits, int hidden, int inter, int experts, int top_k, int blocks,
+                      bool masked) {
+    MoeStep f = bits == 4 ? moe_step_q4 : (bits == 3 ? moe_step_q3 : moe_step_q2);
+    AffineExperts ex(bits, hidden, inter, experts);
+    std::vector<unsigned short> router((size_t)experts * hidden);
+    for (auto& w : router) {
+        float v = 0.05f * normal();
+        unsigned u;
+        std::memcpy(&u, &v, 4);
+        w = (unsigned short)(u >> 16);
+    }
+    std::vector<float> x(hidden), logits(experts);
+    for (auto& v : x) v = normal();
+    for (int e = 0; e < experts; e++) {
+        double acc = 0.0;
+        for (int c = 0; c < hidden; c++) {
+            unsigned u = (unsigned)router[(size_t)e * hidden + c] << 16;
+            float w;
+            std::memcpy(&w, &u, 4);
+            acc += (double)w * x[c];
+        }
+        logits[e] = (float)acc;
+    }
+    std::vector<unsigned char> keep(experts, 1);
+    if (masked)
+        for (int e = 0; e < experts; e++) keep[e] = (rng() % 3) != 0 || e < top_k;
+    Route want = reference_route(logits, keep, top_k, true);
+    std::vector<double> want_h = ex.gate_up(want, x, inter);
+    std::vector<float> h_ref(want_h.begin(), want_h.end());
+    std::vector<double> want_out = ex.down(want, h_ref, hidden, inter);
+
+    int units = std::max(hidden / 64, top_k * inter / 64);
+    size_t shared = (size_t)units * 80 * 4 + (size_t)((units + 3) & ~3) * 4 + 8 * 2 * 16 * 4 +
+                    (size_t)((experts + 3) & ~3) * 4 + experts * 4 + 32 * 4 + 2 * top_k * 4;
+    std::vector<float> probs(experts, NAN), h((size_t)top_k * inter, NAN), out(hidden, NAN);
+    std::vector<unsigned> sync(3, 0);
+    shim::launch({(unsigned)blocks, 1, 1}, {256, 1, 1}, shared, [&] {
+        f(router.data(), x.data(), probs.data(), masked ? keep.data() : nullptr, experts, 1,
+          top_k, ex.table.data(), h.data(), out.data(), sync.data(), inter, hidden, hidden,
+          inter);
+    }, true);
+    double ep = rel_err(probs, want.probs), eh = rel_err(h, want_h), eo = rel_err(out, want_out);
+    bool reset = sync[0] == 0 && sync[1] == 0 && sync[2] == 0;
+    std::printf("moe step q%d %d x %d, top-%d of %d, %d blocks, mask %d: probs %.2e, h %.2e, "
+                "out %.2e, counters %s\n",
+                bits, hidden, inter, top_k, experts, blocks, masked, ep, eh, eo,
+                reset ? "reset" : "LEFT SET");
+    return reset ? std::max({ep, eh, eo}) : INFINITY;
+}
+
 }  // namespace
 
-// With an argument, only the checks whose family it names (dense, route, affine, routed).
+// With an argument, only the checks whose family it names (dense, route, affine, step,
+// routed).
 int main(int argc, char** argv) {
     auto wanted = [&](const char* family) { return argc < 2 || std::string(argv[1]) == family; };
     struct Rung {
@@ -517,6 +601,14 @@ int main(int argc, char** argv) {
         if (!wanted("affine")) break;
         worst = std::max(worst, check_routed_affine(bits, 256, 128, 12, 4));
         worst = std::max(worst, check_routed_affine(bits, 512, 192, 128, 8));
+    }
+    // The MoE layer in one launch: grids with fewer blocks than tiles (blocks loop, router
+    // rows too) and more than the down tiles, masks.
+    for (int bits : {4, 3, 2}) {
+        if (!wanted("step")) break;
+        worst = std::max(worst, check_moe_step(bits, 256, 128, 12, 4, 3, false));
+        worst = std::max(worst, check_moe_step(bits, 256, 128, 40, 8, 5, true));
+        worst = std::max(worst, check_moe_step(bits, 128, 192, 16, 2, 12, false));
     }
     for (const Rung& r : rungs) {
         if (!wanted("routed")) break;

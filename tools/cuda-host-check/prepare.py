@@ -25,6 +25,8 @@ PTX_HELPERS = [
     "half_bits",
     "prefetch_l1",
     "f16_bits",
+    "wait_count",
+    "prefetch_l2",
 ]
 
 
@@ -53,7 +55,7 @@ def main() -> None:
     if not dynamic.search(src):
         sys.exit("prepare.py: no dynamic shared memory in kernels.cu")
     src = dynamic.sub(
-        r"\1* \2 = reinterpret_cast<\1*>(shim::dynamic_shared.data());", src
+        r"\1* \2 = reinterpret_cast<\1*>(shim::block_shared());", src
     )
     src = src.replace("__shared__ ", "static ")
     with open(sys.argv[2], "w") as out:

@@ -1,7 +1,8 @@
 // Enough of CUDA to run the backend's kernels on the CPU: each CUDA thread of a block is
-// a fiber (ucontext), the blocks of a grid run one after another, `__syncthreads`,
-// shuffles and `mma.sync` are barriers among the fibers of a block or a warp. Nothing
-// runs concurrently, so atomics are plain updates. It checks what a kernel computes,
+// a fiber (ucontext), the blocks of a grid run one after another (or all at once, for a
+// kernel whose blocks wait on each other), `__syncthreads`, shuffles and `mma.sync` are
+// barriers among the fibers of a block or a warp, and a spin on a counter lets the other
+// fibers run. Nothing runs in parallel, so atomics are plain updates. It checks what a kernel computes,
 // never how fast: prepare.py rewrites kernels.cu for it (the inline PTX helpers and the
 // shared-memory declarations), and check.cpp runs kernels against plain references.
 #pragma once
@@ -63,7 +64,7 @@ inline auto max(A a, B b) -> decltype(a + b) {
 
 namespace shim {
 
-enum State { RUN, BLOCK_BARRIER, WARP_BARRIER, DONE };
+enum State { RUN, SPIN, BLOCK_BARRIER, WARP_BARRIER, DONE };
 
 // A fiber starts through its ucontext and switches by _setjmp/_longjmp after that:
 // swapcontext saves the signal mask with a system call at every switch.
@@ -71,37 +72,44 @@ struct Fiber {
     ucontext_t ctx;
     jmp_buf jump;
     bool started = false;
-    dim3 idx;
-    unsigned linear = 0;
+    dim3 idx, block;
+    unsigned linear = 0;  // within its block
+    unsigned index = 0;   // among every fiber of the launch
+    unsigned block_id = 0;
     State state = RUN;
 };
 
-// One stack a thread, kept from block to block (a kernel's frames are small).
+// One stack a thread, kept from launch to launch (a kernel's frames are small).
 constexpr size_t STACK = 128 << 10;
 inline std::vector<std::unique_ptr<char[]>> stacks;
 
 inline std::vector<Fiber> fibers;
 inline Fiber* current = nullptr;
 inline jmp_buf scheduler;
-inline dim3 block_idx, block_dim, grid_dim;
-// Dynamic shared memory of the block that runs, 16-byte aligned.
-inline std::vector<float4> dynamic_shared;
-// Words each lane of the block leaves for its warp's collective ops.
+inline dim3 block_dim, grid_dim;
+inline unsigned block_threads = 0;
+// Dynamic shared memory of each block that runs, 16-byte aligned.
+inline std::vector<std::vector<float4>> dynamic_shared;
+// Words each lane leaves for its warp's collective ops.
 inline std::vector<uint32_t> exchange;
 inline std::function<void()> body;
+// Counts every step a fiber takes other than another turn of a spin loop.
+inline unsigned long long progress = 0;
 
 inline void yield(State s) {
     current->state = s;
+    if (s != SPIN) progress++;
     if (!_setjmp(current->jump)) _longjmp(scheduler, 1);
 }
 
 inline void entry() {
     body();
     current->state = DONE;
+    progress++;
     _longjmp(scheduler, 1);
 }
 
-// Runs `f` until it waits at a barrier or ends.
+// Runs `f` until it waits at a barrier, spins or ends.
 inline void resume(Fiber& f) {
     current = &f;
     if (_setjmp(scheduler)) return;
@@ -111,80 +119,120 @@ inline void resume(Fiber& f) {
     swapcontext(&here, &f.ctx);
 }
 
-// Releases the warps whose every live lane waits at a warp barrier, else the block when
-// every live thread waits at __syncthreads. A live thread at neither, with nothing to
-// release, is a deadlock.
+// Releases, block by block, the warps whose every live lane waits at a warp barrier, else
+// the block when every live thread waits at __syncthreads. A block whose live threads wait
+// at different barriers, with nothing to release, is a deadlock.
 inline bool release() {
     bool any = false;
     unsigned n = (unsigned)fibers.size();
-    for (unsigned w0 = 0; w0 < n; w0 += 32) {
-        bool all = true, some = false;
-        for (unsigned t = w0; t < std::min(n, w0 + 32); t++) {
+    for (unsigned b0 = 0; b0 < n; b0 += block_threads) {
+        unsigned b1 = std::min(n, b0 + block_threads);
+        bool warps = false;
+        for (unsigned w0 = b0; w0 < b1; w0 += 32) {
+            bool all = true, some = false;
+            for (unsigned t = w0; t < std::min(b1, w0 + 32); t++) {
+                if (fibers[t].state == DONE) continue;
+                some = true;
+                all = all && fibers[t].state == WARP_BARRIER;
+            }
+            if (some && all) {
+                for (unsigned t = w0; t < std::min(b1, w0 + 32); t++)
+                    if (fibers[t].state == WARP_BARRIER) fibers[t].state = RUN;
+                warps = true;
+            }
+        }
+        if (warps) {
+            any = true;
+            continue;
+        }
+        bool all = true, some = false, spins = false;
+        for (unsigned t = b0; t < b1; t++) {
             if (fibers[t].state == DONE) continue;
             some = true;
-            all = all && fibers[t].state == WARP_BARRIER;
+            spins = spins || fibers[t].state == SPIN;
+            all = all && fibers[t].state == BLOCK_BARRIER;
         }
         if (some && all) {
-            for (unsigned t = w0; t < std::min(n, w0 + 32); t++)
-                if (fibers[t].state == WARP_BARRIER) fibers[t].state = RUN;
+            for (unsigned t = b0; t < b1; t++)
+                if (fibers[t].state == BLOCK_BARRIER) fibers[t].state = RUN;
             any = true;
         }
     }
-    if (any) return true;
-    bool all = true, some = false;
-    for (auto& f : fibers) {
-        if (f.state == DONE) continue;
-        some = true;
-        all = all && f.state == BLOCK_BARRIER;
+    return any;
+}
+
+// Makes the fibers of blocks [first, last) of the grid.
+inline void make_fibers(unsigned first, unsigned last) {
+    unsigned threads = block_threads;
+    fibers.assign((size_t)(last - first) * threads, Fiber{});
+    while (stacks.size() < fibers.size()) stacks.emplace_back(new char[STACK]);
+    dim3 block = block_dim, grid = grid_dim;
+    for (unsigned b = first; b < last; b++)
+        for (unsigned t = 0; t < threads; t++) {
+            unsigned i = (b - first) * threads + t;
+            Fiber& f = fibers[i];
+            f.linear = t;
+            f.index = i;
+            f.block_id = b - first;
+            f.idx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
+            f.block = {b % grid.x, b / grid.x % grid.y, b / (grid.x * grid.y)};
+            getcontext(&f.ctx);
+            f.ctx.uc_stack.ss_sp = stacks[i].get();
+            f.ctx.uc_stack.ss_size = STACK;
+            f.ctx.uc_link = nullptr;
+            makecontext(&f.ctx, entry, 0);
+        }
+}
+
+// Runs the fibers until every one has ended. A fiber that spins gives the others their
+// turn; a whole pass in which nothing but spinning happened is a deadlock.
+inline void run_fibers() {
+    for (;;) {
+        unsigned long long before = progress;
+        bool live = false;
+        for (auto& f : fibers) {
+            if (f.state == SPIN) f.state = RUN;
+            while (f.state == RUN) resume(f);
+            live = live || f.state != DONE;
+        }
+        if (!live) return;
+        if (release()) continue;
+        bool spinning = false;
+        for (auto& f : fibers) spinning = spinning || f.state == SPIN;
+        if (!spinning || progress == before) {
+            std::fprintf(stderr, "deadlock: threads wait at different barriers or spin forever\n");
+            std::abort();
+        }
     }
-    if (some && all) {
-        for (auto& f : fibers)
-            if (f.state == BLOCK_BARRIER) f.state = RUN;
-        return true;
-    }
-    if (some) {
-        std::fprintf(stderr, "deadlock: threads wait at different barriers\n");
-        std::abort();
-    }
-    return false;
 }
 
 // Runs `kernel` over `grid` blocks of `block` threads with `shared` bytes of dynamic
-// shared memory, poisoned with NaNs so that nothing reads what no thread wrote.
-inline void launch(dim3 grid, dim3 block, size_t shared, std::function<void()> kernel) {
+// shared memory each, poisoned with NaNs so that nothing reads what no thread wrote. The
+// blocks run one after another, unless `resident`: then all at once, as a kernel whose
+// blocks wait on each other (through global counters) needs them, each with shared
+// memory of its own (such a kernel may use no static __shared__ variable: here those
+// are one for all blocks).
+inline void launch(dim3 grid, dim3 block, size_t shared, std::function<void()> kernel,
+                   bool resident = false) {
     grid_dim = grid;
     block_dim = block;
-    unsigned threads = block.x * block.y * block.z;
-    dynamic_shared.assign(shared / 16 + 1, float4{NAN, NAN, NAN, NAN});
-    exchange.assign(threads * 16, 0);
+    block_threads = block.x * block.y * block.z;
+    unsigned blocks = grid.x * grid.y * grid.z;
     body = kernel;
-    for (unsigned bz = 0; bz < grid.z; bz++)
-        for (unsigned by = 0; by < grid.y; by++)
-            for (unsigned bx = 0; bx < grid.x; bx++) {
-                block_idx = {bx, by, bz};
-                fibers.assign(threads, Fiber{});
-                while (stacks.size() < threads) stacks.emplace_back(new char[STACK]);
-                for (unsigned t = 0; t < threads; t++) {
-                    Fiber& f = fibers[t];
-                    f.linear = t;
-                    f.idx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
-                    getcontext(&f.ctx);
-                    f.ctx.uc_stack.ss_sp = stacks[t].get();
-                    f.ctx.uc_stack.ss_size = STACK;
-                    f.ctx.uc_link = nullptr;
-                    makecontext(&f.ctx, entry, 0);
-                }
-                do {
-                    for (auto& f : fibers) {
-                        while (f.state == RUN) resume(f);
-                    }
-                } while (release());
-            }
+    unsigned group = resident ? blocks : 1;
+    for (unsigned b = 0; b < blocks; b += group) {
+        unsigned last = std::min(blocks, b + group);
+        dynamic_shared.assign(last - b, std::vector<float4>(shared / 16 + 1, float4{NAN, NAN, NAN, NAN}));
+        exchange.assign((size_t)(last - b) * block_threads * 16, 0);
+        make_fibers(b, last);
+        run_fibers();
+    }
     current = nullptr;
 }
 
 inline unsigned lane() { return current->linear % 32; }
-inline unsigned warp_base() { return current->linear - lane(); }
+inline unsigned warp_base() { return current->index - lane(); }
+inline void* block_shared() { return dynamic_shared[current->block_id].data(); }
 
 // The value `v` of lane `src` of the calling warp (every lane calls).
 template <typename T>
@@ -192,7 +240,7 @@ T from_lane(T v, unsigned src) {
     static_assert(sizeof(T) == 4, "shuffles of 32-bit values");
     uint32_t bits;
     std::memcpy(&bits, &v, 4);
-    exchange[current->linear * 16] = bits;
+    exchange[current->index * 16] = bits;
     yield(WARP_BARRIER);
     uint32_t got = exchange[(warp_base() + src % 32) * 16];
     yield(WARP_BARRIER);
@@ -204,7 +252,7 @@ T from_lane(T v, unsigned src) {
 }  // namespace shim
 
 #define threadIdx (shim::current->idx)
-#define blockIdx (shim::block_idx)
+#define blockIdx (shim::current->block)
 #define blockDim (shim::block_dim)
 #define gridDim (shim::grid_dim)
 
@@ -300,6 +348,11 @@ inline void copy16_async(float4* dst, const float4* src, bool full) {
     else
         std::memset(dst, 0, 16);
 }
+// A spin on a counter that other blocks raise: the other fibers run meanwhile.
+inline void wait_count(const unsigned* c, unsigned target) {
+    while (*(volatile const unsigned*)c < target) shim::yield(shim::SPIN);
+}
+inline void prefetch_l2(const void*, size_t) {}
 inline void copies_commit() {}
 inline void copies_wait() {}
 
@@ -308,7 +361,7 @@ inline void copies_wait() {}
 // 2t + 8, 2t + 9; B's column g at rows 2t, 2t + 1, 2t + 8, 2t + 9; C's rows g and g + 8
 // at columns 2t, 2t + 1. Every lane of the warp calls.
 inline void shim_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1, bool add) {
-    uint32_t* x = &shim::exchange[shim::current->linear * 16];
+    uint32_t* x = &shim::exchange[shim::current->index * 16];
     for (int i = 0; i < 4; i++) x[i] = a[i];
     x[4] = b0;
     x[5] = b1;

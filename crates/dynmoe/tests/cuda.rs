@@ -1503,9 +1503,10 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Co
         let (e_out, e_p) = (rel_err(&got, &want), rel_err(&got_p[at..], &want_p));
         println!(
             "check routed moe {codes} E {experts} rows {rows} top-{top_k} renorm {renormalize:<5} \
-             mask {masked:<5} gate bf16 {gate_bf16:<5} tie {tie:<5} mma {:<5} out {e_out:.2e} \
-             probs {e_p:.2e}",
-            g.routed_mma()
+             mask {masked:<5} gate bf16 {gate_bf16:<5} tie {tie:<5} mma {:<5} one launch {:<5} \
+             out {e_out:.2e} probs {e_p:.2e}",
+            g.routed_mma(),
+            g.moe_step()
         );
         assert!(
             e_out < 1e-5 && e_p < 1e-5,
@@ -1528,10 +1529,12 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     // Decode steps run both ways: on tensor cores, and through the matrix-vector kernels.
     // Rows 2112 wide and experts 1600 wide give the tensor-core warps more 64-column
     // units than they load at once (33 for gate and up: 5 a warp and none for the last;
-    // 4 × 26 for down), so those take a second round.
-    let was = g.routed_mma();
-    for mma in [true, false] {
+    // 4 × 26 for down), so those take a second round. On tensor cores a decode step with
+    // a bf16 router runs as one launch (moe_step) and as three.
+    let (was, was_step) = (g.routed_mma(), g.moe_step());
+    for (mma, step) in [(true, true), (true, false), (false, false)] {
         g.set_routed_mma(mma);
+        g.set_moe_step(step);
         for bits in [4, 3, 2] {
             check_routed(g, 256, 80, 12, Codes::Affine(bits), false);
         }
@@ -1540,6 +1543,7 @@ fn moe_routed_on_the_device_matches_the_host_route() {
         check_routed(g, 2112, 1600, 6, Codes::Affine(3), false);
     }
     g.set_routed_mma(was);
+    g.set_moe_step(was_step);
     let (hidden, inter) = (256, 80);
     // Without tensor cores more than 8 rows are too many for the device path: it declines
     // and leaves the outputs alone.

@@ -1308,6 +1308,190 @@ __device__ __forceinline__ void load_unit(const unsigned* row0, const unsigned* 
     sb = src[(q < 2 ? sb_row0 : sb_row1) + gi];
 }
 
+// One block's RMMA_ROWS rows (from r0) of one pair's gate and up products, its warps
+// splitting the units of the pair's input row, which the block stages in xs / xsum
+// (stage_units). `entry` is the expert's ROUTED_ENTRY pointers. The caller issues
+// load(u0) (which may go out before x is staged), then calls finish once x is staged.
+template <int BITS, int UNITS>
+struct GateUpTile {
+    int groups, rows, r0, lane, warp, g, q, u0, u1, o0, o1;
+    size_t stride;
+    const unsigned* rw[2][2];
+    const unsigned short* sc[2];
+    const unsigned short* bi[2];
+    unsigned w[UNITS][2][2][2];
+    unsigned short sb[UNITS][2];
+    float acc[2][2];
+
+    __device__ GateUpTile(const unsigned long long* entry, int r0_, int rows_, int cols)
+        : groups(cols / 64), rows(rows_), r0(r0_) {
+        lane = threadIdx.x % WARP;
+        warp = threadIdx.x / WARP;
+        g = lane >> 2;
+        q = lane & 3;
+        stride = row_words<BITS>(cols);
+        // Rows past the matrix read row 0 and are never stored.
+        o0 = r0 + g < rows ? r0 + g : 0;
+        o1 = r0 + g + 8 < rows ? r0 + g + 8 : 0;
+        int per = (groups + RMMA_WARPS - 1) / RMMA_WARPS;
+        u0 = min(groups, warp * per);
+        u1 = min(groups, u0 + per);
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const unsigned* words = (const unsigned*)entry[3 * m];
+            rw[m][0] = words + o0 * stride;
+            rw[m][1] = words + o1 * stride;
+            sc[m] = (const unsigned short*)entry[3 * m + 1];
+            bi[m] = (const unsigned short*)entry[3 * m + 2];
+            acc[m][0] = acc[m][1] = 0.0f;
+        }
+    }
+
+    __device__ void load(int base) {
+#pragma unroll
+        for (int j = 0; j < UNITS; j++)
+            if (base + j < u1)
+#pragma unroll
+                for (int m = 0; m < 2; m++)
+                    load_unit<BITS>(rw[m][0], rw[m][1], sc[m], bi[m], (size_t)o0 * groups,
+                                    (size_t)o1 * groups, base + j, q, w[j][m], sb[j][m]);
+    }
+
+    __device__ void compute(int base, const unsigned* xs, const float* xsum) {
+        const float a = recon_a<BITS>(), off = recon_o<BITS>();
+#pragma unroll
+        for (int j = 0; j < UNITS; j++) {
+            if (base + j >= u1) break;
+            unsigned bx[8];
+            unit_fragments(xs, base + j, g, q, bx);
+            float s = xsum[base + j];
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                float2 p = unit_products<BITS>(w[j][m], q, bx);
+                float4 f = quad_scales(sb[j][m], lane);
+                acc[m][0] += a * f.x * p.x + (off * f.x + f.y) * s;
+                acc[m][1] += a * f.z * p.y + (off * f.z + f.w) * s;
+            }
+        }
+    }
+
+    // The rest of the units after load(u0), then the warps' sums added in order (through
+    // `red`, [RMMA_WARPS][2][RMMA_ROWS]) into h[r0 ..] = silu(gate) ⊙ up. Every thread
+    // calls; `red` may be reused when it returns.
+    __device__ void finish(const unsigned* xs, const float* xsum, float* red, float* h) {
+        compute(u0, xs, xsum);
+        for (int base = u0 + UNITS; base < u1; base += UNITS) {
+            load(base);
+            compute(base, xs, xsum);
+        }
+        if (q == 0) {
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                red[(warp * 2 + m) * RMMA_ROWS + g] = acc[m][0];
+                red[(warp * 2 + m) * RMMA_ROWS + g + 8] = acc[m][1];
+            }
+        }
+        __syncthreads();
+        int t = threadIdx.x;
+        if (t < RMMA_ROWS && r0 + t < rows) {
+            float gv = 0.0f, uv = 0.0f;
+            for (int k = 0; k < RMMA_WARPS; k++) {
+                gv += red[(k * 2) * RMMA_ROWS + t];
+                uv += red[(k * 2 + 1) * RMMA_ROWS + t];
+            }
+            h[r0 + t] = gv / (1.0f + expf(-gv)) * uv;
+        }
+        __syncthreads();
+    }
+};
+
+// One block's RMMA_ROWS rows (from r0) of a token's down projections, weighted by its
+// route and added in a fixed order: out[r0 ..] = Σ_k weights[k] · down_{ids[k]}(h_k).
+// Unit u is group u % groups of pair u / groups, staged by the block in xs / xsum; `ids`
+// and `weights` are the token's top_k (global or shared memory). As GateUpTile: load(u0),
+// then finish once h is staged.
+template <int BITS, int UNITS>
+struct DownTile {
+    const unsigned long long* table;
+    const int* ids;
+    const float* weights;
+    int groups, rows, r0, lane, warp, g, q, u0, u1, o0, o1;
+    size_t stride;
+    unsigned w[UNITS][2][2];
+    unsigned short sb[UNITS];
+    float pw[UNITS];
+    float acc[2];
+
+    __device__ DownTile(const unsigned long long* table_, const int* ids_, const float* weights_,
+                        int top_k, int r0_, int rows_, int cols)
+        : table(table_), ids(ids_), weights(weights_), groups(cols / 64), rows(rows_), r0(r0_) {
+        lane = threadIdx.x % WARP;
+        warp = threadIdx.x / WARP;
+        g = lane >> 2;
+        q = lane & 3;
+        stride = row_words<BITS>(cols);
+        o0 = r0 + g < rows ? r0 + g : 0;
+        o1 = r0 + g + 8 < rows ? r0 + g + 8 : 0;
+        int units = top_k * groups, per = (units + RMMA_WARPS - 1) / RMMA_WARPS;
+        u0 = min(units, warp * per);
+        u1 = min(units, u0 + per);
+        acc[0] = acc[1] = 0.0f;
+    }
+
+    __device__ void load(int base) {
+#pragma unroll
+        for (int j = 0; j < UNITS; j++) {
+            int u = base + j;
+            if (u < u1) {
+                int k = u / groups;
+                const unsigned long long* e = table + (size_t)ids[k] * ROUTED_ENTRY;
+                const unsigned* words = (const unsigned*)e[6];
+                load_unit<BITS>(words + o0 * stride, words + o1 * stride,
+                                (const unsigned short*)e[7], (const unsigned short*)e[8],
+                                (size_t)o0 * groups, (size_t)o1 * groups, u % groups, q, w[j],
+                                sb[j]);
+                pw[j] = weights[k];
+            }
+        }
+    }
+
+    __device__ void compute(int base, const unsigned* xs, const float* xsum) {
+        const float a = recon_a<BITS>(), off = recon_o<BITS>();
+#pragma unroll
+        for (int j = 0; j < UNITS; j++) {
+            if (base + j >= u1) break;
+            unsigned bx[8];
+            unit_fragments(xs, base + j, g, q, bx);
+            float s = xsum[base + j];
+            float2 p = unit_products<BITS>(w[j], q, bx);
+            float4 f = quad_scales(sb[j], lane);
+            acc[0] += pw[j] * (a * f.x * p.x + (off * f.x + f.y) * s);
+            acc[1] += pw[j] * (a * f.z * p.y + (off * f.z + f.w) * s);
+        }
+    }
+
+    // As GateUpTile::finish, into out[r0 ..] (`red`: [RMMA_WARPS][RMMA_ROWS]).
+    __device__ void finish(const unsigned* xs, const float* xsum, float* red, float* out) {
+        compute(u0, xs, xsum);
+        for (int base = u0 + UNITS; base < u1; base += UNITS) {
+            load(base);
+            compute(base, xs, xsum);
+        }
+        if (q == 0) {
+            red[warp * RMMA_ROWS + g] = acc[0];
+            red[warp * RMMA_ROWS + g + 8] = acc[1];
+        }
+        __syncthreads();
+        int t = threadIdx.x;
+        if (t < RMMA_ROWS && r0 + t < rows) {
+            float v = 0.0f;
+            for (int k = 0; k < RMMA_WARPS; k++) v += red[k * RMMA_ROWS + t];
+            out[r0 + t] = v;
+        }
+        __syncthreads();
+    }
+};
+
 // Gate and up of pair blockIdx.y (input row pair / top_k of x, its expert of rank
 // pair % top_k), RMMA_ROWS rows from blockIdx.x·RMMA_ROWS: h[pair] = silu(gate) ⊙ up. The
 // unit is a group of x's row. With `logits` null the pair's expert is ids[pair], routed
@@ -1329,59 +1513,9 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
     int groups = cols / 64;
     unsigned* xs = smem;
     float* xsum = reinterpret_cast<float*>(smem + (size_t)groups * RMMA_UNIT);
-    float* red = xsum + groups;  // [RMMA_WARPS][2][RMMA_ROWS]
-    int pair = blockIdx.y, r0 = blockIdx.x * RMMA_ROWS;
-    int token = pair / top_k, rank = pair % top_k;
-    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, q = lane & 3;
-    size_t stride = row_words<BITS>(cols);
-    // Rows past the matrix read row 0 and are never stored.
-    int o0 = r0 + g < rows ? r0 + g : 0, o1 = r0 + g + 8 < rows ? r0 + g + 8 : 0;
-    const unsigned* rw[2][2];
-    const unsigned short* sc[2];
-    const unsigned short* bi[2];
-    auto find = [&](int expert) {
-        const unsigned long long* e = table + (size_t)expert * ROUTED_ENTRY;
-#pragma unroll
-        for (int m = 0; m < 2; m++) {
-            const unsigned* words = (const unsigned*)e[3 * m];
-            rw[m][0] = words + o0 * stride;
-            rw[m][1] = words + o1 * stride;
-            sc[m] = (const unsigned short*)e[3 * m + 1];
-            bi[m] = (const unsigned short*)e[3 * m + 2];
-        }
-    };
-    int per = (groups + RMMA_WARPS - 1) / RMMA_WARPS;
-    int u0 = min(groups, warp * per), u1 = min(groups, u0 + per);
-    float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-    const float a = recon_a<BITS>(), off = recon_o<BITS>();
-    unsigned w[UNITS][2][2][2];
-    unsigned short sb[UNITS][2];
-    auto load = [&](int base) {
-#pragma unroll
-        for (int j = 0; j < UNITS; j++)
-            if (base + j < u1)
-#pragma unroll
-                for (int m = 0; m < 2; m++)
-                    load_unit<BITS>(rw[m][0], rw[m][1], sc[m], bi[m], (size_t)o0 * groups,
-                                    (size_t)o1 * groups, base + j, q, w[j][m], sb[j][m]);
-    };
-    auto compute = [&](int base) {
-#pragma unroll
-        for (int j = 0; j < UNITS; j++) {
-            if (base + j >= u1) break;
-            unsigned bx[8];
-            unit_fragments(xs, base + j, g, q, bx);
-            float s = xsum[base + j];
-#pragma unroll
-            for (int m = 0; m < 2; m++) {
-                float2 p = unit_products<BITS>(w[j][m], q, bx);
-                float4 f = quad_scales(sb[j][m], lane);
-                acc[m][0] += a * f.x * p.x + (off * f.x + f.y) * s;
-                acc[m][1] += a * f.z * p.y + (off * f.z + f.w) * s;
-            }
-        }
-    };
-    auto x_row = [&](int) { return token; };
+    float* red = xsum + groups;
+    int pair = blockIdx.y, token = pair / top_k, rank = pair % top_k;
+    int expert;
     if (logits) {
         route_block(logits + (size_t)token * experts, nullptr, keep, route_ids, route_w,
                     experts, top_k, renormalize, cand, scratch);
@@ -1390,43 +1524,25 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
                 ids[token * top_k + k] = route_ids[k];
                 weights[token * top_k + k] = route_w[k];
             }
-        find(route_ids[rank]);
+        expert = route_ids[rank];
     } else {
-        find(ids[pair]);
+        expert = ids[pair];
     }
+    GateUpTile<BITS, UNITS> tile(table + (size_t)expert * ROUTED_ENTRY, blockIdx.x * RMMA_ROWS,
+                                 rows, cols);
     // The words' loads go out before x is staged, to overlap their latency.
-    load(u0);
-    stage_units<BITS>(xs, xsum, x, x_row, groups, groups, in_dim, threadIdx.x, blockDim.x);
+    tile.load(tile.u0);
+    stage_units<BITS>(xs, xsum, x, [&](int) { return token; }, groups, groups, in_dim,
+                      threadIdx.x, blockDim.x);
     __syncthreads();
-    compute(u0);
-    for (int base = u0 + UNITS; base < u1; base += UNITS) {
-        load(base);
-        compute(base);
-    }
-    if (q == 0) {
-#pragma unroll
-        for (int m = 0; m < 2; m++) {
-            red[(warp * 2 + m) * RMMA_ROWS + g] = acc[m][0];
-            red[(warp * 2 + m) * RMMA_ROWS + g + 8] = acc[m][1];
-        }
-    }
-    __syncthreads();
-    int t = threadIdx.x;
-    if (t < RMMA_ROWS && r0 + t < rows) {
-        float gv = 0.0f, uv = 0.0f;
-        for (int k = 0; k < RMMA_WARPS; k++) {
-            gv += red[(k * 2) * RMMA_ROWS + t];
-            uv += red[(k * 2 + 1) * RMMA_ROWS + t];
-        }
-        h[(size_t)pair * rows + r0 + t] = gv / (1.0f + expf(-gv)) * uv;
-    }
+    tile.finish(xs, xsum, red, h + (size_t)pair * rows);
 }
 
 // Down projections of token blockIdx.y's top_k pairs, RMMA_ROWS rows from
 // blockIdx.x·RMMA_ROWS, weighted by the route and added: out[token] = Σ_k weights[pair]
-// · down_k(h[pair]) (moe_combine folded in). Unit u is group u % groups of pair
-// token·top_k + u / groups. With `logits` not null (the gate and up kernel routed), the
-// token's first block also replaces its row of `experts` logits by their probabilities.
+// · down_k(h[pair]) (moe_combine folded in). With `logits` not null (the gate and up
+// kernel routed), the token's first block also replaces its row of `experts` logits by
+// their probabilities.
 template <int BITS, int UNITS>
 __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                 const float* weights, int top_k, const float* h, float* out,
@@ -1435,48 +1551,11 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
     int groups = cols / 64, units = top_k * groups;
     unsigned* xs = smem;
     float* xsum = reinterpret_cast<float*>(smem + (size_t)units * RMMA_UNIT);
-    float* red = xsum + units;  // [RMMA_WARPS][RMMA_ROWS]
-    int token = blockIdx.y, r0 = blockIdx.x * RMMA_ROWS;
-    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, q = lane & 3;
-    size_t stride = row_words<BITS>(cols);
-    int o0 = r0 + g < rows ? r0 + g : 0, o1 = r0 + g + 8 < rows ? r0 + g + 8 : 0;
-    int per = (units + RMMA_WARPS - 1) / RMMA_WARPS;
-    int u0 = min(units, warp * per), u1 = min(units, u0 + per);
-    float acc[2] = {0.0f, 0.0f};
-    const float a = recon_a<BITS>(), off = recon_o<BITS>();
-    unsigned w[UNITS][2][2];
-    unsigned short sb[UNITS];
-    float pw[UNITS];
-    auto load = [&](int base) {
-#pragma unroll
-        for (int j = 0; j < UNITS; j++) {
-            int u = base + j;
-            if (u < u1) {
-                int pair = token * top_k + u / groups;
-                const unsigned long long* e = table + (size_t)ids[pair] * ROUTED_ENTRY;
-                const unsigned* words = (const unsigned*)e[6];
-                load_unit<BITS>(words + o0 * stride, words + o1 * stride,
-                                (const unsigned short*)e[7], (const unsigned short*)e[8],
-                                (size_t)o0 * groups, (size_t)o1 * groups, u % groups, q, w[j],
-                                sb[j]);
-                pw[j] = weights[pair];
-            }
-        }
-    };
-    auto compute = [&](int base) {
-#pragma unroll
-        for (int j = 0; j < UNITS; j++) {
-            if (base + j >= u1) break;
-            unsigned bx[8];
-            unit_fragments(xs, base + j, g, q, bx);
-            float s = xsum[base + j];
-            float2 p = unit_products<BITS>(w[j], q, bx);
-            float4 f = quad_scales(sb[j], lane);
-            acc[0] += pw[j] * (a * f.x * p.x + (off * f.x + f.y) * s);
-            acc[1] += pw[j] * (a * f.z * p.y + (off * f.z + f.w) * s);
-        }
-    };
-    load(u0);
+    float* red = xsum + units;
+    int token = blockIdx.y;
+    DownTile<BITS, UNITS> tile(table, ids + token * top_k, weights + token * top_k, top_k,
+                               blockIdx.x * RMMA_ROWS, rows, cols);
+    tile.load(tile.u0);
     // While its words are on their way: the probabilities, by every thread of the block.
     if (logits && blockIdx.x == 0) {
         __shared__ __align__(16) float cand[ROUTE_SHARED_MAX];
@@ -1487,22 +1566,7 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
     stage_units<BITS>(xs, xsum, h, [&](int k) { return token * top_k + k; }, units, groups,
                       in_dim, threadIdx.x, blockDim.x);
     __syncthreads();
-    compute(u0);
-    for (int base = u0 + UNITS; base < u1; base += UNITS) {
-        load(base);
-        compute(base);
-    }
-    if (q == 0) {
-        red[warp * RMMA_ROWS + g] = acc[0];
-        red[warp * RMMA_ROWS + g + 8] = acc[1];
-    }
-    __syncthreads();
-    int t = threadIdx.x;
-    if (t < RMMA_ROWS && r0 + t < rows) {
-        float v = 0.0f;
-        for (int k = 0; k < RMMA_WARPS; k++) v += red[k * RMMA_ROWS + t];
-        out[(size_t)token * rows + r0 + t] = v;
-    }
+    tile.finish(xs, xsum, red, out + (size_t)token * rows);
 }
 
 // Units a warp loads at once: gate and up take two matrices a unit.
@@ -2078,6 +2142,164 @@ extern "C" __global__ void __launch_bounds__(256, 5)
     float v = matvec_bf16_part(w, x, rows, row, cols, part, parts);
     matvec_bf16_parts_done(v, out, rows, row, part, parts);
 }
+
+// ---- A decode step's MoE layer in one launch ----
+//
+// The router, the route and the routed experts of one token took three launches (router
+// product, gate/up, down), each waiting for the one before to drain, and the down kernel
+// could ask for its words only once it ran. moe_step does all of it in one grid whose
+// blocks are all resident at once (the host sizes it by the kernel's occupancy), in
+// phases that wait on counters in global memory instead of on kernel boundaries:
+//
+//   1. the first blocks' warps take the router's rows (bf16, their first loads before
+//      PDL_WAIT) and write the logits; every block stages x meanwhile;
+//   2. once every router row is written, every block routes the token itself
+//      (route_block), asks L2 for the down rows it will take, and runs its gate/up tiles;
+//   3. once every block's tiles are written, the blocks with down tiles stage h and run
+//      them; the first writes the probabilities over the logits.
+//
+// The products are GateUpTile's and DownTile's, so the results are the three launches',
+// bit for bit. `sync` holds three counters, zero at launch and zero again when the last
+// block leaves. A spin that outlasts two seconds traps, so a grid that could not all be
+// resident (another process's kernels sharing the device through MPS) fails loudly
+// instead of hanging.
+
+// Waits until *c ≥ target (the acquire makes the writes before the increments visible to
+// this thread; the caller's fence and barrier pass them to its block).
+__device__ __forceinline__ void wait_count(const unsigned* c, unsigned target) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    for (;;) {
+        unsigned v;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+        if (v >= target) return;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 > 2000000000ull) __trap();
+        __nanosleep(32);
+    }
+}
+
+// Asks L2 for the 128-byte lines of [p, p + bytes), the block's threads a line each.
+__device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes) {
+    const char* c = reinterpret_cast<const char*>((size_t)p & ~(size_t)127);
+    const char* end = reinterpret_cast<const char*>(p) + bytes;
+    for (c += threadIdx.x * 128; c < end; c += blockDim.x * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(c));
+}
+
+template <int BITS>
+__device__ void moe_step(const unsigned short* router, const float* x, float* probs,
+                         const unsigned char* keep, int experts, int renormalize, int top_k,
+                         const unsigned long long* table, float* h, float* out, unsigned* sync,
+                         int inter, int hidden, int up_cols, int down_cols) {
+    // Shared memory, as moe_step_shared on the host lays it out: the staged units (x's,
+    // then h's), the warps' sums, the candidates (16-byte aligned for route_block's float4
+    // reads), block 0's probabilities, the reduction scratch, the route.
+    extern __shared__ __align__(16) unsigned smem[];
+    int up_groups = up_cols / 64, down_groups = down_cols / 64;
+    int units = max(up_groups, top_k * down_groups);
+    unsigned* xs = smem;
+    float* xsum = reinterpret_cast<float*>(smem + (size_t)units * RMMA_UNIT);
+    float* red = xsum + ((units + 3) & ~3);  // [RMMA_WARPS][2][RMMA_ROWS]
+    float* cand = red + RMMA_WARPS * 2 * RMMA_ROWS;
+    float* mine = cand + ((experts + 3) & ~3);
+    float* scratch = mine + experts;
+    float* route_w = scratch + 32;
+    int* route_ids = reinterpret_cast<int*>(route_w + top_k);
+    int warps = gridDim.x * RMMA_WARPS, gw = blockIdx.x * RMMA_WARPS + threadIdx.x / WARP;
+    int router_blocks = min((int)gridDim.x, (experts + RMMA_WARPS - 1) / RMMA_WARPS);
+
+    // 1. Router rows (the logits go where the probabilities will be).
+    if (gw < experts) {
+        for (int r = gw; r < experts; r += warps) {
+            float v = matvec_bf16_part(router, x, experts, r, hidden, 0, 1);
+            if (threadIdx.x % WARP == 0) probs[r] = v;
+        }
+    } else {
+        PDL_WAIT();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && blockIdx.x < router_blocks) {
+        __threadfence();
+        atomicAdd(&sync[0], 1u);
+    }
+    stage_units<BITS>(xs, xsum, x, [](int) { return 0; }, up_groups, up_groups, hidden,
+                      threadIdx.x, blockDim.x);
+    if (threadIdx.x == 0) {
+        wait_count(&sync[0], (unsigned)router_blocks);
+        __threadfence();
+    }
+    __syncthreads();
+
+    // 2. The route, the down rows asked for, the gate/up tiles.
+    route_block(probs, blockIdx.x == 0 ? mine : nullptr, keep, route_ids, route_w, experts,
+                top_k, renormalize, cand, scratch);
+    int up_tiles = (inter + RMMA_ROWS - 1) / RMMA_ROWS;
+    int down_tiles = (hidden + RMMA_ROWS - 1) / RMMA_ROWS;
+    size_t down_row_bytes = row_words<BITS>(down_cols) * 4;
+    for (int t = blockIdx.x; t < down_tiles; t += gridDim.x) {
+        int r0 = t * RMMA_ROWS, n = min(RMMA_ROWS, hidden - r0);
+        for (int k = 0; k < top_k; k++) {
+            const unsigned long long* e = table + (size_t)route_ids[k] * ROUTED_ENTRY;
+            prefetch_l2((const char*)e[6] + r0 * down_row_bytes, n * down_row_bytes);
+            prefetch_l2((const unsigned short*)e[7] + (size_t)r0 * down_groups,
+                        n * down_groups * 2);
+            prefetch_l2((const unsigned short*)e[8] + (size_t)r0 * down_groups,
+                        n * down_groups * 2);
+        }
+    }
+    for (int t = blockIdx.x; t < top_k * up_tiles; t += gridDim.x) {
+        int pair = t / up_tiles;
+        GateUpTile<BITS, RMMA_GATE_UP_UNITS> tile(
+            table + (size_t)route_ids[pair] * ROUTED_ENTRY, (t % up_tiles) * RMMA_ROWS, inter,
+            up_cols);
+        tile.load(tile.u0);
+        tile.finish(xs, xsum, red, h + (size_t)pair * inter);
+    }
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(&sync[1], 1u);
+    }
+
+    // 3. The down tiles, once every h row is written.
+    if ((int)blockIdx.x < down_tiles) {
+        if (threadIdx.x == 0) {
+            wait_count(&sync[1], gridDim.x);
+            __threadfence();
+        }
+        __syncthreads();
+        // Every block has routed: the logits may give way to the probabilities.
+        if (blockIdx.x == 0)
+            for (int d = threadIdx.x; d < experts; d += blockDim.x) probs[d] = mine[d];
+        stage_units<BITS>(xs, xsum, h, [](int k) { return k; }, top_k * down_groups,
+                          down_groups, inter, threadIdx.x, blockDim.x);
+        __syncthreads();
+        for (int t = blockIdx.x; t < down_tiles; t += gridDim.x) {
+            DownTile<BITS, RMMA_DOWN_UNITS> tile(table, route_ids, route_w, top_k,
+                                                 t * RMMA_ROWS, hidden, down_cols);
+            tile.load(tile.u0);
+            tile.finish(xs, xsum, red, out);
+        }
+    }
+    if (threadIdx.x == 0 && atomicAdd(&sync[2], 1u) == gridDim.x - 1) {
+        sync[0] = sync[1] = sync[2] = 0;
+        __threadfence();
+    }
+}
+
+#define MOE_STEP(B)                                                                           \
+    extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, 2) moe_step_q##B(          \
+        const unsigned short* router, const float* x, float* probs, const unsigned char* keep, \
+        int experts, int renormalize, int top_k, const unsigned long long* table, float* h,    \
+        float* out, unsigned* sync, int inter, int hidden, int up_cols, int down_cols) {       \
+        PDL_LAUNCH();                                                                          \
+        moe_step<B>(router, x, probs, keep, experts, renormalize, top_k, table, h, out, sync,   \
+                    inter, hidden, up_cols, down_cols);                                        \
+    }
+
+MOE_STEP(4)
+MOE_STEP(3)
+MOE_STEP(2)
 
 // ---- Decode attention split over the keys ----
 //

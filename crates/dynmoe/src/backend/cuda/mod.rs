@@ -357,7 +357,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 100] = [
+const KERNEL_NAMES: [&str; 103] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -416,6 +416,9 @@ const KERNEL_NAMES: [&str; 100] = [
     "dense_mma_q4",
     "dense_mma_q3",
     "dense_mma_q2",
+    "moe_step_q4",
+    "moe_step_q3",
+    "moe_step_q2",
     "write_row_at",
     "attn_preamble_at",
     "argmax_rows",
@@ -776,6 +779,13 @@ pub struct Cuda {
     /// than the matrix-vector kernels (`affine_routed_*`). On from sm_80 unless
     /// `DYNMOE_CUDA_ROUTED_MMA=0`.
     routed_mma: Switch<bool>,
+    /// Whether a decode step's affine MoE layers run as one `moe_step` launch
+    /// (`DYNMOE_CUDA_MOE_STEP=0`: the router, gate/up and down launches).
+    moe_step: Switch<bool>,
+    /// Shared memory a `moe_step` block may take (the device's opt-in where it was granted).
+    moe_step_shared: usize,
+    /// The three counters `moe_step`'s phases wait on, zero between launches.
+    moe_sync: Mutex<Option<CudaSlice<u32>>>,
     /// Whether resident sets of VQ experts live in device slots (`DYNMOE_CUDA_VQ_SLOTS=0`
     /// keeps them in host memory).
     vq_slots: Switch<bool>,
@@ -784,6 +794,8 @@ pub struct Cuda {
     bf16_matrices: bool,
     /// How one-row attention runs (a [`DecodeAttention`] as its `u8`).
     decode_attention: Switch<DecodeAttention>,
+    /// Keys per block of the grouped decode attention when set, else 0 ([`group_chunk`]).
+    decode_chunk: std::sync::atomic::AtomicUsize,
     /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
     prefill_attention: Switch<PrefillAttention>,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
@@ -1059,6 +1071,20 @@ fn routed_mma_shared(units: usize) -> usize {
     units * RMMA_UNIT_BYTES + RMMA_WARPS * 2 * RMMA_ROWS * 4
 }
 
+/// Shared memory of a `moe_step` block, as the kernel lays it out: the staged units (x's
+/// `up_cols`, then the top_k h rows' `down_cols`), the warps' sums, the route's candidates
+/// and block 0's probabilities, a reduction scratch, the route.
+fn moe_step_shared(experts: usize, top_k: usize, up_cols: usize, down_cols: usize) -> usize {
+    let units = (up_cols / GROUP_SIZE).max(top_k * (down_cols / GROUP_SIZE));
+    units * (RMMA_UNIT_BYTES - 4)
+        + units.next_multiple_of(4) * 4
+        + RMMA_WARPS * 2 * RMMA_ROWS * 4
+        + experts.next_multiple_of(4) * 4
+        + experts * 4
+        + 32 * 4
+        + 2 * top_k * 4
+}
+
 /// The warps that split a job of the one-row dense kernels (`dense_mma`'s `parts`, a
 /// power of two up to [`RMMA_WARPS`]) and the blocks of the launch, for `tiles` tiles of
 /// [`RMMA_ROWS`] rows of `groups` 64-column groups on `sms` multiprocessors. A job of
@@ -1201,6 +1227,16 @@ impl Cuda {
         } else {
             SHARED_LIMIT
         };
+        // moe_step stages a token's h rows beside its route: 62 KB at Qwen3-235B-A22B's
+        // shapes.
+        let moe_step_shared = if ["moe_step_q4", "moe_step_q3", "moe_step_q2"]
+            .iter()
+            .all(|n| f[n].set_attribute(attr, optin as i32).is_ok())
+        {
+            optin
+        } else {
+            SHARED_LIMIT
+        };
         // A stream of its own: the legacy default stream cannot be recorded into a graph.
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
@@ -1229,8 +1265,12 @@ impl Cuda {
             tensor_cores: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_TENSOR_CORES")),
             routed_mma: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_ROUTED_MMA")),
             vq_slots: Switch::new(!switched_off("DYNMOE_CUDA_VQ_SLOTS")),
+            moe_step: Switch::new(!switched_off("DYNMOE_CUDA_MOE_STEP")),
+            moe_step_shared,
+            moe_sync: Mutex::new(None),
             bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
             decode_attention: Switch::new(DecodeAttention::from_env()),
+            decode_chunk: std::sync::atomic::AtomicUsize::new(0),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
             prefill_attention: Switch::new(PrefillAttention::from_env()),
             tiled_head_dim,
@@ -1316,6 +1356,18 @@ impl Cuda {
         self.decode_attention.get()
     }
 
+    /// Keys each block of the grouped decode attention takes from now on: `None` follows
+    /// the cache's capacity ([`group_chunk`], the default); a number is rounded to whole
+    /// score steps within the kernel's limits, to measure one split against another.
+    /// Steps already recorded keep theirs.
+    pub fn set_decode_chunk(&self, keys: Option<usize>) {
+        let keys = keys.map_or(0, |k| {
+            (k.div_ceil(ATT_STEP) * ATT_STEP).clamp(ATT_STEP, ATT_CHUNK_MAX)
+        });
+        self.decode_chunk
+            .store(keys, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Whether products of many rows run on tensor cores from now on (the default on
     /// sm_80 and later); off, they take cuBLAS' f32 GEMM and the experts' one-by-one
     /// path, to measure one against the other. Ignored before sm_80.
@@ -1358,6 +1410,20 @@ impl Cuda {
     /// [`set_vq_slots`](Self::set_vq_slots)).
     pub fn vq_slots(&self) -> bool {
         self.vq_slots.get()
+    }
+
+    /// Whether a decode step's MoE layers with affine experts run as one launch from now on
+    /// (`moe_step`: router, route, gate/up and down in phases of one grid, the default) or
+    /// as three (router, gate/up with the route, down), to measure one against the other.
+    /// Both give the same result bit for bit. Steps already recorded keep their way.
+    pub fn set_moe_step(&self, on: bool) {
+        self.moe_step.set(on);
+    }
+
+    /// Whether a decode step's affine MoE layers run as one launch (see
+    /// [`set_moe_step`](Self::set_moe_step)).
+    pub fn moe_step(&self) -> bool {
+        self.moe_step.get()
     }
 
     /// Whether products of many rows run on tensor cores (see
@@ -2216,6 +2282,79 @@ impl Cuda {
         })
     }
 
+    /// One decode token's MoE layer as one `moe_step` launch: the router product of `x`
+    /// with the bf16 router `gate`, the route (`probs` receives the probabilities), the
+    /// affine experts through `r.table`, the weighted sum into `out`. Declines (false)
+    /// what the kernel does not take, for the launches it replaces.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_moe_step(
+        &self,
+        r: &Routed<'_>,
+        gate: &DeviceMatrix,
+        x: u64,
+        rows: usize,
+        hidden: usize,
+        probs: u64,
+        out: u64,
+    ) -> bool {
+        let (RoutedKind::Affine(shape), DeviceMatrix::Bf16(router)) = (r.kind, gate) else {
+            return false;
+        };
+        let (e, k) = (r.experts, r.route.top_k);
+        let shared = moe_step_shared(e, k, shape.up_cols, shape.down_cols);
+        if rows != 1
+            || !(self.moe_step() && self.routed_mma())
+            || e > ROUTE_SHARED_MAX
+            || !hidden.is_multiple_of(8)
+            || shared > self.moe_step_shared
+        {
+            return false;
+        }
+        let name = format!("moe_step_{}", bits_suffix(shape.bits));
+        let f = self.func(&name);
+        let threads = (RMMA_WARPS * 32) as u32;
+        let per_sm = ok(
+            f.occupancy_max_active_blocks_per_multiprocessor(threads, shared, None),
+            "occupancy",
+        ) as usize;
+        if per_sm == 0 {
+            return false;
+        }
+        // Every block resident at once (the phases wait on each other), and no more than
+        // there are tiles of the larger phase.
+        let tiles = (k * shape.inter.div_ceil(RMMA_ROWS)).max(hidden.div_ceil(RMMA_ROWS));
+        let blocks = tiles.min(per_sm * self.sms);
+        let [_, _, h, _, _] = self.routed_scratch_at(k, k, shape.inter, hidden);
+        let sync = {
+            let mut s = self.moe_sync.lock().expect("sync lock");
+            let buf = s.get_or_insert_with(|| ok(self.stream.alloc_zeros::<u32>(4), "alloc"));
+            let at = buf.device_ptr(&self.stream).0;
+            at
+        };
+        let (ei, rn, ki) = (e as i32, r.route.renormalize as i32, k as i32);
+        let (ii, hi, uc, dc) = (
+            shape.inter as i32,
+            hidden as i32,
+            shape.up_cols as i32,
+            shape.down_cols as i32,
+        );
+        let mut l = self.launcher(f);
+        l.arg(router)
+            .arg(&x)
+            .arg(&probs)
+            .arg(&r.keep)
+            .arg(&ei)
+            .arg(&rn)
+            .arg(&ki);
+        l.arg(&r.table).arg(&h).arg(&out).arg(&sync);
+        l.arg(&ii).arg(&hi).arg(&uc).arg(&dc);
+        ok(
+            unsafe { l.launch(cfg(blocks, threads, shared)) },
+            "moe_step",
+        );
+        true
+    }
+
     /// Routes `rows` rows whose router logits are at device address `probs` (turned into
     /// probabilities there) and runs their experts: the route kernel, the gate/up and down
     /// launches reading the chosen experts through `r.table`, and the weighted combine into
@@ -2869,7 +3008,10 @@ impl Cuda {
             .filter(|_| self.decode_attention() == DecodeAttention::Grouped);
         let (chunk, blocks_x, name, threads) = match grouped {
             Some(name) => (
-                group_chunk(capacity, shape.kv_heads * tiles, self.sms),
+                match self.decode_chunk.load(std::sync::atomic::Ordering::Relaxed) {
+                    0 => group_chunk(capacity, shape.kv_heads * tiles, self.sms),
+                    keys => keys,
+                },
                 shape.kv_heads * tiles,
                 name,
                 ATT_THREADS,
@@ -3688,10 +3830,7 @@ impl Backend for Cuda {
         };
         let kind = block.kind;
         let table = block.table.device_ptr(&self.stream).0;
-        // Router logits into the probabilities' slot; the route kernel turns them into
-        // probabilities in place.
         let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
-        self.dense_product(x, gate, rows, hidden, e, &mut logits);
         let probs_ptr = logits.device_ptr_mut(&self.stream).0;
         let x_ptr = x.device_ptr(&self.stream).0;
         let out_ptr = out.device_ptr_mut(&self.stream).0;
@@ -3702,6 +3841,12 @@ impl Backend for Cuda {
             experts: e,
             route,
         };
+        if self.launch_moe_step(&routed, gate, x_ptr, rows, hidden, probs_ptr, out_ptr) {
+            return true;
+        }
+        // Router logits into the probabilities' slot; the route kernel turns them into
+        // probabilities in place.
+        self.dense_product(x, gate, rows, hidden, e, &mut logits);
         match kind {
             RoutedKind::Affine(_) => {
                 self.launch_routed(&routed, x_ptr, rows, hidden, probs_ptr, out_ptr)
@@ -3768,7 +3913,6 @@ impl Backend for Cuda {
             return false;
         }
         let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
-        self.dense_product(x, gate, rows, hidden, e, &mut logits);
         let probs_at = logits.device_ptr_mut(&self.stream).0;
         let (x_at, out_at) = (
             x.device_ptr(&self.stream).0,
@@ -3781,6 +3925,10 @@ impl Backend for Cuda {
             experts: e,
             route,
         };
+        if self.launch_moe_step(&routed, gate, x_at, rows, hidden, probs_at, out_at) {
+            return true;
+        }
+        self.dense_product(x, gate, rows, hidden, e, &mut logits);
         // The routed kernels read each chosen expert once per row: fine for a decode step,
         // and for a prompt the only path that reads device slots.
         self.launch_routed_chunks(&routed, x_at, rows, hidden, probs_at, out_at);
