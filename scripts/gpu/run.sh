@@ -37,13 +37,16 @@
 # profile  a 2-layer model's 512-token prompt and 8 decode steps at 4 bits under Nsight
 #          Compute: each kernel's time per prompt (profile.log, profile.csv)
 # profile-routed  Nsight Compute's speed-of-light, occupancy and warp-state sections for the
-#          routed expert kernels of a decode step, 2-layer model at 4 bits (profile_routed.log)
+#          routed expert, attention and one-row kernels of a decode step, 2-layer model at 4
+#          bits (profile_routed.log)
+# resources ptxas's registers, stack, spills and shared memory of every kernel (ptxas.log;
+#          needs nvcc)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
 #          keys, with dense weights in f32 instead of bf16, prompts without tensor cores,
 #          the prompt's attention by the per-row kernel instead of the tiled one, kernels
 #          launched without programmatic dependent launch, a decode step's experts through
-#          the matrix-vector kernels instead of tensor cores, and decode after a 16-token
-#          prompt (model_variants.log)
+#          the matrix-vector kernels instead of tensor cores, its MoE layers as three launches
+#          instead of one, and decode after a 16-token prompt (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -203,6 +206,8 @@ for step in $steps; do
             variant "kernels launched without programmatic dependent launch" DYNMOE_CUDA_PDL=0
             variant "decode experts through the matrix-vector kernels, not tensor cores" \
                 DYNMOE_CUDA_ROUTED_MMA=0
+            variant "a decode step's MoE layers as three launches (router, gate/up, down), not one" \
+                DYNMOE_CUDA_MOE_STEP=0
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128
         } 2>&1 | tee "$OUT/model_variants.log"
@@ -221,6 +226,13 @@ for step in $steps; do
         # Four prompts ran (a warm-up and a timed run, with graphs and without): the
         # prompt's kernels read per prompt; decode kernels are totals over 4 × 2 × 8 steps / 4.
         python3 "$BIN/kernel_times.py" "$OUT/profile.csv" 4 2>&1 | tee -a "$OUT/profile.log"
+        ;;
+    resources)
+        echo "== registers, spills and shared memory of every kernel (ptxas)"
+        nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null "$BIN/kernels.cu" \
+            > "$OUT/ptxas.log" 2>&1 || status=1
+        grep -A1 -E "Compiling entry function '(moe_step|dense_mma|routed_mma|moe_route)" \
+            "$OUT/ptxas.log" | grep -E "entry|registers|spill" | head -40
         ;;
     profile-routed)
         echo "== where a decode step's routed expert kernels wait (Nsight Compute)"

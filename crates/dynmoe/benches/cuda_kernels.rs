@@ -132,11 +132,12 @@ fn fresh_bf16(len: usize, salt: u64) -> Vec<f32> {
         .collect()
 }
 
-/// One decode token's routed step (`step(t)` routes token `t` of `tokens`) with the
-/// experts' products on tensor cores (the default, graph key `key + 1`), then on CUDA
-/// cores (`key`), each launched call by call and then recorded as a graph (as a decode
-/// step runs): a printed line and a row `name_{mma,matvec}_{eager,graph}` of each,
-/// `bytes` a token.
+/// One decode token's routed step (`step(t)` routes token `t` of `tokens`) as one launch
+/// (`moe_step`, the default for affine experts, graph key `key + 2`), as three launches on
+/// tensor cores (`key + 1`), then on CUDA cores (`key`), each launched call by call and
+/// then recorded as a graph (as a decode step runs): a printed line and a row
+/// `name_{step,mma,matvec}_{eager,graph}` of each, `bytes` a token. Experts the one launch
+/// does not take (VQ) run the three-launch way under `step` too.
 #[allow(clippy::too_many_arguments)]
 fn routed_step_rows(
     g: &Cuda,
@@ -149,12 +150,17 @@ fn routed_step_rows(
     copy_gb_s: f64,
     rows_out: &mut Vec<Row>,
 ) {
-    let was = g.routed_mma();
-    for (mma, way) in [(true, "mma"), (false, "matvec")] {
+    let (was, was_step) = (g.routed_mma(), g.moe_step());
+    for (mma, one, way) in [
+        (true, true, "step"),
+        (true, false, "mma"),
+        (false, false, "matvec"),
+    ] {
         g.set_routed_mma(mma);
+        g.set_moe_step(one);
         let ms = time_ms(g, || (0..tokens).for_each(&mut step));
         let eager = ms * 1e3 / tokens as f64;
-        let graph = graph_us(g, key + mma as u64, |i| step(i % tokens));
+        let graph = graph_us(g, key + mma as u64 + one as u64, |i| step(i % tokens));
         for (per_token, launched) in [(eager, "eager"), (graph, "graph")] {
             let row = Row::new(
                 format!("{name}_{way}_{launched}"),
@@ -168,6 +174,7 @@ fn routed_step_rows(
         }
     }
     g.set_routed_mma(was);
+    g.set_moe_step(was_step);
 }
 
 struct HostAffine {
@@ -422,7 +429,7 @@ fn main() {
         let mut probs = g.alloc(experts);
         routed_step_rows(
             &g,
-            100 + 2 * bits as u64,
+            100 + 3 * bits as u64,
             tokens,
             |t| {
                 let x = &xs[t];
@@ -452,7 +459,7 @@ fn main() {
             ("top1", "routed step, top-1", 1, None, bytes / top_k),
         ];
         let mut logits = g.alloc(experts);
-        let us = graph_us(&g, 149 + 4 * bits as u64, |t| {
+        let us = graph_us(&g, 299 + 4 * bits as u64, |t| {
             g.matmul(&xs[t % tokens], &gate, 1, hidden, experts, &mut logits)
         });
         let row = Row::new(
@@ -480,7 +487,7 @@ fn main() {
                 g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
             };
             step(0);
-            let us = graph_us(&g, 150 + 4 * bits as u64 + i as u64, step);
+            let us = graph_us(&g, 300 + 4 * bits as u64 + i as u64, step);
             let row = Row::new(
                 format!("moe_routed_on_device_{name}_q{bits}"),
                 [inter, hidden, 1],
@@ -605,7 +612,7 @@ fn main() {
         let (mut probs, mut out) = (g.alloc(512 * experts), g.alloc(512 * hidden));
         routed_step_rows(
             &g,
-            120 + 2 * rung.position() as u64,
+            200 + 3 * rung.position() as u64,
             tokens,
             |t| {
                 let x = &xs[t];
@@ -780,6 +787,33 @@ fn main() {
             }
         }
         g.set_decode_attention(DecodeAttention::Grouped);
+        // The grouped kernel with other splits of the keys than its own (group_chunk):
+        // fewer, longer blocks leave less for the merge.
+        for (i, keys) in [16usize, 32, 64, 128, 256].into_iter().enumerate() {
+            if keys >= ctx {
+                break;
+            }
+            g.set_decode_chunk(Some(keys));
+            let graph = graph_us(&g, 400 + ctx as u64 * 8 + i as u64, |i| {
+                let (k, v) = &caches[i % copies];
+                g.attention(&q, k, v, shape, &mut out)
+            });
+            let row = Row::new(
+                format!("attention_decode_chunk{keys}_graph"),
+                [ctx, kvw, 1],
+                bytes,
+                copies,
+                graph,
+                copy_gb_s,
+            );
+            report(
+                &mut rows_out,
+                &format!("attn dec g, {keys} keys a block"),
+                row,
+                "",
+            );
+        }
+        g.set_decode_chunk(None);
     }
     // Prefill attention at the same heads: a prompt of `n` rows from position 0, causal,
     // through the tiled kernel and the per-row kernel it replaced, timed as the rows
