@@ -13,7 +13,8 @@
 # model    a converted directory of Qwen3-30B-A3B's shape with random weights (first $LAYERS
 #          layers; LAYERS=48 is the whole model, about 41 GB under $WORK) written straight
 #          as 4/3/2-bit stores by `dynmoe synth --bits`, decode and prefill tok/s at each
-#          (model_speed.json)
+#          (model_speed.json); with DENSE=q4 its attention and LM head at that codec too
+#          (model_speed_dense_q4.json)
 # model-vq the same shape (or $LIKE's, e.g. LIKE=qwen3-coder-480b-a35b LAYERS=4) as a
 #          compressed directory whose plan puts every MoE layer's experts at the VQ rung
 #          $VQ (default vq1.5), random codes written straight by `dynmoe synth --vq`: decode
@@ -45,8 +46,8 @@
 #          keys, with dense weights in f32 instead of bf16, prompts without tensor cores,
 #          the prompt's attention by the per-row kernel instead of the tiled one, kernels
 #          launched without programmatic dependent launch, a decode step's experts through
-#          the matrix-vector kernels instead of tensor cores, its MoE layers as three launches
-#          instead of one, and decode after a 16-token prompt (model_variants.log)
+#          the matrix-vector kernels instead of tensor cores, its MoE layers as one launch
+#          instead of three, and decode after a 16-token prompt (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -104,8 +105,12 @@ for step in $steps; do
             time "$BIN/dynmoe" synth --like qwen3-30b-a3b --layers "$LAYERS" --bits 4,3,2 \
                 -o "$m" --tokenizer-from fixtures/models/small-moe || status=1
         fi
-        "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4,3,2 \
-            --prompt 512 --generate 128 --json "$OUT/model_speed.json" 2>&1 | tee "$OUT/model.log"
+        # DENSE=q4 (or another codec): attention projections and LM head at it too.
+        dense=() name=model_speed
+        [ -n "${DENSE:-}" ] && dense=(--dense-codec "$DENSE" --head-codec "$DENSE") &&
+            name=model_speed_dense_$DENSE
+        "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4,3,2 ${dense[@]+"${dense[@]}"} \
+            --prompt 512 --generate 128 --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         ;;
     model-vq)
@@ -206,8 +211,8 @@ for step in $steps; do
             variant "kernels launched without programmatic dependent launch" DYNMOE_CUDA_PDL=0
             variant "decode experts through the matrix-vector kernels, not tensor cores" \
                 DYNMOE_CUDA_ROUTED_MMA=0
-            variant "a decode step's MoE layers as three launches (router, gate/up, down), not one" \
-                DYNMOE_CUDA_MOE_STEP=0
+            variant "a decode step's MoE layers as one launch (moe_step), not three" \
+                DYNMOE_CUDA_MOE_STEP=1
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128
         } 2>&1 | tee "$OUT/model_variants.log"

@@ -133,7 +133,7 @@ fn fresh_bf16(len: usize, salt: u64) -> Vec<f32> {
 }
 
 /// One decode token's routed step (`step(t)` routes token `t` of `tokens`) as one launch
-/// (`moe_step`, the default for affine experts, graph key `key + 2`), as three launches on
+/// (`moe_step`, graph key `key + 2`), as three launches on
 /// tensor cores (`key + 1`), then on CUDA cores (`key`), each launched call by call and
 /// then recorded as a graph (as a decode step runs): a printed line and a row
 /// `name_{step,mma,matvec}_{eager,graph}` of each, `bytes` a token. Experts the one launch

@@ -1508,9 +1508,13 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Co
             g.routed_mma(),
             g.moe_step()
         );
+        // Past 8 rows a bf16 router's product runs on tensor cores over two bf16 parts of
+        // x (about 16 of its bits), and the probabilities differ from the reference by up
+        // to ~8e-6 (cuBLAS picks the GEMM per call); the experts' weights carry that.
+        let tol = if rows > 8 && gate_bf16 { 2e-5 } else { 1e-5 };
         assert!(
-            e_out < 1e-5 && e_p < 1e-5,
-            "routed moe: {e_out:.2e} {e_p:.2e}"
+            e_out < tol && e_p < tol,
+            "routed moe: {e_out:.2e} {e_p:.2e} over {tol:.0e}"
         );
         assert!(
             got_p[..at].iter().all(|v| v.is_nan()),

@@ -2162,7 +2162,8 @@ extern "C" __global__ void __launch_bounds__(256, 5)
 // bit for bit. `sync` holds three counters, zero at launch and zero again when the last
 // block leaves. A spin that outlasts two seconds traps, so a grid that could not all be
 // resident (another process's kernels sharing the device through MPS) fails loudly
-// instead of hanging.
+// instead of hanging. Measured in a decode step it was slower than the three launches
+// (docs/GPU_NOTES.md), so the host takes it only when asked (DYNMOE_CUDA_MOE_STEP=1).
 
 // Waits until *c ≥ target (the acquire makes the writes before the increments visible to
 // this thread; the caller's fence and barrier pass them to its block).

@@ -780,7 +780,7 @@ pub struct Cuda {
     /// `DYNMOE_CUDA_ROUTED_MMA=0`.
     routed_mma: Switch<bool>,
     /// Whether a decode step's affine MoE layers run as one `moe_step` launch
-    /// (`DYNMOE_CUDA_MOE_STEP=0`: the router, gate/up and down launches).
+    /// (`DYNMOE_CUDA_MOE_STEP=1`) or as the router, gate/up and down launches.
     moe_step: Switch<bool>,
     /// Shared memory a `moe_step` block may take (the device's opt-in where it was granted).
     moe_step_shared: usize,
@@ -1265,7 +1265,9 @@ impl Cuda {
             tensor_cores: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_TENSOR_CORES")),
             routed_mma: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_ROUTED_MMA")),
             vq_slots: Switch::new(!switched_off("DYNMOE_CUDA_VQ_SLOTS")),
-            moe_step: Switch::new(!switched_off("DYNMOE_CUDA_MOE_STEP")),
+            // Measured slower in a decode step than the three launches it replaces
+            // (docs/GPU_NOTES.md), so off unless asked for.
+            moe_step: Switch::new(std::env::var("DYNMOE_CUDA_MOE_STEP").is_ok_and(|v| v == "1")),
             moe_step_shared,
             moe_sync: Mutex::new(None),
             bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
@@ -1413,9 +1415,10 @@ impl Cuda {
     }
 
     /// Whether a decode step's MoE layers with affine experts run as one launch from now on
-    /// (`moe_step`: router, route, gate/up and down in phases of one grid, the default) or
-    /// as three (router, gate/up with the route, down), to measure one against the other.
-    /// Both give the same result bit for bit. Steps already recorded keep their way.
+    /// (`moe_step`: router, route, gate/up and down in phases of one grid) or as three
+    /// (router, gate/up with the route, down: the default, which measured faster in a
+    /// decode step), to measure one against the other. Both give the same result bit for
+    /// bit. Steps already recorded keep their way.
     pub fn set_moe_step(&self, on: bool) {
         self.moe_step.set(on);
     }
