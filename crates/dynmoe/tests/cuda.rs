@@ -16,8 +16,7 @@ use dynmoe::backend::cuda::{DecodeAttention, PrefillAttention};
 use dynmoe::backend::{
     AttentionShape, Backend, Cpu, Cuda, DeviceRoute, HeadNorm, RoutedExperts, SwiGluGroup, Weight,
 };
-use dynmoe::codec::affine::kernels::AffineView;
-use dynmoe::codec::affine::{lowbit, quantize};
+use dynmoe::codec::affine::AffineMatrix;
 use dynmoe::eval::ppl::{perplexity, PplOptions};
 use dynmoe::model::config::Router;
 use dynmoe::model::moe::route;
@@ -899,45 +898,10 @@ fn attention_preamble_matches_the_single_ops() {
 }
 
 /// A random matrix quantized to MLX 4 bits and repacked at `bits`.
-struct Affine {
-    bits: u32,
-    rows: usize,
-    cols: usize,
-    words: Vec<u32>,
-    scales: Vec<bf16>,
-    biases: Vec<bf16>,
-}
+type Affine = AffineMatrix;
 
-impl Affine {
-    fn new(rows: usize, cols: usize, bits: u32, salt: u64) -> Affine {
-        let q = quantize(&fresh(rows * cols, salt), rows, cols, 4).unwrap();
-        let words = if bits == 4 {
-            q.words.clone()
-        } else {
-            let mut dst = vec![0u32; rows * lowbit::words_per_row(cols, bits)];
-            lowbit::pack_matrix(&q.words, rows, cols, bits, &mut dst);
-            dst
-        };
-        Affine {
-            bits,
-            rows,
-            cols,
-            words,
-            scales: q.scales,
-            biases: q.biases,
-        }
-    }
-
-    fn view(&self) -> AffineView<'_> {
-        AffineView {
-            bits: self.bits,
-            rows: self.rows,
-            cols: self.cols,
-            words: &self.words,
-            scales: &self.scales,
-            biases: &self.biases,
-        }
-    }
+fn affine(rows: usize, cols: usize, bits: u32, salt: u64) -> Affine {
+    AffineMatrix::quantize(&fresh(rows * cols, salt), rows, cols, bits).unwrap()
 }
 
 #[test]
@@ -949,7 +913,7 @@ fn affine_products_match_the_reference_at_every_width_and_batch() {
     let shapes = [(768, 2048, 2048), (2048, 768, 768), (96, 128, 80)];
     for bits in [4, 3, 2] {
         for (i, &(rows, cols, in_dim)) in shapes.iter().enumerate() {
-            let m = Affine::new(rows, cols, bits, 40 + i as u64);
+            let m = affine(rows, cols, bits, 40 + i as u64);
             for batch in [1, 3, 4, 6, 9, 40] {
                 let x = fresh(batch * in_dim, 50 + batch as u64);
                 let w = m.view();
@@ -986,7 +950,7 @@ fn dense_affine_products_match_the_reference_every_way() {
     let (mma, cores) = (g.routed_mma(), g.tensor_cores());
     for bits in [4, 3, 2] {
         for (i, &(rows, cols, in_dim, batch)) in shapes.iter().enumerate() {
-            let m = Affine::new(rows, cols, bits, 70 + i as u64);
+            let m = affine(rows, cols, bits, 70 + i as u64);
             let x = fresh(batch * in_dim, 75 + i as u64);
             let w = m.view();
             for tensor_cores in [true, false] {
@@ -1009,7 +973,7 @@ fn dense_affine_products_match_the_reference_every_way() {
             .enumerate()
         {
             let ms: Vec<Affine> = (0..3)
-                .map(|j| Affine::new(dims[j], cols, bits, 80 + 3 * case as u64 + j as u64))
+                .map(|j| affine(dims[j], cols, bits, 80 + 3 * case as u64 + j as u64))
                 .collect();
             let x = fresh(cols, 85 + case as u64);
             let total: usize = dims.iter().sum();
@@ -1143,9 +1107,9 @@ fn vq_experts_through_swiglu_groups_match_the_reference() {
             .collect();
         let scales: Vec<Vec<f32>> = counts.iter().map(|&n| fresh(n, 190 + n as u64)).collect();
         let aff = [
-            Affine::new(inter, hidden, 4, 195),
-            Affine::new(inter, hidden, 4, 196),
-            Affine::new(hidden, 128, 4, 197),
+            affine(inter, hidden, 4, 195),
+            affine(inter, hidden, 4, 196),
+            affine(hidden, 128, 4, 197),
         ];
         let aff_rows: Vec<u32> = (0..tokens as u32).step_by(5).collect();
         let aff_scales = fresh(aff_rows.len(), 198);
@@ -1208,9 +1172,9 @@ fn moe_dispatch_matches_the_reference() {
         let mats: Vec<[Affine; 3]> = (0..counts.len() as u64)
             .map(|e| {
                 [
-                    Affine::new(inter, hidden, bits, 80 + 3 * e),
-                    Affine::new(inter, hidden, bits, 81 + 3 * e),
-                    Affine::new(hidden, 128, bits, 82 + 3 * e),
+                    affine(inter, hidden, bits, 80 + 3 * e),
+                    affine(inter, hidden, bits, 81 + 3 * e),
+                    affine(hidden, 128, bits, 82 + 3 * e),
                 ]
             })
             .collect();
@@ -1363,9 +1327,9 @@ impl Experts {
                     (0..experts)
                         .map(|e| {
                             [
-                                Affine::new(inter, hidden, bits, salt(e, 0)),
-                                Affine::new(inter, hidden, bits, salt(e, 1)),
-                                Affine::new(hidden, down_cols, bits, salt(e, 2)),
+                                affine(inter, hidden, bits, salt(e, 0)),
+                                affine(inter, hidden, bits, salt(e, 1)),
+                                affine(hidden, down_cols, bits, salt(e, 2)),
                             ]
                         })
                         .collect(),
@@ -1554,9 +1518,9 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     let mats: Vec<[Affine; 3]> = (0..4u64)
         .map(|e| {
             [
-                Affine::new(inter, hidden, 4, 500 + 3 * e),
-                Affine::new(inter, hidden, 4, 501 + 3 * e),
-                Affine::new(hidden, 128, 4, 502 + 3 * e),
+                affine(inter, hidden, 4, 500 + 3 * e),
+                affine(inter, hidden, 4, 501 + 3 * e),
+                affine(hidden, 128, 4, 502 + 3 * e),
             ]
         })
         .collect();
@@ -1618,14 +1582,14 @@ fn device_weight_copies_follow_the_host_words() {
     let Some(g) = gpu() else { return };
     // The same host buffer rewritten in place: the cached device copy must not be
     // served for the new words.
-    let mut m = Affine::new(64, 128, 4, 60);
+    let mut m = affine(64, 128, 4, 60);
     let x = fresh(128, 61);
     let xt = g.upload(&x);
     let mut first = vec![0.0; 64];
     let mut out = g.alloc(64);
     g.matmul_affine(&xt, &m.view(), 1, 128, &mut out);
     g.download(&out, &mut first);
-    let fresh_words = Affine::new(64, 128, 4, 62).words;
+    let fresh_words = affine(64, 128, 4, 62).words;
     m.words.copy_from_slice(&fresh_words);
     let mut second = vec![0.0; 64];
     g.matmul_affine(&xt, &m.view(), 1, 128, &mut out);

@@ -1312,10 +1312,29 @@ __device__ __forceinline__ void load_unit(const unsigned* row0, const unsigned* 
 // splitting the units of the pair's input row, which the block stages in xs / xsum
 // (stage_units). `entry` is the expert's ROUTED_ENTRY pointers. The caller issues
 // load(u0) (which may go out before x is staged), then calls finish once x is staged.
-template <int BITS, int UNITS>
-struct GateUpTile {
+// Which rows and units of one RMMA_ROWS-row tile a thread takes: lane (g, q) holds rows
+// r0 + g and r0 + g + 8 (a row past the matrix reads row 0 and is never stored), its warp
+// units [u0, u1) of `units`; rows are `stride` words.
+struct TileLanes {
     int groups, rows, r0, lane, warp, g, q, u0, u1, o0, o1;
     size_t stride;
+
+    __device__ TileLanes(int r0_, int rows_, int cols, int units, size_t stride_)
+        : groups(cols / 64), rows(rows_), r0(r0_), stride(stride_) {
+        lane = threadIdx.x % WARP;
+        warp = threadIdx.x / WARP;
+        g = lane >> 2;
+        q = lane & 3;
+        o0 = r0 + g < rows ? r0 + g : 0;
+        o1 = r0 + g + 8 < rows ? r0 + g + 8 : 0;
+        int per = (units + RMMA_WARPS - 1) / RMMA_WARPS;
+        u0 = min(units, warp * per);
+        u1 = min(units, u0 + per);
+    }
+};
+
+template <int BITS, int UNITS>
+struct GateUpTile : TileLanes {
     const unsigned* rw[2][2];
     const unsigned short* sc[2];
     const unsigned short* bi[2];
@@ -1324,18 +1343,7 @@ struct GateUpTile {
     float acc[2][2];
 
     __device__ GateUpTile(const unsigned long long* entry, int r0_, int rows_, int cols)
-        : groups(cols / 64), rows(rows_), r0(r0_) {
-        lane = threadIdx.x % WARP;
-        warp = threadIdx.x / WARP;
-        g = lane >> 2;
-        q = lane & 3;
-        stride = row_words<BITS>(cols);
-        // Rows past the matrix read row 0 and are never stored.
-        o0 = r0 + g < rows ? r0 + g : 0;
-        o1 = r0 + g + 8 < rows ? r0 + g + 8 : 0;
-        int per = (groups + RMMA_WARPS - 1) / RMMA_WARPS;
-        u0 = min(groups, warp * per);
-        u1 = min(groups, u0 + per);
+        : TileLanes(r0_, rows_, cols, cols / 64, row_words<BITS>(cols)) {
 #pragma unroll
         for (int m = 0; m < 2; m++) {
             const unsigned* words = (const unsigned*)entry[3 * m];
@@ -1411,12 +1419,10 @@ struct GateUpTile {
 // and `weights` are the token's top_k (global or shared memory). As GateUpTile: load(u0),
 // then finish once h is staged.
 template <int BITS, int UNITS>
-struct DownTile {
+struct DownTile : TileLanes {
     const unsigned long long* table;
     const int* ids;
     const float* weights;
-    int groups, rows, r0, lane, warp, g, q, u0, u1, o0, o1;
-    size_t stride;
     unsigned w[UNITS][2][2];
     unsigned short sb[UNITS];
     float pw[UNITS];
@@ -1424,17 +1430,8 @@ struct DownTile {
 
     __device__ DownTile(const unsigned long long* table_, const int* ids_, const float* weights_,
                         int top_k, int r0_, int rows_, int cols)
-        : table(table_), ids(ids_), weights(weights_), groups(cols / 64), rows(rows_), r0(r0_) {
-        lane = threadIdx.x % WARP;
-        warp = threadIdx.x / WARP;
-        g = lane >> 2;
-        q = lane & 3;
-        stride = row_words<BITS>(cols);
-        o0 = r0 + g < rows ? r0 + g : 0;
-        o1 = r0 + g + 8 < rows ? r0 + g + 8 : 0;
-        int units = top_k * groups, per = (units + RMMA_WARPS - 1) / RMMA_WARPS;
-        u0 = min(units, warp * per);
-        u1 = min(units, u0 + per);
+        : TileLanes(r0_, rows_, cols, top_k * (cols / 64), row_words<BITS>(cols)),
+          table(table_), ids(ids_), weights(weights_) {
         acc[0] = acc[1] = 0.0f;
     }
 
