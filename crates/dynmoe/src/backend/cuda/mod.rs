@@ -3967,9 +3967,9 @@ impl Backend for Cuda {
 #[cfg(test)]
 mod tests {
     use super::{
-        group_chunk, group_kernel, is_bf16_exact, staged_rows, tiled_kernel, tiled_shared,
-        vq_book_bytes, vq_suffix, vq_tile, VqRoutedShape, VqTile, ATT_CHUNK_MAX, ATT_STEP,
-        SHARED_LIMIT, VQR_SHARED_BOOK,
+        dense_mma_layout, group_chunk, group_kernel, is_bf16_exact, moe_step_shared,
+        staged_rows, tiled_kernel, tiled_shared, vq_book_bytes, vq_suffix, vq_tile,
+        VqRoutedShape, VqTile, ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT, VQR_SHARED_BOOK,
     };
     use crate::codec::vq::{Rung, LADDER};
     use crate::testing::fresh;
@@ -4063,6 +4063,37 @@ mod tests {
         let s = shape("1.5", 2048, 768);
         let most = s.mma_gate_up_shared().max(s.mma_down_shared(8)) + vq_book_bytes(s.rung);
         assert!(2 * (most + 1024) <= 228 << 10, "{most}");
+    }
+
+    #[test]
+    fn one_row_dense_products_split_narrow_matrices_and_loop_over_wide_ones() {
+        // Qwen3-30B-A3B on an H200's 132 multiprocessors: the LM head's 9 496 tiles of 16
+        // rows take a warp each on a grid of three blocks a multiprocessor, which loops;
+        // q/k/v's 320 tiles and the attention output's 128 are split over all 8 warps.
+        assert_eq!(dense_mma_layout(151936 / 16, 32, 132), (1, 396));
+        assert_eq!(dense_mma_layout(320, 32, 132), (8, 320));
+        assert_eq!(dense_mma_layout(128, 64, 132), (8, 128));
+        // A job never splits into more parts than it has 64-column groups.
+        assert_eq!(dense_mma_layout(3, 2, 132).0, 2);
+        assert_eq!(dense_mma_layout(1, 1, 132), (1, 1));
+    }
+
+    #[test]
+    fn one_launch_moe_step_fits_its_shapes_in_shared_memory() {
+        // Qwen3-30B-A3B (top-8 of 128, 768 wide): h's 96 units are the most staged, and fit
+        // the 48 KB every block gets; Qwen3-235B-A22B's 192 units (1 536 wide) and
+        // Qwen3-Coder-480B's 320 (2 560 wide) need the opt-in of an H200 (227 KB).
+        let qwen30 = moe_step_shared(128, 8, 2048, 768);
+        assert_eq!(qwen30, 96 * 320 + 96 * 4 + 1024 + 512 + 512 + 128 + 64);
+        assert!(qwen30 <= SHARED_LIMIT);
+        let qwen235 = moe_step_shared(128, 8, 4096, 1536);
+        assert!(qwen235 > SHARED_LIMIT && qwen235 <= 227 << 10);
+        assert!(moe_step_shared(160, 8, 6144, 2560) <= 227 << 10);
+        // The x tile wins when top_k × down groups is smaller.
+        assert_eq!(
+            moe_step_shared(4, 1, 4096, 64) - moe_step_shared(4, 1, 64, 64),
+            63 * 320 + (64 - 4) * 4
+        );
     }
 
     #[test]
