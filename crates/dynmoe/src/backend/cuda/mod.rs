@@ -3967,9 +3967,9 @@ impl Backend for Cuda {
 #[cfg(test)]
 mod tests {
     use super::{
-        dense_mma_layout, group_chunk, group_kernel, is_bf16_exact, moe_step_shared,
-        staged_rows, tiled_kernel, tiled_shared, vq_book_bytes, vq_suffix, vq_tile,
-        VqRoutedShape, VqTile, ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT, VQR_SHARED_BOOK,
+        dense_mma_layout, group_chunk, group_kernel, is_bf16_exact, moe_step_shared, staged_rows,
+        tiled_kernel, tiled_shared, vq_book_bytes, vq_suffix, vq_tile, VqRoutedShape, VqTile,
+        ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT, VQR_SHARED_BOOK,
     };
     use crate::codec::vq::{Rung, LADDER};
     use crate::testing::fresh;
