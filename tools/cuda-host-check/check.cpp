@@ -23,6 +23,19 @@ std::mt19937_64 rng(7);
 
 float normal() { return std::normal_distribution<float>(0.0f, 1.0f)(rng); }
 
+// The bf16 of v (truncated: test inputs need only be bf16 values), and a bf16 widened.
+unsigned short bf16_of(float v) {
+    unsigned u;
+    std::memcpy(&u, &v, 4);
+    return (unsigned short)(u >> 16);
+}
+float bf16_value(unsigned short h) {
+    unsigned u = (unsigned)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
 int block_size(int cols) {
     int divisor = 1 << std::min(__builtin_ctz(cols), 10);
     if (divisor >= 256) return divisor;
@@ -254,14 +267,9 @@ struct Affine {
     Affine(int bits, int rows, int cols) : bits(bits), rows(rows), cols(cols) {
         words.resize((size_t)rows * cols * bits / 32 + 4);
         for (auto& w : words) w = (unsigned)rng();
-        auto bf16 = [](float v) {
-            unsigned u;
-            std::memcpy(&u, &v, 4);
-            return (unsigned short)(u >> 16);
-        };
         for (int i = 0; i < rows * cols / 64; i++) {
-            scales.push_back(bf16(0.01f * (1.0f + std::abs(normal()))));
-            biases.push_back(bf16(0.05f * normal()));
+            scales.push_back(bf16_of(0.01f * (1.0f + std::abs(normal()))));
+            biases.push_back(bf16_of(0.05f * normal()));
         }
     }
 
@@ -283,13 +291,7 @@ struct Affine {
         double a = bits == 4 ? 1.0 : (bits == 3 ? 2.0 : 4.0);
         double o = bits == 4 ? 0.0 : (bits == 3 ? 0.5 : 1.5);
         size_t g = (size_t)row * (cols / 64) + col / 64;
-        auto wide = [](unsigned short h) {
-            unsigned u = (unsigned)h << 16;
-            float f;
-            std::memcpy(&f, &u, 4);
-            return (double)f;
-        };
-        return (a * code(row, col) + o) * wide(scales[g]) + wide(biases[g]);
+        return (a * code(row, col) + o) * bf16_value(scales[g]) + bf16_value(biases[g]);
     }
 };
 
@@ -517,22 +519,13 @@ double check_moe_step(int bits, int hidden, int inter, int experts, int top_k, i
     MoeStep f = bits == 4 ? moe_step_q4 : (bits == 3 ? moe_step_q3 : moe_step_q2);
     AffineExperts ex(bits, hidden, inter, experts);
     std::vector<unsigned short> router((size_t)experts * hidden);
-    for (auto& w : router) {
-        float v = 0.05f * normal();
-        unsigned u;
-        std::memcpy(&u, &v, 4);
-        w = (unsigned short)(u >> 16);
-    }
+    for (auto& w : router) w = bf16_of(0.05f * normal());
     std::vector<float> x(hidden), logits(experts);
     for (auto& v : x) v = normal();
     for (int e = 0; e < experts; e++) {
         double acc = 0.0;
-        for (int c = 0; c < hidden; c++) {
-            unsigned u = (unsigned)router[(size_t)e * hidden + c] << 16;
-            float w;
-            std::memcpy(&w, &u, 4);
-            acc += (double)w * x[c];
-        }
+        for (int c = 0; c < hidden; c++)
+            acc += (double)bf16_value(router[(size_t)e * hidden + c]) * x[c];
         logits[e] = (float)acc;
     }
     std::vector<unsigned char> keep(experts, 1);

@@ -1294,6 +1294,20 @@ __device__ __forceinline__ float4 quad_scales(unsigned short mine, int lane) {
                        __shfl_sync(0xffffffffu, v, base + 3));
 }
 
+// One unit's w·x for the lane's rows g and g + 8 (valid on lanes with q = 0): the codes'
+// products with the staged unit's fragments `bx`, scaled by the rows' scale and bias
+// (`sb`, quad_scales' item) with the unit's sum `s` of x. value = (a·q + o)·scale + bias,
+// so w·x = a·scale·Σ q·x + (o·scale + bias)·Σ x.
+template <int BITS>
+__device__ __forceinline__ float2 unit_dot(const unsigned (&w)[2][2], unsigned short sb,
+                                           const unsigned (&bx)[8], float s, int q, int lane) {
+    const float a = recon_a<BITS>(), off = recon_o<BITS>();
+    float2 p = unit_products<BITS>(w, q, bx);
+    float4 f = quad_scales(sb, lane);
+    return make_float2(a * f.x * p.x + (off * f.x + f.y) * s,
+                       a * f.z * p.y + (off * f.z + f.w) * s);
+}
+
 // The lane's words of unit group `gi` for rows g and g + 8 (`rows0`, `rows1` point at
 // them), and its quad item of the scales and biases.
 template <int BITS>
@@ -1366,7 +1380,6 @@ struct GateUpTile : TileLanes {
     }
 
     __device__ void compute(int base, const unsigned* xs, const float* xsum) {
-        const float a = recon_a<BITS>(), off = recon_o<BITS>();
 #pragma unroll
         for (int j = 0; j < UNITS; j++) {
             if (base + j >= u1) break;
@@ -1375,10 +1388,9 @@ struct GateUpTile : TileLanes {
             float s = xsum[base + j];
 #pragma unroll
             for (int m = 0; m < 2; m++) {
-                float2 p = unit_products<BITS>(w[j][m], q, bx);
-                float4 f = quad_scales(sb[j][m], lane);
-                acc[m][0] += a * f.x * p.x + (off * f.x + f.y) * s;
-                acc[m][1] += a * f.z * p.y + (off * f.z + f.w) * s;
+                float2 d = unit_dot<BITS>(w[j][m], sb[j][m], bx, s, q, lane);
+                acc[m][0] += d.x;
+                acc[m][1] += d.y;
             }
         }
     }
@@ -1453,17 +1465,14 @@ struct DownTile : TileLanes {
     }
 
     __device__ void compute(int base, const unsigned* xs, const float* xsum) {
-        const float a = recon_a<BITS>(), off = recon_o<BITS>();
 #pragma unroll
         for (int j = 0; j < UNITS; j++) {
             if (base + j >= u1) break;
             unsigned bx[8];
             unit_fragments(xs, base + j, g, q, bx);
-            float s = xsum[base + j];
-            float2 p = unit_products<BITS>(w[j], q, bx);
-            float4 f = quad_scales(sb[j], lane);
-            acc[0] += pw[j] * (a * f.x * p.x + (off * f.x + f.y) * s);
-            acc[1] += pw[j] * (a * f.z * p.y + (off * f.z + f.w) * s);
+            float2 d = unit_dot<BITS>(w[j], sb[j], bx, xsum[base + j], q, lane);
+            acc[0] += pw[j] * d.x;
+            acc[1] += pw[j] * d.y;
         }
     }
 
@@ -1629,7 +1638,6 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
     int per = (groups + parts - 1) / parts;
     int u0 = min(groups, part * per), u1 = min(groups, u0 + per);
     size_t stride = row_words<BITS>(cols);
-    const float a = recon_a<BITS>(), off = recon_o<BITS>();
     // The job's matrix (picked by selects: an indexed array of them would sit in local
     // memory), first row and rows g, g + 8 (a row past the matrix reads row 0 and is
     // never stored).
@@ -1660,11 +1668,9 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
             if (base + j >= u1) break;
             unsigned bx[8];
             unit_fragments(xs, base + j, g, q, bx);
-            float s = xsum[base + j];
-            float2 p = unit_products<BITS>(w[j], q, bx);
-            float4 f = quad_scales(sb[j], lane);
-            acc[0] += a * f.x * p.x + (off * f.x + f.y) * s;
-            acc[1] += a * f.z * p.y + (off * f.z + f.w) * s;
+            float2 d = unit_dot<BITS>(w[j], sb[j], bx, xsum[base + j], q, lane);
+            acc[0] += d.x;
+            acc[1] += d.y;
         }
     };
     int first = blockIdx.x * per_round + slot, step = gridDim.x * per_round;
