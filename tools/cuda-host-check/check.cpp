@@ -491,7 +491,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     // Down reads the reference's h, so that its error is its own.
     std::vector<float> h(want_h.begin(), want_h.end());
     std::vector<double> want_out = ex.down(want, h, hidden, inter);
-    shim::launch({(unsigned)(hidden + 15) / 16, 1, 1}, {256, 1, 1}, down_shared, [&] {
+    shim::launch({(unsigned)(hidden + 15) / 16, 1, 1}, {RMMA_DOWN_WARPS * 32, 1, 1}, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), got_out.data(), hidden,
              inter, inter, probs.data(), experts);
     });
@@ -589,11 +589,13 @@ int main(int argc, char** argv) {
                 worst = std::max(worst, check_route(r[0], r[1], r[2], masked, renorm));
     }
     // The affine experts of a decode step: the small fixture's shape (256 × 80 is padded to
-    // whole groups: 256 × 128) and a narrow Qwen3-like one.
+    // whole groups: 256 × 128), a narrow Qwen3-like one, and experts wide enough that a
+    // down warp takes a second round of units (8 × 1 024 / 64 over 16 warps: 8 of 6).
     for (int bits : {4, 3, 2}) {
         if (!wanted("affine")) break;
         worst = std::max(worst, check_routed_affine(bits, 256, 128, 12, 4));
         worst = std::max(worst, check_routed_affine(bits, 512, 192, 128, 8));
+        worst = std::max(worst, check_routed_affine(bits, 128, 1024, 16, 8));
     }
     // The MoE layer in one launch: grids with fewer blocks than tiles (blocks loop, router
     // rows too) and more than the down tiles, masks.

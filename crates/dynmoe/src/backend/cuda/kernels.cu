@@ -1207,6 +1207,10 @@ extern "C" __global__ void moe_combine(const float* down, const float* weights, 
 // results do not depend on timing. A warp loads at most UNITS units' words at once and
 // takes more in further rounds.
 #define RMMA_WARPS 8
+// The down kernel's blocks take 16 warps: a decode step has one block per RMMA_ROWS output
+// rows (128 for a 2048-wide model), a block an SM, and each warp's chain of units is what
+// the step waits for, so twice the warps halve it.
+#define RMMA_DOWN_WARPS 16
 #define RMMA_ROWS 16
 // A staged unit: f16x2 words [hi/lo][ks][q][h]; the lo half starts 40 words on, so the
 // two lane groups that read them (g = 0 and g = 1) fall in different banks.
@@ -1328,20 +1332,21 @@ __device__ __forceinline__ void load_unit(const unsigned* row0, const unsigned* 
 // load(u0) (which may go out before x is staged), then calls finish once x is staged.
 // Which rows and units of one RMMA_ROWS-row tile a thread takes: lane (g, q) holds rows
 // r0 + g and r0 + g + 8 (a row past the matrix reads row 0 and is never stored), its warp
-// units [u0, u1) of `units`; rows are `stride` words.
+// (of the block's `warps`) units [u0, u1) of `units`; rows are `stride` words.
 struct TileLanes {
-    int groups, rows, r0, lane, warp, g, q, u0, u1, o0, o1;
+    int groups, rows, r0, lane, warp, warps, g, q, u0, u1, o0, o1;
     size_t stride;
 
     __device__ TileLanes(int r0_, int rows_, int cols, int units, size_t stride_)
         : groups(cols / 64), rows(rows_), r0(r0_), stride(stride_) {
         lane = threadIdx.x % WARP;
         warp = threadIdx.x / WARP;
+        warps = blockDim.x / WARP;
         g = lane >> 2;
         q = lane & 3;
         o0 = r0 + g < rows ? r0 + g : 0;
         o1 = r0 + g + 8 < rows ? r0 + g + 8 : 0;
-        int per = (units + RMMA_WARPS - 1) / RMMA_WARPS;
+        int per = (units + warps - 1) / warps;
         u0 = min(units, warp * per);
         u1 = min(units, u0 + per);
     }
@@ -1396,7 +1401,7 @@ struct GateUpTile : TileLanes {
     }
 
     // The rest of the units after load(u0), then the warps' sums added in order (through
-    // `red`, [RMMA_WARPS][2][RMMA_ROWS]) into h[r0 ..] = silu(gate) ⊙ up. Every thread
+    // `red`, [warps][2][RMMA_ROWS]) into h[r0 ..] = silu(gate) ⊙ up. Every thread
     // calls; `red` may be reused when it returns.
     __device__ void finish(const unsigned* xs, const float* xsum, float* red, float* h) {
         compute(u0, xs, xsum);
@@ -1415,7 +1420,7 @@ struct GateUpTile : TileLanes {
         int t = threadIdx.x;
         if (t < RMMA_ROWS && r0 + t < rows) {
             float gv = 0.0f, uv = 0.0f;
-            for (int k = 0; k < RMMA_WARPS; k++) {
+            for (int k = 0; k < warps; k++) {
                 gv += red[(k * 2) * RMMA_ROWS + t];
                 uv += red[(k * 2 + 1) * RMMA_ROWS + t];
             }
@@ -1476,7 +1481,7 @@ struct DownTile : TileLanes {
         }
     }
 
-    // As GateUpTile::finish, into out[r0 ..] (`red`: [RMMA_WARPS][RMMA_ROWS]).
+    // As GateUpTile::finish, into out[r0 ..] (`red`: [warps][RMMA_ROWS]).
     __device__ void finish(const unsigned* xs, const float* xsum, float* red, float* out) {
         compute(u0, xs, xsum);
         for (int base = u0 + UNITS; base < u1; base += UNITS) {
@@ -1491,7 +1496,7 @@ struct DownTile : TileLanes {
         int t = threadIdx.x;
         if (t < RMMA_ROWS && r0 + t < rows) {
             float v = 0.0f;
-            for (int k = 0; k < RMMA_WARPS; k++) v += red[k * RMMA_ROWS + t];
+            for (int k = 0; k < warps; k++) v += red[k * RMMA_ROWS + t];
             out[r0 + t] = v;
         }
         __syncthreads();
@@ -1575,9 +1580,10 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
     tile.finish(xs, xsum, red, out + (size_t)token * rows);
 }
 
-// Units a warp loads at once: gate and up take two matrices a unit.
+// Units a warp loads at once: gate and up take two matrices a unit; a down warp of a
+// top-8 step of 768-wide experts takes 6.
 #define RMMA_GATE_UP_UNITS 4
-#define RMMA_DOWN_UNITS 12
+#define RMMA_DOWN_UNITS 6
 #define ROUTED_MMA(B)                                                                         \
     extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, 3)                         \
         routed_mma_gate_up_q##B(const unsigned long long* table, const float* logits,          \
@@ -1589,7 +1595,7 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                                   ids, weights, top_k, x, h, rows, cols,       \
                                                   in_dim);                                     \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP) routed_mma_down_q##B(      \
+    extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP) routed_mma_down_q##B( \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
         const float* h, float* out, int rows, int cols, int in_dim, float* logits,             \
         int experts) {                                                                         \

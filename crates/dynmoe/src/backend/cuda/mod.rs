@@ -104,9 +104,11 @@ const ROUTED_ROWS: usize = 4;
 /// Columns of a row one warp of the one-row bf16 kernels takes (their `MV_ONE_COLS`).
 const MV_ONE_COLS: usize = 2048;
 /// Output rows of a `routed_mma_*` block (the kernels' `RMMA_ROWS`), and its warps
-/// (`RMMA_WARPS`).
+/// (`RMMA_WARPS`; `RMMA_DOWN_WARPS` for the down kernel, whose partial sums of one matrix
+/// fill the two-matrix space of `routed_mma_shared`).
 const RMMA_ROWS: usize = 16;
 const RMMA_WARPS: usize = 8;
+const RMMA_DOWN_WARPS: usize = 16;
 /// Shared memory of a staged 64-column unit of a `routed_mma_*` block: its f16 hi and lo
 /// fragments (`RMMA_UNIT` words) and its sum.
 const RMMA_UNIT_BYTES: usize = 80 * 4 + 4;
@@ -1068,6 +1070,7 @@ fn one_row_parts(cols: usize) -> usize {
 /// Dynamic shared memory of a `routed_mma_*` block staging `units` 64-column units, with
 /// its partial sums of two matrices per warp.
 fn routed_mma_shared(units: usize) -> usize {
+    const _: () = assert!(RMMA_DOWN_WARPS <= 2 * RMMA_WARPS);
     units * RMMA_UNIT_BYTES + RMMA_WARPS * 2 * RMMA_ROWS * 4
 }
 
@@ -2432,7 +2435,7 @@ impl Cuda {
             l.arg(&ri).arg(&c).arg(&i).arg(&logits).arg(&ei);
             let down = LaunchConfig {
                 grid_dim: (hidden.div_ceil(RMMA_ROWS) as u32, rows as u32, 1),
-                block_dim: block,
+                block_dim: ((RMMA_DOWN_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: routed_mma_shared(down_units) as u32,
             };
             ok(unsafe { l.launch(down) }, "routed down on tensor cores");
