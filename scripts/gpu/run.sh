@@ -40,6 +40,12 @@
 # profile-routed  Nsight Compute's speed-of-light, occupancy and warp-state sections for the
 #          routed expert, attention and one-row kernels of a decode step, 2-layer model at 4
 #          bits (profile_routed.log)
+# profile-source  the same model's routed gate/up and down kernels (q4, dense q4) under
+#          Nsight Compute's source counters: stall samples by SASS instruction
+#          (<kernel>.sass.csv, <kernel>.details.txt)
+# tune     after `model`: decode at 4 bits with each set of kernel constants in $TUNE
+#          (';'-separated DYNMOE_CUDA_DEFINES sets, '-' the source's), and with nvcc
+#          ptxas's registers and spills of the routed kernels under each (tune.log)
 # resources ptxas's registers, stack, spills and shared memory of every kernel (ptxas.log;
 #          needs nvcc)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
@@ -252,6 +258,49 @@ for step in $steps; do
             --bits 4 --prompt 16 --generate 32 --repeats 1 > "$OUT/profile_routed.log" 2>&1 ||
             status=1
         tail -5 "$OUT/profile_routed.log"
+        ;;
+    profile-source)
+        echo "== where the routed kernels' warps stall, by SASS instruction (Nsight Compute)"
+        m="$WORK/qwen3-30b-a3b-l2"
+        [ -e "$m/experts.json" ] || "$BIN/dynmoe" synth --like qwen3-30b-a3b --layers 2 --bits 4 \
+            -o "$m" --tokenizer-from fixtures/models/small-moe || status=1
+        for k in routed_mma_gate_up_q4 routed_mma_down_q4; do
+            ncu --clock-control none --cache-control none -k "$k" --launch-skip 30 \
+                --launch-count 1 --section SourceCounters --section WarpStateStats \
+                --section LaunchStats --section Occupancy --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                -f -o "$OUT/$k" "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
+                --dense-codec q4 --head-codec q4 --prompt 16 --generate 32 --repeats 1 \
+                > "$OUT/$k.ncu.log" 2>&1 || status=1
+            ncu --import "$OUT/$k.ncu-rep" --page details > "$OUT/$k.details.txt" 2>&1 || status=1
+            ncu --import "$OUT/$k.ncu-rep" --page source --csv --print-source sass \
+                > "$OUT/$k.sass.csv" 2>&1 || status=1
+            rm -f "$OUT/$k.ncu-rep"
+            grep -E "Duration|Registers|Spill|Achieved Occupancy|Warp Cycles Per Issued" \
+                "$OUT/$k.details.txt" | head
+        done
+        ;;
+    tune)
+        # TUNE: ';'-separated sets of kernel constants (DYNMOE_CUDA_DEFINES), each measured
+        # on the 12-layer model at 4 bits with q4 dense layers, after `model`; '-' is the
+        # source's own choice. With nvcc, ptxas's registers and spills of each set.
+        m="$WORK/qwen3-30b-a3b-l$LAYERS"
+        echo "== kernel constants, 4 bits, dense q4" | tee "$OUT/tune.log"
+        IFS=';' read -ra sets <<< "${TUNE:--}"
+        for set in "${sets[@]}"; do
+            defs=$([ "$set" = - ] && echo "" || echo "$set")
+            echo "-- ${defs:-source}" | tee -a "$OUT/tune.log"
+            if command -v nvcc > /dev/null; then
+                # shellcheck disable=SC2046
+                nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null \
+                    $(for d in $defs; do echo "-D$d"; done) "$BIN/kernels.cu" 2>&1 |
+                    grep -A3 -E "entry function '(routed_mma)_(gate_up|down)_q4'" |
+                    grep -oE "(entry function '[a-z_0-9]+'|Used [0-9]+ registers|[0-9]+ bytes spill (stores|loads))" |
+                    paste -sd' ' | tee -a "$OUT/tune.log"
+            fi
+            DYNMOE_CUDA_DEFINES="$defs" "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
+                --dense-codec q4 --head-codec q4 --prompt 512 --generate 128 2>&1 |
+                tail -1 | tee -a "$OUT/tune.log"
+        done
         ;;
     *) echo "unknown step $step"; status=1 ;;
     esac

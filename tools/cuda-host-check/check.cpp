@@ -11,6 +11,7 @@
 #include "kernels_host.cpp"
 
 #include <array>
+#include <cstring>
 #include <random>
 #include <string>
 
@@ -410,6 +411,45 @@ double check_route(int experts, int top_k, int threads, bool masked, bool renorm
     return ids_ok ? std::max(ep, ew) : INFINITY;
 }
 
+// A decode step's router and route in one launch (router_route_one): logits of bf16 rows
+// `cols` wide by blocks of 256 threads, the last block to finish routing them, against the
+// route of the double-precision logits; the ticket back at zero. Blocks run one after
+// another (the kernel's static shared memory is one for all blocks here): the last by index
+// takes the last ticket and routes.
+double check_router_route(int experts, int top_k, int cols, bool masked) {
+    std::vector<unsigned short> w((size_t)experts * cols);
+    for (auto& v : w) v = bf16_of(0.05f * normal());
+    std::vector<float> x(cols), logits(experts);
+    for (auto& v : x) v = normal();
+    for (int e = 0; e < experts; e++) {
+        double acc = 0.0;
+        for (int c = 0; c < cols; c++) acc += (double)bf16_value(w[(size_t)e * cols + c]) * x[c];
+        logits[e] = (float)acc;
+    }
+    std::vector<unsigned char> keep(experts, 1);
+    if (masked)
+        for (int e = 0; e < experts; e++) keep[e] = (rng() % 3) != 0 || e < top_k;
+    Route want = reference_route(logits, keep, top_k, true);
+    std::vector<float> probs(experts, NAN), got_w(top_k, NAN);
+    std::vector<int> got_ids(top_k, -1);
+    unsigned ticket = 0;
+    int parts = 1;
+    while (parts < 8 && parts * 2048 < cols) parts *= 2;
+    unsigned blocks = (unsigned)((experts + 8 / parts - 1) / (8 / parts));
+    shim::launch({blocks, 1, 1}, {256, 1, 1}, 0, [&] {
+        router_route_one(w.data(), x.data(), probs.data(), experts, cols,
+                         masked ? keep.data() : nullptr, top_k, 1, got_ids.data(), got_w.data(),
+                         &ticket);
+    });
+    bool ids_ok = got_ids == want.ids;
+    double ep = rel_err(probs, want.probs), ew = rel_err(got_w, want.weights);
+    std::printf("router+route %d x %d, top-%d, mask %d: ids %s, probs %.2e, weights %.2e, "
+                "ticket %s\n",
+                experts, cols, top_k, masked, ids_ok ? "same" : "DIFFER", ep, ew,
+                ticket == 0 ? "reset" : "LEFT SET");
+    return ids_ok && ticket == 0 ? std::max(ep, ew) : INFINITY;
+}
+
 // ---- A decode step's routed affine experts (routed_mma_gate_up_q*, routed_mma_down_q*) ----
 
 using AffineGateUp = void (*)(const unsigned long long*, const float*, const unsigned char*, int,
@@ -498,10 +538,23 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     bool ids_ok = got_ids == want.ids;
     double ew = rel_err(got_w, want.weights), ep = rel_err(probs, want.probs);
     double eh = rel_err(got_h, want_h), eo = rel_err(got_out, want_out);
+    // Routed before (router_route_one): both kernels read the ids, and give the same bits.
+    std::vector<float> again_h(want_h.size(), NAN), again_out(hidden, NAN);
+    shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
+        gate_up(table.data(), nullptr, nullptr, experts, 1, got_ids.data(), got_w.data(), top_k,
+                x.data(), again_h.data(), inter, hidden, hidden);
+    });
+    shim::launch({(unsigned)(hidden + 15) / 16, 1, 1}, {RMMA_DOWN_WARPS * 32, 1, 1}, down_shared, [&] {
+        down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), again_out.data(),
+             hidden, inter, inter, nullptr, experts);
+    });
+    bool same = std::memcmp(again_h.data(), got_h.data(), got_h.size() * 4) == 0 &&
+                std::memcmp(again_out.data(), got_out.data(), got_out.size() * 4) == 0;
     std::printf("routed q%d %d x %d, top-%d of %d: ids %s, weights %.2e, probs %.2e, gate/up "
-                "%.2e, down %.2e\n",
-                bits, hidden, inter, top_k, experts, ids_ok ? "same" : "DIFFER", ew, ep, eh, eo);
-    return ids_ok ? std::max({ew, ep, eh, eo}) : INFINITY;
+                "%.2e, down %.2e, routed before: %s\n",
+                bits, hidden, inter, top_k, experts, ids_ok ? "same" : "DIFFER", ew, ep, eh, eo,
+                same ? "same bits" : "DIFFERENT");
+    return ids_ok && same ? std::max({ew, ep, eh, eo}) : INFINITY;
 }
 
 // ---- A decode step's MoE layer in one launch (moe_step_q*) ----
@@ -587,6 +640,12 @@ int main(int argc, char** argv) {
         for (int masked = 0; masked < 2; masked++)
             for (int renorm = 0; renorm < 2; renorm++)
                 worst = std::max(worst, check_route(r[0], r[1], r[2], masked, renorm));
+    }
+    // The router with the route: one block (8 rows), a row split over warps, many blocks.
+    if (wanted("route")) {
+        worst = std::max(worst, check_router_route(6, 4, 256, false));
+        worst = std::max(worst, check_router_route(128, 8, 2048, true));
+        worst = std::max(worst, check_router_route(40, 8, 4096, false));
     }
     // The affine experts of a decode step: the small fixture's shape (256 × 80 is padded to
     // whole groups: 256 × 128), a narrow Qwen3-like one, and experts wide enough that a

@@ -1581,11 +1581,21 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
 }
 
 // Units a warp loads at once: gate and up take two matrices a unit; a down warp of a
-// top-8 step of 768-wide experts takes 6.
-#define RMMA_GATE_UP_UNITS 4
+// top-8 step of 768-wide experts takes 6. Gate/up blocks an SM is its launch bound. All
+// three are tunable (DYNMOE_CUDA_DEFINES): nothing on the host depends on them. Gate/up
+// at one unit a round measured fastest on the H200 (1 303 tok/s against 1 261 at four, in
+// the 12-layer Qwen3-30B-A3B shape): fewer registers, no spills.
+#ifndef RMMA_GATE_UP_UNITS
+#define RMMA_GATE_UP_UNITS 1
+#endif
+#ifndef RMMA_DOWN_UNITS
 #define RMMA_DOWN_UNITS 6
+#endif
+#ifndef RMMA_GATE_UP_BLOCKS
+#define RMMA_GATE_UP_BLOCKS 3
+#endif
 #define ROUTED_MMA(B)                                                                         \
-    extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, 3)                         \
+    extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, RMMA_GATE_UP_BLOCKS)       \
         routed_mma_gate_up_q##B(const unsigned long long* table, const float* logits,          \
                                 const unsigned char* keep, int experts, int renormalize,       \
                                 int* ids, float* weights, int top_k, const float* x, float* h, \
@@ -2135,6 +2145,42 @@ extern "C" __global__ void __launch_bounds__(256, 5)
     int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
     float v = matvec_bf16_part(w, x, rows, o, cols, part, parts);
     matvec_bf16_parts_done(v, out, rows, o, part, parts);
+}
+
+// A decode step's router and its route in one launch: the blocks compute `experts` logits
+// of one row as matvec_bf16_one does, and the last block to finish (a ticket counted in
+// `ticket`, which it resets) routes them (route_block): the probabilities replace the
+// logits, the top_k ids and weights go to `ids` / `weights`. The routed kernels then read
+// the ids instead of each of their blocks routing the row again. experts ≤
+// ROUTE_SHARED_MAX, blocks of 256 threads.
+extern "C" __global__ void __launch_bounds__(256, 5)
+    router_route_one(const unsigned short* w, const float* x, float* logits, int experts,
+                     int cols, const unsigned char* keep, int top_k, int renormalize, int* ids,
+                     float* weights, unsigned* ticket) {
+    PDL_LAUNCH();
+    __shared__ int route_ids[ROUTE_SHARED_MAX];
+    __shared__ float route_w[ROUTE_SHARED_MAX];
+    __shared__ __align__(16) float cand[ROUTE_SHARED_MAX];
+    __shared__ float scratch[32];
+    __shared__ bool last;
+    int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
+    int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
+    float v = matvec_bf16_part(w, x, experts, o, cols, part, parts);
+    matvec_bf16_parts_done(v, logits, experts, o, part, parts);
+    // Every writer's logits are visible device-wide before its block takes a ticket.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    route_block(logits, logits, keep, route_ids, route_w, experts, top_k, renormalize, cand,
+                scratch);
+    for (int k = threadIdx.x; k < top_k; k += blockDim.x) {
+        ids[k] = route_ids[k];
+        weights[k] = route_w[k];
+    }
+    if (threadIdx.x == 0) *ticket = 0u;
 }
 
 extern "C" __global__ void __launch_bounds__(256, 5)

@@ -359,7 +359,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 103] = [
+const KERNEL_NAMES: [&str; 104] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -368,6 +368,7 @@ const KERNEL_NAMES: [&str; 103] = [
     "matvec_bf16",
     "matvec_bf16_3",
     "matvec_bf16_one",
+    "router_route_one",
     "matvec_bf16_3_one",
     "rms_norm",
     "rms_norm_inplace",
@@ -465,7 +466,9 @@ const KERNEL_NAMES: [&str; 103] = [
     "vq_expert_mma_down_p16",
 ];
 
-/// PTX of [`SOURCE`] per architecture, compiled once per process.
+/// PTX of [`SOURCE`] per architecture, compiled once per process. `DYNMOE_CUDA_DEFINES`
+/// (space-separated `NAME=VALUE`) overrides the kernel constants marked tunable in the
+/// source, so that one binary can measure their choices on the GPU.
 fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
     static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
@@ -473,8 +476,11 @@ fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
     if let Some(src) = cache.get(arch) {
         return Ok(cudarc::nvrtc::Ptx::from_src(src.clone()));
     }
+    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    let defines = std::env::var("DYNMOE_CUDA_DEFINES").unwrap_or_default();
+    options.extend(defines.split_whitespace().map(|d| format!("-D{d}")));
     let opts = CompileOptions {
-        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        options,
         ..CompileOptions::default()
     };
     let ptx = compile_ptx_with_opts(SOURCE, opts).map_err(|e| CudaError::Compile {
@@ -676,6 +682,9 @@ struct Routed<'a> {
     keep: u64,
     experts: usize,
     route: DeviceRoute<'a>,
+    /// Whether the router already took the route (`router_route_one`): the ids and
+    /// weights are in the routed scratch and the probabilities in place of the logits.
+    routed: bool,
 }
 
 /// One launch pair of the grouped expert GEMMs ([`Cuda::launch_expert_gemms`]): device
@@ -788,6 +797,12 @@ pub struct Cuda {
     moe_step_shared: usize,
     /// The three counters `moe_step`'s phases wait on, zero between launches.
     moe_sync: Mutex<Option<CudaSlice<u32>>>,
+    /// Whether a decode step's router also routes (`router_route_one`: its last block takes
+    /// the top-k) instead of each routed block routing the row again
+    /// (`DYNMOE_CUDA_ROUTER_ROUTES=0`: the routed kernels route).
+    router_routes: Switch<bool>,
+    /// `router_route_one`'s count of finished blocks, zero between launches.
+    route_ticket: CudaSlice<u32>,
     /// Whether resident sets of VQ experts live in device slots (`DYNMOE_CUDA_VQ_SLOTS=0`
     /// keeps them in host memory).
     vq_slots: Switch<bool>,
@@ -1244,6 +1259,7 @@ impl Cuda {
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
         let copies = driver(ctx.new_stream())?;
+        let route_ticket = driver(stream.alloc_zeros::<u32>(1))?;
         Ok(Cuda {
             ctx,
             stream,
@@ -1273,6 +1289,8 @@ impl Cuda {
             moe_step: Switch::new(std::env::var("DYNMOE_CUDA_MOE_STEP").is_ok_and(|v| v == "1")),
             moe_step_shared,
             moe_sync: Mutex::new(None),
+            router_routes: Switch::new(!switched_off("DYNMOE_CUDA_ROUTER_ROUTES")),
+            route_ticket,
             bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
             decode_attention: Switch::new(DecodeAttention::from_env()),
             decode_chunk: std::sync::atomic::AtomicUsize::new(0),
@@ -1430,6 +1448,13 @@ impl Cuda {
     /// [`set_moe_step`](Self::set_moe_step)).
     pub fn moe_step(&self) -> bool {
         self.moe_step.get()
+    }
+
+    /// Whether a decode step's router kernel also takes the route (the default), or each
+    /// block of the routed kernels routes the row again, to measure one against the
+    /// other. Both give the same result bit for bit. Steps already recorded keep their way.
+    pub fn set_router_routes(&self, on: bool) {
+        self.router_routes.set(on);
     }
 
     /// Whether products of many rows run on tensor cores (see
@@ -2399,7 +2424,9 @@ impl Cuda {
             // Up to ROUTE_SHARED_MAX experts each gate/up block routes its row itself, and
             // the down kernel writes the probabilities; beyond, the route kernel runs
             // first and `logits` is null.
-            let logits = if r.experts <= ROUTE_SHARED_MAX {
+            let logits = if r.routed {
+                0u64
+            } else if r.experts <= ROUTE_SHARED_MAX {
                 probs
             } else {
                 self.launch_route(r, rows, probs, ids, weights);
@@ -2441,7 +2468,9 @@ impl Cuda {
             ok(unsafe { l.launch(down) }, "routed down on tensor cores");
             return;
         }
-        self.launch_route(r, rows, probs, ids, weights);
+        if !r.routed {
+            self.launch_route(r, rows, probs, ids, weights);
+        }
         // A block per ROUTED_ROWS rows of each warp and per pair; `projections` in z.
         let grid = |out_rows: usize, cols: usize, projections: u32| LaunchConfig {
             grid_dim: (
@@ -2542,7 +2571,9 @@ impl Cuda {
             return;
         }
         let [ids, weights, h, ..] = self.routed_scratch_at(pairs, k, inter, hidden);
-        self.launch_route(r, rows, probs, ids, weights);
+        if !r.routed {
+            self.launch_route(r, rows, probs, ids, weights);
+        }
         let book = self.vq_book(shape.rung);
         let (ki, ri, hi) = (k as i32, inter as i32, hidden as i32);
         let bits = shape.rung.index_bits as i32;
@@ -2799,6 +2830,57 @@ impl Cuda {
                 f(out, hidden),
             );
         }
+    }
+
+    /// The router's logits of `rows` rows into `logits` (the probabilities' slot). A
+    /// decode step's row through a bf16 router also takes its route in the same launch
+    /// (`router_route_one`), into the routed scratch where the routed kernels read it:
+    /// the returned `Routed` says so.
+    fn launch_router<'r>(
+        &self,
+        r: Routed<'r>,
+        gate: &DeviceMatrix,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        hidden: usize,
+        logits: &mut CudaViewMut<'_, f32>,
+    ) -> Routed<'r> {
+        let e = r.experts;
+        let DeviceMatrix::Bf16(w) = gate else {
+            self.dense_product(x, gate, rows, hidden, e, logits);
+            return r;
+        };
+        let k = r.route.top_k;
+        if rows != 1
+            || !self.router_routes.get()
+            || e > ROUTE_SHARED_MAX
+            || k > e
+            || !hidden.is_multiple_of(8)
+            || one_row_parts(hidden) * MV_ONE_COLS < hidden
+        {
+            self.dense_product(x, gate, rows, hidden, e, logits);
+            return r;
+        }
+        let inter = match r.kind {
+            RoutedKind::Affine(shape) => shape.inter,
+            RoutedKind::Vq(shape) => shape.inter,
+        };
+        // The same carving the routed launch takes next, so the addresses agree.
+        let [ids, weights, ..] = self.routed_scratch_at(k, k, inter, hidden);
+        let (ei, ci, ki, rn) = (
+            e as i32,
+            hidden as i32,
+            k as i32,
+            r.route.renormalize as i32,
+        );
+        let (_, launch) = bf16_matvec(false, 1, hidden, e);
+        let at = logits.device_ptr_mut(&self.stream).0;
+        let mut l = self.launcher(self.func("router_route_one"));
+        l.arg(w).arg(x).arg(&at).arg(&ei).arg(&ci);
+        l.arg(&r.keep).arg(&ki).arg(&rn).arg(&ids).arg(&weights);
+        l.arg(&self.route_ticket);
+        ok(unsafe { l.launch(launch) }, "router_route_one");
+        Routed { routed: true, ..r }
     }
 
     /// The route of `rows` rows: router probabilities (in place of the logits at `probs`)
@@ -3846,13 +3928,12 @@ impl Backend for Cuda {
             keep,
             experts: e,
             route,
+            routed: false,
         };
         if self.launch_moe_step(&routed, gate, x_ptr, rows, hidden, probs_ptr, out_ptr) {
             return true;
         }
-        // Router logits into the probabilities' slot; the route kernel turns them into
-        // probabilities in place.
-        self.dense_product(x, gate, rows, hidden, e, &mut logits);
+        let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits);
         match kind {
             RoutedKind::Affine(_) => {
                 self.launch_routed(&routed, x_ptr, rows, hidden, probs_ptr, out_ptr)
@@ -3930,11 +4011,12 @@ impl Backend for Cuda {
             keep: slots.keep_at(),
             experts: e,
             route,
+            routed: false,
         };
         if self.launch_moe_step(&routed, gate, x_at, rows, hidden, probs_at, out_at) {
             return true;
         }
-        self.dense_product(x, gate, rows, hidden, e, &mut logits);
+        let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits);
         // The routed kernels read each chosen expert once per row: fine for a decode step,
         // and for a prompt the only path that reads device slots.
         self.launch_routed_chunks(&routed, x_at, rows, hidden, probs_at, out_at);
