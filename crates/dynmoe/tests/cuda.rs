@@ -1468,9 +1468,10 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Co
         println!(
             "check routed moe {codes} E {experts} rows {rows} top-{top_k} renorm {renormalize:<5} \
              mask {masked:<5} gate bf16 {gate_bf16:<5} tie {tie:<5} mma {:<5} one launch {:<5} \
-             out {e_out:.2e} probs {e_p:.2e}",
+             router routes {:<5} out {e_out:.2e} probs {e_p:.2e}",
             g.routed_mma(),
-            g.moe_step()
+            g.moe_step(),
+            g.router_routes()
         );
         // Past 8 rows a bf16 router's product runs on tensor cores over two bf16 parts of
         // x (about 16 of its bits), and the probabilities differ from the reference by up
@@ -1498,11 +1499,20 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     // Rows 2112 wide and experts 1600 wide give the tensor-core warps more 64-column
     // units than they load at once (33 for gate and up: 5 a warp and none for the last;
     // 4 × 26 for down), so those take a second round. On tensor cores a decode step with
-    // a bf16 router runs as one launch (moe_step) and as three.
-    let (was, was_step) = (g.routed_mma(), g.moe_step());
-    for (mma, step) in [(true, true), (true, false), (false, false)] {
+    // a bf16 router runs as one launch (moe_step) and as three; either way of the three,
+    // and through the matrix-vector kernels, with the route taken by the router's last
+    // block (router_route_one) and by the routed kernels.
+    let (was, was_step, was_routes) = (g.routed_mma(), g.moe_step(), g.router_routes());
+    for (mma, step, routes) in [
+        (true, true, false),
+        (true, false, false),
+        (true, false, true),
+        (false, false, false),
+        (false, false, true),
+    ] {
         g.set_routed_mma(mma);
         g.set_moe_step(step);
+        g.set_router_routes(routes);
         for bits in [4, 3, 2] {
             check_routed(g, 256, 80, 12, Codes::Affine(bits), false);
         }
@@ -1512,6 +1522,7 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     }
     g.set_routed_mma(was);
     g.set_moe_step(was_step);
+    g.set_router_routes(was_routes);
     let (hidden, inter) = (256, 80);
     // Without tensor cores more than 8 rows are too many for the device path: it declines
     // and leaves the outputs alone.
@@ -1564,10 +1575,12 @@ fn vq_experts_routed_on_the_device_match_the_host_route() {
     // 32-value blocks (down's: prompts through the decode kernels); and that model's own
     // shape (two blocks of 1024 for gate and up, three of 256 for down).
     // Decode steps run both ways: on tensor cores (but at 2 values a vector and under
-    // 64-value blocks), and on CUDA cores.
-    let was = g.routed_mma();
-    for mma in [true, false] {
+    // 64-value blocks), and on CUDA cores; on tensor cores with the route taken by the
+    // router's last block too.
+    let (was, was_routes) = (g.routed_mma(), g.router_routes());
+    for (mma, routes) in [(true, false), (true, true), (false, false)] {
         g.set_routed_mma(mma);
+        g.set_router_routes(routes);
         for rung in ["1.5", "2", "3", "0.7", "5"] {
             check_routed(g, 256, 80, 12, Codes::Vq(rung), false);
         }
@@ -1575,6 +1588,7 @@ fn vq_experts_routed_on_the_device_match_the_host_route() {
         check_routed(g, 2048, 768, 10, Codes::Vq("1.5"), false);
     }
     g.set_routed_mma(was);
+    g.set_router_routes(was_routes);
 }
 
 #[test]

@@ -798,8 +798,8 @@ pub struct Cuda {
     /// The three counters `moe_step`'s phases wait on, zero between launches.
     moe_sync: Mutex<Option<CudaSlice<u32>>>,
     /// Whether a decode step's router also routes (`router_route_one`: its last block takes
-    /// the top-k) instead of each routed block routing the row again
-    /// (`DYNMOE_CUDA_ROUTER_ROUTES=0`: the routed kernels route).
+    /// the top-k, `DYNMOE_CUDA_ROUTER_ROUTES=1`) instead of each routed block routing the
+    /// row again (or the route kernel, for VQ experts).
     router_routes: Switch<bool>,
     /// `router_route_one`'s count of finished blocks, zero between launches.
     route_ticket: CudaSlice<u32>,
@@ -1289,7 +1289,11 @@ impl Cuda {
             moe_step: Switch::new(std::env::var("DYNMOE_CUDA_MOE_STEP").is_ok_and(|v| v == "1")),
             moe_step_shared,
             moe_sync: Mutex::new(None),
-            router_routes: Switch::new(!switched_off("DYNMOE_CUDA_ROUTER_ROUTES")),
+            // Measured no faster in a decode step, affine or VQ (docs/GPU_NOTES.md), so off
+            // unless asked for.
+            router_routes: Switch::new(
+                std::env::var("DYNMOE_CUDA_ROUTER_ROUTES").is_ok_and(|v| v == "1"),
+            ),
             route_ticket,
             bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
             decode_attention: Switch::new(DecodeAttention::from_env()),
@@ -1450,11 +1454,18 @@ impl Cuda {
         self.moe_step.get()
     }
 
-    /// Whether a decode step's router kernel also takes the route (the default), or each
-    /// block of the routed kernels routes the row again, to measure one against the
-    /// other. Both give the same result bit for bit. Steps already recorded keep their way.
+    /// Whether a decode step's router kernel also takes the route, or each block of the
+    /// routed kernels routes the row again (the default; VQ experts: the route kernel), to
+    /// measure one against the other. Both give the same result bit for bit. Steps already
+    /// recorded keep their way.
     pub fn set_router_routes(&self, on: bool) {
         self.router_routes.set(on);
+    }
+
+    /// Whether a decode step's router kernel takes the route (see
+    /// [`set_router_routes`](Self::set_router_routes)).
+    pub fn router_routes(&self) -> bool {
+        self.router_routes.get()
     }
 
     /// Whether products of many rows run on tensor cores (see
