@@ -43,7 +43,7 @@
 # profile-source  the same model's routed gate/up and down kernels (q4, dense q4) under
 #          Nsight Compute's source counters: stall samples by SASS instruction
 #          (<kernel>.sass.csv, <kernel>.details.txt)
-# tune     after `model`: decode at 4 bits with each set of kernel constants in $TUNE
+# tune     after `model`: decode at $BITS bits (default 4) with each set of kernel constants in $TUNE
 #          (';'-separated DYNMOE_CUDA_DEFINES sets, '-' the source's), and with nvcc
 #          ptxas's registers and spills of the routed kernels under each (tune.log)
 # resources ptxas's registers, stack, spills and shared memory of every kernel (ptxas.log;
@@ -281,10 +281,12 @@ for step in $steps; do
         ;;
     tune)
         # TUNE: ';'-separated sets of kernel constants (DYNMOE_CUDA_DEFINES), each measured
-        # on the 12-layer model at 4 bits with q4 dense layers, after `model`; '-' is the
-        # source's own choice. With nvcc, ptxas's registers and spills of each set.
+        # on the 12-layer model at $BITS bits (default 4) with q4 dense layers, after
+        # `model`; '-' is the source's own choice. With nvcc, ptxas's registers and spills
+        # of each set.
         m="$WORK/qwen3-30b-a3b-l$LAYERS"
-        echo "== kernel constants, 4 bits, dense q4" | tee "$OUT/tune.log"
+        bits=${BITS:-4}
+        echo "== kernel constants, $bits bits, dense q4" | tee "$OUT/tune.log"
         IFS=';' read -ra sets <<< "${TUNE:--}"
         for set in "${sets[@]}"; do
             defs=$([ "$set" = - ] && echo "" || echo "$set")
@@ -293,11 +295,11 @@ for step in $steps; do
                 # shellcheck disable=SC2046
                 nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null \
                     $(for d in $defs; do echo "-D$d"; done) "$BIN/kernels.cu" 2>&1 |
-                    grep -A3 -E "entry function '(routed_mma)_(gate_up|down)_q4'" |
+                    grep -A3 -E "entry function '(routed_mma)_(gate_up|down)_q$bits'" |
                     grep -oE "(entry function '[a-z_0-9]+'|Used [0-9]+ registers|[0-9]+ bytes spill (stores|loads))" |
                     paste -sd' ' | tee -a "$OUT/tune.log"
             fi
-            DYNMOE_CUDA_DEFINES="$defs" "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 \
+            DYNMOE_CUDA_DEFINES="$defs" "$BIN/dynmoe" bench decode "$m" --backend cuda --bits "$bits" \
                 --dense-codec q4 --head-codec q4 --prompt 512 --generate 128 2>&1 |
                 tail -1 | tee -a "$OUT/tune.log"
         done

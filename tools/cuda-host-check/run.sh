@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the dense affine one-row kernels and the routed VQ kernels of crates/dynmoe/src/backend/cuda/kernels.cu on the CPU
 # (shim.h: a fiber per CUDA thread) against check.cpp's reference; no GPU needed. Takes
-# a few minutes; `run.sh dense`, `route`, `affine`, `step` or `routed` runs one family. CXX picks the compiler (default g++; any C++17 compiler will do).
+# a few minutes; `run.sh dense`, `route`, `affine`, `step` or `routed` runs one family. CXX picks the compiler (default g++; any C++17 compiler will do); CXXFLAGS may set the kernels' tunable constants (-DRMMA_GATE_UP_UNITS=2).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d)
@@ -10,5 +10,5 @@ python3 "$here/prepare.py" "$here/../../crates/dynmoe/src/backend/cuda/kernels.c
     "$work/kernels_host.cpp"
 cp "$here/shim.h" "$here/check.cpp" "$work/"
 # The kernels' own code is written for nvcc; its warnings here say nothing about it.
-"${CXX:-g++}" -std=c++17 -O2 -w -I"$work" -o "$work/check" "$work/check.cpp"
+"${CXX:-g++}" -std=c++17 -O2 -w ${CXXFLAGS:-} -I"$work" -o "$work/check" "$work/check.cpp"
 "$work/check" "$@"
