@@ -915,6 +915,12 @@ fn switched_off(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == "0")
 }
 
+/// Whether the environment variable `name` switches a way that is off by default on
+/// (`=1`).
+fn switched_on(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "1")
+}
+
 /// A way of running an op that a [`Switch`] holds.
 trait Way: Copy {
     fn to_u8(self) -> u8;
@@ -1286,14 +1292,12 @@ impl Cuda {
             vq_slots: Switch::new(!switched_off("DYNMOE_CUDA_VQ_SLOTS")),
             // Measured slower in a decode step than the three launches it replaces
             // (docs/GPU_NOTES.md), so off unless asked for.
-            moe_step: Switch::new(std::env::var("DYNMOE_CUDA_MOE_STEP").is_ok_and(|v| v == "1")),
+            moe_step: Switch::new(switched_on("DYNMOE_CUDA_MOE_STEP")),
             moe_step_shared,
             moe_sync: Mutex::new(None),
             // Measured no faster in a decode step, affine or VQ (docs/GPU_NOTES.md), so off
             // unless asked for.
-            router_routes: Switch::new(
-                std::env::var("DYNMOE_CUDA_ROUTER_ROUTES").is_ok_and(|v| v == "1"),
-            ),
+            router_routes: Switch::new(switched_on("DYNMOE_CUDA_ROUTER_ROUTES")),
             route_ticket,
             bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
             decode_attention: Switch::new(DecodeAttention::from_env()),
