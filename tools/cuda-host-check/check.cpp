@@ -411,34 +411,44 @@ double check_route(int experts, int top_k, int threads, bool masked, bool renorm
     return ids_ok ? std::max(ep, ew) : INFINITY;
 }
 
+// A router of `experts` bf16 rows `cols` wide, an input row and the logits in double
+// precision, and (when `masked`) a mask that keeps at least the first top_k experts.
+struct RouterCase {
+    std::vector<unsigned short> w;
+    std::vector<float> x, logits;
+    std::vector<unsigned char> keep;
+
+    RouterCase(int experts, int cols, int top_k, bool masked)
+        : w((size_t)experts * cols), x(cols), logits(experts), keep(experts, 1) {
+        for (auto& v : w) v = bf16_of(0.05f * normal());
+        for (auto& v : x) v = normal();
+        for (int e = 0; e < experts; e++) {
+            double acc = 0.0;
+            for (int c = 0; c < cols; c++)
+                acc += (double)bf16_value(w[(size_t)e * cols + c]) * x[c];
+            logits[e] = (float)acc;
+        }
+        if (masked)
+            for (int e = 0; e < experts; e++) keep[e] = (rng() % 3) != 0 || e < top_k;
+    }
+};
+
 // A decode step's router and route in one launch (router_route_one): logits of bf16 rows
 // `cols` wide by blocks of 256 threads, the last block to finish routing them, against the
 // route of the double-precision logits; the ticket back at zero. Blocks run one after
 // another (the kernel's static shared memory is one for all blocks here): the last by index
 // takes the last ticket and routes.
 double check_router_route(int experts, int top_k, int cols, bool masked) {
-    std::vector<unsigned short> w((size_t)experts * cols);
-    for (auto& v : w) v = bf16_of(0.05f * normal());
-    std::vector<float> x(cols), logits(experts);
-    for (auto& v : x) v = normal();
-    for (int e = 0; e < experts; e++) {
-        double acc = 0.0;
-        for (int c = 0; c < cols; c++) acc += (double)bf16_value(w[(size_t)e * cols + c]) * x[c];
-        logits[e] = (float)acc;
-    }
-    std::vector<unsigned char> keep(experts, 1);
-    if (masked)
-        for (int e = 0; e < experts; e++) keep[e] = (rng() % 3) != 0 || e < top_k;
-    Route want = reference_route(logits, keep, top_k, true);
+    RouterCase r(experts, cols, top_k, masked);
+    Route want = reference_route(r.logits, r.keep, top_k, true);
     std::vector<float> probs(experts, NAN), got_w(top_k, NAN);
     std::vector<int> got_ids(top_k, -1);
     unsigned ticket = 0;
-    int parts = 1;
-    while (parts < 8 && parts * 2048 < cols) parts *= 2;
-    unsigned blocks = (unsigned)((experts + 8 / parts - 1) / (8 / parts));
+    int rows_a_block = 8 / mv_one_parts(cols);
+    unsigned blocks = (unsigned)((experts + rows_a_block - 1) / rows_a_block);
     shim::launch({blocks, 1, 1}, {256, 1, 1}, 0, [&] {
-        router_route_one(w.data(), x.data(), probs.data(), experts, cols,
-                         masked ? keep.data() : nullptr, top_k, 1, got_ids.data(), got_w.data(),
+        router_route_one(r.w.data(), r.x.data(), probs.data(), experts, cols,
+                         masked ? r.keep.data() : nullptr, top_k, 1, got_ids.data(), got_w.data(),
                          &ticket);
     });
     bool ids_ok = got_ids == want.ids;
@@ -531,7 +541,9 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     // Down reads the reference's h, so that its error is its own.
     std::vector<float> h(want_h.begin(), want_h.end());
     std::vector<double> want_out = ex.down(want, h, hidden, inter);
-    shim::launch({(unsigned)(hidden + 15) / 16, 1, 1}, {RMMA_DOWN_WARPS * 32, 1, 1}, down_shared, [&] {
+    const dim3 down_grid{(unsigned)(hidden + 15) / 16, 1, 1};
+    const dim3 down_block{RMMA_DOWN_WARPS * 32, 1, 1};
+    shim::launch(down_grid, down_block, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), got_out.data(), hidden,
              inter, inter, probs.data(), experts);
     });
@@ -544,7 +556,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
         gate_up(table.data(), nullptr, nullptr, experts, 1, got_ids.data(), got_w.data(), top_k,
                 x.data(), again_h.data(), inter, hidden, hidden);
     });
-    shim::launch({(unsigned)(hidden + 15) / 16, 1, 1}, {RMMA_DOWN_WARPS * 32, 1, 1}, down_shared, [&] {
+    shim::launch(down_grid, down_block, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), again_out.data(),
              hidden, inter, inter, nullptr, experts);
     });
@@ -571,20 +583,9 @@ double check_moe_step(int bits, int hidden, int inter, int experts, int top_k, i
                       bool masked) {
     MoeStep f = bits == 4 ? moe_step_q4 : (bits == 3 ? moe_step_q3 : moe_step_q2);
     AffineExperts ex(bits, hidden, inter, experts);
-    std::vector<unsigned short> router((size_t)experts * hidden);
-    for (auto& w : router) w = bf16_of(0.05f * normal());
-    std::vector<float> x(hidden), logits(experts);
-    for (auto& v : x) v = normal();
-    for (int e = 0; e < experts; e++) {
-        double acc = 0.0;
-        for (int c = 0; c < hidden; c++)
-            acc += (double)bf16_value(router[(size_t)e * hidden + c]) * x[c];
-        logits[e] = (float)acc;
-    }
-    std::vector<unsigned char> keep(experts, 1);
-    if (masked)
-        for (int e = 0; e < experts; e++) keep[e] = (rng() % 3) != 0 || e < top_k;
-    Route want = reference_route(logits, keep, top_k, true);
+    RouterCase r(experts, hidden, top_k, masked);
+    const std::vector<float>& x = r.x;
+    Route want = reference_route(r.logits, r.keep, top_k, true);
     std::vector<double> want_h = ex.gate_up(want, x, inter);
     std::vector<float> h_ref(want_h.begin(), want_h.end());
     std::vector<double> want_out = ex.down(want, h_ref, hidden, inter);
@@ -595,7 +596,7 @@ double check_moe_step(int bits, int hidden, int inter, int experts, int top_k, i
     std::vector<float> probs(experts, NAN), h((size_t)top_k * inter, NAN), out(hidden, NAN);
     std::vector<unsigned> sync(3, 0);
     shim::launch({(unsigned)blocks, 1, 1}, {256, 1, 1}, shared, [&] {
-        f(router.data(), x.data(), probs.data(), masked ? keep.data() : nullptr, experts, 1,
+        f(r.w.data(), x.data(), probs.data(), masked ? r.keep.data() : nullptr, experts, 1,
           top_k, ex.table.data(), h.data(), out.data(), sync.data(), inter, hidden, hidden,
           inter);
     }, true);
