@@ -43,9 +43,10 @@
 # profile-source  the same model's routed gate/up and down kernels (q4, dense q4) under
 #          Nsight Compute's source counters: stall samples by SASS instruction
 #          (<kernel>.sass.csv, <kernel>.details.txt)
-# tune     after `model`: decode at $BITS bits (default 4) with each set of kernel constants in $TUNE
-#          (';'-separated DYNMOE_CUDA_DEFINES sets, '-' the source's), and with nvcc
-#          ptxas's registers and spills of the routed kernels under each (tune.log)
+# tune     decode at each of $BITS bits (default 4) with each set of kernel constants in
+#          $TUNE (';'-separated DYNMOE_CUDA_DEFINES sets, '-' the source's), and with nvcc
+#          ptxas's registers and spills of the routed and dense kernels under each
+#          (tune_q<bits>.log)
 # resources ptxas's registers, stack, spills and shared memory of every kernel (ptxas.log;
 #          needs nvcc)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
@@ -74,6 +75,13 @@ export LD_LIBRARY_PATH
 export DYNMOE_FIXTURES="$PWD/fixtures/models" DYNMOE_BENCH_OUT="$OUT"
 { nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; } > "$OUT/device.txt" 2>&1
 head -15 "$OUT/device.txt"
+
+# The Qwen3-30B-A3B-shaped directory with its 4/3/2-bit stores, written once.
+synth_model() {
+    [ -e "$1/experts.json" ] && [ -e "$1/experts3.json" ] && [ -e "$1/experts2.json" ] && return
+    time "$BIN/dynmoe" synth --like qwen3-30b-a3b --layers "$LAYERS" --bits 4,3,2 \
+        -o "$1" --tokenizer-from fixtures/models/small-moe
+}
 
 status=0
 for step in $steps; do
@@ -107,10 +115,7 @@ for step in $steps; do
     model)
         echo "== Qwen3-30B-A3B shape, $LAYERS layers"
         m="$WORK/qwen3-30b-a3b-l$LAYERS"
-        if [ ! -e "$m/experts.json" ] || [ ! -e "$m/experts3.json" ] || [ ! -e "$m/experts2.json" ]; then
-            time "$BIN/dynmoe" synth --like qwen3-30b-a3b --layers "$LAYERS" --bits 4,3,2 \
-                -o "$m" --tokenizer-from fixtures/models/small-moe || status=1
-        fi
+        synth_model "$m" || status=1
         # DENSE=q4 (or another codec): attention projections and LM head at it too.
         dense=() name=model_speed
         [ -n "${DENSE:-}" ] && dense=(--dense-codec "$DENSE" --head-codec "$DENSE") &&
@@ -281,27 +286,30 @@ for step in $steps; do
         ;;
     tune)
         # TUNE: ';'-separated sets of kernel constants (DYNMOE_CUDA_DEFINES), each measured
-        # on the 12-layer model at $BITS bits (default 4) with q4 dense layers, after
-        # `model`; '-' is the source's own choice. With nvcc, ptxas's registers and spills
-        # of each set.
+        # on the 12-layer model at each of $BITS bits (default 4) with q4 dense layers
+        # (tune_q<bits>.log); '-' is the source's own choice. With nvcc, ptxas's registers
+        # and spills of the routed and dense kernels under each set.
         m="$WORK/qwen3-30b-a3b-l$LAYERS"
-        bits=${BITS:-4}
-        echo "== kernel constants, $bits bits, dense q4" | tee "$OUT/tune.log"
+        synth_model "$m" || status=1
         IFS=';' read -ra sets <<< "${TUNE:--}"
-        for set in "${sets[@]}"; do
-            defs=$([ "$set" = - ] && echo "" || echo "$set")
-            echo "-- ${defs:-source}" | tee -a "$OUT/tune.log"
-            if command -v nvcc > /dev/null; then
-                # shellcheck disable=SC2046
-                nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null \
-                    $(for d in $defs; do echo "-D$d"; done) "$BIN/kernels.cu" 2>&1 |
-                    grep -A3 -E "entry function '(routed_mma)_(gate_up|down)_q$bits'" |
-                    grep -oE "(entry function '[a-z_0-9]+'|Used [0-9]+ registers|[0-9]+ bytes spill (stores|loads))" |
-                    paste -sd' ' | tee -a "$OUT/tune.log"
-            fi
-            DYNMOE_CUDA_DEFINES="$defs" "$BIN/dynmoe" bench decode "$m" --backend cuda --bits "$bits" \
-                --dense-codec q4 --head-codec q4 --prompt 512 --generate 128 2>&1 |
-                tail -1 | tee -a "$OUT/tune.log"
+        for bits in ${BITS:-4}; do
+            log="$OUT/tune_q$bits.log"
+            echo "== kernel constants, $bits bits, dense q4" | tee "$log"
+            for set in "${sets[@]}"; do
+                defs=$([ "$set" = - ] && echo "" || echo "$set")
+                echo "-- ${defs:-source}" | tee -a "$log"
+                if command -v nvcc > /dev/null; then
+                    # shellcheck disable=SC2046
+                    nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null \
+                        $(for d in $defs; do echo "-D$d"; done) "$BIN/kernels.cu" 2>&1 |
+                        grep -A3 -E "entry function '(routed_mma_(gate_up|down)|dense_mma)_q($bits|4)'" |
+                        grep -oE "(entry function '[a-z_0-9]+'|Used [0-9]+ registers|[0-9]+ bytes spill (stores|loads))" |
+                        paste -sd' ' | tee -a "$log"
+                fi
+                DYNMOE_CUDA_DEFINES="$defs" "$BIN/dynmoe" bench decode "$m" --backend cuda \
+                    --bits "$bits" --dense-codec q4 --head-codec q4 --prompt 512 --generate 128 \
+                    2>&1 | tail -1 | tee -a "$log"
+            done
         done
         ;;
     *) echo "unknown step $step"; status=1 ;;

@@ -300,16 +300,43 @@ using DenseKernel = void (*)(const unsigned*, const unsigned short*, const unsig
                              float*, int, const unsigned*, const unsigned short*,
                              const unsigned short*, float*, int, const unsigned*,
                              const unsigned short*, const unsigned short*, float*, int, int,
-                             const float*, int, int, int);
+                             const float*, int, int, int, const float*, const float*, float,
+                             float*, float*);
+
+// What a one-row product reads as its input, with the residual add and norm the kernel may
+// fold in (input_norm): x as it is (ADD_NONE), RMSNorm(x)·w (ADD_NORM), or RMSNorm(x +
+// delta)·w with the sum written (ADD_SUM). `input` is the row the product sees, in double.
+enum AddMode { ADD_NONE, ADD_NORM, ADD_SUM };
+struct NormedRow {
+    std::vector<float> x, delta, w;
+    std::vector<double> input, sum;
+    float eps = 1e-6f;
+
+    NormedRow(int dim, AddMode mode) : x(dim), delta(dim, 0.0f), w(dim, 1.0f) {
+        for (auto& v : x) v = normal();
+        if (mode == ADD_SUM)
+            for (auto& v : delta) v = normal();
+        if (mode != ADD_NONE)
+            for (auto& v : w) v = normal();
+        double ss = 0.0;
+        for (int d = 0; d < dim; d++) {
+            sum.push_back((double)x[d] + delta[d]);
+            ss += sum[d] * sum[d];
+        }
+        double inv = mode == ADD_NONE ? 1.0 : 1.0 / std::sqrt(ss / dim + eps);
+        for (int d = 0; d < dim; d++) input.push_back(w[d] * sum[d] * inv);
+    }
+};
 
 // `rows` of up to three matrices of `cols` columns times one row of `in_dim` values (read
-// as zeros up to `cols`), split `parts` ways over a grid of `blocks` blocks.
-double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int parts, int blocks) {
+// as zeros up to `cols`), split `parts` ways over a grid of `blocks` blocks; through the
+// residual add and norm of `mode`, whose sum and normed row every block writes a slice of.
+double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int parts, int blocks,
+                   AddMode mode = ADD_NONE) {
     DenseKernel f = bits == 4 ? dense_mma_q4 : (bits == 3 ? dense_mma_q3 : dense_mma_q2);
     std::vector<Affine> mats;
     for (int r : rows) mats.emplace_back(bits, r, cols);
-    std::vector<float> x(in_dim);
-    for (auto& v : x) v = normal();
+    NormedRow x(in_dim, mode);
     std::vector<std::vector<float>> got;
     std::vector<double> want;
     std::vector<float> flat;
@@ -317,10 +344,11 @@ double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int pa
         got.emplace_back(m.rows, NAN);
         for (int o = 0; o < m.rows; o++) {
             double acc = 0.0;
-            for (int c = 0; c < in_dim; c++) acc += m.value(o, c) * x[c];
+            for (int c = 0; c < in_dim; c++) acc += m.value(o, c) * x.input[c];
             want.push_back(acc);
         }
     }
+    std::vector<float> sum(in_dim, NAN), xn(in_dim, NAN);
     auto arg = [&](int i) -> const Affine& { return mats[std::min<size_t>(i, mats.size() - 1)]; };
     auto out = [&](int i) { return got[std::min<size_t>(i, got.size() - 1)].data(); };
     auto live = [&](int i) { return i < (int)mats.size() ? mats[i].rows : 0; };
@@ -329,13 +357,21 @@ double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int pa
         f(arg(0).words.data(), arg(0).scales.data(), arg(0).biases.data(), out(0), live(0),
           arg(1).words.data(), arg(1).scales.data(), arg(1).biases.data(), out(1), live(1),
           arg(2).words.data(), arg(2).scales.data(), arg(2).biases.data(), out(2), live(2),
-          (int)mats.size(), x.data(), cols, in_dim, parts);
+          (int)mats.size(), x.x.data(), cols, in_dim, parts,
+          mode == ADD_SUM ? x.delta.data() : nullptr, mode == ADD_NONE ? nullptr : x.w.data(),
+          x.eps, mode == ADD_SUM ? sum.data() : nullptr,
+          mode == ADD_NONE ? nullptr : xn.data());
     });
     for (auto& g : got) flat.insert(flat.end(), g.begin(), g.end());
     double e = rel_err(flat, want);
-    std::printf("dense q%d, %zu matrices of %d..%d rows x %d (x %d wide), %d parts, %d blocks: %.2e\n",
+    if (mode != ADD_NONE) e = std::max(e, rel_err(xn, x.input));
+    if (mode == ADD_SUM) e = std::max(e, rel_err(sum, x.sum));
+    std::printf("dense q%d, %zu matrices of %d..%d rows x %d (x %d wide), %d parts, %d blocks, "
+                "%s: %.2e\n",
                 bits, rows.size(), *std::min_element(rows.begin(), rows.end()),
-                *std::max_element(rows.begin(), rows.end()), cols, in_dim, parts, blocks, e);
+                *std::max_element(rows.begin(), rows.end()), cols, in_dim, parts, blocks,
+                mode == ADD_NONE ? "x as it is" : (mode == ADD_NORM ? "normed" : "added, normed"),
+                e);
     return e;
 }
 
@@ -458,6 +494,33 @@ double check_router_route(int experts, int top_k, int cols, bool masked) {
                 experts, cols, top_k, masked, ids_ok ? "same" : "DIFFER", ep, ew,
                 ticket == 0 ? "reset" : "LEFT SET");
     return ids_ok && ticket == 0 ? std::max(ep, ew) : INFINITY;
+}
+
+// A decode step's router reading the post-attention norm it folds in
+// (matvec_bf16_norm_one): the logits of bf16 rows `cols` wide, the sum and the normed row
+// that its blocks write a slice each of.
+double check_router_norm(int experts, int cols, AddMode mode) {
+    RouterCase r(experts, cols, 1, false);
+    NormedRow x(cols, mode);
+    std::vector<double> want(experts);
+    for (int e = 0; e < experts; e++) {
+        double acc = 0.0;
+        for (int c = 0; c < cols; c++) acc += (double)bf16_value(r.w[(size_t)e * cols + c]) * x.input[c];
+        want[e] = acc;
+    }
+    std::vector<float> logits(experts, NAN), sum(cols, NAN), xn(cols, NAN);
+    int rows_a_block = 8 / mv_one_parts(cols);
+    unsigned blocks = (unsigned)((experts + rows_a_block - 1) / rows_a_block);
+    shim::launch({blocks, 1, 1}, {256, 1, 1}, (size_t)cols * 4, [&] {
+        matvec_bf16_norm_one(r.w.data(), x.x.data(), mode == ADD_SUM ? x.delta.data() : nullptr,
+                             x.w.data(), x.eps, mode == ADD_SUM ? sum.data() : nullptr,
+                             xn.data(), logits.data(), experts, cols);
+    });
+    double e = std::max(rel_err(logits, want), rel_err(xn, x.input));
+    if (mode == ADD_SUM) e = std::max(e, rel_err(sum, x.sum));
+    std::printf("router of the norm %d x %d, %u blocks, %s: %.2e\n", experts, cols, blocks,
+                mode == ADD_SUM ? "added, normed" : "normed", e);
+    return e;
 }
 
 // ---- A decode step's routed affine experts (routed_mma_gate_up_q*, routed_mma_down_q*) ----
@@ -632,6 +695,10 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 4, 1));
         worst = std::max(worst, check_dense(bits, {37}, 640, 600, 8, 3));
         worst = std::max(worst, check_dense(bits, {16, 16}, 128, 128, 2, 5));
+        // The residual add and norm folded in: more blocks than columns, a padded input.
+        worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 4, 3, ADD_SUM));
+        worst = std::max(worst, check_dense(bits, {37}, 640, 600, 8, 3, ADD_NORM));
+        worst = std::max(worst, check_dense(bits, {16, 16}, 128, 128, 1, 200, ADD_SUM));
     }
     // Routes: one and several experts a thread, widths off whole float4s, masks, ties.
     const int routes[][3] = {{128, 8, 128}, {128, 8, 256}, {12, 4, 32}, {130, 2, 256},
@@ -647,6 +714,9 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_router_route(6, 4, 256, false));
         worst = std::max(worst, check_router_route(128, 8, 2048, true));
         worst = std::max(worst, check_router_route(40, 8, 4096, false));
+        worst = std::max(worst, check_router_norm(128, 2048, ADD_SUM));
+        worst = std::max(worst, check_router_norm(6, 4096, ADD_NORM));
+        worst = std::max(worst, check_router_norm(300, 256, ADD_SUM));
     }
     // The affine experts of a decode step: the small fixture's shape (256 × 80 is padded to
     // whole groups: 256 × 128), a narrow Qwen3-like one, and experts wide enough that a

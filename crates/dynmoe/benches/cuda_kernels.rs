@@ -15,7 +15,7 @@
 
 use dynmoe::backend::cuda::{DecodeAttention, PrefillAttention};
 use dynmoe::backend::{
-    attention_preamble_one_by_one, AttentionShape, Backend, Cuda, DeviceRoute, HeadNorm,
+    attention_preamble_one_by_one, AttentionShape, Backend, Cuda, DeviceRoute, HeadNorm, MoeInput,
     RoutedExperts, SwiGluGroup, Weight,
 };
 use dynmoe::codec::affine::kernels::AffineView;
@@ -433,7 +433,17 @@ fn main() {
             tokens,
             |t| {
                 let x = &xs[t];
-                g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
+                g.routed_moe(
+                    MoeInput::Rows(x),
+                    1,
+                    hidden,
+                    &gate,
+                    &routed,
+                    route,
+                    &mut probs,
+                    0,
+                    &mut out,
+                );
             },
             [
                 &format!("routed q{bits}"),
@@ -484,7 +494,17 @@ fn main() {
             };
             let mut step = |t: usize| {
                 let x = &xs[t % tokens];
-                g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
+                g.routed_moe(
+                    MoeInput::Rows(x),
+                    1,
+                    hidden,
+                    &gate,
+                    &routed,
+                    route,
+                    &mut probs,
+                    0,
+                    &mut out,
+                );
             };
             step(0);
             let us = graph_us(&g, 300 + 4 * bits as u64 + i as u64, step);
@@ -616,8 +636,17 @@ fn main() {
             tokens,
             |t| {
                 let x = &xs[t];
-                let done =
-                    g.routed_moe(x, 1, hidden, &gate, &routed, route, &mut probs, 0, &mut out);
+                let done = g.routed_moe(
+                    MoeInput::Rows(x),
+                    1,
+                    hidden,
+                    &gate,
+                    &routed,
+                    route,
+                    &mut probs,
+                    0,
+                    &mut out,
+                );
                 assert!(done, "VQ experts route on the device");
             },
             [
@@ -633,7 +662,15 @@ fn main() {
         let xp = g.upload(&fresh(prompt * hidden, 15));
         let us = time_ms(&g, || {
             let done = g.routed_moe(
-                &xp, prompt, hidden, &gate, &routed, route, &mut probs, 0, &mut out,
+                MoeInput::Rows(&xp),
+                prompt,
+                hidden,
+                &gate,
+                &routed,
+                route,
+                &mut probs,
+                0,
+                &mut out,
             );
             assert!(done, "VQ experts route on the device");
         }) * 1e3;

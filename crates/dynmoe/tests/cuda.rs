@@ -14,7 +14,8 @@ use std::sync::OnceLock;
 
 use dynmoe::backend::cuda::{DecodeAttention, PrefillAttention};
 use dynmoe::backend::{
-    AttentionShape, Backend, Cpu, Cuda, DeviceRoute, HeadNorm, RoutedExperts, SwiGluGroup, Weight,
+    AddNorm, AttentionShape, Backend, Cpu, Cuda, DeviceRoute, HeadNorm, MoeInput, RoutedExperts,
+    SwiGluGroup, Weight,
 };
 use dynmoe::codec::affine::AffineMatrix;
 use dynmoe::eval::ppl::{perplexity, PplOptions};
@@ -657,6 +658,26 @@ fn norms_and_the_fused_residual_norm_match_the_reference() {
                 b.write_rows(&out, o, rows, rows, dim)
             }
         );
+        // Out of place: the sum, the norm, and x as it was.
+        both!(
+            &format!("add_rms_norm_to {s}"),
+            &[&x, &d, &w],
+            3 * n,
+            1e-5,
+            |b, t, o| {
+                let (mut sum, mut out) = (b.alloc(n), b.alloc(n));
+                let add = AddNorm {
+                    x: &t[0],
+                    delta: Some(&t[1]),
+                    w: &t[2],
+                    eps: 1e-6,
+                };
+                b.add_rms_norm_to(add, rows, dim, &mut sum, &mut out);
+                b.write_rows(&sum, o, 0, rows, dim);
+                b.write_rows(&out, o, rows, rows, dim);
+                b.write_rows(&t[0], o, 2 * rows, rows, dim)
+            }
+        );
     }
 }
 
@@ -1002,6 +1023,105 @@ fn dense_affine_products_match_the_reference_every_way() {
     }
     g.set_routed_mma(mma);
     g.set_tensor_cores(cores);
+}
+
+#[test]
+fn residual_norms_folded_into_the_products_match_the_reference() {
+    let Some(g) = gpu() else { return };
+    // A decode step's q/k/v (one `dense_mma` launch that adds the residual and norms its
+    // input itself) and its LM head, at each codec: Qwen3-30B-A3B's shapes and a ragged
+    // three over a padded input; with the residual add and without it (the first
+    // layer's norm reads the embedding), and each also through the separate norm
+    // (matrix-vector kernels). Outputs: the products, then the sum.
+    let mma = g.routed_mma();
+    let eps = 1e-6;
+    for bits in [4, 3, 2] {
+        for (case, (dims, cols, in_dim)) in
+            [([4096, 512, 512], 2048, 2048), ([37, 5, 21], 192, 150)]
+                .into_iter()
+                .enumerate()
+        {
+            let salt = 300 + 10 * case as u64 + bits as u64;
+            let ms: Vec<Affine> = (0..3)
+                .map(|j| affine(dims[j], cols, bits, salt + j as u64))
+                .collect();
+            let head = affine(if case == 0 { 151936 } else { 300 }, cols, bits, salt + 3);
+            let (x, d, w) = (
+                fresh(in_dim, salt + 4),
+                fresh(in_dim, salt + 5),
+                fresh(in_dim, salt + 6),
+            );
+            for (added, tensor_cores) in [(true, true), (false, true), (true, false)] {
+                g.set_routed_mma(tensor_cores && mma);
+                let label = format!(
+                    "q{bits} {dims:?} x {cols} (in {in_dim}) add {added} mma {tensor_cores}"
+                );
+                let total: usize = dims.iter().sum();
+                both!(
+                    &format!("add_rms_norm_linear3 {label}"),
+                    &[&x, &d, &w],
+                    total + in_dim,
+                    1e-5,
+                    |b, t, o| {
+                        let (mut q, mut k, mut v) =
+                            (b.alloc(dims[0]), b.alloc(dims[1]), b.alloc(dims[2]));
+                        let (mut sum, mut xn) = (b.alloc(in_dim), b.alloc(in_dim));
+                        if !added {
+                            // Not written without an add: the residual is x.
+                            b.write_rows(&t[0], &mut sum, 0, 1, in_dim);
+                        }
+                        let n = AddNorm {
+                            x: &t[0],
+                            delta: added.then_some(&t[1]),
+                            w: &t[2],
+                            eps,
+                        };
+                        b.add_rms_norm_linear3(
+                            n,
+                            &mut sum,
+                            &mut xn,
+                            [0, 1, 2].map(|j| Weight::Affine(ms[j].view())),
+                            1,
+                            in_dim,
+                            dims,
+                            [&mut q, &mut k, &mut v],
+                        );
+                        b.write_rows(&q, o, 0, dims[0], 1);
+                        b.write_rows(&k, o, dims[0], dims[1], 1);
+                        b.write_rows(&v, o, dims[0] + dims[1], dims[2], 1);
+                        b.write_rows(&sum, o, total, in_dim, 1)
+                    }
+                );
+                let rows = head.rows;
+                both!(
+                    &format!("add_rms_norm_linear head {rows} {label}"),
+                    &[&x, &d, &w],
+                    rows + in_dim,
+                    1e-5,
+                    |b, t, o| {
+                        let (mut out, mut sum, mut xn) =
+                            (b.alloc(rows), b.alloc(in_dim), b.alloc(in_dim));
+                        if !added {
+                            b.write_rows(&t[0], &mut sum, 0, 1, in_dim);
+                        }
+                        let n = AddNorm {
+                            x: &t[0],
+                            delta: added.then_some(&t[1]),
+                            w: &t[2],
+                            eps,
+                        };
+                        let view = Weight::Affine(head.view());
+                        b.add_rms_norm_linear(
+                            n, &mut sum, &mut xn, view, 1, in_dim, rows, &mut out,
+                        );
+                        b.write_rows(&out, o, 0, rows, 1);
+                        b.write_rows(&sum, o, rows, in_dim, 1)
+                    }
+                );
+            }
+        }
+    }
+    g.set_routed_mma(mma);
 }
 
 #[test]
@@ -1457,7 +1577,17 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Co
         let mut probs = g.alloc(at + rows * experts);
         let mut out = g.alloc(rows * hidden);
         assert!(
-            g.routed_moe(&xd, rows, hidden, &gd, &ex, r, &mut probs, at, &mut out),
+            g.routed_moe(
+                MoeInput::Rows(&xd),
+                rows,
+                hidden,
+                &gd,
+                &ex,
+                r,
+                &mut probs,
+                at,
+                &mut out
+            ),
             "experts of one shape and codes route on the device"
         );
         let mut got = vec![0.0; rows * hidden];
@@ -1485,7 +1615,89 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Co
             got_p[..at].iter().all(|v| v.is_nan()),
             "wrote before its slot"
         );
+        if rows == 1 {
+            check_routed_add_norm(g, &gate, &gd, &ex, r, hidden, salt, &host, keep);
+        }
     }
+}
+
+/// A decode step's MoE block reading its row through the post-attention residual add
+/// and norm ([`MoeInput::AddNorm`], which the router folds in where it can): the output
+/// and probabilities against the reference on the normed row, and the sum and the row
+/// the block writes.
+#[allow(clippy::too_many_arguments)]
+fn check_routed_add_norm<'w>(
+    g: &Cuda,
+    gate: &[f32],
+    gd: &<Cuda as Backend>::Matrix,
+    ex: &RoutedExperts<'_, <Cuda as Backend>::Matrix>,
+    r: DeviceRoute<'_>,
+    hidden: usize,
+    salt: u64,
+    host: &dyn Fn(usize) -> [Weight<'w, Vec<f32>>; 3],
+    keep: Option<&[bool]>,
+) {
+    let (x, d, w) = (
+        fresh(hidden, salt + 5),
+        fresh(hidden, salt + 6),
+        fresh(hidden, salt + 7),
+    );
+    let eps = 1e-6;
+    let sum: Vec<f32> = x.iter().zip(&d).map(|(a, b)| a + b).collect();
+    let mut xn = vec![0.0; hidden];
+    Cpu::reference().rms_norm(&sum, &w, 1, hidden, eps, &mut xn);
+    let experts = ex.count;
+    let (want_p, want) = routed_reference(
+        &xn,
+        gate,
+        1,
+        hidden,
+        experts,
+        host,
+        r.top_k,
+        r.renormalize,
+        keep,
+    );
+    let (xd, dd, wd) = (g.upload(&x), g.upload(&d), g.upload(&w));
+    let was = g.fold_norms();
+    // The router folding the norm in, and the norm as a launch of its own.
+    for fold in [true, false] {
+        g.set_fold_norms(fold);
+        let (mut sum_d, mut xn_d) = (g.alloc(hidden), g.alloc(hidden));
+        let mut probs = g.alloc(experts);
+        let mut out = g.alloc(hidden);
+        let input = MoeInput::AddNorm {
+            n: AddNorm {
+                x: &xd,
+                delta: Some(&dd),
+                w: &wd,
+                eps,
+            },
+            sum: &mut sum_d,
+            xn: &mut xn_d,
+        };
+        assert!(g.routed_moe(input, 1, hidden, gd, ex, r, &mut probs, 0, &mut out));
+        let got = |t: &<Cuda as Backend>::Tensor, n: usize| {
+            let mut v = vec![0.0; n];
+            g.download(t, &mut v);
+            v
+        };
+        let [e_out, e_p, e_sum, e_xn] = [
+            rel_err(&got(&out, hidden), &want),
+            rel_err(&got(&probs, experts), &want_p),
+            rel_err(&got(&sum_d, hidden), &sum),
+            rel_err(&got(&xn_d, hidden), &xn),
+        ];
+        println!(
+            "check routed moe through the residual norm, folded {fold:<5}: out {e_out:.2e} \
+             probs {e_p:.2e} sum {e_sum:.2e} row {e_xn:.2e}"
+        );
+        assert!(
+            [e_out, e_p, e_sum, e_xn].iter().all(|&e| e < 1e-5),
+            "routed moe with its norm: {e_out:.2e} {e_p:.2e} {e_sum:.2e} {e_xn:.2e}"
+        );
+    }
+    g.set_fold_norms(was);
 }
 
 #[test]
@@ -1560,7 +1772,17 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     let (mut probs, mut out) = (g.alloc(rows * 4), g.alloc(rows * hidden));
     let was = g.tensor_cores();
     g.set_tensor_cores(false);
-    let declined = !g.routed_moe(&xd, rows, hidden, &gd, &ex, r, &mut probs, 0, &mut out);
+    let declined = !g.routed_moe(
+        MoeInput::Rows(&xd),
+        rows,
+        hidden,
+        &gd,
+        &ex,
+        r,
+        &mut probs,
+        0,
+        &mut out,
+    );
     g.set_tensor_cores(was);
     assert!(declined);
 }

@@ -154,6 +154,66 @@ pub trait Backend: Send + Sync {
         self.add(x, delta, rows * dim);
         self.rms_norm(x, w, rows, dim, eps, out);
     }
+    /// The residual add and norm of [`AddNorm`] out of place: `sum = x + delta` and
+    /// `out = rms_norm(sum)` on `rows` rows of `dim`, `x` left as it is; without a delta,
+    /// `out = rms_norm(x)` and `sum` is not written. The default is a copy and
+    /// [`add_rms_norm`](Self::add_rms_norm).
+    fn add_rms_norm_to(
+        &self,
+        n: AddNorm<'_, Self::Tensor>,
+        rows: usize,
+        dim: usize,
+        sum: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) {
+        match n.delta {
+            Some(delta) => {
+                self.write_rows(n.x, sum, 0, rows, dim);
+                self.add_rms_norm(sum, delta, n.w, rows, dim, n.eps, out);
+            }
+            None => self.rms_norm(n.x, n.w, rows, dim, n.eps, out),
+        }
+    }
+
+    /// [`linear3`](Self::linear3) of the norm [`add_rms_norm_to`](Self::add_rms_norm_to)
+    /// makes (into `sum` and `xn`, `in_dim` wide). The default is those two ops; a
+    /// backend may fold the add and the norm into the products' reading of their input,
+    /// and then `xn` holds nothing.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm_linear3(
+        &self,
+        n: AddNorm<'_, Self::Tensor>,
+        sum: &mut Self::Tensor,
+        xn: &mut Self::Tensor,
+        ws: [Weight<'_, Self::Matrix>; 3],
+        rows: usize,
+        in_dim: usize,
+        out_dims: [usize; 3],
+        outs: [&mut Self::Tensor; 3],
+    ) {
+        self.add_rms_norm_to(n, rows, in_dim, sum, xn);
+        self.linear3(xn, ws, rows, in_dim, out_dims, outs);
+    }
+
+    /// [`linear`](Self::linear) of the norm [`add_rms_norm_to`](Self::add_rms_norm_to)
+    /// makes, as [`add_rms_norm_linear3`](Self::add_rms_norm_linear3) (a model's last
+    /// norm and its LM head).
+    #[allow(clippy::too_many_arguments)]
+    fn add_rms_norm_linear(
+        &self,
+        n: AddNorm<'_, Self::Tensor>,
+        sum: &mut Self::Tensor,
+        xn: &mut Self::Tensor,
+        w: Weight<'_, Self::Matrix>,
+        rows: usize,
+        in_dim: usize,
+        out_dim: usize,
+        out: &mut Self::Tensor,
+    ) {
+        self.add_rms_norm_to(n, rows, in_dim, sum, xn);
+        self.linear(xn, w, rows, in_dim, out_dim, out);
+    }
+
     /// `gate[..n] = silu(gate[..n]) * up[..n]`.
     fn silu_mul(&self, gate: &mut Self::Tensor, up: &Self::Tensor, n: usize);
     /// Clamp `x[..n]` to `[-limit, limit]`.
@@ -357,7 +417,8 @@ pub trait Backend: Send + Sync {
         false
     }
 
-    /// A whole routed MoE block without a host round trip: router logits `x · gateᵀ`,
+    /// A whole routed MoE block without a host round trip, of the rows `x` reads
+    /// (with [`MoeInput::AddNorm`], after writing them): router logits `x · gateᵀ`,
     /// their softmax written to `probs[probs_at .. probs_at + rows · E]` (unmasked), the
     /// top-k experts of each row among those `route.keep` marks, and
     /// `out[r] = Σ_k w_k · expert_k(x[r])` (overwritten, not added to).
@@ -367,7 +428,7 @@ pub trait Backend: Send + Sync {
     #[allow(clippy::too_many_arguments)]
     fn routed_moe(
         &self,
-        x: &Self::Tensor,
+        x: MoeInput<'_, Self::Tensor>,
         rows: usize,
         hidden: usize,
         gate: &Self::Matrix,
@@ -403,7 +464,7 @@ pub trait Backend: Send + Sync {
     #[allow(clippy::too_many_arguments)]
     fn routed_moe_slots(
         &self,
-        x: &Self::Tensor,
+        x: MoeInput<'_, Self::Tensor>,
         rows: usize,
         hidden: usize,
         gate: &Self::Matrix,
@@ -495,6 +556,45 @@ pub struct DeviceRoute<'a> {
     pub renormalize: bool,
     /// Experts routing may choose (`None`: all); at least `top_k` are marked.
     pub keep: Option<&'a [bool]>,
+}
+
+/// A residual add and the RMSNorm after it, for the op that reads the norm
+/// ([`Backend::add_rms_norm_to`] and the ops built on it): `rms_norm(x + delta) · w`.
+pub struct AddNorm<'a, T> {
+    /// The residual before the add.
+    pub x: &'a T,
+    /// What the last block added to it (`None`: `x` is the residual).
+    pub delta: Option<&'a T>,
+    /// The norm's weights.
+    pub w: &'a T,
+    /// The norm's epsilon.
+    pub eps: f32,
+}
+
+// Written out because a derive would require `T: Copy`; only references are copied.
+impl<T> Clone for AddNorm<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for AddNorm<'_, T> {}
+
+/// What [`Backend::routed_moe`] reads: its input rows, or one row it makes itself from
+/// the residual (the post-attention norm of a decode step).
+pub enum MoeInput<'a, T> {
+    /// The block's input rows.
+    Rows(&'a T),
+    /// [`Backend::add_rms_norm_to`] of `n` into `sum` and `xn`, one row; the experts read
+    /// `xn`.
+    AddNorm {
+        /// The add and the norm.
+        n: AddNorm<'a, T>,
+        /// Gets `x + delta`.
+        sum: &'a mut T,
+        /// Gets the normed row.
+        xn: &'a mut T,
+    },
 }
 
 /// The weights of a per-head q/k RMSNorm, for [`Backend::attention_preamble_at`].

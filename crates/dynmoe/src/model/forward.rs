@@ -16,7 +16,7 @@ use super::weights::{
     Attention, CodedLayers, Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts,
 };
 use super::Error;
-use crate::backend::{AttentionShape, Backend, HeadNorm, Weight};
+use crate::backend::{AddNorm, AttentionShape, Backend, HeadNorm, MoeInput, Weight};
 use crate::residency::{
     self, LayerSource, Reservoir, ReservoirKind, Residency, ResidencyConfig, Step,
 };
@@ -64,12 +64,18 @@ pub struct State<B: Backend> {
 struct StepBuffers<B: Backend> {
     /// `[token, position]` as `u32` bits: every per-step value the step reads.
     step: B::Tensor,
+    /// The residual, and the buffer its next sum goes to (the ops that add to it read
+    /// the old one while they write the new one; the two swap after each add).
     x: B::Tensor,
+    x_next: B::Tensor,
     xn: B::Tensor,
     qs: B::Tensor,
     ks: B::Tensor,
     vs: B::Tensor,
     attn: B::Tensor,
+    /// The attention's output projection, added to the residual by the MoE block.
+    attn_out: B::Tensor,
+    /// The feed-forward block's output, added to the residual by the next layer.
     delta: B::Tensor,
     /// Router probabilities, `E` per layer at `layer · E`, then the chosen token's bits.
     probs: B::Tensor,
@@ -409,7 +415,7 @@ impl<B: Backend> Model<B> {
                                 b,
                                 block,
                                 routing,
-                                &xn,
+                                MoeInput::Rows(&xn),
                                 n,
                                 &mut delta,
                                 p,
@@ -539,11 +545,13 @@ impl<B: Backend> Model<B> {
         let bufs = state.step.get_or_insert_with(|| StepBuffers {
             step: b.alloc(2),
             x: b.alloc(h),
+            x_next: b.alloc(h),
             xn: b.alloc(h),
             qs: b.alloc(q),
             ks: b.alloc(kv),
             vs: b.alloc(kv),
             attn: b.alloc(q),
+            attn_out: b.alloc(h),
             delta: b.alloc(h),
             probs: b.alloc(l * e + 1),
             logits: b.alloc(c.vocab_size),
@@ -604,17 +612,40 @@ impl<B: Backend> Model<B> {
         bufs.routed.clear();
         let eps = c.rms_norm_eps;
         b.embed_at(&self.embed_tokens, h, &bufs.step, &mut bufs.x);
-        // As in `forward`: residual adds fused with the norm after them.
-        b.rms_norm(&bufs.x, self.norm_before(0), 1, h, eps, &mut bufs.xn);
+        // Each residual add is made by the op that reads the norm after it (the q/k/v
+        // projections, the router, the LM head), into `x_next`; then the two swap. The
+        // first layer's norm reads the embedding as it is.
+        let mut pending = false;
         for (i, layer) in self.layers.iter().enumerate() {
             let a = &layer.self_attn;
-            qkv(
-                b,
-                &bufs.xn,
-                a,
+            let n = AddNorm {
+                x: &bufs.x,
+                delta: pending.then_some(&bufs.delta),
+                w: self.norm_before(i),
+                eps,
+            };
+            let ls = [&a.q_proj, &a.k_proj, &a.v_proj];
+            b.add_rms_norm_linear3(
+                n,
+                &mut bufs.x_next,
+                &mut bufs.xn,
+                ls.map(|l| l.weight()),
                 1,
+                h,
+                ls.map(|l| l.out_dim),
                 [&mut bufs.qs, &mut bufs.ks, &mut bufs.vs],
             );
+            for (l, out) in ls
+                .into_iter()
+                .zip([&mut bufs.qs, &mut bufs.ks, &mut bufs.vs])
+            {
+                if let Some(bias) = &l.bias {
+                    b.add_bias(out, bias, 1);
+                }
+            }
+            if pending {
+                std::mem::swap(&mut bufs.x, &mut bufs.x_next);
+            }
             let shape = AttentionShape {
                 rows: 1,
                 pos0: 0,
@@ -651,30 +682,42 @@ impl<B: Backend> Model<B> {
                 &bufs.step,
                 &mut bufs.attn,
             );
-            linear(b, &bufs.attn, &a.o_proj, 1, &mut bufs.delta);
-            let post = &layer.post_attention_layernorm;
-            b.add_rms_norm(&mut bufs.x, &bufs.delta, post, 1, h, eps, &mut bufs.xn);
+            linear(b, &bufs.attn, &a.o_proj, 1, &mut bufs.attn_out);
+            let post = AddNorm {
+                x: &bufs.x,
+                delta: Some(&bufs.attn_out),
+                w: &layer.post_attention_layernorm,
+                eps,
+            };
+            let routed = match &layer.mlp {
+                Ffn::Moe(block) => moe::forward_on_device(
+                    b,
+                    block,
+                    routing,
+                    MoeInput::AddNorm {
+                        n: post,
+                        sum: &mut bufs.x_next,
+                        xn: &mut bufs.xn,
+                    },
+                    1,
+                    &mut bufs.delta,
+                    &mut bufs.probs,
+                    i * e,
+                    sets.as_mut()
+                        .and_then(|s| s.layer(i))
+                        .and_then(|s| s.device_slots()),
+                ),
+                Ffn::Dense(_) => false,
+            };
+            if !routed {
+                b.add_rms_norm_to(post, 1, h, &mut bufs.x_next, &mut bufs.xn);
+            }
+            std::mem::swap(&mut bufs.x, &mut bufs.x_next);
             match &layer.mlp {
+                Ffn::Moe(_) if routed => bufs.routed.push(i),
                 Ffn::Dense(mlp) => {
                     fit = false;
                     moe::dense(b, mlp, &bufs.xn, 1, &mut bufs.delta);
-                }
-                Ffn::Moe(block)
-                    if moe::forward_on_device(
-                        b,
-                        block,
-                        routing,
-                        &bufs.xn,
-                        1,
-                        &mut bufs.delta,
-                        &mut bufs.probs,
-                        i * e,
-                        sets.as_mut()
-                            .and_then(|s| s.layer(i))
-                            .and_then(|s| s.device_slots()),
-                    ) =>
-                {
-                    bufs.routed.push(i)
                 }
                 Ffn::Moe(block) => {
                     fit = false;
@@ -683,10 +726,24 @@ impl<B: Backend> Model<B> {
                     host_probs.push((i, p));
                 }
             }
-            let next = self.norm_before(i + 1);
-            b.add_rms_norm(&mut bufs.x, &bufs.delta, next, 1, h, eps, &mut bufs.xn);
+            pending = true;
         }
-        b.linear(&bufs.xn, self.head(), 1, h, c.vocab_size, &mut bufs.logits);
+        let n = AddNorm {
+            x: &bufs.x,
+            delta: pending.then_some(&bufs.delta),
+            w: self.norm_before(self.layers.len()),
+            eps,
+        };
+        b.add_rms_norm_linear(
+            n,
+            &mut bufs.x_next,
+            &mut bufs.xn,
+            self.head(),
+            1,
+            h,
+            c.vocab_size,
+            &mut bufs.logits,
+        );
         b.argmax_rows(
             &bufs.logits,
             1,

@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use super::config::Router;
 use super::weights::{Experts, Mlp, Moe};
-use crate::backend::{Backend, DeviceRoute, RoutedExperts, SwiGluGroup, Weight};
+use crate::backend::{Backend, DeviceRoute, MoeInput, RoutedExperts, SwiGluGroup, Weight};
 use crate::residency::LayerSet;
 
 /// Sees every MoE block of a forward call: the block, its input rows `x`
@@ -222,7 +222,8 @@ pub fn forward<B: Backend>(
     probs
 }
 
-/// The MoE block routed on the backend: `out` as [`forward`] makes it, the unmasked
+/// The MoE block routed on the backend: `out` as [`forward`] makes it of the rows `x`
+/// reads (which [`MoeInput::AddNorm`] has the backend write first), the unmasked
 /// probabilities left on the backend in `probs[probs_at ..]`. With `slots` (a resident
 /// set in the backend's memory) routing is confined to the residents and their weights
 /// read from the slots ([`Backend::routed_moe_slots`]); otherwise every expert of an
@@ -235,7 +236,7 @@ pub fn forward_on_device<B: Backend>(
     b: &B,
     moe: &Moe<B>,
     routing: Routing,
-    x: &B::Tensor,
+    x: MoeInput<'_, B::Tensor>,
     rows: usize,
     out: &mut B::Tensor,
     probs: &mut B::Tensor,

@@ -116,23 +116,25 @@ extern "C" __global__ void split_bf16(const float* x, unsigned short* hi, unsign
     }
 }
 
-// RMSNorm of rows of `dim`, optionally after a residual add (`delta` non-null:
-// x += delta first, the sum written back to x, then normalised). A team of threads per
-// row: a warp (rows of at most NORM_WARP_DIM values, several rows a block) or the whole
-// block (wider rows, one a block). 16-byte loads when every row is 16-byte aligned, else
-// one value at a time. In place when `out == x`: each thread writes only what it read,
-// after the reduction. The second pass reads x again (an L1 hit) rather than holding it
+// RMSNorm of rows of `dim`, optionally after a residual add (ADD: the sum x + delta
+// written to `sum`, which may be x itself, then normalised). A team of threads per row: a
+// warp (rows of at most NORM_WARP_DIM values, several rows a block) or the whole block
+// (wider rows, one a block). 16-byte loads when every row is 16-byte aligned, else one
+// value at a time. In place when `out == x`: each thread writes only what it read, after
+// the reduction. The second pass reads the row again (an L1 hit) rather than holding it
 // in registers, so any width works.
 #define NORM_WARP_DIM 512
 template <bool ADD>
-__device__ __forceinline__ void norm_row(float* x, const float* delta, const float* w, float* out,
-                                         int dim, float eps, int t, int team, float* scratch) {
+__device__ __forceinline__ void norm_row(const float* x, const float* delta, const float* w,
+                                         float* sum, float* out, int dim, float eps, int t,
+                                         int team, float* scratch) {
     bool vec = dim % 4 == 0 &&
                ((reinterpret_cast<size_t>(x) | reinterpret_cast<size_t>(w) |
-                 reinterpret_cast<size_t>(out) | reinterpret_cast<size_t>(delta)) & 15) == 0;
+                 reinterpret_cast<size_t>(out) | reinterpret_cast<size_t>(delta) |
+                 reinterpret_cast<size_t>(sum)) & 15) == 0;
     float s = 0.0f;
     if (vec) {
-        float4* x4 = reinterpret_cast<float4*>(x);
+        const float4* x4 = reinterpret_cast<const float4*>(x);
         for (int j = t; j < dim / 4; j += team) {
             float4 v = x4[j];
             if (ADD) {
@@ -141,7 +143,7 @@ __device__ __forceinline__ void norm_row(float* x, const float* delta, const flo
                 v.y += e.y;
                 v.z += e.z;
                 v.w += e.w;
-                x4[j] = v;
+                reinterpret_cast<float4*>(sum)[j] = v;
             }
             s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
@@ -150,63 +152,108 @@ __device__ __forceinline__ void norm_row(float* x, const float* delta, const flo
             float v = x[d];
             if (ADD) {
                 v += delta[d];
-                x[d] = v;
+                sum[d] = v;
             }
             s += v * v;
         }
     }
     s = scratch ? block_sum(s, scratch) : warp_sum(s);
     float inv = 1.0f / sqrtf(s / (float)dim + eps);
+    const float* y = ADD ? sum : x;
     if (vec) {
-        const float4* x4 = reinterpret_cast<const float4*>(x);
+        const float4* y4 = reinterpret_cast<const float4*>(y);
         const float4* w4 = reinterpret_cast<const float4*>(w);
         float4* o4 = reinterpret_cast<float4*>(out);
         for (int j = t; j < dim / 4; j += team) {
-            float4 v = x4[j], g = w4[j];
+            float4 v = y4[j], g = w4[j];
             o4[j] = make_float4(g.x * (v.x * inv), g.y * (v.y * inv), g.z * (v.z * inv),
                                 g.w * (v.w * inv));
         }
     } else {
-        for (int d = t; d < dim; d += team) out[d] = w[d] * (x[d] * inv);
+        for (int d = t; d < dim; d += team) out[d] = w[d] * (y[d] * inv);
     }
 }
 
 // Rows of at most NORM_WARP_DIM: a warp per row, blockDim / 32 rows a block. Wider: a
-// block per row. `delta` may be null (a plain norm).
+// block per row. `delta` and `sum` are read only with ADD.
 template <bool ADD>
-__device__ void norm_rows(float* x, const float* delta, const float* w, float* out, int rows,
-                          int dim, float eps) {
+__device__ void norm_rows(const float* x, const float* delta, const float* w, float* sum,
+                          float* out, int rows, int dim, float eps) {
     __shared__ float scratch[32];
     if (dim <= NORM_WARP_DIM) {
         int r = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
         if (r >= rows) return;  // whole warps leave: no block barrier on this path
         size_t o = (size_t)r * dim;
-        norm_row<ADD>(x + o, ADD ? delta + o : nullptr, w, out + o, dim, eps, threadIdx.x % WARP,
-                      WARP, nullptr);
+        norm_row<ADD>(x + o, ADD ? delta + o : nullptr, w, ADD ? sum + o : nullptr, out + o,
+                      dim, eps, threadIdx.x % WARP, WARP, nullptr);
     } else {
         size_t o = (size_t)blockIdx.x * dim;
-        norm_row<ADD>(x + o, ADD ? delta + o : nullptr, w, out + o, dim, eps, threadIdx.x,
-                      blockDim.x, scratch);
+        norm_row<ADD>(x + o, ADD ? delta + o : nullptr, w, ADD ? sum + o : nullptr, out + o,
+                      dim, eps, threadIdx.x, blockDim.x, scratch);
     }
 }
 
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int rows, int dim,
                                     float eps) {
     PDL_ENTRY();
-    // Written only through `out` (x is read, never stored to, without ADD).
-    norm_rows<false>(const_cast<float*>(x), nullptr, w, out, rows, dim, eps);
+    norm_rows<false>(x, nullptr, w, nullptr, out, rows, dim, eps);
 }
 
 extern "C" __global__ void rms_norm_inplace(float* x, const float* w, int rows, int dim, float eps) {
     PDL_ENTRY();
-    norm_rows<false>(x, nullptr, w, x, rows, dim, eps);
+    norm_rows<false>(x, nullptr, w, nullptr, x, rows, dim, eps);
 }
 
 // x += delta, then out = RMSNorm(x)·w: the residual add and the next norm in one pass.
 extern "C" __global__ void add_rms_norm(float* x, const float* delta, const float* w, float* out,
                                         int rows, int dim, float eps) {
     PDL_ENTRY();
-    norm_rows<true>(x, delta, w, out, rows, dim, eps);
+    norm_rows<true>(x, delta, w, x, out, rows, dim, eps);
+}
+
+// sum = x + delta, then out = RMSNorm(sum)·w, x left as it is.
+extern "C" __global__ void add_rms_norm_to(const float* x, const float* delta, const float* w,
+                                           float* sum, float* out, int rows, int dim,
+                                           float eps) {
+    PDL_ENTRY();
+    norm_rows<true>(x, delta, w, sum, out, rows, dim, eps);
+}
+
+// ---- The residual add and norm in the product that reads them ----
+//
+// A decode step's q/k/v projections and router read RMSNorm(x + delta)·w of one row,
+// where delta is what the last block added to the residual x. Rather than a launch of
+// its own for that, every block of the product computes the norm's scale itself (the
+// row is 8 KB at 2048 wide, read from L2), the products apply it as they stage x, and
+// block b writes its slice of the sum to `sum` (a buffer other than x: the other blocks
+// still read x) and of the normed row to `xn`, so later kernels find both whole.
+
+// What a product applies to its input as it stages it: with `w` null, nothing.
+struct InputNorm {
+    const float* delta;  // added to x first; may be null
+    const float* w;      // the norm's weights
+    float inv;           // 1 / rms(x + delta)
+};
+
+// The InputNorm of one row of `dim` for a 1-D grid, by every thread of the block (after
+// PDL_WAIT); the slices of `sum` and `xn` (either may be null) as above.
+__device__ InputNorm input_norm(const float* x, const float* delta, const float* w, float eps,
+                                int dim, float* sum, float* xn, float* scratch) {
+    float s = 0.0f;
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+        float v = x[d] + (delta ? delta[d] : 0.0f);
+        s += v * v;
+    }
+    s = block_sum(s, scratch);
+    float inv = 1.0f / sqrtf(s / (float)dim + eps);
+    int per = (dim + gridDim.x - 1) / gridDim.x;
+    int d0 = min(dim, (int)blockIdx.x * per), d1 = min(dim, d0 + per);
+    for (int d = d0 + threadIdx.x; d < d1; d += blockDim.x) {
+        float v = x[d] + (delta ? delta[d] : 0.0f);
+        if (sum) sum[d] = v;
+        if (xn) xn[d] = w[d] * (v * inv);
+    }
+    return {delta, w, inv};
 }
 
 extern "C" __global__ void add_bias(float* x, const float* bias, int dim, long long n) {
@@ -1222,9 +1269,28 @@ extern "C" __global__ void moe_combine(const float* down, const float* weights, 
 // row_of(u / groups) of x, which is `in_dim` wide (zeros past it). A thread takes 16
 // columns (a quarter of a group) at a time; a unit's four quarters sit in consecutive
 // lanes. Threads `tid` of `threads` (whole warps) share the work; each must call it.
-template <int BITS, typename RowOf>
+// `input` (InputNormed, for one row) may change the 16 values a thread loads.
+struct InputAsIs {
+    __device__ void operator()(int, float (&)[16]) const {}
+};
+
+// The values of an InputNorm: w ⊙ (x + delta) · inv, as the norm kernels compute them.
+struct InputNormed {
+    InputNorm n;
+    int in_dim;
+    __device__ void operator()(int k0, float (&v)[16]) const {
+        bool vec = in_dim % 4 == 0 && (((size_t)n.delta | (size_t)n.w) & 15) == 0;
+        float d[16], g[16];
+        load_x16(n.delta, k0, in_dim, vec, d);
+        load_x16(n.w, k0, in_dim, vec, g);
+#pragma unroll
+        for (int j = 0; j < 16; j++) v[j] = g[j] * ((v[j] + d[j]) * n.inv);
+    }
+};
+
+template <int BITS, typename RowOf, typename Input = InputAsIs>
 __device__ void stage_units(unsigned* xs, float* xsum, const float* x, RowOf row_of, int units,
-                            int groups, int in_dim, int tid, int threads) {
+                            int groups, int in_dim, int tid, int threads, Input input = {}) {
     bool vec = in_dim % 4 == 0 && ((size_t)x & 15) == 0;  // whole float4s, aligned
     int items = 4 * units;
     for (int base = 0; base < items; base += threads) {
@@ -1233,7 +1299,9 @@ __device__ void stage_units(unsigned* xs, float* xsum, const float* x, RowOf row
         int u = live ? i / 4 : 0, q = i % 4;
         const float* src = x + (size_t)row_of(u / groups) * in_dim;
         float v[16];
-        load_x16(live ? src : nullptr, (u % groups) * 64 + 16 * q, in_dim, vec, v);
+        int k0 = (u % groups) * 64 + 16 * q;
+        load_x16(live ? src : nullptr, k0, in_dim, vec, v);
+        input(k0, v);
         float s = 0.0f;
 #pragma unroll
         for (int j = 0; j < 16; j++) s += v[j];
@@ -1627,8 +1695,15 @@ ROUTED_MMA(2)
 // (parts divides RMMA_WARPS) and add their sums in a fixed order, so a block takes
 // RMMA_WARPS / parts jobs a round. Blocks stage x once and loop over rounds, so a grid
 // sized for the device streams a 151936-row head without staging x 9 496 times. Every
-// warp's first units go out before PDL_WAIT: no kernel writes weights.
+// warp's first units go out before PDL_WAIT: no kernel writes weights. Units a warp
+// loads at once and blocks an SM (the launch bound, which the host's grid assumes) are
+// tunable (DYNMOE_CUDA_DEFINES).
+#ifndef DMMA_UNITS
 #define DMMA_UNITS 8
+#endif
+#ifndef DMMA_BLOCKS
+#define DMMA_BLOCKS 3
+#endif
 struct DenseMat {
     const unsigned* words;
     const unsigned short* scales;
@@ -1637,9 +1712,19 @@ struct DenseMat {
     int rows;
 };
 
+// The input of a dense product read as RMSNorm(x + delta)·w (input_norm's arguments);
+// with `w` null, x as it is.
+struct NormArgs {
+    const float* delta;
+    const float* w;
+    float eps;
+    float* sum;
+    float* xn;
+};
+
 template <int BITS>
 __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int cols,
-                          int in_dim, int parts) {
+                          int in_dim, int parts, const NormArgs& norm) {
     extern __shared__ __align__(16) unsigned smem[];
     int groups = cols / 64;
     unsigned* xs = smem;
@@ -1696,8 +1781,17 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
         load(u0);
     }
     PDL_WAIT();
-    stage_units<BITS>(xs, xsum, x, [](int) { return 0; }, groups, groups, in_dim, threadIdx.x,
-                      blockDim.x);
+    if (norm.w) {
+        // `red` is free until the rounds, and block_sum's 32 floats fit in it.
+        InputNormed input{input_norm(x, norm.delta, norm.w, norm.eps, in_dim, norm.sum,
+                                     norm.xn, red),
+                          in_dim};
+        stage_units<BITS>(xs, xsum, x, [](int) { return 0; }, groups, groups, in_dim,
+                          threadIdx.x, blockDim.x, input);
+    } else {
+        stage_units<BITS>(xs, xsum, x, [](int) { return 0; }, groups, groups, in_dim,
+                          threadIdx.x, blockDim.x);
+    }
     __syncthreads();
     // Every warp runs every round (the block adds parts through shared memory); a warp
     // whose job is past the last only takes part in the barriers.
@@ -1739,17 +1833,19 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
 }
 
 #define DENSE_MMA(B)                                                                          \
-    extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, 3) dense_mma_q##B(        \
+    extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, DMMA_BLOCKS)              \
+        dense_mma_q##B(                                                                       \
         const unsigned* w0, const unsigned short* s0, const unsigned short* b0, float* out0,   \
         int rows0, const unsigned* w1, const unsigned short* s1, const unsigned short* b1,     \
         float* out1, int rows1, const unsigned* w2, const unsigned short* s2,                  \
         const unsigned short* b2, float* out2, int rows2, int mats, const float* x, int cols,  \
-        int in_dim, int parts) {                                                               \
+        int in_dim, int parts, const float* delta, const float* norm_w, float eps, float* sum, \
+        float* xn) {                                                                           \
         PDL_LAUNCH();                                                                          \
         const DenseMat m[3] = {{w0, s0, b0, out0, rows0},                                      \
                                {w1, s1, b1, out1, rows1},                                      \
                                {w2, s2, b2, out2, rows2}};                                     \
-        dense_mma<B>(m, mats, x, cols, in_dim, parts);                                         \
+        dense_mma<B>(m, mats, x, cols, in_dim, parts, {delta, norm_w, eps, sum, xn});          \
     }
 
 DENSE_MMA(4)
@@ -2093,10 +2189,16 @@ __device__ __forceinline__ int mv_one_parts(int cols) {
 }
 
 // The sum over this warp's part of row o (rows past `rows` read row 0, and are not
-// stored), after PDL_WAIT.
+// stored), after PDL_WAIT; then `input(x)` (every thread of the block calls it) gives
+// the row to read.
+struct RowAsIs {
+    __device__ const float* operator()(const float* x) const { return x; }
+};
+
+template <typename Input = RowAsIs>
 __device__ __forceinline__ float matvec_bf16_part(const unsigned short* w, const float* x,
                                                   int rows, int o, int cols, int part,
-                                                  int parts) {
+                                                  int parts, Input input = {}) {
     int lane = threadIdx.x % WARP;
     const uint4* w8 = reinterpret_cast<const uint4*>(w + (size_t)(o < rows ? o : 0) * cols);
     int n8 = cols / 8, per = (n8 + parts - 1) / parts;
@@ -2109,6 +2211,7 @@ __device__ __forceinline__ float matvec_bf16_part(const unsigned short* w, const
         if (j < j1) early[i] = w8[j];
     }
     PDL_WAIT();
+    x = input(x);
     float acc[1] = {0.0f};
 #pragma unroll
     for (int i = 0; i < EARLY; i++) {
@@ -2144,6 +2247,28 @@ extern "C" __global__ void __launch_bounds__(256, 5)
     int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
     int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
     float v = matvec_bf16_part(w, x, rows, o, cols, part, parts);
+    matvec_bf16_parts_done(v, out, rows, o, part, parts);
+}
+
+// matvec_bf16_one of RMSNorm(x + delta)·norm_w (input_norm: `sum` and `xn` get their
+// slices), the row staged in dynamic shared memory (cols floats): a decode step's router,
+// which reads the post-attention norm.
+extern "C" __global__ void __launch_bounds__(256, 5)
+    matvec_bf16_norm_one(const unsigned short* w, const float* x, const float* delta,
+                         const float* norm_w, float eps, float* sum, float* xn, float* out,
+                         int rows, int cols) {
+    PDL_LAUNCH();
+    extern __shared__ __align__(16) float row[];
+    __shared__ float scratch[32];
+    int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
+    int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
+    float v = matvec_bf16_part(w, x, rows, o, cols, part, parts, [&](const float* x) {
+        InputNorm n = input_norm(x, delta, norm_w, eps, cols, sum, xn, scratch);
+        for (int d = threadIdx.x; d < cols; d += blockDim.x)
+            row[d] = norm_w[d] * ((x[d] + (delta ? delta[d] : 0.0f)) * n.inv);
+        __syncthreads();
+        return (const float*)row;
+    });
     matvec_bf16_parts_done(v, out, rows, o, part, parts);
 }
 

@@ -53,8 +53,8 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use half::slice::HalfFloatSliceExt;
 
 use super::{
-    attention_preamble_one_by_one, swiglu_groups_one_by_one, AttentionShape, Backend, DeviceRoute,
-    HeadNorm, RoutedExperts, SwiGluGroup, Weight,
+    attention_preamble_one_by_one, swiglu_groups_one_by_one, AddNorm, AttentionShape, Backend,
+    DeviceRoute, HeadNorm, MoeInput, RoutedExperts, SwiGluGroup, Weight,
 };
 use crate::codec::affine::kernels::AffineView;
 use crate::codec::affine::lowbit::words_per_row;
@@ -726,6 +726,18 @@ struct PairGroups {
     most_tiles: usize,
 }
 
+/// The residual add and norm a kernel applies to its input row (device addresses of
+/// the kernels' `delta, norm_w, eps, sum, xn` arguments): `w` 0 is none, `delta`, `sum`
+/// or `xn` 0 is not read or not written.
+#[derive(Debug, Clone, Copy, Default)]
+struct InputNorm {
+    delta: u64,
+    w: u64,
+    eps: f32,
+    sum: u64,
+    xn: u64,
+}
+
 /// What confirms that a block's id still names the same weights.
 fn routed_check(experts: &RoutedExperts<'_, DeviceMatrix>) -> Option<RoutedCheck> {
     let gate = |e: usize| (experts.weights)(e)[0];
@@ -803,6 +815,9 @@ pub struct Cuda {
     router_routes: Switch<bool>,
     /// `router_route_one`'s count of finished blocks, zero between launches.
     route_ticket: CudaSlice<u32>,
+    /// Whether the products that read a decode step's norms (q/k/v, router, LM head) fold
+    /// the residual add and the norm in (`DYNMOE_CUDA_FOLD_NORMS=0`: a launch of their own).
+    fold_norms: Switch<bool>,
     /// Whether resident sets of VQ experts live in device slots (`DYNMOE_CUDA_VQ_SLOTS=0`
     /// keeps them in host memory).
     vq_slots: Switch<bool>,
@@ -1299,6 +1314,7 @@ impl Cuda {
             // unless asked for.
             router_routes: Switch::new(switched_on("DYNMOE_CUDA_ROUTER_ROUTES")),
             route_ticket,
+            fold_norms: Switch::new(!switched_off("DYNMOE_CUDA_FOLD_NORMS")),
             bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
             decode_attention: Switch::new(DecodeAttention::from_env()),
             decode_chunk: std::sync::atomic::AtomicUsize::new(0),
@@ -1470,6 +1486,19 @@ impl Cuda {
     /// [`set_router_routes`](Self::set_router_routes)).
     pub fn router_routes(&self) -> bool {
         self.router_routes.get()
+    }
+
+    /// Whether the products that read a decode step's norms fold the residual add and
+    /// the norm in, or a norm kernel runs first, to measure one against the other. Steps
+    /// already recorded keep their way.
+    pub fn set_fold_norms(&self, on: bool) {
+        self.fold_norms.set(on);
+    }
+
+    /// Whether the products that read a decode step's norms fold them in (see
+    /// [`set_fold_norms`](Self::set_fold_norms)).
+    pub fn fold_norms(&self) -> bool {
+        self.fold_norms.get()
     }
 
     /// Whether products of many rows run on tensor cores (see
@@ -1843,7 +1872,7 @@ impl Cuda {
         let groups = w.cols / GROUP_SIZE;
         if rows == 1 && self.routed_mma() && routed_mma_shared(groups) <= SHARED_LIMIT {
             let o = out.device_ptr_mut(&self.stream).0;
-            self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim);
+            self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim, None);
             return;
         }
         if rows > AFFINE_GEMM_ROWS && self.tensor_cores() {
@@ -1902,7 +1931,8 @@ impl Cuda {
 
     /// One input row times up to three affine matrices of `cols` columns and the same
     /// bits (`mats`: device copy, rows, output address) in one `dense_mma` launch, on
-    /// tensor cores. `x` is `in_dim` wide, read as zeros up to `cols`.
+    /// tensor cores. `x` is `in_dim` wide, read as zeros up to `cols`; with `norm`, the
+    /// kernel reads it through that residual add and norm.
     fn launch_dense_mma(
         &self,
         bits: u32,
@@ -1910,6 +1940,7 @@ impl Cuda {
         x: &CudaSlice<f32>,
         cols: usize,
         in_dim: usize,
+        norm: Option<&InputNorm>,
     ) {
         debug_assert!((1..=3).contains(&mats.len()));
         let groups = cols / GROUP_SIZE;
@@ -1928,8 +1959,78 @@ impl Cuda {
         }
         let (n, c, i, p) = (mats.len() as i32, cols as i32, in_dim as i32, parts as i32);
         l.arg(&n).arg(x).arg(&c).arg(&i).arg(&p);
+        let none = InputNorm::default();
+        let norm = norm.unwrap_or(&none);
+        l.arg(&norm.delta)
+            .arg(&norm.w)
+            .arg(&norm.eps)
+            .arg(&norm.sum)
+            .arg(&norm.xn);
         let launch = cfg(blocks, (RMMA_WARPS * 32) as u32, routed_mma_shared(groups));
         ok(unsafe { l.launch(launch) }, "dense_mma");
+    }
+
+    /// Whether `dense_mma` takes the products of one row with `ws` in one launch:
+    /// affine matrices of the same bits and columns, `in_dim` within them, on tensor cores.
+    fn dense_mma_takes(&self, ws: &[Weight<'_, DeviceMatrix>], rows: usize, in_dim: usize) -> bool {
+        let Some(Weight::Affine(a)) = ws.first() else {
+            return false;
+        };
+        rows == 1
+            && self.routed_mma()
+            && in_dim <= a.cols
+            && routed_mma_shared(a.cols / GROUP_SIZE) <= SHARED_LIMIT
+            && ws
+                .iter()
+                .all(|w| matches!(w, Weight::Affine(b) if b.bits == a.bits && b.cols == a.cols))
+    }
+
+    /// The products [`dense_mma_takes`](Self::dense_mma_takes) took, into `outs`.
+    fn dense_mma_product(
+        &self,
+        x: &CudaSlice<f32>,
+        ws: &[Weight<'_, DeviceMatrix>],
+        in_dim: usize,
+        outs: &[u64],
+        norm: Option<&InputNorm>,
+    ) {
+        let views: Vec<&AffineView<'_>> = ws
+            .iter()
+            .map(|w| match w {
+                Weight::Affine(a) => a,
+                _ => unreachable!("dense_mma_takes checked"),
+            })
+            .collect();
+        let devs: Vec<_> = views.iter().map(|w| self.device_affine(w)).collect();
+        let mats: Vec<_> = views
+            .iter()
+            .zip(&devs)
+            .zip(outs)
+            .map(|((w, d), &o)| (&**d, w.rows, o))
+            .collect();
+        self.launch_dense_mma(views[0].bits, &mats, x, views[0].cols, in_dim, norm);
+    }
+
+    /// The [`InputNorm`] of `n` for a kernel that folds it in: `sum` gets `x + delta` (with
+    /// a delta), `xn` the normed row where given.
+    fn input_norm(
+        &self,
+        n: AddNorm<'_, CudaSlice<f32>>,
+        sum: &mut CudaSlice<f32>,
+        xn: Option<&mut CudaSlice<f32>>,
+    ) -> InputNorm {
+        let delta = n.delta.map_or(0, |d| d.device_ptr(&self.stream).0);
+        InputNorm {
+            delta,
+            w: n.w.device_ptr(&self.stream).0,
+            eps: n.eps,
+            sum: if delta == 0 {
+                0
+            } else {
+                sum.device_ptr_mut(&self.stream).0
+            },
+            xn: xn.map_or(0, |t| t.device_ptr_mut(&self.stream).0),
+        }
     }
 
     /// `rows` input rows times an affine matrix on tensor cores: the grouped expert GEMM
@@ -2851,6 +2952,45 @@ impl Cuda {
     /// decode step's row through a bf16 router also takes its route in the same launch
     /// (`router_route_one`), into the routed scratch where the routed kernels read it:
     /// the returned `Routed` says so.
+    /// Whether the router of a block folds in the norm of its input row
+    /// (`matvec_bf16_norm_one`): a bf16 router of one row, the row in shared memory,
+    /// unless the route goes into the router or the whole step is one launch.
+    fn router_folds_norm(&self, gate: &DeviceMatrix, rows: usize, hidden: usize) -> bool {
+        matches!(gate, DeviceMatrix::Bf16(_))
+            && rows == 1
+            && self.fold_norms()
+            && !self.router_routes()
+            && !self.moe_step()
+            && hidden.is_multiple_of(8)
+            && one_row_parts(hidden) * MV_ONE_COLS >= hidden
+            && hidden * 4 <= SHARED_LIMIT
+    }
+
+    /// The row a routed block reads for `input`, and the residual (its device address)
+    /// and norm its router folds in, if it does: otherwise the norm runs here first.
+    fn moe_input<'x>(
+        &self,
+        input: MoeInput<'x, CudaSlice<f32>>,
+        rows: usize,
+        hidden: usize,
+        gate: &DeviceMatrix,
+    ) -> (&'x CudaSlice<f32>, Option<(u64, InputNorm)>) {
+        match input {
+            MoeInput::Rows(x) => (x, None),
+            MoeInput::AddNorm { n, sum, xn } if self.router_folds_norm(gate, rows, hidden) => {
+                let norm = self.input_norm(n, sum, Some(&mut *xn));
+                (xn, Some((n.x.device_ptr(&self.stream).0, norm)))
+            }
+            MoeInput::AddNorm { n, sum, xn } => {
+                self.add_rms_norm_to(n, rows, hidden, sum, xn);
+                (xn, None)
+            }
+        }
+    }
+
+    /// The router's logits of `x` (`rows` rows of `hidden`); with `norm` (from
+    /// [`moe_input`](Self::moe_input)), of the norm it folds in, which it writes to `x`.
+    #[allow(clippy::too_many_arguments)]
     fn launch_router<'r>(
         &self,
         r: Routed<'r>,
@@ -2859,8 +2999,22 @@ impl Cuda {
         rows: usize,
         hidden: usize,
         logits: &mut CudaViewMut<'_, f32>,
+        norm: Option<(u64, InputNorm)>,
     ) -> Routed<'r> {
         let e = r.experts;
+        if let (Some((residual, n)), DeviceMatrix::Bf16(w)) = (norm, gate) {
+            let (_, launch) = bf16_matvec(false, 1, hidden, e);
+            let launch = LaunchConfig {
+                shared_mem_bytes: (hidden * 4) as u32,
+                ..launch
+            };
+            let (ei, ci) = (e as i32, hidden as i32);
+            let mut l = self.launcher(self.func("matvec_bf16_norm_one"));
+            l.arg(w).arg(&residual).arg(&n.delta).arg(&n.w).arg(&n.eps);
+            l.arg(&n.sum).arg(&n.xn).arg(logits).arg(&ei).arg(&ci);
+            ok(unsafe { l.launch(launch) }, "matvec_bf16_norm_one");
+            return r;
+        }
         let DeviceMatrix::Bf16(w) = gate else {
             self.dense_product(x, gate, rows, hidden, e, logits);
             return r;
@@ -3364,6 +3518,69 @@ impl Backend for Cuda {
         ok(unsafe { l.launch(norm_cfg(rows, dim)) }, "add_rms_norm");
     }
 
+    fn add_rms_norm_to(
+        &self,
+        n: AddNorm<'_, CudaSlice<f32>>,
+        rows: usize,
+        dim: usize,
+        sum: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let Some(delta) = n.delta else {
+            return self.rms_norm(n.x, n.w, rows, dim, n.eps, out);
+        };
+        if rows == 0 {
+            return;
+        }
+        let (r, d) = (rows as i32, dim as i32);
+        let mut l = self.launcher(self.func("add_rms_norm_to"));
+        l.arg(n.x).arg(delta).arg(n.w).arg(sum).arg(out);
+        l.arg(&r).arg(&d).arg(&n.eps);
+        ok(unsafe { l.launch(norm_cfg(rows, dim)) }, "add_rms_norm_to");
+    }
+
+    fn add_rms_norm_linear3(
+        &self,
+        n: AddNorm<'_, CudaSlice<f32>>,
+        sum: &mut CudaSlice<f32>,
+        xn: &mut CudaSlice<f32>,
+        ws: [Weight<'_, DeviceMatrix>; 3],
+        rows: usize,
+        in_dim: usize,
+        out_dims: [usize; 3],
+        outs: [&mut CudaSlice<f32>; 3],
+    ) {
+        if !self.fold_norms() || !self.dense_mma_takes(&ws, rows, in_dim) {
+            self.add_rms_norm_to(n, rows, in_dim, sum, xn);
+            return self.linear3(xn, ws, rows, in_dim, out_dims, outs);
+        }
+        let norm = self.input_norm(n, sum, None);
+        let outs = outs.map(|o| o.device_ptr_mut(&self.stream).0);
+        self.dense_mma_product(n.x, &ws, in_dim, &outs, Some(&norm));
+    }
+
+    fn add_rms_norm_linear(
+        &self,
+        n: AddNorm<'_, CudaSlice<f32>>,
+        sum: &mut CudaSlice<f32>,
+        xn: &mut CudaSlice<f32>,
+        w: Weight<'_, DeviceMatrix>,
+        rows: usize,
+        in_dim: usize,
+        out_dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let ws = [w];
+        if out_dim == 0 || !self.fold_norms() || !self.dense_mma_takes(&ws, rows, in_dim) {
+            self.add_rms_norm_to(n, rows, in_dim, sum, xn);
+            let [w] = ws;
+            return self.linear(xn, w, rows, in_dim, out_dim, out);
+        }
+        let norm = self.input_norm(n, sum, None);
+        let out = out.device_ptr_mut(&self.stream).0;
+        self.dense_mma_product(n.x, &ws, in_dim, &[out], Some(&norm));
+    }
+
     fn matmul(
         &self,
         x: &CudaSlice<f32>,
@@ -3424,22 +3641,14 @@ impl Backend for Cuda {
                 l.arg(&r0).arg(&r1).arg(&r2).arg(&cols).arg(&batch);
                 ok(unsafe { l.launch(launch) }, "matvec_bf16_3");
             }
-            [Weight::Affine(a), Weight::Affine(b), Weight::Affine(c)]
-                if rows == 1
-                    && self.routed_mma()
-                    && [b.bits, c.bits] == [a.bits; 2]
-                    && [b.cols, c.cols] == [a.cols; 2]
-                    && in_dim <= a.cols
-                    && routed_mma_shared(a.cols / GROUP_SIZE) <= SHARED_LIMIT =>
-            {
-                let devs = [&a, &b, &c].map(|w| self.device_affine(w));
-                let [o0, o1, o2] = outs.map(|o| o.device_ptr_mut(&self.stream).0);
-                let mats = [
-                    (&*devs[0], a.rows, o0),
-                    (&*devs[1], b.rows, o1),
-                    (&*devs[2], c.rows, o2),
-                ];
-                self.launch_dense_mma(a.bits, &mats, x, a.cols, in_dim);
+            ref ws3 if self.dense_mma_takes(ws3, rows, in_dim) => {
+                self.dense_mma_product(
+                    x,
+                    ws3,
+                    in_dim,
+                    &outs.map(|o| o.device_ptr_mut(&self.stream).0),
+                    None,
+                );
             }
             _ => {
                 for ((w, d), out) in ws.into_iter().zip(out_dims).zip(outs) {
@@ -3876,7 +4085,7 @@ impl Backend for Cuda {
 
     fn routed_moe(
         &self,
-        x: &CudaSlice<f32>,
+        x: MoeInput<'_, CudaSlice<f32>>,
         rows: usize,
         hidden: usize,
         gate: &DeviceMatrix,
@@ -3933,6 +4142,7 @@ impl Backend for Cuda {
         };
         let kind = block.kind;
         let table = block.table.device_ptr(&self.stream).0;
+        let (x, norm) = self.moe_input(x, rows, hidden, gate);
         let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
         let probs_ptr = logits.device_ptr_mut(&self.stream).0;
         let x_ptr = x.device_ptr(&self.stream).0;
@@ -3948,7 +4158,7 @@ impl Backend for Cuda {
         if self.launch_moe_step(&routed, gate, x_ptr, rows, hidden, probs_ptr, out_ptr) {
             return true;
         }
-        let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits);
+        let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits, norm);
         match kind {
             RoutedKind::Affine(_) => {
                 self.launch_routed(&routed, x_ptr, rows, hidden, probs_ptr, out_ptr)
@@ -4000,7 +4210,7 @@ impl Backend for Cuda {
 
     fn routed_moe_slots(
         &self,
-        x: &CudaSlice<f32>,
+        x: MoeInput<'_, CudaSlice<f32>>,
         rows: usize,
         hidden: usize,
         gate: &DeviceMatrix,
@@ -4014,6 +4224,7 @@ impl Backend for Cuda {
         if rows == 0 || k == 0 || k > e || e > 4096 {
             return false;
         }
+        let (x, norm) = self.moe_input(x, rows, hidden, gate);
         let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
         let probs_at = logits.device_ptr_mut(&self.stream).0;
         let (x_at, out_at) = (
@@ -4031,7 +4242,7 @@ impl Backend for Cuda {
         if self.launch_moe_step(&routed, gate, x_at, rows, hidden, probs_at, out_at) {
             return true;
         }
-        let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits);
+        let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits, norm);
         // The routed kernels read each chosen expert once per row: fine for a decode step,
         // and for a prompt the only path that reads device slots.
         self.launch_routed_chunks(&routed, x_at, rows, hidden, probs_at, out_at);
