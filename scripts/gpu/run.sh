@@ -46,7 +46,7 @@
 # tune     decode at each of $BITS bits (default 4) with each set of kernel constants in
 #          $TUNE (';'-separated DYNMOE_CUDA_DEFINES sets, '-' the source's), and with nvcc
 #          ptxas's registers and spills of the routed and dense kernels under each
-#          (tune_q<bits>.log)
+#          (tune_q<bits>.log; TUNE_PTXAS=0 skips ptxas, which takes about half a minute a set)
 # resources ptxas's registers, stack, spills and shared memory of every kernel (ptxas.log;
 #          needs nvcc)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
@@ -298,7 +298,7 @@ for step in $steps; do
             for set in "${sets[@]}"; do
                 defs=$([ "$set" = - ] && echo "" || echo "$set")
                 echo "-- ${defs:-source}" | tee -a "$log"
-                if command -v nvcc > /dev/null; then
+                if command -v nvcc > /dev/null && [ "${TUNE_PTXAS:-1}" != 0 ]; then
                     # shellcheck disable=SC2046
                     nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null \
                         $(for d in $defs; do echo "-D$d"; done) "$BIN/kernels.cu" 2>&1 |

@@ -359,7 +359,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 104] = [
+const KERNEL_NAMES: [&str; 106] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -369,10 +369,12 @@ const KERNEL_NAMES: [&str; 104] = [
     "matvec_bf16_3",
     "matvec_bf16_one",
     "router_route_one",
+    "matvec_bf16_norm_one",
     "matvec_bf16_3_one",
     "rms_norm",
     "rms_norm_inplace",
     "add_rms_norm",
+    "add_rms_norm_to",
     "add_bias",
     "add",
     "silu_mul",
@@ -4466,6 +4468,31 @@ mod tests {
             tiled_shared(64) > SHARED_LIMIT,
             "every width asks for its shared memory"
         );
+    }
+
+    #[test]
+    fn every_kernel_the_source_names_is_loaded() {
+        // Kernels a macro defines are named with `##`; the rest by a literal name, which
+        // must be in KERNEL_NAMES for the host to find its function.
+        let mut missing = Vec::new();
+        for part in super::SOURCE.split("__global__ void").skip(1) {
+            let mut rest = part.trim_start();
+            if let Some(bounds) = rest.strip_prefix("__launch_bounds__") {
+                // A macro's definition may go on past a line's backslash.
+                rest = bounds
+                    .split_once(')')
+                    .map_or("", |(_, r)| r)
+                    .trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+            }
+            let end = rest
+                .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == '#'))
+                .unwrap_or(rest.len());
+            let name = &rest[..end];
+            if !name.contains("##") && !super::KERNEL_NAMES.contains(&name) {
+                missing.push(name.to_string());
+            }
+        }
+        assert!(missing.is_empty(), "kernels not in KERNEL_NAMES: {missing:?}");
     }
 
     #[test]
