@@ -1033,7 +1033,8 @@ fn residual_norms_folded_into_the_products_match_the_reference() {
     // three over a padded input; with the residual add and without it (the first
     // layer's norm reads the embedding), and each also through the separate norm
     // (matrix-vector kernels). Outputs: the products, then the sum.
-    let mma = g.routed_mma();
+    let (mma, fold) = (g.routed_mma(), g.fold_norms());
+    g.set_fold_norms(true);
     let eps = 1e-6;
     for bits in [4, 3, 2] {
         for (case, (dims, cols, in_dim)) in
@@ -1122,6 +1123,7 @@ fn residual_norms_folded_into_the_products_match_the_reference() {
         }
     }
     g.set_routed_mma(mma);
+    g.set_fold_norms(fold);
 }
 
 #[test]
