@@ -300,8 +300,13 @@ using DenseKernel = void (*)(const unsigned*, const unsigned short*, const unsig
                              float*, int, const unsigned*, const unsigned short*,
                              const unsigned short*, float*, int, const unsigned*,
                              const unsigned short*, const unsigned short*, float*, int, int,
-                             const float*, int, int, int, const float*, const float*, float,
-                             float*, float*);
+                             const float*, int, int, int);
+using DenseNormKernel = void (*)(const unsigned*, const unsigned short*, const unsigned short*,
+                                 float*, int, const unsigned*, const unsigned short*,
+                                 const unsigned short*, float*, int, const unsigned*,
+                                 const unsigned short*, const unsigned short*, float*, int, int,
+                                 const float*, int, int, int, const float*, const float*, float,
+                                 float*, float*);
 
 // What a one-row product reads as its input, with the residual add and norm the kernel may
 // fold in (input_norm): x as it is (ADD_NONE), RMSNorm(x)·w (ADD_NORM), or RMSNorm(x +
@@ -333,7 +338,9 @@ struct NormedRow {
 // residual add and norm of `mode`, whose sum and normed row every block writes a slice of.
 double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int parts, int blocks,
                    AddMode mode = ADD_NONE) {
-    DenseKernel f = bits == 4 ? dense_mma_q4 : (bits == 3 ? dense_mma_q3 : dense_mma_q2);
+    DenseKernel plain = bits == 4 ? dense_mma_q4 : (bits == 3 ? dense_mma_q3 : dense_mma_q2);
+    DenseNormKernel normed =
+        bits == 4 ? dense_mma_norm_q4 : (bits == 3 ? dense_mma_norm_q3 : dense_mma_norm_q2);
     std::vector<Affine> mats;
     for (int r : rows) mats.emplace_back(bits, r, cols);
     NormedRow x(in_dim, mode);
@@ -354,13 +361,17 @@ double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int pa
     auto live = [&](int i) { return i < (int)mats.size() ? mats[i].rows : 0; };
     size_t shared = (size_t)(cols / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
     shim::launch({(unsigned)blocks, 1, 1}, {256, 1, 1}, shared, [&] {
-        f(arg(0).words.data(), arg(0).scales.data(), arg(0).biases.data(), out(0), live(0),
-          arg(1).words.data(), arg(1).scales.data(), arg(1).biases.data(), out(1), live(1),
-          arg(2).words.data(), arg(2).scales.data(), arg(2).biases.data(), out(2), live(2),
-          (int)mats.size(), x.x.data(), cols, in_dim, parts,
-          mode == ADD_SUM ? x.delta.data() : nullptr, mode == ADD_NONE ? nullptr : x.w.data(),
-          x.eps, mode == ADD_SUM ? sum.data() : nullptr,
-          mode == ADD_NONE ? nullptr : xn.data());
+#define DENSE_CHECK_ARGS                                                                        \
+    arg(0).words.data(), arg(0).scales.data(), arg(0).biases.data(), out(0), live(0),          \
+        arg(1).words.data(), arg(1).scales.data(), arg(1).biases.data(), out(1), live(1),      \
+        arg(2).words.data(), arg(2).scales.data(), arg(2).biases.data(), out(2), live(2),      \
+        (int)mats.size(), x.x.data(), cols, in_dim, parts
+        if (mode == ADD_NONE)
+            plain(DENSE_CHECK_ARGS);
+        else
+            normed(DENSE_CHECK_ARGS, mode == ADD_SUM ? x.delta.data() : nullptr, x.w.data(),
+                   x.eps, mode == ADD_SUM ? sum.data() : nullptr, xn.data());
+#undef DENSE_CHECK_ARGS
     });
     for (auto& g : got) flat.insert(flat.end(), g.begin(), g.end());
     double e = rel_err(flat, want);

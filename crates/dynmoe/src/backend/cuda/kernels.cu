@@ -1279,12 +1279,13 @@ struct InputNormed {
     InputNorm n;
     int in_dim;
     __device__ void operator()(int k0, float (&v)[16]) const {
-        bool vec = in_dim % 4 == 0 && (((size_t)n.delta | (size_t)n.w) & 15) == 0;
-        float d[16], g[16];
-        load_x16(n.delta, k0, in_dim, vec, d);
-        load_x16(n.w, k0, in_dim, vec, g);
 #pragma unroll
-        for (int j = 0; j < 16; j++) v[j] = g[j] * ((v[j] + d[j]) * n.inv);
+        for (int j = 0; j < 16; j++) {
+            int c = k0 + j;
+            float d = n.delta && c < in_dim ? n.delta[c] : 0.0f;
+            float g = c < in_dim ? n.w[c] : 0.0f;
+            v[j] = g * ((v[j] + d) * n.inv);
+        }
     }
 };
 
@@ -1724,7 +1725,7 @@ struct NormArgs {
     float* xn;
 };
 
-template <int BITS>
+template <int BITS, bool NORM>
 __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int cols,
                           int in_dim, int parts, const NormArgs& norm) {
     extern __shared__ __align__(16) unsigned smem[];
@@ -1783,7 +1784,7 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
         load(u0);
     }
     PDL_WAIT();
-    if (norm.w) {
+    if (NORM) {
         // `red` is free until the rounds, and block_sum's 32 floats fit in it.
         InputNormed input{input_norm(x, norm.delta, norm.w, norm.eps, in_dim, norm.sum,
                                      norm.xn, red),
@@ -1834,20 +1835,30 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
     }
 }
 
+// The kernels: x as it is, and (`_norm_`) through the residual add and norm. Two entries,
+// not a branch: a branch on the norm in one kernel made ptxas spill the loaded words of
+// the plain one (420 bytes at q4 against 24).
+#define DENSE_MMA_ARGS                                                                        \
+    const unsigned *w0, const unsigned short *s0, const unsigned short *b0, float *out0,      \
+        int rows0, const unsigned *w1, const unsigned short *s1, const unsigned short *b1,    \
+        float *out1, int rows1, const unsigned *w2, const unsigned short *s2,                 \
+        const unsigned short *b2, float *out2, int rows2, int mats, const float *x, int cols, \
+        int in_dim, int parts
+#define DENSE_MATS                                                                            \
+    {{w0, s0, b0, out0, rows0}, {w1, s1, b1, out1, rows1}, { w2, s2, b2, out2, rows2 }}
 #define DENSE_MMA(B)                                                                          \
     extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, DMMA_BLOCKS)              \
-        dense_mma_q##B(                                                                       \
-        const unsigned* w0, const unsigned short* s0, const unsigned short* b0, float* out0,   \
-        int rows0, const unsigned* w1, const unsigned short* s1, const unsigned short* b1,     \
-        float* out1, int rows1, const unsigned* w2, const unsigned short* s2,                  \
-        const unsigned short* b2, float* out2, int rows2, int mats, const float* x, int cols,  \
-        int in_dim, int parts, const float* delta, const float* norm_w, float eps, float* sum, \
-        float* xn) {                                                                           \
-        PDL_LAUNCH();                                                                          \
-        const DenseMat m[3] = {{w0, s0, b0, out0, rows0},                                      \
-                               {w1, s1, b1, out1, rows1},                                      \
-                               {w2, s2, b2, out2, rows2}};                                     \
-        dense_mma<B>(m, mats, x, cols, in_dim, parts, {delta, norm_w, eps, sum, xn});          \
+        dense_mma_q##B(DENSE_MMA_ARGS) {                                                      \
+        PDL_LAUNCH();                                                                         \
+        const DenseMat m[3] = DENSE_MATS;                                                     \
+        dense_mma<B, false>(m, mats, x, cols, in_dim, parts, {});                             \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, DMMA_BLOCKS)              \
+        dense_mma_norm_q##B(DENSE_MMA_ARGS, const float* delta, const float* norm_w, float eps, \
+                            float* sum, float* xn) {                                          \
+        PDL_LAUNCH();                                                                         \
+        const DenseMat m[3] = DENSE_MATS;                                                     \
+        dense_mma<B, true>(m, mats, x, cols, in_dim, parts, {delta, norm_w, eps, sum, xn});   \
     }
 
 DENSE_MMA(4)
@@ -2184,6 +2195,12 @@ extern "C" __global__ void matvec_bf16_3(const unsigned short* w0, const unsigne
 // warps then takes 8 / parts rows. Rows of whole 8s only (the host sends others to the
 // general kernels).
 #define MV_ONE_COLS 2048
+// Blocks an SM, the one-row kernels' launch bound: tunable (DYNMOE_CUDA_DEFINES). At 5,
+// ptxas holds them to 48 registers and they spill (matvec_bf16_one 24 bytes stored,
+// matvec_bf16_3_one 52); at 4, 64 registers and 8 and 52 bytes. Not yet timed.
+#ifndef MV_ONE_BLOCKS
+#define MV_ONE_BLOCKS 5
+#endif
 __device__ __forceinline__ int mv_one_parts(int cols) {
     int parts = 1;
     while (parts < 8 && parts * MV_ONE_COLS < cols) parts *= 2;
@@ -2242,7 +2259,7 @@ __device__ __forceinline__ void matvec_bf16_parts_done(float v, float* out, int 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 5)
+extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
     matvec_bf16_one(const unsigned short* w, const float* x, float* out, int rows, int cols,
                     int batch) {
     PDL_LAUNCH();
@@ -2255,7 +2272,7 @@ extern "C" __global__ void __launch_bounds__(256, 5)
 // matvec_bf16_one of RMSNorm(x + delta)·norm_w (input_norm: `sum` and `xn` get their
 // slices), the row staged in dynamic shared memory (cols floats): a decode step's router,
 // which reads the post-attention norm.
-extern "C" __global__ void __launch_bounds__(256, 5)
+extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
     matvec_bf16_norm_one(const unsigned short* w, const float* x, const float* delta,
                          const float* norm_w, float eps, float* sum, float* xn, float* out,
                          int rows, int cols) {
@@ -2280,7 +2297,7 @@ extern "C" __global__ void __launch_bounds__(256, 5)
 // logits, the top_k ids and weights go to `ids` / `weights`. The routed kernels then read
 // the ids instead of each of their blocks routing the row again. experts ≤
 // ROUTE_SHARED_MAX, blocks of 256 threads.
-extern "C" __global__ void __launch_bounds__(256, 5)
+extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
     router_route_one(const unsigned short* w, const float* x, float* logits, int experts,
                      int cols, const unsigned char* keep, int top_k, int renormalize, int* ids,
                      float* weights, unsigned* ticket) {
@@ -2310,7 +2327,7 @@ extern "C" __global__ void __launch_bounds__(256, 5)
     if (threadIdx.x == 0) *ticket = 0u;
 }
 
-extern "C" __global__ void __launch_bounds__(256, 5)
+extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
     matvec_bf16_3_one(const unsigned short* w0, const unsigned short* w1,
                       const unsigned short* w2, const float* x, float* o0, float* o1,
                       float* o2, int r0, int r1, int r2, int cols, int batch) {
