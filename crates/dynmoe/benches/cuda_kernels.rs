@@ -132,6 +132,32 @@ fn fresh_bf16(len: usize, salt: u64) -> Vec<f32> {
         .collect()
 }
 
+/// One decode row `x` through a routed MoE block, its probabilities at the start of
+/// `probs`.
+#[allow(clippy::too_many_arguments)]
+fn route_row(
+    g: &Cuda,
+    x: &<Cuda as Backend>::Tensor,
+    hidden: usize,
+    gate: &<Cuda as Backend>::Matrix,
+    routed: &RoutedExperts<'_, <Cuda as Backend>::Matrix>,
+    route: DeviceRoute<'_>,
+    probs: &mut <Cuda as Backend>::Tensor,
+    out: &mut <Cuda as Backend>::Tensor,
+) -> bool {
+    g.routed_moe(
+        MoeInput::Rows(x),
+        1,
+        hidden,
+        gate,
+        routed,
+        route,
+        probs,
+        0,
+        out,
+    )
+}
+
 /// One decode token's routed step (`step(t)` routes token `t` of `tokens`) as one launch
 /// (`moe_step`, graph key `key + 2`), as three launches on
 /// tensor cores (`key + 1`), then on CUDA cores (`key`), each launched call by call and
@@ -433,17 +459,7 @@ fn main() {
             tokens,
             |t| {
                 let x = &xs[t];
-                g.routed_moe(
-                    MoeInput::Rows(x),
-                    1,
-                    hidden,
-                    &gate,
-                    &routed,
-                    route,
-                    &mut probs,
-                    0,
-                    &mut out,
-                );
+                route_row(&g, x, hidden, &gate, &routed, route, &mut probs, &mut out);
             },
             [
                 &format!("routed q{bits}"),
@@ -494,17 +510,7 @@ fn main() {
             };
             let mut step = |t: usize| {
                 let x = &xs[t % tokens];
-                g.routed_moe(
-                    MoeInput::Rows(x),
-                    1,
-                    hidden,
-                    &gate,
-                    &routed,
-                    route,
-                    &mut probs,
-                    0,
-                    &mut out,
-                );
+                route_row(&g, x, hidden, &gate, &routed, route, &mut probs, &mut out);
             };
             step(0);
             let us = graph_us(&g, 300 + 4 * bits as u64 + i as u64, step);
@@ -636,17 +642,7 @@ fn main() {
             tokens,
             |t| {
                 let x = &xs[t];
-                let done = g.routed_moe(
-                    MoeInput::Rows(x),
-                    1,
-                    hidden,
-                    &gate,
-                    &routed,
-                    route,
-                    &mut probs,
-                    0,
-                    &mut out,
-                );
+                let done = route_row(&g, x, hidden, &gate, &routed, route, &mut probs, &mut out);
                 assert!(done, "VQ experts route on the device");
             },
             [

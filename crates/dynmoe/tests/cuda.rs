@@ -1025,6 +1025,27 @@ fn dense_affine_products_match_the_reference_every_way() {
     g.set_tensor_cores(cores);
 }
 
+/// The [`AddNorm`] of inputs `[x, delta, w]` (`dim` wide), with the add or without;
+/// without, `sum` (which no op then writes) is set to x, the residual it stands for.
+fn add_norm_case<'t, B: Backend>(
+    b: &B,
+    t: &'t [B::Tensor],
+    added: bool,
+    eps: f32,
+    sum: &mut B::Tensor,
+    dim: usize,
+) -> AddNorm<'t, B::Tensor> {
+    if !added {
+        b.write_rows(&t[0], sum, 0, 1, dim);
+    }
+    AddNorm {
+        x: &t[0],
+        delta: added.then_some(&t[1]),
+        w: &t[2],
+        eps,
+    }
+}
+
 #[test]
 fn residual_norms_folded_into_the_products_match_the_reference() {
     let Some(g) = gpu() else { return };
@@ -1067,16 +1088,7 @@ fn residual_norms_folded_into_the_products_match_the_reference() {
                         let (mut q, mut k, mut v) =
                             (b.alloc(dims[0]), b.alloc(dims[1]), b.alloc(dims[2]));
                         let (mut sum, mut xn) = (b.alloc(in_dim), b.alloc(in_dim));
-                        if !added {
-                            // Not written without an add: the residual is x.
-                            b.write_rows(&t[0], &mut sum, 0, 1, in_dim);
-                        }
-                        let n = AddNorm {
-                            x: &t[0],
-                            delta: added.then_some(&t[1]),
-                            w: &t[2],
-                            eps,
-                        };
+                        let n = add_norm_case(b, t, added, eps, &mut sum, in_dim);
                         b.add_rms_norm_linear3(
                             n,
                             &mut sum,
@@ -1102,15 +1114,7 @@ fn residual_norms_folded_into_the_products_match_the_reference() {
                     |b, t, o| {
                         let (mut out, mut sum, mut xn) =
                             (b.alloc(rows), b.alloc(in_dim), b.alloc(in_dim));
-                        if !added {
-                            b.write_rows(&t[0], &mut sum, 0, 1, in_dim);
-                        }
-                        let n = AddNorm {
-                            x: &t[0],
-                            delta: added.then_some(&t[1]),
-                            w: &t[2],
-                            eps,
-                        };
+                        let n = add_norm_case(b, t, added, eps, &mut sum, in_dim);
                         let view = Weight::Affine(head.view());
                         b.add_rms_norm_linear(
                             n, &mut sum, &mut xn, view, 1, in_dim, rows, &mut out,
