@@ -1,10 +1,13 @@
 """Registers and spill bytes of each kernel of kernels.cu: NVRTC (through its C API, with
 the backend's options) makes the PTX, ptxas -v reports.
 
-    python3 resources.py CACHE kernels.cu [NAME=VALUE ...]
+    python3 resources.py CACHE kernels.cu [--check SPILLS] [NAME=VALUE ...]
 
 CACHE holds the unpacked nvidia-cuda-nvrtc and nvidia-cuda-nvcc wheels (run.sh fetches
-them). Prints one line a kernel: name, registers, spill stores / loads in bytes.
+them). Prints one line a kernel: name, registers, spill stores / loads in bytes. With
+--check, exits 1 when a kernel spills more bytes than SPILLS allows it (a line
+`name stores/loads` a kernel; a kernel not listed may not spill at all): a change that
+makes ptxas spill a decode kernel's registers fails here, before any GPU sees it.
 """
 
 import ctypes
@@ -36,8 +39,29 @@ def ptx_of(nvrtc: ctypes.CDLL, source: bytes, defines: list[str]) -> bytes:
     return ptx.value
 
 
+def allowed_spills(path: str) -> dict[str, tuple[int, int]]:
+    allowed = {}
+    for n, line in enumerate(open(path), 1):
+        line = line.split("#")[0].strip()
+        if not line:
+            continue
+        try:
+            name, bytes_ = line.split()
+            stores, loads = (int(v) for v in bytes_.split("/"))
+        except ValueError:
+            sys.exit(f"{path}:{n}: want `kernel stores/loads`, got {line!r}")
+        allowed[name] = (stores, loads)
+    return allowed
+
+
 def main() -> None:
-    cache, source, defines = sys.argv[1], sys.argv[2], sys.argv[3:]
+    cache, source, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    check = None
+    if args[:1] == ["--check"]:
+        if len(args) < 2:
+            sys.exit("resources.py: --check wants a file of allowed spills")
+        check, args = allowed_spills(args[1]), args[2:]
+    defines = args
     libs = glob.glob(os.path.join(cache, "nvidia", "*", "lib", "libnvrtc.so*"))
     libs = [l for l in libs if "builtins" not in l]
     ptxas = glob.glob(os.path.join(cache, "nvidia", "*", "bin", "ptxas"))
@@ -54,15 +78,26 @@ def main() -> None:
             text=True,
             check=True,
         ).stderr
-    name, spill = None, ("0", "0")
+    name, spill, over, seen = None, (0, 0), [], 0
     for line in out.splitlines():
         if m := re.search(r"Compiling entry function '(\w+)'", line):
             name = m.group(1)
         elif m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line):
-            spill = m.groups()
+            spill = (int(m.group(1)), int(m.group(2)))
         elif (m := re.search(r"Used (\d+) registers", line)) and name:
             print(f"{name:40s} regs {m.group(1):>4s} spill {spill[0]}/{spill[1]}")
+            seen += 1
+            if check is not None:
+                limit = check.get(name, (0, 0))
+                if spill[0] > limit[0] or spill[1] > limit[1]:
+                    over.append(f"{name}: spills {spill[0]}/{spill[1]} bytes, allowed {limit[0]}/{limit[1]}")
             name = None
+    if seen == 0:
+        sys.exit("resources.py: ptxas reported no kernels")
+    if over:
+        sys.exit("kernels spilling more than allowed:\n  " + "\n  ".join(over))
+    if check is not None:
+        print(f"ptxas: {seen} kernels, none spills more than allowed")
 
 
 if __name__ == "__main__":
