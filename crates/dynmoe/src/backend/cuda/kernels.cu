@@ -4221,8 +4221,14 @@ __device__ void routed_vq_down_mma(const unsigned long long* table, const int* i
     }
 }
 
+// Blocks an SM, the launch bound of these two: tunable (DYNMOE_CUDA_DEFINES). At 2 ptxas
+// holds them to 64 registers and they spill 16-48 bytes (tools/ptxas-resources); at 1 they
+// may take 128. Not yet timed.
+#ifndef VQM_BLOCKS
+#define VQM_BLOCKS 2
+#endif
 #define VQM_ENTRY(P)                                                                           \
-    extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP, 2)                          \
+    extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP, VQM_BLOCKS)                 \
         routed_vq_gate_up_mma_p##P(const unsigned long long* table, const int* ids, int top_k, \
                                    const float* x, float* h, int inter, int hidden,            \
                                    const unsigned short* book, int k, int block,               \
@@ -4231,7 +4237,8 @@ __device__ void routed_vq_down_mma(const unsigned long long* table, const int* i
         routed_vq_gate_up_mma<P>(table, ids, top_k, x, h, inter, hidden, book, k, block,       \
                                  row_bytes, book_shared);                                      \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP, 2) routed_vq_down_mma_p##P( \
+    extern "C" __global__ void __launch_bounds__(VQR_WARPS * WARP, VQM_BLOCKS)                 \
+        routed_vq_down_mma_p##P(                                                               \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
         const float* h, float* out, int hidden, int inter, const unsigned short* book, int k,  \
         int block, unsigned long long row_bytes, int book_shared) {                            \
