@@ -43,10 +43,11 @@
 # profile-source  the same model's routed gate/up and down kernels (q4, dense q4) under
 #          Nsight Compute's source counters: stall samples by SASS instruction
 #          (<kernel>.sass.csv, <kernel>.details.txt)
-# tune     decode at each of $BITS bits (default 4) with each set of kernel constants in
-#          $TUNE (';'-separated DYNMOE_CUDA_DEFINES sets, '-' the source's), and with nvcc
-#          ptxas's registers and spills of the routed and dense kernels under each
-#          (tune_q<bits>.log; TUNE_PTXAS=0 skips ptxas, which takes about half a minute a set)
+# tune     decode at each of $BITS bits (default 4) with each set in $TUNE (';'-separated
+#          sets of DYNMOE_CUDA_DEFINES constants and DYNMOE_* switches, '-' the source's),
+#          dense layers at $TUNE_DENSE (q4; or bf16), and with nvcc ptxas's registers and
+#          spills of the routed and dense kernels under each (tune_q<bits>[_bf16].log;
+#          TUNE_PTXAS=0 skips ptxas, which takes about half a minute a set)
 # resources ptxas's registers, stack, spills and shared memory of every kernel (ptxas.log;
 #          needs nvcc)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
@@ -73,7 +74,7 @@ for lib in libnvrtc.so libcublas.so; do
 done
 export LD_LIBRARY_PATH
 export DYNMOE_FIXTURES="$PWD/fixtures/models" DYNMOE_BENCH_OUT="$OUT"
-{ nvidia-smi; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; } > "$OUT/device.txt" 2>&1
+{ nvidia-smi; echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"; } > "$OUT/device.txt" 2>&1
 head -15 "$OUT/device.txt"
 
 # The Qwen3-30B-A3B-shaped directory with its 4/3/2-bit stores, written once.
@@ -285,19 +286,31 @@ for step in $steps; do
         done
         ;;
     tune)
-        # TUNE: ';'-separated sets of kernel constants (DYNMOE_CUDA_DEFINES), each measured
-        # on the 12-layer model at each of $BITS bits (default 4) with q4 dense layers
-        # (tune_q<bits>.log); '-' is the source's own choice. With nvcc, ptxas's registers
-        # and spills of the routed and dense kernels under each set.
+        # TUNE: ';'-separated sets, each measured on the 12-layer model at each of $BITS
+        # bits (default 4) with $TUNE_DENSE dense layers and head (q4 by default; bf16
+        # leaves them as the checkpoint has them) into tune_q<bits>.log (tune_q<bits>_bf16.log
+        # with bf16). A set is kernel constants (DYNMOE_CUDA_DEFINES) and DYNMOE_* switches
+        # (DYNMOE_CUDA_FOLD_NORMS=1), space-separated; '-' is the source's own choice. With
+        # nvcc (and TUNE_PTXAS not 0), ptxas's registers and spills of the routed and dense
+        # kernels under each set.
         m="$WORK/qwen3-30b-a3b-l$LAYERS"
         synth_model "$m" || status=1
+        dense_flags=(--dense-codec "${TUNE_DENSE:-q4}" --head-codec "${TUNE_DENSE:-q4}")
+        suffix=""
+        [ "${TUNE_DENSE:-q4}" = bf16 ] && dense_flags=() && suffix=_bf16
         IFS=';' read -ra sets <<< "${TUNE:--}"
         for bits in ${BITS:-4}; do
-            log="$OUT/tune_q$bits.log"
-            echo "== kernel constants, $bits bits, dense q4" | tee "$log"
+            log="$OUT/tune_q$bits$suffix.log"
+            echo "== kernel constants and switches, $bits bits, dense ${TUNE_DENSE:-q4}" | tee "$log"
             for set in "${sets[@]}"; do
-                defs=$([ "$set" = - ] && echo "" || echo "$set")
-                echo "-- ${defs:-source}" | tee -a "$log"
+                defs="" switches=()
+                for word in $([ "$set" = - ] || echo "$set"); do
+                    case $word in
+                    DYNMOE_*) switches+=("$word") ;;
+                    *) defs="${defs:+$defs }$word" ;;
+                    esac
+                done
+                echo "-- ${set/#-/source}" | tee -a "$log"
                 if command -v nvcc > /dev/null && [ "${TUNE_PTXAS:-1}" != 0 ]; then
                     # shellcheck disable=SC2046
                     nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null \
@@ -306,8 +319,9 @@ for step in $steps; do
                         grep -oE "(entry function '[a-z_0-9]+'|Used [0-9]+ registers|[0-9]+ bytes spill (stores|loads))" |
                         paste -sd' ' | tee -a "$log"
                 fi
-                DYNMOE_CUDA_DEFINES="$defs" "$BIN/dynmoe" bench decode "$m" --backend cuda \
-                    --bits "$bits" --dense-codec q4 --head-codec q4 --prompt 512 --generate 128 \
+                env ${switches[@]+"${switches[@]}"} DYNMOE_CUDA_DEFINES="$defs" "$BIN/dynmoe" \
+                    bench decode "$m" --backend cuda --bits "$bits" \
+                    ${dense_flags[@]+"${dense_flags[@]}"} --prompt 512 --generate 128 \
                     2>&1 | tail -1 | tee -a "$log"
             done
         done
