@@ -96,6 +96,16 @@ macro_rules! both {
     };
 }
 
+/// `parts` (each a tensor and how many of its values) laid out one after another in
+/// `out`, as rows of width 1 so that any offset can be written.
+fn concat<B: Backend>(b: &B, parts: &[(&B::Tensor, usize)], out: &mut B::Tensor) {
+    let mut at = 0;
+    for &(t, n) in parts {
+        b.write_rows(t, out, at, n, 1);
+        at += n;
+    }
+}
+
 #[test]
 fn elementwise_and_row_ops_match_the_reference() {
     let Some(_) = gpu() else { return };
@@ -654,8 +664,7 @@ fn norms_and_the_fused_residual_norm_match_the_reference() {
                 let (mut xs, mut out) = (b.alloc(n), b.alloc(n));
                 b.write_rows(&t[0], &mut xs, 0, rows, dim);
                 b.add_rms_norm(&mut xs, &t[1], &t[2], rows, dim, 1e-6, &mut out);
-                b.write_rows(&xs, o, 0, rows, dim);
-                b.write_rows(&out, o, rows, rows, dim)
+                concat(b, &[(&xs, n), (&out, n)], o)
             }
         );
         // Out of place: the sum, the norm, and x as it was.
@@ -673,9 +682,7 @@ fn norms_and_the_fused_residual_norm_match_the_reference() {
                     eps: 1e-6,
                 };
                 b.add_rms_norm_to(add, rows, dim, &mut sum, &mut out);
-                b.write_rows(&sum, o, 0, rows, dim);
-                b.write_rows(&out, o, rows, rows, dim);
-                b.write_rows(&t[0], o, 2 * rows, rows, dim)
+                concat(b, &[(&sum, n), (&out, n), (&t[0], n)], o)
             }
         );
     }
@@ -840,12 +847,15 @@ fn three_products_in_one_launch_match_the_reference() {
                     dims,
                     [&mut q, &mut k, &mut v],
                 );
-                // Laid out one after another, each `[rows, dims[j]]` (rows of width 1, so
-                // any offset can be written).
-                let (a, c) = (rows * dims[0], rows * dims[1]);
-                b.write_rows(&q, o, 0, a, 1);
-                b.write_rows(&k, o, a, c, 1);
-                b.write_rows(&v, o, a + c, rows * dims[2], 1)
+                concat(
+                    b,
+                    &[
+                        (&q, rows * dims[0]),
+                        (&k, rows * dims[1]),
+                        (&v, rows * dims[2]),
+                    ],
+                    o,
+                )
             }
         );
     }
@@ -1014,9 +1024,7 @@ fn dense_affine_products_match_the_reference_every_way() {
                         dims,
                         [&mut q, &mut k, &mut v],
                     );
-                    b.write_rows(&q, o, 0, dims[0], 1);
-                    b.write_rows(&k, o, dims[0], dims[1], 1);
-                    b.write_rows(&v, o, dims[0] + dims[1], dims[2], 1)
+                    concat(b, &[(&q, dims[0]), (&k, dims[1]), (&v, dims[2])], o)
                 }
             );
         }
@@ -1099,10 +1107,8 @@ fn residual_norms_folded_into_the_products_match_the_reference() {
                             dims,
                             [&mut q, &mut k, &mut v],
                         );
-                        b.write_rows(&q, o, 0, dims[0], 1);
-                        b.write_rows(&k, o, dims[0], dims[1], 1);
-                        b.write_rows(&v, o, dims[0] + dims[1], dims[2], 1);
-                        b.write_rows(&sum, o, total, in_dim, 1)
+                        let parts = [(&q, dims[0]), (&k, dims[1]), (&v, dims[2]), (&sum, in_dim)];
+                        concat(b, &parts, o)
                     }
                 );
                 let rows = head.rows;
@@ -1119,8 +1125,7 @@ fn residual_norms_folded_into_the_products_match_the_reference() {
                         b.add_rms_norm_linear(
                             n, &mut sum, &mut xn, view, 1, in_dim, rows, &mut out,
                         );
-                        b.write_rows(&out, o, 0, rows, 1);
-                        b.write_rows(&sum, o, rows, in_dim, 1)
+                        concat(b, &[(&out, rows), (&sum, in_dim)], o)
                     }
                 );
             }

@@ -614,13 +614,13 @@ impl<B: Backend> Model<B> {
         b.embed_at(&self.embed_tokens, h, &bufs.step, &mut bufs.x);
         // Each residual add is made by the op that reads the norm after it (the q/k/v
         // projections, the router, the LM head), into `x_next`; then the two swap. The
-        // first layer's norm reads the embedding as it is.
-        let mut pending = false;
+        // first layer's norm reads the embedding as it is; each later one adds the layer
+        // before's feed-forward output.
         for (i, layer) in self.layers.iter().enumerate() {
             let a = &layer.self_attn;
             let n = AddNorm {
                 x: &bufs.x,
-                delta: pending.then_some(&bufs.delta),
+                delta: (i > 0).then_some(&bufs.delta),
                 w: self.norm_before(i),
                 eps,
             };
@@ -635,15 +635,8 @@ impl<B: Backend> Model<B> {
                 ls.map(|l| l.out_dim),
                 [&mut bufs.qs, &mut bufs.ks, &mut bufs.vs],
             );
-            for (l, out) in ls
-                .into_iter()
-                .zip([&mut bufs.qs, &mut bufs.ks, &mut bufs.vs])
-            {
-                if let Some(bias) = &l.bias {
-                    b.add_bias(out, bias, 1);
-                }
-            }
-            if pending {
+            qkv_biases(b, a, 1, [&mut bufs.qs, &mut bufs.ks, &mut bufs.vs]);
+            if i > 0 {
                 std::mem::swap(&mut bufs.x, &mut bufs.x_next);
             }
             let shape = AttentionShape {
@@ -726,11 +719,10 @@ impl<B: Backend> Model<B> {
                     host_probs.push((i, p));
                 }
             }
-            pending = true;
         }
         let n = AddNorm {
             x: &bufs.x,
-            delta: pending.then_some(&bufs.delta),
+            delta: (!self.layers.is_empty()).then_some(&bufs.delta),
             w: self.norm_before(self.layers.len()),
             eps,
         };
@@ -809,7 +801,12 @@ fn qkv<B: Backend>(b: &B, x: &B::Tensor, a: &Attention<B>, rows: usize, outs: [&
         ls.map(|l| l.out_dim),
         [&mut *q, &mut *k, &mut *v],
     );
-    for (l, out) in ls.into_iter().zip([q, k, v]) {
+    qkv_biases(b, a, rows, [q, k, v]);
+}
+
+/// The q, k and v projections' biases, where they have them, added to their outputs.
+fn qkv_biases<B: Backend>(b: &B, a: &Attention<B>, rows: usize, outs: [&mut B::Tensor; 3]) {
+    for (l, out) in [&a.q_proj, &a.k_proj, &a.v_proj].into_iter().zip(outs) {
         if let Some(bias) = &l.bias {
             b.add_bias(out, bias, rows);
         }

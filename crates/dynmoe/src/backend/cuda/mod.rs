@@ -2962,10 +2962,6 @@ impl Cuda {
         }
     }
 
-    /// The router's logits of `rows` rows into `logits` (the probabilities' slot). A
-    /// decode step's row through a bf16 router also takes its route in the same launch
-    /// (`router_route_one`), into the routed scratch where the routed kernels read it:
-    /// the returned `Routed` says so.
     /// Whether the router of a block folds in the norm of its input row
     /// (`matvec_bf16_norm_one`): a bf16 router of one row, the row in shared memory,
     /// unless the route goes into the router or the whole step is one launch.
@@ -3002,8 +2998,12 @@ impl Cuda {
         }
     }
 
-    /// The router's logits of `x` (`rows` rows of `hidden`); with `norm` (from
-    /// [`moe_input`](Self::moe_input)), of the norm it folds in, which it writes to `x`.
+    /// The router's logits of `x` (`rows` rows of `hidden`) into `logits` (the
+    /// probabilities' slot); with `norm` (from [`moe_input`](Self::moe_input)), of the norm
+    /// it folds in, which it writes to `x`. With `router_routes`, a decode step's row
+    /// through a bf16 router also takes its route in the same launch (`router_route_one`),
+    /// into the routed scratch where the routed kernels read it: the returned `Routed`
+    /// says so.
     #[allow(clippy::too_many_arguments)]
     fn launch_router<'r>(
         &self,
@@ -3035,7 +3035,7 @@ impl Cuda {
         };
         let k = r.route.top_k;
         if rows != 1
-            || !self.router_routes.get()
+            || !self.router_routes()
             || e > ROUTE_SHARED_MAX
             || k > e
             || !hidden.is_multiple_of(8)
