@@ -534,6 +534,94 @@ double check_router_norm(int experts, int cols, AddMode mode) {
     return e;
 }
 
+// ---- A decode step's attention with its preamble (attention_step_*, attention_combine) ----
+
+// Heads of `head_dim` at position p: q and k per-head normed (when `normed`) and rotated,
+// k and v into the caches' row p, then each query head's softmax over the keys its window
+// sees, against a double-precision reference. The caches' row p starts as NaNs, so a
+// block that read it instead of its own copy would poison the output; the other rows
+// must come back as they were.
+double check_attention_step(int heads, int kv_heads, int head_dim, int p, int capacity,
+                            int window, int chunk, bool normed) {
+    int kvw = kv_heads * head_dim, half = head_dim / 2, group = heads / kv_heads;
+    auto fresh = [](size_t n) {
+        std::vector<float> x(n);
+        for (auto& v : x) v = normal();
+        return x;
+    };
+    std::vector<float> q = fresh((size_t)heads * head_dim), k = fresh(kvw), v = fresh(kvw);
+    std::vector<float> qn = fresh(head_dim), kn = fresh(head_dim), inv_freq(half);
+    for (int i = 0; i < half; i++) inv_freq[i] = (float)std::pow(1e6, -2.0 * i / head_dim);
+    std::vector<float> kc = fresh((size_t)capacity * kvw), vc = fresh((size_t)capacity * kvw);
+    for (int i = 0; i < kvw; i++) kc[(size_t)p * kvw + i] = vc[(size_t)p * kvw + i] = NAN;
+    const std::vector<float> kc0 = kc, vc0 = vc;
+    const float eps = 1e-6f;
+
+    // The reference: normed and rotated heads, the caches with row p, the softmax.
+    auto head = [&](const float* x, const float* w) {
+        std::vector<double> y(head_dim);
+        double ss = 0.0;
+        for (int i = 0; i < head_dim; i++) ss += (double)x[i] * x[i];
+        double inv = 1.0 / std::sqrt(ss / head_dim + eps);
+        for (int i = 0; i < head_dim; i++) y[i] = w ? w[i] * (x[i] * inv) : x[i];
+        std::vector<double> r(head_dim);
+        for (int i = 0; i < half; i++) {
+            double a = (double)p * inv_freq[i], cs = std::cos(a), sn = std::sin(a);
+            r[i] = y[i] * cs - y[i + half] * sn;
+            r[i + half] = y[i + half] * cs + y[i] * sn;
+        }
+        return r;
+    };
+    std::vector<double> want_kc(kc0.begin(), kc0.end()), want_vc(vc0.begin(), vc0.end());
+    for (int h = 0; h < kv_heads; h++) {
+        auto kr = head(&k[(size_t)h * head_dim], normed ? kn.data() : nullptr);
+        for (int i = 0; i < head_dim; i++) {
+            want_kc[(size_t)p * kvw + h * head_dim + i] = kr[i];
+            want_vc[(size_t)p * kvw + h * head_dim + i] = v[(size_t)h * head_dim + i];
+        }
+    }
+    int lo = window > 0 ? std::max(0, p + 1 - window) : 0;
+    std::vector<double> want_out((size_t)heads * head_dim, 0.0);
+    for (int h = 0; h < heads; h++) {
+        auto qr = head(&q[(size_t)h * head_dim], normed ? qn.data() : nullptr);
+        int kvh = h / group;
+        std::vector<double> sc(p + 1 - lo);
+        double m = -INFINITY, l = 0.0;
+        for (int t = lo; t <= p; t++) {
+            double d = 0.0;
+            for (int i = 0; i < head_dim; i++)
+                d += qr[i] * want_kc[(size_t)t * kvw + kvh * head_dim + i];
+            sc[t - lo] = d / std::sqrt((double)head_dim);
+            m = std::max(m, sc[t - lo]);
+        }
+        for (auto& x : sc) l += (x = std::exp(x - m));
+        for (int t = lo; t <= p; t++)
+            for (int i = 0; i < head_dim; i++)
+                want_out[(size_t)h * head_dim + i] +=
+                    sc[t - lo] / l * want_vc[(size_t)t * kvw + kvh * head_dim + i];
+    }
+
+    // The kernels, grid as the backend sizes it (the splits follow the capacity).
+    int tiles = (group + ATT_GROUP - 1) / ATT_GROUP, splits = (capacity + chunk - 1) / chunk;
+    std::vector<float> acc((size_t)heads * splits * head_dim, NAN), ml((size_t)heads * splits * 2, NAN);
+    std::vector<float> out((size_t)heads * head_dim, NAN);
+    unsigned pos = (unsigned)p;
+    auto step = head_dim <= 64 ? attention_step_64 : head_dim <= 128 ? attention_step_128
+                                                                     : attention_step_256;
+    shim::launch({(unsigned)(kv_heads * tiles), (unsigned)splits, 1}, {ATT_THREADS, 1, 1}, 0, [&] {
+        step(q.data(), k.data(), v.data(), normed ? qn.data() : nullptr,
+             normed ? kn.data() : nullptr, eps, inv_freq.data(), kc.data(), vc.data(), acc.data(),
+             ml.data(), heads, kv_heads, head_dim, window, &pos, chunk);
+    });
+    shim::launch({(unsigned)heads, 1, 1}, {COMBINE_THREADS, 1, 1}, 0, [&] {
+        attention_combine(acc.data(), ml.data(), out.data(), splits, head_dim);
+    });
+    double e = std::max({rel_err(out, want_out), rel_err(kc, want_kc), rel_err(vc, want_vc)});
+    std::printf("attention step %d/%d x %d @%d of %d, window %d, chunk %d, norm %d: %.2e\n",
+                heads, kv_heads, head_dim, p, capacity, window, chunk, normed, e);
+    return e;
+}
+
 // ---- A decode step's routed affine experts (routed_mma_gate_up_q*, routed_mma_down_q*) ----
 
 using AffineGateUp = void (*)(const unsigned long long*, const float*, const unsigned char*, int,
@@ -686,7 +774,7 @@ double check_moe_step(int bits, int hidden, int inter, int experts, int top_k, i
 }  // namespace
 
 // With an argument, only the checks whose family it names (dense, route, affine, step,
-// routed).
+// attention, routed).
 int main(int argc, char** argv) {
     auto wanted = [&](const char* family) { return argc < 2 || std::string(argv[1]) == family; };
     struct Rung {
@@ -745,6 +833,18 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_moe_step(bits, 256, 128, 12, 4, 3, false));
         worst = std::max(worst, check_moe_step(bits, 256, 128, 40, 8, 5, true));
         worst = std::max(worst, check_moe_step(bits, 128, 192, 16, 2, 12, false));
+    }
+    // A decode step's attention with its preamble: Qwen3-30B-A3B's heads over several
+    // splits (the last one holding p, later ones empty), a window that empties the first
+    // splits, more query heads than a block takes (two tiles), narrow and wide heads, the
+    // first position.
+    if (wanted("attention")) {
+        worst = std::max(worst, check_attention_step(32, 4, 128, 40, 64, 0, 16, true));
+        worst = std::max(worst, check_attention_step(32, 4, 128, 40, 64, 0, 16, false));
+        worst = std::max(worst, check_attention_step(8, 2, 128, 90, 100, 20, 32, true));
+        worst = std::max(worst, check_attention_step(24, 2, 64, 17, 48, 0, 16, true));
+        worst = std::max(worst, check_attention_step(4, 2, 256, 5, 20, 0, 16, true));
+        worst = std::max(worst, check_attention_step(4, 1, 96, 0, 16, 0, 16, false));
     }
     for (const Rung& r : rungs) {
         if (!wanted("routed")) break;

@@ -928,6 +928,82 @@ fn attention_preamble_matches_the_single_ops() {
     }
 }
 
+#[test]
+fn attention_step_matches_the_preamble_then_attention() {
+    let Some(g) = gpu() else { return };
+    // The decode step's attention with its preamble, in one launch on the device (the
+    // grouped kernel's blocks norm and rotate their heads and write the caches' new row)
+    // and as the two ops: Qwen3-30B-A3B's heads, two head tiles (GQA 12), narrow, wide and
+    // 96-wide heads, and an odd width the device leaves to the two ops; the first
+    // position, one inside the first chunk and one far into a cache longer than the
+    // context, with a window and without. The output and both caches are compared.
+    let cases = [
+        (32, 4, 128),
+        (24, 2, 64),
+        (4, 2, 256),
+        (3, 1, 96),
+        (2, 2, 6),
+    ];
+    for fused in [true, false] {
+        g.set_step_attention(fused);
+        for (heads, kv_heads, head_dim) in cases {
+            let inv_freq = dynmoe::model::forward::rope_inv_freq(1e6, head_dim, 1.0);
+            let (qw, kvw) = (heads * head_dim, kv_heads * head_dim);
+            for (pos, normed, window) in
+                [(0u32, true, None), (5, false, None), (700, true, Some(100))]
+            {
+                let salt = 900 + pos as u64 + head_dim as u64;
+                let capacity = pos as usize + 40;
+                let step = [f32::from_bits(pos), f32::from_bits(pos)];
+                let (q, k, v) = (fresh(qw, salt), fresh(kvw, salt + 1), fresh(kvw, salt + 2));
+                let (qn, kn) = (fresh(head_dim, salt + 3), fresh(head_dim, salt + 4));
+                let (kc, vc) = (
+                    fresh(capacity * kvw, salt + 5),
+                    fresh(capacity * kvw, salt + 6),
+                );
+                let shape = AttentionShape {
+                    rows: 1,
+                    pos0: 0,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    window,
+                };
+                both!(
+                    &format!(
+                        "attention_step_at {heads}/{kv_heads}x{head_dim} @{pos} norm {normed} \
+                         w{window:?} fused {fused}"
+                    ),
+                    &[&q, &k, &v, &qn, &kn, &kc, &vc, &step],
+                    qw + 2 * capacity * kvw,
+                    1e-5,
+                    |b, t, o| {
+                        let (mut qs, mut ks) = (b.alloc(qw), b.alloc(kvw));
+                        b.write_rows(&t[0], &mut qs, 0, 1, qw);
+                        b.write_rows(&t[1], &mut ks, 0, 1, kvw);
+                        let (mut kcs, mut vcs) = (b.alloc(capacity * kvw), b.alloc(capacity * kvw));
+                        b.write_rows(&t[5], &mut kcs, 0, capacity, kvw);
+                        b.write_rows(&t[6], &mut vcs, 0, capacity, kvw);
+                        let norm = normed.then_some(HeadNorm {
+                            q: &t[3],
+                            k: &t[4],
+                            eps: 1e-6,
+                        });
+                        let mut out = b.alloc(qw);
+                        b.attention_step_at(
+                            &mut qs, &mut ks, &t[2], norm, shape, &inv_freq, &t[7], &mut kcs,
+                            &mut vcs, &mut out,
+                        );
+                        let n = capacity * kvw;
+                        concat(b, &[(&out, qw), (&kcs, n), (&vcs, n)], o)
+                    }
+                );
+            }
+        }
+    }
+    g.set_step_attention(true);
+}
+
 /// A random matrix quantized to MLX 4 bits and repacked at `bits`.
 type Affine = AffineMatrix;
 

@@ -351,6 +351,29 @@ pub trait Backend: Send + Sync {
         attention_preamble_one_by_one(self, q, k, v, norm, shape, inv_freq, step, k_cache, v_cache);
     }
 
+    /// A one-row decode step's attention with its preamble: what
+    /// [`attention_preamble_at`](Self::attention_preamble_at) does to the caches, then
+    /// [`attention_at`](Self::attention_at) of the normed and rotated `q` into `out`.
+    /// `q` and `k` are scratch afterwards: a backend may leave them as they were. The
+    /// default is the two ops; a backend may do them in one launch.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_step_at(
+        &self,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &Self::Tensor,
+        norm: Option<HeadNorm<'_, Self::Tensor>>,
+        shape: AttentionShape,
+        inv_freq: &[f32],
+        step: &Self::Tensor,
+        k_cache: &mut Self::Tensor,
+        v_cache: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) {
+        self.attention_preamble_at(q, k, v, norm, shape, inv_freq, step, k_cache, v_cache);
+        self.attention_at(q, k_cache, v_cache, shape, step, out);
+    }
+
     /// [`attention`](Self::attention) of one query row at the position `step[1]`
     /// (`shape.pos0` is ignored).
     fn attention_at(
@@ -597,7 +620,8 @@ pub enum MoeInput<'a, T> {
     },
 }
 
-/// The weights of a per-head q/k RMSNorm, for [`Backend::attention_preamble_at`].
+/// The weights of a per-head q/k RMSNorm, for [`Backend::attention_preamble_at`] and
+/// [`Backend::attention_step_at`].
 pub struct HeadNorm<'a, T> {
     /// `[head_dim]`, applied to every query head.
     pub q: &'a T,

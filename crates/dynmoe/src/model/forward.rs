@@ -656,7 +656,7 @@ impl<B: Backend> Model<B> {
                     None
                 }
             };
-            b.attention_preamble_at(
+            b.attention_step_at(
                 &mut bufs.qs,
                 &mut bufs.ks,
                 &bufs.vs,
@@ -666,13 +666,6 @@ impl<B: Backend> Model<B> {
                 &bufs.step,
                 &mut k_cache[i],
                 &mut v_cache[i],
-            );
-            b.attention_at(
-                &bufs.qs,
-                &k_cache[i],
-                &v_cache[i],
-                shape,
-                &bufs.step,
                 &mut bufs.attn,
             );
             linear(b, &bufs.attn, &a.o_proj, 1, &mut bufs.attn_out);

@@ -2628,15 +2628,82 @@ __device__ __forceinline__ void fma4(float4& a, float w, float4 x) {
     a.w += w * x.w;
 }
 
-template <int NV>
+// The preamble of a decode step done by the attention blocks themselves
+// (attention_step_*): q, k and v as the q/k/v products wrote them, the per-head norms'
+// weights (null: no norm) and RoPE's frequencies, and the caches' row *pos_at to write.
+struct StepPreamble {
+    const float* q;
+    const float* k;
+    const float* v;
+    const float* qn;
+    const float* kn;
+    float eps;
+    const float* inv_freq;
+    float* k_cache;
+    float* v_cache;
+};
+
+// One head of `head_dim` values at `src` (`live`: else zeros, and nothing stored) by an
+// aligned group of G lanes, into `dst` and, when non-null, `dst2`: with `rotate`, per-head
+// RMSNorm (with `nw`, when non-null) and RoPE at position p, as attn_preamble_at does;
+// without, as it is. Lane `sub` of the group takes the pairs (i, i + half) for
+// i = sub + G·j, j < 8 (half ≤ 8G), and issues all its loads before using any. Every lane
+// of the warp must call it (the group's sum is shuffled).
+template <int G>
+__device__ __forceinline__ void norm_rope_head(const float* src, const float* nw, float eps,
+                                               const float* inv_freq, unsigned p, int head_dim,
+                                               int sub, bool live, bool rotate, float* dst,
+                                               float* dst2) {
+    int half = head_dim / 2;
+    float a[8], c[8], ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int i = sub + j * G;
+        a[j] = live && i < half ? src[i] : 0.0f;
+        c[j] = live && i < half ? src[i + half] : 0.0f;
+        ss += a[j] * a[j] + c[j] * c[j];
+    }
+#pragma unroll
+    for (int o = G / 2; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (!live) return;
+    float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+    float fp = (float)p;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int i = sub + j * G;
+        if (i < half) {
+            float lo = a[j], hi = c[j];
+            if (rotate) {
+                float x0 = nw ? nw[i] * (a[j] * inv) : a[j];
+                float x1 = nw ? nw[i + half] * (c[j] * inv) : c[j];
+                float sn, cs;
+                sincosf(fp * inv_freq[i], &sn, &cs);
+                lo = x0 * cs - x1 * sn;
+                hi = x1 * cs + x0 * sn;
+            }
+            dst[i] = lo;
+            dst[i + half] = hi;
+            if (dst2) {
+                dst2[i] = lo;
+                dst2[i + half] = hi;
+            }
+        }
+    }
+}
+
+template <int NV, bool PRE>
 __device__ void attention_group(const float* __restrict__ q, const float* __restrict__ k,
                                 const float* __restrict__ v, float* __restrict__ acc_out,
                                 float* __restrict__ ml, int pos0, int heads, int kv_heads,
-                                int head_dim, int window, const unsigned* pos_at, int chunk) {
+                                int head_dim, int window, const unsigned* pos_at, int chunk,
+                                const StepPreamble& pre) {
     static_assert(ATT_LANES == ATT_GROUP, "lane i of a key's lanes ends with head i's score");
     constexpr int KB = 8 / NV;  // keys a lane group loads at once
     constexpr int STEP = (ATT_THREADS / ATT_LANES) * KB;
     __shared__ float4 qs[ATT_GROUP][NV * ATT_LANES];
+    // With PRE, the new key and value row (position p) as this block made it: the block
+    // reads them from here, never from the caches it writes them to.
+    __shared__ float4 kp[PRE ? NV * ATT_LANES : 1], vp[PRE ? NV * ATT_LANES : 1];
     __shared__ float sc[ATT_GROUP][ATT_CHUNK_MAX];
     __shared__ float4 red[ATT_GROUP][ATT_THREADS];
     __shared__ float stat[ATT_GROUP][2];
@@ -2661,6 +2728,34 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
     const float4* v4 = reinterpret_cast<const float4*>(v) + (size_t)t0 * row4 + (size_t)kvh * f4;
     const float4* q4 = reinterpret_cast<const float4*>(q) + (size_t)h0 * f4;
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // The chunk's key at position p, when PRE makes it here (-1: none does).
+    int jp = PRE && p < t1 ? p - t0 : -1;
+    if (PRE) {
+        // Zeros past the block's heads and the head's width, then a group of 2·NV lanes a
+        // job, all jobs in one round but at the widest heads: the block's query heads
+        // normed and rotated into qs; in the block whose chunk holds p, k's head also
+        // (into kp and the cache's row p) and v's (into vp and that row). Every head tile
+        // of a KV head has such a block; they write the same values.
+        constexpr int G = 2 * NV;
+        for (int i = tid; i < ATT_GROUP * NV * ATT_LANES; i += ATT_THREADS)
+            qs[i / (NV * ATT_LANES)][i % (NV * ATT_LANES)] = zero;
+        for (int i = tid; i < NV * ATT_LANES; i += ATT_THREADS) kp[i] = vp[i] = zero;
+        __syncthreads();
+        int jobs = gt + (jp >= 0 ? 2 : 0);
+        size_t kv_at = (size_t)kvh * head_dim, row_at = (size_t)p * kv_heads * head_dim + kv_at;
+        for (int job0 = 0; job0 < jobs; job0 += ATT_THREADS / G) {
+            int job = job0 + tid / G;
+            bool is_q = job < gt, is_k = job == gt;
+            const float* src = is_q ? pre.q + (size_t)(h0 + job) * head_dim
+                                    : (is_k ? pre.k : pre.v) + kv_at;
+            float* dst = reinterpret_cast<float*>(is_q ? qs[min(job, ATT_GROUP - 1)]
+                                                       : (is_k ? kp : vp));
+            float* dst2 = is_q ? nullptr : (is_k ? pre.k_cache : pre.v_cache) + row_at;
+            norm_rope_head<G>(src, is_q ? pre.qn : pre.kn, pre.eps, pre.inv_freq, p, head_dim,
+                              tid % G, job < jobs, is_q || is_k, dst, dst2);
+        }
+        __syncthreads();
+    }
 
     // V pass layout, its first rows requested now.
     int kg_n = ATT_THREADS / f4, f = tid % f4, kg = tid / f4;
@@ -2669,11 +2764,13 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
 #pragma unroll
     for (int b = 0; b < ATT_VB; b++) {
         int j = kg + b * kg_n;
-        vb[b] = v_lane && j < tn ? v4[(size_t)j * row4 + f] : zero;
+        vb[b] = v_lane && j < tn ? (PRE && j == jp ? vp[f] : v4[(size_t)j * row4 + f]) : zero;
     }
-    for (int i = tid; i < ATT_GROUP * NV * ATT_LANES; i += ATT_THREADS) {
-        int g = i / (NV * ATT_LANES), c = i % (NV * ATT_LANES);
-        qs[g][c] = g < gt && c < f4 ? q4[(size_t)g * f4 + c] : zero;
+    if (!PRE) {
+        for (int i = tid; i < ATT_GROUP * NV * ATT_LANES; i += ATT_THREADS) {
+            int g = i / (NV * ATT_LANES), c = i % (NV * ATT_LANES);
+            qs[g][c] = g < gt && c < f4 ? q4[(size_t)g * f4 + c] : zero;
+        }
     }
     __syncthreads();
 
@@ -2687,7 +2784,7 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
 #pragma unroll
             for (int i = 0; i < NV; i++) {
                 int c = sub + i * ATT_LANES;
-                kr[b][i] = j < tn && c < f4 ? k4[(size_t)j * row4 + c] : zero;
+                kr[b][i] = j < tn && c < f4 ? (PRE && j == jp ? kp[c] : k4[(size_t)j * row4 + c]) : zero;
             }
         }
 #pragma unroll
@@ -2738,7 +2835,7 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
 #pragma unroll
             for (int b = 0; b < ATT_VB; b++) {
                 int j = j0 + kg + b * kg_n;
-                vb[b] = v_lane && j < tn ? v4[(size_t)j * row4 + f] : zero;
+                vb[b] = v_lane && j < tn ? (PRE && j == jp ? vp[f] : v4[(size_t)j * row4 + f]) : zero;
             }
         }
 #pragma unroll
@@ -2774,28 +2871,31 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
     }
 }
 
-// Head widths up to 64, 128 and 256, a multiple of 4 (float4 rows).
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_group_64(const float* q, const float* k, const float* v, float* acc, float* ml,
-                       int pos0, int heads, int kv_heads, int head_dim, int window,
-                       const unsigned* pos_at, int chunk) {
-    PDL_ENTRY();
-    attention_group<2>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, pos_at, chunk);
-}
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_group_128(const float* q, const float* k, const float* v, float* acc, float* ml,
-                        int pos0, int heads, int kv_heads, int head_dim, int window,
-                        const unsigned* pos_at, int chunk) {
-    PDL_ENTRY();
-    attention_group<4>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, pos_at, chunk);
-}
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attention_group_256(const float* q, const float* k, const float* v, float* acc, float* ml,
-                        int pos0, int heads, int kv_heads, int head_dim, int window,
-                        const unsigned* pos_at, int chunk) {
-    PDL_ENTRY();
-    attention_group<8>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, pos_at, chunk);
-}
+// Head widths up to 64, 128 and 256, a multiple of 4 (float4 rows). attention_step_*
+// also does the decode step's preamble (see StepPreamble): q, k and v are the q/k/v
+// products' rows, and the caches get row *pos_at.
+#define ATTENTION_GROUP(W, NV)                                                                  \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                  \
+        attention_group_##W(const float* q, const float* k, const float* v, float* acc,       \
+                            float* ml, int pos0, int heads, int kv_heads, int head_dim,       \
+                            int window, const unsigned* pos_at, int chunk) {                  \
+        PDL_ENTRY();                                                                           \
+        attention_group<NV, false>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, \
+                                   pos_at, chunk, {});                                        \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attention_step_##W(           \
+        const float* q, const float* k, const float* v, const float* qn, const float* kn,     \
+        float eps, const float* inv_freq, float* k_cache, float* v_cache, float* acc,          \
+        float* ml, int heads, int kv_heads, int head_dim, int window, const unsigned* pos_at,  \
+        int chunk) {                                                                           \
+        PDL_ENTRY();                                                                           \
+        attention_group<NV, true>(q, k_cache, v_cache, acc, ml, 0, heads, kv_heads, head_dim,  \
+                                  window, pos_at, chunk,                                       \
+                                  {q, k, v, qn, kn, eps, inv_freq, k_cache, v_cache});         \
+    }
+ATTENTION_GROUP(64, 2)
+ATTENTION_GROUP(128, 4)
+ATTENTION_GROUP(256, 8)
 
 // One block per head: out = Σ_s acc_s·e^(m_s − M) / Σ_s l_s·e^(m_s − M) over the splits,
 // M the largest m_s. A split with no keys has (m, l) = (−inf, 0) and its acc is never

@@ -359,7 +359,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 109] = [
+const KERNEL_NAMES: [&str; 112] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -435,6 +435,9 @@ const KERNEL_NAMES: [&str; 109] = [
     "attention_group_64",
     "attention_group_128",
     "attention_group_256",
+    "attention_step_64",
+    "attention_step_128",
+    "attention_step_256",
     "attention_combine",
     "attention_tiled_64",
     "attention_tiled_128",
@@ -824,6 +827,10 @@ pub struct Cuda {
     /// the residual add and the norm in (`DYNMOE_CUDA_FOLD_NORMS=1`) or the norm takes a
     /// launch of its own.
     fold_norms: Switch<bool>,
+    /// Whether a decode step's attention blocks do its preamble themselves
+    /// (`attention_step_*`) or the preamble takes a launch of its own
+    /// (`DYNMOE_CUDA_STEP_ATTENTION=0`).
+    step_attention: Switch<bool>,
     /// Whether resident sets of VQ experts live in device slots (`DYNMOE_CUDA_VQ_SLOTS=0`
     /// keeps them in host memory).
     vq_slots: Switch<bool>,
@@ -1011,6 +1018,27 @@ fn group_kernel(head_dim: usize) -> Option<&'static str> {
             "attention_group_256",
         ][c]
     })
+}
+
+/// The grouped kernel that also does a decode step's preamble, for heads of `head_dim`.
+fn step_kernel(head_dim: usize) -> Option<&'static str> {
+    head_width_class(head_dim).map(|c| {
+        [
+            "attention_step_64",
+            "attention_step_128",
+            "attention_step_256",
+        ][c]
+    })
+}
+
+/// What `attention_step_*` reads besides the caches: the q/k/v products' k and v rows,
+/// the per-head norms and RoPE's frequencies. It writes the caches' new row.
+#[derive(Clone, Copy)]
+struct OneRowPreamble<'a> {
+    k: &'a CudaSlice<f32>,
+    v: &'a CudaSlice<f32>,
+    norm: Option<HeadNorm<'a, CudaSlice<f32>>>,
+    inv_freq: &'a CudaSlice<f32>,
 }
 
 /// The tiled prefill kernel for heads of `head_dim`, if it takes them (as
@@ -1323,6 +1351,7 @@ impl Cuda {
             // Measured slower in a decode step than the norm's own launch
             // (docs/GPU_NOTES.md), so off unless asked for.
             fold_norms: Switch::new(switched_on("DYNMOE_CUDA_FOLD_NORMS")),
+            step_attention: Switch::new(!switched_off("DYNMOE_CUDA_STEP_ATTENTION")),
             bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
             decode_attention: Switch::new(DecodeAttention::from_env()),
             decode_chunk: std::sync::atomic::AtomicUsize::new(0),
@@ -1507,6 +1536,19 @@ impl Cuda {
     /// [`set_fold_norms`](Self::set_fold_norms)).
     pub fn fold_norms(&self) -> bool {
         self.fold_norms.get()
+    }
+
+    /// Whether a decode step's grouped attention blocks norm and rotate q and k and write
+    /// the caches' new row themselves (the default), or the preamble kernel runs first, to
+    /// measure one against the other. Steps already recorded keep their way.
+    pub fn set_step_attention(&self, on: bool) {
+        self.step_attention.set(on);
+    }
+
+    /// Whether a decode step's attention does its own preamble (see
+    /// [`set_step_attention`](Self::set_step_attention)).
+    pub fn step_attention(&self) -> bool {
+        self.step_attention.get()
     }
 
     /// Whether products of many rows run on tensor cores (see
@@ -3268,6 +3310,7 @@ impl Cuda {
         shape: AttentionShape,
         pos_at: u64,
         out: &mut CudaSlice<f32>,
+        preamble: Option<OneRowPreamble<'_>>,
     ) {
         let kvw = shape.kv_heads * shape.head_dim;
         let capacity = (k_cache.len() / kvw).max(1);
@@ -3309,26 +3352,53 @@ impl Cuda {
         );
         let window = shape.window.map_or(0, |w| w as i32);
         let c = chunk as i32;
-        let mut l = self.launcher(self.func(name));
-        l.arg(q)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(&mut acc)
-            .arg(&mut ml)
-            .arg(&p0)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&d)
-            .arg(&window)
-            .arg(&pos_at)
-            .arg(&c);
         let grid = LaunchConfig {
             grid_dim: (blocks_x as u32, splits as u32, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        ok(unsafe { l.launch(grid) }, name);
-        drop(l);
+        match preamble {
+            Some(pre) => {
+                // The caller has checked that the grouped kernel takes these heads.
+                let name = step_kernel(shape.head_dim).expect("a grouped width");
+                let null = 0u64;
+                let mut l = self.launcher(self.func(name));
+                l.arg(q).arg(pre.k).arg(pre.v);
+                match &pre.norm {
+                    Some(n) => l.arg(n.q).arg(n.k),
+                    None => l.arg(&null).arg(&null),
+                };
+                l.arg(&pre.norm.map_or(0.0, |n| n.eps))
+                    .arg(pre.inv_freq)
+                    .arg(k_cache)
+                    .arg(v_cache)
+                    .arg(&mut acc)
+                    .arg(&mut ml)
+                    .arg(&h)
+                    .arg(&kvh)
+                    .arg(&d)
+                    .arg(&window)
+                    .arg(&pos_at)
+                    .arg(&c);
+                ok(unsafe { l.launch(grid) }, name);
+            }
+            None => {
+                let mut l = self.launcher(self.func(name));
+                l.arg(q)
+                    .arg(k_cache)
+                    .arg(v_cache)
+                    .arg(&mut acc)
+                    .arg(&mut ml)
+                    .arg(&p0)
+                    .arg(&h)
+                    .arg(&kvh)
+                    .arg(&d)
+                    .arg(&window)
+                    .arg(&pos_at)
+                    .arg(&c);
+                ok(unsafe { l.launch(grid) }, name);
+            }
+        }
         let n = splits as i32;
         let mut l = self.launcher(self.func("attention_combine"));
         l.arg(&mut acc).arg(&mut ml).arg(out).arg(&n).arg(&d);
@@ -3783,7 +3853,7 @@ impl Backend for Cuda {
             return;
         }
         if shape.rows == 1 && self.decode_attention() != DecodeAttention::Whole {
-            self.attention_one_row(q, k_cache, v_cache, shape, 0, out);
+            self.attention_one_row(q, k_cache, v_cache, shape, 0, out, None);
             return;
         }
         if shape.rows > 1 && self.prefill_attention() == PrefillAttention::Tiled {
@@ -3994,7 +4064,7 @@ impl Backend for Cuda {
         let pos = step.slice(1..2);
         if self.decode_attention() != DecodeAttention::Whole {
             let at = pos.device_ptr(&self.stream).0;
-            self.attention_one_row(q, k_cache, v_cache, shape, at, out);
+            self.attention_one_row(q, k_cache, v_cache, shape, at, out, None);
             return;
         }
         let mut l = self.launcher(self.func("attention"));
@@ -4009,6 +4079,42 @@ impl Backend for Cuda {
             .arg(&window)
             .arg(&pos);
         ok(unsafe { l.launch(cfg(shape.heads, 128, 0)) }, "attention");
+    }
+
+    fn attention_step_at(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        norm: Option<HeadNorm<'_, CudaSlice<f32>>>,
+        shape: AttentionShape,
+        inv_freq: &[f32],
+        step: &CudaSlice<f32>,
+        k_cache: &mut CudaSlice<f32>,
+        v_cache: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+    ) {
+        // One launch fewer where the grouped kernel takes the heads (its warps norm and
+        // rotate a head of up to 256 values); elsewhere the preamble, then attention.
+        let fused = self.step_attention()
+            && self.decode_attention() == DecodeAttention::Grouped
+            && step_kernel(shape.head_dim).is_some()
+            && shape.heads > 0
+            && shape.kv_heads > 0;
+        if !fused {
+            self.attention_preamble_at(q, k, v, norm, shape, inv_freq, step, k_cache, v_cache);
+            self.attention_at(q, k_cache, v_cache, shape, step, out);
+            return;
+        }
+        let freq = self.constant(inv_freq);
+        let at = step.slice(1..2).device_ptr(&self.stream).0;
+        let preamble = OneRowPreamble {
+            k,
+            v,
+            norm,
+            inv_freq: &freq,
+        };
+        self.attention_one_row(q, k_cache, v_cache, shape, at, out, Some(preamble));
     }
 
     fn argmax_rows(
