@@ -1001,7 +1001,7 @@ fn attention_step_matches_the_preamble_then_attention() {
             }
         }
     }
-    g.set_step_attention(true);
+    g.set_step_attention(false);
 }
 
 /// A random matrix quantized to MLX 4 bits and repacked at `bits`.

@@ -828,8 +828,8 @@ pub struct Cuda {
     /// launch of its own.
     fold_norms: Switch<bool>,
     /// Whether a decode step's attention blocks do its preamble themselves
-    /// (`attention_step_*`) or the preamble takes a launch of its own
-    /// (`DYNMOE_CUDA_STEP_ATTENTION=0`).
+    /// (`attention_step_*`, `DYNMOE_CUDA_STEP_ATTENTION=1`) or the preamble takes a launch
+    /// of its own.
     step_attention: Switch<bool>,
     /// Whether resident sets of VQ experts live in device slots (`DYNMOE_CUDA_VQ_SLOTS=0`
     /// keeps them in host memory).
@@ -1351,7 +1351,9 @@ impl Cuda {
             // Measured slower in a decode step than the norm's own launch
             // (docs/GPU_NOTES.md), so off unless asked for.
             fold_norms: Switch::new(switched_on("DYNMOE_CUDA_FOLD_NORMS")),
-            step_attention: Switch::new(!switched_off("DYNMOE_CUDA_STEP_ATTENTION")),
+            // Measured slower in a decode step than the preamble's own launch
+            // (docs/GPU_NOTES.md), so off unless asked for.
+            step_attention: Switch::new(switched_on("DYNMOE_CUDA_STEP_ATTENTION")),
             bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
             decode_attention: Switch::new(DecodeAttention::from_env()),
             decode_chunk: std::sync::atomic::AtomicUsize::new(0),
@@ -1539,7 +1541,7 @@ impl Cuda {
     }
 
     /// Whether a decode step's grouped attention blocks norm and rotate q and k and write
-    /// the caches' new row themselves (the default), or the preamble kernel runs first, to
+    /// the caches' new row themselves, or the preamble kernel runs first (the default), to
     /// measure one against the other. Steps already recorded keep their way.
     pub fn set_step_attention(&self, on: bool) {
         self.step_attention.set(on);
@@ -4094,8 +4096,9 @@ impl Backend for Cuda {
         v_cache: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) {
-        // One launch fewer where the grouped kernel takes the heads (its warps norm and
-        // rotate a head of up to 256 values); elsewhere the preamble, then attention.
+        // With the switch on, one launch fewer where the grouped kernel takes the heads
+        // (its lane groups norm and rotate a head of up to 256 values); otherwise, and
+        // elsewhere, the preamble, then attention.
         let fused = self.step_attention()
             && self.decode_attention() == DecodeAttention::Grouped
             && step_kernel(shape.head_dim).is_some()
