@@ -609,9 +609,9 @@ double check_attention_step(int heads, int kv_heads, int head_dim, int p, int ca
     auto step = head_dim <= 64 ? attention_step_64 : head_dim <= 128 ? attention_step_128
                                                                      : attention_step_256;
     shim::launch({(unsigned)(kv_heads * tiles), (unsigned)splits, 1}, {ATT_THREADS, 1, 1}, 0, [&] {
-        step(q.data(), k.data(), v.data(), normed ? qn.data() : nullptr,
-             normed ? kn.data() : nullptr, eps, inv_freq.data(), kc.data(), vc.data(), acc.data(),
-             ml.data(), heads, kv_heads, head_dim, window, &pos, chunk);
+        step(q.data(), kc.data(), vc.data(), acc.data(), ml.data(), 0, heads, kv_heads, head_dim,
+             window, &pos, chunk, k.data(), v.data(), normed ? qn.data() : nullptr,
+             normed ? kn.data() : nullptr, eps, inv_freq.data());
     });
     shim::launch({(unsigned)heads, 1, 1}, {COMBINE_THREADS, 1, 1}, 0, [&] {
         attention_combine(acc.data(), ml.data(), out.data(), splits, head_dim);

@@ -2872,8 +2872,9 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
 }
 
 // Head widths up to 64, 128 and 256, a multiple of 4 (float4 rows). attention_step_*
-// also does the decode step's preamble (see StepPreamble): q, k and v are the q/k/v
-// products' rows, and the caches get row *pos_at. It removes a launch a layer but measured
+// also does the decode step's preamble (see StepPreamble): its arguments are
+// attention_group_*'s, then the preamble's; q, k and v are the q/k/v products' rows, and
+// the caches get row *pos_at. It removes a launch a layer but measured
 // 3-4% slower in decode on the H200 (each block's prologue is a dependent load, a reduction
 // and RoPE before its first key, which costs more than the launch it replaces), so the
 // backend uses it only when asked (DYNMOE_CUDA_STEP_ATTENTION=1). Its launch bound of one
@@ -2889,13 +2890,13 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
                                    pos_at, chunk, {});                                        \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attention_step_##W(           \
-        const float* q, const float* k, const float* v, const float* qn, const float* kn,     \
-        float eps, const float* inv_freq, float* k_cache, float* v_cache, float* acc,          \
-        float* ml, int heads, int kv_heads, int head_dim, int window, const unsigned* pos_at,  \
-        int chunk) {                                                                           \
+        const float* q, float* k_cache, float* v_cache, float* acc, float* ml, int pos0,       \
+        int heads, int kv_heads, int head_dim, int window, const unsigned* pos_at, int chunk,  \
+        const float* k, const float* v, const float* qn, const float* kn, float eps,           \
+        const float* inv_freq) {                                                               \
         PDL_ENTRY();                                                                           \
-        attention_group<NV, true>(q, k_cache, v_cache, acc, ml, 0, heads, kv_heads, head_dim,  \
-                                  window, pos_at, chunk,                                       \
+        attention_group<NV, true>(q, k_cache, v_cache, acc, ml, pos0, heads, kv_heads,         \
+                                  head_dim, window, pos_at, chunk,                             \
                                   {q, k, v, qn, kn, eps, inv_freq, k_cache, v_cache});         \
     }
 ATTENTION_GROUP(64, 2)

@@ -1033,7 +1033,6 @@ fn step_kernel(head_dim: usize) -> Option<&'static str> {
 
 /// What `attention_step_*` reads besides the caches: the q/k/v products' k and v rows,
 /// the per-head norms and RoPE's frequencies. It writes the caches' new row.
-#[derive(Clone, Copy)]
 struct OneRowPreamble<'a> {
     k: &'a CudaSlice<f32>,
     v: &'a CudaSlice<f32>,
@@ -3359,48 +3358,36 @@ impl Cuda {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        match preamble {
-            Some(pre) => {
-                // The caller has checked that the grouped kernel takes these heads.
-                let name = step_kernel(shape.head_dim).expect("a grouped width");
-                let null = 0u64;
-                let mut l = self.launcher(self.func(name));
-                l.arg(q).arg(pre.k).arg(pre.v);
-                match &pre.norm {
-                    Some(n) => l.arg(n.q).arg(n.k),
-                    None => l.arg(&null).arg(&null),
-                };
-                l.arg(&pre.norm.map_or(0.0, |n| n.eps))
-                    .arg(pre.inv_freq)
-                    .arg(k_cache)
-                    .arg(v_cache)
-                    .arg(&mut acc)
-                    .arg(&mut ml)
-                    .arg(&h)
-                    .arg(&kvh)
-                    .arg(&d)
-                    .arg(&window)
-                    .arg(&pos_at)
-                    .arg(&c);
-                ok(unsafe { l.launch(grid) }, name);
-            }
-            None => {
-                let mut l = self.launcher(self.func(name));
-                l.arg(q)
-                    .arg(k_cache)
-                    .arg(v_cache)
-                    .arg(&mut acc)
-                    .arg(&mut ml)
-                    .arg(&p0)
-                    .arg(&h)
-                    .arg(&kvh)
-                    .arg(&d)
-                    .arg(&window)
-                    .arg(&pos_at)
-                    .arg(&c);
-                ok(unsafe { l.launch(grid) }, name);
-            }
+        // The step kernel takes the grouped kernel's arguments, then the preamble's; the
+        // caller has checked that the grouped kernel takes these heads.
+        let name = match preamble {
+            Some(_) => step_kernel(shape.head_dim).expect("a grouped width"),
+            None => name,
+        };
+        let mut l = self.launcher(self.func(name));
+        l.arg(q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(&mut acc)
+            .arg(&mut ml)
+            .arg(&p0)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&d)
+            .arg(&window)
+            .arg(&pos_at)
+            .arg(&c);
+        if let Some(pre) = &preamble {
+            let null = 0u64;
+            l.arg(pre.k).arg(pre.v);
+            match &pre.norm {
+                Some(n) => l.arg(n.q).arg(n.k),
+                None => l.arg(&null).arg(&null),
+            };
+            l.arg(&pre.norm.map_or(0.0, |n| n.eps)).arg(pre.inv_freq);
         }
+        ok(unsafe { l.launch(grid) }, name);
+        drop(l);
         let n = splits as i32;
         let mut l = self.launcher(self.func("attention_combine"));
         l.arg(&mut acc).arg(&mut ml).arg(out).arg(&n).arg(&d);
