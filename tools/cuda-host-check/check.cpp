@@ -771,10 +771,83 @@ double check_moe_step(int bits, int hidden, int inter, int experts, int top_k, i
     return reset ? std::max({ep, eh, eo}) : INFINITY;
 }
 
+// ---- A decode step's routed affine experts by slices (routed_slices_q*) ----
+
+using RoutedSlices = void (*)(const unsigned long long*, float*, const unsigned char*, int, int,
+                              int, const float*, float*, unsigned*, float*, int, int, int, int);
+
+// One token's top_k experts through routed_slices on its grid of (slices, top_k) resident
+// blocks: every block routes the logits, takes one 64-row slice of its expert's gate and
+// up and down's matching columns, and the blocks add their partials after a barrier.
+// Experts are `hidden` × `inter` with down's input padded to `down_cols` (as stores pad
+// the small fixture's 80 to 128): its padding columns hold codes, which h's zeros there
+// must cancel. Against the definition in double precision: the output, the
+// probabilities written in place of the logits, the counters back at zero.
+double check_routed_slices(int bits, int hidden, int inter, int down_cols, int experts,
+                           int top_k, bool masked) {
+    RoutedSlices f = bits == 4 ? routed_slices_q4 : (bits == 3 ? routed_slices_q3 : routed_slices_q2);
+    std::vector<std::array<Affine, 3>> ex;
+    std::vector<unsigned long long> table;
+    for (int e = 0; e < experts; e++)
+        ex.push_back({Affine(bits, inter, hidden), Affine(bits, inter, hidden),
+                      Affine(bits, hidden, down_cols)});
+    for (auto& e : ex)
+        for (auto& m : e) {
+            table.push_back((unsigned long long)m.words.data());
+            table.push_back((unsigned long long)m.scales.data());
+            table.push_back((unsigned long long)m.biases.data());
+        }
+    std::vector<float> logits = route_logits(experts), x(hidden);
+    for (auto& v : x) v = normal();
+    std::vector<unsigned char> keep(experts, 1);
+    if (masked)
+        for (int e = 0; e < experts; e++) keep[e] = (rng() % 3) != 0 || e < top_k;
+    Route want = reference_route(logits, keep, top_k, true);
+    std::vector<double> want_out(hidden, 0.0);
+    for (int k = 0; k < top_k; k++) {
+        const auto& e = ex[want.ids[k]];
+        std::vector<double> h(down_cols, 0.0);
+        for (int o = 0; o < inter; o++) {
+            double g = 0.0, u = 0.0;
+            for (int c = 0; c < hidden; c++) {
+                g += e[0].value(o, c) * x[c];
+                u += e[1].value(o, c) * x[c];
+            }
+            // As the kernel: SiLU · up of the f32 sums.
+            float gf = (float)g, uf = (float)u;
+            h[o] = gf / (1.0f + std::exp(-gf)) * uf;
+        }
+        for (int o = 0; o < hidden; o++) {
+            double acc = 0.0;
+            for (int c = 0; c < down_cols; c++) acc += e[2].value(o, c) * h[c];
+            want_out[o] += want.weights[k] * acc;
+        }
+    }
+    int slices = (inter + 63) / 64, blocks = slices * top_k;
+    auto pad = [](int n) { return (n + 3) & ~3; };
+    int words = bits * hidden / 32, stride = (words + 31) / 32 * 32 + (bits == 2 ? 4 : 8);
+    size_t shared = 4 * ((size_t)2 * 64 * stride + (size_t)(hidden / 64) * 80 + pad(hidden / 64) +
+                         80 + 64 + 4 + SLICE_WARPS * 2 * 16 + 2 * experts * ENTRY +
+                         pad(experts) + 32 + 2 * pad(top_k));
+    std::vector<float> probs = logits, parts((size_t)blocks * hidden, NAN), out(hidden, NAN);
+    std::vector<unsigned> sync(2, 0);
+    shim::launch({(unsigned)slices, (unsigned)top_k, 1}, {SLICE_WARPS * 32, 1, 1}, shared, [&] {
+        f(table.data(), probs.data(), masked ? keep.data() : nullptr, experts, 1, top_k,
+          x.data(), parts.data(), sync.data(), out.data(), inter, hidden, hidden, down_cols);
+    }, true);
+    double ep = rel_err(probs, want.probs), eo = rel_err(out, want_out);
+    bool reset = sync[0] == 0 && sync[1] == 0;
+    std::printf("routed slices q%d %d x %d (down %d wide), top-%d of %d, mask %d, %d blocks: "
+                "probs %.2e, out %.2e, counters %s\n",
+                bits, hidden, inter, down_cols, top_k, experts, masked, blocks, ep, eo,
+                reset ? "reset" : "LEFT SET");
+    return reset ? std::max(ep, eo) : INFINITY;
+}
+
 }  // namespace
 
 // With an argument, only the checks whose family it names (dense, route, affine, step,
-// attention, routed).
+// slices, attention, routed).
 int main(int argc, char** argv) {
     auto wanted = [&](const char* family) { return argc < 2 || std::string(argv[1]) == family; };
     struct Rung {
@@ -833,6 +906,15 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_moe_step(bits, 256, 128, 12, 4, 3, false));
         worst = std::max(worst, check_moe_step(bits, 256, 128, 40, 8, 5, true));
         worst = std::max(worst, check_moe_step(bits, 128, 192, 16, 2, 12, false));
+    }
+    // A decode step's experts as slices: whole slices, the small fixture's 80 rows (a
+    // slice of 16, down padded to 128), masks, rows 2112 wide (x's units and down's tiles
+    // take a second round; at 3 bits their words are copied a word at a time).
+    for (int bits : {4, 3, 2}) {
+        if (!wanted("slices")) break;
+        worst = std::max(worst, check_routed_slices(bits, 256, 128, 128, 12, 4, false));
+        worst = std::max(worst, check_routed_slices(bits, 256, 80, 128, 12, 4, true));
+        worst = std::max(worst, check_routed_slices(bits, 2112, 64, 64, 6, 2, false));
     }
     // A decode step's attention with its preamble: Qwen3-30B-A3B's heads over several
     // splits (the last one holding p, later ones empty), a window that empties the first

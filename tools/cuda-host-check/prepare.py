@@ -20,6 +20,7 @@ PTX_HELPERS = [
     "mma_f16_first",
     "sub_f16x2",
     "copy16_async",
+    "copy4_async",
     "copies_commit",
     "copies_wait",
     "half_bits",

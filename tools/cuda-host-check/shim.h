@@ -119,46 +119,37 @@ inline void resume(Fiber& f) {
     swapcontext(&here, &f.ctx);
 }
 
-// Releases, block by block, the warps whose every live lane waits at a warp barrier, else
-// the block when every live thread waits at __syncthreads. A block whose live threads wait
-// at different barriers, with nothing to release, is a deadlock.
-inline bool release() {
-    bool any = false;
-    unsigned n = (unsigned)fibers.size();
-    for (unsigned b0 = 0; b0 < n; b0 += block_threads) {
-        unsigned b1 = std::min(n, b0 + block_threads);
-        bool warps = false;
-        for (unsigned w0 = b0; w0 < b1; w0 += 32) {
-            bool all = true, some = false;
-            for (unsigned t = w0; t < std::min(b1, w0 + 32); t++) {
-                if (fibers[t].state == DONE) continue;
-                some = true;
-                all = all && fibers[t].state == WARP_BARRIER;
-            }
-            if (some && all) {
-                for (unsigned t = w0; t < std::min(b1, w0 + 32); t++)
-                    if (fibers[t].state == WARP_BARRIER) fibers[t].state = RUN;
-                warps = true;
-            }
-        }
-        if (warps) {
-            any = true;
-            continue;
-        }
-        bool all = true, some = false, spins = false;
-        for (unsigned t = b0; t < b1; t++) {
+// Releases the warps of fibers [b0, b1) (one block) whose every live lane waits at a
+// warp barrier, else the block when every live thread waits at __syncthreads. A block
+// whose live threads wait at different barriers, with nothing to release, is a deadlock.
+inline bool release_block(unsigned b0, unsigned b1) {
+    bool warps = false;
+    for (unsigned w0 = b0; w0 < b1; w0 += 32) {
+        bool all = true, some = false;
+        for (unsigned t = w0; t < std::min(b1, w0 + 32); t++) {
             if (fibers[t].state == DONE) continue;
             some = true;
-            spins = spins || fibers[t].state == SPIN;
-            all = all && fibers[t].state == BLOCK_BARRIER;
+            all = all && fibers[t].state == WARP_BARRIER;
         }
         if (some && all) {
-            for (unsigned t = b0; t < b1; t++)
-                if (fibers[t].state == BLOCK_BARRIER) fibers[t].state = RUN;
-            any = true;
+            for (unsigned t = w0; t < std::min(b1, w0 + 32); t++)
+                if (fibers[t].state == WARP_BARRIER) fibers[t].state = RUN;
+            warps = true;
         }
     }
-    return any;
+    if (warps) return true;
+    bool all = true, some = false;
+    for (unsigned t = b0; t < b1; t++) {
+        if (fibers[t].state == DONE) continue;
+        some = true;
+        all = all && fibers[t].state == BLOCK_BARRIER;
+    }
+    if (some && all) {
+        for (unsigned t = b0; t < b1; t++)
+            if (fibers[t].state == BLOCK_BARRIER) fibers[t].state = RUN;
+        return true;
+    }
+    return false;
 }
 
 // Makes the fibers of blocks [first, last) of the grid.
@@ -184,19 +175,27 @@ inline void make_fibers(unsigned first, unsigned last) {
         }
 }
 
-// Runs the fibers until every one has ended. A fiber that spins gives the others their
-// turn; a whole pass in which nothing but spinning happened is a deadlock.
+// Runs the fibers until every one has ended. Each block runs as far as it can (to its
+// end, or until its threads spin) before the next one starts, so that a block reading
+// what others write without waiting for them reads their poison. A fiber that spins
+// gives the others their turn; a whole pass in which nothing but spinning happened is a
+// deadlock.
 inline void run_fibers() {
+    unsigned n = (unsigned)fibers.size();
     for (;;) {
         unsigned long long before = progress;
         bool live = false;
-        for (auto& f : fibers) {
-            if (f.state == SPIN) f.state = RUN;
-            while (f.state == RUN) resume(f);
-            live = live || f.state != DONE;
+        for (unsigned b0 = 0; b0 < n; b0 += block_threads) {
+            unsigned b1 = std::min(n, b0 + block_threads);
+            for (unsigned t = b0; t < b1; t++)
+                if (fibers[t].state == SPIN) fibers[t].state = RUN;
+            do {
+                for (unsigned t = b0; t < b1; t++)
+                    while (fibers[t].state == RUN) resume(fibers[t]);
+            } while (release_block(b0, b1));
+            for (unsigned t = b0; t < b1; t++) live = live || fibers[t].state != DONE;
         }
         if (!live) return;
-        if (release()) continue;
         bool spinning = false;
         for (auto& f : fibers) spinning = spinning || f.state == SPIN;
         if (!spinning || progress == before) {
@@ -348,6 +347,7 @@ inline void copy16_async(float4* dst, const float4* src, bool full) {
     else
         std::memset(dst, 0, 16);
 }
+inline void copy4_async(unsigned* dst, const unsigned* src) { *dst = *src; }
 // A spin on a counter that other blocks raise: the other fibers run meanwhile.
 inline void wait_count(const unsigned* c, unsigned target) {
     while (*(volatile const unsigned*)c < target) shim::yield(shim::SPIN);

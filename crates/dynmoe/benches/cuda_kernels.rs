@@ -158,12 +158,13 @@ fn route_row(
     )
 }
 
-/// One decode token's routed step (`step(t)` routes token `t` of `tokens`) as one launch
-/// (`moe_step`, graph key `key + 2`), as three launches on
-/// tensor cores (`key + 1`), then on CUDA cores (`key`), each launched call by call and
-/// then recorded as a graph (as a decode step runs): a printed line and a row
-/// `name_{step,mma,matvec}_{eager,graph}` of each, `bytes` a token. Experts the one launch
-/// does not take (VQ) run the three-launch way under `step` too.
+/// One decode token's routed step (`step(t)` routes token `t` of `tokens`) four ways: as
+/// one launch (`moe_step`, graph key `key`), with the experts as slices in one launch
+/// after the router (`key + 1`), as three launches on tensor cores (`key + 2`), then on
+/// CUDA cores (`key + 3`), each launched call by call and then recorded as a graph (as a
+/// decode step runs): a printed line and a row `name_{step,slices,mma,matvec}_{eager,graph}`
+/// of each, `bytes` a token. Experts a way does not take (VQ) run the three-launch way
+/// under its name.
 #[allow(clippy::too_many_arguments)]
 fn routed_step_rows(
     g: &Cuda,
@@ -176,17 +177,22 @@ fn routed_step_rows(
     copy_gb_s: f64,
     rows_out: &mut Vec<Row>,
 ) {
-    let (was, was_step) = (g.routed_mma(), g.moe_step());
-    for (mma, one, way) in [
-        (true, true, "step"),
-        (true, false, "mma"),
-        (false, false, "matvec"),
-    ] {
+    let (was, was_step, was_slices) = (g.routed_mma(), g.moe_step(), g.routed_slices());
+    for (i, (mma, one, slices, way)) in [
+        (true, true, false, "step"),
+        (true, false, true, "slices"),
+        (true, false, false, "mma"),
+        (false, false, false, "matvec"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
         g.set_routed_mma(mma);
         g.set_moe_step(one);
+        g.set_routed_slices(slices);
         let ms = time_ms(g, || (0..tokens).for_each(&mut step));
         let eager = ms * 1e3 / tokens as f64;
-        let graph = graph_us(g, key + mma as u64 + one as u64, |i| step(i % tokens));
+        let graph = graph_us(g, key + i as u64, |i| step(i % tokens));
         for (per_token, launched) in [(eager, "eager"), (graph, "graph")] {
             let row = Row::new(
                 format!("{name}_{way}_{launched}"),
@@ -201,6 +207,7 @@ fn routed_step_rows(
     }
     g.set_routed_mma(was);
     g.set_moe_step(was_step);
+    g.set_routed_slices(was_slices);
 }
 
 struct HostAffine {
@@ -455,7 +462,7 @@ fn main() {
         let mut probs = g.alloc(experts);
         routed_step_rows(
             &g,
-            100 + 3 * bits as u64,
+            100 + 4 * bits as u64,
             tokens,
             |t| {
                 let x = &xs[t];
@@ -638,7 +645,7 @@ fn main() {
         let (mut probs, mut out) = (g.alloc(512 * experts), g.alloc(512 * hidden));
         routed_step_rows(
             &g,
-            200 + 3 * rung.position() as u64,
+            200 + 4 * rung.position() as u64,
             tokens,
             |t| {
                 let x = &xs[t];

@@ -1685,10 +1685,11 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Co
         println!(
             "check routed moe {codes} E {experts} rows {rows} top-{top_k} renorm {renormalize:<5} \
              mask {masked:<5} gate bf16 {gate_bf16:<5} tie {tie:<5} mma {:<5} one launch {:<5} \
-             router routes {:<5} out {e_out:.2e} probs {e_p:.2e}",
+             router routes {:<5} slices {:<5} out {e_out:.2e} probs {e_p:.2e}",
             g.routed_mma(),
             g.moe_step(),
-            g.router_routes()
+            g.router_routes(),
+            g.routed_slices()
         );
         // Past 8 rows a bf16 router's product runs on tensor cores over two bf16 parts of
         // x (about 16 of its bits), and the probabilities differ from the reference by up
@@ -1801,17 +1802,26 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     // a bf16 router runs as one launch (moe_step) and as three; either way of the three,
     // and through the matrix-vector kernels, with the route taken by the router's last
     // block (router_route_one) and by the routed kernels.
-    let (was, was_step, was_routes) = (g.routed_mma(), g.moe_step(), g.router_routes());
-    for (mma, step, routes) in [
-        (true, true, false),
-        (true, false, false),
-        (true, false, true),
-        (false, false, false),
-        (false, false, true),
+    // On tensor cores a decode step's experts also run as slices (gate, up and down of
+    // one slice a block, in one launch; 1 600-wide experts take 25 slices a pair).
+    let (was, was_step, was_routes, was_slices) = (
+        g.routed_mma(),
+        g.moe_step(),
+        g.router_routes(),
+        g.routed_slices(),
+    );
+    for (mma, step, routes, slices) in [
+        (true, true, false, false),
+        (true, false, false, true),
+        (true, false, false, false),
+        (true, false, true, false),
+        (false, false, false, false),
+        (false, false, true, false),
     ] {
         g.set_routed_mma(mma);
         g.set_moe_step(step);
         g.set_router_routes(routes);
+        g.set_routed_slices(slices);
         for bits in [4, 3, 2] {
             check_routed(g, 256, 80, 12, Codes::Affine(bits), false);
         }
@@ -1822,6 +1832,7 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     g.set_routed_mma(was);
     g.set_moe_step(was_step);
     g.set_router_routes(was_routes);
+    g.set_routed_slices(was_slices);
     let (hidden, inter) = (256, 80);
     // Without tensor cores more than 8 rows are too many for the device path: it declines
     // and leaves the outputs alone.

@@ -656,6 +656,21 @@ __device__ __forceinline__ float2 unpack_f16x2(unsigned v) {
     return make_float2(a, b);
 }
 
+// 16 bytes global → shared without passing through registers; zeros when !full.
+__device__ __forceinline__ void copy16_async(float4* dst, const float4* src, bool full) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+                 "r"(full ? 16 : 0)
+                 : "memory");
+}
+// One word global → shared, as copy16_async, for sources aligned to no more than a word.
+__device__ __forceinline__ void copy4_async(unsigned* dst, const unsigned* src) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
 // c += a · b for one m16n8k16 fragment (row-major a, column-major b).
 __device__ __forceinline__ void mma_f16(float (&c)[4], const unsigned (&a)[4], unsigned b0,
                                         unsigned b1) {
@@ -2502,6 +2517,347 @@ MOE_STEP(4)
 MOE_STEP(3)
 MOE_STEP(2)
 
+// ---- A decode step's routed experts by slices: gate, up and down in one launch ----
+//
+// The two routed launches above wait on each other through h: down can ask for none of
+// its words before gate/up has written h and ended, and each pays its own route, table
+// reads and staging. Here a block takes one slice of SLICE_ROWS rows of one routed
+// expert's intermediate dimension: those rows of gate and up, and the same columns (one
+// 64-column group) of down for every output row. down is linear in h, so the layer's
+// output is the sum over blocks of weight · down[:, slice] · h[slice], and a block needs
+// no h but its own. Each block routes the token, then asks for all of its bytes at once —
+// the gate and up rows by cp.async into shared memory, down's columns and every scale
+// into registers — stages x while they come, and computes. Its weighted partial output
+// goes to row `block` of `parts`; after a barrier of the whole grid each block adds a
+// share of the rows over every partial, in a fixed order, so the result does not depend
+// on timing, and block 0 turns the logits into probabilities (every block has routed by
+// then). The grid (slices × top_k blocks) must be resident at once, which the host
+// checks; `sync` holds two counters, zero at launch and zero again when the last block
+// leaves.
+#ifndef SLICE_WARPS
+#define SLICE_WARPS 16
+#endif
+#define SLICE_ROWS 64
+// Warps that split one 16-row tile of gate and up: SLICE_ROWS / RMMA_ROWS tiles share
+// the block's warps.
+#define SLICE_PARTS (SLICE_WARPS * RMMA_ROWS / SLICE_ROWS)
+// Gate/up units (64-column groups of x) a lane takes a round, and down tiles (16 output
+// rows each) a warp takes a round: the first rounds' loads go out with the gate/up copies.
+#ifndef SLICE_UNITS
+#define SLICE_UNITS 8
+#endif
+#ifndef SLICE_DOWN_TILES
+#define SLICE_DOWN_TILES 8
+#endif
+
+// Words from one staged gate/up row to the next: whole rows of 32 words, then 8 more (4
+// at 2 bits), so that the rows g = 0 .. 7 a warp's lanes read fall in different banks.
+template <int BITS> __device__ __forceinline__ int slice_stride(int cols) {
+    return (int)(row_words<BITS>(cols) + 31) / 32 * 32 + (BITS == 2 ? 4 : 8);
+}
+
+// The block's shared memory, in words, as slice_shared on the host lays it out.
+struct SliceShared {
+    unsigned* rows;             // [2][SLICE_ROWS][stride]: the slice's gate rows, then up's
+    unsigned* xs;               // x staged as units
+    float* xsum;                // each unit's sum
+    unsigned* hs;               // h staged as one unit
+    float* hv;                  // h, SLICE_ROWS values
+    float* hsum;                // its sum
+    float* red;                 // [SLICE_WARPS][2][RMMA_ROWS]: the warps' gate/up sums
+    unsigned long long* table;  // every expert's ROUTED_ENTRY pointers
+    float* cand;                // the route's candidates (16-byte aligned)
+    float* scratch;             // 32 floats
+    float* route_w;
+    int* route_ids;
+
+    __device__ SliceShared(unsigned* s, int stride, int units, int experts, int top_k) {
+        auto pad = [](int n) { return (n + 3) & ~3; };
+        rows = s;
+        s += 2 * SLICE_ROWS * stride;
+        xs = s;
+        s += units * RMMA_UNIT;
+        xsum = reinterpret_cast<float*>(s);
+        s += pad(units);
+        hs = s;
+        s += RMMA_UNIT;
+        hv = reinterpret_cast<float*>(s);
+        s += SLICE_ROWS;
+        hsum = reinterpret_cast<float*>(s);
+        s += 4;
+        red = reinterpret_cast<float*>(s);
+        s += SLICE_WARPS * 2 * RMMA_ROWS;
+        table = reinterpret_cast<unsigned long long*>(s);
+        s += 2 * experts * ROUTED_ENTRY;
+        cand = reinterpret_cast<float*>(s);
+        s += pad(experts);
+        scratch = reinterpret_cast<float*>(s);
+        s += 32;
+        route_w = reinterpret_cast<float*>(s);
+        s += pad(top_k);
+        route_ids = reinterpret_cast<int*>(s);
+    }
+};
+
+// Rows [r0, r0 + n) of a matrix of `rw`-word rows into shared rows `stride` words apart,
+// by every thread of the block: 16 bytes a copy when the rows allow it, else a word.
+__device__ __forceinline__ void stage_rows_async(unsigned* dst, const unsigned* src, int r0,
+                                                 int n, size_t rw, int stride, bool wide) {
+    int per = wide ? (int)(rw / 4) : (int)rw;
+    for (int i = threadIdx.x; i < n * per; i += blockDim.x) {
+        int r = i / per, c = i % per;
+        if (wide)
+            copy16_async(reinterpret_cast<float4*>(dst + (size_t)r * stride) + c,
+                         reinterpret_cast<const float4*>(src + (size_t)(r0 + r) * rw) + c, true);
+        else
+            copy4_async(dst + (size_t)r * stride + c, src + (size_t)(r0 + r) * rw + c);
+    }
+}
+
+// One lane's share of a 16-row tile of the slice's gate and up rows (staged in shared
+// memory) against units [u0, u1) of the staged x: the scale items of a round's units come
+// from global memory into registers, so load_scales(u0) may go out before the rows land.
+template <int BITS>
+struct SliceGateUp {
+    const unsigned* rows[2][2];  // [gate/up][row g, g + 8] in shared memory
+    const unsigned short* sb_src[2];
+    size_t sb_at;  // this lane's scale item's row, times the groups
+    int groups, u0, u1, q, g, lane;
+    unsigned short sb[SLICE_UNITS][2];
+    float acc[2][2];
+
+    __device__ SliceGateUp(const unsigned* staged, int stride, const unsigned long long* e,
+                           int r0, int tile, int valid, int groups_, int u0_, int u1_)
+        : groups(groups_), u0(u0_), u1(u1_) {
+        lane = threadIdx.x % WARP;
+        g = lane >> 2;
+        q = lane & 3;
+        // A row past the expert reads the slice's first (its h is never used).
+        int a = tile * RMMA_ROWS + g, b = a + 8;
+        a = a < valid ? a : 0;
+        b = b < valid ? b : 0;
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            rows[m][0] = staged + (size_t)(m * SLICE_ROWS + a) * stride;
+            rows[m][1] = staged + (size_t)(m * SLICE_ROWS + b) * stride;
+            // Lane q of a quad loads scale g, bias g, scale g + 8, bias g + 8 (quad_scales).
+            sb_src[m] = (const unsigned short*)e[3 * m + 1 + (q & 1)];
+            acc[m][0] = acc[m][1] = 0.0f;
+        }
+        sb_at = (size_t)(r0 + (q < 2 ? a : b)) * groups;
+    }
+
+    __device__ void load_scales(int base) {
+#pragma unroll
+        for (int j = 0; j < SLICE_UNITS; j++)
+            if (base + j < u1)
+#pragma unroll
+                for (int m = 0; m < 2; m++) sb[j][m] = sb_src[m][sb_at + base + j];
+    }
+
+    __device__ void compute(int base, const unsigned* xs, const float* xsum) {
+#pragma unroll
+        for (int j = 0; j < SLICE_UNITS; j++) {
+            int u = base + j;
+            if (u >= u1) break;
+            unsigned bx[8];
+            unit_fragments(xs, u, g, q, bx);
+            float s = xsum[u];
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                unsigned w[2][2];
+                load_lane_words<BITS>(rows[m][0], u, q, w[0]);
+                load_lane_words<BITS>(rows[m][1], u, q, w[1]);
+                float2 d = unit_dot<BITS>(w, sb[j][m], bx, s, q, lane);
+                acc[m][0] += d.x;
+                acc[m][1] += d.y;
+            }
+        }
+    }
+};
+
+// One warp's down tiles tile0, tile0 + SLICE_WARPS, … (RMMA_ROWS output rows each) over
+// the slice's one group of down columns: the words and scale items of a round in
+// registers, so load(first) may go out before gate and up are done.
+template <int BITS>
+struct SliceDown {
+    const unsigned* words;
+    const unsigned short* sc;
+    const unsigned short* bi;
+    size_t stride;
+    int groups, gi, hidden, tile0, tiles, g, q, lane;
+    unsigned w[SLICE_DOWN_TILES][2][2];
+    unsigned short sb[SLICE_DOWN_TILES];
+
+    __device__ SliceDown(const unsigned long long* e, int gi_, int hidden_, int cols)
+        : gi(gi_), hidden(hidden_) {
+        words = (const unsigned*)e[6];
+        sc = (const unsigned short*)e[7];
+        bi = (const unsigned short*)e[8];
+        stride = row_words<BITS>(cols);
+        groups = cols / 64;
+        lane = threadIdx.x % WARP;
+        g = lane >> 2;
+        q = lane & 3;
+        tile0 = threadIdx.x / WARP;
+        tiles = (hidden + RMMA_ROWS - 1) / RMMA_ROWS;
+    }
+
+    __device__ int row(int t, int h) const {
+        int r = t * RMMA_ROWS + g + 8 * h;
+        return r < hidden ? r : 0;
+    }
+
+    // Tiles tile0 + SLICE_WARPS·(base + j) for j < SLICE_DOWN_TILES.
+    __device__ void load(int base) {
+#pragma unroll
+        for (int j = 0; j < SLICE_DOWN_TILES; j++) {
+            int t = tile0 + SLICE_WARPS * (base + j);
+            if (t < tiles) {
+                int o0 = row(t, 0), o1 = row(t, 1);
+                load_unit<BITS>(words + o0 * stride, words + o1 * stride, sc, bi,
+                                (size_t)o0 * groups, (size_t)o1 * groups, gi, q, w[j], sb[j]);
+            }
+        }
+    }
+
+    // The round's products with the staged h, times `weight`, into `part`.
+    __device__ void finish(int base, const unsigned* hs, float hsum, float weight, float* part) {
+        unsigned bx[8];
+        unit_fragments(hs, 0, g, q, bx);
+#pragma unroll
+        for (int j = 0; j < SLICE_DOWN_TILES; j++) {
+            int t = tile0 + SLICE_WARPS * (base + j);
+            if (t >= tiles) break;
+            float2 d = unit_dot<BITS>(w[j], sb[j], bx, hsum, q, lane);
+            int r = t * RMMA_ROWS + g;
+            if (q == 0) {
+                if (r < hidden) part[r] = weight * d.x;
+                if (r + 8 < hidden) part[r + 8] = weight * d.y;
+            }
+        }
+    }
+};
+
+template <int BITS>
+__device__ void routed_slices(const unsigned long long* table, float* logits,
+                              const unsigned char* keep, int experts, int renormalize,
+                              int top_k, const float* x, float* parts, unsigned* sync,
+                              float* out, int inter, int up_cols, int hidden, int down_cols) {
+    extern __shared__ __align__(16) unsigned smem[];
+    int units = up_cols / 64, stride = slice_stride<BITS>(up_cols);
+    SliceShared sh(smem, stride, units, experts, top_k);
+    int slice = blockIdx.x, rank = blockIdx.y;
+    int blocks = gridDim.x * gridDim.y, block = rank * gridDim.x + slice;
+    int r0 = slice * SLICE_ROWS, valid = min(SLICE_ROWS, inter - r0);
+    int warp = threadIdx.x / WARP;
+
+    // The table beside the route, so that the chosen expert's pointers are one shared
+    // read away once it is known.
+    for (int i = threadIdx.x; i < experts * ROUTED_ENTRY; i += blockDim.x) sh.table[i] = table[i];
+    route_block(logits, nullptr, keep, sh.route_ids, sh.route_w, experts, top_k, renormalize,
+                sh.cand, sh.scratch);
+    const unsigned long long* e = sh.table + (size_t)sh.route_ids[rank] * ROUTED_ENTRY;
+    float weight = sh.route_w[rank];
+
+    // Every byte the block reads goes out now: gate's and up's rows of the slice, ...
+    const unsigned* gate = (const unsigned*)e[0];
+    const unsigned* up = (const unsigned*)e[3];
+    size_t up_rw = row_words<BITS>(up_cols);
+    bool wide = up_rw % 4 == 0 && ((size_t)gate & 15) == 0 && ((size_t)up & 15) == 0;
+    stage_rows_async(sh.rows, gate, r0, valid, up_rw, stride, wide);
+    stage_rows_async(sh.rows + SLICE_ROWS * stride, up, r0, valid, up_rw, stride, wide);
+    copies_commit();
+    // ... their scales, and down's words and scales of the slice's group.
+    int tile = warp / SLICE_PARTS, part = warp % SLICE_PARTS;
+    int per = (units + SLICE_PARTS - 1) / SLICE_PARTS;
+    int u0 = min(units, part * per), u1 = min(units, u0 + per);
+    SliceGateUp<BITS> gu(sh.rows, stride, e, r0, tile, valid, units, u0, u1);
+    gu.load_scales(u0);
+    SliceDown<BITS> down(e, slice, hidden, down_cols);
+    down.load(0);
+    stage_units<BITS>(sh.xs, sh.xsum, x, [](int) { return 0; }, units, units, hidden,
+                      threadIdx.x, blockDim.x);
+    copies_wait();
+    __syncthreads();
+
+    // Gate and up: each tile's warps add their units' sums in a fixed order.
+    gu.compute(u0, sh.xs, sh.xsum);
+    for (int base = u0 + SLICE_UNITS; base < u1; base += SLICE_UNITS) {
+        gu.load_scales(base);
+        gu.compute(base, sh.xs, sh.xsum);
+    }
+    if (gu.q == 0)
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            sh.red[(warp * 2 + m) * RMMA_ROWS + gu.g] = gu.acc[m][0];
+            sh.red[(warp * 2 + m) * RMMA_ROWS + gu.g + 8] = gu.acc[m][1];
+        }
+    __syncthreads();
+    if (threadIdx.x < SLICE_ROWS) {
+        int t = threadIdx.x / RMMA_ROWS, i = threadIdx.x % RMMA_ROWS;
+        float gv = 0.0f, uv = 0.0f;
+        for (int p = 0; p < SLICE_PARTS; p++) {
+            gv += sh.red[((t * SLICE_PARTS + p) * 2) * RMMA_ROWS + i];
+            uv += sh.red[((t * SLICE_PARTS + p) * 2 + 1) * RMMA_ROWS + i];
+        }
+        sh.hv[threadIdx.x] = (int)threadIdx.x < valid ? gv / (1.0f + expf(-gv)) * uv : 0.0f;
+    }
+    __syncthreads();
+    stage_units<BITS>(sh.hs, sh.hsum, sh.hv, [](int) { return 0; }, 1, 1, SLICE_ROWS,
+                      threadIdx.x, blockDim.x);
+    __syncthreads();
+
+    // Down: this block's weighted share of every output row.
+    float* mine = parts + (size_t)block * hidden;
+    int rounds = (down.tiles + SLICE_WARPS * SLICE_DOWN_TILES - 1) / (SLICE_WARPS * SLICE_DOWN_TILES);
+    down.finish(0, sh.hs, sh.hsum[0], weight, mine);
+    for (int round = 1; round < rounds; round++) {
+        down.load(round * SLICE_DOWN_TILES);
+        down.finish(round * SLICE_DOWN_TILES, sh.hs, sh.hsum[0], weight, mine);
+    }
+
+    // Every block's share written: the grid's sum, and the probabilities.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(&sync[0], 1u);
+        wait_count(&sync[0], (unsigned)blocks);
+        __threadfence();
+    }
+    __syncthreads();
+    if (block == 0)
+        route_block(logits, logits, nullptr, nullptr, nullptr, experts, 0, 0, sh.cand,
+                    sh.scratch);
+    int rows_per = (hidden + blocks - 1) / blocks;
+    int first = min(hidden, block * rows_per), last = min(hidden, first + rows_per);
+    int lane = threadIdx.x % WARP;
+    for (int r = first + warp; r < last; r += SLICE_WARPS) {
+        float v = 0.0f;
+        for (int p = lane; p < blocks; p += WARP) v += __ldcg(parts + (size_t)p * hidden + r);
+        v = warp_sum(v);
+        if (lane == 0) out[r] = v;
+    }
+    if (threadIdx.x == 0 && atomicAdd(&sync[1], 1u) == (unsigned)blocks - 1) {
+        sync[0] = sync[1] = 0;
+        __threadfence();
+    }
+}
+
+#define ROUTED_SLICES(B)                                                                      \
+    extern "C" __global__ void __launch_bounds__(SLICE_WARPS * WARP, 1) routed_slices_q##B(    \
+        const unsigned long long* table, float* logits, const unsigned char* keep,             \
+        int experts, int renormalize, int top_k, const float* x, float* parts, unsigned* sync, \
+        float* out, int inter, int up_cols, int hidden, int down_cols) {                       \
+        PDL_ENTRY();                                                                           \
+        routed_slices<B>(table, logits, keep, experts, renormalize, top_k, x, parts, sync,     \
+                         out, inter, up_cols, hidden, down_cols);                              \
+    }
+
+ROUTED_SLICES(4)
+ROUTED_SLICES(3)
+ROUTED_SLICES(2)
+
 // ---- Decode attention split over the keys ----
 //
 // One query row has only `heads` (query head) blocks of work; each would walk the whole
@@ -2980,16 +3336,6 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 #define PA_BM 64
 #define PA_BN 32
 #define PA_THREADS 256
-
-// 16 bytes global → shared without passing through registers; zeros when !full.
-__device__ __forceinline__ void copy16_async(float4* dst, const float4* src, bool full) {
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
-                 "r"(full ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // Queues the copies of keys (and values) first .. first + PA_BN - 1 of one KV head into
 // a tile of shared memory (K rows `qw` float4s apart, V rows `f4`); keys past `p_last`

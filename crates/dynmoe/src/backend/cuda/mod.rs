@@ -109,9 +109,14 @@ const MV_ONE_COLS: usize = 2048;
 const RMMA_ROWS: usize = 16;
 const RMMA_WARPS: usize = 8;
 const RMMA_DOWN_WARPS: usize = 16;
+/// Intermediate rows of one routed expert a `routed_slices_*` block takes (the kernels'
+/// `SLICE_ROWS`: one 64-column group of down), and its warps (`SLICE_WARPS`).
+const SLICE_ROWS: usize = 64;
+const SLICE_WARPS: usize = 16;
 /// Shared memory of a staged 64-column unit of a `routed_mma_*` block: its f16 hi and lo
 /// fragments (`RMMA_UNIT` words) and its sum.
-const RMMA_UNIT_BYTES: usize = 80 * 4 + 4;
+const RMMA_UNIT: usize = 80;
+const RMMA_UNIT_BYTES: usize = RMMA_UNIT * 4 + 4;
 /// Warps of a `routed_vq_*` block, and the output rows each takes at once in gate/up and
 /// in down (the kernels' `VQR_WARPS`, `VQR_GATE_UP_ROWS`, `VQR_DOWN_ROWS`).
 const VQR_WARPS: usize = 16;
@@ -359,7 +364,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 112] = [
+const KERNEL_NAMES: [&str; 115] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -427,6 +432,9 @@ const KERNEL_NAMES: [&str; 112] = [
     "moe_step_q4",
     "moe_step_q3",
     "moe_step_q2",
+    "routed_slices_q4",
+    "routed_slices_q3",
+    "routed_slices_q2",
     "write_row_at",
     "attn_preamble_at",
     "argmax_rows",
@@ -817,6 +825,16 @@ pub struct Cuda {
     moe_step_shared: usize,
     /// The three counters `moe_step`'s phases wait on, zero between launches.
     moe_sync: Mutex<Option<CudaSlice<u32>>>,
+    /// Whether a decode step's affine experts run as slices, gate, up and down in one
+    /// `routed_slices_*` launch (the default, unless `DYNMOE_CUDA_ROUTED_SLICES=0`), or as
+    /// the gate/up and down launches.
+    routed_slices: Switch<bool>,
+    /// Shared memory a `routed_slices_*` block may take (the device's opt-in where it was
+    /// granted).
+    slices_shared: usize,
+    /// `routed_slices_*`' partial outputs (`[blocks, hidden]`, grown as needed) and its
+    /// two barrier counters, zero between launches.
+    slice_scratch: Mutex<Option<(CudaSlice<f32>, CudaSlice<u32>)>>,
     /// Whether a decode step's router also routes (`router_route_one`: its last block takes
     /// the top-k, `DYNMOE_CUDA_ROUTER_ROUTES=1`) instead of each routed block routing the
     /// row again (or the route kernel, for VQ experts).
@@ -1143,6 +1161,34 @@ fn routed_mma_shared(units: usize) -> usize {
     units * RMMA_UNIT_BYTES + RMMA_WARPS * 2 * RMMA_ROWS * 4
 }
 
+/// Words from one staged gate/up row of a `routed_slices_*` block to the next (the
+/// kernels' `slice_stride`): the row's words rounded up to 32, then 8 more (4 at 2 bits).
+fn slice_stride(bits: u32, cols: usize) -> usize {
+    let words = cols * bits as usize / 32;
+    words.next_multiple_of(32) + if bits == 2 { 4 } else { 8 }
+}
+
+/// Dynamic shared memory of a `routed_slices_*` block, as the kernel's `SliceShared`
+/// lays it out: the slice's gate and up rows, x and h staged as units with their sums,
+/// the warps' sums, every expert's table entry, the route's candidates, a reduction
+/// scratch and the route.
+fn slice_shared(bits: u32, up_cols: usize, experts: usize, top_k: usize) -> usize {
+    let pad = |n: usize| n.next_multiple_of(4);
+    let units = up_cols / GROUP_SIZE;
+    let words = 2 * SLICE_ROWS * slice_stride(bits, up_cols)
+        + units * RMMA_UNIT
+        + pad(units)
+        + RMMA_UNIT
+        + SLICE_ROWS
+        + 4
+        + SLICE_WARPS * 2 * RMMA_ROWS
+        + 2 * experts * ROUTED_ENTRY
+        + pad(experts)
+        + 32
+        + 2 * pad(top_k);
+    4 * words
+}
+
 /// Shared memory of a `moe_step` block, as the kernel lays it out: the staged units (x's
 /// `up_cols`, then the top_k h rows' `down_cols`), the warps' sums, the route's candidates
 /// and block 0's probabilities, a reduction scratch, the route.
@@ -1309,6 +1355,16 @@ impl Cuda {
         } else {
             SHARED_LIMIT
         };
+        // routed_slices stages its slice's gate and up rows: 148 KB at Qwen3-30B-A3B's
+        // shapes and 4 bits.
+        let slices_shared = if ["routed_slices_q4", "routed_slices_q3", "routed_slices_q2"]
+            .iter()
+            .all(|n| f[n].set_attribute(attr, optin as i32).is_ok())
+        {
+            optin
+        } else {
+            SHARED_LIMIT
+        };
         // A stream of its own: the legacy default stream cannot be recorded into a graph.
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
@@ -1343,6 +1399,9 @@ impl Cuda {
             moe_step: Switch::new(switched_on("DYNMOE_CUDA_MOE_STEP")),
             moe_step_shared,
             moe_sync: Mutex::new(None),
+            routed_slices: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_ROUTED_SLICES")),
+            slices_shared,
+            slice_scratch: Mutex::new(None),
             // Measured no faster in a decode step, affine or VQ (docs/GPU_NOTES.md), so off
             // unless asked for.
             router_routes: Switch::new(switched_on("DYNMOE_CUDA_ROUTER_ROUTES")),
@@ -1510,6 +1569,21 @@ impl Cuda {
     /// [`set_moe_step`](Self::set_moe_step)).
     pub fn moe_step(&self) -> bool {
         self.moe_step.get()
+    }
+
+    /// Whether a decode step's affine experts run as slices from now on, each block one
+    /// expert's gate and up rows of a slice and down's matching columns, in one launch
+    /// (the default on sm_80 and later), or as the gate/up and down launches, to measure
+    /// one against the other. Both give the same result up to the order of f32 sums.
+    /// Steps already recorded keep their way.
+    pub fn set_routed_slices(&self, on: bool) {
+        self.routed_slices.set(on && self.has_mma());
+    }
+
+    /// Whether a decode step's affine experts run as slices (see
+    /// [`set_routed_slices`](Self::set_routed_slices)).
+    pub fn routed_slices(&self) -> bool {
+        self.routed_slices.get()
     }
 
     /// Whether a decode step's router kernel also takes the route, or each block of the
@@ -2559,6 +2633,85 @@ impl Cuda {
         true
     }
 
+    /// One decode token's affine experts as one `routed_slices_*` launch: a block per
+    /// (slice of an expert's intermediate rows, routed expert) routes the row of logits at
+    /// `probs` itself, runs the slice's gate, up and down, and the blocks add their
+    /// partial outputs into `out` after a barrier of the grid; `probs` then holds the
+    /// probabilities. Declines (false) what it does not take: a route already taken, more
+    /// experts than a block routes, a slice too large for the shared memory granted, or a
+    /// grid that could not all be resident at once.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_routed_slices(
+        &self,
+        r: &Routed<'_>,
+        shape: RoutedShape,
+        x: u64,
+        hidden: usize,
+        probs: u64,
+        out: u64,
+    ) -> bool {
+        let (e, k) = (r.experts, r.route.top_k);
+        let shared = slice_shared(shape.bits, shape.up_cols, e, k);
+        if !(self.routed_slices() && self.routed_mma())
+            || r.routed
+            || e > ROUTE_SHARED_MAX
+            || shared > self.slices_shared
+            || shape.inter.div_ceil(SLICE_ROWS) > shape.down_cols / GROUP_SIZE
+        {
+            return false;
+        }
+        let f = self.func(&format!("routed_slices_{}", bits_suffix(shape.bits)));
+        let threads = (SLICE_WARPS * 32) as u32;
+        let per_sm = ok(
+            f.occupancy_max_active_blocks_per_multiprocessor(threads, shared, None),
+            "occupancy",
+        ) as usize;
+        let slices = shape.inter.div_ceil(SLICE_ROWS);
+        let blocks = slices * k;
+        // The blocks wait on each other: all of them must be resident at once.
+        if blocks > per_sm * self.sms {
+            return false;
+        }
+        let (parts, sync) = {
+            let mut s = self.slice_scratch.lock().expect("slice scratch lock");
+            if s.as_ref().is_none_or(|(p, _)| p.len() < blocks * hidden) {
+                self.drop_graphs();
+                let parts = ok(
+                    unsafe { self.stream.alloc::<f32>(blocks * hidden) },
+                    "alloc",
+                );
+                let sync = ok(self.stream.alloc_zeros::<u32>(2), "alloc");
+                *s = Some((parts, sync));
+            }
+            let (p, c) = s.as_ref().expect("set above");
+            let at = (p.device_ptr(&self.stream).0, c.device_ptr(&self.stream).0);
+            at
+        };
+        let (ei, rn, ki) = (e as i32, r.route.renormalize as i32, k as i32);
+        let (ii, uc, hi, dc) = (
+            shape.inter as i32,
+            shape.up_cols as i32,
+            hidden as i32,
+            shape.down_cols as i32,
+        );
+        let mut l = self.launcher(f);
+        l.arg(&r.table)
+            .arg(&probs)
+            .arg(&r.keep)
+            .arg(&ei)
+            .arg(&rn)
+            .arg(&ki);
+        l.arg(&x).arg(&parts).arg(&sync).arg(&out);
+        l.arg(&ii).arg(&uc).arg(&hi).arg(&dc);
+        let launch = LaunchConfig {
+            grid_dim: (slices as u32, k as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        ok(unsafe { l.launch(launch) }, "routed experts as slices");
+        true
+    }
+
     /// Routes `rows` rows whose router logits are at device address `probs` (turned into
     /// probabilities there) and runs their experts: the route kernel, the gate/up and down
     /// launches reading the chosen experts through `r.table`, and the weighted combine into
@@ -2583,6 +2736,9 @@ impl Cuda {
             && gemm_grid_fits(rows * r.route.top_k, r.experts)
         {
             self.launch_routed_gemm(r, shape, x, rows, hidden, probs, out);
+            return;
+        }
+        if rows == 1 && self.launch_routed_slices(r, shape, x, hidden, probs, out) {
             return;
         }
         let k = r.route.top_k;
