@@ -2550,6 +2550,17 @@ MOE_STEP(2)
 #define SLICE_DOWN_TILES 8
 #endif
 
+// Table entries a thread copies (ROUTE_SHARED_MAX experts' over SLICE_WARPS warps).
+#define SLICE_TABLE_LOADS ((ROUTE_SHARED_MAX * ROUTED_ENTRY + SLICE_WARPS * WARP - 1) / (SLICE_WARPS * WARP))
+// With SLICE_TIMES defined (DYNMOE_CUDA_DEFINES=SLICE_TIMES), thread 0 of three blocks
+// prints the SM cycles from the wait to the end of each phase: routed, loads issued, rows
+// landed, h staged, down done, barrier passed, end. A diagnostic, off in any measurement.
+#ifdef SLICE_TIMES
+#define SLICE_TIME(i) (t_[i] = clock64())
+#else
+#define SLICE_TIME(i)
+#endif
+
 // Words from one staged gate/up row to the next: whole rows of 32 words, then 8 more (4
 // at 2 bits), so that the rows g = 0 .. 7 a warp's lanes read fall in different banks.
 template <int BITS> __device__ __forceinline__ int slice_stride(int cols) {
@@ -2745,6 +2756,9 @@ __device__ void routed_slices(const unsigned long long* table, float* logits,
                               int top_k, const float* x, float* parts, unsigned* sync,
                               float* out, int inter, int up_cols, int hidden, int down_cols) {
     extern __shared__ __align__(16) unsigned smem[];
+#ifdef SLICE_TIMES
+    long long t_[8];
+#endif
     int units = up_cols / 64, stride = slice_stride<BITS>(up_cols);
     SliceShared sh(smem, stride, units, experts, top_k);
     int slice = blockIdx.x, rank = blockIdx.y;
@@ -2752,13 +2766,28 @@ __device__ void routed_slices(const unsigned long long* table, float* logits,
     int r0 = slice * SLICE_ROWS, valid = min(SLICE_ROWS, inter - r0);
     int warp = threadIdx.x / WARP;
 
+    SLICE_TIME(0);
     // The table beside the route, so that the chosen expert's pointers are one shared
-    // read away once it is known.
-    for (int i = threadIdx.x; i < experts * ROUTED_ENTRY; i += blockDim.x) sh.table[i] = table[i];
+    // read away once it is known: every load issued before the first store.
+    {
+        unsigned long long v[SLICE_TABLE_LOADS];
+        int n = experts * ROUTED_ENTRY;
+#pragma unroll
+        for (int j = 0; j < SLICE_TABLE_LOADS; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            if (i < n) v[j] = table[i];
+        }
+#pragma unroll
+        for (int j = 0; j < SLICE_TABLE_LOADS; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            if (i < n) sh.table[i] = v[j];
+        }
+    }
     route_block(logits, nullptr, keep, sh.route_ids, sh.route_w, experts, top_k, renormalize,
                 sh.cand, sh.scratch);
     const unsigned long long* e = sh.table + (size_t)sh.route_ids[rank] * ROUTED_ENTRY;
     float weight = sh.route_w[rank];
+    SLICE_TIME(1);
 
     // Every byte the block reads goes out now: gate's and up's rows of the slice, ...
     const unsigned* gate = (const unsigned*)e[0];
@@ -2776,10 +2805,12 @@ __device__ void routed_slices(const unsigned long long* table, float* logits,
     gu.load_scales(u0);
     SliceDown<BITS> down(e, slice, hidden, down_cols);
     down.load(0);
+    SLICE_TIME(2);
     stage_units<BITS>(sh.xs, sh.xsum, x, [](int) { return 0; }, units, units, hidden,
                       threadIdx.x, blockDim.x);
     copies_wait();
     __syncthreads();
+    SLICE_TIME(3);
 
     // Gate and up: each tile's warps add their units' sums in a fixed order.
     gu.compute(u0, sh.xs, sh.xsum);
@@ -2807,6 +2838,7 @@ __device__ void routed_slices(const unsigned long long* table, float* logits,
     stage_units<BITS>(sh.hs, sh.hsum, sh.hv, [](int) { return 0; }, 1, 1, SLICE_ROWS,
                       threadIdx.x, blockDim.x);
     __syncthreads();
+    SLICE_TIME(4);
 
     // Down: this block's weighted share of every output row.
     float* mine = parts + (size_t)block * hidden;
@@ -2819,6 +2851,7 @@ __device__ void routed_slices(const unsigned long long* table, float* logits,
 
     // Every block's share written: the grid's sum, and the probabilities.
     __syncthreads();
+    SLICE_TIME(5);
     if (threadIdx.x == 0) {
         __threadfence();
         atomicAdd(&sync[0], 1u);
@@ -2826,6 +2859,7 @@ __device__ void routed_slices(const unsigned long long* table, float* logits,
         __threadfence();
     }
     __syncthreads();
+    SLICE_TIME(6);
     if (block == 0)
         route_block(logits, logits, nullptr, nullptr, nullptr, experts, 0, 0, sh.cand,
                     sh.scratch);
@@ -2834,6 +2868,7 @@ __device__ void routed_slices(const unsigned long long* table, float* logits,
     int lane = threadIdx.x % WARP;
     for (int r = first + warp; r < last; r += SLICE_WARPS) {
         float v = 0.0f;
+#pragma unroll 4
         for (int p = lane; p < blocks; p += WARP) v += __ldcg(parts + (size_t)p * hidden + r);
         v = warp_sum(v);
         if (lane == 0) out[r] = v;
@@ -2842,6 +2877,14 @@ __device__ void routed_slices(const unsigned long long* table, float* logits,
         sync[0] = sync[1] = 0;
         __threadfence();
     }
+#ifdef SLICE_TIMES
+    __syncthreads();
+    SLICE_TIME(7);
+    if (threadIdx.x == 0 && (block == 0 || block == blocks / 2 || block == blocks - 1))
+        printf("slice-times %d %lld %lld %lld %lld %lld %lld %lld\n", block, t_[1] - t_[0],
+               t_[2] - t_[0], t_[3] - t_[0], t_[4] - t_[0], t_[5] - t_[0], t_[6] - t_[0],
+               t_[7] - t_[0]);
+#endif
 }
 
 #define ROUTED_SLICES(B)                                                                      \
