@@ -844,10 +844,41 @@ double check_routed_slices(int bits, int hidden, int inter, int down_cols, int e
     return reset ? std::max(ep, eo) : INFINITY;
 }
 
+// ---- The end of a decode step: argmax_rows, then advance_step ----
+
+// Two replays of a step's end: a row of `dim` logits argmaxed over blocks of 1024 values
+// into probs[at] (the maximum planted, tied at the row's last index, which must lose),
+// then advance_step. The step tensor must hold each chosen token at the position after
+// the last, the values before probs[at] kept and argmax_rows' count back at zero.
+double check_advance(int dim) {
+    const int chunk = 4 * ARGMAX_THREADS, splits = (dim + chunk - 1) / chunk, at = 5;
+    std::vector<float> x(dim), part(splits, NAN);
+    std::vector<int> part_i(splits, -1);
+    std::vector<unsigned> count(1, 0), probs(at + 1, 0xdeadbeefu), step{17u, 40u};
+    bool ok = true;
+    for (int round = 0; round < 2; round++) {
+        for (auto& v : x) v = normal();
+        int best = round == 0 ? dim - 3 : 7;
+        x[best] = 100.0f;
+        x[dim - 1] = 100.0f;
+        shim::launch({(unsigned)splits, 1, 1}, {ARGMAX_THREADS, 1, 1}, 0, [&] {
+            argmax_rows(x.data(), probs.data() + at, dim, chunk, count.data(), part.data(),
+                        part_i.data());
+        });
+        shim::launch({1, 1, 1}, {1, 1, 1}, 0, [&] { advance_step(step.data(), probs.data() + at); });
+        bool right = step[0] == (unsigned)best && step[1] == 41u + round && count[0] == 0 &&
+                     probs[at - 1] == 0xdeadbeefu;
+        std::printf("advance %d values over %d blocks, round %d: token %u at %u, count %u: %s\n",
+                    dim, splits, round, step[0], step[1], count[0], right ? "right" : "WRONG");
+        ok = ok && right;
+    }
+    return ok ? 0.0 : INFINITY;
+}
+
 }  // namespace
 
 // With an argument, only the checks whose family it names (dense, route, affine, step,
-// slices, attention, routed).
+// slices, attention, decode, routed).
 int main(int argc, char** argv) {
     auto wanted = [&](const char* family) { return argc < 2 || std::string(argv[1]) == family; };
     struct Rung {
@@ -927,6 +958,11 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_attention_step(24, 2, 64, 17, 48, 0, 16, true));
         worst = std::max(worst, check_attention_step(4, 2, 256, 5, 20, 0, 16, true));
         worst = std::max(worst, check_attention_step(4, 1, 96, 0, 16, 0, 16, false));
+    }
+    // The token a step chose carried into the next: one block, several.
+    if (wanted("decode")) {
+        worst = std::max(worst, check_advance(1000));
+        worst = std::max(worst, check_advance(5000));
     }
     for (const Rung& r : rungs) {
         if (!wanted("routed")) break;

@@ -456,17 +456,25 @@ struct Case {
     /// averaged over the MoE layers.
     expert_bits_per_weight: f64,
     prefill_tok_s: f64,
-    /// Greedy decode with the token picked on the backend (`Model::decode_greedy`; on
-    /// CUDA each step replayed from a graph).
+    /// Greedy decode with the token picked on the backend, the steps queued back to back
+    /// on the device and each token read back as it lands (`Model::decode_greedy_many`;
+    /// on CUDA each step replayed from a graph). Where the step cannot be recorded (the
+    /// CPU, dense or host-routed feed-forward layers, graphs off) it runs token by token,
+    /// as `decode_sync_tok_s` does.
     decode_tok_s: f64,
+    /// The same positions in the same run decoded token by token (`Model::decode_greedy`):
+    /// each token read back, and waited for, before the next step is issued.
+    decode_sync_tok_s: f64,
     prefill_runs_tok_s: Vec<f64>,
     decode_runs_tok_s: Vec<f64>,
-    /// The same steps run eagerly (CUDA with graphs off; `None` elsewhere).
+    decode_sync_runs_tok_s: Vec<f64>,
+    /// The steps run eagerly (CUDA with graphs off, so token by token; `None` elsewhere).
     decode_eager_tok_s: Option<f64>,
     /// Decode through `Model::forward`, the logits read back and the argmax taken on the
     /// host every step.
     decode_logits_tok_s: f64,
-    /// Whether the two decode paths chose the same tokens in every run.
+    /// Whether the decode paths (queued, token by token, through the logits) chose the
+    /// same tokens in every run.
     decode_paths_agree: bool,
     /// Weight bytes one decode step must read: attention projections and the LM head at
     /// their codecs (bf16 ones as the backend stores dense matrices, see
@@ -546,8 +554,10 @@ pub(crate) fn expert_bytes(c: &Config, bits: u32) -> Result<usize> {
 #[derive(Default)]
 struct Runs {
     prefill: Vec<f64>,
-    /// Through `Model::decode_greedy`.
+    /// Through `Model::decode_greedy_many`: steps queued back to back.
     greedy: Vec<f64>,
+    /// Through `Model::decode_greedy`, token by token.
+    sync: Vec<f64>,
     /// Through `Model::forward` and a host argmax.
     logits: Vec<f64>,
     agree: bool,
@@ -565,8 +575,9 @@ pub(crate) fn random_prompt<B: Backend>(m: &LoadedModel<B>, prompt: usize) -> Ve
 
 /// Prefill and decode tokens per second over `repeats` runs, after a warm-up run (which
 /// also brings every touched expert onto the device, and records the decode step where
-/// the backend does). Each run decodes twice from the same prefill position: greedy on
-/// the backend, then through the logits.
+/// the backend does). Each run decodes three times from the same prefill position: greedy
+/// on the backend with the steps queued back to back, greedy on the backend token by
+/// token, then through the logits.
 fn measure<B: Backend>(
     m: &LoadedModel<B>,
     prompt: usize,
@@ -586,28 +597,37 @@ fn measure<B: Backend>(
         let logits = m.model.forward(&mut state, &ids, prompt - 1)?;
         let prefill = t.elapsed().as_secs_f64();
         let first = argmax(&logits);
-        let mut tokens = [Vec::new(), Vec::new()];
+        let mut tokens = [(); 3].map(|_| Vec::with_capacity(generate));
+        let t = Instant::now();
+        m.model
+            .decode_greedy_many(&mut state, first, generate, &mut |next| {
+                tokens[0].push(next);
+                true
+            })?;
+        let greedy = t.elapsed().as_secs_f64();
+        // The same positions again: the cache rows are rewritten as they are reached.
+        state.pos = prompt;
         let mut next = first;
         let t = Instant::now();
         for _ in 0..generate {
             next = m.model.decode_greedy(&mut state, next)?;
-            tokens[0].push(next);
+            tokens[1].push(next);
         }
-        let greedy = t.elapsed().as_secs_f64();
-        // The same positions again: the cache rows are rewritten as they are reached.
+        let sync = t.elapsed().as_secs_f64();
         state.pos = prompt;
         next = first;
         let t = Instant::now();
         for _ in 0..generate {
             let logits = m.model.forward(&mut state, &[next], 0)?;
             next = argmax(&logits);
-            tokens[1].push(next);
+            tokens[2].push(next);
         }
         let through_logits = t.elapsed().as_secs_f64();
-        runs.agree &= tokens[0] == tokens[1];
+        runs.agree &= tokens[0] == tokens[1] && tokens[1] == tokens[2];
         if run > 0 {
             runs.prefill.push(prompt as f64 / prefill);
             runs.greedy.push(generate as f64 / greedy);
+            runs.sync.push(generate as f64 / sync);
             runs.logits.push(generate as f64 / through_logits);
         }
     }
@@ -642,10 +662,11 @@ fn decode(a: DecodeArgs) -> Result<()> {
         codecs.head
     );
     println!(
-        "{:>6} {:>12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>13} {:>14}",
+        "{:>6} {:>12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>13} {:>14}",
         "bits",
         "prefill t/s",
         "decode t/s",
+        "sync t/s",
         "eager t/s",
         "logits t/s",
         "floor t/s",
@@ -692,8 +713,10 @@ fn decode(a: DecodeArgs) -> Result<()> {
             expert_bits_per_weight,
             prefill_tok_s: median(&pre),
             decode_tok_s: median(&dec),
+            decode_sync_tok_s: median(&runs.sync),
             prefill_runs_tok_s: pre,
             decode_runs_tok_s: dec,
+            decode_sync_runs_tok_s: runs.sync,
             decode_eager_tok_s: eager.map(|e| median(&e.greedy)),
             decode_logits_tok_s: median(&runs.logits),
             decode_paths_agree: agree,
@@ -706,12 +729,13 @@ fn decode(a: DecodeArgs) -> Result<()> {
         let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
         let label = setting.label();
         if !case.decode_paths_agree {
-            eprintln!("warning: greedy decode at {label} differs between the two decode paths");
+            eprintln!("warning: greedy decode at {label} differs between the decode paths");
         }
         println!(
-            "{label:>6} {:>12.0} {:>11.1} {:>11} {:>11.1} {:>11} {:>11.1} {:>13} {:>14}",
+            "{label:>6} {:>12.0} {:>11.1} {:>11.1} {:>11} {:>11.1} {:>11} {:>11.1} {:>13} {:>14}",
             case.prefill_tok_s,
             case.decode_tok_s,
+            case.decode_sync_tok_s,
             case.decode_eager_tok_s
                 .map_or("-".to_string(), |v| format!("{v:.1}")),
             case.decode_logits_tok_s,

@@ -770,6 +770,9 @@ fn bench_decode_runs_a_compressed_directory_at_its_plan() {
     );
     assert!(c["llama_cpp_decode_tok_s"].is_null());
     assert!(c["decode_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(c["decode_sync_tok_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(c["decode_sync_runs_tok_s"].as_array().unwrap().len(), 1);
+    assert_eq!(c["decode_paths_agree"], true);
 }
 
 /// `bench decode --dense-codec q4 --head-codec q4` on a converted directory runs every

@@ -2252,3 +2252,135 @@ fn check_resident_sets(label: &str, dir: &std::path::Path, codecs: &Codecs) {
         }
     }
 }
+
+/// `advance_step` against the CPU's (the token's bits copied, the position one on), and
+/// `read_async`: more reads under way than the backend keeps buffers for, each holding
+/// the values its tensor had when it was queued though the tensor is overwritten right
+/// after, finished out of order, one dropped unfinished.
+#[test]
+fn step_advance_and_queued_reads_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let at = 5;
+    let mut chosen = fresh(at + 3, 901);
+    chosen[at] = f32::from_bits(4321);
+    let step = [f32::from_bits(17), f32::from_bits(99)];
+    let cpu = Cpu::reference();
+    let mut want = cpu.upload(&step);
+    cpu.advance_step(&mut want, &cpu.upload(&chosen), at);
+    let (mut st, ct) = (g.upload(&step), g.upload(&chosen));
+    g.advance_step(&mut st, &ct, at);
+    g.advance_step(&mut st, &ct, at);
+    let mut got = [0.0f32; 2];
+    g.download(&st, &mut got);
+    println!(
+        "check advance_step {} {}",
+        got[0].to_bits(),
+        got[1].to_bits()
+    );
+    assert_eq!(want[0].to_bits(), 4321);
+    assert_eq!(want[1].to_bits(), 100);
+    assert_eq!((got[0].to_bits(), got[1].to_bits()), (4321, 101));
+
+    let len = 3000;
+    let mut t = g.upload(&fresh(len, 910));
+    let mut reads = Vec::new();
+    for r in 0..6u64 {
+        reads.push((r, g.read_async(&t, len - r as usize)));
+        g.upload_into(&fresh(len, 911 + r), &mut t);
+    }
+    let dropped = reads.remove(2);
+    drop(dropped);
+    for (r, read) in reads.into_iter().rev() {
+        let values = g.finish_read(read);
+        let want = fresh(len, 910 + r);
+        assert_eq!(values.len(), len - r as usize, "read {r}");
+        assert!(
+            values
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "read {r}: not the values queued before it"
+        );
+    }
+    assert!(g.finish_read(g.read_async(&t, 0)).is_empty());
+}
+
+/// `decode_greedy_many` on the device (every MoE layer routed there, so the step is
+/// recorded and the steps queued back to back, each replay reading the token and
+/// position the one before left) against `decode_greedy` called token by token: the
+/// same tokens and router probabilities; stopped early, `decode_greedy` goes on from
+/// the last token handed over; with graphs off it takes the steps one call at a time.
+#[test]
+fn queued_greedy_decode_is_decode_greedy_on_the_device() {
+    let Some(_) = gpu() else { return };
+    let converted = TempDir::new("cuda-queued");
+    dynmoe::store::base::convert(&fixture("small-moe"), converted.dir(), &mut |_, _| {}).unwrap();
+    let eb = ExpertBits {
+        default: Some(4),
+        ..ExpertBits::default()
+    };
+    // A backend of its own: a recording takes in what other tests queue on a shared one.
+    let dev = model::load_with(converted.dir(), Cuda::new(0).unwrap(), &eb).unwrap();
+    let m = &dev.model;
+    let prompt = &dev.tokenizer.encode(&test_text("en")).unwrap()[..16];
+    let (p, n, stop) = (prompt.len(), 32, 7);
+    let mut s = m.new_state(p + n);
+    let first = dynmoe::runtime::generate::argmax(&m.forward(&mut s, prompt, p - 1).unwrap());
+    let (mut want, mut probs) = (Vec::new(), Vec::new());
+    let mut t = first;
+    for _ in 0..n {
+        t = m.decode_greedy(&mut s, t).unwrap();
+        want.push(t);
+        probs.push(s.router_probs.clone());
+    }
+    assert!(
+        m.backend().recorded_steps() > 0,
+        "the step was not recorded"
+    );
+    for graphs in [true, false] {
+        m.backend().set_graphs(graphs);
+        s.pos = p;
+        let mut got = Vec::new();
+        let k = m
+            .decode_greedy_many(&mut s, first, n, &mut |t| {
+                got.push(t);
+                true
+            })
+            .unwrap();
+        println!("queued greedy (graphs {graphs}): equal {}", got == want);
+        assert_eq!((k, &got), (n, &want), "graphs {graphs}");
+        assert_eq!(s.pos, p + n);
+        let worst = s
+            .router_probs
+            .iter()
+            .zip(&probs[n - 1])
+            .filter(|(a, _)| !a.is_empty())
+            .map(|(a, b)| rel_err(a, b))
+            .fold(0.0f64, f64::max);
+        assert!(
+            worst < 1e-6,
+            "graphs {graphs}: router probabilities {worst:.2e}"
+        );
+
+        s.pos = p;
+        got.clear();
+        let k = m
+            .decode_greedy_many(&mut s, first, n, &mut |t| {
+                got.push(t);
+                got.len() < stop
+            })
+            .unwrap();
+        assert_eq!(
+            (k, &got[..]),
+            (stop, &want[..stop]),
+            "graphs {graphs} stopped"
+        );
+        assert_eq!(s.pos, p + stop);
+        let next = m.decode_greedy(&mut s, want[stop - 1]).unwrap();
+        assert_eq!(
+            next, want[stop],
+            "graphs {graphs}: decode_greedy after the stop"
+        );
+    }
+    m.backend().set_graphs(true);
+}

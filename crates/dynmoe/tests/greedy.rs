@@ -98,3 +98,95 @@ fn decode_greedy_is_forward_and_argmax() {
     m.model.forward(&mut full, &[1], 1).unwrap();
     assert!(m.model.decode_greedy(&mut full, 1).is_err());
 }
+
+/// `decode_greedy_many` against `decode_greedy` called token by token on every fixture:
+/// the same tokens, position and router probabilities. On the CPU, which records no
+/// step, it runs the steps one call at a time (the unit test in `model::forward` drives
+/// its queued loop); what is checked here is the contract: an early stop counts only
+/// the tokens handed over and `decode_greedy` and `forward` go on from there; a cache
+/// that fills first hands over the tokens that fit, then fails as `decode_greedy` would;
+/// a first token out of the vocabulary fails; no tokens asked runs nothing.
+#[test]
+fn decode_greedy_many_is_decode_greedy_token_by_token() {
+    use dynmoe::model::Error;
+    use dynmoe::runtime::generate::argmax;
+    let prompt = [5u32, 17, 300, 42, 7, 99, 1000, 3];
+    let (p, n, stop) = (prompt.len(), 10, 3);
+    for dir in fixture_dirs() {
+        let m = model::load(&dir, Cpu::fast()).unwrap();
+        let model = &m.model;
+        let label = dir.display();
+        let mut a = model.new_state(p + n);
+        let first = argmax(&model.forward(&mut a, &prompt, p - 1).unwrap());
+        let (mut want, mut probs) = (Vec::new(), Vec::new());
+        let mut t = first;
+        for _ in 0..n {
+            t = model.decode_greedy(&mut a, t).unwrap();
+            want.push(t);
+            probs.push(a.router_probs.clone());
+        }
+
+        let mut b = model.new_state(p + n);
+        model.forward(&mut b, &prompt, p - 1).unwrap();
+        let mut got = Vec::new();
+        let k = model
+            .decode_greedy_many(&mut b, first, n, &mut |t| {
+                got.push(t);
+                true
+            })
+            .unwrap();
+        assert_eq!((k, &got), (n, &want), "{label}");
+        assert_eq!(b.pos, p + n, "{label}");
+        assert_eq!(b.router_probs, probs[n - 1], "{label}");
+
+        b.pos = p;
+        got.clear();
+        let k = model
+            .decode_greedy_many(&mut b, first, n, &mut |t| {
+                got.push(t);
+                got.len() < stop
+            })
+            .unwrap();
+        assert_eq!((k, &got[..]), (stop, &want[..stop]), "{label} stopped");
+        assert_eq!(b.pos, p + stop, "{label} stopped");
+        assert_eq!(b.router_probs, probs[stop - 1], "{label} stopped");
+        let next = model.decode_greedy(&mut b, want[stop - 1]).unwrap();
+        assert_eq!(next, want[stop], "{label}: decode_greedy after the stop");
+        let logits = model.forward(&mut b, &[next], 0).unwrap();
+        assert_eq!(argmax(&logits), want[stop + 1], "{label}: forward after it");
+        // The rest in a second call, from where the first stopped.
+        got.clear();
+        let rest = n - stop - 2;
+        let k = model
+            .decode_greedy_many(&mut b, want[stop + 1], rest, &mut |t| {
+                got.push(t);
+                true
+            })
+            .unwrap();
+        assert_eq!((k, &got[..]), (rest, &want[stop + 2..]), "{label} resumed");
+
+        // Room for 4 more positions: 4 tokens, then the overflow.
+        b.pos = p + n - 4;
+        got.clear();
+        let r = model.decode_greedy_many(&mut b, want[n - 5], n, &mut |t| {
+            got.push(t);
+            true
+        });
+        assert!(
+            matches!(r, Err(Error::ContextOverflow { .. })),
+            "{label}: {:?}",
+            r.map(|_| ())
+        );
+        assert_eq!(got, want[n - 4..], "{label}: the tokens that fit");
+        assert_eq!(b.pos, p + n);
+
+        b.pos = p;
+        let vocab = model.config.vocab_size as u32;
+        let r = model.decode_greedy_many(&mut b, vocab, n, &mut |_| true);
+        assert!(matches!(r, Err(Error::TokenOutOfRange { .. })), "{label}");
+        assert_eq!(b.pos, p);
+        let r = model.decode_greedy_many(&mut b, vocab, 0, &mut |_| true);
+        assert_eq!(r.unwrap(), 0);
+        assert_eq!(b.pos, p);
+    }
+}

@@ -421,6 +421,41 @@ pub trait Backend: Send + Sync {
         self.upload_into(&o, out);
     }
 
+    /// Readies a decode step tensor for the next step without the host: `step[0]` takes
+    /// the token whose bits are at `chosen[at]` (where [`argmax_rows`](Self::argmax_rows)
+    /// left it) and `step[1]` the position after its own. As the last op of a recorded
+    /// step it lets the record be replayed again at once, each replay reading what the
+    /// one before left. The default goes through the host, so a backend that records
+    /// steps ([`replay_step`](Self::replay_step)) has its own.
+    fn advance_step(&self, step: &mut Self::Tensor, chosen: &Self::Tensor, at: usize) {
+        let [_, pos] = self.step_values(step);
+        let mut c = vec![0.0f32; at + 1];
+        self.download(chosen, &mut c);
+        self.upload_into(&[c[at], f32::from_bits(pos.wrapping_add(1))], step);
+    }
+
+    /// Starts copying `t`'s first `len` values to the host, behind every op queued so
+    /// far, and returns without waiting for them; [`finish_read`](Self::finish_read)
+    /// hands them over. Later ops may overwrite `t` at once: the read has its own copy.
+    /// The default is a plain [`download`](Self::download), done before it returns.
+    fn read_async(&self, t: &Self::Tensor, len: usize) -> PendingRead {
+        let mut values = vec![0.0f32; len];
+        self.download(t, &mut values);
+        PendingRead::ready(values)
+    }
+
+    /// The values of a read this backend started with [`read_async`](Self::read_async),
+    /// waiting for that copy alone (not for ops queued after it).
+    fn finish_read(&self, read: PendingRead) -> Vec<f32> {
+        match read.into_values() {
+            Ok(values) => values,
+            Err(_) => panic!(
+                "{}: a read that was not started by this backend",
+                self.name()
+            ),
+        }
+    }
+
     /// The two `u32` values of a decode step tensor (token, position).
     fn step_values(&self, step: &Self::Tensor) -> [u32; 2] {
         let mut v = [0.0f32; 2];
@@ -499,6 +534,39 @@ pub trait Backend: Send + Sync {
     ) -> bool {
         let _ = (x, rows, hidden, gate, slots, route, probs, probs_at, out);
         false
+    }
+}
+
+/// A read of a tensor on its way to the host, from [`Backend::read_async`]: the values
+/// themselves, or whatever the backend that started the copy needs to find them once it
+/// lands. Dropping it unfinished is allowed (the backend's handle waits for its copy
+/// before its buffer goes).
+#[must_use = "a read's values come from Backend::finish_read"]
+pub struct PendingRead(Pending);
+
+enum Pending {
+    Ready(Vec<f32>),
+    Queued(Box<dyn std::any::Any + Send>),
+}
+
+impl PendingRead {
+    /// A read whose values are already on the host.
+    pub fn ready(values: Vec<f32>) -> PendingRead {
+        PendingRead(Pending::Ready(values))
+    }
+
+    /// A read still under way, known to the backend that started it by `handle`.
+    pub fn queued(handle: Box<dyn std::any::Any + Send>) -> PendingRead {
+        PendingRead(Pending::Queued(handle))
+    }
+
+    /// The values of a [`ready`](Self::ready) read, or the handle of a
+    /// [`queued`](Self::queued) one.
+    pub fn into_values(self) -> Result<Vec<f32>, Box<dyn std::any::Any + Send>> {
+        match self.0 {
+            Pending::Ready(v) => Ok(v),
+            Pending::Queued(h) => Err(h),
+        }
     }
 }
 

@@ -16,7 +16,7 @@ use super::weights::{
     Attention, CodedLayers, Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts,
 };
 use super::Error;
-use crate::backend::{AddNorm, AttentionShape, Backend, HeadNorm, MoeInput, Weight};
+use crate::backend::{AddNorm, AttentionShape, Backend, HeadNorm, MoeInput, PendingRead, Weight};
 use crate::residency::{
     self, LayerSource, Reservoir, ReservoirKind, Residency, ResidencyConfig, Step,
 };
@@ -535,29 +535,8 @@ impl<B: Backend> Model<B> {
             let logits = self.forward(state, &[token], 0)?;
             return Ok(crate::runtime::generate::argmax(&logits));
         }
-        let (h, q, kv, e, l) = (
-            c.hidden_size,
-            c.q_dim(),
-            c.kv_dim(),
-            c.moe.num_experts,
-            self.layers.len(),
-        );
-        let bufs = state.step.get_or_insert_with(|| StepBuffers {
-            step: b.alloc(2),
-            x: b.alloc(h),
-            x_next: b.alloc(h),
-            xn: b.alloc(h),
-            qs: b.alloc(q),
-            ks: b.alloc(kv),
-            vs: b.alloc(kv),
-            attn: b.alloc(q),
-            attn_out: b.alloc(h),
-            delta: b.alloc(h),
-            probs: b.alloc(l * e + 1),
-            logits: b.alloc(c.vocab_size),
-            routed: Vec::new(),
-            fit: false,
-        });
+        let (e, l) = (c.moe.num_experts, self.layers.len());
+        let bufs = state.step.get_or_insert_with(|| self.step_buffers());
         let at = [f32::from_bits(token), f32::from_bits(state.pos as u32)];
         b.upload_into(&at, &mut bufs.step);
         // A token boundary: landed loads commit before the step is issued.
@@ -589,6 +568,175 @@ impl<B: Backend> Model<B> {
         }
         finish_sets(step, &state.router_probs, &bufs.routed, 1, track);
         Ok(host[l * e].to_bits())
+    }
+
+    /// The buffers of a decode step, made on a state's first.
+    fn step_buffers(&self) -> StepBuffers<B> {
+        let (c, b) = (&self.config, &self.backend);
+        let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
+        StepBuffers {
+            step: b.alloc(2),
+            x: b.alloc(h),
+            x_next: b.alloc(h),
+            xn: b.alloc(h),
+            qs: b.alloc(q),
+            ks: b.alloc(kv),
+            vs: b.alloc(kv),
+            attn: b.alloc(q),
+            attn_out: b.alloc(h),
+            delta: b.alloc(h),
+            probs: b.alloc(self.layers.len() * c.moe.num_experts + 1),
+            logits: b.alloc(c.vocab_size),
+            routed: Vec::new(),
+            fit: false,
+        }
+    }
+
+    /// Greedy decode of up to `n` tokens after `first` (the token at position
+    /// `state.pos`), each handed to `on_token` as it is chosen; `on_token` returning
+    /// `false` stops there. Returns how many tokens were handed over. Those tokens, and
+    /// `state.pos` and `state.router_probs` after each, are what as many
+    /// [`decode_greedy`](Self::decode_greedy) calls give, each fed the token before.
+    ///
+    /// Where the backend replays the step from a record, the steps are queued back to
+    /// back: the step tensor is uploaded once, each step leaves its token and the next
+    /// position there for the next one, and step `t + 1` is queued before step `t`'s
+    /// results are read, so the device does not wait for the host between tokens. Steps
+    /// run one call at a time, as `decode_greedy` runs them, on a state's first step
+    /// (which tells whether the step can be recorded), where it cannot be (dense or
+    /// host-routed feed-forward layers, graphs off), and with resident sets, whose swaps
+    /// land at token boundaries the host picks. Stopped early, the step after the last
+    /// token handed over may have run too: it wrote the cache row at `state.pos`, which
+    /// the next call writes again.
+    ///
+    /// Errors as `decode_greedy`: `first` out of the vocabulary, or the cache full, in
+    /// which case the tokens that fit were handed over first.
+    pub fn decode_greedy_many(
+        &self,
+        state: &mut State<B>,
+        first: u32,
+        n: usize,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<usize, Error> {
+        let mut done = 0;
+        let mut token = first;
+        let mut queue = self.residency.is_none();
+        while done < n {
+            let fit = state.step.as_ref().is_some_and(|s| s.fit);
+            let room = state.capacity.saturating_sub(state.pos).min(n - done);
+            // One step left gains nothing from queueing; one past the cache is left to
+            // `decode_greedy`'s error.
+            if queue && fit && room > 1 && (token as usize) < self.config.vocab_size {
+                let q = self.decode_queued(state, token, room, on_token, false);
+                done += q.delivered;
+                token = q.last;
+                if q.stopped {
+                    break;
+                }
+                queue = q.recorded;
+                continue;
+            }
+            token = self.decode_greedy(state, token)?;
+            done += 1;
+            if !on_token(token) {
+                break;
+            }
+        }
+        Ok(done)
+    }
+
+    /// The queued steps of [`decode_greedy_many`](Self::decode_greedy_many): up to `n`
+    /// tokens after `first`, `n` within the cache. When the first step did not run from a
+    /// record it delivers that one token alone, unless `force`d to queue steps that run
+    /// their body each time (which gives the same tokens, to test the loop on a backend
+    /// that records nothing).
+    fn decode_queued(
+        &self,
+        state: &mut State<B>,
+        first: u32,
+        n: usize,
+        on_token: &mut dyn FnMut(u32) -> bool,
+        force: bool,
+    ) -> Queued {
+        let b = &self.backend;
+        let e = self.config.moe.num_experts;
+        let at = self.layers.len() * e;
+        let State {
+            pos,
+            k_cache,
+            v_cache,
+            router_probs,
+            id,
+            step,
+            ..
+        } = state;
+        let bufs = step.get_or_insert_with(|| self.step_buffers());
+        let key = (*id, self.epoch);
+        let start = [f32::from_bits(first), f32::from_bits(*pos as u32)];
+        b.upload_into(&start, &mut bufs.step);
+        let (recorded, read) = self.queue_step(bufs, k_cache, v_cache, key);
+        let mut out = Queued {
+            delivered: 0,
+            last: first,
+            stopped: false,
+            recorded,
+        };
+        let limit = if recorded || force { n } else { 1 };
+        let mut queued = 1;
+        let mut ahead = Some(read);
+        while let Some((read, host_probs)) = ahead.take() {
+            if queued < limit {
+                ahead = Some(self.queue_step(bufs, k_cache, v_cache, key).1);
+                queued += 1;
+            }
+            let host = b.finish_read(read);
+            *pos += 1;
+            for p in router_probs.iter_mut() {
+                p.clear();
+            }
+            for &i in &bufs.routed {
+                router_probs[i] = host[i * e..(i + 1) * e].to_vec();
+            }
+            for (i, p) in host_probs {
+                router_probs[i] = p;
+            }
+            out.delivered += 1;
+            out.last = host[at].to_bits();
+            if !on_token(out.last) {
+                out.stopped = true;
+                break;
+            }
+        }
+        // The step queued past a stop: its read is finished so that the backend gets its
+        // buffer back.
+        if let Some((read, _)) = ahead {
+            let _ = b.finish_read(read);
+        }
+        out
+    }
+
+    /// Queues one decode step from the values the step tensor holds (recorded or
+    /// replayed where it fits) and the read of its results; returns whether it ran from a
+    /// record, the read, and the probabilities of layers routed on the host.
+    fn queue_step(
+        &self,
+        bufs: &mut StepBuffers<B>,
+        k_cache: &mut [B::Tensor],
+        v_cache: &mut [B::Tensor],
+        key: (usize, u64),
+    ) -> (bool, QueuedRead) {
+        let b = &self.backend;
+        let mut host_probs = Vec::new();
+        let recorded = if bufs.fit {
+            b.replay_step(key, &mut || {
+                self.step_body(bufs, k_cache, v_cache, &mut host_probs, None)
+            })
+        } else {
+            bufs.fit = self.step_body(bufs, k_cache, v_cache, &mut host_probs, None);
+            false
+        };
+        let len = self.layers.len() * self.config.moe.num_experts + 1;
+        (recorded, (b.read_async(&bufs.probs, len), host_probs))
     }
 
     /// The ops of [`decode_greedy`](Self::decode_greedy); returns whether it queued
@@ -736,6 +884,9 @@ impl<B: Backend> Model<B> {
             &mut bufs.probs,
             self.layers.len() * e,
         );
+        // So that the record replays again with no upload between (`decode_queued`);
+        // `decode_greedy` uploads each step's values over it.
+        b.advance_step(&mut bufs.step, &bufs.probs, self.layers.len() * e);
         fit
     }
 
@@ -758,6 +909,22 @@ impl<B: Backend> Model<B> {
             state.router_probs[i] = host[i * n * e..(i + 1) * n * e].to_vec();
         }
     }
+}
+
+/// A queued step's read of its results, and the probabilities of the layers it routed on
+/// the host.
+type QueuedRead = (PendingRead, Vec<(usize, Vec<f32>)>);
+
+/// What [`Model::decode_queued`] did.
+struct Queued {
+    /// Tokens handed to the callback.
+    delivered: usize,
+    /// The last of them (`first` when none).
+    last: u32,
+    /// Whether the callback asked to stop.
+    stopped: bool,
+    /// Whether the first step ran from a record.
+    recorded: bool,
 }
 
 /// Ends a forward call's hold on the resident sets: the layers in `routed` were routed on
@@ -811,5 +978,85 @@ fn linear<B: Backend>(b: &B, x: &B::Tensor, l: &Linear<B>, rows: usize, out: &mu
     b.linear(x, l.weight(), rows, l.in_dim, l.out_dim, out);
     if let Some(bias) = &l.bias {
         b.add_bias(out, bias, rows);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::Cpu;
+    use crate::model;
+    use crate::runtime::generate::argmax;
+    use crate::testing::fixture_dirs;
+
+    /// The queued loop of `decode_greedy_many` forced on the CPU, which records no step
+    /// and so never queues one otherwise: from a fresh state's first step and from a
+    /// state that has run some, it gives the tokens, position and router probabilities of
+    /// `decode_greedy` called token by token; stopped early (one step past the stop
+    /// already run), the state goes on from the last token handed over as if that step
+    /// had never run.
+    #[test]
+    fn queued_steps_decode_as_steps_one_call_at_a_time() {
+        let prompt = [5u32, 17, 300, 42, 7, 99];
+        let (p, n, stop) = (prompt.len(), 9, 4);
+        for dir in fixture_dirs() {
+            let m = model::load(&dir, Cpu::fast()).unwrap();
+            let model = &m.model;
+            let label = dir.display();
+            let mut a = model.new_state(p + n);
+            let first = argmax(&model.forward(&mut a, &prompt, p - 1).unwrap());
+            let (mut want, mut probs) = (Vec::new(), Vec::new());
+            let mut t = first;
+            for _ in 0..n {
+                t = model.decode_greedy(&mut a, t).unwrap();
+                want.push(t);
+                probs.push(a.router_probs.clone());
+            }
+
+            let mut fresh = model.new_state(p + n);
+            model.forward(&mut fresh, &prompt, p - 1).unwrap();
+            a.pos = p;
+            for (which, s) in [("fresh state", &mut fresh), ("used state", &mut a)] {
+                let mut got = Vec::new();
+                let q = model.decode_queued(
+                    s,
+                    first,
+                    n,
+                    &mut |t| {
+                        got.push(t);
+                        true
+                    },
+                    true,
+                );
+                assert_eq!(got, want, "{label} {which}");
+                assert_eq!((q.delivered, q.last, q.stopped), (n, want[n - 1], false));
+                assert_eq!(s.pos, p + n, "{label} {which}");
+                assert_eq!(s.router_probs, probs[n - 1], "{label} {which}");
+            }
+
+            a.pos = p;
+            let mut got = Vec::new();
+            let q = model.decode_queued(
+                &mut a,
+                first,
+                n,
+                &mut |t| {
+                    got.push(t);
+                    got.len() < stop
+                },
+                true,
+            );
+            assert_eq!(got, want[..stop], "{label} stopped");
+            assert_eq!((q.delivered, q.stopped), (stop, true), "{label}");
+            assert_eq!(
+                a.pos,
+                p + stop,
+                "{label}: the step past the stop is not counted"
+            );
+            assert_eq!(a.router_probs, probs[stop - 1], "{label} stopped");
+            let next = model.decode_greedy(&mut a, want[stop - 1]).unwrap();
+            assert_eq!(next, want[stop], "{label}: decode_greedy after the stop");
+            let logits = model.forward(&mut a, &[next], 0).unwrap();
+            assert_eq!(argmax(&logits), want[stop + 1], "{label}: forward after it");
+        }
     }
 }

@@ -169,29 +169,43 @@ pub fn generate_ids<B: Backend>(
     let t1 = std::time::Instant::now();
     let mut out = TextStream::default();
     let mut stopped_at_eos = false;
-    // Greedy decoding picks the token on the backend: one small read a step instead of
-    // the whole row of logits.
-    let greedy = sampling.temperature <= 0.0;
-    let mut picked: Option<u32> = None;
-    while out.tokens().len() < max_tokens {
-        let next = match picked.take() {
-            Some(t) => t,
-            None => sampler.sample(&logits[..vocab]),
-        };
-        if stop.contains(&next) {
-            stopped_at_eos = true;
-            break;
-        }
-        out.push(&m.tokenizer, next)?;
-        let piece = out.take(0);
-        if !piece.is_empty() {
-            on_token(piece);
-        }
-        if out.tokens().len() < max_tokens {
-            if greedy {
-                picked = Some(m.model.decode_greedy(&mut state, next)?);
-            } else {
+    if sampling.temperature > 0.0 {
+        while out.tokens().len() < max_tokens {
+            let next = sampler.sample(&logits[..vocab]);
+            if stop.contains(&next) {
+                stopped_at_eos = true;
+                break;
+            }
+            emit(&mut out, &m.tokenizer, next, on_token)?;
+            if out.tokens().len() < max_tokens {
                 logits = m.model.forward(&mut state, &[next], 0)?;
+            }
+        }
+    } else if max_tokens > 0 {
+        // The first token is the prefill's; the backend picks the rest, its steps queued
+        // back to back, and each token is handed out here while the next step runs.
+        let first = sampler.sample(&logits[..vocab]);
+        if stop.contains(&first) {
+            stopped_at_eos = true;
+        } else {
+            emit(&mut out, &m.tokenizer, first, on_token)?;
+            let mut failed = None;
+            m.model
+                .decode_greedy_many(&mut state, first, max_tokens - 1, &mut |t| {
+                    if stop.contains(&t) {
+                        stopped_at_eos = true;
+                        return false;
+                    }
+                    match emit(&mut out, &m.tokenizer, t, on_token) {
+                        Ok(()) => true,
+                        Err(e) => {
+                            failed = Some(e);
+                            false
+                        }
+                    }
+                })?;
+            if let Some(e) = failed {
+                return Err(e);
             }
         }
     }
@@ -208,6 +222,21 @@ pub fn generate_ids<B: Backend>(
         tokens: out.tokens().to_vec(),
         stopped_at_eos,
     })
+}
+
+/// Appends a generated token to `out` and hands `on_token` the text it completes.
+fn emit(
+    out: &mut TextStream,
+    tok: &Tokenizer,
+    id: u32,
+    on_token: &mut dyn FnMut(&str),
+) -> Result<(), Error> {
+    out.push(tok, id)?;
+    let piece = out.take(0);
+    if !piece.is_empty() {
+        on_token(piece);
+    }
+    Ok(())
 }
 
 /// Generated tokens turned into text as they arrive. The whole output is decoded

@@ -2073,6 +2073,17 @@ extern "C" __global__ void argmax_rows(const float* x, unsigned* out, int dim, i
     }
 }
 
+// The last op of a decode step: the token argmax_rows chose (its bits at *chosen) becomes
+// the step's input at the next position, so the recorded step can be replayed again with
+// no upload in between, each replay reading what the one before left. One thread.
+extern "C" __global__ void advance_step(unsigned* step, const unsigned* chosen) {
+    PDL_ENTRY();
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        step[0] = *chosen;
+        step[1] += 1u;
+    }
+}
+
 // out[b·rows + o] = Σ_i x[b·cols + i]·w[o·cols + i] for `batch` (≤ 4) rows of x: a warp
 // per output row, 16-byte loads of w (cols a multiple of 4), x read through the cache.
 // For decode, where cuBLAS' GEMM runs far under bandwidth.

@@ -46,15 +46,15 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut,
-    DevicePtr, DevicePtrMut, LaunchConfig,
+    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, CudaView,
+    CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PinnedHostSlice,
 };
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use half::slice::HalfFloatSliceExt;
 
 use super::{
     attention_preamble_one_by_one, swiglu_groups_one_by_one, AddNorm, AttentionShape, Backend,
-    DeviceRoute, HeadNorm, MoeInput, RoutedExperts, SwiGluGroup, Weight,
+    DeviceRoute, HeadNorm, MoeInput, PendingRead, RoutedExperts, SwiGluGroup, Weight,
 };
 use crate::codec::affine::kernels::AffineView;
 use crate::codec::affine::lowbit::words_per_row;
@@ -364,7 +364,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 115] = [
+const KERNEL_NAMES: [&str; 116] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -438,6 +438,7 @@ const KERNEL_NAMES: [&str; 115] = [
     "write_row_at",
     "attn_preamble_at",
     "argmax_rows",
+    "advance_step",
     "matvec_f32",
     "attention_split",
     "attention_group_64",
@@ -799,6 +800,8 @@ pub struct Cuda {
     graphs: Mutex<Vec<((usize, u64), Recorded)>>,
     /// Whether [`Backend::replay_step`] records graphs (`DYNMOE_CUDA_GRAPHS=0`: never).
     use_graphs: Switch<bool>,
+    /// Page-locked buffers of [`Backend::read_async`] not in use, at most [`READ_SLOTS`].
+    reads: Mutex<Vec<ReadSlot>>,
     /// Partial results of one-row attention split over the keys, grown as needed.
     attn_scratch: Mutex<Option<CudaSlice<f32>>>,
     /// `argmax_rows`' per-row block counts (zero between launches: the last block of a
@@ -1087,6 +1090,32 @@ unsafe impl Send for Recorded {}
 
 /// Recorded steps kept: one per live sequence is what replays; older ones are dropped.
 const MAX_GRAPHS: usize = 8;
+
+/// Read buffers kept for reuse: a decode loop that keeps one step queued ahead has two
+/// reads under way at most; page-locking a buffer costs far more than a step.
+const READ_SLOTS: usize = 3;
+
+/// A page-locked buffer that a copy from the device lands in without a staging copy
+/// (so the copy is asynchronous), and the event recorded after that copy.
+struct ReadSlot {
+    buf: PinnedHostSlice<f32>,
+    done: CudaEvent,
+}
+
+/// A [`Backend::read_async`] under way: its slot, and how many values it copies.
+struct InFlight {
+    slot: Option<ReadSlot>,
+    len: usize,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // An unfinished read: its copy may still be writing the buffer about to be freed.
+        if let Some(s) = &self.slot {
+            let _ = s.done.synchronize();
+        }
+    }
+}
 
 fn driver<T>(r: Result<T, cudarc::driver::DriverError>) -> Result<T, CudaError> {
     r.map_err(|e| CudaError::Driver(format!("{e:?}")))
@@ -1387,6 +1416,7 @@ impl Cuda {
             routed_scratch: Mutex::new(None),
             graphs: Mutex::new(Vec::new()),
             use_graphs: Switch::new(!switched_off("DYNMOE_CUDA_GRAPHS")),
+            reads: Mutex::new(Vec::new()),
             attn_scratch: Mutex::new(None),
             argmax_scratch: Mutex::new(None),
             dense_scratch: Mutex::new(None),
@@ -4310,6 +4340,61 @@ impl Backend for Cuda {
             };
             ok(unsafe { l.launch(grid) }, "argmax_rows");
         }
+    }
+
+    fn advance_step(&self, step: &mut CudaSlice<f32>, chosen: &CudaSlice<f32>, at: usize) {
+        let chosen = chosen.slice(at..at + 1);
+        let mut l = self.launcher(self.func("advance_step"));
+        l.arg(step).arg(&chosen);
+        ok(unsafe { l.launch(cfg(1, 1, 0)) }, "advance_step");
+    }
+
+    fn read_async(&self, t: &CudaSlice<f32>, len: usize) -> PendingRead {
+        if len == 0 {
+            return PendingRead::ready(Vec::new());
+        }
+        let reused = {
+            let mut free = self.reads.lock().expect("read slots lock");
+            free.iter()
+                .position(|s| s.buf.len() >= len)
+                .map(|i| free.swap_remove(i))
+        };
+        let mut slot = reused.unwrap_or_else(|| ReadSlot {
+            // Flags 0, not cudarc's default write-combined memory, which the host reads
+            // slowly. SAFETY: the buffer's contents are read only where a copy wrote them.
+            buf: ok(
+                unsafe { self.ctx.alloc_pinned_with_flags::<f32>(len, 0) },
+                "pinned alloc",
+            ),
+            done: ok(self.ctx.new_event(None), "event"),
+        });
+        let src = t.slice(..len);
+        ok(self.stream.memcpy_dtoh(&src, &mut slot.buf), "download");
+        // The context tracks no events (see `new`), so cudarc records none after the copy
+        // on the buffer's own; this one is what `finish_read` waits on.
+        ok(slot.done.record(&self.stream), "event record");
+        PendingRead::queued(Box::new(InFlight {
+            slot: Some(slot),
+            len,
+        }))
+    }
+
+    fn finish_read(&self, read: PendingRead) -> Vec<f32> {
+        let handle = match read.into_values() {
+            Ok(values) => return values,
+            Err(h) => h,
+        };
+        let Ok(mut read) = handle.downcast::<InFlight>() else {
+            panic!("cuda: a read that was not started by this backend");
+        };
+        let slot = read.slot.take().expect("a read under way holds its slot");
+        ok(slot.done.synchronize(), "event synchronize");
+        let values = ok(slot.buf.as_slice(), "pinned read")[..read.len].to_vec();
+        let mut free = self.reads.lock().expect("read slots lock");
+        if free.len() < READ_SLOTS {
+            free.push(slot);
+        }
+        values
     }
 
     fn replay_step(&self, key: (usize, u64), body: &mut dyn FnMut() -> bool) -> bool {
