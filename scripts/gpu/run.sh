@@ -292,7 +292,8 @@ for step in $steps; do
         # with bf16). A set is kernel constants (DYNMOE_CUDA_DEFINES) and DYNMOE_* switches
         # (DYNMOE_CUDA_FOLD_NORMS=1), space-separated; '-' is the source's own choice. With
         # nvcc (and TUNE_PTXAS not 0), ptxas's registers and spills of the routed and dense
-        # kernels under each set.
+        # kernels under each set. Each run's JSON is tune_q<bits>[_bf16]_<n>.json, n the set's
+        # place in $TUNE from 1.
         m="$WORK/qwen3-30b-a3b-l$LAYERS"
         synth_model "$m" || status=1
         dense_flags=(--dense-codec "${TUNE_DENSE:-q4}" --head-codec "${TUNE_DENSE:-q4}")
@@ -302,7 +303,9 @@ for step in $steps; do
         for bits in ${BITS:-4}; do
             log="$OUT/tune_q$bits$suffix.log"
             echo "== kernel constants and switches, $bits bits, dense ${TUNE_DENSE:-q4}" | tee "$log"
+            n=0
             for set in "${sets[@]}"; do
+                n=$((n + 1))
                 defs="" switches=()
                 for word in $([ "$set" = - ] || echo "$set"); do
                     case $word in
@@ -322,7 +325,7 @@ for step in $steps; do
                 env ${switches[@]+"${switches[@]}"} DYNMOE_CUDA_DEFINES="$defs" "$BIN/dynmoe" \
                     bench decode "$m" --backend cuda --bits "$bits" \
                     ${dense_flags[@]+"${dense_flags[@]}"} --prompt 512 --generate 128 \
-                    2>&1 | tail -1 | tee -a "$log"
+                    --json "$OUT/tune_q$bits${suffix}_$n.json" 2>&1 | tail -1 | tee -a "$log"
             done
         done
         ;;

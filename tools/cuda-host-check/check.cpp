@@ -774,7 +774,8 @@ double check_moe_step(int bits, int hidden, int inter, int experts, int top_k, i
 // ---- A decode step's routed affine experts by slices (routed_slices_q*) ----
 
 using RoutedSlices = void (*)(const unsigned long long*, float*, const unsigned char*, int, int,
-                              int, const float*, float*, unsigned*, float*, int, int, int, int);
+                              const int*, const float*, int, const float*, float*, unsigned*,
+                              float*, int, int, int, int);
 
 // One token's top_k experts through routed_slices on its grid of (slices, top_k) resident
 // blocks: every block routes the logits, takes one 64-row slice of its expert's gate and
@@ -832,16 +833,27 @@ double check_routed_slices(int bits, int hidden, int inter, int down_cols, int e
     std::vector<float> probs = logits, parts((size_t)blocks * hidden, NAN), out(hidden, NAN);
     std::vector<unsigned> sync(2, 0);
     shim::launch({(unsigned)slices, (unsigned)top_k, 1}, {SLICE_WARPS * 32, 1, 1}, shared, [&] {
-        f(table.data(), probs.data(), masked ? keep.data() : nullptr, experts, 1, top_k,
-          x.data(), parts.data(), sync.data(), out.data(), inter, hidden, hidden, down_cols);
+        f(table.data(), probs.data(), masked ? keep.data() : nullptr, experts, 1, nullptr,
+          nullptr, top_k, x.data(), parts.data(), sync.data(), out.data(), inter, hidden, hidden,
+          down_cols);
     }, true);
     double ep = rel_err(probs, want.probs), eo = rel_err(out, want_out);
     bool reset = sync[0] == 0 && sync[1] == 0;
+    // Routed before (router_route_one's ids and weights, no logits to read).
+    std::vector<int> ids(want.ids);
+    std::vector<float> weights(want.weights.begin(), want.weights.end()), again(hidden, NAN);
+    std::fill(parts.begin(), parts.end(), NAN);
+    shim::launch({(unsigned)slices, (unsigned)top_k, 1}, {SLICE_WARPS * 32, 1, 1}, shared, [&] {
+        f(table.data(), nullptr, nullptr, experts, 1, ids.data(), weights.data(), top_k,
+          x.data(), parts.data(), sync.data(), again.data(), inter, hidden, hidden, down_cols);
+    }, true);
+    double ea = rel_err(again, want_out);
+    reset = reset && sync[0] == 0 && sync[1] == 0;
     std::printf("routed slices q%d %d x %d (down %d wide), top-%d of %d, mask %d, %d blocks: "
-                "probs %.2e, out %.2e, counters %s\n",
-                bits, hidden, inter, down_cols, top_k, experts, masked, blocks, ep, eo,
+                "probs %.2e, out %.2e, routed before %.2e, counters %s\n",
+                bits, hidden, inter, down_cols, top_k, experts, masked, blocks, ep, eo, ea,
                 reset ? "reset" : "LEFT SET");
-    return reset ? std::max(ep, eo) : INFINITY;
+    return reset ? std::max({ep, eo, ea}) : INFINITY;
 }
 
 // ---- The end of a decode step: argmax_rows, then advance_step ----

@@ -1803,7 +1803,8 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     // and through the matrix-vector kernels, with the route taken by the router's last
     // block (router_route_one) and by the routed kernels.
     // On tensor cores a decode step's experts also run as slices (gate, up and down of
-    // one slice a block, in one launch; 1 600-wide experts take 25 slices a pair).
+    // one slice a block, in one launch; 1 600-wide experts take 25 slices a pair), routing
+    // the row themselves or reading the router's route.
     let (was, was_step, was_routes, was_slices) = (
         g.routed_mma(),
         g.moe_step(),
@@ -1814,6 +1815,7 @@ fn moe_routed_on_the_device_matches_the_host_route() {
         (true, true, false, false),
         (true, false, false, true),
         (true, false, false, false),
+        (true, false, true, true),
         (true, false, true, false),
         (false, false, false, false),
         (false, false, true, false),

@@ -2536,13 +2536,14 @@ MOE_STEP(2)
 // expert's intermediate dimension: those rows of gate and up, and the same columns (one
 // 64-column group) of down for every output row. down is linear in h, so the layer's
 // output is the sum over blocks of weight · down[:, slice] · h[slice], and a block needs
-// no h but its own. Each block routes the token, then asks for all of its bytes at once —
+// no h but its own. Each block routes the token (or, with `logits` null, reads the route
+// router_route_one took into `ids` and `weights`), then asks for all of its bytes at once —
 // the gate and up rows by cp.async into shared memory, down's columns and every scale
 // into registers — stages x while they come, and computes. Its weighted partial output
 // goes to row `block` of `parts`; after a barrier of the whole grid each block adds a
 // share of the rows over every partial, in a fixed order, so the result does not depend
 // on timing, and block 0 turns the logits into probabilities (every block has routed by
-// then). The grid (slices × top_k blocks) must be resident at once, which the host
+// then; routed before, the router did). The grid (slices × top_k blocks) must be resident at once, which the host
 // checks; `sync` holds two counters, zero at launch and zero again when the last block
 // leaves.
 #ifndef SLICE_WARPS
@@ -2621,18 +2622,22 @@ struct SliceShared {
     }
 };
 
-// Rows [r0, r0 + n) of a matrix of `rw`-word rows into shared rows `stride` words apart,
-// by every thread of the block: 16 bytes a copy when the rows allow it, else a word.
+// Rows [r0, r0 + n) of a matrix of `rw`-word rows into shared rows `stride` words apart:
+// a warp a row, its lanes along it, 16 bytes a copy when the rows allow it, else a word.
+// `first` and `step` pick the calling warp's rows.
 __device__ __forceinline__ void stage_rows_async(unsigned* dst, const unsigned* src, int r0,
-                                                 int n, size_t rw, int stride, bool wide) {
-    int per = wide ? (int)(rw / 4) : (int)rw;
-    for (int i = threadIdx.x; i < n * per; i += blockDim.x) {
-        int r = i / per, c = i % per;
+                                                 int n, size_t rw, int stride, bool wide,
+                                                 int first, int step) {
+    int lane = threadIdx.x % WARP;
+    for (int r = first; r < n; r += step) {
+        const unsigned* from = src + (size_t)(r0 + r) * rw;
+        unsigned* to = dst + (size_t)r * stride;
         if (wide)
-            copy16_async(reinterpret_cast<float4*>(dst + (size_t)r * stride) + c,
-                         reinterpret_cast<const float4*>(src + (size_t)(r0 + r) * rw) + c, true);
+            for (int c = lane; c < (int)(rw / 4); c += WARP)
+                copy16_async(reinterpret_cast<float4*>(to) + c,
+                             reinterpret_cast<const float4*>(from) + c, true);
         else
-            copy4_async(dst + (size_t)r * stride + c, src + (size_t)(r0 + r) * rw + c);
+            for (int c = lane; c < (int)rw; c += WARP) copy4_async(to + c, from + c);
     }
 }
 
@@ -2764,8 +2769,9 @@ struct SliceDown {
 template <int BITS>
 __device__ void routed_slices(const unsigned long long* table, float* logits,
                               const unsigned char* keep, int experts, int renormalize,
-                              int top_k, const float* x, float* parts, unsigned* sync,
-                              float* out, int inter, int up_cols, int hidden, int down_cols) {
+                              const int* ids, const float* weights, int top_k, const float* x,
+                              float* parts, unsigned* sync, float* out, int inter, int up_cols,
+                              int hidden, int down_cols) {
     extern __shared__ __align__(16) unsigned smem[];
 #ifdef SLICE_TIMES
     long long t_[8];
@@ -2794,8 +2800,18 @@ __device__ void routed_slices(const unsigned long long* table, float* logits,
             if (i < n) sh.table[i] = v[j];
         }
     }
-    route_block(logits, nullptr, keep, sh.route_ids, sh.route_w, experts, top_k, renormalize,
-                sh.cand, sh.scratch);
+    if (logits) {
+        route_block(logits, nullptr, keep, sh.route_ids, sh.route_w, experts, top_k,
+                    renormalize, sh.cand, sh.scratch);
+    } else {
+        // Routed by the router's last block (router_route_one), which also wrote the
+        // probabilities.
+        for (int k = threadIdx.x; k < top_k; k += blockDim.x) {
+            sh.route_ids[k] = ids[k];
+            sh.route_w[k] = weights[k];
+        }
+        __syncthreads();
+    }
     const unsigned long long* e = sh.table + (size_t)sh.route_ids[rank] * ROUTED_ENTRY;
     float weight = sh.route_w[rank];
     SLICE_TIME(1);
@@ -2805,8 +2821,10 @@ __device__ void routed_slices(const unsigned long long* table, float* logits,
     const unsigned* up = (const unsigned*)e[3];
     size_t up_rw = row_words<BITS>(up_cols);
     bool wide = up_rw % 4 == 0 && ((size_t)gate & 15) == 0 && ((size_t)up & 15) == 0;
-    stage_rows_async(sh.rows, gate, r0, valid, up_rw, stride, wide);
-    stage_rows_async(sh.rows + SLICE_ROWS * stride, up, r0, valid, up_rw, stride, wide);
+    int warp_count = blockDim.x / WARP;
+    stage_rows_async(sh.rows, gate, r0, valid, up_rw, stride, wide, warp, warp_count);
+    stage_rows_async(sh.rows + SLICE_ROWS * stride, up, r0, valid, up_rw, stride, wide, warp,
+                     warp_count);
     copies_commit();
     // ... their scales, and down's words and scales of the slice's group.
     int tile = warp / SLICE_PARTS, part = warp % SLICE_PARTS;
@@ -2871,7 +2889,7 @@ __device__ void routed_slices(const unsigned long long* table, float* logits,
     }
     __syncthreads();
     SLICE_TIME(6);
-    if (block == 0)
+    if (block == 0 && logits)
         route_block(logits, logits, nullptr, nullptr, nullptr, experts, 0, 0, sh.cand,
                     sh.scratch);
     int rows_per = (hidden + blocks - 1) / blocks;
@@ -2901,11 +2919,12 @@ __device__ void routed_slices(const unsigned long long* table, float* logits,
 #define ROUTED_SLICES(B)                                                                      \
     extern "C" __global__ void __launch_bounds__(SLICE_WARPS * WARP, 1) routed_slices_q##B(    \
         const unsigned long long* table, float* logits, const unsigned char* keep,             \
-        int experts, int renormalize, int top_k, const float* x, float* parts, unsigned* sync, \
-        float* out, int inter, int up_cols, int hidden, int down_cols) {                       \
+        int experts, int renormalize, const int* ids, const float* weights, int top_k,         \
+        const float* x, float* parts, unsigned* sync, float* out, int inter, int up_cols,      \
+        int hidden, int down_cols) {                                                           \
         PDL_ENTRY();                                                                           \
-        routed_slices<B>(table, logits, keep, experts, renormalize, top_k, x, parts, sync,     \
-                         out, inter, up_cols, hidden, down_cols);                              \
+        routed_slices<B>(table, logits, keep, experts, renormalize, ids, weights, top_k, x,    \
+                         parts, sync, out, inter, up_cols, hidden, down_cols);                 \
     }
 
 ROUTED_SLICES(4)

@@ -2665,11 +2665,11 @@ impl Cuda {
 
     /// One decode token's affine experts as one `routed_slices_*` launch: a block per
     /// (slice of an expert's intermediate rows, routed expert) routes the row of logits at
-    /// `probs` itself, runs the slice's gate, up and down, and the blocks add their
-    /// partial outputs into `out` after a barrier of the grid; `probs` then holds the
-    /// probabilities. Declines (false) what it does not take: a route already taken, more
-    /// experts than a block routes, a slice too large for the shared memory granted, or a
-    /// grid that could not all be resident at once.
+    /// `probs` itself (or reads the route the router took, `r.routed`), runs the slice's
+    /// gate, up and down, and the blocks add their partial outputs into `out` after a
+    /// barrier of the grid; `probs` then holds the probabilities. Declines (false) what it
+    /// does not take: more experts than a block routes, a slice too large for the shared
+    /// memory granted, or a grid that could not all be resident at once.
     #[allow(clippy::too_many_arguments)]
     fn launch_routed_slices(
         &self,
@@ -2683,7 +2683,6 @@ impl Cuda {
         let (e, k) = (r.experts, r.route.top_k);
         let shared = slice_shared(shape.bits, shape.up_cols, e, k);
         if !(self.routed_slices() && self.routed_mma())
-            || r.routed
             || e > ROUTE_SHARED_MAX
             || shared > self.slices_shared
             || shape.inter.div_ceil(SLICE_ROWS) > shape.down_cols / GROUP_SIZE
@@ -2717,6 +2716,10 @@ impl Cuda {
             let at = (p.device_ptr(&self.stream).0, c.device_ptr(&self.stream).0);
             at
         };
+        // Routed before (router_route_one): the ids and weights in the routed scratch,
+        // where the router wrote them, and no logits to route.
+        let [ids, weights, ..] = self.routed_scratch_at(k, k, shape.inter, hidden);
+        let logits = if r.routed { 0u64 } else { probs };
         let (ei, rn, ki) = (e as i32, r.route.renormalize as i32, k as i32);
         let (ii, uc, hi, dc) = (
             shape.inter as i32,
@@ -2725,12 +2728,8 @@ impl Cuda {
             shape.down_cols as i32,
         );
         let mut l = self.launcher(f);
-        l.arg(&r.table)
-            .arg(&probs)
-            .arg(&r.keep)
-            .arg(&ei)
-            .arg(&rn)
-            .arg(&ki);
+        l.arg(&r.table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
+        l.arg(&ids).arg(&weights).arg(&ki);
         l.arg(&x).arg(&parts).arg(&sync).arg(&out);
         l.arg(&ii).arg(&uc).arg(&hi).arg(&dc);
         let launch = LaunchConfig {
