@@ -55,7 +55,8 @@
 #          the prompt's attention by the per-row kernel instead of the tiled one, kernels
 #          launched without programmatic dependent launch, a decode step's experts through
 #          the matrix-vector kernels instead of tensor cores, its MoE layers as one launch
-#          instead of three, and decode after a 16-token prompt (model_variants.log)
+#          instead of three, its experts as slices, and decode after a 16-token prompt
+#          (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -225,6 +226,8 @@ for step in $steps; do
                 DYNMOE_CUDA_ROUTED_MMA=0
             variant "a decode step's MoE layers as one launch (moe_step), not three" \
                 DYNMOE_CUDA_MOE_STEP=1
+            variant "a decode step's experts as slices (gate, up and down in one launch)" \
+                DYNMOE_CUDA_ROUTED_SLICES=1
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128
         } 2>&1 | tee "$OUT/model_variants.log"

@@ -2543,9 +2543,15 @@ MOE_STEP(2)
 // goes to row `block` of `parts`; after a barrier of the whole grid each block adds a
 // share of the rows over every partial, in a fixed order, so the result does not depend
 // on timing, and block 0 turns the logits into probabilities (every block has routed by
-// then; routed before, the router did). The grid (slices × top_k blocks) must be resident at once, which the host
-// checks; `sync` holds two counters, zero at launch and zero again when the last block
-// leaves.
+// then; routed before, the router did). The grid (slices × top_k blocks) must be
+// resident at once, which the host checks; `sync` holds two counters, zero at launch and
+// zero again when the last block leaves.
+//
+// Measured slower in a decode step than the two launches (docs/GPU_NOTES.md: 1 185
+// against 1 322 tok/s at 4 bits), so the host takes it only when asked
+// (DYNMOE_CUDA_ROUTED_SLICES=1). Its phases (SLICE_TIMES) say why: a block's decode and
+// products run after its loads land instead of beside them, on 96 SMs of 132, and at
+// this size they are bound by instruction issue (gate/up 5 µs, down 4.5 µs of ~28).
 #ifndef SLICE_WARPS
 #define SLICE_WARPS 16
 #endif

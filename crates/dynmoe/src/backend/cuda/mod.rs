@@ -829,8 +829,8 @@ pub struct Cuda {
     /// The three counters `moe_step`'s phases wait on, zero between launches.
     moe_sync: Mutex<Option<CudaSlice<u32>>>,
     /// Whether a decode step's affine experts run as slices, gate, up and down in one
-    /// `routed_slices_*` launch (the default, unless `DYNMOE_CUDA_ROUTED_SLICES=0`), or as
-    /// the gate/up and down launches.
+    /// `routed_slices_*` launch (`DYNMOE_CUDA_ROUTED_SLICES=1`), or as the gate/up and down
+    /// launches.
     routed_slices: Switch<bool>,
     /// Shared memory a `routed_slices_*` block may take (the device's opt-in where it was
     /// granted).
@@ -1429,7 +1429,9 @@ impl Cuda {
             moe_step: Switch::new(switched_on("DYNMOE_CUDA_MOE_STEP")),
             moe_step_shared,
             moe_sync: Mutex::new(None),
-            routed_slices: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_ROUTED_SLICES")),
+            // Measured slower in a decode step than the gate/up and down launches
+            // (docs/GPU_NOTES.md), so off unless asked for.
+            routed_slices: Switch::new(major >= 8 && switched_on("DYNMOE_CUDA_ROUTED_SLICES")),
             slices_shared,
             slice_scratch: Mutex::new(None),
             // Measured no faster in a decode step, affine or VQ (docs/GPU_NOTES.md), so off
@@ -1603,7 +1605,7 @@ impl Cuda {
 
     /// Whether a decode step's affine experts run as slices from now on, each block one
     /// expert's gate and up rows of a slice and down's matching columns, in one launch
-    /// (the default on sm_80 and later), or as the gate/up and down launches, to measure
+    /// (sm_80 and later), or as the gate/up and down launches (the default), to measure
     /// one against the other. Both give the same result up to the order of f32 sums.
     /// Steps already recorded keep their way.
     pub fn set_routed_slices(&self, on: bool) {
