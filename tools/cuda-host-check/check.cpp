@@ -629,16 +629,17 @@ using AffineGateUp = void (*)(const unsigned long long*, const float*, const uns
 using AffineDown = void (*)(const unsigned long long*, const int*, const float*, int,
                             const float*, float*, int, int, int, float*, int);
 
-// A MoE layer's affine experts (gate, up: inter × hidden; down: hidden × inter) and the
-// device's table of their pointers (ROUTED_ENTRY a expert).
+// A MoE layer's affine experts (gate, up: inter × hidden; down: hidden × down_cols, its
+// input padded past inter as stores pad it) and the device's table of their pointers
+// (ROUTED_ENTRY a expert).
 struct AffineExperts {
     std::vector<std::array<Affine, 3>> ex;
     std::vector<unsigned long long> table;
 
-    AffineExperts(int bits, int hidden, int inter, int experts) {
+    AffineExperts(int bits, int hidden, int inter, int experts, int down_cols = 0) {
         for (int e = 0; e < experts; e++)
             ex.push_back({Affine(bits, inter, hidden), Affine(bits, inter, hidden),
-                          Affine(bits, hidden, inter)});
+                          Affine(bits, hidden, down_cols ? down_cols : inter)});
         for (auto& e : ex)
             for (auto& m : e) {
                 table.push_back((unsigned long long)m.words.data());
@@ -787,17 +788,9 @@ using RoutedSlices = void (*)(const unsigned long long*, float*, const unsigned 
 double check_routed_slices(int bits, int hidden, int inter, int down_cols, int experts,
                            int top_k, bool masked) {
     RoutedSlices f = bits == 4 ? routed_slices_q4 : (bits == 3 ? routed_slices_q3 : routed_slices_q2);
-    std::vector<std::array<Affine, 3>> ex;
-    std::vector<unsigned long long> table;
-    for (int e = 0; e < experts; e++)
-        ex.push_back({Affine(bits, inter, hidden), Affine(bits, inter, hidden),
-                      Affine(bits, hidden, down_cols)});
-    for (auto& e : ex)
-        for (auto& m : e) {
-            table.push_back((unsigned long long)m.words.data());
-            table.push_back((unsigned long long)m.scales.data());
-            table.push_back((unsigned long long)m.biases.data());
-        }
+    AffineExperts experts_(bits, hidden, inter, experts, down_cols);
+    const auto& ex = experts_.ex;
+    const auto& table = experts_.table;
     std::vector<float> logits = route_logits(experts), x(hidden);
     for (auto& v : x) v = normal();
     std::vector<unsigned char> keep(experts, 1);

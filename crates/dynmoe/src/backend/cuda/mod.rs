@@ -1358,42 +1358,36 @@ impl Cuda {
             }
             tiled_head_dim = width;
         }
+        // Shared memory each of `names` may take: the device's opt-in where every one of
+        // them was granted it, else what a block gets without asking.
+        let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        let granted = |names: &[&str]| {
+            if names
+                .iter()
+                .all(|n| f[n].set_attribute(attr, optin as i32).is_ok())
+            {
+                optin
+            } else {
+                SHARED_LIMIT
+            }
+        };
         // The routed VQ kernels and the VQ GEMMs copy a book into shared memory beside
         // their activations; without the opt-in they read it through L1.
-        let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-        let vq_routed_shared = if KERNEL_NAMES
-            .iter()
+        let vq_kernels: Vec<&str> = KERNEL_NAMES
+            .into_iter()
             .filter(|n| {
                 ["routed_vq_gate_up", "routed_vq_down", "vq_expert_mma"]
                     .iter()
                     .any(|p| n.starts_with(p))
             })
-            .all(|n| f[n].set_attribute(attr, optin as i32).is_ok())
-        {
-            optin
-        } else {
-            SHARED_LIMIT
-        };
+            .collect();
+        let vq_routed_shared = granted(&vq_kernels);
         // moe_step stages a token's h rows beside its route: 62 KB at Qwen3-235B-A22B's
         // shapes.
-        let moe_step_shared = if ["moe_step_q4", "moe_step_q3", "moe_step_q2"]
-            .iter()
-            .all(|n| f[n].set_attribute(attr, optin as i32).is_ok())
-        {
-            optin
-        } else {
-            SHARED_LIMIT
-        };
+        let moe_step_shared = granted(&["moe_step_q4", "moe_step_q3", "moe_step_q2"]);
         // routed_slices stages its slice's gate and up rows: 148 KB at Qwen3-30B-A3B's
         // shapes and 4 bits.
-        let slices_shared = if ["routed_slices_q4", "routed_slices_q3", "routed_slices_q2"]
-            .iter()
-            .all(|n| f[n].set_attribute(attr, optin as i32).is_ok())
-        {
-            optin
-        } else {
-            SHARED_LIMIT
-        };
+        let slices_shared = granted(&["routed_slices_q4", "routed_slices_q3", "routed_slices_q2"]);
         // A stream of its own: the legacy default stream cannot be recorded into a graph.
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
