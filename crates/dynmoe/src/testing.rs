@@ -197,6 +197,48 @@ pub fn logits_of<B: crate::backend::Backend>(
     m.model.forward(&mut state, &ids, 0).unwrap()
 }
 
+/// What [`greedy_reference`] decoded.
+pub struct GreedyReference<B: crate::backend::Backend> {
+    /// The state after the last token.
+    pub state: crate::model::State<B>,
+    /// The token the prefill chose.
+    pub first: u32,
+    /// Each decoded token.
+    pub tokens: Vec<u32>,
+    /// The router probabilities after each token.
+    pub probs: Vec<Vec<Vec<f32>>>,
+}
+
+/// Greedy decode by its definition, to test other ways of decoding against: the prompt's
+/// prefill into a fresh state with room for `n` more positions, then `n` tokens through
+/// [`Model::decode_greedy`](crate::model::Model::decode_greedy), one call a token.
+///
+/// # Panics
+/// If a step fails.
+pub fn greedy_reference<B: crate::backend::Backend>(
+    model: &crate::model::Model<B>,
+    prompt: &[u32],
+    n: usize,
+) -> GreedyReference<B> {
+    let p = prompt.len();
+    let mut state = model.new_state(p + n);
+    let first =
+        crate::runtime::generate::argmax(&model.forward(&mut state, prompt, p - 1).unwrap());
+    let (mut tokens, mut probs) = (Vec::new(), Vec::new());
+    let mut t = first;
+    for _ in 0..n {
+        t = model.decode_greedy(&mut state, t).unwrap();
+        tokens.push(t);
+        probs.push(state.router_probs.clone());
+    }
+    GreedyReference {
+        state,
+        first,
+        tokens,
+        probs,
+    }
+}
+
 /// Writes `ckpt` to `path` as one safetensors file, each tensor as it is stored except
 /// those in `replaced` (name → row-major values), written as f32: the checkpoint that
 /// holds the weights a codec's codes stand for.

@@ -24,7 +24,9 @@ use dynmoe::model::moe::route;
 use dynmoe::model::{self, Codecs, ExpertBits};
 use dynmoe::residency::confine;
 use dynmoe::runtime::generate::{generate_ids, Sampling};
-use dynmoe::testing::{fixture, fixtures_root, fresh, rel_err, Rng, TempDir};
+use dynmoe::testing::{
+    fixture, fixtures_root, fresh, greedy_reference, rel_err, GreedyReference, Rng, TempDir,
+};
 use half::bf16;
 
 /// The device, or `None` after printing why the test is skipped.
@@ -2326,15 +2328,12 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
     let m = &dev.model;
     let prompt = &dev.tokenizer.encode(&test_text("en")).unwrap()[..16];
     let (p, n, stop) = (prompt.len(), 32, 7);
-    let mut s = m.new_state(p + n);
-    let first = dynmoe::runtime::generate::argmax(&m.forward(&mut s, prompt, p - 1).unwrap());
-    let (mut want, mut probs) = (Vec::new(), Vec::new());
-    let mut t = first;
-    for _ in 0..n {
-        t = m.decode_greedy(&mut s, t).unwrap();
-        want.push(t);
-        probs.push(s.router_probs.clone());
-    }
+    let GreedyReference {
+        state: mut s,
+        first,
+        tokens: want,
+        probs,
+    } = greedy_reference(m, prompt, n);
     assert!(
         m.backend().recorded_steps() > 0,
         "the step was not recorded"

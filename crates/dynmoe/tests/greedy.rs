@@ -6,7 +6,7 @@
 use dynmoe::backend::Cpu;
 use dynmoe::model;
 use dynmoe::runtime::generate::{generate_ids, Sampling};
-use dynmoe::testing::fixture_dirs;
+use dynmoe::testing::{fixture_dirs, greedy_reference, GreedyReference};
 
 #[derive(serde::Deserialize)]
 struct Golden {
@@ -116,15 +116,12 @@ fn decode_greedy_many_is_decode_greedy_token_by_token() {
         let m = model::load(&dir, Cpu::fast()).unwrap();
         let model = &m.model;
         let label = dir.display();
-        let mut a = model.new_state(p + n);
-        let first = argmax(&model.forward(&mut a, &prompt, p - 1).unwrap());
-        let (mut want, mut probs) = (Vec::new(), Vec::new());
-        let mut t = first;
-        for _ in 0..n {
-            t = model.decode_greedy(&mut a, t).unwrap();
-            want.push(t);
-            probs.push(a.router_probs.clone());
-        }
+        let GreedyReference {
+            first,
+            tokens: want,
+            probs,
+            ..
+        } = greedy_reference(model, &prompt, n);
 
         let mut b = model.new_state(p + n);
         model.forward(&mut b, &prompt, p - 1).unwrap();

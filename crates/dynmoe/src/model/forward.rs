@@ -542,32 +542,63 @@ impl<B: Backend> Model<B> {
         // A token boundary: landed loads commit before the step is issued.
         let mut step = self.residency.as_ref().map(|r| r.begin(b));
         let track = step.as_ref().is_some_and(|s| s.tracks());
+        let key = (state.id, self.epoch);
         let (kc, vc) = (&mut state.k_cache, &mut state.v_cache);
-        let mut host_probs = Vec::new();
-        if bufs.fit {
-            let key = (state.id, self.epoch);
-            b.replay_step(key, &mut || {
-                self.step_body(bufs, kc, vc, &mut host_probs, step.as_mut())
-            });
-        } else {
-            bufs.fit = self.step_body(bufs, kc, vc, &mut host_probs, step.as_mut());
-        }
+        let (_, host_probs) = self.run_step(bufs, kc, vc, key, step.as_mut());
         state.pos += 1;
 
         // One read of the step's results: the router probabilities and the token.
         let mut host = vec![0.0f32; l * e + 1];
         b.download(&bufs.probs, &mut host);
-        for p in state.router_probs.iter_mut() {
+        let token = self.step_results(&host, &bufs.routed, host_probs, &mut state.router_probs);
+        finish_sets(step, &state.router_probs, &bufs.routed, 1, track);
+        Ok(token)
+    }
+
+    /// Runs one decode step from the values the step tensor holds, replayed from a record
+    /// where it fits (recording it the first time), else op by op; returns whether it
+    /// ran from a record, and the probabilities of the layers it routed on the host.
+    fn run_step(
+        &self,
+        bufs: &mut StepBuffers<B>,
+        k_cache: &mut [B::Tensor],
+        v_cache: &mut [B::Tensor],
+        key: (usize, u64),
+        mut sets: Option<&mut Step<'_, B>>,
+    ) -> (bool, Vec<(usize, Vec<f32>)>) {
+        let mut host_probs = Vec::new();
+        let recorded = if bufs.fit {
+            self.backend.replay_step(key, &mut || {
+                self.step_body(bufs, k_cache, v_cache, &mut host_probs, sets.as_deref_mut())
+            })
+        } else {
+            bufs.fit = self.step_body(bufs, k_cache, v_cache, &mut host_probs, sets);
+            false
+        };
+        (recorded, host_probs)
+    }
+
+    /// A step's results as the host read them (`host`: the router probabilities of the
+    /// layers routed on the backend, `E` a layer, then the chosen token's bits) into
+    /// `router_probs`, with those of the layers routed on the host; returns the token.
+    fn step_results(
+        &self,
+        host: &[f32],
+        routed: &[usize],
+        host_probs: Vec<(usize, Vec<f32>)>,
+        router_probs: &mut [Vec<f32>],
+    ) -> u32 {
+        let e = self.config.moe.num_experts;
+        for p in router_probs.iter_mut() {
             p.clear();
         }
-        for &i in &bufs.routed {
-            state.router_probs[i] = host[i * e..(i + 1) * e].to_vec();
+        for &i in routed {
+            router_probs[i] = host[i * e..(i + 1) * e].to_vec();
         }
         for (i, p) in host_probs {
-            state.router_probs[i] = p;
+            router_probs[i] = p;
         }
-        finish_sets(step, &state.router_probs, &bufs.routed, 1, track);
-        Ok(host[l * e].to_bits())
+        host[self.layers.len() * e].to_bits()
     }
 
     /// The buffers of a decode step, made on a state's first.
@@ -659,8 +690,6 @@ impl<B: Backend> Model<B> {
         force: bool,
     ) -> Queued {
         let b = &self.backend;
-        let e = self.config.moe.num_experts;
-        let at = self.layers.len() * e;
         let State {
             pos,
             k_cache,
@@ -691,17 +720,8 @@ impl<B: Backend> Model<B> {
             }
             let host = b.finish_read(read);
             *pos += 1;
-            for p in router_probs.iter_mut() {
-                p.clear();
-            }
-            for &i in &bufs.routed {
-                router_probs[i] = host[i * e..(i + 1) * e].to_vec();
-            }
-            for (i, p) in host_probs {
-                router_probs[i] = p;
-            }
             out.delivered += 1;
-            out.last = host[at].to_bits();
+            out.last = self.step_results(&host, &bufs.routed, host_probs, router_probs);
             if !on_token(out.last) {
                 out.stopped = true;
                 break;
@@ -715,9 +735,9 @@ impl<B: Backend> Model<B> {
         out
     }
 
-    /// Queues one decode step from the values the step tensor holds (recorded or
-    /// replayed where it fits) and the read of its results; returns whether it ran from a
-    /// record, the read, and the probabilities of layers routed on the host.
+    /// Queues one decode step ([`run_step`](Self::run_step), no resident sets) and the
+    /// read of its results; returns whether it ran from a record, the read, and the
+    /// probabilities of layers routed on the host.
     fn queue_step(
         &self,
         bufs: &mut StepBuffers<B>,
@@ -725,18 +745,10 @@ impl<B: Backend> Model<B> {
         v_cache: &mut [B::Tensor],
         key: (usize, u64),
     ) -> (bool, QueuedRead) {
-        let b = &self.backend;
-        let mut host_probs = Vec::new();
-        let recorded = if bufs.fit {
-            b.replay_step(key, &mut || {
-                self.step_body(bufs, k_cache, v_cache, &mut host_probs, None)
-            })
-        } else {
-            bufs.fit = self.step_body(bufs, k_cache, v_cache, &mut host_probs, None);
-            false
-        };
+        let (recorded, host_probs) = self.run_step(bufs, k_cache, v_cache, key, None);
         let len = self.layers.len() * self.config.moe.num_experts + 1;
-        (recorded, (b.read_async(&bufs.probs, len), host_probs))
+        let read = self.backend.read_async(&bufs.probs, len);
+        (recorded, (read, host_probs))
     }
 
     /// The ops of [`decode_greedy`](Self::decode_greedy); returns whether it queued
@@ -986,7 +998,7 @@ mod tests {
     use crate::backend::Cpu;
     use crate::model;
     use crate::runtime::generate::argmax;
-    use crate::testing::fixture_dirs;
+    use crate::testing::{fixture_dirs, greedy_reference, GreedyReference};
 
     /// The queued loop of `decode_greedy_many` forced on the CPU, which records no step
     /// and so never queues one otherwise: from a fresh state's first step and from a
@@ -1002,15 +1014,12 @@ mod tests {
             let m = model::load(&dir, Cpu::fast()).unwrap();
             let model = &m.model;
             let label = dir.display();
-            let mut a = model.new_state(p + n);
-            let first = argmax(&model.forward(&mut a, &prompt, p - 1).unwrap());
-            let (mut want, mut probs) = (Vec::new(), Vec::new());
-            let mut t = first;
-            for _ in 0..n {
-                t = model.decode_greedy(&mut a, t).unwrap();
-                want.push(t);
-                probs.push(a.router_probs.clone());
-            }
+            let GreedyReference {
+                state: mut a,
+                first,
+                tokens: want,
+                probs,
+            } = greedy_reference(model, &prompt, n);
 
             let mut fresh = model.new_state(p + n);
             model.forward(&mut fresh, &prompt, p - 1).unwrap();
