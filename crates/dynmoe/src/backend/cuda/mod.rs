@@ -1193,8 +1193,7 @@ fn routed_mma_shared(units: usize) -> usize {
 /// Words from one staged gate/up row of a `routed_slices_*` block to the next (the
 /// kernels' `slice_stride`): the row's words rounded up to 32, then 8 more (4 at 2 bits).
 fn slice_stride(bits: u32, cols: usize) -> usize {
-    let words = cols * bits as usize / 32;
-    words.next_multiple_of(32) + if bits == 2 { 4 } else { 8 }
+    words_per_row(cols, bits).next_multiple_of(32) + if bits == 2 { 4 } else { 8 }
 }
 
 /// Dynamic shared memory of a `routed_slices_*` block, as the kernel's `SliceShared`
