@@ -4623,9 +4623,9 @@ impl Backend for Cuda {
 #[cfg(test)]
 mod tests {
     use super::{
-        dense_mma_layout, group_chunk, group_kernel, is_bf16_exact, moe_step_shared, staged_rows,
-        tiled_kernel, tiled_shared, vq_book_bytes, vq_suffix, vq_tile, VqRoutedShape, VqTile,
-        ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT, VQR_SHARED_BOOK,
+        dense_mma_layout, group_chunk, group_kernel, is_bf16_exact, moe_step_shared, slice_shared,
+        slice_stride, staged_rows, tiled_kernel, tiled_shared, vq_book_bytes, vq_suffix, vq_tile,
+        VqRoutedShape, VqTile, ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT, VQR_SHARED_BOOK,
     };
     use crate::codec::vq::{Rung, LADDER};
     use crate::testing::fresh;
@@ -4750,6 +4750,40 @@ mod tests {
             moe_step_shared(4, 1, 4096, 64) - moe_step_shared(4, 1, 64, 64),
             63 * 320 + (64 - 4) * 4
         );
+    }
+
+    #[test]
+    fn routed_slices_stage_their_rows_in_shared_memory_where_they_fit() {
+        // A staged row's words, rounded up to 32, then 8 more (4 at 2 bits): rows g = 0 .. 7
+        // of a tile start in different banks.
+        assert_eq!(slice_stride(4, 2048), 256 + 8);
+        assert_eq!(slice_stride(3, 2048), 192 + 8);
+        assert_eq!(slice_stride(2, 2048), 128 + 4);
+        assert_eq!(slice_stride(3, 2112), 224 + 8);
+        // Qwen3-30B-A3B at 4 bits (top-8 of 128, 2 048 wide): gate's and up's 64 rows, x's 32
+        // units, h's one, the warps' sums, every expert's table entry, the candidates, a
+        // scratch and the route, in words; within an H200's opt-in (227 KB) at every width.
+        let qwen30 = slice_shared(4, 2048, 128, 8);
+        assert_eq!(
+            qwen30,
+            4 * (2 * 64 * 264
+                + 32 * 80
+                + 32
+                + 80
+                + 64
+                + 4
+                + 16 * 2 * 16
+                + 2 * 128 * 9
+                + 128
+                + 32
+                + 16)
+        );
+        for bits in [4, 3, 2] {
+            assert!(slice_shared(bits, 2048, 128, 8) <= 227 << 10);
+        }
+        // Qwen3-235B-A22B's 4 096-wide rows do not fit at 4 bits: its experts take the
+        // gate/up and down launches.
+        assert!(slice_shared(4, 4096, 128, 8) > 227 << 10);
     }
 
     #[test]
