@@ -540,9 +540,12 @@ double check_router_norm(int experts, int cols, AddMode mode) {
 // k and v into the caches' row p, then each query head's softmax over the keys its window
 // sees, against a double-precision reference. The caches' row p starts as NaNs, so a
 // block that read it instead of its own copy would poison the output; the other rows
-// must come back as they were.
+// must come back as they were. With `early`, the two kernels of an unfused step instead:
+// attn_preamble_at (late), then attention_group_* loading early, each of whose blocks
+// finds q and the caches' row p poisoned until its launch wait (shim::Predecessor), as
+// they are while the preamble still runs.
 double check_attention_step(int heads, int kv_heads, int head_dim, int p, int capacity,
-                            int window, int chunk, bool normed) {
+                            int window, int chunk, bool normed, bool early = false) {
     int kvw = kv_heads * head_dim, half = head_dim / 2, group = heads / kv_heads;
     auto fresh = [](size_t n) {
         std::vector<float> x(n);
@@ -606,19 +609,53 @@ double check_attention_step(int heads, int kv_heads, int head_dim, int p, int ca
     std::vector<float> acc((size_t)heads * splits * head_dim, NAN), ml((size_t)heads * splits * 2, NAN);
     std::vector<float> out((size_t)heads * head_dim, NAN);
     unsigned pos = (unsigned)p;
-    auto step = head_dim <= 64 ? attention_step_64 : head_dim <= 128 ? attention_step_128
-                                                                     : attention_step_256;
-    shim::launch({(unsigned)(kv_heads * tiles), (unsigned)splits, 1}, {ATT_THREADS, 1, 1}, 0, [&] {
-        step(q.data(), kc.data(), vc.data(), acc.data(), ml.data(), 0, heads, kv_heads, head_dim,
-             window, &pos, chunk, k.data(), v.data(), normed ? qn.data() : nullptr,
-             normed ? kn.data() : nullptr, eps, inv_freq.data());
-    });
+    const dim3 grid{(unsigned)(kv_heads * tiles), (unsigned)splits, 1};
+    if (early) {
+        unsigned threads = std::clamp((half + 31) / 32 * 32, 32, 256);
+        shim::launch({(unsigned)(heads + 2 * kv_heads), 1, 1}, {threads, 1, 1}, 0, [&] {
+            attn_preamble_at(q.data(), k.data(), v.data(), normed ? qn.data() : nullptr,
+                             normed ? kn.data() : nullptr, eps, &pos, inv_freq.data(), kc.data(),
+                             vc.data(), heads, kv_heads, head_dim, 1);
+        });
+        // What the preamble writes that attention reads: q, and row p of each cache.
+        const std::vector<float> q_done = q, kc_done = kc, vc_done = vc;
+        size_t row = (size_t)p * kvw;
+        shim::Predecessor pre{[&] {
+                                  std::fill(q.begin(), q.end(), NAN);
+                                  std::fill_n(kc.begin() + row, kvw, NAN);
+                                  std::fill_n(vc.begin() + row, kvw, NAN);
+                              },
+                              [&] {
+                                  q = q_done;
+                                  std::copy_n(kc_done.begin() + row, kvw, kc.begin() + row);
+                                  std::copy_n(vc_done.begin() + row, kvw, vc.begin() + row);
+                              }};
+        auto group_kernel = head_dim <= 64    ? attention_group_64
+                            : head_dim <= 128 ? attention_group_128
+                                              : attention_group_256;
+        shim::predecessor = &pre;
+        shim::launch(grid, {ATT_THREADS, 1, 1}, 0, [&] {
+            group_kernel(q.data(), kc.data(), vc.data(), acc.data(), ml.data(), 0, heads,
+                         kv_heads, head_dim, window, &pos, chunk, 1);
+        });
+        shim::predecessor = nullptr;
+    } else {
+        auto step = head_dim <= 64    ? attention_step_64
+                    : head_dim <= 128 ? attention_step_128
+                                      : attention_step_256;
+        shim::launch(grid, {ATT_THREADS, 1, 1}, 0, [&] {
+            step(q.data(), kc.data(), vc.data(), acc.data(), ml.data(), 0, heads, kv_heads,
+                 head_dim, window, &pos, chunk, k.data(), v.data(), normed ? qn.data() : nullptr,
+                 normed ? kn.data() : nullptr, eps, inv_freq.data());
+        });
+    }
     shim::launch({(unsigned)heads, 1, 1}, {COMBINE_THREADS, 1, 1}, 0, [&] {
         attention_combine(acc.data(), ml.data(), out.data(), splits, head_dim);
     });
     double e = std::max({rel_err(out, want_out), rel_err(kc, want_kc), rel_err(vc, want_vc)});
-    std::printf("attention step %d/%d x %d @%d of %d, window %d, chunk %d, norm %d: %.2e\n",
-                heads, kv_heads, head_dim, p, capacity, window, chunk, normed, e);
+    std::printf("attention %s %d/%d x %d @%d of %d, window %d, chunk %d, norm %d: %.2e\n",
+                early ? "preamble, early group" : "step", heads, kv_heads, head_dim, p, capacity,
+                window, chunk, normed, e);
     return e;
 }
 
@@ -963,6 +1000,17 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_attention_step(24, 2, 64, 17, 48, 0, 16, true));
         worst = std::max(worst, check_attention_step(4, 2, 256, 5, 20, 0, 16, true));
         worst = std::max(worst, check_attention_step(4, 1, 96, 0, 16, 0, 16, false));
+        // The two kernels, keys and values loaded before the wait: row p inside a chunk's
+        // first score step, first in its chunk, in the second score step (and V round) of
+        // a 64-key chunk, and in a window.
+        worst = std::max(worst, check_attention_step(32, 4, 128, 40, 64, 0, 32, true, true));
+        worst = std::max(worst, check_attention_step(32, 4, 128, 40, 64, 0, 16, false, true));
+        worst = std::max(worst, check_attention_step(32, 4, 128, 32, 64, 0, 32, true, true));
+        worst = std::max(worst, check_attention_step(32, 4, 128, 40, 64, 0, 64, true, true));
+        worst = std::max(worst, check_attention_step(8, 2, 128, 90, 100, 20, 32, true, true));
+        worst = std::max(worst, check_attention_step(24, 2, 64, 17, 48, 0, 16, true, true));
+        worst = std::max(worst, check_attention_step(4, 2, 256, 5, 20, 0, 16, true, true));
+        worst = std::max(worst, check_attention_step(4, 1, 96, 0, 16, 0, 16, false, true));
     }
     // The token a step chose carried into the next: one block, several.
     if (wanted("decode")) {

@@ -2,11 +2,12 @@
 
     python3 prepare.py kernels.cu kernels_host.cpp
 
-Three rewrites, each failing loudly when the source no longer has what it expects:
+Four rewrites, each failing loudly when the source no longer has what it expects:
 the definitions of the helpers written in inline PTX are dropped (shim.h defines them);
 `extern __shared__ T name[];` becomes a pointer into the block's dynamic shared memory;
-and `__shared__` arrays become function statics, one per kernel, which is what the
-threads of a block share when blocks run one after another.
+`__shared__` arrays become function statics, one per kernel, which is what the
+threads of a block share when blocks run one after another; and the host's empty
+PDL_WAIT becomes shim::pdl_wait.
 """
 
 import re
@@ -59,6 +60,12 @@ def main() -> None:
         r"\1* \2 = reinterpret_cast<\1*>(shim::block_shared());", src
     )
     src = src.replace("__shared__ ", "static ")
+    # The programmatic-launch wait of a kernel compiled for the host: shim::pdl_wait,
+    # where a check can stand in for the kernel before it.
+    wait = "#define PDL_WAIT()\n#endif"
+    if wait not in src:
+        sys.exit("prepare.py: no host definition of PDL_WAIT in kernels.cu")
+    src = src.replace(wait, "#define PDL_WAIT() shim::pdl_wait()\n#endif")
     with open(sys.argv[2], "w") as out:
         out.write('#include "shim.h"\n')
         out.write(src)

@@ -205,6 +205,23 @@ inline void run_fibers() {
     }
 }
 
+// The kernel before a launch, for a kernel that reads some of what that one writes only
+// after its programmatic-launch wait and the rest before it: `before` leaves memory as it
+// is while that kernel still runs (its outputs poisoned), `after` as that kernel leaves
+// it. Each block starts under `before`; PDL_WAIT is then a barrier of the block, past
+// which `after` holds. Null: PDL_WAIT does nothing.
+struct Predecessor {
+    std::function<void()> before, after;
+};
+inline const Predecessor* predecessor = nullptr;
+
+inline void pdl_wait() {
+    if (!predecessor) return;
+    yield(BLOCK_BARRIER);
+    if (current->linear == 0) predecessor->after();
+    yield(BLOCK_BARRIER);
+}
+
 // Runs `kernel` over `grid` blocks of `block` threads with `shared` bytes of dynamic
 // shared memory each, poisoned with NaNs so that nothing reads what no thread wrote. The
 // blocks run one after another, unless `resident`: then all at once, as a kernel whose
@@ -221,6 +238,7 @@ inline void launch(dim3 grid, dim3 block, size_t shared, std::function<void()> k
     unsigned group = resident ? blocks : 1;
     for (unsigned b = 0; b < blocks; b += group) {
         unsigned last = std::min(blocks, b + group);
+        if (predecessor) predecessor->before();
         dynamic_shared.assign(last - b, std::vector<float4>(shared / 16 + 1, float4{NAN, NAN, NAN, NAN}));
         exchange.assign((size_t)(last - b) * block_threads * 16, 0);
         make_fibers(b, last);

@@ -946,8 +946,11 @@ fn attention_step_matches_the_preamble_then_attention() {
         (3, 1, 96),
         (2, 2, 6),
     ];
-    for fused in [true, false] {
+    // Unfused, the grouped kernel loads its keys and values before its launch wait or
+    // after it.
+    for (fused, early) in [(true, false), (false, true), (false, false)] {
         g.set_step_attention(fused);
+        g.set_kv_early(early);
         for (heads, kv_heads, head_dim) in cases {
             let inv_freq = dynmoe::model::forward::rope_inv_freq(1e6, head_dim, 1.0);
             let (qw, kvw) = (heads * head_dim, kv_heads * head_dim);
@@ -974,7 +977,7 @@ fn attention_step_matches_the_preamble_then_attention() {
                 both!(
                     &format!(
                         "attention_step_at {heads}/{kv_heads}x{head_dim} @{pos} norm {normed} \
-                         w{window:?} fused {fused}"
+                         w{window:?} fused {fused} early {early}"
                     ),
                     &[&q, &k, &v, &qn, &kn, &kc, &vc, &step],
                     qw + 2 * capacity * kvw,
@@ -1004,6 +1007,7 @@ fn attention_step_matches_the_preamble_then_attention() {
         }
     }
     g.set_step_attention(false);
+    g.set_kv_early(true);
 }
 
 /// A random matrix quantized to MLX 4 bits and repacked at `bits`.

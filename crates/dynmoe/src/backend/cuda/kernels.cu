@@ -1950,12 +1950,21 @@ extern "C" __global__ void write_row_at(const float* src, float* dst, const unsi
 // to q or k; a k or v head is also copied to row *pos of its cache. A thread owns the
 // pairs (i, i + half) it rotates, PRE_PAIRS at most, so head_dim ≤ 2·PRE_PAIRS·blockDim.
 #define PRE_PAIRS 4
+//
+// With `late`, the kernel lets the next one start only once its own wait is over, so the
+// kernel after it (attention_group_* with `early`) knows every kernel before this one has
+// finished, and may load the caches' earlier rows before its own wait.
 extern "C" __global__ void attn_preamble_at(float* q, float* k, const float* v, const float* qn,
                                             const float* kn, float eps, const unsigned* pos,
                                             const float* inv_freq, float* k_cache,
                                             float* v_cache, int heads, int kv_heads,
-                                            int head_dim) {
-    PDL_ENTRY();
+                                            int head_dim, int late) {
+    if (late) {
+        PDL_WAIT();
+        PDL_LAUNCH();
+    } else {
+        PDL_ENTRY();
+    }
     __shared__ float scratch[32];
     int b = blockIdx.x;
     size_t kvw = (size_t)kv_heads * head_dim;
@@ -3126,12 +3135,17 @@ __device__ __forceinline__ void norm_rope_head(const float* src, const float* nw
     }
 }
 
+// With `early` (the kernel before is attn_preamble_at with `late`, so every kernel before
+// that one has finished: the position and the caches' rows before it are final), a block
+// reads the position and issues its first keys' and values' loads before its own wait,
+// which then overlaps them with the preamble. Row p itself, which the preamble writes, is
+// read after the wait. The caller does PDL_LAUNCH; this waits.
 template <int NV, bool PRE>
 __device__ void attention_group(const float* __restrict__ q, const float* __restrict__ k,
                                 const float* __restrict__ v, float* __restrict__ acc_out,
                                 float* __restrict__ ml, int pos0, int heads, int kv_heads,
                                 int head_dim, int window, const unsigned* pos_at, int chunk,
-                                const StepPreamble& pre) {
+                                const StepPreamble& pre, bool early) {
     static_assert(ATT_LANES == ATT_GROUP, "lane i of a key's lanes ends with head i's score");
     constexpr int KB = 8 / NV;  // keys a lane group loads at once
     constexpr int STEP = (ATT_THREADS / ATT_LANES) * KB;
@@ -3146,10 +3160,12 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
     int kvh = blockIdx.x / tiles, tile = blockIdx.x % tiles;
     int h0 = kvh * group + tile * ATT_GROUP, gt = min(ATT_GROUP, group - tile * ATT_GROUP);
     int s = blockIdx.y, splits = gridDim.y, tid = threadIdx.x;
+    if (!early) PDL_WAIT();
     int p = pos_at ? (int)*pos_at : pos0;
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
     int t0 = max(lo, s * chunk), t1 = min(p + 1, (s + 1) * chunk);
     if (t0 >= t1) {
+        if (early) PDL_WAIT();
         if (tid < gt) {
             size_t at = (size_t)(h0 + tid) * splits + s;
             ml[2 * at] = NEG_INF;
@@ -3192,14 +3208,44 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
         __syncthreads();
     }
 
-    // V pass layout, its first rows requested now.
+    // The chunk's key at position p when the kernel before writes it (early): read only
+    // after the wait (-1: none).
+    int jl = early && p < t1 ? p - t0 : -1;
+    // V pass layout, its first rows requested now; the score pass's first keys too.
     int kg_n = ATT_THREADS / f4, f = tid % f4, kg = tid / f4;
     bool v_lane = kg < kg_n;
-    float4 vb[ATT_VB];
+    int grp = tid / ATT_LANES, sub = tid % ATT_LANES;
+    auto v_row = [&](int j) {
+        return v_lane && j < tn ? (PRE && j == jp ? vp[f] : v4[(size_t)j * row4 + f]) : zero;
+    };
+    auto k_part = [&](int j, int i) {
+        int c = sub + i * ATT_LANES;
+        return j < tn && c < f4 ? (PRE && j == jp ? kp[c] : k4[(size_t)j * row4 + c]) : zero;
+    };
+    float4 vb[ATT_VB], kr[KB][NV];
 #pragma unroll
     for (int b = 0; b < ATT_VB; b++) {
         int j = kg + b * kg_n;
-        vb[b] = v_lane && j < tn ? (PRE && j == jp ? vp[f] : v4[(size_t)j * row4 + f]) : zero;
+        vb[b] = j != jl ? v_row(j) : zero;
+    }
+#pragma unroll
+    for (int b = 0; b < KB; b++) {
+        int j = grp + b * (ATT_THREADS / ATT_LANES);
+#pragma unroll
+        for (int i = 0; i < NV; i++) kr[b][i] = j != jl ? k_part(j, i) : zero;
+    }
+    if (early) {
+        PDL_WAIT();
+        if (jl >= 0) {
+#pragma unroll
+            for (int b = 0; b < ATT_VB; b++)
+                if (kg + b * kg_n == jl) vb[b] = v_row(jl);
+#pragma unroll
+            for (int b = 0; b < KB; b++)
+                if (grp + b * (ATT_THREADS / ATT_LANES) == jl)
+#pragma unroll
+                    for (int i = 0; i < NV; i++) kr[b][i] = k_part(jl, i);
+        }
     }
     if (!PRE) {
         for (int i = tid; i < ATT_GROUP * NV * ATT_LANES; i += ATT_THREADS) {
@@ -3210,16 +3256,13 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
     __syncthreads();
 
     float scale = 1.0f / sqrtf((float)head_dim);
-    int grp = tid / ATT_LANES, sub = tid % ATT_LANES;
     for (int j0 = 0; j0 < tn; j0 += STEP) {
-        float4 kr[KB][NV];
+        if (j0 > 0) {
 #pragma unroll
-        for (int b = 0; b < KB; b++) {
-            int j = j0 + grp + b * (ATT_THREADS / ATT_LANES);
+            for (int b = 0; b < KB; b++) {
+                int j = j0 + grp + b * (ATT_THREADS / ATT_LANES);
 #pragma unroll
-            for (int i = 0; i < NV; i++) {
-                int c = sub + i * ATT_LANES;
-                kr[b][i] = j < tn && c < f4 ? (PRE && j == jp ? kp[c] : k4[(size_t)j * row4 + c]) : zero;
+                for (int i = 0; i < NV; i++) kr[b][i] = k_part(j, i);
             }
         }
 #pragma unroll
@@ -3268,10 +3311,7 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
     for (int j0 = 0; j0 < tn; j0 += kg_n * ATT_VB) {
         if (j0 > 0) {
 #pragma unroll
-            for (int b = 0; b < ATT_VB; b++) {
-                int j = j0 + kg + b * kg_n;
-                vb[b] = v_lane && j < tn ? (PRE && j == jp ? vp[f] : v4[(size_t)j * row4 + f]) : zero;
-            }
+            for (int b = 0; b < ATT_VB; b++) vb[b] = v_row(j0 + kg + b * kg_n);
         }
 #pragma unroll
         for (int b = 0; b < ATT_VB; b++) {
@@ -3308,7 +3348,7 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
 
 // Head widths up to 64, 128 and 256, a multiple of 4 (float4 rows). attention_step_*
 // also does the decode step's preamble (see StepPreamble): its arguments are
-// attention_group_*'s, then the preamble's; q, k and v are the q/k/v products' rows, and
+// attention_group_*'s up to `chunk`, then the preamble's; q, k and v are the q/k/v products' rows, and
 // the caches get row *pos_at. It removes a launch a layer but measured
 // 3-4% slower in decode on the H200 (each block's prologue is a dependent load, a reduction
 // and RoPE before its first key, which costs more than the launch it replaces), so the
@@ -3319,20 +3359,20 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                  \
         attention_group_##W(const float* q, const float* k, const float* v, float* acc,       \
                             float* ml, int pos0, int heads, int kv_heads, int head_dim,       \
-                            int window, const unsigned* pos_at, int chunk) {                  \
-        PDL_ENTRY();                                                                           \
+                            int window, const unsigned* pos_at, int chunk, int early) {       \
+        PDL_LAUNCH();                                                                          \
         attention_group<NV, false>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, \
-                                   pos_at, chunk, {});                                        \
+                                   pos_at, chunk, {}, early != 0);                            \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attention_step_##W(           \
         const float* q, float* k_cache, float* v_cache, float* acc, float* ml, int pos0,       \
         int heads, int kv_heads, int head_dim, int window, const unsigned* pos_at, int chunk,  \
         const float* k, const float* v, const float* qn, const float* kn, float eps,           \
         const float* inv_freq) {                                                               \
-        PDL_ENTRY();                                                                           \
+        PDL_LAUNCH();                                                                          \
         attention_group<NV, true>(q, k_cache, v_cache, acc, ml, pos0, heads, kv_heads,         \
                                   head_dim, window, pos_at, chunk,                             \
-                                  {q, k, v, qn, kn, eps, inv_freq, k_cache, v_cache});         \
+                                  {q, k, v, qn, kn, eps, inv_freq, k_cache, v_cache}, false);  \
     }
 ATTENTION_GROUP(64, 2)
 ATTENTION_GROUP(128, 4)

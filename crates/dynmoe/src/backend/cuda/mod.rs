@@ -862,6 +862,10 @@ pub struct Cuda {
     decode_attention: Switch<DecodeAttention>,
     /// Keys per block of the grouped decode attention when set, else 0 ([`group_chunk`]).
     decode_chunk: std::sync::atomic::AtomicUsize,
+    /// Whether a decode step's preamble lets the grouped attention start only after its own
+    /// wait, so that the attention loads its keys and values before its wait
+    /// (`DYNMOE_CUDA_KV_EARLY=0`: both wait at once, to measure one against the other).
+    kv_early: Switch<bool>,
     /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
     prefill_attention: Switch<PrefillAttention>,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
@@ -1440,6 +1444,7 @@ impl Cuda {
             bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
             decode_attention: Switch::new(DecodeAttention::from_env()),
             decode_chunk: std::sync::atomic::AtomicUsize::new(0),
+            kv_early: Switch::new(!switched_off("DYNMOE_CUDA_KV_EARLY")),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
             prefill_attention: Switch::new(PrefillAttention::from_env()),
             tiled_head_dim,
@@ -1649,6 +1654,20 @@ impl Cuda {
     /// [`set_step_attention`](Self::set_step_attention)).
     pub fn step_attention(&self) -> bool {
         self.step_attention.get()
+    }
+
+    /// Whether a decode step's grouped attention issues the loads of its keys and values
+    /// before its launch wait, the preamble before it letting it start only once the
+    /// preamble's own wait is over (the default), or both kernels wait at once. Steps
+    /// already recorded keep their way.
+    pub fn set_kv_early(&self, on: bool) {
+        self.kv_early.set(on);
+    }
+
+    /// Whether a decode step's attention loads keys and values early (see
+    /// [`set_kv_early`](Self::set_kv_early)).
+    pub fn kv_early(&self) -> bool {
+        self.kv_early.get()
     }
 
     /// Whether products of many rows run on tensor cores (see
@@ -3477,6 +3496,106 @@ impl Cuda {
         }
     }
 
+    /// The preamble of a one-row decode step; with `late`, the kernel lets the next one
+    /// start only after its own wait (see `attn_preamble_at`). False when it went through
+    /// the single ops instead (no kernel of its own, so nothing for `late` to promise).
+    #[allow(clippy::too_many_arguments)]
+    fn preamble_at(
+        &self,
+        q: &mut CudaSlice<f32>,
+        k: &mut CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        norm: Option<HeadNorm<'_, CudaSlice<f32>>>,
+        shape: AttentionShape,
+        inv_freq: &[f32],
+        step: &CudaSlice<f32>,
+        k_cache: &mut CudaSlice<f32>,
+        v_cache: &mut CudaSlice<f32>,
+        late: bool,
+    ) -> bool {
+        let (heads, kv_heads, d) = (shape.heads, shape.kv_heads, shape.head_dim);
+        let half = d / 2;
+        let threads = half.next_multiple_of(32).clamp(32, 256);
+        // A head the kernel's registers cannot hold (or an odd width, whose last value
+        // RoPE leaves alone) goes through the single ops.
+        if d % 2 != 0 || half > PRE_PAIRS * threads || heads == 0 || kv_heads == 0 {
+            attention_preamble_one_by_one(
+                self, q, k, v, norm, shape, inv_freq, step, k_cache, v_cache,
+            );
+            return false;
+        }
+        let freq = self.constant(inv_freq);
+        let pos = step.slice(1..2);
+        let null = 0u64;
+        let eps = norm.map_or(0.0, |n| n.eps);
+        let (h, kvh, hd) = (heads as i32, kv_heads as i32, d as i32);
+        let mut l = self.launcher(self.func("attn_preamble_at"));
+        l.arg(q).arg(k).arg(v);
+        match &norm {
+            Some(n) => l.arg(n.q).arg(n.k),
+            None => l.arg(&null).arg(&null),
+        };
+        l.arg(&eps)
+            .arg(&pos)
+            .arg(&*freq)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&hd)
+            .arg(&(late as i32));
+        ok(
+            unsafe { l.launch(cfg(heads + 2 * kv_heads, threads as u32, 0)) },
+            "attn_preamble_at",
+        );
+        true
+    }
+
+    /// Attention of a decode step's one row at the position in `step`; `early`: the
+    /// kernel before is the preamble with `late` (see `attention_group`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_row_at(
+        &self,
+        q: &CudaSlice<f32>,
+        k_cache: &CudaSlice<f32>,
+        v_cache: &CudaSlice<f32>,
+        shape: AttentionShape,
+        step: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        early: bool,
+    ) {
+        assert!(
+            shape.head_dim <= 256,
+            "head_dim {} over the attention kernel's 256",
+            shape.head_dim
+        );
+        let (p0, h, kvh, d) = (
+            0i32,
+            shape.heads as i32,
+            shape.kv_heads as i32,
+            shape.head_dim as i32,
+        );
+        let window = shape.window.map_or(0, |w| w as i32);
+        let pos = step.slice(1..2);
+        if self.decode_attention() != DecodeAttention::Whole {
+            let at = pos.device_ptr(&self.stream).0;
+            self.attention_one_row(q, k_cache, v_cache, shape, at, out, None, early);
+            return;
+        }
+        let mut l = self.launcher(self.func("attention"));
+        l.arg(q)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(out)
+            .arg(&p0)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&d)
+            .arg(&window)
+            .arg(&pos);
+        ok(unsafe { l.launch(cfg(shape.heads, 128, 0)) }, "attention");
+    }
+
     /// Attention of one query row (position `pos0`, or the `u32` at device address
     /// `pos_at` when non-zero) with the keys cut into chunks, then merged: one block per
     /// head would walk the whole context alone. [`DecodeAttention::Grouped`] takes a block
@@ -3492,6 +3611,7 @@ impl Cuda {
         pos_at: u64,
         out: &mut CudaSlice<f32>,
         preamble: Option<OneRowPreamble<'_>>,
+        early: bool,
     ) {
         let kvw = shape.kv_heads * shape.head_dim;
         let capacity = (k_cache.len() / kvw).max(1);
@@ -3538,11 +3658,16 @@ impl Cuda {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        // The step kernel takes the grouped kernel's arguments, then the preamble's; the
-        // caller has checked that the grouped kernel takes these heads.
+        // The step kernel takes the grouped kernel's arguments up to the chunk, then the
+        // preamble's; the caller has checked that the grouped kernel takes these heads.
+        // The grouped kernel ends with whether it may load early.
         let name = match preamble {
             Some(_) => step_kernel(shape.head_dim).expect("a grouped width"),
             None => name,
+        };
+        let early = match (&preamble, grouped) {
+            (None, Some(_)) => Some(early as i32),
+            _ => None,
         };
         let mut l = self.launcher(self.func(name));
         l.arg(q)
@@ -3565,6 +3690,9 @@ impl Cuda {
                 None => l.arg(&null).arg(&null),
             };
             l.arg(&pre.norm.map_or(0.0, |n| n.eps)).arg(pre.inv_freq);
+        }
+        if let Some(e) = &early {
+            l.arg(e);
         }
         ok(unsafe { l.launch(grid) }, name);
         drop(l);
@@ -4022,7 +4150,7 @@ impl Backend for Cuda {
             return;
         }
         if shape.rows == 1 && self.decode_attention() != DecodeAttention::Whole {
-            self.attention_one_row(q, k_cache, v_cache, shape, 0, out, None);
+            self.attention_one_row(q, k_cache, v_cache, shape, 0, out, None, false);
             return;
         }
         if shape.rows > 1 && self.prefill_attention() == PrefillAttention::Tiled {
@@ -4173,40 +4301,8 @@ impl Backend for Cuda {
         k_cache: &mut CudaSlice<f32>,
         v_cache: &mut CudaSlice<f32>,
     ) {
-        let (heads, kv_heads, d) = (shape.heads, shape.kv_heads, shape.head_dim);
-        let half = d / 2;
-        let threads = half.next_multiple_of(32).clamp(32, 256);
-        // A head the kernel's registers cannot hold (or an odd width, whose last value
-        // RoPE leaves alone) goes through the single ops.
-        if d % 2 != 0 || half > PRE_PAIRS * threads || heads == 0 || kv_heads == 0 {
-            attention_preamble_one_by_one(
-                self, q, k, v, norm, shape, inv_freq, step, k_cache, v_cache,
-            );
-            return;
-        }
-        let freq = self.constant(inv_freq);
-        let pos = step.slice(1..2);
-        let null = 0u64;
-        let eps = norm.map_or(0.0, |n| n.eps);
-        let (h, kvh, hd) = (heads as i32, kv_heads as i32, d as i32);
-        let mut l = self.launcher(self.func("attn_preamble_at"));
-        l.arg(q).arg(k).arg(v);
-        match &norm {
-            Some(n) => l.arg(n.q).arg(n.k),
-            None => l.arg(&null).arg(&null),
-        };
-        l.arg(&eps)
-            .arg(&pos)
-            .arg(&*freq)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&hd);
-        ok(
-            unsafe { l.launch(cfg(heads + 2 * kv_heads, threads as u32, 0)) },
-            "attn_preamble_at",
-        );
+        let late = false;
+        self.preamble_at(q, k, v, norm, shape, inv_freq, step, k_cache, v_cache, late);
     }
 
     fn attention_at(
@@ -4218,36 +4314,7 @@ impl Backend for Cuda {
         step: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) {
-        assert!(
-            shape.head_dim <= 256,
-            "head_dim {} over the attention kernel's 256",
-            shape.head_dim
-        );
-        let (p0, h, kvh, d) = (
-            0i32,
-            shape.heads as i32,
-            shape.kv_heads as i32,
-            shape.head_dim as i32,
-        );
-        let window = shape.window.map_or(0, |w| w as i32);
-        let pos = step.slice(1..2);
-        if self.decode_attention() != DecodeAttention::Whole {
-            let at = pos.device_ptr(&self.stream).0;
-            self.attention_one_row(q, k_cache, v_cache, shape, at, out, None);
-            return;
-        }
-        let mut l = self.launcher(self.func("attention"));
-        l.arg(q)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(out)
-            .arg(&p0)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&d)
-            .arg(&window)
-            .arg(&pos);
-        ok(unsafe { l.launch(cfg(shape.heads, 128, 0)) }, "attention");
+        self.attention_row_at(q, k_cache, v_cache, shape, step, out, false);
     }
 
     fn attention_step_at(
@@ -4272,8 +4339,15 @@ impl Backend for Cuda {
             && shape.heads > 0
             && shape.kv_heads > 0;
         if !fused {
-            self.attention_preamble_at(q, k, v, norm, shape, inv_freq, step, k_cache, v_cache);
-            self.attention_at(q, k_cache, v_cache, shape, step, out);
+            // The grouped kernel loads its keys and values early when the preamble before
+            // it is the kernel that lets it start only after its own wait.
+            let late = self.kv_early()
+                && self.decode_attention() == DecodeAttention::Grouped
+                && group_kernel(shape.head_dim).is_some();
+            let early = self
+                .preamble_at(q, k, v, norm, shape, inv_freq, step, k_cache, v_cache, late)
+                && late;
+            self.attention_row_at(q, k_cache, v_cache, shape, step, out, early);
             return;
         }
         let freq = self.constant(inv_freq);
@@ -4284,7 +4358,7 @@ impl Backend for Cuda {
             norm,
             inv_freq: &freq,
         };
-        self.attention_one_row(q, k_cache, v_cache, shape, at, out, Some(preamble));
+        self.attention_one_row(q, k_cache, v_cache, shape, at, out, Some(preamble), false);
     }
 
     fn argmax_rows(
