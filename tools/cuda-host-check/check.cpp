@@ -662,7 +662,7 @@ double check_attention_step(int heads, int kv_heads, int head_dim, int p, int ca
 // ---- A decode step's routed affine experts (routed_mma_gate_up_q*, routed_mma_down_q*) ----
 
 using AffineGateUp = void (*)(const unsigned long long*, const float*, const unsigned char*, int,
-                              int, int*, float*, int, const float*, float*, int, int, int);
+                              int, int*, float*, int, const float*, float*, int, int, int, int);
 using AffineDown = void (*)(const unsigned long long*, const int*, const float*, int,
                             const float*, float*, int, int, int, float*, int);
 
@@ -736,7 +736,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     size_t down_shared = (size_t)(top_k * inter / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), probs.data(), nullptr, experts, 1, got_ids.data(), got_w.data(),
-                top_k, x.data(), got_h.data(), inter, hidden, hidden);
+                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0);
     });
     // Down reads the reference's h, so that its error is its own.
     std::vector<float> h(want_h.begin(), want_h.end());
@@ -754,19 +754,37 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     std::vector<float> again_h(want_h.size(), NAN), again_out(hidden, NAN);
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), nullptr, nullptr, experts, 1, got_ids.data(), got_w.data(), top_k,
-                x.data(), again_h.data(), inter, hidden, hidden);
+                x.data(), again_h.data(), inter, hidden, hidden, 0);
     });
     shim::launch(down_grid, down_block, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), again_out.data(),
              hidden, inter, inter, nullptr, experts);
     });
+    // Gate/up started early (after matvec_bf16_one_late): x staged and the table copied
+    // into shared memory beside the units before the wait, the logits (the router's
+    // output) poisoned until each block's wait.
+    std::vector<float> early_h(want_h.size(), NAN), early_w(top_k, NAN);
+    std::vector<int> early_ids(top_k, -1);
+    std::vector<float> router_out = logits;
+    shim::Predecessor router{[&] { std::fill(router_out.begin(), router_out.end(), NAN); },
+                             [&] { router_out = logits; }};
+    size_t early_shared = (up_shared + 7) / 8 * 8 + (size_t)experts * GATE_UP_POINTERS * 8;
+    shim::predecessor = &router;
+    shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
+        gate_up(table.data(), router_out.data(), nullptr, experts, 1, early_ids.data(),
+                early_w.data(), top_k, x.data(), early_h.data(), inter, hidden, hidden, 1);
+    });
+    shim::predecessor = nullptr;
     bool same = std::memcmp(again_h.data(), got_h.data(), got_h.size() * 4) == 0 &&
                 std::memcmp(again_out.data(), got_out.data(), got_out.size() * 4) == 0;
+    bool same_early = early_ids == got_ids &&
+                      std::memcmp(early_w.data(), got_w.data(), got_w.size() * 4) == 0 &&
+                      std::memcmp(early_h.data(), got_h.data(), got_h.size() * 4) == 0;
     std::printf("routed q%d %d x %d, top-%d of %d: ids %s, weights %.2e, probs %.2e, gate/up "
-                "%.2e, down %.2e, routed before: %s\n",
+                "%.2e, down %.2e, routed before: %s, early: %s\n",
                 bits, hidden, inter, top_k, experts, ids_ok ? "same" : "DIFFER", ew, ep, eh, eo,
-                same ? "same bits" : "DIFFERENT");
-    return ids_ok && same ? std::max({ew, ep, eh, eo}) : INFINITY;
+                same ? "same bits" : "DIFFERENT", same_early ? "same bits" : "DIFFERENT");
+    return ids_ok && same && same_early ? std::max({ew, ep, eh, eo}) : INFINITY;
 }
 
 // ---- A decode step's MoE layer in one launch (moe_step_q*) ----

@@ -1595,11 +1595,18 @@ struct DownTile : TileLanes {
 // they come, and the first block of the token's first pair writes the token's ids and
 // weights for the down kernel. The logits are left as they are: blocks of the same
 // token read them until the last has routed (the down kernel writes the probabilities).
+//
+// With `early` (the router before is matvec_bf16_one_late, which lets this kernel start
+// only once its own wait is over, so x and the table are final), the block stages x and
+// copies every expert's gate and up pointers into shared memory (after the staged units'
+// space: 6 words an expert) before its own wait; after it, only the route and the words
+// of the chosen expert are left. The caller does PDL_LAUNCH; this waits.
+#define GATE_UP_POINTERS 6
 template <int BITS, int UNITS>
 __device__ void routed_mma_gate_up(const unsigned long long* table, const float* logits,
                                    const unsigned char* keep, int experts, int renormalize,
                                    int* ids, float* weights, int top_k, const float* x,
-                                   float* h, int rows, int cols, int in_dim) {
+                                   float* h, int rows, int cols, int in_dim, bool early) {
     extern __shared__ __align__(16) unsigned smem[];
     __shared__ int route_ids[ROUTE_SHARED_MAX];
     __shared__ float route_w[ROUTE_SHARED_MAX];
@@ -1610,6 +1617,22 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
     float* xsum = reinterpret_cast<float*>(smem + (size_t)groups * RMMA_UNIT);
     float* red = xsum + groups;
     int pair = blockIdx.y, token = pair / top_k, rank = pair % top_k;
+    auto stage_x = [&] {
+        stage_units<BITS>(xs, xsum, x, [&](int) { return token; }, groups, groups, in_dim,
+                          threadIdx.x, blockDim.x);
+    };
+    // Every expert's gate and up pointers, 8-byte aligned after `red`.
+    unsigned long long* pointers = reinterpret_cast<unsigned long long*>(
+        smem + (((size_t)groups * RMMA_UNIT + groups + RMMA_WARPS * 2 * RMMA_ROWS + 1) & ~(size_t)1));
+    if (early) {
+        for (int i = threadIdx.x; i < experts * GATE_UP_POINTERS; i += blockDim.x)
+            pointers[i] = table[(size_t)(i / GATE_UP_POINTERS) * ROUTED_ENTRY + i % GATE_UP_POINTERS];
+        stage_x();
+        __syncthreads();
+        PDL_WAIT();
+    } else {
+        PDL_WAIT();
+    }
     int expert;
     if (logits) {
         route_block(logits + (size_t)token * experts, nullptr, keep, route_ids, route_w,
@@ -1623,12 +1646,12 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
     } else {
         expert = ids[pair];
     }
-    GateUpTile<BITS, UNITS> tile(table + (size_t)expert * ROUTED_ENTRY, blockIdx.x * RMMA_ROWS,
-                                 rows, cols);
+    GateUpTile<BITS, UNITS> tile(early ? pointers + (size_t)expert * GATE_UP_POINTERS
+                                       : table + (size_t)expert * ROUTED_ENTRY,
+                                 blockIdx.x * RMMA_ROWS, rows, cols);
     // The words' loads go out before x is staged, to overlap their latency.
     tile.load(tile.u0);
-    stage_units<BITS>(xs, xsum, x, [&](int) { return token; }, groups, groups, in_dim,
-                      threadIdx.x, blockDim.x);
+    if (!early) stage_x();
     __syncthreads();
     tile.finish(xs, xsum, red, h + (size_t)pair * rows);
 }
@@ -1683,11 +1706,11 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
         routed_mma_gate_up_q##B(const unsigned long long* table, const float* logits,          \
                                 const unsigned char* keep, int experts, int renormalize,       \
                                 int* ids, float* weights, int top_k, const float* x, float* h, \
-                                int rows, int cols, int in_dim) {                              \
-        PDL_ENTRY();                                                                           \
+                                int rows, int cols, int in_dim, int early) {                   \
+        PDL_LAUNCH();                                                                          \
         routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, logits, keep, experts, renormalize,   \
                                                   ids, weights, top_k, x, h, rows, cols,       \
-                                                  in_dim);                                     \
+                                                  in_dim, early != 0);                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP) routed_mma_down_q##B( \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
@@ -2302,6 +2325,26 @@ extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
     int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
     int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
     float v = matvec_bf16_part(w, x, rows, o, cols, part, parts);
+    matvec_bf16_parts_done(v, out, rows, o, part, parts);
+}
+
+// The row as it is, the next kernel let start only now (past this one's wait).
+struct RowThenLaunch {
+    __device__ const float* operator()(const float* x) const {
+        PDL_LAUNCH();
+        return x;
+    }
+};
+
+// matvec_bf16_one for a decode step's router: the next kernel (the routed gate/up with
+// `early`) may start only once this one's wait is over, so every kernel before this one
+// has finished and that one may stage x and read the expert table before its own wait.
+extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
+    matvec_bf16_one_late(const unsigned short* w, const float* x, float* out, int rows,
+                         int cols, int batch) {
+    int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
+    int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
+    float v = matvec_bf16_part(w, x, rows, o, cols, part, parts, RowThenLaunch{});
     matvec_bf16_parts_done(v, out, rows, o, part, parts);
 }
 

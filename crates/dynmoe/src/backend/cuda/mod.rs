@@ -99,6 +99,9 @@ const SHARED_LIMIT: usize = 48 << 10;
 const GROUP_ENTRY: usize = 11;
 /// u64 words per expert in a routed block's table (the kernel's `ROUTED_ENTRY`).
 const ROUTED_ENTRY: usize = 9;
+/// The gate and up pointers of an entry a routed gate/up block copies with `early` (the
+/// kernel's `GATE_UP_POINTERS`).
+const GATE_UP_POINTERS: usize = 6;
 /// Output rows per warp of the routed expert kernels (the kernel's `ROUTED_ROWS`).
 const ROUTED_ROWS: usize = 4;
 /// Columns of a row one warp of the one-row bf16 kernels takes (their `MV_ONE_COLS`).
@@ -364,7 +367,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 116] = [
+const KERNEL_NAMES: [&str; 117] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -373,6 +376,7 @@ const KERNEL_NAMES: [&str; 116] = [
     "matvec_bf16",
     "matvec_bf16_3",
     "matvec_bf16_one",
+    "matvec_bf16_one_late",
     "router_route_one",
     "matvec_bf16_norm_one",
     "matvec_bf16_3_one",
@@ -702,6 +706,9 @@ struct Routed<'a> {
     /// Whether the router already took the route (`router_route_one`): the ids and
     /// weights are in the routed scratch and the probabilities in place of the logits.
     routed: bool,
+    /// Whether the router was `matvec_bf16_one_late`, so the routed gate/up kernel right
+    /// after it may stage x and read the table before its launch wait.
+    router_late: bool,
 }
 
 /// One launch pair of the grouped expert GEMMs ([`Cuda::launch_expert_gemms`]): device
@@ -866,6 +873,10 @@ pub struct Cuda {
     /// wait, so that the attention loads its keys and values before its wait
     /// (`DYNMOE_CUDA_KV_EARLY=0`: both wait at once, to measure one against the other).
     kv_early: Switch<bool>,
+    /// Whether a decode step's router lets the routed gate/up kernel start only after its
+    /// own wait, so that one stages x and reads the table before its wait
+    /// (`DYNMOE_CUDA_GATE_UP_EARLY=0`: both wait at once).
+    gate_up_early: Switch<bool>,
     /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
     prefill_attention: Switch<PrefillAttention>,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
@@ -1194,6 +1205,12 @@ fn routed_mma_shared(units: usize) -> usize {
     units * RMMA_UNIT_BYTES + RMMA_WARPS * 2 * RMMA_ROWS * 4
 }
 
+/// Dynamic shared memory of a `routed_mma_gate_up_*` block with `early`: the staged units
+/// and partial sums, then, 8-byte aligned, six pointers for each of `experts`.
+fn routed_mma_gate_up_shared(units: usize, experts: usize) -> usize {
+    routed_mma_shared(units).next_multiple_of(8) + experts * GATE_UP_POINTERS * 8
+}
+
 /// Words from one staged gate/up row of a `routed_slices_*` block to the next (the
 /// kernels' `slice_stride`): the row's words rounded up to 32, then 8 more (4 at 2 bits).
 fn slice_stride(bits: u32, cols: usize) -> usize {
@@ -1445,6 +1462,7 @@ impl Cuda {
             decode_attention: Switch::new(DecodeAttention::from_env()),
             decode_chunk: std::sync::atomic::AtomicUsize::new(0),
             kv_early: Switch::new(!switched_off("DYNMOE_CUDA_KV_EARLY")),
+            gate_up_early: Switch::new(!switched_off("DYNMOE_CUDA_GATE_UP_EARLY")),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
             prefill_attention: Switch::new(PrefillAttention::from_env()),
             tiled_head_dim,
@@ -1668,6 +1686,49 @@ impl Cuda {
     /// [`set_kv_early`](Self::set_kv_early)).
     pub fn kv_early(&self) -> bool {
         self.kv_early.get()
+    }
+
+    /// Whether a decode step's routed gate/up kernel stages x and copies the expert
+    /// table before its launch wait, the router before it letting it start only once the
+    /// router's own wait is over (the default), or both kernels wait at once. Steps
+    /// already recorded keep their way.
+    pub fn set_gate_up_early(&self, on: bool) {
+        self.gate_up_early.set(on);
+    }
+
+    /// Whether a decode step's routed gate/up kernel starts early (see
+    /// [`set_gate_up_early`](Self::set_gate_up_early)).
+    pub fn gate_up_early(&self) -> bool {
+        self.gate_up_early.get()
+    }
+
+    /// Whether the routed gate/up of `rows` rows behind router `gate` (the launch
+    /// [`launch_routed`](Self::launch_routed) makes next) takes the early start: one row
+    /// through a bf16 router of the one-row kernel, affine experts on tensor cores that
+    /// route themselves, and the expert table in shared memory beside the staged units.
+    fn routes_gate_up_early(
+        &self,
+        r: &Routed<'_>,
+        gate: &DeviceMatrix,
+        rows: usize,
+        hidden: usize,
+    ) -> bool {
+        let RoutedKind::Affine(shape) = r.kind else {
+            return false;
+        };
+        self.gate_up_early()
+            && rows == 1
+            && matches!(gate, DeviceMatrix::Bf16(_))
+            && hidden.is_multiple_of(8)
+            && one_row_parts(hidden) * MV_ONE_COLS >= hidden
+            && !r.routed
+            && !self.router_routes()
+            && r.experts <= ROUTE_SHARED_MAX
+            && self.routed_mma()
+            && !self.routed_slices()
+            && routed_mma_gate_up_shared(shape.up_cols / 64, r.experts) <= SHARED_LIMIT
+            && routed_mma_shared((shape.up_cols / 64).max(r.route.top_k * (shape.down_cols / 64)))
+                <= SHARED_LIMIT
     }
 
     /// Whether products of many rows run on tensor cores (see
@@ -2804,6 +2865,8 @@ impl Cuda {
                 self.launch_route(r, rows, probs, ids, weights);
                 0u64
             };
+            // Only right after the late router (no route kernel in between).
+            let early = r.router_late && logits != 0;
             let (ei, rn) = (r.experts as i32, r.route.renormalize as i32);
             // Gate and up write silu(gate) ⊙ up per pair into `g`; down adds each row's
             // pairs, weighted, straight into `out`.
@@ -2812,11 +2875,16 @@ impl Cuda {
             let mut l = self.launcher(self.func(&format!("routed_mma_gate_up_{suffix}")));
             l.arg(&r.table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
             l.arg(&ids).arg(&weights).arg(&ki).arg(&x).arg(&g);
-            l.arg(&ri).arg(&c).arg(&i);
+            l.arg(&ri).arg(&c).arg(&i).arg(&(early as i32));
+            let shared = if early {
+                routed_mma_gate_up_shared(up_units, r.experts)
+            } else {
+                routed_mma_shared(up_units)
+            };
             let gate_up = LaunchConfig {
                 grid_dim: (inter.div_ceil(RMMA_ROWS) as u32, pairs as u32, 1),
                 block_dim: block,
-                shared_mem_bytes: routed_mma_shared(up_units) as u32,
+                shared_mem_bytes: shared as u32,
             };
             ok(
                 unsafe { l.launch(gate_up) },
@@ -3275,6 +3343,17 @@ impl Cuda {
             self.dense_product(x, gate, rows, hidden, e, logits);
             return r;
         };
+        if self.routes_gate_up_early(&r, gate, rows, hidden) {
+            let (_, launch) = bf16_matvec(false, 1, hidden, e);
+            let (ei, ci, one) = (e as i32, hidden as i32, 1i32);
+            let mut l = self.launcher(self.func("matvec_bf16_one_late"));
+            l.arg(w).arg(x).arg(logits).arg(&ei).arg(&ci).arg(&one);
+            ok(unsafe { l.launch(launch) }, "matvec_bf16_one_late");
+            return Routed {
+                router_late: true,
+                ..r
+            };
+        }
         let k = r.route.top_k;
         if rows != 1
             || !self.router_routes()
@@ -4573,6 +4652,7 @@ impl Backend for Cuda {
             experts: e,
             route,
             routed: false,
+            router_late: false,
         };
         if self.launch_moe_step(&routed, gate, x_ptr, rows, hidden, probs_ptr, out_ptr) {
             return true;
@@ -4657,6 +4737,7 @@ impl Backend for Cuda {
             experts: e,
             route,
             routed: false,
+            router_late: false,
         };
         if self.launch_moe_step(&routed, gate, x_at, rows, hidden, probs_at, out_at) {
             return true;
