@@ -3427,6 +3427,7 @@ ATTENTION_GROUP(256, 8)
 // at a time; a thread per (dim, split residue), the residues summed in a fixed order.
 #define COMBINE_THREADS 512
 #define COMBINE_TILE 1024
+#define COMBINE_EARLY 8
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     attention_combine(const float* acc, const float* ml, float* out, int splits, int head_dim) {
     PDL_ENTRY();
@@ -3434,6 +3435,16 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     __shared__ float w[COMBINE_TILE];
     __shared__ float red[COMBINE_THREADS];
     int h = blockIdx.x, tid = threadIdx.x;
+    int sg_n = blockDim.x / head_dim, d = tid % head_dim, sg = tid / head_dim;
+    const float* ah = acc + (size_t)h * splits * head_dim + d;
+    // The thread's first COMBINE_EARLY outputs, loaded before the block's reductions over
+    // (max, sum) so that their latency overlaps those rather than following them.
+    float early[COMBINE_EARLY];
+#pragma unroll
+    for (int i = 0; i < COMBINE_EARLY; i++) {
+        int s = sg + i * sg_n;
+        early[i] = sg < sg_n && s < splits ? ah[(size_t)s * head_dim] : 0.0f;
+    }
     const float* mh = ml + (size_t)h * splits * 2;
     float mx = NEG_INF;
     for (int s = tid; s < splits; s += blockDim.x) mx = fmaxf(mx, mh[2 * s]);
@@ -3444,8 +3455,6 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
         if (m != NEG_INF) l += mh[2 * s + 1] * expf(m - mx);
     }
     l = block_sum(l, scratch);
-    int sg_n = blockDim.x / head_dim, d = tid % head_dim, sg = tid / head_dim;
-    const float* ah = acc + (size_t)h * splits * head_dim + d;
     float a = 0.0f;
     for (int s0 = 0; s0 < splits; s0 += COMBINE_TILE) {
         int sn = min(COMBINE_TILE, splits - s0);
@@ -3456,8 +3465,18 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
         }
         __syncthreads();
         if (sg < sg_n) {
+            int s = sg;
+            if (s0 == 0) {
+#pragma unroll
+                for (int i = 0; i < COMBINE_EARLY; i++, s += sg_n) {
+                    if (s < sn) {
+                        float ws = w[s];
+                        a += ws != 0.0f ? ws * early[i] : 0.0f;
+                    }
+                }
+            }
 #pragma unroll 4
-            for (int s = sg; s < sn; s += sg_n) {
+            for (; s < sn; s += sg_n) {
                 float ws = w[s], x = ah[(size_t)(s0 + s) * head_dim];
                 a += ws != 0.0f ? ws * x : 0.0f;
             }
