@@ -5,15 +5,15 @@
 # kernel then reads what the kernel before it has not yet written. The one-row dense
 # kernels (bf16 and affine) load their first weights before the wait on purpose (no
 # kernel writes weights), the grouped decode attention its position and the caches'
-# earlier rows, the routed gate/up its input and the expert table, and the routed down
-# the router's logits and its words, when asked (`early`: the kernel before starts them
-# only after its own wait); they are listed in EARLY.
+# earlier rows, and the routed gate/up its input and the expert table, when asked
+# (`early`: the kernel before starts them only after its own wait); they are listed in
+# EARLY.
 #
 #   bash scripts/gpu/pdl_order.sh [kernels.cu] [arch]
 set -euo pipefail
 src=${1:-crates/dynmoe/src/backend/cuda/kernels.cu}
 arch=${2:-sm_90}
-EARLY="matvec_bf16_one matvec_bf16_3_one router_route_one matvec_bf16_norm_one dense_mma_q4 dense_mma_q3 dense_mma_q2 dense_mma_norm_q4 dense_mma_norm_q3 dense_mma_norm_q2 attention_group_64 attention_group_128 attention_group_256 matvec_bf16_one_late routed_mma_gate_up_q4 routed_mma_gate_up_q3 routed_mma_gate_up_q2 routed_mma_down_q4 routed_mma_down_q3 routed_mma_down_q2"
+EARLY="matvec_bf16_one matvec_bf16_3_one router_route_one matvec_bf16_norm_one dense_mma_q4 dense_mma_q3 dense_mma_q2 dense_mma_norm_q4 dense_mma_norm_q3 dense_mma_norm_q2 attention_group_64 attention_group_128 attention_group_256 matvec_bf16_one_late routed_mma_gate_up_q4 routed_mma_gate_up_q3 routed_mma_gate_up_q2"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 cp "$src" "$tmp/kernels.cu"

@@ -1600,16 +1600,13 @@ struct DownTile : TileLanes {
 // only once its own wait is over, so x and the table are final), the block stages x and
 // copies every expert's gate and up pointers into shared memory (after the staged units'
 // space: 6 words an expert) before its own wait; after it, only the route and the words
-// of the chosen expert are left. With `late` as well, it lets the down kernel start only
-// once its own wait is over (the router has finished: down may route before its wait).
-// The caller does PDL_LAUNCH unless `late`; this waits.
+// of the chosen expert are left. The caller does PDL_LAUNCH; this waits.
 #define GATE_UP_POINTERS 6
 template <int BITS, int UNITS>
 __device__ void routed_mma_gate_up(const unsigned long long* table, const float* logits,
                                    const unsigned char* keep, int experts, int renormalize,
                                    int* ids, float* weights, int top_k, const float* x,
-                                   float* h, int rows, int cols, int in_dim, bool early,
-                                   bool late) {
+                                   float* h, int rows, int cols, int in_dim, bool early) {
     extern __shared__ __align__(16) unsigned smem[];
     __shared__ int route_ids[ROUTE_SHARED_MAX];
     __shared__ float route_w[ROUTE_SHARED_MAX];
@@ -1633,7 +1630,6 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
         stage_x();
         __syncthreads();
         PDL_WAIT();
-        if (late) PDL_LAUNCH();
     } else {
         PDL_WAIT();
     }
@@ -1663,50 +1659,27 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
 // Down projections of token blockIdx.y's top_k pairs, RMMA_ROWS rows from
 // blockIdx.x·RMMA_ROWS, weighted by the route and added: out[token] = Σ_k weights[pair]
 // · down_k(h[pair]) (moe_combine folded in). With `logits` not null (the gate and up
-// kernel routed), the token's first block also writes its row's probabilities to `probs`
-// (which may be `logits` itself).
-//
-// With `early` (gate/up with `late` before: the router has finished, so the logits and
-// the table are final), every block routes its token itself from `logits` (with `keep`
-// and `renormalize`, as gate/up did; `probs` must then not be `logits`, which other
-// blocks still read) and issues its words' loads before its own wait; after it, only h
-// is left to stage. The caller does PDL_LAUNCH; this waits.
+// kernel routed), the token's first block also replaces its row of `experts` logits by
+// their probabilities.
 template <int BITS, int UNITS>
 __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                 const float* weights, int top_k, const float* h, float* out,
-                                int rows, int cols, int in_dim, float* logits, int experts,
-                                const unsigned char* keep, int renormalize, float* probs,
-                                bool early) {
+                                int rows, int cols, int in_dim, float* logits, int experts) {
     extern __shared__ __align__(16) unsigned smem[];
-    __shared__ int route_ids[ROUTE_SHARED_MAX];
-    __shared__ float route_w[ROUTE_SHARED_MAX];
-    __shared__ __align__(16) float cand[ROUTE_SHARED_MAX];
-    __shared__ float scratch[32];
     int groups = cols / 64, units = top_k * groups;
     unsigned* xs = smem;
     float* xsum = reinterpret_cast<float*>(smem + (size_t)units * RMMA_UNIT);
     float* red = xsum + units;
     int token = blockIdx.y;
-    const float* row = logits + (size_t)token * experts;
-    float* row_probs = logits && blockIdx.x == 0 ? probs + (size_t)token * experts : nullptr;
-    const int* token_ids = ids + token * top_k;
-    const float* token_w = weights + token * top_k;
-    if (early) {
-        route_block(row, row_probs, keep, route_ids, route_w, experts, top_k, renormalize, cand,
-                    scratch);
-        token_ids = route_ids;
-        token_w = route_w;
-    } else {
-        PDL_WAIT();
-    }
-    DownTile<BITS, UNITS> tile(table, token_ids, token_w, top_k, blockIdx.x * RMMA_ROWS, rows,
-                               cols);
+    DownTile<BITS, UNITS> tile(table, ids + token * top_k, weights + token * top_k, top_k,
+                               blockIdx.x * RMMA_ROWS, rows, cols);
     tile.load(tile.u0);
-    if (early) {
-        PDL_WAIT();
-    } else if (row_probs) {
-        // While its words are on their way: the probabilities, by every thread of the block.
-        route_block(row, row_probs, nullptr, nullptr, nullptr, experts, 0, 0, cand, scratch);
+    // While its words are on their way: the probabilities, by every thread of the block.
+    if (logits && blockIdx.x == 0) {
+        __shared__ __align__(16) float cand[ROUTE_SHARED_MAX];
+        __shared__ float scratch[32];
+        float* row = logits + (size_t)token * experts;
+        route_block(row, row, nullptr, nullptr, nullptr, experts, 0, 0, cand, scratch);
     }
     stage_units<BITS>(xs, xsum, h, [&](int k) { return token * top_k + k; }, units, groups,
                       in_dim, threadIdx.x, blockDim.x);
@@ -1734,20 +1707,18 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                 const unsigned char* keep, int experts, int renormalize,       \
                                 int* ids, float* weights, int top_k, const float* x, float* h, \
                                 int rows, int cols, int in_dim, int early) {                   \
-        /* early: 0 no, 1 early start, 2 early start and a late launch of down */              \
-        if (early != 2) PDL_LAUNCH();                                                          \
+        PDL_LAUNCH();                                                                          \
         routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, logits, keep, experts, renormalize,   \
                                                   ids, weights, top_k, x, h, rows, cols,       \
-                                                  in_dim, early != 0, early == 2);             \
+                                                  in_dim, early != 0);                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP) routed_mma_down_q##B( \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
         const float* h, float* out, int rows, int cols, int in_dim, float* logits,             \
-        int experts, const unsigned char* keep, int renormalize, float* probs, int early) {    \
-        PDL_LAUNCH();                                                                          \
+        int experts) {                                                                         \
+        PDL_ENTRY();                                                                           \
         routed_mma_down<B, RMMA_DOWN_UNITS>(table, ids, weights, top_k, h, out, rows, cols,    \
-                                            in_dim, logits, experts, keep, renormalize, probs, \
-                                            early != 0);                                       \
+                                            in_dim, logits, experts);                          \
     }
 
 ROUTED_MMA(4)

@@ -709,10 +709,6 @@ struct Routed<'a> {
     /// Whether the router was `matvec_bf16_one_late`, so the routed gate/up kernel right
     /// after it may stage x and read the table before its launch wait.
     router_late: bool,
-    /// Device address of the router's logits when it wrote them to the router scratch
-    /// rather than in place of the probabilities (0): the routed down kernel then routes
-    /// before its launch wait and writes the probabilities.
-    logits_at: u64,
 }
 
 /// One launch pair of the grouped expert GEMMs ([`Cuda::launch_expert_gemms`]): device
@@ -815,9 +811,6 @@ pub struct Cuda {
     reads: Mutex<Vec<ReadSlot>>,
     /// Partial results of one-row attention split over the keys, grown as needed.
     attn_scratch: Mutex<Option<CudaSlice<f32>>>,
-    /// A decode step's router logits when the routed down kernel routes early (see
-    /// [`set_down_early`](Cuda::set_down_early)).
-    router_logits: Mutex<Option<CudaSlice<f32>>>,
     /// `argmax_rows`' per-row block counts (zero between launches: the last block of a
     /// row resets its count) and partial maxima, grown as needed.
     argmax_scratch: Mutex<Option<CudaSlice<f32>>>,
@@ -884,9 +877,6 @@ pub struct Cuda {
     /// own wait, so that one stages x and reads the table before its wait
     /// (`DYNMOE_CUDA_GATE_UP_EARLY=0`: both wait at once).
     gate_up_early: Switch<bool>,
-    /// Whether, after an early gate/up, the routed down kernel routes and loads its words
-    /// before its launch wait (`DYNMOE_CUDA_DOWN_EARLY=0`: it waits first).
-    down_early: Switch<bool>,
     /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
     prefill_attention: Switch<PrefillAttention>,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
@@ -1442,7 +1432,6 @@ impl Cuda {
             use_graphs: Switch::new(!switched_off("DYNMOE_CUDA_GRAPHS")),
             reads: Mutex::new(Vec::new()),
             attn_scratch: Mutex::new(None),
-            router_logits: Mutex::new(None),
             argmax_scratch: Mutex::new(None),
             dense_scratch: Mutex::new(None),
             split_scratch: Mutex::new(None),
@@ -1474,7 +1463,6 @@ impl Cuda {
             decode_chunk: std::sync::atomic::AtomicUsize::new(0),
             kv_early: Switch::new(!switched_off("DYNMOE_CUDA_KV_EARLY")),
             gate_up_early: Switch::new(!switched_off("DYNMOE_CUDA_GATE_UP_EARLY")),
-            down_early: Switch::new(!switched_off("DYNMOE_CUDA_DOWN_EARLY")),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
             prefill_attention: Switch::new(PrefillAttention::from_env()),
             tiled_head_dim,
@@ -1712,21 +1700,6 @@ impl Cuda {
     /// [`set_gate_up_early`](Self::set_gate_up_early)).
     pub fn gate_up_early(&self) -> bool {
         self.gate_up_early.get()
-    }
-
-    /// Whether, after an early gate/up, the routed down kernel routes its token and loads
-    /// its words before its launch wait, the gate/up kernel letting it start only once
-    /// gate/up's own wait is over (the default; the router then writes its logits to a
-    /// scratch buffer and down writes the probabilities), or waits first. Steps already
-    /// recorded keep their way.
-    pub fn set_down_early(&self, on: bool) {
-        self.down_early.set(on);
-    }
-
-    /// Whether the routed down kernel starts early (see
-    /// [`set_down_early`](Self::set_down_early)).
-    pub fn down_early(&self) -> bool {
-        self.down_early.get()
     }
 
     /// Whether the routed gate/up of `rows` rows behind router `gate` (the launch
@@ -2887,23 +2860,13 @@ impl Cuda {
             let logits = if r.routed {
                 0u64
             } else if r.experts <= ROUTE_SHARED_MAX {
-                match r.logits_at {
-                    0 => probs,
-                    at => at,
-                }
+                probs
             } else {
                 self.launch_route(r, rows, probs, ids, weights);
                 0u64
             };
-            // Only right after the late router (no route kernel in between); down early
-            // only where the router left its logits apart from the probabilities.
+            // Only right after the late router (no route kernel in between).
             let early = r.router_late && logits != 0;
-            let down_early = early && r.logits_at != 0;
-            let gate_up_early: i32 = match (early, down_early) {
-                (_, true) => 2,
-                (true, false) => 1,
-                _ => 0,
-            };
             let (ei, rn) = (r.experts as i32, r.route.renormalize as i32);
             // Gate and up write silu(gate) ⊙ up per pair into `g`; down adds each row's
             // pairs, weighted, straight into `out`.
@@ -2912,7 +2875,7 @@ impl Cuda {
             let mut l = self.launcher(self.func(&format!("routed_mma_gate_up_{suffix}")));
             l.arg(&r.table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
             l.arg(&ids).arg(&weights).arg(&ki).arg(&x).arg(&g);
-            l.arg(&ri).arg(&c).arg(&i).arg(&gate_up_early);
+            l.arg(&ri).arg(&c).arg(&i).arg(&(early as i32));
             let shared = if early {
                 routed_mma_gate_up_shared(up_units, r.experts)
             } else {
@@ -2937,10 +2900,6 @@ impl Cuda {
                 .arg(&g)
                 .arg(&out);
             l.arg(&ri).arg(&c).arg(&i).arg(&logits).arg(&ei);
-            l.arg(&r.keep)
-                .arg(&rn)
-                .arg(&probs)
-                .arg(&(down_early as i32));
             let down = LaunchConfig {
                 grid_dim: (hidden.div_ceil(RMMA_ROWS) as u32, rows as u32, 1),
                 block_dim: ((RMMA_DOWN_WARPS * 32) as u32, 1, 1),
@@ -3385,27 +3344,13 @@ impl Cuda {
             return r;
         };
         if self.routes_gate_up_early(&r, gate, rows, hidden) {
-            // With down early, the logits go to the router scratch: down's blocks read
-            // them until the last has routed, so the probabilities cannot replace them.
-            let logits_at = if self.down_early() {
-                let scratch = self.grown(&self.router_logits, e);
-                let at = scratch.as_ref().expect("grown").device_ptr(&self.stream).0;
-                at
-            } else {
-                0
-            };
-            let at = match logits_at {
-                0 => logits.device_ptr_mut(&self.stream).0,
-                at => at,
-            };
             let (_, launch) = bf16_matvec(false, 1, hidden, e);
             let (ei, ci, one) = (e as i32, hidden as i32, 1i32);
             let mut l = self.launcher(self.func("matvec_bf16_one_late"));
-            l.arg(w).arg(x).arg(&at).arg(&ei).arg(&ci).arg(&one);
+            l.arg(w).arg(x).arg(logits).arg(&ei).arg(&ci).arg(&one);
             ok(unsafe { l.launch(launch) }, "matvec_bf16_one_late");
             return Routed {
                 router_late: true,
-                logits_at,
                 ..r
             };
         }
@@ -4708,7 +4653,6 @@ impl Backend for Cuda {
             route,
             routed: false,
             router_late: false,
-            logits_at: 0,
         };
         if self.launch_moe_step(&routed, gate, x_ptr, rows, hidden, probs_ptr, out_ptr) {
             return true;
@@ -4794,7 +4738,6 @@ impl Backend for Cuda {
             route,
             routed: false,
             router_late: false,
-            logits_at: 0,
         };
         if self.launch_moe_step(&routed, gate, x_at, rows, hidden, probs_at, out_at) {
             return true;
