@@ -662,11 +662,9 @@ double check_attention_step(int heads, int kv_heads, int head_dim, int p, int ca
 // ---- A decode step's routed affine experts (routed_mma_gate_up_q*, routed_mma_down_q*) ----
 
 using AffineGateUp = void (*)(const unsigned long long*, const float*, const unsigned char*, int,
-                              int, int*, float*, int, const float*, float*, int, int, int, int,
-                              unsigned long long*);
+                              int, int*, float*, int, const float*, float*, int, int, int, int);
 using AffineDown = void (*)(const unsigned long long*, const int*, const float*, int,
-                            const float*, float*, int, int, int, float*, int,
-                            const unsigned long long*);
+                            const float*, float*, int, int, int, float*, int);
 
 // A MoE layer's affine experts (gate, up: inter × hidden; down: hidden × down_cols, its
 // input padded past inter as stores pad it) and the device's table of their pointers
@@ -734,13 +732,11 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     std::vector<float> got_h(want_h.size(), NAN), got_out(hidden, NAN), probs = logits;
     std::vector<float> got_w(top_k, NAN);
     std::vector<int> got_ids(top_k, -1);
-    // The chosen experts' down pointers, which the gate/up block that routes copies.
-    std::vector<unsigned long long> entries((size_t)top_k * DOWN_POINTERS, 0);
     size_t up_shared = (size_t)(hidden / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
     size_t down_shared = (size_t)(top_k * inter / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), probs.data(), nullptr, experts, 1, got_ids.data(), got_w.data(),
-                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0, entries.data());
+                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0);
     });
     // Down reads the reference's h, so that its error is its own.
     std::vector<float> h(want_h.begin(), want_h.end());
@@ -749,21 +745,20 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     const dim3 down_block{RMMA_DOWN_WARPS * 32, 1, 1};
     shim::launch(down_grid, down_block, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), got_out.data(), hidden,
-             inter, inter, probs.data(), experts, entries.data());
+             inter, inter, probs.data(), experts);
     });
     bool ids_ok = got_ids == want.ids;
     double ew = rel_err(got_w, want.weights), ep = rel_err(probs, want.probs);
     double eh = rel_err(got_h, want_h), eo = rel_err(got_out, want_out);
-    // Routed before (router_route_one): both kernels read the ids (down its pointers
-    // through the table, not the copies), and give the same bits.
+    // Routed before (router_route_one): both kernels read the ids, and give the same bits.
     std::vector<float> again_h(want_h.size(), NAN), again_out(hidden, NAN);
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), nullptr, nullptr, experts, 1, got_ids.data(), got_w.data(), top_k,
-                x.data(), again_h.data(), inter, hidden, hidden, 0, nullptr);
+                x.data(), again_h.data(), inter, hidden, hidden, 0);
     });
     shim::launch(down_grid, down_block, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), again_out.data(),
-             hidden, inter, inter, nullptr, experts, nullptr);
+             hidden, inter, inter, nullptr, experts);
     });
     // Gate/up started early (after matvec_bf16_one_late): x staged and the table copied
     // into shared memory beside the units before the wait, the logits (the router's
@@ -777,8 +772,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     shim::predecessor = &router;
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, early_ids.data(),
-                early_w.data(), top_k, x.data(), early_h.data(), inter, hidden, hidden, 1,
-                nullptr);
+                early_w.data(), top_k, x.data(), early_h.data(), inter, hidden, hidden, 1);
     });
     shim::predecessor = nullptr;
     bool same = std::memcmp(again_h.data(), got_h.data(), got_h.size() * 4) == 0 &&

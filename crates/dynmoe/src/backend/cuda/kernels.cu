@@ -1153,8 +1153,6 @@ extern "C" __global__ void moe_route(float* probs, const unsigned char* keep, in
 // the SwiGLU fused into its staging). Writes row `pair` of `out`. Dynamic shared memory:
 // the staged input (33 floats a chunk) and a sum per chunk.
 #define ROUTED_ENTRY 9
-// An entry's last three words: down's words, scales and biases.
-#define DOWN_POINTERS 3
 #define ROUTED_ROWS 4
 template <int BITS>
 __device__ void affine_routed(const unsigned long long* table, const int* ids, int top_k, int proj,
@@ -1524,7 +1522,6 @@ struct GateUpTile : TileLanes {
 template <int BITS, int UNITS>
 struct DownTile : TileLanes {
     const unsigned long long* table;
-    const unsigned long long* entries;
     const int* ids;
     const float* weights;
     unsigned w[UNITS][2][2];
@@ -1532,13 +1529,10 @@ struct DownTile : TileLanes {
     float pw[UNITS];
     float acc[2];
 
-    // With `entries_` not null, pair k's down words, scales and biases are
-    // entries_[3k .. 3k + 3] (DOWN_POINTERS each) rather than its expert's table entry.
-    __device__ DownTile(const unsigned long long* table_, const unsigned long long* entries_,
-                        const int* ids_, const float* weights_, int top_k, int r0_, int rows_,
-                        int cols)
+    __device__ DownTile(const unsigned long long* table_, const int* ids_, const float* weights_,
+                        int top_k, int r0_, int rows_, int cols)
         : TileLanes(r0_, rows_, cols, top_k * (cols / 64), row_words<BITS>(cols)),
-          table(table_), entries(entries_), ids(ids_), weights(weights_) {
+          table(table_), ids(ids_), weights(weights_) {
         acc[0] = acc[1] = 0.0f;
     }
 
@@ -1548,12 +1542,10 @@ struct DownTile : TileLanes {
             int u = base + j;
             if (u < u1) {
                 int k = u / groups;
-                const unsigned long long* e =
-                    entries ? entries + (size_t)k * DOWN_POINTERS
-                            : table + (size_t)ids[k] * ROUTED_ENTRY + 2 * DOWN_POINTERS;
-                const unsigned* words = (const unsigned*)e[0];
+                const unsigned long long* e = table + (size_t)ids[k] * ROUTED_ENTRY;
+                const unsigned* words = (const unsigned*)e[6];
                 load_unit<BITS>(words + o0 * stride, words + o1 * stride,
-                                (const unsigned short*)e[1], (const unsigned short*)e[2],
+                                (const unsigned short*)e[7], (const unsigned short*)e[8],
                                 (size_t)o0 * groups, (size_t)o1 * groups, u % groups, q, w[j],
                                 sb[j]);
                 pw[j] = weights[k];
@@ -1609,17 +1601,12 @@ struct DownTile : TileLanes {
 // copies every expert's gate and up pointers into shared memory (after the staged units'
 // space: 6 words an expert) before its own wait; after it, only the route and the words
 // of the chosen expert are left. The caller does PDL_LAUNCH; this waits.
-//
-// With `entries` not null (and `logits`), the block that writes the token's ids also
-// copies each chosen expert's down pointers there (DOWN_POINTERS a pair, in rank order),
-// so the down kernel reads them with its weights instead of going through the table.
 #define GATE_UP_POINTERS 6
 template <int BITS, int UNITS>
 __device__ void routed_mma_gate_up(const unsigned long long* table, const float* logits,
                                    const unsigned char* keep, int experts, int renormalize,
                                    int* ids, float* weights, int top_k, const float* x,
-                                   float* h, int rows, int cols, int in_dim, bool early,
-                                   unsigned long long* entries) {
+                                   float* h, int rows, int cols, int in_dim, bool early) {
     extern __shared__ __align__(16) unsigned smem[];
     __shared__ int route_ids[ROUTE_SHARED_MAX];
     __shared__ float route_w[ROUTE_SHARED_MAX];
@@ -1664,12 +1651,6 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
                                  blockIdx.x * RMMA_ROWS, rows, cols);
     // The words' loads go out before x is staged, to overlap their latency.
     tile.load(tile.u0);
-    // The down pointers' table reads overlap them too.
-    if (entries && logits && blockIdx.x == 0 && rank == 0)
-        for (int i = threadIdx.x; i < top_k * DOWN_POINTERS; i += blockDim.x)
-            entries[(size_t)token * top_k * DOWN_POINTERS + i] =
-                table[(size_t)route_ids[i / DOWN_POINTERS] * ROUTED_ENTRY +
-                      2 * DOWN_POINTERS + i % DOWN_POINTERS];
     if (!early) stage_x();
     __syncthreads();
     tile.finish(xs, xsum, red, h + (size_t)pair * rows);
@@ -1683,17 +1664,14 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
 template <int BITS, int UNITS>
 __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                 const float* weights, int top_k, const float* h, float* out,
-                                int rows, int cols, int in_dim, float* logits, int experts,
-                                const unsigned long long* entries) {
+                                int rows, int cols, int in_dim, float* logits, int experts) {
     extern __shared__ __align__(16) unsigned smem[];
     int groups = cols / 64, units = top_k * groups;
     unsigned* xs = smem;
     float* xsum = reinterpret_cast<float*>(smem + (size_t)units * RMMA_UNIT);
     float* red = xsum + units;
     int token = blockIdx.y;
-    DownTile<BITS, UNITS> tile(table,
-                               entries ? entries + (size_t)token * top_k * DOWN_POINTERS : nullptr,
-                               ids + token * top_k, weights + token * top_k, top_k,
+    DownTile<BITS, UNITS> tile(table, ids + token * top_k, weights + token * top_k, top_k,
                                blockIdx.x * RMMA_ROWS, rows, cols);
     tile.load(tile.u0);
     // While its words are on their way: the probabilities, by every thread of the block.
@@ -1728,20 +1706,19 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
         routed_mma_gate_up_q##B(const unsigned long long* table, const float* logits,          \
                                 const unsigned char* keep, int experts, int renormalize,       \
                                 int* ids, float* weights, int top_k, const float* x, float* h, \
-                                int rows, int cols, int in_dim, int early,                     \
-                                unsigned long long* entries) {                                 \
+                                int rows, int cols, int in_dim, int early) {                   \
         PDL_LAUNCH();                                                                          \
         routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, logits, keep, experts, renormalize,   \
                                                   ids, weights, top_k, x, h, rows, cols,       \
-                                                  in_dim, early != 0, entries);                \
+                                                  in_dim, early != 0);                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP) routed_mma_down_q##B( \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
         const float* h, float* out, int rows, int cols, int in_dim, float* logits,             \
-        int experts, const unsigned long long* entries) {                                      \
+        int experts) {                                                                         \
         PDL_ENTRY();                                                                           \
         routed_mma_down<B, RMMA_DOWN_UNITS>(table, ids, weights, top_k, h, out, rows, cols,    \
-                                            in_dim, logits, experts, entries);                 \
+                                            in_dim, logits, experts);                          \
     }
 
 ROUTED_MMA(4)
@@ -2577,7 +2554,7 @@ __device__ void moe_step(const unsigned short* router, const float* x, float* pr
                           down_groups, inter, threadIdx.x, blockDim.x);
         __syncthreads();
         for (int t = blockIdx.x; t < down_tiles; t += gridDim.x) {
-            DownTile<BITS, RMMA_DOWN_UNITS> tile(table, nullptr, route_ids, route_w, top_k,
+            DownTile<BITS, RMMA_DOWN_UNITS> tile(table, route_ids, route_w, top_k,
                                                  t * RMMA_ROWS, hidden, down_cols);
             tile.load(tile.u0);
             tile.finish(xs, xsum, red, out);

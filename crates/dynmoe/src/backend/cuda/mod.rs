@@ -102,9 +102,6 @@ const ROUTED_ENTRY: usize = 9;
 /// The gate and up pointers of an entry a routed gate/up block copies with `early` (the
 /// kernel's `GATE_UP_POINTERS`).
 const GATE_UP_POINTERS: usize = 6;
-/// The down pointers of an entry (its last three words), as a routed gate/up block copies
-/// them for the down kernel (the kernel's `DOWN_POINTERS`).
-const DOWN_POINTERS: usize = 3;
 /// Output rows per warp of the routed expert kernels (the kernel's `ROUTED_ROWS`).
 const ROUTED_ROWS: usize = 4;
 /// Columns of a row one warp of the one-row bf16 kernels takes (their `MV_ONE_COLS`).
@@ -880,9 +877,6 @@ pub struct Cuda {
     /// own wait, so that one stages x and reads the table before its wait
     /// (`DYNMOE_CUDA_GATE_UP_EARLY=0`: both wait at once).
     gate_up_early: Switch<bool>,
-    /// Whether a decode step's routed gate/up copies the chosen experts' down pointers
-    /// for the down kernel (`DYNMOE_CUDA_DOWN_POINTERS=0`: down reads the table).
-    down_pointers: Switch<bool>,
     /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
     prefill_attention: Switch<PrefillAttention>,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
@@ -1469,7 +1463,6 @@ impl Cuda {
             decode_chunk: std::sync::atomic::AtomicUsize::new(0),
             kv_early: Switch::new(!switched_off("DYNMOE_CUDA_KV_EARLY")),
             gate_up_early: Switch::new(!switched_off("DYNMOE_CUDA_GATE_UP_EARLY")),
-            down_pointers: Switch::new(!switched_off("DYNMOE_CUDA_DOWN_POINTERS")),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
             prefill_attention: Switch::new(PrefillAttention::from_env()),
             tiled_head_dim,
@@ -1707,20 +1700,6 @@ impl Cuda {
     /// [`set_gate_up_early`](Self::set_gate_up_early)).
     pub fn gate_up_early(&self) -> bool {
         self.gate_up_early.get()
-    }
-
-    /// Whether the routed gate/up kernel that routes a token copies its chosen experts'
-    /// down pointers beside their weights for the down kernel (the default), or down
-    /// looks each one up in the table by its id, one dependent load more. Steps already
-    /// recorded keep their way.
-    pub fn set_down_pointers(&self, on: bool) {
-        self.down_pointers.set(on);
-    }
-
-    /// Whether the routed down kernel reads copied pointers (see
-    /// [`set_down_pointers`](Self::set_down_pointers)).
-    pub fn down_pointers(&self) -> bool {
-        self.down_pointers.get()
     }
 
     /// Whether the routed gate/up of `rows` rows behind router `gate` (the launch
@@ -2728,7 +2707,7 @@ impl Cuda {
         // there are tiles of the larger phase.
         let tiles = (k * shape.inter.div_ceil(RMMA_ROWS)).max(hidden.div_ceil(RMMA_ROWS));
         let blocks = tiles.min(per_sm * self.sms);
-        let [_, _, h, ..] = self.routed_scratch_at(k, k, shape.inter, hidden);
+        let [_, _, h, _, _] = self.routed_scratch_at(k, k, shape.inter, hidden);
         let sync = {
             let mut s = self.moe_sync.lock().expect("sync lock");
             let buf = s.get_or_insert_with(|| ok(self.stream.alloc_zeros::<u32>(4), "alloc"));
@@ -2868,7 +2847,7 @@ impl Cuda {
         }
         let k = r.route.top_k;
         let (inter, pairs) = (shape.inter, rows * k);
-        let [ids, weights, g, u, d, entries] = self.routed_scratch_at(pairs, k, inter, hidden);
+        let [ids, weights, g, u, d] = self.routed_scratch_at(pairs, k, inter, hidden);
 
         let ki = k as i32;
         let suffix = bits_suffix(shape.bits);
@@ -2888,13 +2867,6 @@ impl Cuda {
             };
             // Only right after the late router (no route kernel in between).
             let early = r.router_late && logits != 0;
-            // The chosen experts' down pointers, copied by the gate/up block that routes
-            // first, for down to read with the weights.
-            let entries = if logits != 0 && self.down_pointers() {
-                entries
-            } else {
-                0u64
-            };
             let (ei, rn) = (r.experts as i32, r.route.renormalize as i32);
             // Gate and up write silu(gate) ⊙ up per pair into `g`; down adds each row's
             // pairs, weighted, straight into `out`.
@@ -2903,11 +2875,7 @@ impl Cuda {
             let mut l = self.launcher(self.func(&format!("routed_mma_gate_up_{suffix}")));
             l.arg(&r.table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
             l.arg(&ids).arg(&weights).arg(&ki).arg(&x).arg(&g);
-            l.arg(&ri)
-                .arg(&c)
-                .arg(&i)
-                .arg(&(early as i32))
-                .arg(&entries);
+            l.arg(&ri).arg(&c).arg(&i).arg(&(early as i32));
             let shared = if early {
                 routed_mma_gate_up_shared(up_units, r.experts)
             } else {
@@ -2931,12 +2899,7 @@ impl Cuda {
                 .arg(&ki)
                 .arg(&g)
                 .arg(&out);
-            l.arg(&ri)
-                .arg(&c)
-                .arg(&i)
-                .arg(&logits)
-                .arg(&ei)
-                .arg(&entries);
+            l.arg(&ri).arg(&c).arg(&i).arg(&logits).arg(&ei);
             let down = LaunchConfig {
                 grid_dim: (hidden.div_ceil(RMMA_ROWS) as u32, rows as u32, 1),
                 block_dim: ((RMMA_DOWN_WARPS * 32) as u32, 1, 1),
@@ -2992,14 +2955,9 @@ impl Cuda {
         top_k: usize,
         inter: usize,
         hidden: usize,
-    ) -> [u64; 6] {
+    ) -> [u64; 5] {
         let pad = |n: usize| n.next_multiple_of(4);
-        let size = |pairs: usize| {
-            2 * pad(pairs)
-                + 2 * pad(pairs * inter)
-                + pad(pairs * hidden)
-                + 2 * pairs * DOWN_POINTERS
-        };
+        let size = |pairs: usize| 2 * pad(pairs) + 2 * pad(pairs * inter) + pairs * hidden;
         let mut scratch = self.routed_scratch.lock().expect("scratch lock");
         if scratch.as_ref().is_none_or(|s| s.len() < size(pairs)) {
             self.drop_graphs();
@@ -3019,7 +2977,6 @@ impl Cuda {
             at(h),
             at(h + pad(pairs * inter)),
             at(h + 2 * pad(pairs * inter)),
-            at(h + 2 * pad(pairs * inter) + pad(pairs * hidden)),
         ]
     }
 
