@@ -958,6 +958,8 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 4, 1));
         worst = std::max(worst, check_dense(bits, {37}, 640, 600, 8, 3));
         worst = std::max(worst, check_dense(bits, {16, 16}, 128, 128, 2, 5));
+        // Rows of 16 units, one warp a job: several rounds a job, and jobs a warp.
+        worst = std::max(worst, check_dense(bits, {40, 24}, 1024, 1000, 1, 1));
         // The residual add and norm folded in: more blocks than columns, a padded input.
         worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 4, 3, ADD_SUM));
         worst = std::max(worst, check_dense(bits, {37}, 640, 600, 8, 3, ADD_NORM));
@@ -982,13 +984,16 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_router_norm(300, 256, ADD_SUM));
     }
     // The affine experts of a decode step: the small fixture's shape (256 × 80 is padded to
-    // whole groups: 256 × 128), a narrow Qwen3-like one, and experts wide enough that a
-    // down warp takes a second round of units (8 × 1 024 / 64 over 16 warps: 8 of 6).
+    // whole groups: 256 × 128), a narrow Qwen3-like one, experts wide enough that a down
+    // warp takes a second round of units (8 × 1 024 / 64 over 16 warps: 8 of 6), and
+    // rows wide enough that a gate/up warp takes several.
     for (int bits : {4, 3, 2}) {
         if (!wanted("affine")) break;
         worst = std::max(worst, check_routed_affine(bits, 256, 128, 12, 4));
         worst = std::max(worst, check_routed_affine(bits, 512, 192, 128, 8));
         worst = std::max(worst, check_routed_affine(bits, 128, 1024, 16, 8));
+        // Rows 2112 wide: gate/up warps take 5 units of 33, so several rounds each.
+        worst = std::max(worst, check_routed_affine(bits, 2112, 64, 6, 2));
     }
     // The MoE layer in one launch: grids with fewer blocks than tiles (blocks loop, router
     // rows too) and more than the down tiles, masks.
