@@ -13,7 +13,11 @@
 // step) overlaps each launch with the tail of the kernel before it, and nothing reads
 // early. Both are no-ops for a launch that did not ask for it. The dense matrix-vector
 // kernels split the two (PDL_LAUNCH, then PDL_WAIT): between them they load the first of
-// their weights, which no kernel writes, so those loads overlap the kernel before.
+// their weights, which no kernel writes, so those loads overlap the kernel before. A
+// "late" kernel (attn_preamble_at, matvec_bf16_one_late) takes them the other way round:
+// it lets the next one start only once its own wait is over. A kernel finishes only
+// after its wait, so the one after a late kernel knows that every kernel before the late
+// one has finished, and with `early` it loads what those wrote before its own wait.
 #if __CUDA_ARCH__ >= 900
 #define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
@@ -2025,11 +2029,10 @@ extern "C" __global__ void write_row_at(const float* src, float* dst, const unsi
 // `qn`/`kn`, when non-null) and rotated (RoPE at position *pos, as `rope`), written back
 // to q or k; a k or v head is also copied to row *pos of its cache. A thread owns the
 // pairs (i, i + half) it rotates, PRE_PAIRS at most, so head_dim ≤ 2·PRE_PAIRS·blockDim.
-#define PRE_PAIRS 4
-//
 // With `late`, the kernel lets the next one start only once its own wait is over, so the
 // kernel after it (attention_group_* with `early`) knows every kernel before this one has
 // finished, and may load the caches' earlier rows before its own wait.
+#define PRE_PAIRS 4
 extern "C" __global__ void attn_preamble_at(float* q, float* k, const float* v, const float* qn,
                                             const float* kn, float eps, const unsigned* pos,
                                             const float* inv_freq, float* k_cache,
