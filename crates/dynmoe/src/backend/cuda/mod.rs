@@ -1198,6 +1198,12 @@ fn one_row_parts(cols: usize) -> usize {
     parts
 }
 
+/// Whether the one-row bf16 kernels take a row of `cols`: whole 8s, and at most their
+/// parts' reach.
+fn one_row_takes(cols: usize) -> bool {
+    cols.is_multiple_of(8) && one_row_parts(cols) * MV_ONE_COLS >= cols
+}
+
 /// Dynamic shared memory of a `routed_mma_*` block staging `units` 64-column units, with
 /// its partial sums of two matrices per warp.
 fn routed_mma_shared(units: usize) -> usize {
@@ -1719,16 +1725,21 @@ impl Cuda {
         self.gate_up_early()
             && rows == 1
             && matches!(gate, DeviceMatrix::Bf16(_))
-            && hidden.is_multiple_of(8)
-            && one_row_parts(hidden) * MV_ONE_COLS >= hidden
+            && one_row_takes(hidden)
             && !r.routed
             && !self.router_routes()
             && r.experts <= ROUTE_SHARED_MAX
-            && self.routed_mma()
+            && self.routed_mma_takes(shape, r.route.top_k)
             && !self.routed_slices()
             && routed_mma_gate_up_shared(shape.up_cols / 64, r.experts) <= SHARED_LIMIT
-            && routed_mma_shared((shape.up_cols / 64).max(r.route.top_k * (shape.down_cols / 64)))
-                <= SHARED_LIMIT
+    }
+
+    /// Whether a decode step's affine experts of `shape`, `top_k` a row, run on tensor
+    /// cores (`routed_mma_*`): switched on, and their staged units within the shared
+    /// memory a block takes without opting in.
+    fn routed_mma_takes(&self, shape: RoutedShape, top_k: usize) -> bool {
+        let units = (shape.up_cols / 64).max(top_k * (shape.down_cols / 64));
+        self.routed_mma() && routed_mma_shared(units) <= SHARED_LIMIT
     }
 
     /// Whether products of many rows run on tensor cores (see
@@ -2853,7 +2864,7 @@ impl Cuda {
         let suffix = bits_suffix(shape.bits);
         let up_units = shape.up_cols / 64;
         let down_units = k * (shape.down_cols / 64);
-        if self.routed_mma() && routed_mma_shared(up_units.max(down_units)) <= SHARED_LIMIT {
+        if self.routed_mma_takes(shape, k) {
             // Up to ROUTE_SHARED_MAX experts each gate/up block routes its row itself, and
             // the down kernel writes the probabilities; beyond, the route kernel runs
             // first and `logits` is null.
@@ -3281,8 +3292,7 @@ impl Cuda {
             && self.fold_norms()
             && !self.router_routes()
             && !self.moe_step()
-            && hidden.is_multiple_of(8)
-            && one_row_parts(hidden) * MV_ONE_COLS >= hidden
+            && one_row_takes(hidden)
             && hidden * 4 <= SHARED_LIMIT
     }
 
@@ -3359,8 +3369,7 @@ impl Cuda {
             || !self.router_routes()
             || e > ROUTE_SHARED_MAX
             || k > e
-            || !hidden.is_multiple_of(8)
-            || one_row_parts(hidden) * MV_ONE_COLS < hidden
+            || !one_row_takes(hidden)
         {
             self.dense_product(x, gate, rows, hidden, e, logits);
             return r;
