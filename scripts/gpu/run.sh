@@ -50,6 +50,8 @@
 #          TUNE_PTXAS=0 skips ptxas, which takes about half a minute a set)
 # resources ptxas's registers, stack, spills and shared memory of every kernel (ptxas.log;
 #          needs nvcc)
+# timeline each kernel's share of a decode token in the chain, from stamps taken as each
+#          launch's wait returns (timeline_q<bits>.log; $BITS, default 4)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
 #          keys, with dense weights in f32 instead of bf16, prompts without tensor cores,
 #          the prompt's attention by the per-row kernel instead of the tiled one, kernels
@@ -330,6 +332,19 @@ for step in $steps; do
                     ${dense_flags[@]+"${dense_flags[@]}"} --prompt 512 --generate 128 \
                     --json "$OUT/tune_q$bits${suffix}_$n.json" 2>&1 | tail -1 | tee -a "$log"
             done
+        done
+        ;;
+    timeline)
+        # Decode at each of $BITS bits (default 4) with the kernels built with TIMELINE:
+        # after the usual runs, an eager decode whose launches stamp the time their waits
+        # return, so each kernel's share of a token in the chain (timeline_q<bits>.log).
+        m="$WORK/qwen3-30b-a3b-l$LAYERS"
+        synth_model "$m" || status=1
+        for bits in ${BITS:-4}; do
+            DYNMOE_CUDA_DEFINES="TIMELINE=65536 ${TIMELINE_DEFINES:-}" "$BIN/dynmoe" bench decode \
+                "$m" --backend cuda --bits "$bits" --dense-codec q4 --head-codec q4 --prompt 512 \
+                --generate 64 --repeats 1 2>&1 | tee "$OUT/timeline_q$bits.log"
+            [ "${PIPESTATUS[0]}" = 0 ] || status=1
         done
         ;;
     *) echo "unknown step $step"; status=1 ;;

@@ -777,8 +777,66 @@ fn eager_runs(
 ) -> Result<Option<Runs>> {
     m.model.backend().set_graphs(false);
     let runs = measure(m, prompt, generate, repeats);
+    let timeline = runs.is_ok() && m.model.backend().timeline_on();
+    let timeline = if timeline {
+        print_timeline(m, prompt, generate)
+    } else {
+        Ok(())
+    };
     m.model.backend().set_graphs(true);
+    timeline?;
     Ok(Some(runs?))
+}
+
+/// With the kernels built with `TIMELINE`, one more eager decode, each launch timed from
+/// its wait's return to the next one's: what each kernel adds to a token, by kernel and
+/// the kernel before it (the same kernel plays several parts in a layer).
+#[cfg(feature = "cuda")]
+fn print_timeline(
+    m: &LoadedModel<dynmoe::backend::Cuda>,
+    prompt: usize,
+    generate: usize,
+) -> Result<()> {
+    let b = m.model.backend();
+    let ids = random_prompt(m, prompt);
+    let mut state = m.model.new_state(prompt + generate);
+    let first = argmax(&m.model.forward(&mut state, &ids, prompt - 1)?);
+    b.timeline_start()?;
+    m.model
+        .decode_greedy_many(&mut state, first, generate, &mut |_| true)?;
+    let marks = b.timeline_take()?;
+    // The first token's launches run while the host is still queueing them.
+    let skip = marks.len() / generate.max(1);
+    let mut rows: Vec<(String, usize, f64)> = Vec::new();
+    for w in marks[skip.min(marks.len())..].windows(2) {
+        // The gap before w[1]'s wait returned is w[0]'s part of the chain.
+        let key = format!("{} -> {}", w[0].0, w[1].0);
+        let dt = w[1].1.saturating_sub(w[0].1) as f64 / 1e3;
+        match rows.iter_mut().find(|r| r.0 == key) {
+            Some(r) => {
+                r.1 += 1;
+                r.2 += dt;
+            }
+            None => rows.push((key, 1, dt)),
+        }
+    }
+    let tokens = generate.saturating_sub(1).max(1) as f64;
+    rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+    println!(
+        "{:<60} {:>8} {:>9} {:>10}",
+        "kernel -> next", "a token", "us each", "us a token"
+    );
+    for (key, n, total) in &rows {
+        println!(
+            "{key:<60} {:>8.1} {:>9.2} {:>10.1}",
+            *n as f64 / tokens,
+            total / *n as f64,
+            total / tokens
+        );
+    }
+    let all: f64 = rows.iter().map(|r| r.2).sum();
+    println!("{:<60} {:>8} {:>9} {:>10.1}", "all", "", "", all / tokens);
+    Ok(())
 }
 
 /// Bytes a dense weight takes on the device. Checkpoints (synthetic ones too) are bf16,

@@ -20,7 +20,29 @@
 // one has finished, and with `early` it loads what those wrote before its own wait.
 #if __CUDA_ARCH__ >= 900
 #define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#ifdef TIMELINE
+// With TIMELINE defined (DYNMOE_CUDA_DEFINES="TIMELINE=<slots>"), the first thread of
+// each kernel's first block stamps the global timer as its wait returns, in launch order
+// (`Cuda::timeline_take`): the gap to the next kernel's stamp is what this kernel adds
+// to the chain, programmatic launch's overlap included. Off, it costs nothing.
+__device__ unsigned long long timeline_stamps[TIMELINE];
+__device__ unsigned timeline_count;
+__device__ __forceinline__ void timeline_mark() {
+    if ((blockIdx.x | blockIdx.y | blockIdx.z | threadIdx.x | threadIdx.y | threadIdx.z) == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        unsigned i = atomicAdd(&timeline_count, 1u);
+        if (i < TIMELINE) timeline_stamps[i] = t;
+    }
+}
+#define PDL_WAIT()                                              \
+    do {                                                        \
+        asm volatile("griddepcontrol.wait;" ::: "memory");      \
+        timeline_mark();                                        \
+    } while (0)
+#else
 #define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#endif
 #else
 #define PDL_LAUNCH()
 #define PDL_WAIT()

@@ -890,6 +890,9 @@ pub struct Cuda {
     /// Whether kernels launch with programmatic dependent launch (the `launch` module):
     /// sm_90 and later, unless `DYNMOE_CUDA_PDL=0`.
     programmatic: bool,
+    /// With the kernels built with `TIMELINE` (kernels.cu), the name of each kernel
+    /// launched since [`timeline_start`](Cuda::timeline_start), in launch order.
+    timeline: Option<Mutex<Vec<&'static str>>>,
 }
 
 /// How the CUDA backend attends one query row (a decode step). Every way gives the same
@@ -1419,6 +1422,10 @@ impl Cuda {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
         let copies = driver(ctx.new_stream())?;
         let route_ticket = driver(stream.alloc_zeros::<u32>(1))?;
+        let timeline = module
+            .get_global("timeline_count", &stream)
+            .is_ok()
+            .then(|| Mutex::new(Vec::new()));
         Ok(Cuda {
             ctx,
             stream,
@@ -1470,6 +1477,7 @@ impl Cuda {
             kv_early: Switch::new(!switched_off("DYNMOE_CUDA_KV_EARLY")),
             gate_up_early: Switch::new(!switched_off("DYNMOE_CUDA_GATE_UP_EARLY")),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
+            timeline,
             prefill_attention: Switch::new(PrefillAttention::from_env()),
             tiled_head_dim,
             vq_routed_shared,
@@ -2007,7 +2015,68 @@ impl Cuda {
 
     /// A launch of `f` on the compute stream, programmatic where the device allows.
     fn launcher<'s>(&'s self, f: &'s CudaFunction) -> Launch<'s> {
+        if let Some(names) = &self.timeline {
+            let name = self
+                .k
+                .f
+                .iter()
+                .find(|(_, g)| g.cu_function() == f.cu_function());
+            let name = name.map_or("(unnamed)", |(n, _)| *n);
+            names.lock().expect("timeline lock").push(name);
+        }
         Launch::new(&self.stream, f, self.programmatic)
+    }
+
+    /// Whether the kernels were built with `TIMELINE` (`DYNMOE_CUDA_DEFINES="TIMELINE=N"`),
+    /// so that [`timeline_take`](Self::timeline_take) can time each launch in the chain.
+    pub fn timeline_on(&self) -> bool {
+        self.timeline.is_some()
+    }
+
+    /// Starts a timeline: from here each launch's first block stamps the time its wait
+    /// returned. Launch eagerly (graphs off) until [`timeline_take`](Self::timeline_take),
+    /// so that every stamp has its kernel's name.
+    pub fn timeline_start(&self) -> Result<(), CudaError> {
+        let Some(names) = &self.timeline else {
+            return Ok(());
+        };
+        driver(self.stream.synchronize())?;
+        let mut count = driver(self.k._module.get_global("timeline_count", &self.stream))?;
+        // SAFETY: the global is one `unsigned`.
+        let mut count =
+            unsafe { count.transmute_mut::<u32>(1) }.expect("timeline_count is 4 bytes");
+        driver(self.stream.memcpy_htod(&[0u32], &mut count))?;
+        driver(self.stream.synchronize())?;
+        names.lock().expect("timeline lock").clear();
+        Ok(())
+    }
+
+    /// Each launch since [`timeline_start`](Self::timeline_start): its kernel's name and
+    /// the global timer (ns) when its wait returned. Fails if the stamps and the launches
+    /// do not pair up (more launches than slots, or a kernel whose first thread skipped
+    /// its wait).
+    pub fn timeline_take(&self) -> Result<Vec<(&'static str, u64)>, CudaError> {
+        let Some(names) = &self.timeline else {
+            return Ok(Vec::new());
+        };
+        driver(self.stream.synchronize())?;
+        let names = std::mem::take(&mut *names.lock().expect("timeline lock"));
+        let count = driver(self.k._module.get_global("timeline_count", &self.stream))?;
+        // SAFETY: the global is one `unsigned`.
+        let count = unsafe { count.transmute::<u32>(1) }.expect("timeline_count is 4 bytes");
+        let count = driver(self.stream.clone_dtoh(&count))?[0] as usize;
+        let stamps = driver(self.k._module.get_global("timeline_stamps", &self.stream))?;
+        let slots = stamps.len() / 8;
+        // SAFETY: the global is `slots` u64s.
+        let stamps = unsafe { stamps.transmute::<u64>(slots) }.expect("timeline_stamps");
+        let stamps = driver(self.stream.clone_dtoh(&stamps))?;
+        if count != names.len() || count > slots {
+            return Err(CudaError::Driver(format!(
+                "timeline: {count} stamps for {} launches ({slots} slots)",
+                names.len()
+            )));
+        }
+        Ok(names.into_iter().zip(stamps).collect())
     }
 
     fn func(&self, name: &str) -> &CudaFunction {
