@@ -1462,48 +1462,13 @@ struct TileLanes {
     }
 };
 
-// Runs a warp's units [u0, u1) UNITS a round, the next round's words loaded into one
-// buffer before the round in the other is computed, so a warp's loads overlap its own
-// products rather than only other warps'. The caller has loaded u0's round into `a`;
-// `load(buf, base)` and `compute(buf, base)` take a round. Unrolled by two, so both
-// buffers stay in registers.
-template <int UNITS, typename Buf, typename Load, typename Compute>
-__device__ __forceinline__ void pipelined_rounds(int u0, int u1, Buf& a, Buf& b, Load load,
-                                                 Compute compute) {
-    for (int base = u0;;) {
-        int next = base + UNITS;
-        if (next < u1) load(b, next);
-        compute(a, base);
-        if (next >= u1) return;
-        base = next;
-        next = base + UNITS;
-        if (next < u1) load(a, next);
-        compute(b, base);
-        if (next >= u1) return;
-        base = next;
-    }
-}
-
-// Whether the routed gate/up tiles and the dense one-row products pipeline their rounds
-// (pipelined_rounds) or load a round only after computing the last. Tunable
-// (DYNMOE_CUDA_DEFINES).
-#ifndef RMMA_GATE_UP_PIPE
-#define RMMA_GATE_UP_PIPE 0
-#endif
-#ifndef DMMA_PIPE
-#define DMMA_PIPE 0
-#endif
-
 template <int BITS, int UNITS>
 struct GateUpTile : TileLanes {
     const unsigned* rw[2][2];
     const unsigned short* sc[2];
     const unsigned short* bi[2];
-    // A round's words and scale items; the second buffer only when pipelined.
-    struct Round {
-        unsigned w[UNITS][2][2][2];
-        unsigned short sb[UNITS][2];
-    } first, second;
+    unsigned w[UNITS][2][2][2];
+    unsigned short sb[UNITS][2];
     float acc[2][2];
 
     __device__ GateUpTile(const unsigned long long* entry, int r0_, int rows_, int cols)
@@ -1519,20 +1484,17 @@ struct GateUpTile : TileLanes {
         }
     }
 
-    __device__ void load_into(Round& r, int base) {
+    __device__ void load(int base) {
 #pragma unroll
         for (int j = 0; j < UNITS; j++)
             if (base + j < u1)
 #pragma unroll
                 for (int m = 0; m < 2; m++)
                     load_unit<BITS>(rw[m][0], rw[m][1], sc[m], bi[m], (size_t)o0 * groups,
-                                    (size_t)o1 * groups, base + j, q, r.w[j][m], r.sb[j][m]);
+                                    (size_t)o1 * groups, base + j, q, w[j][m], sb[j][m]);
     }
 
-    // The round from `base` into the first buffer.
-    __device__ void load(int base) { load_into(first, base); }
-
-    __device__ void compute(const Round& r, int base, const unsigned* xs, const float* xsum) {
+    __device__ void compute(int base, const unsigned* xs, const float* xsum) {
 #pragma unroll
         for (int j = 0; j < UNITS; j++) {
             if (base + j >= u1) break;
@@ -1541,7 +1503,7 @@ struct GateUpTile : TileLanes {
             float s = xsum[base + j];
 #pragma unroll
             for (int m = 0; m < 2; m++) {
-                float2 d = unit_dot<BITS>(r.w[j][m], r.sb[j][m], bx, s, q, lane);
+                float2 d = unit_dot<BITS>(w[j][m], sb[j][m], bx, s, q, lane);
                 acc[m][0] += d.x;
                 acc[m][1] += d.y;
             }
@@ -1552,16 +1514,10 @@ struct GateUpTile : TileLanes {
     // `red`, [warps][2][RMMA_ROWS]) into h[r0 ..] = silu(gate) ⊙ up. Every thread
     // calls; `red` may be reused when it returns.
     __device__ void finish(const unsigned* xs, const float* xsum, float* red, float* h) {
-        if (RMMA_GATE_UP_PIPE) {
-            pipelined_rounds<UNITS>(
-                u0, u1, first, second, [&](Round& r, int base) { load_into(r, base); },
-                [&](const Round& r, int base) { compute(r, base, xs, xsum); });
-        } else {
-            compute(first, u0, xs, xsum);
-            for (int base = u0 + UNITS; base < u1; base += UNITS) {
-                load(base);
-                compute(first, base, xs, xsum);
-            }
+        compute(u0, xs, xsum);
+        for (int base = u0 + UNITS; base < u1; base += UNITS) {
+            load(base);
+            compute(base, xs, xsum);
         }
         if (q == 0) {
 #pragma unroll
@@ -1864,28 +1820,24 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
         o0 = r0 + g < cur.rows ? r0 + g : 0;
         o1 = r0 + g + 8 < cur.rows ? r0 + g + 8 : 0;
     };
-    // A round's words and scale items; the second buffer only when pipelined.
-    struct Round {
-        unsigned w[DMMA_UNITS][2][2];
-        unsigned short sb[DMMA_UNITS];
-    } first_round, second_round;
-    auto load_into = [&](Round& r, int base) {
+    unsigned w[DMMA_UNITS][2][2];
+    unsigned short sb[DMMA_UNITS];
+    auto load = [&](int base) {
 #pragma unroll
         for (int j = 0; j < DMMA_UNITS; j++)
             if (base + j < u1)
                 load_unit<BITS>(cur.words + o0 * stride, cur.words + o1 * stride, cur.scales,
                                 cur.biases, (size_t)o0 * groups, (size_t)o1 * groups, base + j,
-                                q, r.w[j], r.sb[j]);
+                                q, w[j], sb[j]);
     };
-    auto load = [&](int base) { load_into(first_round, base); };
     float acc[2];
-    auto compute = [&](const Round& r, int base) {
+    auto compute = [&](int base) {
 #pragma unroll
         for (int j = 0; j < DMMA_UNITS; j++) {
             if (base + j >= u1) break;
             unsigned bx[8];
             unit_fragments(xs, base + j, g, q, bx);
-            float2 d = unit_dot<BITS>(r.w[j], r.sb[j], bx, xsum[base + j], q, lane);
+            float2 d = unit_dot<BITS>(w[j], sb[j], bx, xsum[base + j], q, lane);
             acc[0] += d.x;
             acc[1] += d.y;
         }
@@ -1920,15 +1872,10 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
                 place(job);
                 load(u0);
             }
-            if (DMMA_PIPE) {
-                pipelined_rounds<DMMA_UNITS>(u0, u1, first_round, second_round, load_into,
-                                             compute);
-            } else {
-                compute(first_round, u0);
-                for (int base = u0 + DMMA_UNITS; base < u1; base += DMMA_UNITS) {
-                    load(base);
-                    compute(first_round, base);
-                }
+            compute(u0);
+            for (int base = u0 + DMMA_UNITS; base < u1; base += DMMA_UNITS) {
+                load(base);
+                compute(base);
             }
         }
         if (parts == 1) {
