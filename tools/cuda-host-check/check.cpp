@@ -306,19 +306,24 @@ using DenseNormKernel = void (*)(const unsigned*, const unsigned short*, const u
                                  const unsigned short*, float*, int, const unsigned*,
                                  const unsigned short*, const unsigned short*, float*, int, int,
                                  const float*, int, int, int, const float*, const float*, float,
-                                 float*, float*);
+                                 float*);
 
 // What a one-row product reads as its input, with the residual add and norm the kernel may
-// fold in (input_norm): x as it is (ADD_NONE), RMSNorm(x)·w (ADD_NORM), or RMSNorm(x +
-// delta)·w with the sum written (ADD_SUM). `input` is the row the product sees, in double.
+// fold in: x as it is (ADD_NONE), RMSNorm(x)·w (ADD_NORM), or RMSNorm(x + delta)·w with
+// the sum written (ADD_SUM). `input` is the row the product sees, in double. With
+// `outliers`, a few channels of x are as large as real checkpoints' residuals get (10^5,
+// past f16's range once through the norm's weights, before its 1/rms).
 enum AddMode { ADD_NONE, ADD_NORM, ADD_SUM };
 struct NormedRow {
     std::vector<float> x, delta, w;
     std::vector<double> input, sum;
     float eps = 1e-6f;
 
-    NormedRow(int dim, AddMode mode) : x(dim), delta(dim, 0.0f), w(dim, 1.0f) {
+    NormedRow(int dim, AddMode mode, bool outliers = false)
+        : x(dim), delta(dim, 0.0f), w(dim, 1.0f) {
         for (auto& v : x) v = normal();
+        if (outliers)
+            for (int d = 3; d < dim; d += 97) x[d] = (d % 2 ? 1e5f : -2e5f) * (1.0f + normal() * 0.1f);
         if (mode == ADD_SUM)
             for (auto& v : delta) v = normal();
         if (mode != ADD_NONE)
@@ -335,15 +340,16 @@ struct NormedRow {
 
 // `rows` of up to three matrices of `cols` columns times one row of `in_dim` values (read
 // as zeros up to `cols`), split `parts` ways over a grid of `blocks` blocks; through the
-// residual add and norm of `mode`, whose sum and normed row every block writes a slice of.
+// residual add and norm of `mode` (with `outliers`: NormedRow's), whose sum every block
+// writes a slice of.
 double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int parts, int blocks,
-                   AddMode mode = ADD_NONE) {
+                   AddMode mode = ADD_NONE, bool outliers = false) {
     DenseKernel plain = bits == 4 ? dense_mma_q4 : (bits == 3 ? dense_mma_q3 : dense_mma_q2);
     DenseNormKernel normed =
         bits == 4 ? dense_mma_norm_q4 : (bits == 3 ? dense_mma_norm_q3 : dense_mma_norm_q2);
     std::vector<Affine> mats;
     for (int r : rows) mats.emplace_back(bits, r, cols);
-    NormedRow x(in_dim, mode);
+    NormedRow x(in_dim, mode, outliers);
     std::vector<std::vector<float>> got;
     std::vector<double> want;
     std::vector<float> flat;
@@ -355,11 +361,13 @@ double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int pa
             want.push_back(acc);
         }
     }
-    std::vector<float> sum(in_dim, NAN), xn(in_dim, NAN);
+    std::vector<float> sum(in_dim, NAN);
     auto arg = [&](int i) -> const Affine& { return mats[std::min<size_t>(i, mats.size() - 1)]; };
     auto out = [&](int i) { return got[std::min<size_t>(i, got.size() - 1)].data(); };
     auto live = [&](int i) { return i < (int)mats.size() ? mats[i].rows : 0; };
-    size_t shared = (size_t)(cols / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
+    // As the host's dense_mma_shared: the normed kernel adds a scale a group.
+    size_t shared = (size_t)(cols / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4 +
+                    (mode == ADD_NONE ? 0 : (size_t)(cols / 64) * 4);
     shim::launch({(unsigned)blocks, 1, 1}, {256, 1, 1}, shared, [&] {
 #define DENSE_CHECK_ARGS                                                                        \
     arg(0).words.data(), arg(0).scales.data(), arg(0).biases.data(), out(0), live(0),          \
@@ -370,19 +378,18 @@ double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int pa
             plain(DENSE_CHECK_ARGS);
         else
             normed(DENSE_CHECK_ARGS, mode == ADD_SUM ? x.delta.data() : nullptr, x.w.data(),
-                   x.eps, mode == ADD_SUM ? sum.data() : nullptr, xn.data());
+                   x.eps, mode == ADD_SUM ? sum.data() : nullptr);
 #undef DENSE_CHECK_ARGS
     });
     for (auto& g : got) flat.insert(flat.end(), g.begin(), g.end());
     double e = rel_err(flat, want);
-    if (mode != ADD_NONE) e = std::max(e, rel_err(xn, x.input));
     if (mode == ADD_SUM) e = std::max(e, rel_err(sum, x.sum));
     std::printf("dense q%d, %zu matrices of %d..%d rows x %d (x %d wide), %d parts, %d blocks, "
-                "%s: %.2e\n",
+                "%s%s: %.2e\n",
                 bits, rows.size(), *std::min_element(rows.begin(), rows.end()),
                 *std::max_element(rows.begin(), rows.end()), cols, in_dim, parts, blocks,
                 mode == ADD_NONE ? "x as it is" : (mode == ADD_NORM ? "normed" : "added, normed"),
-                e);
+                outliers ? ", outliers" : "", e);
     return e;
 }
 
@@ -508,29 +515,30 @@ double check_router_route(int experts, int top_k, int cols, bool masked) {
 }
 
 // A decode step's router reading the post-attention norm it folds in
-// (matvec_bf16_norm_one): the logits of bf16 rows `cols` wide, the sum and the normed row
-// that its blocks write a slice each of.
-double check_router_norm(int experts, int cols, AddMode mode) {
+// (matvec_bf16_norm_one_late): the logits of bf16 rows `cols` wide, and the sum that its
+// blocks write a slice each of.
+double check_router_norm(int experts, int cols, AddMode mode, bool outliers = false) {
     RouterCase r(experts, cols, 1, false);
-    NormedRow x(cols, mode);
+    NormedRow x(cols, mode, outliers);
     std::vector<double> want(experts);
     for (int e = 0; e < experts; e++) {
         double acc = 0.0;
         for (int c = 0; c < cols; c++) acc += (double)bf16_value(r.w[(size_t)e * cols + c]) * x.input[c];
         want[e] = acc;
     }
-    std::vector<float> logits(experts, NAN), sum(cols, NAN), xn(cols, NAN);
+    std::vector<float> logits(experts, NAN), sum(cols, NAN);
     int rows_a_block = 8 / mv_one_parts(cols);
     unsigned blocks = (unsigned)((experts + rows_a_block - 1) / rows_a_block);
-    shim::launch({blocks, 1, 1}, {256, 1, 1}, (size_t)cols * 4, [&] {
-        matvec_bf16_norm_one(r.w.data(), x.x.data(), mode == ADD_SUM ? x.delta.data() : nullptr,
-                             x.w.data(), x.eps, mode == ADD_SUM ? sum.data() : nullptr,
-                             xn.data(), logits.data(), experts, cols);
+    shim::launch({blocks, 1, 1}, {256, 1, 1}, 0, [&] {
+        matvec_bf16_norm_one_late(r.w.data(), x.x.data(),
+                                  mode == ADD_SUM ? x.delta.data() : nullptr, x.w.data(), x.eps,
+                                  mode == ADD_SUM ? sum.data() : nullptr, logits.data(), experts,
+                                  cols);
     });
-    double e = std::max(rel_err(logits, want), rel_err(xn, x.input));
+    double e = rel_err(logits, want);
     if (mode == ADD_SUM) e = std::max(e, rel_err(sum, x.sum));
-    std::printf("router of the norm %d x %d, %u blocks, %s: %.2e\n", experts, cols, blocks,
-                mode == ADD_SUM ? "added, normed" : "normed", e);
+    std::printf("router of the norm %d x %d, %u blocks, %s%s: %.2e\n", experts, cols, blocks,
+                mode == ADD_SUM ? "added, normed" : "normed", outliers ? ", outliers" : "", e);
     return e;
 }
 
@@ -662,7 +670,8 @@ double check_attention_step(int heads, int kv_heads, int head_dim, int p, int ca
 // ---- A decode step's routed affine experts (routed_mma_gate_up_q*, routed_mma_down_q*) ----
 
 using AffineGateUp = void (*)(const unsigned long long*, const float*, const unsigned char*, int,
-                              int, int*, float*, int, const float*, float*, int, int, int, int);
+                              int, int*, float*, int, const float*, float*, int, int, int, int,
+                              const float*, const float*, float);
 using AffineDown = void (*)(const unsigned long long*, const int*, const float*, int,
                             const float*, float*, int, int, int, float*, int);
 
@@ -736,7 +745,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     size_t down_shared = (size_t)(top_k * inter / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), probs.data(), nullptr, experts, 1, got_ids.data(), got_w.data(),
-                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0);
+                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f);
     });
     // Down reads the reference's h, so that its error is its own.
     std::vector<float> h(want_h.begin(), want_h.end());
@@ -754,7 +763,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     std::vector<float> again_h(want_h.size(), NAN), again_out(hidden, NAN);
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), nullptr, nullptr, experts, 1, got_ids.data(), got_w.data(), top_k,
-                x.data(), again_h.data(), inter, hidden, hidden, 0);
+                x.data(), again_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f);
     });
     shim::launch(down_grid, down_block, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), again_out.data(),
@@ -772,19 +781,34 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     shim::predecessor = &router;
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, early_ids.data(),
-                early_w.data(), top_k, x.data(), early_h.data(), inter, hidden, hidden, 1);
+                early_w.data(), top_k, x.data(), early_h.data(), inter, hidden, hidden, 1, nullptr,
+                nullptr, 0.0f);
+    });
+    // Early, reading its row through the post-attention norm (the router folds it in):
+    // the residual, the delta and the norm's weights, outlier channels among them; the
+    // route is the same, h is within rounding of the reference on the normed row.
+    NormedRow row(hidden, ADD_SUM, true);
+    std::vector<float> normed(row.input.begin(), row.input.end());
+    std::vector<double> want_normed_h = ex.gate_up(want, normed, inter);
+    std::vector<float> normed_h(want_h.size(), NAN), normed_w(top_k, NAN);
+    std::vector<int> normed_ids(top_k, -1);
+    shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
+        gate_up(table.data(), router_out.data(), nullptr, experts, 1, normed_ids.data(),
+                normed_w.data(), top_k, row.x.data(), normed_h.data(), inter, hidden, hidden, 1,
+                row.delta.data(), row.w.data(), row.eps);
     });
     shim::predecessor = nullptr;
+    double en = normed_ids == want.ids ? rel_err(normed_h, want_normed_h) : INFINITY;
     bool same = std::memcmp(again_h.data(), got_h.data(), got_h.size() * 4) == 0 &&
                 std::memcmp(again_out.data(), got_out.data(), got_out.size() * 4) == 0;
     bool same_early = early_ids == got_ids &&
                       std::memcmp(early_w.data(), got_w.data(), got_w.size() * 4) == 0 &&
                       std::memcmp(early_h.data(), got_h.data(), got_h.size() * 4) == 0;
     std::printf("routed q%d %d x %d, top-%d of %d: ids %s, weights %.2e, probs %.2e, gate/up "
-                "%.2e, down %.2e, routed before: %s, early: %s\n",
+                "%.2e, down %.2e, routed before: %s, early: %s, early through the norm %.2e\n",
                 bits, hidden, inter, top_k, experts, ids_ok ? "same" : "DIFFER", ew, ep, eh, eo,
-                same ? "same bits" : "DIFFERENT", same_early ? "same bits" : "DIFFERENT");
-    return ids_ok && same && same_early ? std::max({ew, ep, eh, eo}) : INFINITY;
+                same ? "same bits" : "DIFFERENT", same_early ? "same bits" : "DIFFERENT", en);
+    return ids_ok && same && same_early ? std::max({ew, ep, eh, eo, en}) : INFINITY;
 }
 
 // ---- A decode step's MoE layer in one launch (moe_step_q*) ----
@@ -964,6 +988,9 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 4, 3, ADD_SUM));
         worst = std::max(worst, check_dense(bits, {37}, 640, 600, 8, 3, ADD_NORM));
         worst = std::max(worst, check_dense(bits, {16, 16}, 128, 128, 1, 200, ADD_SUM));
+        // Residuals past f16's range before the norm's 1/rms: each unit's scale.
+        worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 4, 3, ADD_SUM, true));
+        worst = std::max(worst, check_dense(bits, {40, 24}, 1024, 1000, 1, 2, ADD_NORM, true));
     }
     // Routes: one and several experts a thread, widths off whole float4s, masks, ties.
     const int routes[][3] = {{128, 8, 128}, {128, 8, 256}, {12, 4, 32}, {130, 2, 256},
@@ -982,6 +1009,7 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_router_norm(128, 2048, ADD_SUM));
         worst = std::max(worst, check_router_norm(6, 4096, ADD_NORM));
         worst = std::max(worst, check_router_norm(300, 256, ADD_SUM));
+        worst = std::max(worst, check_router_norm(128, 2048, ADD_SUM, true));
     }
     // The affine experts of a decode step: the small fixture's shape (256 × 80 is padded to
     // whole groups: 256 × 128), a narrow Qwen3-like one, experts wide enough that a down

@@ -677,13 +677,14 @@ pub enum MoeInput<'a, T> {
     /// The block's input rows.
     Rows(&'a T),
     /// [`Backend::add_rms_norm_to`] of `n` into `sum` and `xn`, one row; the experts read
-    /// `xn`.
+    /// `xn`, or, where a backend folds the norm into its router and experts, the
+    /// residual through the norm, and `xn` may then hold nothing.
     AddNorm {
         /// The add and the norm.
         n: AddNorm<'a, T>,
         /// Gets `x + delta`.
         sum: &'a mut T,
-        /// Gets the normed row.
+        /// Gets the normed row (see above).
         xn: &'a mut T,
     },
 }

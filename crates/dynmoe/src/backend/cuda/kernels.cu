@@ -247,12 +247,14 @@ extern "C" __global__ void add_rms_norm_to(const float* x, const float* delta, c
 
 // ---- The residual add and norm in the product that reads them ----
 //
-// A decode step's q/k/v projections and router read RMSNorm(x + delta)·w of one row,
-// where delta is what the last block added to the residual x. Rather than a launch of
-// its own for that, every block of the product computes the norm's scale itself (the
-// row is 8 KB at 2048 wide, read from L2), the products apply it as they stage x, and
-// block b writes its slice of the sum to `sum` (a buffer other than x: the other blocks
-// still read x) and of the normed row to `xn`, so later kernels find both whole.
+// A decode step's q/k/v projections, router and LM head read RMSNorm(x + delta)·w of one
+// row, where delta is what the last block added to the residual x. Rather than a launch
+// of its own for that, the products read x + delta through the norm's weights in the same
+// pass that stages or multiplies it, keep the sum of its squares beside, and scale their
+// outputs by the norm's 1/rms at the end: the norm is linear in its input's scale, so no
+// block has to reduce the row before its first product. The blocks write their slices of
+// x + delta to `sum` (a buffer other than x: the other blocks still read x). The routed
+// gate/up kernel, which stages its row before its launch wait, norms it there instead.
 
 // What a product applies to its input as it stages it: with `w` null, nothing.
 struct InputNorm {
@@ -261,25 +263,24 @@ struct InputNorm {
     float inv;           // 1 / rms(x + delta)
 };
 
-// The InputNorm of one row of `dim` for a 1-D grid, by every thread of the block (after
-// PDL_WAIT); the slices of `sum` and `xn` (either may be null) as above.
-__device__ InputNorm input_norm(const float* x, const float* delta, const float* w, float eps,
-                                int dim, float* sum, float* xn, float* scratch) {
+// 1 / rms(x + delta) of one row of `dim` (`delta` may be null), by every thread of the
+// block.
+__device__ float row_inv_rms(const float* x, const float* delta, float eps, int dim,
+                             float* scratch) {
     float s = 0.0f;
     for (int d = threadIdx.x; d < dim; d += blockDim.x) {
         float v = x[d] + (delta ? delta[d] : 0.0f);
         s += v * v;
     }
     s = block_sum(s, scratch);
-    float inv = 1.0f / sqrtf(s / (float)dim + eps);
-    int per = (dim + gridDim.x - 1) / gridDim.x;
-    int d0 = min(dim, (int)blockIdx.x * per), d1 = min(dim, d0 + per);
-    for (int d = d0 + threadIdx.x; d < d1; d += blockDim.x) {
-        float v = x[d] + (delta ? delta[d] : 0.0f);
-        if (sum) sum[d] = v;
-        if (xn) xn[d] = w[d] * (v * inv);
-    }
-    return {delta, w, inv};
+    return 1.0f / sqrtf(s / (float)dim + eps);
+}
+
+// The columns [d0, d1) of a row that block blockIdx.x of a 1-D grid writes: whole `align`s.
+__device__ __forceinline__ int2 row_slice(int dim, int align) {
+    int per = (dim + (int)gridDim.x * align - 1) / ((int)gridDim.x * align) * align;
+    int d0 = min(dim, (int)blockIdx.x * per);
+    return make_int2(d0, min(dim, d0 + per));
 }
 
 extern "C" __global__ void add_bias(float* x, const float* bias, int dim, long long n) {
@@ -1310,7 +1311,11 @@ extern "C" __global__ void moe_combine(const float* down, const float* weights, 
 // row_of(u / groups) of x, which is `in_dim` wide (zeros past it). A thread takes 16
 // columns (a quarter of a group) at a time; a unit's four quarters sit in consecutive
 // lanes. Threads `tid` of `threads` (whole warps) share the work; each must call it.
-// `input` (InputNormed, for one row) may change the 16 values a thread loads.
+// `input` (for one row) may change the 16 values a thread loads; it is returned, so that
+// one that keeps a tally (InputSummed) can be read. With `xscale`, each unit is staged
+// times the power of two that puts its largest value in [2^14, 2^15), and xscale[u] gets
+// its inverse: a row that is not normed yet may be far outside f16's range, and powers
+// of two scale it exactly. `xsum` stays unscaled.
 struct InputAsIs {
     __device__ void operator()(int, float (&)[16]) const {}
 };
@@ -1330,9 +1335,28 @@ struct InputNormed {
     }
 };
 
+// w ⊙ (x + delta), not yet scaled by the norm's 1/rms, and the tally of the thread's
+// Σ (x + delta)².
+struct InputSummed {
+    const float* delta;
+    const float* w;
+    int in_dim;
+    float ss;
+    __device__ void operator()(int k0, float (&v)[16]) {
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            int c = k0 + j;
+            float r = v[j] + (delta && c < in_dim ? delta[c] : 0.0f);
+            ss += r * r;
+            v[j] = c < in_dim ? w[c] * r : 0.0f;
+        }
+    }
+};
+
 template <int BITS, typename RowOf, typename Input = InputAsIs>
-__device__ void stage_units(unsigned* xs, float* xsum, const float* x, RowOf row_of, int units,
-                            int groups, int in_dim, int tid, int threads, Input input = {}) {
+__device__ Input stage_units(unsigned* xs, float* xsum, const float* x, RowOf row_of, int units,
+                             int groups, int in_dim, int tid, int threads, Input input = {},
+                             float* xscale = nullptr) {
     bool vec = in_dim % 4 == 0 && ((size_t)x & 15) == 0;  // whole float4s, aligned
     int items = 4 * units;
     for (int base = 0; base < items; base += threads) {
@@ -1343,12 +1367,25 @@ __device__ void stage_units(unsigned* xs, float* xsum, const float* x, RowOf row
         float v[16];
         int k0 = (u % groups) * 64 + 16 * q;
         load_x16(live ? src : nullptr, k0, in_dim, vec, v);
-        input(k0, v);
+        if (live) input(k0, v);
         float s = 0.0f;
 #pragma unroll
         for (int j = 0; j < 16; j++) s += v[j];
         s += __shfl_xor_sync(0xffffffffu, s, 1);
         s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (xscale) {
+            float m = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 16; j++) m = fmaxf(m, fabsf(v[j]));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            // Below 2^-100 a unit is as good as zero; the bound keeps 2^(14 - e) finite.
+            int e = m > 0.0f ? max(-100, ilogbf(m)) : 0;
+            float up = ldexpf(1.0f, 14 - e);
+#pragma unroll
+            for (int j = 0; j < 16; j++) v[j] *= up;
+            if (live && q == 0) xscale[u] = ldexpf(1.0f, e - 14);
+        }
         if (!live) continue;
         if (q == 0) xsum[u] = s;
         unsigned hi[8], lo[8];
@@ -1362,6 +1399,7 @@ __device__ void stage_units(unsigned* xs, float* xsum, const float* x, RowOf row
                 dst[RMMA_HALF + 8 * ks + h] = lo[2 * ks + h];
             }
     }
+    return input;
 }
 
 // One unit's products for the lane's rows g and g + 8 of a matrix: the partial sums
@@ -1412,14 +1450,16 @@ __device__ __forceinline__ float4 quad_scales(unsigned short mine, int lane) {
 // products with the staged unit's fragments `bx`, scaled by the rows' scale and bias
 // (`sb`, quad_scales' item) with the unit's sum `s` of x. value = (a·q + o)·scale + bias,
 // so w·x = a·scale·Σ q·x + (o·scale + bias)·Σ x.
+// `xs` is the unit's xscale where stage_units scaled it.
 template <int BITS>
 __device__ __forceinline__ float2 unit_dot(const unsigned (&w)[2][2], unsigned short sb,
-                                           const unsigned (&bx)[8], float s, int q, int lane) {
+                                           const unsigned (&bx)[8], float s, int q, int lane,
+                                           float xs = 1.0f) {
     const float a = recon_a<BITS>(), off = recon_o<BITS>();
     float2 p = unit_products<BITS>(w, q, bx);
     float4 f = quad_scales(sb, lane);
-    return make_float2(a * f.x * p.x + (off * f.x + f.y) * s,
-                       a * f.z * p.y + (off * f.z + f.w) * s);
+    return make_float2(a * f.x * (p.x * xs) + (off * f.x + f.y) * s,
+                       a * f.z * (p.y * xs) + (off * f.z + f.w) * s);
 }
 
 // The lane's words of unit group `gi` for rows g and g + 8 (`rows0`, `rows1` point at
@@ -1627,12 +1667,17 @@ struct DownTile : TileLanes {
 // copies every expert's gate and up pointers into shared memory (after the staged units'
 // space: 6 words an expert) before its own wait; after it, only the route and the words
 // of the chosen expert are left. The caller does PDL_LAUNCH; this waits.
+//
+// With `norm_w` (one row), the block reads its row as RMSNorm(x + delta)·norm_w, x being
+// the residual: the router before folds the same norm into its own products, so no
+// kernel writes the normed row, and with `early` all of it happens before the wait.
 #define GATE_UP_POINTERS 6
 template <int BITS, int UNITS>
 __device__ void routed_mma_gate_up(const unsigned long long* table, const float* logits,
                                    const unsigned char* keep, int experts, int renormalize,
                                    int* ids, float* weights, int top_k, const float* x,
-                                   float* h, int rows, int cols, int in_dim, bool early) {
+                                   float* h, int rows, int cols, int in_dim, bool early,
+                                   const float* delta, const float* norm_w, float eps) {
     extern __shared__ __align__(16) unsigned smem[];
     __shared__ int route_ids[ROUTE_SHARED_MAX];
     __shared__ float route_w[ROUTE_SHARED_MAX];
@@ -1644,8 +1689,14 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
     float* red = xsum + groups;
     int pair = blockIdx.y, token = pair / top_k, rank = pair % top_k;
     auto stage_x = [&] {
-        stage_units<BITS>(xs, xsum, x, [&](int) { return token; }, groups, groups, in_dim,
-                          threadIdx.x, blockDim.x);
+        auto row = [&](int) { return token; };
+        if (norm_w) {
+            float inv = row_inv_rms(x, delta, eps, in_dim, scratch);
+            stage_units<BITS>(xs, xsum, x, row, groups, groups, in_dim, threadIdx.x, blockDim.x,
+                              InputNormed{{delta, norm_w, inv}, in_dim});
+        } else {
+            stage_units<BITS>(xs, xsum, x, row, groups, groups, in_dim, threadIdx.x, blockDim.x);
+        }
     };
     // Every expert's gate and up pointers, 8-byte aligned after `red`.
     unsigned long long* pointers = reinterpret_cast<unsigned long long*>(
@@ -1732,11 +1783,12 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
         routed_mma_gate_up_q##B(const unsigned long long* table, const float* logits,          \
                                 const unsigned char* keep, int experts, int renormalize,       \
                                 int* ids, float* weights, int top_k, const float* x, float* h, \
-                                int rows, int cols, int in_dim, int early) {                   \
+                                int rows, int cols, int in_dim, int early, const float* delta, \
+                                const float* norm_w, float eps) {                              \
         PDL_LAUNCH();                                                                          \
         routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, logits, keep, experts, renormalize,   \
                                                   ids, weights, top_k, x, h, rows, cols,       \
-                                                  in_dim, early != 0);                         \
+                                                  in_dim, early != 0, delta, norm_w, eps);     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP) routed_mma_down_q##B( \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
@@ -1780,14 +1832,13 @@ struct DenseMat {
     int rows;
 };
 
-// The input of a dense product read as RMSNorm(x + delta)·w (input_norm's arguments);
-// with `w` null, x as it is.
+// The input of a dense product read as RMSNorm(x + delta)·w, x + delta written to `sum`
+// (null: not written); with `w` null, x as it is.
 struct NormArgs {
     const float* delta;
     const float* w;
     float eps;
     float* sum;
-    float* xn;
 };
 
 template <int BITS, bool NORM>
@@ -1798,6 +1849,10 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
     unsigned* xs = smem;
     float* xsum = reinterpret_cast<float*>(smem + (size_t)groups * RMMA_UNIT);
     float* red = xsum + groups;  // [RMMA_WARPS][RMMA_ROWS]
+    // With NORM: each unit's xscale (after the routed kernels' [RMMA_WARPS][2][RMMA_ROWS]
+    // that routed_mma_shared counts), and the warps' sums of squares.
+    float* xscale = red + RMMA_WARPS * 2 * RMMA_ROWS;
+    __shared__ float warp_ss[RMMA_WARPS];
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, q = lane & 3;
     int per_round = RMMA_WARPS / parts, slot = warp / parts, part = warp % parts;
     int tiles[3];
@@ -1837,7 +1892,8 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
             if (base + j >= u1) break;
             unsigned bx[8];
             unit_fragments(xs, base + j, g, q, bx);
-            float2 d = unit_dot<BITS>(w[j], sb[j], bx, xsum[base + j], q, lane);
+            float2 d = unit_dot<BITS>(w[j], sb[j], bx, xsum[base + j], q, lane,
+                                      NORM ? xscale[base + j] : 1.0f);
             acc[0] += d.x;
             acc[1] += d.y;
         }
@@ -1850,17 +1906,31 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
     }
     PDL_WAIT();
     if (NORM) {
-        // `red` is free until the rounds, and block_sum's 32 floats fit in it.
-        InputNormed input{input_norm(x, norm.delta, norm.w, norm.eps, in_dim, norm.sum,
-                                     norm.xn, red),
-                          in_dim};
-        stage_units<BITS>(xs, xsum, x, [](int) { return 0; }, groups, groups, in_dim,
-                          threadIdx.x, blockDim.x, input);
+        InputSummed input{norm.delta, norm.w, in_dim, 0.0f};
+        input = stage_units<BITS>(xs, xsum, x, [](int) { return 0; }, groups, groups, in_dim,
+                                  threadIdx.x, blockDim.x, input, xscale);
+        float ss = warp_sum(input.ss);
+        if (lane == 0) warp_ss[warp] = ss;
+        // The block's slice of x + delta, which it has just read (from L1, then), after
+        // the staging rather than in it, where its registers would be on top of the
+        // staging's and the words loaded before the wait.
+        int2 slice = row_slice(in_dim, 1);
+        if (norm.sum)
+            for (int d = slice.x + threadIdx.x; d < slice.y; d += blockDim.x)
+                norm.sum[d] = x[d] + norm.delta[d];
     } else {
         stage_units<BITS>(xs, xsum, x, [](int) { return 0; }, groups, groups, in_dim,
                           threadIdx.x, blockDim.x);
     }
     __syncthreads();
+    // The norm's 1/rms, which the outputs take (1 without NORM).
+    float inv = 1.0f;
+    if (NORM) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int k = 0; k < RMMA_WARPS; k++) ss += warp_ss[k];
+        inv = 1.0f / sqrtf(ss / (float)in_dim + norm.eps);
+    }
     // Every warp runs every round (the block adds parts through shared memory); a warp
     // whose job is past the last only takes part in the barriers.
     for (int round = blockIdx.x * per_round; round < jobs; round += step) {
@@ -1880,8 +1950,8 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
         }
         if (parts == 1) {
             if (live && q == 0) {
-                if (r0 + g < cur.rows) cur.out[r0 + g] = acc[0];
-                if (r0 + g + 8 < cur.rows) cur.out[r0 + g + 8] = acc[1];
+                if (r0 + g < cur.rows) cur.out[r0 + g] = acc[0] * inv;
+                if (r0 + g + 8 < cur.rows) cur.out[r0 + g + 8] = acc[1] * inv;
             }
             continue;
         }
@@ -1894,7 +1964,7 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
         if (live && part == 0 && lane < RMMA_ROWS && r0 + lane < cur.rows) {
             float v = 0.0f;
             for (int k = 0; k < parts; k++) v += red[(warp + k) * RMMA_ROWS + lane];
-            cur.out[r0 + lane] = v;
+            cur.out[r0 + lane] = v * inv;
         }
         __syncthreads();
     }
@@ -1920,10 +1990,10 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, DMMA_BLOCKS)              \
         dense_mma_norm_q##B(DENSE_MMA_ARGS, const float* delta, const float* norm_w, float eps, \
-                            float* sum, float* xn) {                                          \
+                            float* sum) {                                                     \
         PDL_LAUNCH();                                                                         \
         const DenseMat m[3] = DENSE_MATS;                                                     \
-        dense_mma<B, true>(m, mats, x, cols, in_dim, parts, {delta, norm_w, eps, sum, xn});   \
+        dense_mma<B, true>(m, mats, x, cols, in_dim, parts, {delta, norm_w, eps, sum});       \
     }
 
 DENSE_MMA(4)
@@ -2181,14 +2251,19 @@ extern "C" __global__ void matvec_f32(const float* w, const float* x, float* out
 // every row 16-byte aligned; one value per lane otherwise. Half the bytes of the f32
 // kernel, which decode is bound by. The caller has issued PDL_LAUNCH; a lane's first
 // EARLY loads go out before PDL_WAIT. MAXB is the most rows of x (`acc` holds a sum each).
+__device__ __forceinline__ void bf16x8_values(uint4 a, float (&v)[8]) {
+    // Little-endian: the lower half of each word is the earlier value.
+    v[0] = __uint_as_float(a.x << 16), v[1] = __uint_as_float(a.x & 0xffff0000u);
+    v[2] = __uint_as_float(a.y << 16), v[3] = __uint_as_float(a.y & 0xffff0000u);
+    v[4] = __uint_as_float(a.z << 16), v[5] = __uint_as_float(a.z & 0xffff0000u);
+    v[6] = __uint_as_float(a.w << 16), v[7] = __uint_as_float(a.w & 0xffff0000u);
+}
+
 template <int MAXB>
 __device__ __forceinline__ void dot_bf16x8(float (&acc)[MAXB], uint4 a, const float* x, int cols,
                                            int j, int batch) {
-    // Little-endian: the lower half of each word is the earlier value.
-    float v[8] = {__uint_as_float(a.x << 16), __uint_as_float(a.x & 0xffff0000u),
-                  __uint_as_float(a.y << 16), __uint_as_float(a.y & 0xffff0000u),
-                  __uint_as_float(a.z << 16), __uint_as_float(a.z & 0xffff0000u),
-                  __uint_as_float(a.w << 16), __uint_as_float(a.w & 0xffff0000u)};
+    float v[8];
+    bf16x8_values(a, v);
 #pragma unroll
     for (int b = 0; b < MAXB; b++) {
         if (b < batch) {
@@ -2292,16 +2367,12 @@ __device__ __forceinline__ int mv_one_parts(int cols) {
 }
 
 // The sum over this warp's part of row o (rows past `rows` read row 0, and are not
-// stored), after PDL_WAIT; then `input(x)` (every thread of the block calls it) gives
-// the row to read.
-struct RowAsIs {
-    __device__ const float* operator()(const float* x) const { return x; }
-};
-
-template <typename Input = RowAsIs>
-__device__ __forceinline__ float matvec_bf16_part(const unsigned short* w, const float* x,
-                                                  int rows, int o, int cols, int part,
-                                                  int parts, Input input = {}) {
+// stored), the lane's first loads before PDL_WAIT. `row` is what the weights multiply:
+// once the wait is over, row.ready() runs (every thread of the block calls it), then
+// row.dot(a, j) gives the eight weights `a` times the row's columns 8·j ...
+template <typename Row>
+__device__ __forceinline__ float matvec_bf16_part(const unsigned short* w, Row& row, int rows,
+                                                  int o, int cols, int part, int parts) {
     int lane = threadIdx.x % WARP;
     const uint4* w8 = reinterpret_cast<const uint4*>(w + (size_t)(o < rows ? o : 0) * cols);
     int n8 = cols / 8, per = (n8 + parts - 1) / parts;
@@ -2314,16 +2385,76 @@ __device__ __forceinline__ float matvec_bf16_part(const unsigned short* w, const
         if (j < j1) early[i] = w8[j];
     }
     PDL_WAIT();
-    x = input(x);
-    float acc[1] = {0.0f};
+    row.ready();
+    float acc = 0.0f;
 #pragma unroll
     for (int i = 0; i < EARLY; i++) {
         int j = j0 + lane + WARP * i;
-        if (j < j1) dot_bf16x8(acc, early[i], x, cols, j, 1);
+        if (j < j1) acc += row.dot(early[i], j);
     }
-    for (int j = j0 + lane + WARP * EARLY; j < j1; j += WARP) dot_bf16x8(acc, w8[j], x, cols, j, 1);
-    return warp_sum(acc[0]);
+    for (int j = j0 + lane + WARP * EARLY; j < j1; j += WARP) acc += row.dot(w8[j], j);
+    return warp_sum(acc);
 }
+
+// The row x as it is.
+struct RowAsIs {
+    const float* x;
+    __device__ void ready() const {}
+    __device__ float dot(uint4 a, int j) const {
+        float acc[1] = {0.0f};
+        dot_bf16x8(acc, a, x, 0, j, 1);
+        return acc[0];
+    }
+};
+
+// The row as it is, the next kernel let start only now (past this one's wait).
+struct RowThenLaunch : RowAsIs {
+    __device__ void ready() const { PDL_LAUNCH(); }
+};
+
+// RMSNorm(x + delta)·w before its 1/rms (the fold above): dot gives a · (w ⊙ (x + delta))
+// and `ss` tallies Σ (x + delta)² over the lane's columns; the columns [d0, d1) (whole
+// 8s) of x + delta go to `sum`. The next kernel may start once the wait is over.
+struct NormedRowThenLaunch {
+    const float* x;
+    const float* delta;
+    const float* w;
+    float* sum;
+    int d0, d1;
+    float ss;
+    __device__ void ready() const { PDL_LAUNCH(); }
+    __device__ float dot(uint4 a, int j) {
+        float v[8], r[8], g[8];
+        bf16x8_values(a, v);
+        load8(x, j, r);
+        load8(w, j, g);
+        if (delta) {
+            float d[8];
+            load8(delta, j, d);
+#pragma unroll
+            for (int i = 0; i < 8; i++) r[i] += d[i];
+        }
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            ss += r[i] * r[i];
+            acc += v[i] * (g[i] * r[i]);
+        }
+        if (sum && 8 * j >= d0 && 8 * j < d1) {
+            float4* dst = reinterpret_cast<float4*>(sum) + 2 * j;
+            dst[0] = make_float4(r[0], r[1], r[2], r[3]);
+            dst[1] = make_float4(r[4], r[5], r[6], r[7]);
+        }
+        return acc;
+    }
+    // Columns 8·j .. 8·j + 7 of `src` (16-byte aligned, whole 8s).
+    __device__ static void load8(const float* src, int j, float (&v)[8]) {
+        const float4* s4 = reinterpret_cast<const float4*>(src) + 2 * j;
+        float4 c = s4[0], d = s4[1];
+        v[0] = c.x, v[1] = c.y, v[2] = c.z, v[3] = c.w;
+        v[4] = d.x, v[5] = d.y, v[6] = d.z, v[7] = d.w;
+    }
+};
 
 // Adds the parts of each of the block's rows (warp 0 of a row's parts writes it).
 __device__ __forceinline__ void matvec_bf16_parts_done(float v, float* out, int rows, int o,
@@ -2349,17 +2480,10 @@ extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
     PDL_LAUNCH();
     int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
     int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
-    float v = matvec_bf16_part(w, x, rows, o, cols, part, parts);
+    RowAsIs row{x};
+    float v = matvec_bf16_part(w, row, rows, o, cols, part, parts);
     matvec_bf16_parts_done(v, out, rows, o, part, parts);
 }
-
-// The row as it is, the next kernel let start only now (past this one's wait).
-struct RowThenLaunch {
-    __device__ const float* operator()(const float* x) const {
-        PDL_LAUNCH();
-        return x;
-    }
-};
 
 // matvec_bf16_one for a decode step's router: the next kernel (the routed gate/up with
 // `early`) may start only once this one's wait is over, so every kernel before this one
@@ -2369,30 +2493,42 @@ extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
                          int cols, int batch) {
     int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
     int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
-    float v = matvec_bf16_part(w, x, rows, o, cols, part, parts, RowThenLaunch{});
+    RowThenLaunch row{{x}};
+    float v = matvec_bf16_part(w, row, rows, o, cols, part, parts);
     matvec_bf16_parts_done(v, out, rows, o, part, parts);
 }
 
-// matvec_bf16_one of RMSNorm(x + delta)·norm_w (input_norm: `sum` and `xn` get their
-// slices), the row staged in dynamic shared memory (cols floats): a decode step's router,
-// which reads the post-attention norm.
-extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
-    matvec_bf16_norm_one(const unsigned short* w, const float* x, const float* delta,
-                         const float* norm_w, float eps, float* sum, float* xn, float* out,
-                         int rows, int cols) {
-    PDL_LAUNCH();
-    extern __shared__ __align__(16) float row[];
-    __shared__ float scratch[32];
-    int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
+// matvec_bf16_one_late of RMSNorm(x + delta)·norm_w in one pass (NormedRowThenLaunch):
+// a decode step's router, which reads the post-attention norm. Each row's warps have seen
+// every column between them, so their sums of squares give the norm's 1/rms with no
+// block reduction; the first warps of block b write its slice of x + delta to `sum`. A
+// router's grid is a few blocks (16 for 128 experts), so its launch bound is not the other
+// one-row kernels' but what holds a lane's early words and its eight columns of x, delta
+// and weights without spilling.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    matvec_bf16_norm_one_late(const unsigned short* w, const float* x, const float* delta,
+                              const float* norm_w, float eps, float* sum, float* out, int rows,
+                              int cols) {
+    __shared__ float sums[8], squares[8];
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
     int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
-    float v = matvec_bf16_part(w, x, rows, o, cols, part, parts, [&](const float* x) {
-        InputNorm n = input_norm(x, delta, norm_w, eps, cols, sum, xn, scratch);
-        for (int d = threadIdx.x; d < cols; d += blockDim.x)
-            row[d] = norm_w[d] * ((x[d] + (delta ? delta[d] : 0.0f)) * n.inv);
+    int2 slice = warp / parts == 0 ? row_slice(cols, 8) : make_int2(0, 0);
+    NormedRowThenLaunch row{x, delta, norm_w, sum, slice.x, slice.y, 0.0f};
+    float v = matvec_bf16_part(w, row, rows, o, cols, part, parts);
+    float ss = warp_sum(row.ss);
+    if (parts > 1) {
+        if (lane == 0) {
+            sums[warp] = v;
+            squares[warp] = ss;
+        }
         __syncthreads();
-        return (const float*)row;
-    });
-    matvec_bf16_parts_done(v, out, rows, o, part, parts);
+        v = ss = 0.0f;
+        for (int k = 0; k < parts; k++) {
+            v += sums[warp - part + k];
+            ss += squares[warp - part + k];
+        }
+    }
+    if (lane == 0 && part == 0 && o < rows) out[o] = v * (1.0f / sqrtf(ss / (float)cols + eps));
 }
 
 // A decode step's router and its route in one launch: the blocks compute `experts` logits
@@ -2413,7 +2549,8 @@ extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
     __shared__ bool last;
     int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
     int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
-    float v = matvec_bf16_part(w, x, experts, o, cols, part, parts);
+    RowAsIs row{x};
+    float v = matvec_bf16_part(w, row, experts, o, cols, part, parts);
     matvec_bf16_parts_done(v, logits, experts, o, part, parts);
     // Every writer's logits are visible device-wide before its block takes a ticket.
     __threadfence();
@@ -2442,7 +2579,8 @@ extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
     float* out = o < r0 ? o0 : (o - r0 < r1 ? o1 : o2);
     int rows = o < r0 ? r0 : (o - r0 < r1 ? r1 : r2);
     int row = o < r0 ? o : (o - r0 < r1 ? o - r0 : o - r0 - r1);
-    float v = matvec_bf16_part(w, x, rows, row, cols, part, parts);
+    RowAsIs input{x};
+    float v = matvec_bf16_part(w, input, rows, row, cols, part, parts);
     matvec_bf16_parts_done(v, out, rows, row, part, parts);
 }
 
@@ -2516,7 +2654,8 @@ __device__ void moe_step(const unsigned short* router, const float* x, float* pr
     // 1. Router rows (the logits go where the probabilities will be).
     if (gw < experts) {
         for (int r = gw; r < experts; r += warps) {
-            float v = matvec_bf16_part(router, x, experts, r, hidden, 0, 1);
+            RowAsIs row{x};
+            float v = matvec_bf16_part(router, row, experts, r, hidden, 0, 1);
             if (threadIdx.x % WARP == 0) probs[r] = v;
         }
     } else {

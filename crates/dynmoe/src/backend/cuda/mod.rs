@@ -378,7 +378,7 @@ const KERNEL_NAMES: [&str; 117] = [
     "matvec_bf16_one",
     "matvec_bf16_one_late",
     "router_route_one",
-    "matvec_bf16_norm_one",
+    "matvec_bf16_norm_one_late",
     "matvec_bf16_3_one",
     "rms_norm",
     "rms_norm_inplace",
@@ -709,6 +709,10 @@ struct Routed<'a> {
     /// Whether the router was `matvec_bf16_one_late`, so the routed gate/up kernel right
     /// after it may stage x and read the table before its launch wait.
     router_late: bool,
+    /// The residual (its device address) and the norm the router folded in
+    /// (`matvec_bf16_norm_one_late`, which is late too): the routed gate/up kernel reads
+    /// its row through them, and nothing writes the normed row.
+    norm: Option<(u64, InputNorm)>,
 }
 
 /// One launch pair of the grouped expert GEMMs ([`Cuda::launch_expert_gemms`]): device
@@ -751,15 +755,14 @@ struct PairGroups {
 }
 
 /// The residual add and norm a kernel applies to its input row (device addresses of
-/// the kernels' `delta, norm_w, eps, sum, xn` arguments): `delta`, `sum` or `xn` 0 is
-/// not read or not written.
+/// the kernels' `delta, norm_w, eps, sum` arguments): `delta` or `sum` 0 is not read or
+/// not written.
 #[derive(Debug, Clone, Copy)]
 struct InputNorm {
     delta: u64,
     w: u64,
     eps: f32,
     sum: u64,
-    xn: u64,
 }
 
 /// What confirms that a block's id still names the same weights.
@@ -1212,6 +1215,12 @@ fn one_row_takes(cols: usize) -> bool {
 fn routed_mma_shared(units: usize) -> usize {
     const _: () = assert!(RMMA_DOWN_WARPS <= 2 * RMMA_WARPS);
     units * RMMA_UNIT_BYTES + RMMA_WARPS * 2 * RMMA_ROWS * 4
+}
+
+/// Dynamic shared memory of a `dense_mma_*` block over `groups` groups: the routed
+/// kernels' layout, then with the norm (`dense_mma_norm_*`) each group's scale.
+fn dense_mma_shared(groups: usize, norm: bool) -> usize {
+    routed_mma_shared(groups) + if norm { groups * 4 } else { 0 }
 }
 
 /// Dynamic shared memory of a `routed_mma_gate_up_*` block with `early`: the staged units
@@ -2261,6 +2270,7 @@ impl Cuda {
         } else {
             "dense_mma"
         };
+        let shared = dense_mma_shared(groups, norm.is_some());
         let name = format!("{kernel}_{}", bits_suffix(bits));
         let mut l = self.launcher(self.func(&name));
         for i in 0..3 {
@@ -2279,15 +2289,15 @@ impl Cuda {
             l.arg(&norm.delta)
                 .arg(&norm.w)
                 .arg(&norm.eps)
-                .arg(&norm.sum)
-                .arg(&norm.xn);
+                .arg(&norm.sum);
         }
-        let launch = cfg(blocks, (RMMA_WARPS * 32) as u32, routed_mma_shared(groups));
+        let launch = cfg(blocks, (RMMA_WARPS * 32) as u32, shared);
         ok(unsafe { l.launch(launch) }, "dense_mma");
     }
 
     /// Whether `dense_mma` takes the products of one row with `ws` in one launch:
-    /// affine matrices of the same bits and columns, `in_dim` within them, on tensor cores.
+    /// affine matrices of the same bits and columns, `in_dim` within them, on tensor cores,
+    /// within the shared memory of the kernel that folds a norm in (the larger).
     fn dense_mma_takes(&self, ws: &[Weight<'_, DeviceMatrix>], rows: usize, in_dim: usize) -> bool {
         let Some(Weight::Affine(a)) = ws.first() else {
             return false;
@@ -2295,7 +2305,7 @@ impl Cuda {
         rows == 1
             && self.routed_mma()
             && in_dim <= a.cols
-            && routed_mma_shared(a.cols / GROUP_SIZE) <= SHARED_LIMIT
+            && dense_mma_shared(a.cols / GROUP_SIZE, true) <= SHARED_LIMIT
             && ws
                 .iter()
                 .all(|w| matches!(w, Weight::Affine(b) if b.bits == a.bits && b.cols == a.cols))
@@ -2328,13 +2338,8 @@ impl Cuda {
     }
 
     /// The [`InputNorm`] of `n` for a kernel that folds it in: `sum` gets `x + delta` (with
-    /// a delta), `xn` the normed row where given.
-    fn input_norm(
-        &self,
-        n: AddNorm<'_, CudaSlice<f32>>,
-        sum: &mut CudaSlice<f32>,
-        xn: Option<&mut CudaSlice<f32>>,
-    ) -> InputNorm {
+    /// a delta); nothing gets the normed row.
+    fn input_norm(&self, n: AddNorm<'_, CudaSlice<f32>>, sum: &mut CudaSlice<f32>) -> InputNorm {
         let delta = n.delta.map_or(0, |d| d.device_ptr(&self.stream).0);
         InputNorm {
             delta,
@@ -2345,7 +2350,6 @@ impl Cuda {
             } else {
                 sum.device_ptr_mut(&self.stream).0
             },
-            xn: xn.map_or(0, |t| t.device_ptr_mut(&self.stream).0),
         }
     }
 
@@ -2948,6 +2952,12 @@ impl Cuda {
             // Only right after the late router (no route kernel in between).
             let early = r.router_late && logits != 0;
             let (ei, rn) = (r.experts as i32, r.route.renormalize as i32);
+            // With the router's fold, gate/up reads the residual through the same norm.
+            let (x, delta, norm_w, eps) = match r.norm {
+                Some((residual, n)) => (residual, n.delta, n.w, n.eps),
+                None => (x, 0, 0, 0.0f32),
+            };
+            debug_assert!(r.norm.is_none() || (early && rows == 1));
             // Gate and up write silu(gate) ⊙ up per pair into `g`; down adds each row's
             // pairs, weighted, straight into `out`.
             let block = ((RMMA_WARPS * 32) as u32, 1, 1);
@@ -2956,6 +2966,7 @@ impl Cuda {
             l.arg(&r.table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
             l.arg(&ids).arg(&weights).arg(&ki).arg(&x).arg(&g);
             l.arg(&ri).arg(&c).arg(&i).arg(&(early as i32));
+            l.arg(&delta).arg(&norm_w).arg(&eps);
             let shared = if early {
                 routed_mma_gate_up_shared(up_units, r.experts)
             } else {
@@ -3352,44 +3363,57 @@ impl Cuda {
         }
     }
 
-    /// Whether the router of a block folds in the norm of its input row
-    /// (`matvec_bf16_norm_one`): a bf16 router of one row, the row in shared memory,
-    /// unless the route goes into the router or the whole step is one launch.
-    fn router_folds_norm(&self, gate: &DeviceMatrix, rows: usize, hidden: usize) -> bool {
-        matches!(gate, DeviceMatrix::Bf16(_))
-            && rows == 1
-            && self.fold_norms()
-            && !self.router_routes()
+    /// Whether the router of `r` folds in the norm of its input row and the routed
+    /// gate/up after it reads the row through the same norm (`matvec_bf16_norm_one_late`,
+    /// then the early gate/up): where the gate/up kernel starts early, and the whole step
+    /// is not one launch.
+    fn router_folds_norm(
+        &self,
+        r: &Routed<'_>,
+        gate: &DeviceMatrix,
+        rows: usize,
+        hidden: usize,
+    ) -> bool {
+        self.fold_norms()
             && !self.moe_step()
-            && one_row_takes(hidden)
-            && hidden * 4 <= SHARED_LIMIT
+            && hidden.is_multiple_of(8)
+            && self.routes_gate_up_early(r, gate, rows, hidden)
     }
 
-    /// The row a routed block reads for `input`, and the residual (its device address)
-    /// and norm its router folds in, if it does: otherwise the norm runs here first.
-    fn moe_input<'x>(
+    /// The row a routed block reads for `input` (with the fold, the normed row is not
+    /// written: the router and gate/up read the residual through the norm in `r.norm`);
+    /// otherwise the norm runs here first.
+    fn moe_input<'x, 'r>(
         &self,
         input: MoeInput<'x, CudaSlice<f32>>,
+        r: Routed<'r>,
         rows: usize,
         hidden: usize,
         gate: &DeviceMatrix,
-    ) -> (&'x CudaSlice<f32>, Option<(u64, InputNorm)>) {
+    ) -> (&'x CudaSlice<f32>, Routed<'r>) {
         match input {
-            MoeInput::Rows(x) => (x, None),
-            MoeInput::AddNorm { n, sum, xn } if self.router_folds_norm(gate, rows, hidden) => {
-                let norm = self.input_norm(n, sum, Some(&mut *xn));
-                (xn, Some((n.x.device_ptr(&self.stream).0, norm)))
+            MoeInput::Rows(x) => (x, r),
+            MoeInput::AddNorm { n, sum, xn } if self.router_folds_norm(&r, gate, rows, hidden) => {
+                let norm = self.input_norm(n, sum);
+                let residual = n.x.device_ptr(&self.stream).0;
+                (
+                    xn,
+                    Routed {
+                        norm: Some((residual, norm)),
+                        ..r
+                    },
+                )
             }
             MoeInput::AddNorm { n, sum, xn } => {
                 self.add_rms_norm_to(n, rows, hidden, sum, xn);
-                (xn, None)
+                (xn, r)
             }
         }
     }
 
     /// The router's logits of `x` (`rows` rows of `hidden`) into `logits` (the
-    /// probabilities' slot); with `norm` (from [`moe_input`](Self::moe_input)), of the norm
-    /// it folds in, which it writes to `x`. With `router_routes`, a decode step's row
+    /// probabilities' slot); with `r.norm` (from [`moe_input`](Self::moe_input)), of the
+    /// residual through the norm it folds in. With `router_routes`, a decode step's row
     /// through a bf16 router also takes its route in the same launch (`router_route_one`),
     /// into the routed scratch where the routed kernels read it: the returned `Routed`
     /// says so.
@@ -3402,21 +3426,19 @@ impl Cuda {
         rows: usize,
         hidden: usize,
         logits: &mut CudaViewMut<'_, f32>,
-        norm: Option<(u64, InputNorm)>,
     ) -> Routed<'r> {
         let e = r.experts;
-        if let (Some((residual, n)), DeviceMatrix::Bf16(w)) = (norm, gate) {
+        if let (Some((residual, n)), DeviceMatrix::Bf16(w)) = (r.norm, gate) {
             let (_, launch) = bf16_matvec(false, 1, hidden, e);
-            let launch = LaunchConfig {
-                shared_mem_bytes: (hidden * 4) as u32,
-                ..launch
-            };
             let (ei, ci) = (e as i32, hidden as i32);
-            let mut l = self.launcher(self.func("matvec_bf16_norm_one"));
+            let mut l = self.launcher(self.func("matvec_bf16_norm_one_late"));
             l.arg(w).arg(&residual).arg(&n.delta).arg(&n.w).arg(&n.eps);
-            l.arg(&n.sum).arg(&n.xn).arg(logits).arg(&ei).arg(&ci);
-            ok(unsafe { l.launch(launch) }, "matvec_bf16_norm_one");
-            return r;
+            l.arg(&n.sum).arg(logits).arg(&ei).arg(&ci);
+            ok(unsafe { l.launch(launch) }, "matvec_bf16_norm_one_late");
+            return Routed {
+                router_late: true,
+                ..r
+            };
         }
         let DeviceMatrix::Bf16(w) = gate else {
             self.dense_product(x, gate, rows, hidden, e, logits);
@@ -4092,7 +4114,7 @@ impl Backend for Cuda {
             self.add_rms_norm_to(n, rows, in_dim, sum, xn);
             return self.linear3(xn, ws, rows, in_dim, out_dims, outs);
         }
-        let norm = self.input_norm(n, sum, None);
+        let norm = self.input_norm(n, sum);
         let outs = outs.map(|o| o.device_ptr_mut(&self.stream).0);
         self.dense_mma_product(n.x, &ws, in_dim, &outs, Some(&norm));
     }
@@ -4114,7 +4136,7 @@ impl Backend for Cuda {
             let [w] = ws;
             return self.linear(xn, w, rows, in_dim, out_dim, out);
         }
-        let norm = self.input_norm(n, sum, None);
+        let norm = self.input_norm(n, sum);
         let out = out.device_ptr_mut(&self.stream).0;
         self.dense_mma_product(n.x, &ws, in_dim, &[out], Some(&norm));
     }
@@ -4718,11 +4740,6 @@ impl Backend for Cuda {
         };
         let kind = block.kind;
         let table = block.table.device_ptr(&self.stream).0;
-        let (x, norm) = self.moe_input(x, rows, hidden, gate);
-        let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
-        let probs_ptr = logits.device_ptr_mut(&self.stream).0;
-        let x_ptr = x.device_ptr(&self.stream).0;
-        let out_ptr = out.device_ptr_mut(&self.stream).0;
         let routed = Routed {
             kind,
             table,
@@ -4731,11 +4748,17 @@ impl Backend for Cuda {
             route,
             routed: false,
             router_late: false,
+            norm: None,
         };
+        let (x, routed) = self.moe_input(x, routed, rows, hidden, gate);
+        let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
+        let probs_ptr = logits.device_ptr_mut(&self.stream).0;
+        let x_ptr = x.device_ptr(&self.stream).0;
+        let out_ptr = out.device_ptr_mut(&self.stream).0;
         if self.launch_moe_step(&routed, gate, x_ptr, rows, hidden, probs_ptr, out_ptr) {
             return true;
         }
-        let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits, norm);
+        let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits);
         match kind {
             RoutedKind::Affine(_) => {
                 self.launch_routed(&routed, x_ptr, rows, hidden, probs_ptr, out_ptr)
@@ -4801,13 +4824,6 @@ impl Backend for Cuda {
         if rows == 0 || k == 0 || k > e || e > 4096 {
             return false;
         }
-        let (x, norm) = self.moe_input(x, rows, hidden, gate);
-        let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
-        let probs_at = logits.device_ptr_mut(&self.stream).0;
-        let (x_at, out_at) = (
-            x.device_ptr(&self.stream).0,
-            out.device_ptr_mut(&self.stream).0,
-        );
         let routed = Routed {
             kind: slots.kind,
             table: slots.table_at(),
@@ -4816,11 +4832,19 @@ impl Backend for Cuda {
             route,
             routed: false,
             router_late: false,
+            norm: None,
         };
+        let (x, routed) = self.moe_input(x, routed, rows, hidden, gate);
+        let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
+        let probs_at = logits.device_ptr_mut(&self.stream).0;
+        let (x_at, out_at) = (
+            x.device_ptr(&self.stream).0,
+            out.device_ptr_mut(&self.stream).0,
+        );
         if self.launch_moe_step(&routed, gate, x_at, rows, hidden, probs_at, out_at) {
             return true;
         }
-        let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits, norm);
+        let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits);
         // The routed kernels read each chosen expert once per row: fine for a decode step,
         // and for a prompt the only path that reads device slots.
         self.launch_routed_chunks(&routed, x_at, rows, hidden, probs_at, out_at);
