@@ -365,9 +365,10 @@ double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int pa
     auto arg = [&](int i) -> const Affine& { return mats[std::min<size_t>(i, mats.size() - 1)]; };
     auto out = [&](int i) { return got[std::min<size_t>(i, got.size() - 1)].data(); };
     auto live = [&](int i) { return i < (int)mats.size() ? mats[i].rows : 0; };
-    // As the host's dense_mma_shared: the normed kernel adds a scale a group.
+    // As the host's dense_mma_shared: the normed kernel adds a scale a group and the row
+    // through the norm, from the next 16-byte boundary.
     size_t shared = (size_t)(cols / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4 +
-                    (mode == ADD_NONE ? 0 : (size_t)(cols / 64) * 4);
+                    (mode == ADD_NONE ? 0 : (size_t)(cols / 64 + cols) * 4 + 16);
     shim::launch({(unsigned)blocks, 1, 1}, {256, 1, 1}, shared, [&] {
 #define DENSE_CHECK_ARGS                                                                        \
     arg(0).words.data(), arg(0).scales.data(), arg(0).biases.data(), out(0), live(0),          \
@@ -529,7 +530,7 @@ double check_router_norm(int experts, int cols, AddMode mode, bool outliers = fa
     std::vector<float> logits(experts, NAN), sum(cols, NAN);
     int rows_a_block = 8 / mv_one_parts(cols);
     unsigned blocks = (unsigned)((experts + rows_a_block - 1) / rows_a_block);
-    shim::launch({blocks, 1, 1}, {256, 1, 1}, 0, [&] {
+    shim::launch({blocks, 1, 1}, {256, 1, 1}, (size_t)cols * 4, [&] {
         matvec_bf16_norm_one_late(r.w.data(), x.x.data(),
                                   mode == ADD_SUM ? x.delta.data() : nullptr, x.w.data(), x.eps,
                                   mode == ADD_SUM ? sum.data() : nullptr, logits.data(), experts,
@@ -792,7 +793,8 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     std::vector<double> want_normed_h = ex.gate_up(want, normed, inter);
     std::vector<float> normed_h(want_h.size(), NAN), normed_w(top_k, NAN);
     std::vector<int> normed_ids(top_k, -1);
-    shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
+    shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1},
+                 early_shared + (size_t)hidden * 4 + 16, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, normed_ids.data(),
                 normed_w.data(), top_k, row.x.data(), normed_h.data(), inter, hidden, hidden, 1,
                 row.delta.data(), row.w.data(), row.eps);

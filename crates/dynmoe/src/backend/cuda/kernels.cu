@@ -256,31 +256,51 @@ extern "C" __global__ void add_rms_norm_to(const float* x, const float* delta, c
 // x + delta to `sum` (a buffer other than x: the other blocks still read x). The routed
 // gate/up kernel, which stages its row before its launch wait, norms it there instead.
 
-// What a product applies to its input as it stages it: with `w` null, nothing.
-struct InputNorm {
-    const float* delta;  // added to x first; may be null
-    const float* w;      // the norm's weights
-    float inv;           // 1 / rms(x + delta)
-};
-
-// 1 / rms(x + delta) of one row of `dim` (`delta` may be null), by every thread of the
-// block.
-__device__ float row_inv_rms(const float* x, const float* delta, float eps, int dim,
-                             float* scratch) {
-    float s = 0.0f;
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
-        float v = x[d] + (delta ? delta[d] : 0.0f);
-        s += v * v;
-    }
-    s = block_sum(s, scratch);
-    return 1.0f / sqrtf(s / (float)dim + eps);
-}
-
 // The columns [d0, d1) of a row that block blockIdx.x of a 1-D grid writes: whole `align`s.
 __device__ __forceinline__ int2 row_slice(int dim, int align) {
     int per = (dim + (int)gridDim.x * align - 1) / ((int)gridDim.x * align) * align;
     int d0 = min(dim, (int)blockIdx.x * per);
     return make_int2(d0, min(dim, d0 + per));
+}
+
+// The first 16-byte boundary at or after p (the host leaves 16 bytes for it), as float*.
+__device__ __forceinline__ float* align16(const void* p) {
+    return reinterpret_cast<float*>(((size_t)p + 15) & ~(size_t)15);
+}
+
+// One pass over a row of `dim` by every thread of the block: `row` (shared memory) gets
+// w ⊙ (x + delta), not yet scaled by the norm's 1/rms, and `sum` (unless null) the
+// columns [slice.x, slice.y) of x + delta; returns the thread's share of Σ (x + delta)².
+// Coalesced float4 loads where the rows are whole 4s and aligned. The caller syncs
+// before reading `row`. Products then stage `row` as their input, from shared memory:
+// folded into their own staging, the three rows' loads sat on top of the words the
+// products had loaded before their wait, and ptxas spilled both.
+__device__ float stage_norm_row(const float* x, const float* delta, const float* w, float* row,
+                                int dim, float* sum, int2 slice) {
+    float ss = 0.0f;
+    bool vec = dim % 4 == 0 && (((size_t)x | (size_t)delta | (size_t)w) & 15) == 0;
+    if (vec) {
+        for (int d = 4 * threadIdx.x; d < dim; d += 4 * blockDim.x) {
+            float4 r = *reinterpret_cast<const float4*>(x + d);
+            if (delta) {
+                float4 e = *reinterpret_cast<const float4*>(delta + d);
+                r = make_float4(r.x + e.x, r.y + e.y, r.z + e.z, r.w + e.w);
+            }
+            float4 g = *reinterpret_cast<const float4*>(w + d);
+            ss += r.x * r.x + r.y * r.y + r.z * r.z + r.w * r.w;
+            *reinterpret_cast<float4*>(row + d) =
+                make_float4(g.x * r.x, g.y * r.y, g.z * r.z, g.w * r.w);
+            if (sum && d >= slice.x && d < slice.y) *reinterpret_cast<float4*>(sum + d) = r;
+        }
+    } else {
+        for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+            float r = x[d] + (delta ? delta[d] : 0.0f);
+            ss += r * r;
+            row[d] = w[d] * r;
+            if (sum && d >= slice.x && d < slice.y) sum[d] = r;
+        }
+    }
+    return ss;
 }
 
 extern "C" __global__ void add_bias(float* x, const float* bias, int dim, long long n) {
@@ -1311,8 +1331,7 @@ extern "C" __global__ void moe_combine(const float* down, const float* weights, 
 // row_of(u / groups) of x, which is `in_dim` wide (zeros past it). A thread takes 16
 // columns (a quarter of a group) at a time; a unit's four quarters sit in consecutive
 // lanes. Threads `tid` of `threads` (whole warps) share the work; each must call it.
-// `input` (for one row) may change the 16 values a thread loads; it is returned, so that
-// one that keeps a tally (InputSummed) can be read. With `xscale`, each unit is staged
+// `input` (for one row) may change the 16 values a thread loads. With `xscale`, each unit is staged
 // times the power of two that puts its largest value in [2^14, 2^15), and xscale[u] gets
 // its inverse: a row that is not normed yet may be far outside f16's range, and powers
 // of two scale it exactly. `xsum` stays unscaled.
@@ -1320,41 +1339,17 @@ struct InputAsIs {
     __device__ void operator()(int, float (&)[16]) const {}
 };
 
-// The values of an InputNorm: w ⊙ (x + delta) · inv, as the norm kernels compute them.
-struct InputNormed {
-    InputNorm n;
-    int in_dim;
-    __device__ void operator()(int k0, float (&v)[16]) const {
+// The values times the norm's 1/rms, for a row stage_norm_row put in shared memory.
+struct InputScaled {
+    float inv;
+    __device__ void operator()(int, float (&v)[16]) const {
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
-            int c = k0 + j;
-            float d = n.delta && c < in_dim ? n.delta[c] : 0.0f;
-            float g = c < in_dim ? n.w[c] : 0.0f;
-            v[j] = g * ((v[j] + d) * n.inv);
-        }
-    }
-};
-
-// w ⊙ (x + delta), not yet scaled by the norm's 1/rms, and the tally of the thread's
-// Σ (x + delta)².
-struct InputSummed {
-    const float* delta;
-    const float* w;
-    int in_dim;
-    float ss;
-    __device__ void operator()(int k0, float (&v)[16]) {
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            int c = k0 + j;
-            float r = v[j] + (delta && c < in_dim ? delta[c] : 0.0f);
-            ss += r * r;
-            v[j] = c < in_dim ? w[c] * r : 0.0f;
-        }
+        for (int j = 0; j < 16; j++) v[j] *= inv;
     }
 };
 
 template <int BITS, typename RowOf, typename Input = InputAsIs>
-__device__ Input stage_units(unsigned* xs, float* xsum, const float* x, RowOf row_of, int units,
+__device__ void stage_units(unsigned* xs, float* xsum, const float* x, RowOf row_of, int units,
                              int groups, int in_dim, int tid, int threads, Input input = {},
                              float* xscale = nullptr) {
     bool vec = in_dim % 4 == 0 && ((size_t)x & 15) == 0;  // whole float4s, aligned
@@ -1399,7 +1394,6 @@ __device__ Input stage_units(unsigned* xs, float* xsum, const float* x, RowOf ro
                 dst[RMMA_HALF + 8 * ks + h] = lo[2 * ks + h];
             }
     }
-    return input;
 }
 
 // One unit's products for the lane's rows g and g + 8 of a matrix: the partial sums
@@ -1688,19 +1682,22 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
     float* xsum = reinterpret_cast<float*>(smem + (size_t)groups * RMMA_UNIT);
     float* red = xsum + groups;
     int pair = blockIdx.y, token = pair / top_k, rank = pair % top_k;
+    // Every expert's gate and up pointers, 8-byte aligned after `red`.
+    unsigned long long* pointers = reinterpret_cast<unsigned long long*>(
+        smem + (((size_t)groups * RMMA_UNIT + groups + RMMA_WARPS * 2 * RMMA_ROWS + 1) & ~(size_t)1));
+    // With the norm, the row through it (in_dim floats) after every expert's pointers.
+    float* normed = align16(pointers + (size_t)experts * GATE_UP_POINTERS);
     auto stage_x = [&] {
         auto row = [&](int) { return token; };
         if (norm_w) {
-            float inv = row_inv_rms(x, delta, eps, in_dim, scratch);
-            stage_units<BITS>(xs, xsum, x, row, groups, groups, in_dim, threadIdx.x, blockDim.x,
-                              InputNormed{{delta, norm_w, inv}, in_dim});
+            float ss = stage_norm_row(x, delta, norm_w, normed, in_dim, nullptr, {0, 0});
+            float inv = 1.0f / sqrtf(block_sum(ss, scratch) / (float)in_dim + eps);
+            stage_units<BITS>(xs, xsum, normed, row, groups, groups, in_dim, threadIdx.x,
+                              blockDim.x, InputScaled{inv});
         } else {
             stage_units<BITS>(xs, xsum, x, row, groups, groups, in_dim, threadIdx.x, blockDim.x);
         }
     };
-    // Every expert's gate and up pointers, 8-byte aligned after `red`.
-    unsigned long long* pointers = reinterpret_cast<unsigned long long*>(
-        smem + (((size_t)groups * RMMA_UNIT + groups + RMMA_WARPS * 2 * RMMA_ROWS + 1) & ~(size_t)1));
     if (early) {
         for (int i = threadIdx.x; i < experts * GATE_UP_POINTERS; i += blockDim.x)
             pointers[i] = table[(size_t)(i / GATE_UP_POINTERS) * ROUTED_ENTRY + i % GATE_UP_POINTERS];
@@ -1850,8 +1847,10 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
     float* xsum = reinterpret_cast<float*>(smem + (size_t)groups * RMMA_UNIT);
     float* red = xsum + groups;  // [RMMA_WARPS][RMMA_ROWS]
     // With NORM: each unit's xscale (after the routed kernels' [RMMA_WARPS][2][RMMA_ROWS]
-    // that routed_mma_shared counts), and the warps' sums of squares.
+    // that routed_mma_shared counts), the row through the norm (16-byte aligned), and the
+    // warps' sums of squares.
     float* xscale = red + RMMA_WARPS * 2 * RMMA_ROWS;
+    float* normed = align16(xscale + groups);
     __shared__ float warp_ss[RMMA_WARPS];
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, q = lane & 3;
     int per_round = RMMA_WARPS / parts, slot = warp / parts, part = warp % parts;
@@ -1906,18 +1905,13 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
     }
     PDL_WAIT();
     if (NORM) {
-        InputSummed input{norm.delta, norm.w, in_dim, 0.0f};
-        input = stage_units<BITS>(xs, xsum, x, [](int) { return 0; }, groups, groups, in_dim,
-                                  threadIdx.x, blockDim.x, input, xscale);
-        float ss = warp_sum(input.ss);
+        float ss = stage_norm_row(x, norm.delta, norm.w, normed, in_dim, norm.sum,
+                                  row_slice(in_dim, 4));
+        ss = warp_sum(ss);
         if (lane == 0) warp_ss[warp] = ss;
-        // The block's slice of x + delta, which it has just read (from L1, then), after
-        // the staging rather than in it, where its registers would be on top of the
-        // staging's and the words loaded before the wait.
-        int2 slice = row_slice(in_dim, 1);
-        if (norm.sum)
-            for (int d = slice.x + threadIdx.x; d < slice.y; d += blockDim.x)
-                norm.sum[d] = x[d] + norm.delta[d];
+        __syncthreads();
+        stage_units<BITS>(xs, xsum, normed, [](int) { return 0; }, groups, groups, in_dim,
+                          threadIdx.x, blockDim.x, InputAsIs{}, xscale);
     } else {
         stage_units<BITS>(xs, xsum, x, [](int) { return 0; }, groups, groups, in_dim,
                           threadIdx.x, blockDim.x);
@@ -2412,47 +2406,29 @@ struct RowThenLaunch : RowAsIs {
     __device__ void ready() const { PDL_LAUNCH(); }
 };
 
-// RMSNorm(x + delta)·w before its 1/rms (the fold above): dot gives a · (w ⊙ (x + delta))
-// and `ss` tallies Σ (x + delta)² over the lane's columns; the columns [d0, d1) (whole
-// 8s) of x + delta go to `sum`. The next kernel may start once the wait is over.
-struct NormedRowThenLaunch {
+// RMSNorm(x + delta)·w before its 1/rms (the fold above), staged once a block: once the
+// wait is over (the next kernel may then start), stage_norm_row puts the row in shared
+// memory (`row`) and the thread's Σ (x + delta)² in `ss`; the warps' products read it
+// there. (Read from global memory by every warp instead, it measured slower: each warp
+// then reads three rows, not one.)
+struct NormedRowStaged {
     const float* x;
     const float* delta;
     const float* w;
     float* sum;
-    int d0, d1;
+    float* row;
+    int cols;
+    int2 slice;
     float ss;
-    __device__ void ready() const { PDL_LAUNCH(); }
-    __device__ float dot(uint4 a, int j) {
-        float v[8], r[8], g[8];
-        bf16x8_values(a, v);
-        load8(x, j, r);
-        load8(w, j, g);
-        if (delta) {
-            float d[8];
-            load8(delta, j, d);
-#pragma unroll
-            for (int i = 0; i < 8; i++) r[i] += d[i];
-        }
-        float acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            ss += r[i] * r[i];
-            acc += v[i] * (g[i] * r[i]);
-        }
-        if (sum && 8 * j >= d0 && 8 * j < d1) {
-            float4* dst = reinterpret_cast<float4*>(sum) + 2 * j;
-            dst[0] = make_float4(r[0], r[1], r[2], r[3]);
-            dst[1] = make_float4(r[4], r[5], r[6], r[7]);
-        }
-        return acc;
+    __device__ void ready() {
+        PDL_LAUNCH();
+        ss = stage_norm_row(x, delta, w, row, cols, sum, slice);
+        __syncthreads();
     }
-    // Columns 8·j .. 8·j + 7 of `src` (16-byte aligned, whole 8s).
-    __device__ static void load8(const float* src, int j, float (&v)[8]) {
-        const float4* s4 = reinterpret_cast<const float4*>(src) + 2 * j;
-        float4 c = s4[0], d = s4[1];
-        v[0] = c.x, v[1] = c.y, v[2] = c.z, v[3] = c.w;
-        v[4] = d.x, v[5] = d.y, v[6] = d.z, v[7] = d.w;
+    __device__ float dot(uint4 a, int j) const {
+        float acc[1] = {0.0f};
+        dot_bf16x8(acc, a, row, 0, j, 1);
+        return acc[0];
     }
 };
 
@@ -2498,37 +2474,26 @@ extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
     matvec_bf16_parts_done(v, out, rows, o, part, parts);
 }
 
-// matvec_bf16_one_late of RMSNorm(x + delta)·norm_w in one pass (NormedRowThenLaunch):
-// a decode step's router, which reads the post-attention norm. Each row's warps have seen
-// every column between them, so their sums of squares give the norm's 1/rms with no
-// block reduction; the first warps of block b write its slice of x + delta to `sum`. A
-// router's grid is a few blocks (16 for 128 experts), so its launch bound is not the other
-// one-row kernels' but what holds a lane's early words and its eight columns of x, delta
-// and weights without spilling.
+// matvec_bf16_one_late of RMSNorm(x + delta)·norm_w in one pass (NormedRowStaged): a
+// decode step's router, which reads the post-attention norm, its row staged in dynamic
+// shared memory (cols floats, whole 4s). The products are scaled by the norm's 1/rms at
+// the end, from the block's sum of squares, so no reduction comes before the first
+// product; block b writes its slice of x + delta to `sum`. A router's grid is a few
+// blocks (16 for 128 experts), so its launch bound is not the other one-row kernels' but
+// what holds a lane's early words beside the staging without spilling.
 extern "C" __global__ void __launch_bounds__(256, 2)
     matvec_bf16_norm_one_late(const unsigned short* w, const float* x, const float* delta,
                               const float* norm_w, float eps, float* sum, float* out, int rows,
                               int cols) {
-    __shared__ float sums[8], squares[8];
-    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
+    extern __shared__ __align__(16) float staged_row[];
+    __shared__ float scratch[32];
+    int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
     int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
-    int2 slice = warp / parts == 0 ? row_slice(cols, 8) : make_int2(0, 0);
-    NormedRowThenLaunch row{x, delta, norm_w, sum, slice.x, slice.y, 0.0f};
+    int2 slice = row_slice(cols, 4);
+    NormedRowStaged row{x, delta, norm_w, sum, staged_row, cols, slice, 0.0f};
     float v = matvec_bf16_part(w, row, rows, o, cols, part, parts);
-    float ss = warp_sum(row.ss);
-    if (parts > 1) {
-        if (lane == 0) {
-            sums[warp] = v;
-            squares[warp] = ss;
-        }
-        __syncthreads();
-        v = ss = 0.0f;
-        for (int k = 0; k < parts; k++) {
-            v += sums[warp - part + k];
-            ss += squares[warp - part + k];
-        }
-    }
-    if (lane == 0 && part == 0 && o < rows) out[o] = v * (1.0f / sqrtf(ss / (float)cols + eps));
+    float inv = 1.0f / sqrtf(block_sum(row.ss, scratch) / (float)cols + eps);
+    matvec_bf16_parts_done(v * inv, out, rows, o, part, parts);
 }
 
 // A decode step's router and its route in one launch: the blocks compute `experts` logits

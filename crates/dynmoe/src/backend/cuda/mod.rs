@@ -1218,9 +1218,15 @@ fn routed_mma_shared(units: usize) -> usize {
 }
 
 /// Dynamic shared memory of a `dense_mma_*` block over `groups` groups: the routed
-/// kernels' layout, then with the norm (`dense_mma_norm_*`) each group's scale.
+/// kernels' layout, then with the norm (`dense_mma_norm_*`) each group's scale and the
+/// row through the norm, from the next 16-byte boundary.
 fn dense_mma_shared(groups: usize, norm: bool) -> usize {
-    routed_mma_shared(groups) + if norm { groups * 4 } else { 0 }
+    routed_mma_shared(groups)
+        + if norm {
+            (groups + groups * GROUP_SIZE) * 4 + 16
+        } else {
+            0
+        }
 }
 
 /// Dynamic shared memory of a `routed_mma_gate_up_*` block with `early`: the staged units
@@ -2296,8 +2302,7 @@ impl Cuda {
     }
 
     /// Whether `dense_mma` takes the products of one row with `ws` in one launch:
-    /// affine matrices of the same bits and columns, `in_dim` within them, on tensor cores,
-    /// within the shared memory of the kernel that folds a norm in (the larger).
+    /// affine matrices of the same bits and columns, `in_dim` within them, on tensor cores.
     fn dense_mma_takes(&self, ws: &[Weight<'_, DeviceMatrix>], rows: usize, in_dim: usize) -> bool {
         let Some(Weight::Affine(a)) = ws.first() else {
             return false;
@@ -2305,10 +2310,27 @@ impl Cuda {
         rows == 1
             && self.routed_mma()
             && in_dim <= a.cols
-            && dense_mma_shared(a.cols / GROUP_SIZE, true) <= SHARED_LIMIT
+            && dense_mma_shared(a.cols / GROUP_SIZE, false) <= SHARED_LIMIT
             && ws
                 .iter()
                 .all(|w| matches!(w, Weight::Affine(b) if b.bits == a.bits && b.cols == a.cols))
+    }
+
+    /// Whether `dense_mma_norm` takes the products of one row with `ws` through the
+    /// residual add and norm before them: switched on, `dense_mma` takes them, and the row
+    /// through the norm fits beside its staged units.
+    fn dense_mma_folds_norm(
+        &self,
+        ws: &[Weight<'_, DeviceMatrix>],
+        rows: usize,
+        in_dim: usize,
+    ) -> bool {
+        let Some(Weight::Affine(a)) = ws.first() else {
+            return false;
+        };
+        self.fold_norms()
+            && self.dense_mma_takes(ws, rows, in_dim)
+            && dense_mma_shared(a.cols / GROUP_SIZE, true) <= SHARED_LIMIT
     }
 
     /// The products [`dense_mma_takes`](Self::dense_mma_takes) took, into `outs`.
@@ -2967,8 +2989,10 @@ impl Cuda {
             l.arg(&ids).arg(&weights).arg(&ki).arg(&x).arg(&g);
             l.arg(&ri).arg(&c).arg(&i).arg(&(early as i32));
             l.arg(&delta).arg(&norm_w).arg(&eps);
+            // With the norm, the row through it after the experts' pointers.
             let shared = if early {
                 routed_mma_gate_up_shared(up_units, r.experts)
+                    + r.norm.map_or(0, |_| hidden * 4 + 16)
             } else {
                 routed_mma_shared(up_units)
             };
@@ -3374,10 +3398,16 @@ impl Cuda {
         rows: usize,
         hidden: usize,
     ) -> bool {
+        let RoutedKind::Affine(shape) = r.kind else {
+            return false;
+        };
         self.fold_norms()
             && !self.moe_step()
             && hidden.is_multiple_of(8)
+            && hidden * 4 <= SHARED_LIMIT
             && self.routes_gate_up_early(r, gate, rows, hidden)
+            && routed_mma_gate_up_shared(shape.up_cols / 64, r.experts) + hidden * 4 + 16
+                <= SHARED_LIMIT
     }
 
     /// The row a routed block reads for `input` (with the fold, the normed row is not
@@ -3429,7 +3459,12 @@ impl Cuda {
     ) -> Routed<'r> {
         let e = r.experts;
         if let (Some((residual, n)), DeviceMatrix::Bf16(w)) = (r.norm, gate) {
+            // The row through the norm, staged in shared memory.
             let (_, launch) = bf16_matvec(false, 1, hidden, e);
+            let launch = LaunchConfig {
+                shared_mem_bytes: (hidden * 4) as u32,
+                ..launch
+            };
             let (ei, ci) = (e as i32, hidden as i32);
             let mut l = self.launcher(self.func("matvec_bf16_norm_one_late"));
             l.arg(w).arg(&residual).arg(&n.delta).arg(&n.w).arg(&n.eps);
@@ -4110,7 +4145,7 @@ impl Backend for Cuda {
         out_dims: [usize; 3],
         outs: [&mut CudaSlice<f32>; 3],
     ) {
-        if !self.fold_norms() || !self.dense_mma_takes(&ws, rows, in_dim) {
+        if !self.dense_mma_folds_norm(&ws, rows, in_dim) {
             self.add_rms_norm_to(n, rows, in_dim, sum, xn);
             return self.linear3(xn, ws, rows, in_dim, out_dims, outs);
         }
@@ -4131,7 +4166,7 @@ impl Backend for Cuda {
         out: &mut CudaSlice<f32>,
     ) {
         let ws = [w];
-        if out_dim == 0 || !self.fold_norms() || !self.dense_mma_takes(&ws, rows, in_dim) {
+        if out_dim == 0 || !self.dense_mma_folds_norm(&ws, rows, in_dim) {
             self.add_rms_norm_to(n, rows, in_dim, sum, xn);
             let [w] = ws;
             return self.linear(xn, w, rows, in_dim, out_dim, out);
