@@ -295,7 +295,7 @@ for step in $steps; do
         # bits (default 4) with $TUNE_DENSE dense layers and head (q4 by default; bf16
         # leaves them as the checkpoint has them) into tune_q<bits>.log (tune_q<bits>_bf16.log
         # with bf16). A set is kernel constants (DYNMOE_CUDA_DEFINES) and DYNMOE_* switches
-        # (DYNMOE_CUDA_FOLD_NORMS=1), space-separated; '-' is the source's own choice. With
+        # (DYNMOE_CUDA_FOLD_NORMS=0), space-separated; '-' is the source's own choice. With
         # nvcc (and TUNE_PTXAS not 0), ptxas's registers and spills of the routed and dense
         # kernels under each set. Each run's JSON is tune_q<bits>[_bf16]_<n>.json, n the set's
         # place in $TUNE from 1.

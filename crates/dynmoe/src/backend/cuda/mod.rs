@@ -855,8 +855,8 @@ pub struct Cuda {
     /// `router_route_one`'s count of finished blocks, zero between launches.
     route_ticket: CudaSlice<u32>,
     /// Whether the products that read a decode step's norms (q/k/v, router, LM head) fold
-    /// the residual add and the norm in (`DYNMOE_CUDA_FOLD_NORMS=1`) or the norm takes a
-    /// launch of its own.
+    /// the residual add and the norm in (the default) or the norm takes a launch of its
+    /// own (`DYNMOE_CUDA_FOLD_NORMS=0`).
     fold_norms: Switch<bool>,
     /// Whether a decode step's attention blocks do its preamble themselves
     /// (`attention_step_*`, `DYNMOE_CUDA_STEP_ATTENTION=1`) or the preamble takes a launch
@@ -1482,7 +1482,7 @@ impl Cuda {
             route_ticket,
             // Measured slower in a decode step than the norm's own launch
             // (docs/GPU_NOTES.md), so off unless asked for.
-            fold_norms: Switch::new(switched_on("DYNMOE_CUDA_FOLD_NORMS")),
+            fold_norms: Switch::new(!switched_off("DYNMOE_CUDA_FOLD_NORMS")),
             // Measured slower in a decode step than the preamble's own launch
             // (docs/GPU_NOTES.md), so off unless asked for.
             step_attention: Switch::new(switched_on("DYNMOE_CUDA_STEP_ATTENTION")),
@@ -1678,7 +1678,7 @@ impl Cuda {
     }
 
     /// Whether the products that read a decode step's norms fold the residual add and
-    /// the norm in, or a norm kernel runs first (the default), to measure one against the
+    /// the norm in (the default), or a norm kernel runs first, to measure one against the
     /// other. Steps already recorded keep their way.
     pub fn set_fold_norms(&self, on: bool) {
         self.fold_norms.set(on);
