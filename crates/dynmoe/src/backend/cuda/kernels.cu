@@ -1847,11 +1847,9 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
     float* xsum = reinterpret_cast<float*>(smem + (size_t)groups * RMMA_UNIT);
     float* red = xsum + groups;  // [RMMA_WARPS][RMMA_ROWS]
     // With NORM: each unit's xscale (after the routed kernels' [RMMA_WARPS][2][RMMA_ROWS]
-    // that routed_mma_shared counts), the row through the norm (16-byte aligned), and the
-    // warps' sums of squares.
+    // that routed_mma_shared counts) and the row through the norm (16-byte aligned).
     float* xscale = red + RMMA_WARPS * 2 * RMMA_ROWS;
     float* normed = align16(xscale + groups);
-    __shared__ float warp_ss[RMMA_WARPS];
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, q = lane & 3;
     int per_round = RMMA_WARPS / parts, slot = warp / parts, part = warp % parts;
     int tiles[3];
@@ -1904,12 +1902,14 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
         load(u0);
     }
     PDL_WAIT();
+    // The norm's 1/rms, which the outputs take (1 without NORM).
+    float inv = 1.0f;
     if (NORM) {
         float ss = stage_norm_row(x, norm.delta, norm.w, normed, in_dim, norm.sum,
                                   row_slice(in_dim, 4));
-        ss = warp_sum(ss);
-        if (lane == 0) warp_ss[warp] = ss;
-        __syncthreads();
+        // `red` is free until the rounds, and block_sum's 32 floats fit in it; its
+        // barriers also make `normed` whole before it is staged.
+        inv = 1.0f / sqrtf(block_sum(ss, red) / (float)in_dim + norm.eps);
         stage_units<BITS>(xs, xsum, normed, [](int) { return 0; }, groups, groups, in_dim,
                           threadIdx.x, blockDim.x, InputAsIs{}, xscale);
     } else {
@@ -1917,14 +1917,6 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
                           threadIdx.x, blockDim.x);
     }
     __syncthreads();
-    // The norm's 1/rms, which the outputs take (1 without NORM).
-    float inv = 1.0f;
-    if (NORM) {
-        float ss = 0.0f;
-#pragma unroll
-        for (int k = 0; k < RMMA_WARPS; k++) ss += warp_ss[k];
-        inv = 1.0f / sqrtf(ss / (float)in_dim + norm.eps);
-    }
     // Every warp runs every round (the block adds parts through shared memory); a warp
     // whose job is past the last only takes part in the barriers.
     for (int round = blockIdx.x * per_round; round < jobs; round += step) {
@@ -2245,19 +2237,14 @@ extern "C" __global__ void matvec_f32(const float* w, const float* x, float* out
 // every row 16-byte aligned; one value per lane otherwise. Half the bytes of the f32
 // kernel, which decode is bound by. The caller has issued PDL_LAUNCH; a lane's first
 // EARLY loads go out before PDL_WAIT. MAXB is the most rows of x (`acc` holds a sum each).
-__device__ __forceinline__ void bf16x8_values(uint4 a, float (&v)[8]) {
-    // Little-endian: the lower half of each word is the earlier value.
-    v[0] = __uint_as_float(a.x << 16), v[1] = __uint_as_float(a.x & 0xffff0000u);
-    v[2] = __uint_as_float(a.y << 16), v[3] = __uint_as_float(a.y & 0xffff0000u);
-    v[4] = __uint_as_float(a.z << 16), v[5] = __uint_as_float(a.z & 0xffff0000u);
-    v[6] = __uint_as_float(a.w << 16), v[7] = __uint_as_float(a.w & 0xffff0000u);
-}
-
 template <int MAXB>
 __device__ __forceinline__ void dot_bf16x8(float (&acc)[MAXB], uint4 a, const float* x, int cols,
                                            int j, int batch) {
-    float v[8];
-    bf16x8_values(a, v);
+    // Little-endian: the lower half of each word is the earlier value.
+    float v[8] = {__uint_as_float(a.x << 16), __uint_as_float(a.x & 0xffff0000u),
+                  __uint_as_float(a.y << 16), __uint_as_float(a.y & 0xffff0000u),
+                  __uint_as_float(a.z << 16), __uint_as_float(a.z & 0xffff0000u),
+                  __uint_as_float(a.w << 16), __uint_as_float(a.w & 0xffff0000u)};
 #pragma unroll
     for (int b = 0; b < MAXB; b++) {
         if (b < batch) {
@@ -2407,28 +2394,23 @@ struct RowThenLaunch : RowAsIs {
 };
 
 // RMSNorm(x + delta)·w before its 1/rms (the fold above), staged once a block: once the
-// wait is over (the next kernel may then start), stage_norm_row puts the row in shared
-// memory (`row`) and the thread's Σ (x + delta)² in `ss`; the warps' products read it
-// there. (Read from global memory by every warp instead, it measured slower: each warp
-// then reads three rows, not one.)
-struct NormedRowStaged {
-    const float* x;
+// wait is over (the next kernel may then start), stage_norm_row puts the row in `row`
+// (shared memory) and the thread's Σ (x + delta)² in `ss`; the warps' products read the
+// row there, as RowAsIs reads its x. (Read from global memory by every warp instead, it
+// measured slower: each warp then reads three rows, not one.)
+struct NormedRowStaged : RowAsIs {
+    float* row;  // what RowAsIs's x points at
+    const float* src;
     const float* delta;
     const float* w;
     float* sum;
-    float* row;
     int cols;
     int2 slice;
     float ss;
     __device__ void ready() {
         PDL_LAUNCH();
-        ss = stage_norm_row(x, delta, w, row, cols, sum, slice);
+        ss = stage_norm_row(src, delta, w, row, cols, sum, slice);
         __syncthreads();
-    }
-    __device__ float dot(uint4 a, int j) const {
-        float acc[1] = {0.0f};
-        dot_bf16x8(acc, a, row, 0, j, 1);
-        return acc[0];
     }
 };
 
@@ -2490,7 +2472,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
     int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
     int2 slice = row_slice(cols, 4);
-    NormedRowStaged row{x, delta, norm_w, sum, staged_row, cols, slice, 0.0f};
+    NormedRowStaged row{{staged_row}, staged_row, x, delta, norm_w, sum, cols, slice, 0.0f};
     float v = matvec_bf16_part(w, row, rows, o, cols, part, parts);
     float inv = 1.0f / sqrtf(block_sum(row.ss, scratch) / (float)cols + eps);
     matvec_bf16_parts_done(v * inv, out, rows, o, part, parts);

@@ -3389,8 +3389,9 @@ impl Cuda {
 
     /// Whether the router of `r` folds in the norm of its input row and the routed
     /// gate/up after it reads the row through the same norm (`matvec_bf16_norm_one_late`,
-    /// then the early gate/up): where the gate/up kernel starts early, and the whole step
-    /// is not one launch.
+    /// then the early gate/up): where the gate/up kernel starts early (so the row is whole
+    /// 8s), the whole step is not one launch, and gate/up's shared memory holds the row
+    /// too (then so does the router's).
     fn router_folds_norm(
         &self,
         r: &Routed<'_>,
@@ -3403,8 +3404,6 @@ impl Cuda {
         };
         self.fold_norms()
             && !self.moe_step()
-            && hidden.is_multiple_of(8)
-            && hidden * 4 <= SHARED_LIMIT
             && self.routes_gate_up_early(r, gate, rows, hidden)
             && routed_mma_gate_up_shared(shape.up_cols / 64, r.experts) + hidden * 4 + 16
                 <= SHARED_LIMIT
