@@ -51,7 +51,9 @@
 # resources ptxas's registers, stack, spills and shared memory of every kernel (ptxas.log;
 #          needs nvcc)
 # timeline each kernel's share of a decode token in the chain, from stamps taken as each
-#          launch's wait returns (timeline_q<bits>.log; $BITS, default 4)
+#          launch's wait returns (timeline_q<bits>.log; $BITS, default 4); with
+#          TIMELINE_DEFINES="PHASES=512" also the last routed gate/up and down launches'
+#          phases block by block (when their blocks waited, routed, staged, summed, wrote)
 # variants after `model`, at 4 bits: decode with one-row attention not split over the
 #          keys, with dense weights in f32 instead of bf16, prompts without tensor cores,
 #          the prompt's attention by the per-row kernel instead of the tiled one, kernels

@@ -836,7 +836,65 @@ fn print_timeline(
     }
     let all: f64 = rows.iter().map(|r| r.2).sum();
     println!("{:<60} {:>8} {:>9} {:>10.1}", "all", "", "", all / tokens);
+    if let Some(stamps) = b.phase_stamps()? {
+        print_phases(&stamps);
+    }
     Ok(())
+}
+
+/// With the kernels built with `PHASES`, the last routed gate/up and down launches block
+/// by block: for each phase, when its blocks reached it (µs after the first gate/up
+/// block's wait returned), as minimum, median, 90th percentile and maximum.
+#[cfg(feature = "cuda")]
+fn print_phases(stamps: &[Vec<[u64; dynmoe::backend::cuda::PHASE_SLOTS]>; 2]) {
+    const NAMES: [&[&str]; 2] = [
+        &[
+            "entry",
+            "waited",
+            "routed",
+            "loads out, x staged",
+            "products summed",
+            "h written",
+        ],
+        &[
+            "entry",
+            "waited",
+            "h staged",
+            "products summed",
+            "out written",
+        ],
+    ];
+    let Some(t0) = stamps[0].iter().map(|b| b[1]).filter(|&t| t > 0).min() else {
+        return;
+    };
+    println!(
+        "\n{:<36} {:>7} {:>8} {:>8} {:>8} {:>8}",
+        "phase (us after gate/up's first wait)", "blocks", "min", "median", "p90", "max"
+    );
+    for (k, names) in NAMES.iter().enumerate() {
+        let kernel = ["gate/up", "down"][k];
+        for (p, name) in names.iter().enumerate() {
+            let mut t: Vec<f64> = stamps[k]
+                .iter()
+                .filter(|b| b[p] > 0)
+                .map(|b| (b[p] as f64 - t0 as f64) / 1e3)
+                .collect();
+            if t.is_empty() {
+                continue;
+            }
+            t.sort_by(f64::total_cmp);
+            let at = |q: f64| t[((t.len() - 1) as f64 * q).round() as usize];
+            println!(
+                "{:<36} {:>7} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+                format!("{kernel}: {name}"),
+                t.len(),
+                t[0],
+                at(0.5),
+                at(0.9),
+                t[t.len() - 1]
+            );
+        }
+    }
 }
 
 /// Bytes a dense weight takes on the device. Checkpoints (synthetic ones too) are bf16,

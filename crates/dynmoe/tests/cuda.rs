@@ -1814,38 +1814,31 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     // On tensor cores a decode step's experts also run as slices (gate, up and down of
     // one slice a block, in one launch; 1 600-wide experts take 25 slices a pair), routing
     // the row themselves or reading the router's route. The three launches' gate/up
-    // starts early (x staged and the table copied before its launch wait) or not, and
-    // its warps copy their words into shared memory at once or load a unit a round;
-    // 2048-wide rows give each warp four units, the most it copies.
-    let (was, was_step, was_routes, was_slices, was_early, was_copy) = (
+    // starts early (x staged and the table copied before its launch wait) or not.
+    let (was, was_step, was_routes, was_slices, was_early) = (
         g.routed_mma(),
         g.moe_step(),
         g.router_routes(),
         g.routed_slices(),
         g.gate_up_early(),
-        g.gate_up_copy(),
     );
-    for (mma, step, routes, slices, early, copy) in [
-        (true, true, false, false, true, true),
-        (true, false, false, true, true, true),
-        (true, false, false, false, true, true),
-        (true, false, false, false, true, false),
-        (true, false, false, false, false, true),
-        (true, false, false, false, false, false),
-        (true, false, true, true, true, true),
-        (true, false, true, false, true, true),
-        (false, false, false, false, true, true),
-        (false, false, true, false, true, true),
+    for (mma, step, routes, slices, early) in [
+        (true, true, false, false, true),
+        (true, false, false, true, true),
+        (true, false, false, false, true),
+        (true, false, false, false, false),
+        (true, false, true, true, true),
+        (true, false, true, false, true),
+        (false, false, false, false, true),
+        (false, false, true, false, true),
     ] {
         g.set_routed_mma(mma);
         g.set_moe_step(step);
         g.set_router_routes(routes);
         g.set_routed_slices(slices);
         g.set_gate_up_early(early);
-        g.set_gate_up_copy(copy);
         for bits in [4, 3, 2] {
             check_routed(g, 256, 80, 12, Codes::Affine(bits), false);
-            check_routed(g, 2048, 64, 16, Codes::Affine(bits), false);
         }
         check_routed(g, 128, 32, 128, Codes::Affine(4), true);
         check_routed(g, 128, 32, 260, Codes::Affine(2), true);
@@ -1856,7 +1849,6 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     g.set_router_routes(was_routes);
     g.set_routed_slices(was_slices);
     g.set_gate_up_early(was_early);
-    g.set_gate_up_copy(was_copy);
     let (hidden, inter) = (256, 80);
     // Without tensor cores more than 8 rows are too many for the device path: it declines
     // and leaves the outputs alone.

@@ -47,6 +47,27 @@ __device__ __forceinline__ void timeline_mark() {
 #define PDL_LAUNCH()
 #define PDL_WAIT()
 #endif
+// With PHASES defined (DYNMOE_CUDA_DEFINES="PHASES=<blocks>"), thread 0 of each of the
+// first <blocks> blocks of the routed gate/up (kernel 0) and down (kernel 1) launches
+// stamps the global timer at each phase of its work, each launch over the one before, so
+// after a decode they hold the last layer's (`Cuda::phase_stamps`): where a launch's
+// share of the chain goes, block by block. Off, it costs nothing.
+#define PHASE_SLOTS 8
+#ifdef PHASES
+__device__ unsigned long long phase_stamps[2][PHASES][PHASE_SLOTS];
+__device__ __forceinline__ void phase_mark(int kernel, int k) {
+    unsigned b = blockIdx.x + blockIdx.y * gridDim.x;
+    if (threadIdx.x == 0 && b < PHASES) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        phase_stamps[kernel][b][k] = t;
+    }
+}
+#define PHASE(kernel, k) phase_mark(kernel, k)
+#else
+#define PHASE(kernel, k)
+#endif
+
 #define PDL_ENTRY() \
     PDL_LAUNCH();   \
     PDL_WAIT()
@@ -1116,75 +1137,63 @@ __device__ void block_argmax(float& v, int& i, float* sv, int* si) {
 // then among the experts `keep` marks (all when null) the top_k, best first, ties to the
 // lower id, with their weights. As on the host (moe::route after residency::confine), a
 // mask first rescales the kept probabilities to sum to one; `renormalize` divides the
-// chosen ones by their sum. Every warp reduces the whole row itself (the softmax's max
-// and sum, the mask's kept share): a few shuffles on a row of a few hundred logits,
-// where a block reduction costs two barriers each, on the path of every routed block.
-// Each candidate's place is then its rank among all of them, counted by its own thread
-// against `cand` in shared memory (`experts` floats), so no thread waits on a pick of
-// one expert after another: a single warp picking top-8 of 128 by shuffles took ~7 µs,
-// most of a decode step's routed experts. Writes the unmasked probabilities to `probs`
-// when it is not null (it may be `row`: a thread writes only its own experts, after
-// every warp has read the row), the ids and weights to `out_ids`/`out_w` (complete for
-// every thread when this returns). `scratch`: 32 shared floats. Every thread of the block
-// calls.
+// chosen ones by their sum. Each candidate's place is its rank among all of them, counted
+// by its own thread against `cand` in shared memory (`experts` floats), so no thread waits
+// on a pick of one expert after another: a single warp picking top-8 of 128 by shuffles
+// took ~7 µs, most of a decode step's routed experts. Writes the unmasked probabilities to
+// `probs` when it is not null (it may be `row`: a thread reads and writes only its own
+// experts), the ids and weights to `out_ids`/`out_w` (complete for every thread when this
+// returns). `scratch`: 32 shared floats. Every thread of the block calls.
 __device__ void route_block(const float* row, float* probs, const unsigned char* keep,
                             int* out_ids, float* out_w, int experts, int top_k, int renormalize,
                             float* cand, float* scratch) {
     float m = NEG_INF;
-    for (int d = threadIdx.x % WARP; d < experts; d += WARP) m = fmaxf(m, row[d]);
-    m = warp_max(m);
+    for (int d = threadIdx.x; d < experts; d += blockDim.x) m = fmaxf(m, row[d]);
+    m = block_max(m, scratch);
     float s = 0.0f;
-    for (int d = threadIdx.x % WARP; d < experts; d += WARP) s += expf(row[d] - m);
-    s = warp_sum(s);
-    float kept = 1.0f;
-    if (keep) {
-        kept = 0.0f;
-        for (int d = threadIdx.x % WARP; d < experts; d += WARP)
-            if (keep[d]) kept += expf(row[d] - m) / s;
-        kept = warp_sum(kept);
-    }
-    // `probs` may be `row`, which other warps may still be reading.
-    if (probs == row) __syncthreads();
     for (int d = threadIdx.x; d < experts; d += blockDim.x) {
-        float p = expf(row[d] - m) / s;
+        float e = expf(row[d] - m);
+        cand[d] = e;
+        s += e;
+    }
+    s = block_sum(s, scratch);
+    float kept = 0.0f;
+    for (int d = threadIdx.x; d < experts; d += blockDim.x) {
+        float p = cand[d] / s;
         if (probs) probs[d] = p;
-        if (keep) p = keep[d] ? p / kept : NEG_INF;
+        cand[d] = p;
+        if (!keep || keep[d]) kept += p;
+    }
+    if (keep) kept = block_sum(kept, scratch);
+    for (int d = threadIdx.x; d < experts; d += blockDim.x) {
+        float p = !keep ? cand[d] : (keep[d] ? cand[d] / kept : NEG_INF);
         cand[d] = p == p ? p : NEG_INF;  // NaN ranks as masked: never above a number
     }
-    if (top_k == 0) return;
-    bool apart = renormalize && top_k <= 32;
     __syncthreads();
     bool vec = experts % 4 == 0;
     for (int d = threadIdx.x; d < experts; d += blockDim.x) {
         float x = cand[d];
         int rank = 0;
-        // Better scores, and equal ones of lower ids: every candidate, with no exit once
-        // top_k are found, so the loads of shared memory pipeline.
+        // Better scores, and equal ones of lower ids, until top_k are found.
         if (vec) {
             const float4* c4 = reinterpret_cast<const float4*>(cand);
-            for (int j = 0; j < experts / 4; j++) {
+            for (int j = 0; j < experts / 4 && rank < top_k; j++) {
                 float4 y = c4[j];
                 int e = 4 * j;
                 rank += (y.x > x || (y.x == x && e < d)) + (y.y > x || (y.y == x && e + 1 < d)) +
                         (y.z > x || (y.z == x && e + 2 < d)) + (y.w > x || (y.w == x && e + 3 < d));
             }
         } else {
-            for (int j = 0; j < experts; j++) rank += cand[j] > x || (cand[j] == x && j < d);
+            for (int j = 0; j < experts && rank < top_k; j++)
+                rank += cand[j] > x || (cand[j] == x && j < d);
         }
         if (rank < top_k) {
             out_ids[rank] = d;
-            (apart ? scratch : out_w)[rank] = x;
+            out_w[rank] = x;
         }
     }
     __syncthreads();
-    if (!renormalize) return;
-    // The chosen ones added in rank order, as the host does: by each weight's thread
-    // when they fit in `scratch`, else by one thread in place.
-    if (apart && threadIdx.x < top_k) {
-        float t = 0.0f;
-        for (int k = 0; k < top_k; k++) t += scratch[k];
-        out_w[threadIdx.x] = scratch[threadIdx.x] / t;
-    } else if (!apart && threadIdx.x == 0) {
+    if (renormalize && threadIdx.x == 0) {
         float t = 0.0f;
         for (int k = 0; k < top_k; k++) t += out_w[k];
         for (int k = 0; k < top_k; k++) out_w[k] /= t;
@@ -1337,17 +1346,6 @@ extern "C" __global__ void moe_combine(const float* down, const float* weights, 
 // two lane groups that read them (g = 0 and g = 1) fall in different banks.
 #define RMMA_HALF 40
 #define RMMA_UNIT (2 * RMMA_HALF)
-// Most units a gate/up warp takes on the copied path, whose scales it holds in registers:
-// 2048 columns over 8 warps.
-#define RMMA_COPY_UNITS 4
-
-// Bytes from one copied gate/up row to the next in a warp's share of shared memory (the
-// host's gate_up_copy_stride): `per` units of 64 codes rounded out to 16-byte pieces on
-// both sides, and 16 more at 4 bits, so that the four rows a half warp reads with 8-byte
-// loads fall in different banks (at 2 bits, 80 bytes a row already spread a warp's eight).
-template <int BITS> __device__ __forceinline__ int copy_stride(int per) {
-    return 16 * ((per * 8 * BITS + 15) / 16 + 1) + (BITS == 4 ? 16 : 0);
-}
 
 // Stages `units` units into `xs` (RMMA_UNIT words each) in the fragment order of
 // decode_fragments, and each unit's sum into `xsum`. Unit u is group u % groups of row
@@ -1551,119 +1549,31 @@ struct GateUpTile : TileLanes {
                                     (size_t)o1 * groups, base + j, q, w[j][m], sb[j][m]);
     }
 
-    // Unit u's gate and up products from the lane's words `wu` and scales `sbu`.
-    __device__ void add_unit(int u, const unsigned (&wu)[2][2][2], const unsigned short (&sbu)[2],
-                             const unsigned* xs, const float* xsum) {
-        unsigned bx[8];
-        unit_fragments(xs, u, g, q, bx);
-        float s = xsum[u];
-#pragma unroll
-        for (int m = 0; m < 2; m++) {
-            float2 d = unit_dot<BITS>(wu[m], sbu[m], bx, s, q, lane);
-            acc[m][0] += d.x;
-            acc[m][1] += d.y;
-        }
-    }
-
     __device__ void compute(int base, const unsigned* xs, const float* xsum) {
 #pragma unroll
         for (int j = 0; j < UNITS; j++) {
             if (base + j >= u1) break;
-            add_unit(base + j, w[j], sb[j], xs, xsum);
+            unsigned bx[8];
+            unit_fragments(xs, base + j, g, q, bx);
+            float s = xsum[base + j];
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                float2 d = unit_dot<BITS>(w[j][m], sb[j][m], bx, s, q, lane);
+                acc[m][0] += d.x;
+                acc[m][1] += d.y;
+            }
         }
     }
 
-    // The rest of the units after load(u0), then reduce.
+    // The rest of the units after load(u0), then the warps' sums added in order (through
+    // `red`, [warps][2][RMMA_ROWS]) into h[r0 ..] = silu(gate) ⊙ up. Every thread
+    // calls; `red` may be reused when it returns.
     __device__ void finish(const unsigned* xs, const float* xsum, float* red, float* h) {
         compute(u0, xs, xsum);
         for (int base = u0 + UNITS; base < u1; base += UNITS) {
             load(base);
             compute(base, xs, xsum);
         }
-        reduce(red, h);
-    }
-
-    // The copied path (copy_words, then finish_copied): every word of the warp's units
-    // goes out at once into shared memory, where registers held one unit's a round.
-    // `cbase` is the copy of gate's row g, shifted back by the copy's first byte so that
-    // load_lane_words indexes it by unit as it does a row in global memory; up's follow
-    // 16 rows on and rows g + 8 eight on, `cstride` bytes a row.
-    const unsigned char* cbase;
-    int cstride;
-    unsigned short csb[RMMA_COPY_UNITS][2];
-
-    // Whether this block's tile can be copied: the warps' units fit the scales' registers
-    // and every row starts on a 16-byte boundary (the same for all the block's warps).
-    __device__ bool copyable(const unsigned long long* entry) const {
-        int per = (groups + warps - 1) / warps;
-        size_t bases = (size_t)entry[0] | (size_t)entry[3];
-        return per <= RMMA_COPY_UNITS && ((bases | stride * 4) & 15) == 0;
-    }
-
-    // Issues the copies of the warp's units of its tile's 32 rows (gate's 16, then up's)
-    // into `region` (copy_stride bytes a row) and the loads of their scales, without
-    // waiting for either. The copy is of whole 16-byte pieces, so it may start up to 15
-    // bytes before the first unit and end up to 15 after the last (inside the row).
-    __device__ void copy_words(const unsigned long long* entry, unsigned char* copies) {
-        int per = (groups + warps - 1) / warps;
-        cstride = copy_stride<BITS>(per);
-        unsigned char* region = copies + (size_t)warp * 2 * RMMA_ROWS * cstride;
-        int start = (u0 * 8 * BITS) & ~15, end = (u1 * 8 * BITS + 15) & ~15;
-        int n = (end - start) / 16;  // pieces a row
-        if (n > 0) {
-            // Lane l takes pieces l, l + 32, ...: row r = piece / n, stepped without a
-            // division per piece.
-            int r = lane / n, p = lane % n, dr = WARP / n, dp = WARP % n;
-            while (r < 2 * RMMA_ROWS) {
-                int i = r % RMMA_ROWS;
-                const unsigned char* src =
-                    (const unsigned char*)entry[3 * (r / RMMA_ROWS)] +
-                    (size_t)(r0 + i < rows ? r0 + i : 0) * stride * 4 + start + 16 * p;
-                copy16_async(reinterpret_cast<float4*>(region + r * cstride + 16 * p),
-                             reinterpret_cast<const float4*>(src), true);
-                p += dp;
-                r += dr;
-                if (p >= n) {
-                    p -= n;
-                    r++;
-                }
-            }
-        }
-        copies_commit();
-#pragma unroll
-        for (int j = 0; j < RMMA_COPY_UNITS; j++)
-            if (u0 + j < u1)
-#pragma unroll
-                for (int m = 0; m < 2; m++) {
-                    const unsigned short* src = (q & 1) ? bi[m] : sc[m];
-                    csb[j][m] = src[(size_t)(q < 2 ? o0 : o1) * groups + u0 + j];
-                }
-        cbase = region + g * cstride - start;
-    }
-
-    // The units from the copies once they have landed, then reduce.
-    __device__ void finish_copied(const unsigned* xs, const float* xsum, float* red, float* h) {
-        copies_wait();
-        __syncwarp();
-#pragma unroll
-        for (int j = 0; j < RMMA_COPY_UNITS; j++) {
-            if (u0 + j >= u1) break;
-            unsigned wu[2][2][2];
-#pragma unroll
-            for (int m = 0; m < 2; m++)
-#pragma unroll
-                for (int k = 0; k < 2; k++)
-                    load_lane_words<BITS>(reinterpret_cast<const unsigned*>(
-                                              cbase + (16 * m + 8 * k) * cstride),
-                                          u0 + j, q, wu[m][k]);
-            add_unit(u0 + j, wu, csb[j], xs, xsum);
-        }
-        reduce(red, h);
-    }
-
-    // The warps' sums added in order (through `red`, [warps][2][RMMA_ROWS]) into
-    // h[r0 ..] = silu(gate) ⊙ up. Every thread calls; `red` may be reused when it returns.
-    __device__ void reduce(float* red, float* h) {
         if (q == 0) {
 #pragma unroll
             for (int m = 0; m < 2; m++) {
@@ -1672,6 +1582,7 @@ struct GateUpTile : TileLanes {
             }
         }
         __syncthreads();
+        PHASE(0, 4);
         int t = threadIdx.x;
         if (t < RMMA_ROWS && r0 + t < rows) {
             float gv = 0.0f, uv = 0.0f;
@@ -1682,6 +1593,7 @@ struct GateUpTile : TileLanes {
             h[r0 + t] = gv / (1.0f + expf(-gv)) * uv;
         }
         __syncthreads();
+        PHASE(0, 5);
     }
 };
 
@@ -1748,6 +1660,7 @@ struct DownTile : TileLanes {
             red[warp * RMMA_ROWS + g + 8] = acc[1];
         }
         __syncthreads();
+        PHASE(1, 3);
         int t = threadIdx.x;
         if (t < RMMA_ROWS && r0 + t < rows) {
             float v = 0.0f;
@@ -1755,6 +1668,7 @@ struct DownTile : TileLanes {
             out[r0 + t] = v;
         }
         __syncthreads();
+        PHASE(1, 4);
     }
 };
 
@@ -1776,18 +1690,13 @@ struct DownTile : TileLanes {
 // With `norm_w` (one row), the block reads its row as RMSNorm(x + delta)·norm_w, x being
 // the residual: the router before folds the same norm into its own products, so no
 // kernel writes the normed row, and with `early` all of it happens before the wait.
-//
-// With `words_at` (a byte offset into dynamic shared memory, 16-byte aligned; 0: none),
-// each warp copies all its units' words there at once (copy_words, copy_stride bytes a
-// row, 2·RMMA_ROWS rows a warp) where it would load a unit a round into registers.
 #define GATE_UP_POINTERS 6
 template <int BITS, int UNITS>
 __device__ void routed_mma_gate_up(const unsigned long long* table, const float* logits,
                                    const unsigned char* keep, int experts, int renormalize,
                                    int* ids, float* weights, int top_k, const float* x,
                                    float* h, int rows, int cols, int in_dim, bool early,
-                                   const float* delta, const float* norm_w, float eps,
-                                   int words_at) {
+                                   const float* delta, const float* norm_w, float eps) {
     extern __shared__ __align__(16) unsigned smem[];
     __shared__ int route_ids[ROUTE_SHARED_MAX];
     __shared__ float route_w[ROUTE_SHARED_MAX];
@@ -1814,6 +1723,7 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
             stage_units<BITS>(xs, xsum, x, row, groups, groups, in_dim, threadIdx.x, blockDim.x);
         }
     };
+    PHASE(0, 0);
     if (early) {
         for (int i = threadIdx.x; i < experts * GATE_UP_POINTERS; i += blockDim.x)
             pointers[i] = table[(size_t)(i / GATE_UP_POINTERS) * ROUTED_ENTRY + i % GATE_UP_POINTERS];
@@ -1823,6 +1733,7 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
     } else {
         PDL_WAIT();
     }
+    PHASE(0, 1);
     int expert;
     if (logits) {
         route_block(logits + (size_t)token * experts, nullptr, keep, route_ids, route_w,
@@ -1836,21 +1747,16 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
     } else {
         expert = ids[pair];
     }
-    const unsigned long long* entry = early ? pointers + (size_t)expert * GATE_UP_POINTERS
-                                            : table + (size_t)expert * ROUTED_ENTRY;
-    GateUpTile<BITS, UNITS> tile(entry, blockIdx.x * RMMA_ROWS, rows, cols);
+    PHASE(0, 2);
+    GateUpTile<BITS, UNITS> tile(early ? pointers + (size_t)expert * GATE_UP_POINTERS
+                                       : table + (size_t)expert * ROUTED_ENTRY,
+                                 blockIdx.x * RMMA_ROWS, rows, cols);
     // The words' loads go out before x is staged, to overlap their latency.
-    bool copied = words_at && tile.copyable(entry);
-    if (copied)
-        tile.copy_words(entry, reinterpret_cast<unsigned char*>(smem) + words_at);
-    else
-        tile.load(tile.u0);
+    tile.load(tile.u0);
     if (!early) stage_x();
     __syncthreads();
-    if (copied)
-        tile.finish_copied(xs, xsum, red, h + (size_t)pair * rows);
-    else
-        tile.finish(xs, xsum, red, h + (size_t)pair * rows);
+    PHASE(0, 3);
+    tile.finish(xs, xsum, red, h + (size_t)pair * rows);
 }
 
 // Down projections of token blockIdx.y's top_k pairs, RMMA_ROWS rows from
@@ -1881,6 +1787,7 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
     stage_units<BITS>(xs, xsum, h, [&](int k) { return token * top_k + k; }, units, groups,
                       in_dim, threadIdx.x, blockDim.x);
     __syncthreads();
+    PHASE(1, 2);
     tile.finish(xs, xsum, red, out + (size_t)token * rows);
 }
 
@@ -1904,18 +1811,19 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                 const unsigned char* keep, int experts, int renormalize,       \
                                 int* ids, float* weights, int top_k, const float* x, float* h, \
                                 int rows, int cols, int in_dim, int early, const float* delta, \
-                                const float* norm_w, float eps, int words_at) {                \
+                                const float* norm_w, float eps) {                              \
         PDL_LAUNCH();                                                                          \
         routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, logits, keep, experts, renormalize,   \
                                                   ids, weights, top_k, x, h, rows, cols,       \
-                                                  in_dim, early != 0, delta, norm_w, eps,      \
-                                                  words_at);                                   \
+                                                  in_dim, early != 0, delta, norm_w, eps);     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP) routed_mma_down_q##B( \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
         const float* h, float* out, int rows, int cols, int in_dim, float* logits,             \
         int experts) {                                                                         \
+        PHASE(1, 0);                                                                           \
         PDL_ENTRY();                                                                           \
+        PHASE(1, 1);                                                                           \
         routed_mma_down<B, RMMA_DOWN_UNITS>(table, ids, weights, top_k, h, out, rows, cols,    \
                                             in_dim, logits, experts);                          \
     }

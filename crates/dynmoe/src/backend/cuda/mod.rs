@@ -112,9 +112,8 @@ const MV_ONE_COLS: usize = 2048;
 const RMMA_ROWS: usize = 16;
 const RMMA_WARPS: usize = 8;
 const RMMA_DOWN_WARPS: usize = 16;
-/// Most units a routed gate/up warp copies into shared memory at once (the kernels'
-/// `RMMA_COPY_UNITS`: its scales are in registers).
-const RMMA_COPY_UNITS: usize = 4;
+/// Phases a block of the routed kernels stamps with `PHASES` (the kernels' `PHASE_SLOTS`).
+pub const PHASE_SLOTS: usize = 8;
 /// Intermediate rows of one routed expert a `routed_slices_*` block takes (the kernels'
 /// `SLICE_ROWS`: one 64-column group of down), and its warps (`SLICE_WARPS`).
 const SLICE_ROWS: usize = 64;
@@ -883,15 +882,6 @@ pub struct Cuda {
     /// own wait, so that one stages x and reads the table before its wait
     /// (`DYNMOE_CUDA_GATE_UP_EARLY=0`: both wait at once).
     gate_up_early: Switch<bool>,
-    /// Whether a decode step's routed gate/up warps copy all their words into shared
-    /// memory at once (the default, where it fits beside the kernel's blocks an SM) or
-    /// load them a unit a round into registers (`DYNMOE_CUDA_GATE_UP_COPY=0`).
-    gate_up_copy: Switch<bool>,
-    /// Dynamic shared memory a `routed_mma_gate_up_*` block may take (the device's
-    /// opt-in where it was granted), and for each (kernel, shared memory without the
-    /// copies, with them) whether the copies leave its blocks an SM as they were.
-    gate_up_shared: usize,
-    gate_up_copy_fits: Mutex<HashMap<(&'static str, usize, usize), bool>>,
     /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
     prefill_attention: Switch<PrefillAttention>,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
@@ -1247,13 +1237,6 @@ fn routed_mma_gate_up_shared(units: usize, experts: usize) -> usize {
     routed_mma_shared(units).next_multiple_of(8) + experts * GATE_UP_POINTERS * 8
 }
 
-/// Bytes from one copied gate/up row to the next in a warp's share of a
-/// `routed_mma_gate_up_*` block (the kernels' `copy_stride`): a warp's `per` units of 64
-/// codes rounded out to 16-byte pieces on both sides, and 16 more at 4 bits for the banks.
-fn gate_up_copy_stride(bits: u32, per: usize) -> usize {
-    16 * ((per * 8 * bits as usize).div_ceil(16) + 1) + if bits == 4 { 16 } else { 0 }
-}
-
 /// Words from one staged gate/up row of a `routed_slices_*` block to the next (the
 /// kernels' `slice_stride`): the row's words rounded up to 32, then 8 more (4 at 2 bits).
 fn slice_stride(bits: u32, cols: usize) -> usize {
@@ -1350,16 +1333,6 @@ fn bits_suffix(bits: u32) -> &'static str {
         4 => "q4",
         3 => "q3",
         2 => "q2",
-        b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
-    }
-}
-
-/// The routed gate/up kernel on tensor cores for `bits`-bit words.
-fn gate_up_kernel(bits: u32) -> &'static str {
-    match bits {
-        4 => "routed_mma_gate_up_q4",
-        3 => "routed_mma_gate_up_q3",
-        2 => "routed_mma_gate_up_q2",
         b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
     }
 }
@@ -1461,13 +1434,6 @@ impl Cuda {
         // routed_slices stages its slice's gate and up rows: 148 KB at Qwen3-30B-A3B's
         // shapes and 4 bits.
         let slices_shared = granted(&["routed_slices_q4", "routed_slices_q3", "routed_slices_q2"]);
-        // routed_mma_gate_up copies its words beside its staged row: 66 KB at Qwen3-30B-A3B's
-        // shapes and 4 bits.
-        let gate_up_shared = granted(&[
-            "routed_mma_gate_up_q4",
-            "routed_mma_gate_up_q3",
-            "routed_mma_gate_up_q2",
-        ]);
         // A stream of its own: the legacy default stream cannot be recorded into a graph.
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
@@ -1527,9 +1493,6 @@ impl Cuda {
             decode_chunk: std::sync::atomic::AtomicUsize::new(0),
             kv_early: Switch::new(!switched_off("DYNMOE_CUDA_KV_EARLY")),
             gate_up_early: Switch::new(!switched_off("DYNMOE_CUDA_GATE_UP_EARLY")),
-            gate_up_copy: Switch::new(!switched_off("DYNMOE_CUDA_GATE_UP_COPY")),
-            gate_up_shared,
-            gate_up_copy_fits: Mutex::new(HashMap::new()),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
             timeline,
             prefill_attention: Switch::new(PrefillAttention::from_env()),
@@ -1768,52 +1731,6 @@ impl Cuda {
     /// [`set_gate_up_early`](Self::set_gate_up_early)).
     pub fn gate_up_early(&self) -> bool {
         self.gate_up_early.get()
-    }
-
-    /// Whether a decode step's routed gate/up warps copy their words into shared memory
-    /// at once (the default) or load them a unit a round. Steps already recorded keep
-    /// their way.
-    pub fn set_gate_up_copy(&self, on: bool) {
-        self.gate_up_copy.set(on);
-    }
-
-    /// Whether a decode step's routed gate/up warps copy their words (see
-    /// [`set_gate_up_copy`](Self::set_gate_up_copy)).
-    pub fn gate_up_copy(&self) -> bool {
-        self.gate_up_copy.get()
-    }
-
-    /// Where a `routed_mma_gate_up_*` block (kernel `name`, `bits` a code, `units` 64-column
-    /// units a row, `base` bytes of dynamic shared memory without them) puts its warps'
-    /// copied words, and its shared memory with them: the kernel's `words_at` and the
-    /// launch's bytes. None (the words loaded a unit a round) when switched off, when a
-    /// warp takes more units than its scales' registers hold, or when the copies would
-    /// cost the kernel blocks an SM, which the occupancy calculator says.
-    fn gate_up_copy_at(
-        &self,
-        name: &'static str,
-        bits: u32,
-        units: usize,
-        base: usize,
-    ) -> Option<(usize, usize)> {
-        let per = units.div_ceil(RMMA_WARPS);
-        if !self.gate_up_copy() || per > RMMA_COPY_UNITS {
-            return None;
-        }
-        let at = base.next_multiple_of(16);
-        let total = at + RMMA_WARPS * 2 * RMMA_ROWS * gate_up_copy_stride(bits, per);
-        if total > self.gate_up_shared {
-            return None;
-        }
-        let mut fits = self.gate_up_copy_fits.lock().unwrap();
-        let ok = *fits.entry((name, base, total)).or_insert_with(|| {
-            let f = self.func(name);
-            let threads = (RMMA_WARPS * 32) as u32;
-            let blocks =
-                |bytes| f.occupancy_max_active_blocks_per_multiprocessor(threads, bytes, None);
-            matches!((blocks(base), blocks(total)), (Ok(a), Ok(b)) if b >= a)
-        });
-        ok.then_some((at, total))
     }
 
     /// Whether the routed gate/up of `rows` rows behind router `gate` (the launch
@@ -2177,6 +2094,28 @@ impl Cuda {
             )));
         }
         Ok(names.into_iter().zip(stamps).collect())
+    }
+
+    /// With the kernels built with `PHASES=<blocks>` (kernels.cu's `PHASE`), the last
+    /// routed gate/up launch's stamps (`[0]`) and the last routed down launch's (`[1]`):
+    /// for each of the first <blocks> blocks, the global timer (ns) at each of its
+    /// `PHASE_SLOTS` phases, 0 where a block or phase has none. None without the define.
+    pub fn phase_stamps(&self) -> Result<Option<[Vec<[u64; PHASE_SLOTS]>; 2]>, CudaError> {
+        let Ok(stamps) = self.k._module.get_global("phase_stamps", &self.stream) else {
+            return Ok(None);
+        };
+        driver(self.stream.synchronize())?;
+        let n = stamps.len() / 8;
+        // SAFETY: the global is `n` u64s, [2][blocks][PHASE_SLOTS].
+        let stamps = unsafe { stamps.transmute::<u64>(n) }.expect("phase_stamps");
+        let v = driver(self.stream.clone_dtoh(&stamps))?;
+        let blocks = |k: usize| {
+            v[k * n / 2..(k + 1) * n / 2]
+                .chunks_exact(PHASE_SLOTS)
+                .map(|c| c.try_into().expect("a block's slots"))
+                .collect()
+        };
+        Ok(Some([blocks(0), blocks(1)]))
     }
 
     fn func(&self, name: &str) -> &CudaFunction {
@@ -3069,25 +3008,18 @@ impl Cuda {
             // pairs, weighted, straight into `out`.
             let block = ((RMMA_WARPS * 32) as u32, 1, 1);
             let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
-            // With the norm, the row through it after the experts' pointers; then, where
-            // they fit, the warps' copied words.
+            let mut l = self.launcher(self.func(&format!("routed_mma_gate_up_{suffix}")));
+            l.arg(&r.table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
+            l.arg(&ids).arg(&weights).arg(&ki).arg(&x).arg(&g);
+            l.arg(&ri).arg(&c).arg(&i).arg(&(early as i32));
+            l.arg(&delta).arg(&norm_w).arg(&eps);
+            // With the norm, the row through it after the experts' pointers.
             let shared = if early {
                 routed_mma_gate_up_shared(up_units, r.experts)
                     + r.norm.map_or(0, |_| hidden * 4 + 16)
             } else {
                 routed_mma_shared(up_units)
             };
-            let name = gate_up_kernel(shape.bits);
-            let (words_at, shared) = match self.gate_up_copy_at(name, shape.bits, up_units, shared)
-            {
-                Some((at, total)) => (at as i32, total),
-                None => (0, shared),
-            };
-            let mut l = self.launcher(self.func(name));
-            l.arg(&r.table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
-            l.arg(&ids).arg(&weights).arg(&ki).arg(&x).arg(&g);
-            l.arg(&ri).arg(&c).arg(&i).arg(&(early as i32));
-            l.arg(&delta).arg(&norm_w).arg(&eps).arg(&words_at);
             let gate_up = LaunchConfig {
                 grid_dim: (inter.div_ceil(RMMA_ROWS) as u32, pairs as u32, 1),
                 block_dim: block,
