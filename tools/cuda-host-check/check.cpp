@@ -460,10 +460,27 @@ double check_route(int experts, int top_k, int threads, bool masked, bool renorm
     });
     bool ids_ok = got_ids == want.ids;
     double ep = rel_err(probs, want.probs), ew = rel_err(got_w, want.weights);
+    // Chosen by the logits (route_by_logits, in the routed gate/up kernels): the same ids
+    // and weights as moe_route's to the bit, and only the ids without `weights`.
+    std::vector<float> logit_w(top_k, NAN), no_w(top_k, NAN);
+    std::vector<int> logit_ids(top_k, -1), ids_only(top_k, -1);
+    for (int weights = 0; weights < 2; weights++)
+        shim::launch({1, 1, 1}, {(unsigned)threads, 1, 1}, experts * 4 + 16, [&] {
+            float* cand = reinterpret_cast<float*>(shim::block_shared());
+            static float scratch[32];
+            route_by_logits(logits.data(), masked ? keep.data() : nullptr,
+                            (weights ? logit_ids : ids_only).data(),
+                            (weights ? logit_w : no_w).data(), experts, top_k, renormalize,
+                            weights, cand, scratch);
+        });
+    bool by_logits = logit_ids == got_ids && ids_only == got_ids &&
+                     std::memcmp(logit_w.data(), got_w.data(), got_w.size() * 4) == 0 &&
+                     std::all_of(no_w.begin(), no_w.end(), [](float w) { return w != w; });
     std::printf("route top-%d of %d, %d threads, mask %d, renormalise %d: ids %s, probs %.2e, "
-                "weights %.2e\n",
-                top_k, experts, threads, masked, renormalize, ids_ok ? "same" : "DIFFER", ep, ew);
-    return ids_ok ? std::max(ep, ew) : INFINITY;
+                "weights %.2e, by the logits: %s\n",
+                top_k, experts, threads, masked, renormalize, ids_ok ? "same" : "DIFFER", ep, ew,
+                by_logits ? "same bits" : "DIFFERENT");
+    return ids_ok && by_logits ? std::max(ep, ew) : INFINITY;
 }
 
 // A router of `experts` bf16 rows `cols` wide, an input row and the logits in double
@@ -672,7 +689,7 @@ double check_attention_step(int heads, int kv_heads, int head_dim, int p, int ca
 
 using AffineGateUp = void (*)(const unsigned long long*, const float*, const unsigned char*, int,
                               int, int*, float*, int, const float*, float*, int, int, int, int,
-                              const float*, const float*, float);
+                              const float*, const float*, float, int);
 using AffineDown = void (*)(const unsigned long long*, const int*, const float*, int,
                             const float*, float*, int, int, int, float*, int);
 
@@ -746,7 +763,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     size_t down_shared = (size_t)(top_k * inter / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), probs.data(), nullptr, experts, 1, got_ids.data(), got_w.data(),
-                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f);
+                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0);
     });
     // Down reads the reference's h, so that its error is its own.
     std::vector<float> h(want_h.begin(), want_h.end());
@@ -764,7 +781,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     std::vector<float> again_h(want_h.size(), NAN), again_out(hidden, NAN);
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), nullptr, nullptr, experts, 1, got_ids.data(), got_w.data(), top_k,
-                x.data(), again_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f);
+                x.data(), again_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0);
     });
     shim::launch(down_grid, down_block, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), again_out.data(),
@@ -783,7 +800,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, early_ids.data(),
                 early_w.data(), top_k, x.data(), early_h.data(), inter, hidden, hidden, 1, nullptr,
-                nullptr, 0.0f);
+                nullptr, 0.0f, 0);
     });
     // Early, reading its row through the post-attention norm (the router folds it in):
     // the residual, the delta and the norm's weights, outlier channels among them; the
@@ -797,20 +814,35 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
                  early_shared + (size_t)hidden * 4 + 16, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, normed_ids.data(),
                 normed_w.data(), top_k, row.x.data(), normed_h.data(), inter, hidden, hidden, 1,
-                row.delta.data(), row.w.data(), row.eps);
+                row.delta.data(), row.w.data(), row.eps, 0);
+    });
+    // Routed by the logits (the softmax only in the block that writes the route): the
+    // same ids, weights and h to the bit.
+    std::vector<float> logit_h(want_h.size(), NAN), logit_w(top_k, NAN);
+    std::vector<int> logit_ids(top_k, -1);
+    shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
+        gate_up(table.data(), router_out.data(), nullptr, experts, 1, logit_ids.data(),
+                logit_w.data(), top_k, x.data(), logit_h.data(), inter, hidden, hidden, 1, nullptr,
+                nullptr, 0.0f, 1);
     });
     shim::predecessor = nullptr;
     double en = normed_ids == want.ids ? rel_err(normed_h, want_normed_h) : INFINITY;
+    bool same_logits = logit_ids == got_ids &&
+                       std::memcmp(logit_w.data(), got_w.data(), got_w.size() * 4) == 0 &&
+                       std::memcmp(logit_h.data(), got_h.data(), got_h.size() * 4) == 0;
     bool same = std::memcmp(again_h.data(), got_h.data(), got_h.size() * 4) == 0 &&
                 std::memcmp(again_out.data(), got_out.data(), got_out.size() * 4) == 0;
     bool same_early = early_ids == got_ids &&
                       std::memcmp(early_w.data(), got_w.data(), got_w.size() * 4) == 0 &&
                       std::memcmp(early_h.data(), got_h.data(), got_h.size() * 4) == 0;
     std::printf("routed q%d %d x %d, top-%d of %d: ids %s, weights %.2e, probs %.2e, gate/up "
-                "%.2e, down %.2e, routed before: %s, early: %s, early through the norm %.2e\n",
+                "%.2e, down %.2e, routed before: %s, early: %s, early through the norm %.2e, "
+                "by the logits: %s\n",
                 bits, hidden, inter, top_k, experts, ids_ok ? "same" : "DIFFER", ew, ep, eh, eo,
-                same ? "same bits" : "DIFFERENT", same_early ? "same bits" : "DIFFERENT", en);
-    return ids_ok && same && same_early ? std::max({ew, ep, eh, eo, en}) : INFINITY;
+                same ? "same bits" : "DIFFERENT", same_early ? "same bits" : "DIFFERENT", en,
+                same_logits ? "same bits" : "DIFFERENT");
+    return ids_ok && same && same_early && same_logits ? std::max({ew, ep, eh, eo, en})
+                                                       : INFINITY;
 }
 
 // ---- A decode step's MoE layer in one launch (moe_step_q*) ----

@@ -1814,29 +1814,34 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     // On tensor cores a decode step's experts also run as slices (gate, up and down of
     // one slice a block, in one launch; 1 600-wide experts take 25 slices a pair), routing
     // the row themselves or reading the router's route. The three launches' gate/up
-    // starts early (x staged and the table copied before its launch wait) or not.
-    let (was, was_step, was_routes, was_slices, was_early) = (
+    // starts early (x staged and the table copied before its launch wait) or not, and
+    // chooses its experts by the probabilities or by the logits.
+    let (was, was_step, was_routes, was_slices, was_early, was_logits) = (
         g.routed_mma(),
         g.moe_step(),
         g.router_routes(),
         g.routed_slices(),
         g.gate_up_early(),
+        g.route_by_logits(),
     );
-    for (mma, step, routes, slices, early) in [
-        (true, true, false, false, true),
-        (true, false, false, true, true),
-        (true, false, false, false, true),
-        (true, false, false, false, false),
-        (true, false, true, true, true),
-        (true, false, true, false, true),
-        (false, false, false, false, true),
-        (false, false, true, false, true),
+    for (mma, step, routes, slices, early, logits) in [
+        (true, true, false, false, true, false),
+        (true, false, false, true, true, false),
+        (true, false, false, false, true, false),
+        (true, false, false, false, true, true),
+        (true, false, false, false, false, false),
+        (true, false, false, false, false, true),
+        (true, false, true, true, true, false),
+        (true, false, true, false, true, false),
+        (false, false, false, false, true, false),
+        (false, false, true, false, true, false),
     ] {
         g.set_routed_mma(mma);
         g.set_moe_step(step);
         g.set_router_routes(routes);
         g.set_routed_slices(slices);
         g.set_gate_up_early(early);
+        g.set_route_by_logits(logits);
         for bits in [4, 3, 2] {
             check_routed(g, 256, 80, 12, Codes::Affine(bits), false);
         }
@@ -1849,6 +1854,7 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     g.set_router_routes(was_routes);
     g.set_routed_slices(was_slices);
     g.set_gate_up_early(was_early);
+    g.set_route_by_logits(was_logits);
     let (hidden, inter) = (256, 80);
     // Without tensor cores more than 8 rows are too many for the device path: it declines
     // and leaves the outputs alone.

@@ -1133,6 +1133,39 @@ __device__ void block_argmax(float& v, int& i, float* sv, int* si) {
 // memory (the host routes more in moe_route first).
 #define ROUTE_SHARED_MAX 256
 
+// The place of each of `experts` candidates (`cand`, shared memory, written before the
+// call) among them: the top_k, best first, ties to the lower id, into out_ids (and their
+// values into out_w unless it is null). Each candidate's place is its rank, counted by
+// its own thread, so no thread waits on a pick of one expert after another. Syncs before
+// and after; every thread of the block calls.
+__device__ void rank_candidates(const float* cand, int experts, int top_k, int* out_ids,
+                                float* out_w) {
+    __syncthreads();
+    bool vec = experts % 4 == 0;
+    for (int d = threadIdx.x; d < experts; d += blockDim.x) {
+        float x = cand[d];
+        int rank = 0;
+        // Better scores, and equal ones of lower ids, until top_k are found.
+        if (vec) {
+            const float4* c4 = reinterpret_cast<const float4*>(cand);
+            for (int j = 0; j < experts / 4 && rank < top_k; j++) {
+                float4 y = c4[j];
+                int e = 4 * j;
+                rank += (y.x > x || (y.x == x && e < d)) + (y.y > x || (y.y == x && e + 1 < d)) +
+                        (y.z > x || (y.z == x && e + 2 < d)) + (y.w > x || (y.w == x && e + 3 < d));
+            }
+        } else {
+            for (int j = 0; j < experts && rank < top_k; j++)
+                rank += cand[j] > x || (cand[j] == x && j < d);
+        }
+        if (rank < top_k) {
+            out_ids[rank] = d;
+            if (out_w) out_w[rank] = x;
+        }
+    }
+    __syncthreads();
+}
+
 // The route of one row of `experts` router logits by every thread of the block: softmax,
 // then among the experts `keep` marks (all when null) the top_k, best first, ties to the
 // lower id, with their weights. As on the host (moe::route after residency::confine), a
@@ -1169,34 +1202,40 @@ __device__ void route_block(const float* row, float* probs, const unsigned char*
         float p = !keep ? cand[d] : (keep[d] ? cand[d] / kept : NEG_INF);
         cand[d] = p == p ? p : NEG_INF;  // NaN ranks as masked: never above a number
     }
-    __syncthreads();
-    bool vec = experts % 4 == 0;
-    for (int d = threadIdx.x; d < experts; d += blockDim.x) {
-        float x = cand[d];
-        int rank = 0;
-        // Better scores, and equal ones of lower ids, until top_k are found.
-        if (vec) {
-            const float4* c4 = reinterpret_cast<const float4*>(cand);
-            for (int j = 0; j < experts / 4 && rank < top_k; j++) {
-                float4 y = c4[j];
-                int e = 4 * j;
-                rank += (y.x > x || (y.x == x && e < d)) + (y.y > x || (y.y == x && e + 1 < d)) +
-                        (y.z > x || (y.z == x && e + 2 < d)) + (y.w > x || (y.w == x && e + 3 < d));
-            }
-        } else {
-            for (int j = 0; j < experts && rank < top_k; j++)
-                rank += cand[j] > x || (cand[j] == x && j < d);
-        }
-        if (rank < top_k) {
-            out_ids[rank] = d;
-            out_w[rank] = x;
-        }
-    }
-    __syncthreads();
+    rank_candidates(cand, experts, top_k, out_ids, out_w);
     if (renormalize && threadIdx.x == 0) {
         float t = 0.0f;
         for (int k = 0; k < top_k; k++) t += out_w[k];
         for (int k = 0; k < top_k; k++) out_w[k] /= t;
+    }
+    __syncthreads();
+}
+
+// The route of route_block chosen by the logits themselves, the softmax's reductions
+// left out: the top_k of a softmax are the top_k of its logits, and a mask's rescaling
+// keeps the order among the kept. Only a tie after rounding differs: two logits apart by
+// less than the probabilities resolve fall to the higher logit here, to the lower id
+// there. With `weights` the block also takes route_block's probabilities and gives the
+// chosen ones route_block's weights (the same bits); without, `out_w` is not written.
+// Every thread of the block calls; `out_ids` (and `out_w`) are complete when it returns.
+__device__ void route_by_logits(const float* row, const unsigned char* keep, int* out_ids,
+                                float* out_w, int experts, int top_k, int renormalize,
+                                bool weights, float* cand, float* scratch) {
+    for (int d = threadIdx.x; d < experts; d += blockDim.x) {
+        float l = keep && !keep[d] ? NEG_INF : row[d];
+        cand[d] = l == l ? l : NEG_INF;  // NaN ranks as masked
+    }
+    rank_candidates(cand, experts, top_k, out_ids, nullptr);
+    if (!weights) return;
+    // cand becomes the masked probabilities; the chosen ones' are their weights.
+    route_block(row, nullptr, keep, nullptr, nullptr, experts, 0, 0, cand, scratch);
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < top_k; k++) out_w[k] = cand[out_ids[k]];
+        if (renormalize) {
+            float t = 0.0f;
+            for (int k = 0; k < top_k; k++) t += out_w[k];
+            for (int k = 0; k < top_k; k++) out_w[k] /= t;
+        }
     }
     __syncthreads();
 }
@@ -1690,13 +1729,17 @@ struct DownTile : TileLanes {
 // With `norm_w` (one row), the block reads its row as RMSNorm(x + delta)·norm_w, x being
 // the residual: the router before folds the same norm into its own products, so no
 // kernel writes the normed row, and with `early` all of it happens before the wait.
+//
+// With `by_logits` a block routes by route_by_logits: the softmax's reductions only in
+// the block that writes the route.
 #define GATE_UP_POINTERS 6
 template <int BITS, int UNITS>
 __device__ void routed_mma_gate_up(const unsigned long long* table, const float* logits,
                                    const unsigned char* keep, int experts, int renormalize,
                                    int* ids, float* weights, int top_k, const float* x,
                                    float* h, int rows, int cols, int in_dim, bool early,
-                                   const float* delta, const float* norm_w, float eps) {
+                                   const float* delta, const float* norm_w, float eps,
+                                   bool by_logits) {
     extern __shared__ __align__(16) unsigned smem[];
     __shared__ int route_ids[ROUTE_SHARED_MAX];
     __shared__ float route_w[ROUTE_SHARED_MAX];
@@ -1736,9 +1779,15 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
     PHASE(0, 1);
     int expert;
     if (logits) {
-        route_block(logits + (size_t)token * experts, nullptr, keep, route_ids, route_w,
-                    experts, top_k, renormalize, cand, scratch);
-        if (blockIdx.x == 0 && rank == 0)
+        // By the logits, only the block that writes the route takes its weights.
+        bool writes = blockIdx.x == 0 && rank == 0;
+        if (by_logits)
+            route_by_logits(logits + (size_t)token * experts, keep, route_ids, route_w, experts,
+                            top_k, renormalize, writes, cand, scratch);
+        else
+            route_block(logits + (size_t)token * experts, nullptr, keep, route_ids, route_w,
+                        experts, top_k, renormalize, cand, scratch);
+        if (writes)
             for (int k = threadIdx.x; k < top_k; k += blockDim.x) {
                 ids[token * top_k + k] = route_ids[k];
                 weights[token * top_k + k] = route_w[k];
@@ -1811,11 +1860,12 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                 const unsigned char* keep, int experts, int renormalize,       \
                                 int* ids, float* weights, int top_k, const float* x, float* h, \
                                 int rows, int cols, int in_dim, int early, const float* delta, \
-                                const float* norm_w, float eps) {                              \
+                                const float* norm_w, float eps, int by_logits) {               \
         PDL_LAUNCH();                                                                          \
         routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, logits, keep, experts, renormalize,   \
                                                   ids, weights, top_k, x, h, rows, cols,       \
-                                                  in_dim, early != 0, delta, norm_w, eps);     \
+                                                  in_dim, early != 0, delta, norm_w, eps,      \
+                                                  by_logits != 0);                             \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP) routed_mma_down_q##B( \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \

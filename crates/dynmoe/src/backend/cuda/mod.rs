@@ -882,6 +882,10 @@ pub struct Cuda {
     /// own wait, so that one stages x and reads the table before its wait
     /// (`DYNMOE_CUDA_GATE_UP_EARLY=0`: both wait at once).
     gate_up_early: Switch<bool>,
+    /// Whether a decode step's routed gate/up blocks choose their experts by the router's
+    /// logits, the softmax taken only by the block that writes the route
+    /// (`DYNMOE_CUDA_ROUTE_LOGITS=1`), or each by the probabilities (the default).
+    route_by_logits: Switch<bool>,
     /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
     prefill_attention: Switch<PrefillAttention>,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
@@ -1493,6 +1497,8 @@ impl Cuda {
             decode_chunk: std::sync::atomic::AtomicUsize::new(0),
             kv_early: Switch::new(!switched_off("DYNMOE_CUDA_KV_EARLY")),
             gate_up_early: Switch::new(!switched_off("DYNMOE_CUDA_GATE_UP_EARLY")),
+            // Built for measurement: not yet timed on the GPU (docs/GPU_NOTES.md).
+            route_by_logits: Switch::new(switched_on("DYNMOE_CUDA_ROUTE_LOGITS")),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
             timeline,
             prefill_attention: Switch::new(PrefillAttention::from_env()),
@@ -1731,6 +1737,20 @@ impl Cuda {
     /// [`set_gate_up_early`](Self::set_gate_up_early)).
     pub fn gate_up_early(&self) -> bool {
         self.gate_up_early.get()
+    }
+
+    /// Whether a decode step's routed gate/up blocks choose their experts by the router's
+    /// logits, only the block that writes the route taking the softmax for its weights;
+    /// a tie after rounding the probabilities then falls to the higher logit rather than
+    /// the lower id. Steps already recorded keep their way.
+    pub fn set_route_by_logits(&self, on: bool) {
+        self.route_by_logits.set(on);
+    }
+
+    /// Whether a decode step's routed gate/up blocks route by the logits (see
+    /// [`set_route_by_logits`](Self::set_route_by_logits)).
+    pub fn route_by_logits(&self) -> bool {
+        self.route_by_logits.get()
     }
 
     /// Whether the routed gate/up of `rows` rows behind router `gate` (the launch
@@ -3012,7 +3032,8 @@ impl Cuda {
             l.arg(&r.table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
             l.arg(&ids).arg(&weights).arg(&ki).arg(&x).arg(&g);
             l.arg(&ri).arg(&c).arg(&i).arg(&(early as i32));
-            l.arg(&delta).arg(&norm_w).arg(&eps);
+            let by_logits = self.route_by_logits() as i32;
+            l.arg(&delta).arg(&norm_w).arg(&eps).arg(&by_logits);
             // With the norm, the row through it after the experts' pointers.
             let shared = if early {
                 routed_mma_gate_up_shared(up_units, r.experts)
