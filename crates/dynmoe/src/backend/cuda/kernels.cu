@@ -1136,11 +1136,11 @@ __device__ void block_argmax(float& v, int& i, float* sv, int* si) {
 // The place of each of `experts` candidates (`cand`, shared memory, written before the
 // call) among them: the top_k, best first, ties to the lower id, into out_ids (and their
 // values into out_w unless it is null). Each candidate's place is its rank, counted by
-// its own thread, so no thread waits on a pick of one expert after another. Syncs before
-// and after; every thread of the block calls.
+// its own thread, so no thread waits on a pick of one expert after another. `cand` must
+// be complete for every thread (after a barrier); the ids are when it returns. Every
+// thread of the block calls.
 __device__ void rank_candidates(const float* cand, int experts, int top_k, int* out_ids,
                                 float* out_w) {
-    __syncthreads();
     bool vec = experts % 4 == 0;
     for (int d = threadIdx.x; d < experts; d += blockDim.x) {
         float x = cand[d];
@@ -1166,20 +1166,12 @@ __device__ void rank_candidates(const float* cand, int experts, int top_k, int* 
     __syncthreads();
 }
 
-// The route of one row of `experts` router logits by every thread of the block: softmax,
-// then among the experts `keep` marks (all when null) the top_k, best first, ties to the
-// lower id, with their weights. As on the host (moe::route after residency::confine), a
-// mask first rescales the kept probabilities to sum to one; `renormalize` divides the
-// chosen ones by their sum. Each candidate's place is its rank among all of them, counted
-// by its own thread against `cand` in shared memory (`experts` floats), so no thread waits
-// on a pick of one expert after another: a single warp picking top-8 of 128 by shuffles
-// took ~7 µs, most of a decode step's routed experts. Writes the unmasked probabilities to
-// `probs` when it is not null (it may be `row`: a thread reads and writes only its own
-// experts), the ids and weights to `out_ids`/`out_w` (complete for every thread when this
-// returns). `scratch`: 32 shared floats. Every thread of the block calls.
-__device__ void route_block(const float* row, float* probs, const unsigned char* keep,
-                            int* out_ids, float* out_w, int experts, int top_k, int renormalize,
-                            float* cand, float* scratch) {
+// route_block's probabilities alone: the row's softmax into `probs` (unless null; it may
+// be `row`), and into `cand` the candidates route_block ranks, the mask's kept share
+// rescaled to one and the rest (and NaNs) at -inf; both complete for every thread when it
+// returns. Every thread of the block calls.
+__device__ void route_probabilities(const float* row, float* probs, const unsigned char* keep,
+                                    int experts, float* cand, float* scratch) {
     float m = NEG_INF;
     for (int d = threadIdx.x; d < experts; d += blockDim.x) m = fmaxf(m, row[d]);
     m = block_max(m, scratch);
@@ -1202,13 +1194,37 @@ __device__ void route_block(const float* row, float* probs, const unsigned char*
         float p = !keep ? cand[d] : (keep[d] ? cand[d] / kept : NEG_INF);
         cand[d] = p == p ? p : NEG_INF;  // NaN ranks as masked: never above a number
     }
-    rank_candidates(cand, experts, top_k, out_ids, out_w);
-    if (renormalize && threadIdx.x == 0) {
+    __syncthreads();
+}
+
+// The chosen weights divided by their sum, added in rank order as the host does, by
+// thread 0; complete for every thread when it returns.
+__device__ void renormalize_route(float* w, int top_k) {
+    if (threadIdx.x == 0) {
         float t = 0.0f;
-        for (int k = 0; k < top_k; k++) t += out_w[k];
-        for (int k = 0; k < top_k; k++) out_w[k] /= t;
+        for (int k = 0; k < top_k; k++) t += w[k];
+        for (int k = 0; k < top_k; k++) w[k] /= t;
     }
     __syncthreads();
+}
+
+// The route of one row of `experts` router logits by every thread of the block: softmax,
+// then among the experts `keep` marks (all when null) the top_k, best first, ties to the
+// lower id, with their weights. As on the host (moe::route after residency::confine), a
+// mask first rescales the kept probabilities to sum to one; `renormalize` divides the
+// chosen ones by their sum. Each candidate's place is its rank among all of them, counted
+// by its own thread against `cand` in shared memory (`experts` floats), so no thread waits
+// on a pick of one expert after another: a single warp picking top-8 of 128 by shuffles
+// took ~7 µs, most of a decode step's routed experts. Writes the unmasked probabilities to
+// `probs` when it is not null (it may be `row`: a thread reads and writes only its own
+// experts), the ids and weights to `out_ids`/`out_w` (complete for every thread when this
+// returns). `scratch`: 32 shared floats. Every thread of the block calls.
+__device__ void route_block(const float* row, float* probs, const unsigned char* keep,
+                            int* out_ids, float* out_w, int experts, int top_k, int renormalize,
+                            float* cand, float* scratch) {
+    route_probabilities(row, probs, keep, experts, cand, scratch);
+    rank_candidates(cand, experts, top_k, out_ids, out_w);
+    if (renormalize) renormalize_route(out_w, top_k);
 }
 
 // The route of route_block chosen by the logits themselves, the softmax's reductions
@@ -1225,19 +1241,14 @@ __device__ void route_by_logits(const float* row, const unsigned char* keep, int
         float l = keep && !keep[d] ? NEG_INF : row[d];
         cand[d] = l == l ? l : NEG_INF;  // NaN ranks as masked
     }
+    __syncthreads();
     rank_candidates(cand, experts, top_k, out_ids, nullptr);
     if (!weights) return;
     // cand becomes the masked probabilities; the chosen ones' are their weights.
-    route_block(row, nullptr, keep, nullptr, nullptr, experts, 0, 0, cand, scratch);
-    if (threadIdx.x == 0) {
-        for (int k = 0; k < top_k; k++) out_w[k] = cand[out_ids[k]];
-        if (renormalize) {
-            float t = 0.0f;
-            for (int k = 0; k < top_k; k++) t += out_w[k];
-            for (int k = 0; k < top_k; k++) out_w[k] /= t;
-        }
-    }
+    route_probabilities(row, nullptr, keep, experts, cand, scratch);
+    for (int k = threadIdx.x; k < top_k; k += blockDim.x) out_w[k] = cand[out_ids[k]];
     __syncthreads();
+    if (renormalize) renormalize_route(out_w, top_k);
 }
 
 // One block per row of router logits `probs` ([rows, experts], replaced by their softmax,
@@ -1831,7 +1842,7 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
         __shared__ __align__(16) float cand[ROUTE_SHARED_MAX];
         __shared__ float scratch[32];
         float* row = logits + (size_t)token * experts;
-        route_block(row, row, nullptr, nullptr, nullptr, experts, 0, 0, cand, scratch);
+        route_probabilities(row, row, nullptr, experts, cand, scratch);
     }
     stage_units<BITS>(xs, xsum, h, [&](int k) { return token * top_k + k; }, units, groups,
                       in_dim, threadIdx.x, blockDim.x);
@@ -3140,6 +3151,8 @@ __device__ void routed_slices(const unsigned long long* table, float* logits,
     }
     __syncthreads();
     SLICE_TIME(6);
+    // The probabilities alone, through route_block with no top_k: at this kernel's
+    // 128-register bound, ptxas spills the q3 build when it calls route_probabilities.
     if (block == 0 && logits)
         route_block(logits, logits, nullptr, nullptr, nullptr, experts, 0, 0, sh.cand,
                     sh.scratch);
