@@ -1236,9 +1236,13 @@ fn dense_mma_shared(groups: usize, norm: bool) -> usize {
 }
 
 /// Dynamic shared memory of a `routed_mma_gate_up_*` block with `early`: the staged units
-/// and partial sums, then, 8-byte aligned, six pointers for each of `experts`.
-fn routed_mma_gate_up_shared(units: usize, experts: usize) -> usize {
-    routed_mma_shared(units).next_multiple_of(8) + experts * GATE_UP_POINTERS * 8
+/// and partial sums, then, 8-byte aligned, six pointers for each of `experts`, then with
+/// the norm folded in (`normed` the row's width, else 0) the row through it from the next
+/// 16-byte boundary.
+fn routed_mma_gate_up_shared(units: usize, experts: usize, normed: usize) -> usize {
+    routed_mma_shared(units).next_multiple_of(8)
+        + experts * GATE_UP_POINTERS * 8
+        + if normed > 0 { normed * 4 + 16 } else { 0 }
 }
 
 /// Words from one staged gate/up row of a `routed_slices_*` block to the next (the
@@ -1776,7 +1780,7 @@ impl Cuda {
             && r.experts <= ROUTE_SHARED_MAX
             && self.routed_mma_takes(shape, r.route.top_k)
             && !self.routed_slices()
-            && routed_mma_gate_up_shared(shape.up_cols / 64, r.experts) <= SHARED_LIMIT
+            && routed_mma_gate_up_shared(shape.up_cols / 64, r.experts, 0) <= SHARED_LIMIT
     }
 
     /// Whether a decode step's affine experts of `shape`, `top_k` a row, run on tensor
@@ -3036,8 +3040,7 @@ impl Cuda {
             l.arg(&delta).arg(&norm_w).arg(&eps).arg(&by_logits);
             // With the norm, the row through it after the experts' pointers.
             let shared = if early {
-                routed_mma_gate_up_shared(up_units, r.experts)
-                    + r.norm.map_or(0, |_| hidden * 4 + 16)
+                routed_mma_gate_up_shared(up_units, r.experts, r.norm.map_or(0, |_| hidden))
             } else {
                 routed_mma_shared(up_units)
             };
@@ -3450,8 +3453,7 @@ impl Cuda {
         self.fold_norms()
             && !self.moe_step()
             && self.routes_gate_up_early(r, gate, rows, hidden)
-            && routed_mma_gate_up_shared(shape.up_cols / 64, r.experts) + hidden * 4 + 16
-                <= SHARED_LIMIT
+            && routed_mma_gate_up_shared(shape.up_cols / 64, r.experts, hidden) <= SHARED_LIMIT
     }
 
     /// The row a routed block reads for `input` (with the fold, the normed row is not
