@@ -689,7 +689,8 @@ double check_attention_step(int heads, int kv_heads, int head_dim, int p, int ca
 
 using AffineGateUp = void (*)(const unsigned long long*, const float*, const unsigned char*, int,
                               int, int*, float*, int, const float*, float*, int, int, int, int,
-                              const float*, const float*, float, int);
+                              const float*, const float*, float, int,
+                              const unsigned long long*, int);
 using AffineDown = void (*)(const unsigned long long*, const int*, const float*, int,
                             const float*, float*, int, int, int, float*, int);
 
@@ -763,7 +764,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     size_t down_shared = (size_t)(top_k * inter / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), probs.data(), nullptr, experts, 1, got_ids.data(), got_w.data(),
-                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0);
+                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr, 0);
     });
     // Down reads the reference's h, so that its error is its own.
     std::vector<float> h(want_h.begin(), want_h.end());
@@ -781,7 +782,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     std::vector<float> again_h(want_h.size(), NAN), again_out(hidden, NAN);
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), nullptr, nullptr, experts, 1, got_ids.data(), got_w.data(), top_k,
-                x.data(), again_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0);
+                x.data(), again_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr, 0);
     });
     shim::launch(down_grid, down_block, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), again_out.data(),
@@ -796,12 +797,26 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     shim::Predecessor router{[&] { std::fill(router_out.begin(), router_out.end(), NAN); },
                              [&] { router_out = logits; }};
     size_t early_shared = (up_shared + 7) / 8 * 8 + (size_t)experts * GATE_UP_POINTERS * 8;
+    // With weights to read soon: three regions, unaligned, one of a single byte, each of
+    // whose 128-byte lines the grid must ask L2 for exactly once, and no other line.
+    static std::vector<char> later(1 << 17);
+    const size_t base = (size_t)later.data();
+    std::vector<unsigned long long> soon = {base + 5, 3000, base + 40000, 128, base + 70001, 1};
+    std::vector<size_t> want_lines;
+    for (size_t r = 0; r < soon.size(); r += 2)
+        for (size_t at = soon[r] & ~(size_t)127; at < soon[r] + soon[r + 1]; at += 128)
+            want_lines.push_back(at);
+    shim::prefetched_lines.clear();
     shim::predecessor = &router;
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, early_ids.data(),
                 early_w.data(), top_k, x.data(), early_h.data(), inter, hidden, hidden, 1, nullptr,
-                nullptr, 0.0f, 0);
+                nullptr, 0.0f, 0, soon.data(), (int)soon.size() / 2);
     });
+    std::vector<size_t> got_lines;
+    for (const void* p : shim::prefetched_lines) got_lines.push_back((size_t)p);
+    std::sort(got_lines.begin(), got_lines.end());
+    bool soon_ok = got_lines == want_lines;
     // Early, reading its row through the post-attention norm (the router folds it in):
     // the residual, the delta and the norm's weights, outlier channels among them; the
     // route is the same, h is within rounding of the reference on the normed row.
@@ -814,7 +829,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
                  early_shared + (size_t)hidden * 4 + 16, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, normed_ids.data(),
                 normed_w.data(), top_k, row.x.data(), normed_h.data(), inter, hidden, hidden, 1,
-                row.delta.data(), row.w.data(), row.eps, 0);
+                row.delta.data(), row.w.data(), row.eps, 0, nullptr, 0);
     });
     // Routed by the logits (the softmax only in the block that writes the route): the
     // same ids, weights and h to the bit.
@@ -823,7 +838,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, logit_ids.data(),
                 logit_w.data(), top_k, x.data(), logit_h.data(), inter, hidden, hidden, 1, nullptr,
-                nullptr, 0.0f, 1);
+                nullptr, 0.0f, 1, nullptr, 0);
     });
     shim::predecessor = nullptr;
     double en = normed_ids == want.ids ? rel_err(normed_h, want_normed_h) : INFINITY;
@@ -837,12 +852,14 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
                       std::memcmp(early_h.data(), got_h.data(), got_h.size() * 4) == 0;
     std::printf("routed q%d %d x %d, top-%d of %d: ids %s, weights %.2e, probs %.2e, gate/up "
                 "%.2e, down %.2e, routed before: %s, early: %s, early through the norm %.2e, "
-                "by the logits: %s\n",
+                "by the logits: %s, lines read soon: %zu of %zu %s\n",
                 bits, hidden, inter, top_k, experts, ids_ok ? "same" : "DIFFER", ew, ep, eh, eo,
                 same ? "same bits" : "DIFFERENT", same_early ? "same bits" : "DIFFERENT", en,
-                same_logits ? "same bits" : "DIFFERENT");
-    return ids_ok && same && same_early && same_logits ? std::max({ew, ep, eh, eo, en})
-                                                       : INFINITY;
+                same_logits ? "same bits" : "DIFFERENT", got_lines.size(), want_lines.size(),
+                soon_ok ? "exact" : "WRONG");
+    return ids_ok && same && same_early && same_logits && soon_ok
+               ? std::max({ew, ep, eh, eo, en})
+               : INFINITY;
 }
 
 // ---- A decode step's MoE layer in one launch (moe_step_q*) ----

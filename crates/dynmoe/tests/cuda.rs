@@ -2356,7 +2356,12 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
         m.backend().recorded_steps() > 0,
         "the step was not recorded"
     );
-    for graphs in [true, false] {
+    // With the next layer's weights asked into L2 as the routed blocks start, or not:
+    // a hint that may change no token.
+    let was_soon = m.backend().reads_soon();
+    for (soon, graphs) in [(false, true), (false, false), (true, true), (true, false)] {
+        // Before set_graphs, which drops the step recorded the other way.
+        m.backend().set_read_soon(soon);
         m.backend().set_graphs(graphs);
         s.pos = p;
         let mut got = Vec::new();
@@ -2366,8 +2371,11 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
                 true
             })
             .unwrap();
-        println!("queued greedy (graphs {graphs}): equal {}", got == want);
-        assert_eq!((k, &got), (n, &want), "graphs {graphs}");
+        println!(
+            "queued greedy (graphs {graphs}, read soon {soon}): equal {}",
+            got == want
+        );
+        assert_eq!((k, &got), (n, &want), "graphs {graphs}, read soon {soon}");
         assert_eq!(s.pos, p + n);
         let worst = s
             .router_probs
@@ -2401,5 +2409,11 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
             "graphs {graphs}: decode_greedy after the stop"
         );
     }
+    // Every routed layer but the last named the next one's weights.
+    assert!(
+        m.backend().read_soon_lists() > 0,
+        "no routed launch was given weights to read soon"
+    );
+    m.backend().set_read_soon(was_soon);
     m.backend().set_graphs(true);
 }

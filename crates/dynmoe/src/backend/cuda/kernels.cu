@@ -1743,14 +1743,56 @@ struct DownTile : TileLanes {
 //
 // With `by_logits` a block routes by route_by_logits: the softmax's reductions only in
 // the block that writes the route.
+//
+// With `soon_count` (address, bytes) regions in `soon` (the weights the kernels after
+// the down launch read first), the grid asks L2 for their lines (read_soon) before the
+// route is known, while HBM would otherwise idle.
 #define GATE_UP_POINTERS 6
+
+// Where a routed gate/up block asks L2 for the weights read soon after the block (the
+// next layer's attention and router, `soon`: `soon_count` (address, bytes) pairs): 1 at
+// its start, while the router before is still at work; 2 right after its wait, as the
+// route begins. Either way HBM has nothing else to do then: the words of the chosen
+// experts are asked for only once the route is known.
+#ifndef READ_SOON_AT
+#define READ_SOON_AT 1
+#endif
+// 1: the lines are marked to be evicted last, so that the experts' words streaming past
+// them (21 MB a layer at 4 bits) go first.
+#ifndef READ_SOON_EVICT_LAST
+#define READ_SOON_EVICT_LAST 1
+#endif
+
+// Asks L2 for the 128-byte line at `line`.
+__device__ __forceinline__ void prefetch_line_l2(const void* line) {
+#if READ_SOON_EVICT_LAST
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(line));
+#else
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+#endif
+}
+
+// Asks L2 for every 128-byte line of the regions, a line a thread of the whole grid at
+// a time: ~2 lines a thread for a layer's 11 MB over 384 blocks of 128.
+__device__ __forceinline__ void read_soon(const unsigned long long* soon, int soon_count) {
+    size_t threads = (size_t)gridDim.x * gridDim.y * blockDim.x;
+    size_t t = ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+    for (int r = 0; r < soon_count; r++) {
+        unsigned long long at = soon[2 * r], first = at & ~127ull;
+        size_t lines = (size_t)((at + soon[2 * r + 1] - first + 127) / 128);
+        for (size_t i = t; i < lines; i += threads)
+            prefetch_line_l2(reinterpret_cast<const char*>(first + i * 128));
+    }
+}
+
 template <int BITS, int UNITS>
 __device__ void routed_mma_gate_up(const unsigned long long* table, const float* logits,
                                    const unsigned char* keep, int experts, int renormalize,
                                    int* ids, float* weights, int top_k, const float* x,
                                    float* h, int rows, int cols, int in_dim, bool early,
                                    const float* delta, const float* norm_w, float eps,
-                                   bool by_logits) {
+                                   bool by_logits, const unsigned long long* soon,
+                                   int soon_count) {
     extern __shared__ __align__(16) unsigned smem[];
     __shared__ int route_ids[ROUTE_SHARED_MAX];
     __shared__ float route_w[ROUTE_SHARED_MAX];
@@ -1778,6 +1820,7 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
         }
     };
     PHASE(0, 0);
+    if (READ_SOON_AT == 1) read_soon(soon, soon_count);
     if (early) {
         for (int i = threadIdx.x; i < experts * GATE_UP_POINTERS; i += blockDim.x)
             pointers[i] = table[(size_t)(i / GATE_UP_POINTERS) * ROUTED_ENTRY + i % GATE_UP_POINTERS];
@@ -1788,6 +1831,7 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
         PDL_WAIT();
     }
     PHASE(0, 1);
+    if (READ_SOON_AT == 2) read_soon(soon, soon_count);
     int expert;
     if (logits) {
         // By the logits, only the block that writes the route takes its weights.
@@ -1871,12 +1915,13 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                 const unsigned char* keep, int experts, int renormalize,       \
                                 int* ids, float* weights, int top_k, const float* x, float* h, \
                                 int rows, int cols, int in_dim, int early, const float* delta, \
-                                const float* norm_w, float eps, int by_logits) {               \
+                                const float* norm_w, float eps, int by_logits,                 \
+                                const unsigned long long* soon, int soon_count) {              \
         PDL_LAUNCH();                                                                          \
         routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, logits, keep, experts, renormalize,   \
                                                   ids, weights, top_k, x, h, rows, cols,       \
                                                   in_dim, early != 0, delta, norm_w, eps,      \
-                                                  by_logits != 0);                             \
+                                                  by_logits != 0, soon, soon_count);           \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP) routed_mma_down_q##B( \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
