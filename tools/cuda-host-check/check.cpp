@@ -690,7 +690,7 @@ double check_attention_step(int heads, int kv_heads, int head_dim, int p, int ca
 using AffineGateUp = void (*)(const unsigned long long*, const float*, const unsigned char*, int,
                               int, int*, float*, int, const float*, float*, int, int, int, int,
                               const float*, const float*, float, int,
-                              const unsigned long long*, int);
+                              const unsigned long long*, int, int);
 using AffineDown = void (*)(const unsigned long long*, const int*, const float*, int,
                             const float*, float*, int, int, int, float*, int);
 
@@ -752,6 +752,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
                                 : (bits == 3 ? routed_mma_down_q3 : routed_mma_down_q2);
     AffineExperts ex(bits, hidden, inter, experts);
     const auto& table = ex.table;
+    const int down_cols = ex.ex[0][2].cols;
     std::vector<float> logits = route_logits(experts), x(hidden);
     for (auto& v : x) v = normal();
     std::vector<unsigned char> keep(experts, 1);
@@ -764,7 +765,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     size_t down_shared = (size_t)(top_k * inter / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), probs.data(), nullptr, experts, 1, got_ids.data(), got_w.data(),
-                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr, 0);
+                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr, 0, down_cols);
     });
     // Down reads the reference's h, so that its error is its own.
     std::vector<float> h(want_h.begin(), want_h.end());
@@ -782,7 +783,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     std::vector<float> again_h(want_h.size(), NAN), again_out(hidden, NAN);
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), nullptr, nullptr, experts, 1, got_ids.data(), got_w.data(), top_k,
-                x.data(), again_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr, 0);
+                x.data(), again_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr, 0, down_cols);
     });
     shim::launch(down_grid, down_block, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), again_out.data(),
@@ -811,7 +812,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, early_ids.data(),
                 early_w.data(), top_k, x.data(), early_h.data(), inter, hidden, hidden, 1, nullptr,
-                nullptr, 0.0f, 0, soon.data(), (int)soon.size() / 2);
+                nullptr, 0.0f, 0, soon.data(), (int)soon.size() / 2, down_cols);
     });
     std::vector<size_t> got_lines;
     for (const void* p : shim::prefetched_lines) got_lines.push_back((size_t)p);
@@ -829,7 +830,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
                  early_shared + (size_t)hidden * 4 + 16, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, normed_ids.data(),
                 normed_w.data(), top_k, row.x.data(), normed_h.data(), inter, hidden, hidden, 1,
-                row.delta.data(), row.w.data(), row.eps, 0, nullptr, 0);
+                row.delta.data(), row.w.data(), row.eps, 0, nullptr, 0, down_cols);
     });
     // Routed by the logits (the softmax only in the block that writes the route): the
     // same ids, weights and h to the bit.
@@ -838,7 +839,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, logit_ids.data(),
                 logit_w.data(), top_k, x.data(), logit_h.data(), inter, hidden, hidden, 1, nullptr,
-                nullptr, 0.0f, 1, nullptr, 0);
+                nullptr, 0.0f, 1, nullptr, 0, down_cols);
     });
     shim::predecessor = nullptr;
     double en = normed_ids == want.ids ? rel_err(normed_h, want_normed_h) : INFINITY;

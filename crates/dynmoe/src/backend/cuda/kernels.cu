@@ -1785,6 +1785,34 @@ __device__ __forceinline__ void read_soon(const unsigned long long* soon, int so
     }
 }
 
+// 1: once its expert is known, each gate/up block asks L2 for its share of that expert's
+// down rows, so that the down kernel's loads after its wait find them there.
+#ifndef RMMA_DOWN_AHEAD
+#define RMMA_DOWN_AHEAD 0
+#endif
+
+// Asks L2 for the 128-byte lines of [p, p + bytes), the block's threads a line each.
+__device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes) {
+    const char* c = reinterpret_cast<const char*>((size_t)p & ~(size_t)127);
+    const char* end = reinterpret_cast<const char*>(p) + bytes;
+    for (c += threadIdx.x * 128; c < end; c += blockDim.x * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(c));
+}
+
+// Block blockIdx.x's share of the `hidden` down rows (`down_cols` stored columns) of
+// expert `entry`, asked into L2: words, scales and biases.
+template <int BITS>
+__device__ __forceinline__ void down_ahead(const unsigned long long* entry, int hidden,
+                                           int down_cols) {
+    int groups = down_cols / 64;
+    int per = (hidden + gridDim.x - 1) / gridDim.x;
+    int r0 = min(hidden, (int)blockIdx.x * per), n = min(hidden, r0 + per) - r0;
+    size_t row_bytes = row_words<BITS>(down_cols) * 4;
+    prefetch_l2((const char*)entry[6] + r0 * row_bytes, n * row_bytes);
+    prefetch_l2((const unsigned short*)entry[7] + (size_t)r0 * groups, n * groups * 2);
+    prefetch_l2((const unsigned short*)entry[8] + (size_t)r0 * groups, n * groups * 2);
+}
+
 template <int BITS, int UNITS>
 __device__ void routed_mma_gate_up(const unsigned long long* table, const float* logits,
                                    const unsigned char* keep, int experts, int renormalize,
@@ -1792,7 +1820,7 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
                                    float* h, int rows, int cols, int in_dim, bool early,
                                    const float* delta, const float* norm_w, float eps,
                                    bool by_logits, const unsigned long long* soon,
-                                   int soon_count) {
+                                   int soon_count, int down_cols) {
     extern __shared__ __align__(16) unsigned smem[];
     __shared__ int route_ids[ROUTE_SHARED_MAX];
     __shared__ float route_w[ROUTE_SHARED_MAX];
@@ -1857,6 +1885,7 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
                                  blockIdx.x * RMMA_ROWS, rows, cols);
     // The words' loads go out before x is staged, to overlap their latency.
     tile.load(tile.u0);
+    if (RMMA_DOWN_AHEAD) down_ahead<BITS>(table + (size_t)expert * ROUTED_ENTRY, in_dim, down_cols);
     if (!early) stage_x();
     __syncthreads();
     PHASE(0, 3);
@@ -1916,12 +1945,14 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                 int* ids, float* weights, int top_k, const float* x, float* h, \
                                 int rows, int cols, int in_dim, int early, const float* delta, \
                                 const float* norm_w, float eps, int by_logits,                 \
-                                const unsigned long long* soon, int soon_count) {              \
+                                const unsigned long long* soon, int soon_count,                \
+                                int down_cols) {                                               \
         PDL_LAUNCH();                                                                          \
         routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, logits, keep, experts, renormalize,   \
                                                   ids, weights, top_k, x, h, rows, cols,       \
                                                   in_dim, early != 0, delta, norm_w, eps,      \
-                                                  by_logits != 0, soon, soon_count);           \
+                                                  by_logits != 0, soon, soon_count,            \
+                                                  down_cols);                                  \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP) routed_mma_down_q##B( \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
@@ -2704,14 +2735,6 @@ __device__ __forceinline__ void wait_count(const unsigned* c, unsigned target) {
         if (t - t0 > 2000000000ull) __trap();
         __nanosleep(32);
     }
-}
-
-// Asks L2 for the 128-byte lines of [p, p + bytes), the block's threads a line each.
-__device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes) {
-    const char* c = reinterpret_cast<const char*>((size_t)p & ~(size_t)127);
-    const char* end = reinterpret_cast<const char*>(p) + bytes;
-    for (c += threadIdx.x * 128; c < end; c += blockDim.x * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(c));
 }
 
 template <int BITS>

@@ -3109,7 +3109,9 @@ impl Cuda {
             let by_logits = self.route_by_logits() as i32;
             l.arg(&delta).arg(&norm_w).arg(&eps).arg(&by_logits);
             let (soon_at, soon_count) = self.soon_list(&soon);
-            l.arg(&soon_at).arg(&soon_count);
+            l.arg(&soon_at)
+                .arg(&soon_count)
+                .arg(&(shape.down_cols as i32));
             // With the norm, the row through it after the experts' pointers.
             let shared = if early {
                 routed_mma_gate_up_shared(up_units, r.experts, r.norm.map_or(0, |_| hidden))
