@@ -690,9 +690,9 @@ double check_attention_step(int heads, int kv_heads, int head_dim, int p, int ca
 using AffineGateUp = void (*)(const unsigned long long*, const float*, const unsigned char*, int,
                               int, int*, float*, int, const float*, float*, int, int, int, int,
                               const float*, const float*, float, int,
-                              const unsigned long long*, int, int);
+                              const unsigned long long*, int, int, unsigned*);
 using AffineDown = void (*)(const unsigned long long*, const int*, const float*, int,
-                            const float*, float*, int, int, int, float*, int);
+                            const float*, float*, int, int, int, float*, int, unsigned*);
 
 // A MoE layer's affine experts (gate, up: inter × hidden; down: hidden × down_cols, its
 // input padded past inter as stores pad it) and the device's table of their pointers
@@ -765,7 +765,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     size_t down_shared = (size_t)(top_k * inter / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), probs.data(), nullptr, experts, 1, got_ids.data(), got_w.data(),
-                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr, 0, down_cols);
+                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr, 0, down_cols, nullptr);
     });
     // Down reads the reference's h, so that its error is its own.
     std::vector<float> h(want_h.begin(), want_h.end());
@@ -774,8 +774,33 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     const dim3 down_block{RMMA_DOWN_WARPS * 32, 1, 1};
     shim::launch(down_grid, down_block, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), got_out.data(), hidden,
-             inter, inter, probs.data(), experts);
+             inter, inter, probs.data(), experts, nullptr);
     });
+    // Down started before its wait (`ready`): gate/up raises ready[0] once it has written
+    // the route; down's blocks load their words on it, read h only after their wait (h
+    // poisoned until then), and the last lowers the flag and the count for the next
+    // launch. The same ids, probabilities and output, to the bit.
+    std::vector<unsigned> ready = {0, 0};
+    std::vector<float> ready_logits = logits, ready_h(want_h.size(), NAN), ready_w(top_k, NAN);
+    std::vector<float> ready_out(hidden, NAN), h_late(h.size(), NAN);
+    std::vector<int> ready_ids(top_k, -1);
+    shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
+        gate_up(table.data(), ready_logits.data(), nullptr, experts, 1, ready_ids.data(),
+                ready_w.data(), top_k, x.data(), ready_h.data(), inter, hidden, hidden, 0,
+                nullptr, nullptr, 0.0f, 0, nullptr, 0, down_cols, ready.data());
+    });
+    bool raised = ready[0] == 1 && ready[1] == 0;
+    shim::Predecessor gate_up_before{[&] { std::fill(h_late.begin(), h_late.end(), NAN); },
+                                     [&] { h_late = h; }};
+    shim::predecessor = &gate_up_before;
+    shim::launch(down_grid, down_block, down_shared, [&] {
+        down(table.data(), ready_ids.data(), ready_w.data(), top_k, h_late.data(),
+             ready_out.data(), hidden, inter, inter, ready_logits.data(), experts, ready.data());
+    });
+    shim::predecessor = nullptr;
+    bool same_ready = raised && ready[0] == 0 && ready[1] == 0 && ready_ids == got_ids &&
+                      std::memcmp(ready_out.data(), got_out.data(), got_out.size() * 4) == 0 &&
+                      std::memcmp(ready_logits.data(), probs.data(), probs.size() * 4) == 0;
     bool ids_ok = got_ids == want.ids;
     double ew = rel_err(got_w, want.weights), ep = rel_err(probs, want.probs);
     double eh = rel_err(got_h, want_h), eo = rel_err(got_out, want_out);
@@ -783,11 +808,11 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     std::vector<float> again_h(want_h.size(), NAN), again_out(hidden, NAN);
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), nullptr, nullptr, experts, 1, got_ids.data(), got_w.data(), top_k,
-                x.data(), again_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr, 0, down_cols);
+                x.data(), again_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr, 0, down_cols, nullptr);
     });
     shim::launch(down_grid, down_block, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), again_out.data(),
-             hidden, inter, inter, nullptr, experts);
+             hidden, inter, inter, nullptr, experts, nullptr);
     });
     // Gate/up started early (after matvec_bf16_one_late): x staged and the table copied
     // into shared memory beside the units before the wait, the logits (the router's
@@ -812,7 +837,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, early_ids.data(),
                 early_w.data(), top_k, x.data(), early_h.data(), inter, hidden, hidden, 1, nullptr,
-                nullptr, 0.0f, 0, soon.data(), (int)soon.size() / 2, down_cols);
+                nullptr, 0.0f, 0, soon.data(), (int)soon.size() / 2, down_cols, nullptr);
     });
     std::vector<size_t> got_lines;
     for (const void* p : shim::prefetched_lines) got_lines.push_back((size_t)p);
@@ -830,7 +855,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
                  early_shared + (size_t)hidden * 4 + 16, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, normed_ids.data(),
                 normed_w.data(), top_k, row.x.data(), normed_h.data(), inter, hidden, hidden, 1,
-                row.delta.data(), row.w.data(), row.eps, 0, nullptr, 0, down_cols);
+                row.delta.data(), row.w.data(), row.eps, 0, nullptr, 0, down_cols, nullptr);
     });
     // Routed by the logits (the softmax only in the block that writes the route): the
     // same ids, weights and h to the bit.
@@ -839,7 +864,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, logit_ids.data(),
                 logit_w.data(), top_k, x.data(), logit_h.data(), inter, hidden, hidden, 1, nullptr,
-                nullptr, 0.0f, 1, nullptr, 0, down_cols);
+                nullptr, 0.0f, 1, nullptr, 0, down_cols, nullptr);
     });
     shim::predecessor = nullptr;
     double en = normed_ids == want.ids ? rel_err(normed_h, want_normed_h) : INFINITY;
@@ -853,12 +878,12 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
                       std::memcmp(early_h.data(), got_h.data(), got_h.size() * 4) == 0;
     std::printf("routed q%d %d x %d, top-%d of %d: ids %s, weights %.2e, probs %.2e, gate/up "
                 "%.2e, down %.2e, routed before: %s, early: %s, early through the norm %.2e, "
-                "by the logits: %s, lines read soon: %zu of %zu %s\n",
+                "by the logits: %s, lines read soon: %zu of %zu %s, down early: %s\n",
                 bits, hidden, inter, top_k, experts, ids_ok ? "same" : "DIFFER", ew, ep, eh, eo,
                 same ? "same bits" : "DIFFERENT", same_early ? "same bits" : "DIFFERENT", en,
                 same_logits ? "same bits" : "DIFFERENT", got_lines.size(), want_lines.size(),
-                soon_ok ? "exact" : "WRONG");
-    return ids_ok && same && same_early && same_logits && soon_ok
+                soon_ok ? "exact" : "WRONG", same_ready ? "same bits" : "DIFFERENT");
+    return ids_ok && same && same_early && same_logits && soon_ok && same_ready
                ? std::max({ew, ep, eh, eo, en})
                : INFINITY;
 }

@@ -298,6 +298,11 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
     *p = old + v;
     return old;
 }
+inline unsigned atomicExch(unsigned* p, unsigned v) {
+    unsigned old = *p;
+    *p = v;
+    return old;
+}
 inline float __uint_as_float(unsigned v) {
     float f;
     std::memcpy(&f, &v, 4);

@@ -1849,6 +1849,25 @@ fn moe_routed_on_the_device_matches_the_host_route() {
         check_routed(g, 128, 32, 260, Codes::Affine(2), true);
         check_routed(g, 2112, 1600, 6, Codes::Affine(3), false);
     }
+    // Down's blocks loading their words before their wait, on the flag gate/up raises
+    // once it has written the route: the route taken by gate/up early or not, by the
+    // probabilities or the logits.
+    let was_down = g.down_early();
+    g.set_routed_mma(true);
+    g.set_moe_step(false);
+    g.set_router_routes(false);
+    g.set_routed_slices(false);
+    g.set_down_early(true);
+    for (early, logits) in [(true, false), (true, true), (false, false)] {
+        g.set_gate_up_early(early);
+        g.set_route_by_logits(logits);
+        for bits in [4, 3, 2] {
+            check_routed(g, 256, 80, 12, Codes::Affine(bits), false);
+        }
+        check_routed(g, 128, 32, 128, Codes::Affine(4), true);
+        check_routed(g, 2112, 1600, 6, Codes::Affine(3), false);
+    }
+    g.set_down_early(was_down);
     g.set_routed_mma(was);
     g.set_moe_step(was_step);
     g.set_router_routes(was_routes);
@@ -2356,12 +2375,13 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
         m.backend().recorded_steps() > 0,
         "the step was not recorded"
     );
-    // With the next layer's weights asked into L2 as the routed blocks start, or not:
-    // a hint that may change no token.
-    let was_soon = m.backend().reads_soon();
+    // With the next layer's weights asked into L2 as the routed blocks start and down's
+    // blocks loading their words before their wait, or neither: the same tokens.
+    let (was_soon, was_down) = (m.backend().reads_soon(), m.backend().down_early());
     for (soon, graphs) in [(false, true), (false, false), (true, true), (true, false)] {
         // Before set_graphs, which drops the step recorded the other way.
         m.backend().set_read_soon(soon);
+        m.backend().set_down_early(soon);
         m.backend().set_graphs(graphs);
         s.pos = p;
         let mut got = Vec::new();
@@ -2372,7 +2392,7 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
             })
             .unwrap();
         println!(
-            "queued greedy (graphs {graphs}, read soon {soon}): equal {}",
+            "queued greedy (graphs {graphs}, read soon and down early {soon}): equal {}",
             got == want
         );
         assert_eq!((k, &got), (n, &want), "graphs {graphs}, read soon {soon}");
@@ -2415,5 +2435,6 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
         "no routed launch was given weights to read soon"
     );
     m.backend().set_read_soon(was_soon);
+    m.backend().set_down_early(was_down);
     m.backend().set_graphs(true);
 }

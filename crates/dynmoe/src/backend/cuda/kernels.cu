@@ -1747,7 +1747,25 @@ struct DownTile : TileLanes {
 // With `soon_count` (address, bytes) regions in `soon` (the weights the kernels after
 // the down launch read first), the grid asks L2 for their lines (read_soon) before the
 // route is known, while HBM would otherwise idle.
+//
+// With `ready` (one row, routed here), the block that writes the route then raises
+// ready[0] for the down kernel (routed_mma_down).
 #define GATE_UP_POINTERS 6
+
+// Waits until *c ≥ target (the acquire makes the writes before the increments visible to
+// this thread; the caller's fence and barrier pass them to its block).
+__device__ __forceinline__ void wait_count(const unsigned* c, unsigned target) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    for (;;) {
+        unsigned v;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+        if (v >= target) return;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 > 2000000000ull) __trap();
+        __nanosleep(32);
+    }
+}
 
 // Where a routed gate/up block asks L2 for the weights read soon after the block (the
 // next layer's attention and router, `soon`: `soon_count` (address, bytes) pairs): 1 at
@@ -1820,7 +1838,7 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
                                    float* h, int rows, int cols, int in_dim, bool early,
                                    const float* delta, const float* norm_w, float eps,
                                    bool by_logits, const unsigned long long* soon,
-                                   int soon_count, int down_cols) {
+                                   int soon_count, int down_cols, unsigned* ready) {
     extern __shared__ __align__(16) unsigned smem[];
     __shared__ int route_ids[ROUTE_SHARED_MAX];
     __shared__ float route_w[ROUTE_SHARED_MAX];
@@ -1870,11 +1888,19 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
         else
             route_block(logits + (size_t)token * experts, nullptr, keep, route_ids, route_w,
                         experts, top_k, renormalize, cand, scratch);
-        if (writes)
+        if (writes) {
             for (int k = threadIdx.x; k < top_k; k += blockDim.x) {
                 ids[token * top_k + k] = route_ids[k];
                 weights[token * top_k + k] = route_w[k];
             }
+            // With `ready`, the down kernel's blocks load their words once it is raised,
+            // before their own wait.
+            if (ready) {
+                __threadfence();
+                __syncthreads();
+                if (threadIdx.x == 0) atomicExch(ready, 1u);
+            }
+        }
         expert = route_ids[rank];
     } else {
         expert = ids[pair];
@@ -1897,19 +1923,42 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
 // · down_k(h[pair]) (moe_combine folded in). With `logits` not null (the gate and up
 // kernel routed), the token's first block also replaces its row of `experts` logits by
 // their probabilities.
+//
+// With `ready` (one row whose gate/up kernel routed it and raises ready[0] once the route
+// is written), a block loads its first words before its launch wait: as soon as the
+// route is there, while gate/up's last blocks still run. ready[1] counts the blocks that
+// saw the flag; the last lowers both, for the next launch. The caller does PDL_LAUNCH;
+// this waits.
 template <int BITS, int UNITS>
 __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                 const float* weights, int top_k, const float* h, float* out,
-                                int rows, int cols, int in_dim, float* logits, int experts) {
+                                int rows, int cols, int in_dim, float* logits, int experts,
+                                unsigned* ready) {
     extern __shared__ __align__(16) unsigned smem[];
     int groups = cols / 64, units = top_k * groups;
     unsigned* xs = smem;
     float* xsum = reinterpret_cast<float*>(smem + (size_t)units * RMMA_UNIT);
     float* red = xsum + units;
     int token = blockIdx.y;
+    if (ready) {
+        if (threadIdx.x == 0) {
+            wait_count(ready, 1);
+            __threadfence();
+            if (atomicAdd(&ready[1], 1u) == gridDim.x * gridDim.y - 1) {
+                ready[0] = 0;
+                ready[1] = 0;
+            }
+        }
+        __syncthreads();
+    } else {
+        PDL_WAIT();
+    }
     DownTile<BITS, UNITS> tile(table, ids + token * top_k, weights + token * top_k, top_k,
                                blockIdx.x * RMMA_ROWS, rows, cols);
     tile.load(tile.u0);
+    // h, and the logits that gate/up blocks may still be routing by, only after the wait.
+    if (ready) PDL_WAIT();
+    PHASE(1, 1);
     // While its words are on their way: the probabilities, by every thread of the block.
     if (logits && blockIdx.x == 0) {
         __shared__ __align__(16) float cand[ROUTE_SHARED_MAX];
@@ -1946,23 +1995,22 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                 int rows, int cols, int in_dim, int early, const float* delta, \
                                 const float* norm_w, float eps, int by_logits,                 \
                                 const unsigned long long* soon, int soon_count,                \
-                                int down_cols) {                                               \
+                                int down_cols, unsigned* ready) {                              \
         PDL_LAUNCH();                                                                          \
         routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, logits, keep, experts, renormalize,   \
                                                   ids, weights, top_k, x, h, rows, cols,       \
                                                   in_dim, early != 0, delta, norm_w, eps,      \
                                                   by_logits != 0, soon, soon_count,            \
-                                                  down_cols);                                  \
+                                                  down_cols, ready);                           \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP) routed_mma_down_q##B( \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
         const float* h, float* out, int rows, int cols, int in_dim, float* logits,             \
-        int experts) {                                                                         \
+        int experts, unsigned* ready) {                                                        \
         PHASE(1, 0);                                                                           \
-        PDL_ENTRY();                                                                           \
-        PHASE(1, 1);                                                                           \
+        PDL_LAUNCH();                                                                          \
         routed_mma_down<B, RMMA_DOWN_UNITS>(table, ids, weights, top_k, h, out, rows, cols,    \
-                                            in_dim, logits, experts);                          \
+                                            in_dim, logits, experts, ready);                   \
     }
 
 ROUTED_MMA(4)
@@ -2721,21 +2769,6 @@ extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
 // resident (another process's kernels sharing the device through MPS) fails loudly
 // instead of hanging. Measured in a decode step it was slower than the three launches
 // (docs/GPU_NOTES.md), so the host takes it only when asked (DYNMOE_CUDA_MOE_STEP=1).
-
-// Waits until *c ≥ target (the acquire makes the writes before the increments visible to
-// this thread; the caller's fence and barrier pass them to its block).
-__device__ __forceinline__ void wait_count(const unsigned* c, unsigned target) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    for (;;) {
-        unsigned v;
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
-        if (v >= target) return;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (t - t0 > 2000000000ull) __trap();
-        __nanosleep(32);
-    }
-}
 
 template <int BITS>
 __device__ void moe_step(const unsigned short* router, const float* x, float* probs,

@@ -894,6 +894,13 @@ pub struct Cuda {
     /// logits, the softmax taken only by the block that writes the route
     /// (`DYNMOE_CUDA_ROUTE_LOGITS=1`), or each by the probabilities (the default).
     route_by_logits: Switch<bool>,
+    /// Whether a decode step's routed down blocks load their first words before their
+    /// launch wait, as soon as gate/up has written the route (`DYNMOE_CUDA_DOWN_EARLY=1`),
+    /// or after it (the default).
+    down_early: Switch<bool>,
+    /// The flag gate/up raises once the route is written and the count of down blocks
+    /// that saw it (the down kernel's early start): both zero between launches.
+    down_ready: CudaSlice<u32>,
     /// Whether a decode step's routed gate/up blocks ask L2 for what
     /// [`Backend::read_soon`] named (`DYNMOE_CUDA_READ_SOON=1`), or ignore it (the
     /// default).
@@ -1468,6 +1475,7 @@ impl Cuda {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
         let copies = driver(ctx.new_stream())?;
         let route_ticket = driver(stream.alloc_zeros::<u32>(1))?;
+        let down_ready = driver(stream.alloc_zeros::<u32>(2))?;
         let timeline = module
             .get_global("timeline_count", &stream)
             .is_ok()
@@ -1526,6 +1534,9 @@ impl Cuda {
             route_by_logits: Switch::new(switched_on("DYNMOE_CUDA_ROUTE_LOGITS")),
             // Built for measurement: not yet timed on the GPU (docs/GPU_NOTES.md).
             read_soon: Switch::new(switched_on("DYNMOE_CUDA_READ_SOON")),
+            // Built for measurement: not yet timed on the GPU (docs/GPU_NOTES.md).
+            down_early: Switch::new(switched_on("DYNMOE_CUDA_DOWN_EARLY")),
+            down_ready,
             soon: Mutex::new(Vec::new()),
             soon_lists: Mutex::new(Vec::new()),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
@@ -1794,6 +1805,19 @@ impl Cuda {
     /// [`set_read_soon`](Self::set_read_soon)).
     pub fn reads_soon(&self) -> bool {
         self.read_soon.get()
+    }
+
+    /// Whether a decode step's routed down blocks load their first words before their
+    /// launch wait, on a flag the gate/up kernel raises once it has written the route
+    /// (one row routed by the gate/up blocks themselves). Steps already recorded keep
+    /// their way.
+    pub fn set_down_early(&self, on: bool) {
+        self.down_early.set(on);
+    }
+
+    /// Whether routed down blocks start early (see [`set_down_early`](Self::set_down_early)).
+    pub fn down_early(&self) -> bool {
+        self.down_early.get()
     }
 
     /// Lists of weights read soon kept on the device: one for each routed layer of each
@@ -3112,6 +3136,13 @@ impl Cuda {
             l.arg(&soon_at)
                 .arg(&soon_count)
                 .arg(&(shape.down_cols as i32));
+            // The flag only where a gate/up block writes the one row's route.
+            let ready = if self.down_early() && logits != 0 && rows == 1 {
+                self.down_ready.device_ptr(&self.stream).0
+            } else {
+                0u64
+            };
+            l.arg(&ready);
             // With the norm, the row through it after the experts' pointers.
             let shared = if early {
                 routed_mma_gate_up_shared(up_units, r.experts, r.norm.map_or(0, |_| hidden))
@@ -3136,7 +3167,7 @@ impl Cuda {
                 .arg(&ki)
                 .arg(&g)
                 .arg(&out);
-            l.arg(&ri).arg(&c).arg(&i).arg(&logits).arg(&ei);
+            l.arg(&ri).arg(&c).arg(&i).arg(&logits).arg(&ei).arg(&ready);
             let down = LaunchConfig {
                 grid_dim: (hidden.div_ceil(RMMA_ROWS) as u32, rows as u32, 1),
                 block_dim: ((RMMA_DOWN_WARPS * 32) as u32, 1, 1),
