@@ -689,8 +689,7 @@ double check_attention_step(int heads, int kv_heads, int head_dim, int p, int ca
 
 using AffineGateUp = void (*)(const unsigned long long*, const float*, const unsigned char*, int,
                               int, int*, float*, int, const float*, float*, int, int, int, int,
-                              const float*, const float*, float, int,
-                              const unsigned long long*, int, int, unsigned*);
+                              const float*, const float*, float, int, unsigned*);
 using AffineDown = void (*)(const unsigned long long*, const int*, const float*, int,
                             const float*, float*, int, int, int, float*, int, unsigned*);
 
@@ -752,7 +751,6 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
                                 : (bits == 3 ? routed_mma_down_q3 : routed_mma_down_q2);
     AffineExperts ex(bits, hidden, inter, experts);
     const auto& table = ex.table;
-    const int down_cols = ex.ex[0][2].cols;
     std::vector<float> logits = route_logits(experts), x(hidden);
     for (auto& v : x) v = normal();
     std::vector<unsigned char> keep(experts, 1);
@@ -765,7 +763,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     size_t down_shared = (size_t)(top_k * inter / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4;
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), probs.data(), nullptr, experts, 1, got_ids.data(), got_w.data(),
-                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr, 0, down_cols, nullptr);
+                top_k, x.data(), got_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr);
     });
     // Down reads the reference's h, so that its error is its own.
     std::vector<float> h(want_h.begin(), want_h.end());
@@ -787,7 +785,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), ready_logits.data(), nullptr, experts, 1, ready_ids.data(),
                 ready_w.data(), top_k, x.data(), ready_h.data(), inter, hidden, hidden, 0,
-                nullptr, nullptr, 0.0f, 0, nullptr, 0, down_cols, ready.data());
+                nullptr, nullptr, 0.0f, 0, ready.data());
     });
     bool raised = ready[0] == 1 && ready[1] == 0;
     shim::Predecessor gate_up_before{[&] { std::fill(h_late.begin(), h_late.end(), NAN); },
@@ -808,7 +806,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     std::vector<float> again_h(want_h.size(), NAN), again_out(hidden, NAN);
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, up_shared, [&] {
         gate_up(table.data(), nullptr, nullptr, experts, 1, got_ids.data(), got_w.data(), top_k,
-                x.data(), again_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr, 0, down_cols, nullptr);
+                x.data(), again_h.data(), inter, hidden, hidden, 0, nullptr, nullptr, 0.0f, 0, nullptr);
     });
     shim::launch(down_grid, down_block, down_shared, [&] {
         down(table.data(), got_ids.data(), got_w.data(), top_k, h.data(), again_out.data(),
@@ -823,26 +821,12 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     shim::Predecessor router{[&] { std::fill(router_out.begin(), router_out.end(), NAN); },
                              [&] { router_out = logits; }};
     size_t early_shared = (up_shared + 7) / 8 * 8 + (size_t)experts * GATE_UP_POINTERS * 8;
-    // With weights to read soon: three regions, unaligned, one of a single byte, each of
-    // whose 128-byte lines the grid must ask L2 for exactly once, and no other line.
-    static std::vector<char> later(1 << 17);
-    const size_t base = (size_t)later.data();
-    std::vector<unsigned long long> soon = {base + 5, 3000, base + 40000, 128, base + 70001, 1};
-    std::vector<size_t> want_lines;
-    for (size_t r = 0; r < soon.size(); r += 2)
-        for (size_t at = soon[r] & ~(size_t)127; at < soon[r] + soon[r + 1]; at += 128)
-            want_lines.push_back(at);
-    shim::prefetched_lines.clear();
     shim::predecessor = &router;
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, early_ids.data(),
                 early_w.data(), top_k, x.data(), early_h.data(), inter, hidden, hidden, 1, nullptr,
-                nullptr, 0.0f, 0, soon.data(), (int)soon.size() / 2, down_cols, nullptr);
+                nullptr, 0.0f, 0, nullptr);
     });
-    std::vector<size_t> got_lines;
-    for (const void* p : shim::prefetched_lines) got_lines.push_back((size_t)p);
-    std::sort(got_lines.begin(), got_lines.end());
-    bool soon_ok = got_lines == want_lines;
     // Early, reading its row through the post-attention norm (the router folds it in):
     // the residual, the delta and the norm's weights, outlier channels among them; the
     // route is the same, h is within rounding of the reference on the normed row.
@@ -855,7 +839,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
                  early_shared + (size_t)hidden * 4 + 16, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, normed_ids.data(),
                 normed_w.data(), top_k, row.x.data(), normed_h.data(), inter, hidden, hidden, 1,
-                row.delta.data(), row.w.data(), row.eps, 0, nullptr, 0, down_cols, nullptr);
+                row.delta.data(), row.w.data(), row.eps, 0, nullptr);
     });
     // Routed by the logits (the softmax only in the block that writes the route): the
     // same ids, weights and h to the bit.
@@ -864,7 +848,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     shim::launch({(unsigned)(inter + 15) / 16, (unsigned)top_k, 1}, {256, 1, 1}, early_shared, [&] {
         gate_up(table.data(), router_out.data(), nullptr, experts, 1, logit_ids.data(),
                 logit_w.data(), top_k, x.data(), logit_h.data(), inter, hidden, hidden, 1, nullptr,
-                nullptr, 0.0f, 1, nullptr, 0, down_cols, nullptr);
+                nullptr, 0.0f, 1, nullptr);
     });
     shim::predecessor = nullptr;
     double en = normed_ids == want.ids ? rel_err(normed_h, want_normed_h) : INFINITY;
@@ -878,12 +862,11 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
                       std::memcmp(early_h.data(), got_h.data(), got_h.size() * 4) == 0;
     std::printf("routed q%d %d x %d, top-%d of %d: ids %s, weights %.2e, probs %.2e, gate/up "
                 "%.2e, down %.2e, routed before: %s, early: %s, early through the norm %.2e, "
-                "by the logits: %s, lines read soon: %zu of %zu %s, down early: %s\n",
+                "by the logits: %s, down early: %s\n",
                 bits, hidden, inter, top_k, experts, ids_ok ? "same" : "DIFFER", ew, ep, eh, eo,
                 same ? "same bits" : "DIFFERENT", same_early ? "same bits" : "DIFFERENT", en,
-                same_logits ? "same bits" : "DIFFERENT", got_lines.size(), want_lines.size(),
-                soon_ok ? "exact" : "WRONG", same_ready ? "same bits" : "DIFFERENT");
-    return ids_ok && same && same_early && same_logits && soon_ok && same_ready
+                same_logits ? "same bits" : "DIFFERENT", same_ready ? "same bits" : "DIFFERENT");
+    return ids_ok && same && same_early && same_logits && same_ready
                ? std::max({ew, ep, eh, eo, en})
                : INFINITY;
 }

@@ -29,7 +29,6 @@ PTX_HELPERS = [
     "f16_bits",
     "wait_count",
     "prefetch_l2",
-    "prefetch_line_l2",
 ]
 
 

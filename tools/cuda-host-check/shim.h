@@ -376,11 +376,6 @@ inline void wait_count(const unsigned* c, unsigned target) {
     while (*(volatile const unsigned*)c < target) shim::yield(shim::SPIN);
 }
 inline void prefetch_l2(const void*, size_t) {}
-// Every line asked for, in the order asked, for the checks to compare with the regions.
-namespace shim {
-inline std::vector<const void*> prefetched_lines;
-}
-inline void prefetch_line_l2(const void* line) { shim::prefetched_lines.push_back(line); }
 inline void copies_commit() {}
 inline void copies_wait() {}
 

@@ -1849,16 +1849,16 @@ fn moe_routed_on_the_device_matches_the_host_route() {
         check_routed(g, 128, 32, 260, Codes::Affine(2), true);
         check_routed(g, 2112, 1600, 6, Codes::Affine(3), false);
     }
-    // Down's blocks loading their words before their wait, on the flag gate/up raises
-    // once it has written the route: the route taken by gate/up early or not, by the
-    // probabilities or the logits.
+    // The loop above with down's blocks loading their words before their wait, on the
+    // flag gate/up raises once it has written the route (the default); here after it:
+    // the route taken by gate/up early or not, by the probabilities or the logits.
     let was_down = g.down_early();
     g.set_routed_mma(true);
     g.set_moe_step(false);
     g.set_router_routes(false);
     g.set_routed_slices(false);
-    g.set_down_early(true);
-    for (early, logits) in [(true, false), (true, true), (false, false)] {
+    g.set_down_early(false);
+    for (early, logits) in [(true, true), (false, false)] {
         g.set_gate_up_early(early);
         g.set_route_by_logits(logits);
         for bits in [4, 3, 2] {
@@ -2375,13 +2375,12 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
         m.backend().recorded_steps() > 0,
         "the step was not recorded"
     );
-    // With the next layer's weights asked into L2 as the routed blocks start and down's
-    // blocks loading their words before their wait, or neither: the same tokens.
-    let (was_soon, was_down) = (m.backend().reads_soon(), m.backend().down_early());
-    for (soon, graphs) in [(false, true), (false, false), (true, true), (true, false)] {
+    // With down's blocks loading their words before their wait (the default) or after
+    // it: the same tokens.
+    let was_down = m.backend().down_early();
+    for (down, graphs) in [(true, true), (true, false), (false, true), (false, false)] {
         // Before set_graphs, which drops the step recorded the other way.
-        m.backend().set_read_soon(soon);
-        m.backend().set_down_early(soon);
+        m.backend().set_down_early(down);
         m.backend().set_graphs(graphs);
         s.pos = p;
         let mut got = Vec::new();
@@ -2392,10 +2391,10 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
             })
             .unwrap();
         println!(
-            "queued greedy (graphs {graphs}, read soon and down early {soon}): equal {}",
+            "queued greedy (graphs {graphs}, down early {down}): equal {}",
             got == want
         );
-        assert_eq!((k, &got), (n, &want), "graphs {graphs}, read soon {soon}");
+        assert_eq!((k, &got), (n, &want), "graphs {graphs}, down early {down}");
         assert_eq!(s.pos, p + n);
         let worst = s
             .router_probs
@@ -2429,12 +2428,6 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
             "graphs {graphs}: decode_greedy after the stop"
         );
     }
-    // Every routed layer but the last named the next one's weights.
-    assert!(
-        m.backend().read_soon_lists() > 0,
-        "no routed launch was given weights to read soon"
-    );
-    m.backend().set_read_soon(was_soon);
     m.backend().set_down_early(was_down);
     m.backend().set_graphs(true);
 }

@@ -475,14 +475,6 @@ pub trait Backend: Send + Sync {
         false
     }
 
-    /// A hint that the ops after the next routed MoE block ([`routed_moe`]
-    /// (Self::routed_moe)) read `ws` first: a backend may start bringing them close while
-    /// that block waits on its route. An empty list takes the hint back. The default
-    /// ignores it.
-    fn read_soon(&self, ws: &[Weight<'_, Self::Matrix>]) {
-        let _ = ws;
-    }
-
     /// A whole routed MoE block without a host round trip, of the rows `x` reads
     /// (with [`MoeInput::AddNorm`], after writing them): router logits `x · gateᵀ`,
     /// their softmax written to `probs[probs_at .. probs_at + rows · E]` (unmasked), the

@@ -835,11 +835,6 @@ impl<B: Backend> Model<B> {
                 w: &layer.post_attention_layernorm,
                 eps,
             };
-            // While the block picks its experts, the next layer's attention and router
-            // may be on their way.
-            if let Some(next) = self.layers.get(i + 1) {
-                b.read_soon(&read_first(next));
-            }
             let routed = match &layer.mlp {
                 Ffn::Moe(block) => moe::forward_on_device(
                     b,
@@ -860,7 +855,6 @@ impl<B: Backend> Model<B> {
                 ),
                 Ffn::Dense(_) => false,
             };
-            b.read_soon(&[]);
             if !routed {
                 b.add_rms_norm_to(post, 1, h, &mut bufs.x_next, &mut bufs.xn);
             }
@@ -989,19 +983,6 @@ fn qkv_biases<B: Backend>(b: &B, a: &Attention<B>, rows: usize, outs: [&mut B::T
             b.add_bias(out, bias, rows);
         }
     }
-}
-
-/// What a decode step reads first of `layer`: its q, k, v and o projections, then its
-/// router where it is a plain matrix.
-fn read_first<B: Backend>(layer: &Layer<B>) -> Vec<Weight<'_, B::Matrix>> {
-    let a = &layer.self_attn;
-    let mut ws: Vec<_> = [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]
-        .map(|l| l.weight())
-        .into();
-    if let Ffn::Moe(block) = &layer.mlp {
-        ws.extend(block.gate.dense().map(Weight::Dense));
-    }
-    ws
 }
 
 /// `out = x Wᵀ (+ b)` on `rows` rows.

@@ -1722,6 +1722,21 @@ struct DownTile : TileLanes {
     }
 };
 
+// Waits until *c ≥ target (the acquire makes the writes before the increments visible to
+// this thread; the caller's fence and barrier pass them to its block).
+__device__ __forceinline__ void wait_count(const unsigned* c, unsigned target) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    for (;;) {
+        unsigned v;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+        if (v >= target) return;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 > 2000000000ull) __trap();
+        __nanosleep(32);
+    }
+}
+
 // Gate and up of pair blockIdx.y (input row pair / top_k of x, its expert of rank
 // pair % top_k), RMMA_ROWS rows from blockIdx.x·RMMA_ROWS: h[pair] = silu(gate) ⊙ up. The
 // unit is a group of x's row. With `logits` null the pair's expert is ids[pair], routed
@@ -1744,92 +1759,9 @@ struct DownTile : TileLanes {
 // With `by_logits` a block routes by route_by_logits: the softmax's reductions only in
 // the block that writes the route.
 //
-// With `soon_count` (address, bytes) regions in `soon` (the weights the kernels after
-// the down launch read first), the grid asks L2 for their lines (read_soon) before the
-// route is known, while HBM would otherwise idle.
-//
 // With `ready` (one row, routed here), the block that writes the route then raises
 // ready[0] for the down kernel (routed_mma_down).
 #define GATE_UP_POINTERS 6
-
-// Waits until *c ≥ target (the acquire makes the writes before the increments visible to
-// this thread; the caller's fence and barrier pass them to its block).
-__device__ __forceinline__ void wait_count(const unsigned* c, unsigned target) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    for (;;) {
-        unsigned v;
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
-        if (v >= target) return;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (t - t0 > 2000000000ull) __trap();
-        __nanosleep(32);
-    }
-}
-
-// Where a routed gate/up block asks L2 for the weights read soon after the block (the
-// next layer's attention and router, `soon`: `soon_count` (address, bytes) pairs): 1 at
-// its start, while the router before is still at work; 2 right after its wait, as the
-// route begins. Either way HBM has nothing else to do then: the words of the chosen
-// experts are asked for only once the route is known.
-#ifndef READ_SOON_AT
-#define READ_SOON_AT 1
-#endif
-// 1: the lines are marked to be evicted last, so that the experts' words streaming past
-// them (21 MB a layer at 4 bits) go first.
-#ifndef READ_SOON_EVICT_LAST
-#define READ_SOON_EVICT_LAST 1
-#endif
-
-// Asks L2 for the 128-byte line at `line`.
-__device__ __forceinline__ void prefetch_line_l2(const void* line) {
-#if READ_SOON_EVICT_LAST
-    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(line));
-#else
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
-#endif
-}
-
-// Asks L2 for every 128-byte line of the regions, a line a thread of the whole grid at
-// a time: ~2 lines a thread for a layer's 11 MB over 384 blocks of 128.
-__device__ __forceinline__ void read_soon(const unsigned long long* soon, int soon_count) {
-    size_t threads = (size_t)gridDim.x * gridDim.y * blockDim.x;
-    size_t t = ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
-    for (int r = 0; r < soon_count; r++) {
-        unsigned long long at = soon[2 * r], first = at & ~127ull;
-        size_t lines = (size_t)((at + soon[2 * r + 1] - first + 127) / 128);
-        for (size_t i = t; i < lines; i += threads)
-            prefetch_line_l2(reinterpret_cast<const char*>(first + i * 128));
-    }
-}
-
-// 1: once its expert is known, each gate/up block asks L2 for its share of that expert's
-// down rows, so that the down kernel's loads after its wait find them there.
-#ifndef RMMA_DOWN_AHEAD
-#define RMMA_DOWN_AHEAD 0
-#endif
-
-// Asks L2 for the 128-byte lines of [p, p + bytes), the block's threads a line each.
-__device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes) {
-    const char* c = reinterpret_cast<const char*>((size_t)p & ~(size_t)127);
-    const char* end = reinterpret_cast<const char*>(p) + bytes;
-    for (c += threadIdx.x * 128; c < end; c += blockDim.x * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(c));
-}
-
-// Block blockIdx.x's share of the `hidden` down rows (`down_cols` stored columns) of
-// expert `entry`, asked into L2: words, scales and biases.
-template <int BITS>
-__device__ __forceinline__ void down_ahead(const unsigned long long* entry, int hidden,
-                                           int down_cols) {
-    int groups = down_cols / 64;
-    int per = (hidden + gridDim.x - 1) / gridDim.x;
-    int r0 = min(hidden, (int)blockIdx.x * per), n = min(hidden, r0 + per) - r0;
-    size_t row_bytes = row_words<BITS>(down_cols) * 4;
-    prefetch_l2((const char*)entry[6] + r0 * row_bytes, n * row_bytes);
-    prefetch_l2((const unsigned short*)entry[7] + (size_t)r0 * groups, n * groups * 2);
-    prefetch_l2((const unsigned short*)entry[8] + (size_t)r0 * groups, n * groups * 2);
-}
 
 template <int BITS, int UNITS>
 __device__ void routed_mma_gate_up(const unsigned long long* table, const float* logits,
@@ -1837,8 +1769,7 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
                                    int* ids, float* weights, int top_k, const float* x,
                                    float* h, int rows, int cols, int in_dim, bool early,
                                    const float* delta, const float* norm_w, float eps,
-                                   bool by_logits, const unsigned long long* soon,
-                                   int soon_count, int down_cols, unsigned* ready) {
+                                   bool by_logits, unsigned* ready) {
     extern __shared__ __align__(16) unsigned smem[];
     __shared__ int route_ids[ROUTE_SHARED_MAX];
     __shared__ float route_w[ROUTE_SHARED_MAX];
@@ -1866,7 +1797,6 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
         }
     };
     PHASE(0, 0);
-    if (READ_SOON_AT == 1) read_soon(soon, soon_count);
     if (early) {
         for (int i = threadIdx.x; i < experts * GATE_UP_POINTERS; i += blockDim.x)
             pointers[i] = table[(size_t)(i / GATE_UP_POINTERS) * ROUTED_ENTRY + i % GATE_UP_POINTERS];
@@ -1877,7 +1807,6 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
         PDL_WAIT();
     }
     PHASE(0, 1);
-    if (READ_SOON_AT == 2) read_soon(soon, soon_count);
     int expert;
     if (logits) {
         // By the logits, only the block that writes the route takes its weights.
@@ -1911,7 +1840,6 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
                                  blockIdx.x * RMMA_ROWS, rows, cols);
     // The words' loads go out before x is staged, to overlap their latency.
     tile.load(tile.u0);
-    if (RMMA_DOWN_AHEAD) down_ahead<BITS>(table + (size_t)expert * ROUTED_ENTRY, in_dim, down_cols);
     if (!early) stage_x();
     __syncthreads();
     PHASE(0, 3);
@@ -1994,14 +1922,12 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                 int* ids, float* weights, int top_k, const float* x, float* h, \
                                 int rows, int cols, int in_dim, int early, const float* delta, \
                                 const float* norm_w, float eps, int by_logits,                 \
-                                const unsigned long long* soon, int soon_count,                \
-                                int down_cols, unsigned* ready) {                              \
+                                unsigned* ready) {                                             \
         PDL_LAUNCH();                                                                          \
         routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, logits, keep, experts, renormalize,   \
                                                   ids, weights, top_k, x, h, rows, cols,       \
                                                   in_dim, early != 0, delta, norm_w, eps,      \
-                                                  by_logits != 0, soon, soon_count,            \
-                                                  down_cols, ready);                           \
+                                                  by_logits != 0, ready);                      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP) routed_mma_down_q##B( \
         const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
@@ -2769,6 +2695,14 @@ extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
 // resident (another process's kernels sharing the device through MPS) fails loudly
 // instead of hanging. Measured in a decode step it was slower than the three launches
 // (docs/GPU_NOTES.md), so the host takes it only when asked (DYNMOE_CUDA_MOE_STEP=1).
+
+// Asks L2 for the 128-byte lines of [p, p + bytes), the block's threads a line each.
+__device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes) {
+    const char* c = reinterpret_cast<const char*>((size_t)p & ~(size_t)127);
+    const char* end = reinterpret_cast<const char*>(p) + bytes;
+    for (c += threadIdx.x * 128; c < end; c += blockDim.x * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(c));
+}
 
 template <int BITS>
 __device__ void moe_step(const unsigned short* router, const float* x, float* probs,

@@ -250,14 +250,6 @@ impl DeviceMatrix {
             DeviceMatrix::F32(v) => v.len() * 4,
         }
     }
-
-    /// The device address of the values.
-    fn device_ptr(&self, stream: &CudaStream) -> u64 {
-        match self {
-            DeviceMatrix::Bf16(v) => v.device_ptr(stream).0,
-            DeviceMatrix::F32(v) => v.device_ptr(stream).0,
-        }
-    }
 }
 
 /// Whether `v` converts to bf16 and back unchanged: bf16 is an f32's upper half.
@@ -891,26 +883,16 @@ pub struct Cuda {
     /// (`DYNMOE_CUDA_GATE_UP_EARLY=0`: both wait at once).
     gate_up_early: Switch<bool>,
     /// Whether a decode step's routed gate/up blocks choose their experts by the router's
-    /// logits, the softmax taken only by the block that writes the route
-    /// (`DYNMOE_CUDA_ROUTE_LOGITS=1`), or each by the probabilities (the default).
+    /// logits, the softmax taken only by the block that writes the route (the default),
+    /// or each by the probabilities (`DYNMOE_CUDA_ROUTE_LOGITS=0`).
     route_by_logits: Switch<bool>,
     /// Whether a decode step's routed down blocks load their first words before their
-    /// launch wait, as soon as gate/up has written the route (`DYNMOE_CUDA_DOWN_EARLY=1`),
-    /// or after it (the default).
+    /// launch wait, as soon as gate/up has written the route (the default), or after it
+    /// (`DYNMOE_CUDA_DOWN_EARLY=0`).
     down_early: Switch<bool>,
     /// The flag gate/up raises once the route is written and the count of down blocks
     /// that saw it (the down kernel's early start): both zero between launches.
     down_ready: CudaSlice<u32>,
-    /// Whether a decode step's routed gate/up blocks ask L2 for what
-    /// [`Backend::read_soon`] named (`DYNMOE_CUDA_READ_SOON=1`), or ignore it (the
-    /// default).
-    read_soon: Switch<bool>,
-    /// The (address, bytes) pairs [`Backend::read_soon`] named last, for the next routed
-    /// gate/up launch.
-    soon: Mutex<Vec<u64>>,
-    /// Device copies of the lists of pairs launches were given, kept while a recorded
-    /// step may read them.
-    soon_lists: Mutex<Vec<(Vec<u64>, CudaSlice<u64>)>>,
     /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
     prefill_attention: Switch<PrefillAttention>,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
@@ -1142,9 +1124,6 @@ unsafe impl Send for Recorded {}
 
 /// Recorded steps kept: one per live sequence is what replays; older ones are dropped.
 const MAX_GRAPHS: usize = 8;
-
-/// Lists of weights read soon kept on the device: one a layer of each model loaded.
-const SOON_LISTS: usize = 1024;
 
 /// Read buffers kept for reuse: a decode loop that keeps one step queued ahead has two
 /// reads under way at most; page-locking a buffer costs far more than a step.
@@ -1530,15 +1509,9 @@ impl Cuda {
             decode_chunk: std::sync::atomic::AtomicUsize::new(0),
             kv_early: Switch::new(!switched_off("DYNMOE_CUDA_KV_EARLY")),
             gate_up_early: Switch::new(!switched_off("DYNMOE_CUDA_GATE_UP_EARLY")),
-            // Built for measurement: not yet timed on the GPU (docs/GPU_NOTES.md).
-            route_by_logits: Switch::new(switched_on("DYNMOE_CUDA_ROUTE_LOGITS")),
-            // Built for measurement: not yet timed on the GPU (docs/GPU_NOTES.md).
-            read_soon: Switch::new(switched_on("DYNMOE_CUDA_READ_SOON")),
-            // Built for measurement: not yet timed on the GPU (docs/GPU_NOTES.md).
-            down_early: Switch::new(switched_on("DYNMOE_CUDA_DOWN_EARLY")),
+            route_by_logits: Switch::new(!switched_off("DYNMOE_CUDA_ROUTE_LOGITS")),
+            down_early: Switch::new(!switched_off("DYNMOE_CUDA_DOWN_EARLY")),
             down_ready,
-            soon: Mutex::new(Vec::new()),
-            soon_lists: Mutex::new(Vec::new()),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
             timeline,
             prefill_attention: Switch::new(PrefillAttention::from_env()),
@@ -1793,20 +1766,6 @@ impl Cuda {
         self.route_by_logits.get()
     }
 
-    /// Whether a decode step's routed gate/up blocks ask L2 for the weights the kernels
-    /// after them read first (the next layer's attention and router, as
-    /// [`Backend::read_soon`] names them) before their route is known, while HBM has
-    /// nothing else to do. Steps already recorded keep their way.
-    pub fn set_read_soon(&self, on: bool) {
-        self.read_soon.set(on);
-    }
-
-    /// Whether routed gate/up blocks ask L2 for what is read soon (see
-    /// [`set_read_soon`](Self::set_read_soon)).
-    pub fn reads_soon(&self) -> bool {
-        self.read_soon.get()
-    }
-
     /// Whether a decode step's routed down blocks load their first words before their
     /// launch wait, on a flag the gate/up kernel raises once it has written the route
     /// (one row routed by the gate/up blocks themselves). Steps already recorded keep
@@ -1818,35 +1777,6 @@ impl Cuda {
     /// Whether routed down blocks start early (see [`set_down_early`](Self::set_down_early)).
     pub fn down_early(&self) -> bool {
         self.down_early.get()
-    }
-
-    /// Lists of weights read soon kept on the device: one for each routed layer of each
-    /// model that was given one while [`reads_soon`](Self::reads_soon).
-    pub fn read_soon_lists(&self) -> usize {
-        self.soon_lists.lock().expect("read-soon lists lock").len()
-    }
-
-    /// The device address and count of a list of (address, bytes) pairs for a routed
-    /// gate/up launch: `(0, 0)` for none. Lists are copied once and kept, since a recorded
-    /// step reads its list at every replay; past [`SOON_LISTS`] of them, every list and
-    /// the records that may read one go.
-    fn soon_list(&self, pairs: &[u64]) -> (u64, i32) {
-        if pairs.is_empty() {
-            return (0, 0);
-        }
-        let mut lists = self.soon_lists.lock().expect("read-soon lists lock");
-        let known = lists.iter().position(|(p, _)| p == pairs);
-        let i = known.unwrap_or_else(|| {
-            if lists.len() == SOON_LISTS {
-                self.drop_graphs();
-                lists.clear();
-            }
-            let copy = ok(self.stream.clone_htod(pairs), "upload");
-            lists.push((pairs.to_vec(), copy));
-            lists.len() - 1
-        });
-        let at = lists[i].1.device_ptr(&self.stream).0;
-        (at, (pairs.len() / 2) as i32)
     }
 
     /// Whether the routed gate/up of `rows` rows behind router `gate` (the launch
@@ -3075,8 +3005,6 @@ impl Cuda {
         probs: u64,
         out: u64,
     ) {
-        // Taken whichever path runs: a hint is for the next routed launch only.
-        let soon = std::mem::take(&mut *self.soon.lock().expect("read-soon lock"));
         let shape = match r.kind {
             RoutedKind::Affine(shape) => shape,
             RoutedKind::Vq(shape) => {
@@ -3132,10 +3060,6 @@ impl Cuda {
             l.arg(&ri).arg(&c).arg(&i).arg(&(early as i32));
             let by_logits = self.route_by_logits() as i32;
             l.arg(&delta).arg(&norm_w).arg(&eps).arg(&by_logits);
-            let (soon_at, soon_count) = self.soon_list(&soon);
-            l.arg(&soon_at)
-                .arg(&soon_count)
-                .arg(&(shape.down_cols as i32));
             // The flag only where a gate/up block writes the one row's route.
             let ready = if self.down_early() && logits != 0 && rows == 1 {
                 self.down_ready.device_ptr(&self.stream).0
@@ -4865,30 +4789,6 @@ impl Backend for Cuda {
                 false
             }
         }
-    }
-
-    fn read_soon(&self, ws: &[Weight<'_, DeviceMatrix>]) {
-        let mut pairs = Vec::new();
-        if self.read_soon.get() {
-            for w in ws {
-                match w {
-                    Weight::Dense(m) => {
-                        pairs.extend([m.device_ptr(&self.stream), m.bytes() as u64])
-                    }
-                    Weight::Affine(a) => {
-                        let d = self.device_affine(a);
-                        let at = |b: &CudaSlice<u16>| b.device_ptr(&self.stream).0;
-                        pairs
-                            .extend([d.words.device_ptr(&self.stream).0, d.words.len() as u64 * 4]);
-                        pairs.extend([at(&d.scales), d.scales.len() as u64 * 2]);
-                        pairs.extend([at(&d.biases), d.biases.len() as u64 * 2]);
-                    }
-                    // A VQ matrix's book is what its reads need close; not named yet.
-                    Weight::Vq(_) => {}
-                }
-            }
-        }
-        *self.soon.lock().expect("read-soon lock") = pairs;
     }
 
     fn routed_moe(
