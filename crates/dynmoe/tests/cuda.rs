@@ -1815,26 +1815,31 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     // one slice a block, in one launch; 1 600-wide experts take 25 slices a pair), routing
     // the row themselves or reading the router's route. The three launches' gate/up
     // starts early (x staged and the table copied before its launch wait) or not, and
-    // chooses its experts by the probabilities or by the logits.
-    let (was, was_step, was_routes, was_slices, was_early, was_logits) = (
+    // chooses its experts by the probabilities or by the logits; down's blocks load their
+    // words before their launch wait, on the flag gate/up raises once it has written the
+    // route, or after it.
+    let (was, was_step, was_routes, was_slices, was_early, was_logits, was_down) = (
         g.routed_mma(),
         g.moe_step(),
         g.router_routes(),
         g.routed_slices(),
         g.gate_up_early(),
         g.route_by_logits(),
+        g.down_early(),
     );
-    for (mma, step, routes, slices, early, logits) in [
-        (true, true, false, false, true, false),
-        (true, false, false, true, true, false),
-        (true, false, false, false, true, false),
-        (true, false, false, false, true, true),
-        (true, false, false, false, false, false),
-        (true, false, false, false, false, true),
-        (true, false, true, true, true, false),
-        (true, false, true, false, true, false),
-        (false, false, false, false, true, false),
-        (false, false, true, false, true, false),
+    for (mma, step, routes, slices, early, logits, down) in [
+        (true, true, false, false, true, false, true),
+        (true, false, false, true, true, false, true),
+        (true, false, false, false, true, false, true),
+        (true, false, false, false, true, true, true),
+        (true, false, false, false, true, true, false),
+        (true, false, false, false, false, false, true),
+        (true, false, false, false, false, false, false),
+        (true, false, false, false, false, true, true),
+        (true, false, true, true, true, false, true),
+        (true, false, true, false, true, false, true),
+        (false, false, false, false, true, false, true),
+        (false, false, true, false, true, false, true),
     ] {
         g.set_routed_mma(mma);
         g.set_moe_step(step);
@@ -1842,6 +1847,7 @@ fn moe_routed_on_the_device_matches_the_host_route() {
         g.set_routed_slices(slices);
         g.set_gate_up_early(early);
         g.set_route_by_logits(logits);
+        g.set_down_early(down);
         for bits in [4, 3, 2] {
             check_routed(g, 256, 80, 12, Codes::Affine(bits), false);
         }
@@ -1849,31 +1855,13 @@ fn moe_routed_on_the_device_matches_the_host_route() {
         check_routed(g, 128, 32, 260, Codes::Affine(2), true);
         check_routed(g, 2112, 1600, 6, Codes::Affine(3), false);
     }
-    // The loop above with down's blocks loading their words before their wait, on the
-    // flag gate/up raises once it has written the route (the default); here after it:
-    // the route taken by gate/up early or not, by the probabilities or the logits.
-    let was_down = g.down_early();
-    g.set_routed_mma(true);
-    g.set_moe_step(false);
-    g.set_router_routes(false);
-    g.set_routed_slices(false);
-    g.set_down_early(false);
-    for (early, logits) in [(true, true), (false, false)] {
-        g.set_gate_up_early(early);
-        g.set_route_by_logits(logits);
-        for bits in [4, 3, 2] {
-            check_routed(g, 256, 80, 12, Codes::Affine(bits), false);
-        }
-        check_routed(g, 128, 32, 128, Codes::Affine(4), true);
-        check_routed(g, 2112, 1600, 6, Codes::Affine(3), false);
-    }
-    g.set_down_early(was_down);
     g.set_routed_mma(was);
     g.set_moe_step(was_step);
     g.set_router_routes(was_routes);
     g.set_routed_slices(was_slices);
     g.set_gate_up_early(was_early);
     g.set_route_by_logits(was_logits);
+    g.set_down_early(was_down);
     let (hidden, inter) = (256, 80);
     // Without tensor cores more than 8 rows are too many for the device path: it declines
     // and leaves the outputs alone.
