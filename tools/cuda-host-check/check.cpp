@@ -778,7 +778,7 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     // the route; down's blocks load their words on it, read h only after their wait (h
     // poisoned until then), and the last lowers the flag and the count for the next
     // launch. The same ids, probabilities and output, to the bit.
-    std::vector<unsigned> ready = {0, 0, 0};
+    std::vector<unsigned> ready = {0, 0};
     std::vector<float> ready_logits = logits, ready_h(want_h.size(), NAN), ready_w(top_k, NAN);
     std::vector<float> ready_out(hidden, NAN), h_late(h.size(), NAN);
     std::vector<int> ready_ids(top_k, -1);
@@ -788,22 +788,15 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
                 nullptr, nullptr, 0.0f, 0, ready.data());
     });
     bool raised = ready[0] == 1 && ready[1] == 0;
-#if RMMA_DOWN_BY_COUNT
-    // Down waits on the gate/up blocks' count, not its launch: here every block has
-    // counted before down starts, so h is final from the start.
-    raised = raised && ready[2] == (unsigned)((inter + 15) / 16 * top_k);
-    h_late = h;
-#else
     shim::Predecessor gate_up_before{[&] { std::fill(h_late.begin(), h_late.end(), NAN); },
                                      [&] { h_late = h; }};
     shim::predecessor = &gate_up_before;
-#endif
     shim::launch(down_grid, down_block, down_shared, [&] {
         down(table.data(), ready_ids.data(), ready_w.data(), top_k, h_late.data(),
              ready_out.data(), hidden, inter, inter, ready_logits.data(), experts, ready.data());
     });
     shim::predecessor = nullptr;
-    bool same_ready = raised && ready == std::vector<unsigned>{0, 0, 0} && ready_ids == got_ids &&
+    bool same_ready = raised && ready[0] == 0 && ready[1] == 0 && ready_ids == got_ids &&
                       std::memcmp(ready_out.data(), got_out.data(), got_out.size() * 4) == 0 &&
                       std::memcmp(ready_logits.data(), probs.data(), probs.size() * 4) == 0;
     bool ids_ok = got_ids == want.ids;

@@ -1737,12 +1737,6 @@ __device__ __forceinline__ void wait_count(const unsigned* c, unsigned target) {
     }
 }
 
-// 1: with `ready`, each gate/up block counts its h in ready[2] once written, and down's
-// blocks wait for the count instead of their launch (no launch wait in down at all).
-#ifndef RMMA_DOWN_BY_COUNT
-#define RMMA_DOWN_BY_COUNT 0
-#endif
-
 // Gate and up of pair blockIdx.y (input row pair / top_k of x, its expert of rank
 // pair % top_k), RMMA_ROWS rows from blockIdx.x·RMMA_ROWS: h[pair] = silu(gate) ⊙ up. The
 // unit is a group of x's row. With `logits` null the pair's expert is ids[pair], routed
@@ -1850,14 +1844,6 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
     __syncthreads();
     PHASE(0, 3);
     tile.finish(xs, xsum, red, h + (size_t)pair * rows);
-#if RMMA_DOWN_BY_COUNT
-    // The block's h counted for down's blocks, which wait on the count, not the launch.
-    if (ready) {
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) atomicAdd(&ready[2], 1u);
-    }
-#endif
 }
 
 // Down projections of token blockIdx.y's top_k pairs, RMMA_ROWS rows from
@@ -1886,12 +1872,10 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
         if (threadIdx.x == 0) {
             wait_count(ready, 1);
             __threadfence();
-#if !RMMA_DOWN_BY_COUNT
             if (atomicAdd(&ready[1], 1u) == gridDim.x * gridDim.y - 1) {
                 ready[0] = 0;
                 ready[1] = 0;
             }
-#endif
         }
         __syncthreads();
     } else {
@@ -1900,24 +1884,8 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
     DownTile<BITS, UNITS> tile(table, ids + token * top_k, weights + token * top_k, top_k,
                                blockIdx.x * RMMA_ROWS, rows, cols);
     tile.load(tile.u0);
-    // h, and the logits that gate/up blocks may still be routing by, only after the wait
-    // (or once every gate/up block has counted its h).
-    if (ready) {
-#if RMMA_DOWN_BY_COUNT
-        if (threadIdx.x == 0) {
-            wait_count(&ready[2], (in_dim + RMMA_ROWS - 1) / RMMA_ROWS * top_k * gridDim.y);
-            __threadfence();
-            if (atomicAdd(&ready[1], 1u) == gridDim.x * gridDim.y - 1) {
-                ready[0] = 0;
-                ready[1] = 0;
-                ready[2] = 0;
-            }
-        }
-        __syncthreads();
-#else
-        PDL_WAIT();
-#endif
-    }
+    // h, and the logits that gate/up blocks may still be routing by, only after the wait.
+    if (ready) PDL_WAIT();
     PHASE(1, 1);
     // While its words are on their way: the probabilities, by every thread of the block.
     if (logits && blockIdx.x == 0) {

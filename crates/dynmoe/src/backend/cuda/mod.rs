@@ -890,9 +890,8 @@ pub struct Cuda {
     /// launch wait, as soon as gate/up has written the route (the default), or after it
     /// (`DYNMOE_CUDA_DOWN_EARLY=0`).
     down_early: Switch<bool>,
-    /// The flag gate/up raises once the route is written, the count of down blocks that
-    /// saw it, and (with the kernels' `RMMA_DOWN_BY_COUNT`) the count of gate/up blocks
-    /// whose h is written: the down kernel's early start, all zero between launches.
+    /// The flag gate/up raises once the route is written and the count of down blocks
+    /// that saw it (the down kernel's early start): both zero between launches.
     down_ready: CudaSlice<u32>,
     /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
     prefill_attention: Switch<PrefillAttention>,
@@ -1455,7 +1454,7 @@ impl Cuda {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
         let copies = driver(ctx.new_stream())?;
         let route_ticket = driver(stream.alloc_zeros::<u32>(1))?;
-        let down_ready = driver(stream.alloc_zeros::<u32>(3))?;
+        let down_ready = driver(stream.alloc_zeros::<u32>(2))?;
         let timeline = module
             .get_global("timeline_count", &stream)
             .is_ok()
