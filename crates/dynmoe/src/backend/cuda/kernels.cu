@@ -105,6 +105,23 @@ __device__ float block_max(float v, float* scratch) {
     return warp_max(t);
 }
 
+// A softmax's first half over the block: exp(x[i] − max) into e[i] (e may be x) for the
+// n values, their max into `m` and their sum returned; every thread gets both, and e is
+// complete for every thread (block_sum's barriers publish it). `scratch` holds 32 floats.
+__device__ __forceinline__ float block_exp_sum(const float* x, float* e, int n, float& m,
+                                               float* scratch) {
+    m = NEG_INF;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, x[i]);
+    m = block_max(m, scratch);
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = expf(x[i] - m);
+        e[i] = v;
+        s += v;
+    }
+    return block_sum(s, scratch);
+}
+
 __device__ __forceinline__ float bf16_bits(unsigned short h) {
     return __uint_as_float(((unsigned)h) << 16);
 }
@@ -356,16 +373,8 @@ extern "C" __global__ void softmax_rows(float* x, int dim) {
     PDL_ENTRY();
     __shared__ float scratch[32];
     float* row = x + (size_t)blockIdx.x * dim;
-    float m = NEG_INF;
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) m = fmaxf(m, row[d]);
-    m = block_max(m, scratch);
-    float s = 0.0f;
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
-        float e = expf(row[d] - m);
-        row[d] = e;
-        s += e;
-    }
-    s = block_sum(s, scratch);
+    float m;
+    float s = block_exp_sum(row, row, dim, m, scratch);
     for (int d = threadIdx.x; d < dim; d += blockDim.x) row[d] /= s;
 }
 
@@ -1172,16 +1181,8 @@ __device__ void rank_candidates(const float* cand, int experts, int top_k, int* 
 // returns. Every thread of the block calls.
 __device__ void route_probabilities(const float* row, float* probs, const unsigned char* keep,
                                     int experts, float* cand, float* scratch) {
-    float m = NEG_INF;
-    for (int d = threadIdx.x; d < experts; d += blockDim.x) m = fmaxf(m, row[d]);
-    m = block_max(m, scratch);
-    float s = 0.0f;
-    for (int d = threadIdx.x; d < experts; d += blockDim.x) {
-        float e = expf(row[d] - m);
-        cand[d] = e;
-        s += e;
-    }
-    s = block_sum(s, scratch);
+    float m;
+    float s = block_exp_sum(row, cand, experts, m, scratch);
     float kept = 0.0f;
     for (int d = threadIdx.x; d < experts; d += blockDim.x) {
         float p = cand[d] / s;
@@ -3277,16 +3278,8 @@ extern "C" __global__ void attention_split(const float* q, const float* k, const
         if (lane == 0) sc[j] = a * scale;
     }
     __syncthreads();
-    float m = NEG_INF;
-    for (int j = threadIdx.x; j < tn; j += blockDim.x) m = fmaxf(m, sc[j]);
-    m = block_max(m, scratch);
-    float l = 0.0f;
-    for (int j = threadIdx.x; j < tn; j += blockDim.x) {
-        float e = expf(sc[j] - m);
-        sc[j] = e;
-        l += e;
-    }
-    l = block_sum(l, scratch);  // its barriers also publish sc
+    float m;
+    float l = block_exp_sum(sc, sc, tn, m, scratch);
     const float* vb = v + (size_t)t0 * kvw + (size_t)kvh * head_dim;
     int d0 = threadIdx.x, d1 = threadIdx.x + blockDim.x;
     float acc0 = 0.0f, acc1 = 0.0f;
