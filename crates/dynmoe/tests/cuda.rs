@@ -1218,6 +1218,99 @@ fn residual_norms_folded_into_the_products_match_the_reference() {
 }
 
 #[test]
+fn qkv_products_with_the_preamble_match_the_reference() {
+    let Some(g) = gpu() else { return };
+    // A decode step's q/k/v products through the residual add and norm, with the
+    // attention preamble in the same launch (clusters of a head's tiles: 8 at Qwen3's
+    // 128-wide heads, 4 at 64), then its attention; against the CPU's products, preamble
+    // and attention one after another. With the residual add and without, per-head
+    // norms and none, the first position and one deep in a longer cache. Outputs: the
+    // attention, both caches and the sum.
+    let fold = g.fold_norms();
+    g.set_fold_norms(true);
+    g.set_qkv_preamble(true);
+    let eps = 1e-6;
+    for bits in [4, 3, 2] {
+        for (case, (heads, kv_heads, head_dim, cols)) in
+            [(32usize, 4usize, 128usize, 2048usize), (8, 2, 64, 1024)]
+                .into_iter()
+                .enumerate()
+        {
+            let (qw, kvw) = (heads * head_dim, kv_heads * head_dim);
+            let dims = [qw, kvw, kvw];
+            let salt = 700 + 10 * case as u64 + bits as u64;
+            let ms: Vec<Affine> = (0..3)
+                .map(|j| affine(dims[j], cols, bits, salt + j as u64))
+                .collect();
+            let inv_freq = dynmoe::model::forward::rope_inv_freq(1e6, head_dim, 1.0);
+            for (pos, normed, added) in [(0u32, true, true), (300, false, true), (41, true, false)]
+            {
+                let capacity = pos as usize + 24;
+                let step = [f32::from_bits(pos), f32::from_bits(pos)];
+                let inputs = [
+                    fresh(cols, salt + 4),
+                    fresh(cols, salt + 5),
+                    fresh(cols, salt + 6),
+                    fresh(head_dim, salt + 7),
+                    fresh(head_dim, salt + 8),
+                    fresh(capacity * kvw, salt + 9),
+                    fresh(capacity * kvw, salt + 10),
+                    step.to_vec(),
+                ];
+                let shape = AttentionShape {
+                    rows: 1,
+                    pos0: 0,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    window: None,
+                };
+                let fused = std::cell::Cell::new(false);
+                both!(
+                    &format!("q{bits} q/k/v with the preamble {heads}/{kv_heads}x{head_dim} @{pos} norm {normed} add {added}"),
+                    &inputs.each_ref().map(|v| v.as_slice()),
+                    qw + 2 * capacity * kvw + cols,
+                    1e-5,
+                    |b, t, o| {
+                        let (mut q, mut k, mut v) = (b.alloc(qw), b.alloc(kvw), b.alloc(kvw));
+                        let (mut sum, mut xn, mut out) = (b.alloc(cols), b.alloc(cols), b.alloc(qw));
+                        let n = capacity * kvw;
+                        let (mut kc, mut vc) = (b.alloc(n), b.alloc(n));
+                        b.write_rows(&t[5], &mut kc, 0, capacity, kvw);
+                        b.write_rows(&t[6], &mut vc, 0, capacity, kvw);
+                        let x = add_norm_case(b, t, added, eps, &mut sum, cols);
+                        let norm = normed.then_some(HeadNorm { q: &t[3], k: &t[4], eps });
+                        let ws = || [0, 1, 2].map(|j| Weight::Affine(ms[j].view()));
+                        let one = b.add_rms_norm_qkv_attention_at(
+                            x, &mut sum, ws(), cols, [&mut q, &mut k, &mut v], norm, shape,
+                            &inv_freq, &t[7], &mut kc, &mut vc, &mut out,
+                        );
+                        if one {
+                            fused.set(true);
+                        } else {
+                            b.add_rms_norm_linear3(
+                                x, &mut sum, &mut xn, ws(), 1, cols, dims, [&mut q, &mut k, &mut v],
+                            );
+                            b.attention_step_at(
+                                &mut q, &mut k, &v, norm, shape, &inv_freq, &t[7], &mut kc,
+                                &mut vc, &mut out,
+                            );
+                        }
+                        concat(b, &[(&out, qw), (&kc, n), (&vc, n), (&sum, cols)], o)
+                    }
+                );
+                assert!(
+                    fused.get(),
+                    "the device did not take q/k/v with the preamble"
+                );
+            }
+        }
+    }
+    g.set_qkv_preamble(false);
+    g.set_fold_norms(fold);
+}
+
+#[test]
 fn vq_products_match_the_reference() {
     let Some(_) = gpu() else { return };
     use dynmoe::codec::vq::{VqMatrix, LADDER};
