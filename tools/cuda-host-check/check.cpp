@@ -394,97 +394,6 @@ double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int pa
     return e;
 }
 
-// ---- The q/k/v product with a decode step's attention preamble (dense_mma_norm_pre_q*) ----
-
-using DensePreKernel = void (*)(const unsigned*, const unsigned short*, const unsigned short*,
-                                float*, int, const unsigned*, const unsigned short*,
-                                const unsigned short*, float*, int, const unsigned*,
-                                const unsigned short*, const unsigned short*, float*, int, int,
-                                const float*, int, int, int, const float*, const float*, float,
-                                float*, const float*, const float*, float, const unsigned*,
-                                const float*, float*, float*, int);
-
-// q, k and v of `heads` and `kv_heads` heads of `head_dim` from one row of `cols` values
-// through the residual add and norm, then (the preamble) q's and k's heads normed (when
-// `normed`) and rotated at position p, k and v written to row p of caches of `capacity`
-// rows, in one launch of a block a tile and a cluster a head; against the definition in
-// double precision. Outputs and the caches' row p start as NaNs; the caches' other rows
-// must come back as they were.
-double check_qkv_preamble(int bits, int heads, int kv_heads, int head_dim, int cols, int p,
-                          int capacity, bool normed) {
-    DensePreKernel kernel = bits == 4 ? dense_mma_norm_pre_q4
-                                      : (bits == 3 ? dense_mma_norm_pre_q3 : dense_mma_norm_pre_q2);
-    int kvw = kv_heads * head_dim, half = head_dim / 2;
-    std::vector<Affine> mats;
-    for (int r : {heads * head_dim, kvw, kvw}) mats.emplace_back(bits, r, cols);
-    NormedRow x(cols, ADD_SUM);
-    auto fresh = [](size_t n) {
-        std::vector<float> v(n);
-        for (auto& f : v) f = normal();
-        return v;
-    };
-    std::vector<float> qn = fresh(head_dim), kn = fresh(head_dim), inv_freq(half);
-    for (int i = 0; i < half; i++) inv_freq[i] = (float)std::pow(1e6, -2.0 * i / head_dim);
-    std::vector<float> kc = fresh((size_t)capacity * kvw), vc = fresh((size_t)capacity * kvw);
-    for (int i = 0; i < kvw; i++) kc[(size_t)p * kvw + i] = vc[(size_t)p * kvw + i] = NAN;
-    const float eps = 1e-6f;
-
-    // The reference: the products, each q and k head normed and rotated, the caches' row.
-    std::vector<std::vector<double>> prod;
-    for (auto& m : mats) {
-        prod.emplace_back(m.rows);
-        for (int o = 0; o < m.rows; o++) {
-            double acc = 0.0;
-            for (int c = 0; c < cols; c++) acc += m.value(o, c) * x.input[c];
-            prod.back()[o] = acc;
-        }
-    }
-    auto rotate = [&](std::vector<double>& y, int h, const float* w) {
-        double* r = &y[(size_t)h * head_dim];
-        double ss = 0.0;
-        for (int i = 0; i < head_dim; i++) ss += r[i] * r[i];
-        double inv = 1.0 / std::sqrt(ss / head_dim + eps);
-        std::vector<double> n(head_dim);
-        for (int i = 0; i < head_dim; i++) n[i] = w ? w[i] * (r[i] * inv) : r[i];
-        for (int i = 0; i < half; i++) {
-            double a = (double)p * inv_freq[i], cs = std::cos(a), sn = std::sin(a);
-            r[i] = n[i] * cs - n[i + half] * sn;
-            r[i + half] = n[i + half] * cs + n[i] * sn;
-        }
-    };
-    for (int h = 0; h < heads; h++) rotate(prod[0], h, normed ? qn.data() : nullptr);
-    for (int h = 0; h < kv_heads; h++) rotate(prod[1], h, normed ? kn.data() : nullptr);
-    std::vector<double> want_kc(kc.begin(), kc.end()), want_vc(vc.begin(), vc.end());
-    for (int i = 0; i < kvw; i++) {
-        want_kc[(size_t)p * kvw + i] = prod[1][i];
-        want_vc[(size_t)p * kvw + i] = prod[2][i];
-    }
-
-    std::vector<std::vector<float>> got;
-    for (auto& m : mats) got.emplace_back(m.rows, NAN);
-    std::vector<float> sum(cols, NAN);
-    unsigned pos = (unsigned)p;
-    int tiles = (heads + 2 * kv_heads) * head_dim / 16;
-    // As the host's dense_mma_shared with the norm and the preamble's tile.
-    size_t shared = (size_t)(cols / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4 +
-                    (size_t)(cols / 64 + cols) * 4 + 16 + 32 * 4;
-    shim::launch({(unsigned)tiles, 1, 1}, {256, 1, 1}, shared, [&] {
-        kernel(mats[0].words.data(), mats[0].scales.data(), mats[0].biases.data(), got[0].data(),
-               mats[0].rows, mats[1].words.data(), mats[1].scales.data(), mats[1].biases.data(),
-               got[1].data(), mats[1].rows, mats[2].words.data(), mats[2].scales.data(),
-               mats[2].biases.data(), got[2].data(), mats[2].rows, 3, x.x.data(), cols, cols, 8,
-               x.delta.data(), x.w.data(), x.eps, sum.data(), normed ? qn.data() : nullptr,
-               normed ? kn.data() : nullptr, eps, &pos, inv_freq.data(), kc.data(), vc.data(),
-               head_dim);
-    }, true, (unsigned)(head_dim / 16));
-    double e = std::max({rel_err(got[0], prod[0]), rel_err(got[1], prod[1]),
-                         rel_err(got[2], prod[2]), rel_err(kc, want_kc), rel_err(vc, want_vc),
-                         rel_err(sum, x.sum)});
-    std::printf("q/k/v q%d with the preamble, %d/%d heads x %d, %d wide, @%d of %d, norm %d: %.2e\n",
-                bits, heads, kv_heads, head_dim, cols, p, capacity, normed, e);
-    return e;
-}
-
 // ---- The route of a row of router logits (moe_route, route_block) ----
 
 // A route by its definition: softmax, the mask's kept share rescaled to one, the top_k
@@ -1142,10 +1051,6 @@ int main(int argc, char** argv) {
         // Residuals past f16's range before the norm's 1/rms: each unit's scale.
         worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 4, 3, ADD_SUM, true));
         worst = std::max(worst, check_dense(bits, {40, 24}, 1024, 1000, 1, 2, ADD_NORM, true));
-        // With the attention preamble: clusters of 8 (128-wide heads), 4 and 2 blocks.
-        worst = std::max(worst, check_qkv_preamble(bits, 4, 2, 128, 256, 5, 9, true));
-        worst = std::max(worst, check_qkv_preamble(bits, 6, 2, 64, 128, 1, 3, false));
-        worst = std::max(worst, check_qkv_preamble(bits, 2, 1, 32, 192, 2, 4, true));
     }
     // Routes: one and several experts a thread, widths off whole float4s, masks, ties.
     const int routes[][3] = {{128, 8, 128}, {128, 8, 256}, {12, 4, 32}, {130, 2, 256},

@@ -29,9 +29,6 @@ PTX_HELPERS = [
     "f16_bits",
     "wait_count",
     "prefetch_l2",
-    "cluster_rank",
-    "cluster_sync",
-    "cluster_load",
 ]
 
 

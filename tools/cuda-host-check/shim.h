@@ -64,7 +64,7 @@ inline auto max(A a, B b) -> decltype(a + b) {
 
 namespace shim {
 
-enum State { RUN, SPIN, BLOCK_BARRIER, WARP_BARRIER, CLUSTER_BARRIER, DONE };
+enum State { RUN, SPIN, BLOCK_BARRIER, WARP_BARRIER, DONE };
 
 // A fiber starts through its ucontext and switches by _setjmp/_longjmp after that:
 // swapcontext saves the signal mask with a system call at every switch.
@@ -88,8 +88,6 @@ inline Fiber* current = nullptr;
 inline jmp_buf scheduler;
 inline dim3 block_dim, grid_dim;
 inline unsigned block_threads = 0;
-// Blocks a cluster (consecutive blocks of a resident launch; 1: no clusters).
-inline unsigned cluster_blocks = 1;
 // Dynamic shared memory of each block that runs, 16-byte aligned.
 inline std::vector<std::vector<float4>> dynamic_shared;
 // Words each lane leaves for its warp's collective ops.
@@ -198,22 +196,6 @@ inline void run_fibers() {
             for (unsigned t = b0; t < b1; t++) live = live || fibers[t].state != DONE;
         }
         if (!live) return;
-        // A cluster whose every live thread waits at the cluster barrier goes on.
-        bool released = false;
-        unsigned span = cluster_blocks * block_threads;
-        for (unsigned c0 = 0; cluster_blocks > 1 && c0 < n; c0 += span) {
-            bool all = true, some = false;
-            for (unsigned t = c0; t < std::min(n, c0 + span); t++) {
-                if (fibers[t].state == DONE) continue;
-                some = true;
-                all = all && fibers[t].state == CLUSTER_BARRIER;
-            }
-            if (!some || !all) continue;
-            for (unsigned t = c0; t < std::min(n, c0 + span); t++)
-                if (fibers[t].state == CLUSTER_BARRIER) fibers[t].state = RUN;
-            released = true;
-        }
-        if (released) continue;
         bool spinning = false;
         for (auto& f : fibers) spinning = spinning || f.state == SPIN;
         if (!spinning || progress == before) {
@@ -247,12 +229,7 @@ inline void pdl_wait() {
 // memory of its own (such a kernel may use no static __shared__ variable: here those
 // are one for all blocks).
 inline void launch(dim3 grid, dim3 block, size_t shared, std::function<void()> kernel,
-                   bool resident = false, unsigned cluster = 1) {
-    if (cluster > 1 && (!resident || grid.y * grid.z != 1 || grid.x % cluster != 0)) {
-        std::fprintf(stderr, "clusters need a resident one-dimensional grid of whole clusters\n");
-        std::abort();
-    }
-    cluster_blocks = cluster;
+                   bool resident = false) {
     grid_dim = grid;
     block_dim = block;
     block_threads = block.x * block.y * block.z;
@@ -271,18 +248,6 @@ inline void launch(dim3 grid, dim3 block, size_t shared, std::function<void()> k
 }
 
 inline unsigned lane() { return current->linear % 32; }
-
-// The calling block's rank in its cluster, and a float of block `rank`'s dynamic shared
-// memory at the offset `p` has in the caller's.
-inline unsigned cluster_rank() { return current->block_id % cluster_blocks; }
-inline float cluster_load(const float* p, unsigned rank) {
-    const char* mine = reinterpret_cast<const char*>(dynamic_shared[current->block_id].data());
-    size_t offset = (size_t)(reinterpret_cast<const char*>(p) - mine);
-    unsigned other = current->block_id - cluster_rank() + rank;
-    float v;
-    std::memcpy(&v, reinterpret_cast<const char*>(dynamic_shared[other].data()) + offset, 4);
-    return v;
-}
 inline unsigned warp_base() { return current->index - lane(); }
 inline void* block_shared() { return dynamic_shared[current->block_id].data(); }
 
@@ -309,9 +274,6 @@ T from_lane(T v, unsigned src) {
 #define gridDim (shim::grid_dim)
 
 inline void __syncthreads() { shim::yield(shim::BLOCK_BARRIER); }
-inline void cluster_sync() { shim::yield(shim::CLUSTER_BARRIER); }
-inline unsigned cluster_rank() { return shim::cluster_rank(); }
-inline float cluster_load(const float* p, unsigned rank) { return shim::cluster_load(p, rank); }
 inline void __syncwarp(unsigned = 0xffffffffu) { shim::yield(shim::WARP_BARRIER); }
 inline void __threadfence() {}
 template <typename T>

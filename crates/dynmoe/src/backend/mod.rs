@@ -195,32 +195,6 @@ pub trait Backend: Send + Sync {
         self.linear3(xn, ws, rows, in_dim, out_dims, outs);
     }
 
-    /// A one-row decode step's q/k/v products through the norm before them, as
-    /// [`add_rms_norm_linear3`](Self::add_rms_norm_linear3) makes them into `outs` (with
-    /// `sum`), then its attention into `out`, as
-    /// [`attention_step_at`](Self::attention_step_at) makes it from those products, where
-    /// the backend does the products and the attention preamble in one launch. Returns
-    /// false, having done nothing, where it does not: the caller then runs those two ops.
-    /// The default does not.
-    #[allow(clippy::too_many_arguments)]
-    fn add_rms_norm_qkv_attention_at(
-        &self,
-        _n: AddNorm<'_, Self::Tensor>,
-        _sum: &mut Self::Tensor,
-        _ws: [Weight<'_, Self::Matrix>; 3],
-        _in_dim: usize,
-        _outs: [&mut Self::Tensor; 3],
-        _norm: Option<HeadNorm<'_, Self::Tensor>>,
-        _shape: AttentionShape,
-        _inv_freq: &[f32],
-        _step: &Self::Tensor,
-        _k_cache: &mut Self::Tensor,
-        _v_cache: &mut Self::Tensor,
-        _out: &mut Self::Tensor,
-    ) -> bool {
-        false
-    }
-
     /// [`linear`](Self::linear) of the norm [`add_rms_norm_to`](Self::add_rms_norm_to)
     /// makes, as [`add_rms_norm_linear3`](Self::add_rms_norm_linear3) (a model's last
     /// norm and its LM head).

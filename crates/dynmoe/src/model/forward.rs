@@ -785,6 +785,20 @@ impl<B: Backend> Model<B> {
                 eps,
             };
             let ls = [&a.q_proj, &a.k_proj, &a.v_proj];
+            b.add_rms_norm_linear3(
+                n,
+                &mut bufs.x_next,
+                &mut bufs.xn,
+                ls.map(|l| l.weight()),
+                1,
+                h,
+                ls.map(|l| l.out_dim),
+                [&mut bufs.qs, &mut bufs.ks, &mut bufs.vs],
+            );
+            qkv_biases(b, a, 1, [&mut bufs.qs, &mut bufs.ks, &mut bufs.vs]);
+            if i > 0 {
+                std::mem::swap(&mut bufs.x, &mut bufs.x_next);
+            }
             let shape = AttentionShape {
                 rows: 1,
                 pos0: 0,
@@ -795,67 +809,25 @@ impl<B: Backend> Model<B> {
             };
             // Per-head q/k norms without clipping go into the preamble's one launch;
             // any other normalisation or clipping runs first, on its own.
-            let head_norm = match (&a.qk_norm, c.qk_norm, c.clip_qkv) {
-                (Some((qn, kn)), QkNorm::PerHead, None) => {
-                    Some(Some(HeadNorm { q: qn, k: kn, eps }))
+            let norm = match (&a.qk_norm, c.qk_norm, c.clip_qkv) {
+                (Some((qn, kn)), QkNorm::PerHead, None) => Some(HeadNorm { q: qn, k: kn, eps }),
+                _ => {
+                    self.qk_norm_and_clip(layer, &mut bufs.qs, &mut bufs.ks, &mut bufs.vs, 1);
+                    None
                 }
-                (None, _, None) => Some(None),
-                _ => None,
             };
-            // Without biases or clipping the products and the preamble may share a launch.
-            let fused = head_norm.is_some()
-                && ls.iter().all(|l| l.bias.is_none())
-                && b.add_rms_norm_qkv_attention_at(
-                    n,
-                    &mut bufs.x_next,
-                    ls.map(|l| l.weight()),
-                    h,
-                    [&mut bufs.qs, &mut bufs.ks, &mut bufs.vs],
-                    head_norm.flatten(),
-                    shape,
-                    &self.inv_freq,
-                    &bufs.step,
-                    &mut k_cache[i],
-                    &mut v_cache[i],
-                    &mut bufs.attn,
-                );
-            if !fused {
-                b.add_rms_norm_linear3(
-                    n,
-                    &mut bufs.x_next,
-                    &mut bufs.xn,
-                    ls.map(|l| l.weight()),
-                    1,
-                    h,
-                    ls.map(|l| l.out_dim),
-                    [&mut bufs.qs, &mut bufs.ks, &mut bufs.vs],
-                );
-                qkv_biases(b, a, 1, [&mut bufs.qs, &mut bufs.ks, &mut bufs.vs]);
-            }
-            if i > 0 {
-                std::mem::swap(&mut bufs.x, &mut bufs.x_next);
-            }
-            if !fused {
-                let norm = match head_norm {
-                    Some(norm) => norm,
-                    None => {
-                        self.qk_norm_and_clip(layer, &mut bufs.qs, &mut bufs.ks, &mut bufs.vs, 1);
-                        None
-                    }
-                };
-                b.attention_step_at(
-                    &mut bufs.qs,
-                    &mut bufs.ks,
-                    &bufs.vs,
-                    norm,
-                    shape,
-                    &self.inv_freq,
-                    &bufs.step,
-                    &mut k_cache[i],
-                    &mut v_cache[i],
-                    &mut bufs.attn,
-                );
-            }
+            b.attention_step_at(
+                &mut bufs.qs,
+                &mut bufs.ks,
+                &bufs.vs,
+                norm,
+                shape,
+                &self.inv_freq,
+                &bufs.step,
+                &mut k_cache[i],
+                &mut v_cache[i],
+                &mut bufs.attn,
+            );
             linear(b, &bufs.attn, &a.o_proj, 1, &mut bufs.attn_out);
             let post = AddNorm {
                 x: &bufs.x,

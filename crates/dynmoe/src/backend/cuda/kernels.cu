@@ -1738,34 +1738,6 @@ __device__ __forceinline__ void wait_count(const unsigned* c, unsigned target) {
     }
 }
 
-// A block's rank in its cluster (Hopper thread block clusters; the launch sets the size).
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r = 0;
-#if __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-#endif
-    return r;
-}
-
-// A barrier of every thread of the cluster's blocks: shared-memory writes before it are
-// seen by the other blocks' reads after it (release, then acquire).
-__device__ __forceinline__ void cluster_sync() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-// The float at `p` (in this block's shared memory) of block `rank` of the cluster.
-__device__ __forceinline__ float cluster_load(const float* p, unsigned rank) {
-    float v = 0.0f;
-#if __CUDA_ARCH__ >= 900
-    unsigned at = (unsigned)__cvta_generic_to_shared(p), remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(at), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-#endif
-    return v;
-}
-
 // Gate and up of pair blockIdx.y (input row pair / top_k of x, its expert of rank
 // pair % top_k), RMMA_ROWS rows from blockIdx.x·RMMA_ROWS: h[pair] = silu(gate) ⊙ up. The
 // unit is a group of x's row. With `logits` null the pair's expert is ids[pair], routed
@@ -2010,72 +1982,9 @@ struct NormArgs {
     float* sum;
 };
 
-// A decode step's attention preamble done by the q/k/v product itself (dense_mma with
-// PRE): m[0], m[1] and m[2] are q, k and v, a block takes one RMMA_ROWS-row tile, and a
-// cluster of head_dim / RMMA_ROWS blocks one head. Each block leaves its tile and the
-// tile's sum of squares in shared memory; after a barrier of the cluster, a q or k row is
-// normed over its head (with `qn`/`kn`, when non-null) and rotated by RoPE at *pos with
-// its partner row (i ± head_dim/2, in the block half a cluster away), as attn_preamble_at
-// does; k and v also go to row *pos of their caches.
-struct QkvPreamble {
-    const float* qn;
-    const float* kn;
-    float eps;
-    const unsigned* pos;
-    const float* inv_freq;
-    float* k_cache;
-    float* v_cache;
-    int head_dim;
-};
-
-// The preamble of one tile (see QkvPreamble): `tile` holds its RMMA_ROWS outputs, `cur`
-// and `r0` its matrix and first row, `mat` which of q, k, v; `kv_rows` is k's rows (a
-// cache row's width). Every thread of the block calls it.
-__device__ __forceinline__ void qkv_preamble_tile(float* tile, const DenseMat& cur, int r0,
-                                                  int mat, int kv_rows,
-                                                  const QkvPreamble& pre) {
-    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    if (warp == 0) {
-        float v = lane < RMMA_ROWS ? tile[lane] : 0.0f;
-        float ss = warp_sum(v * v);
-        if (lane == 0) tile[RMMA_ROWS] = ss;
-    }
-    cluster_sync();
-    if (warp == 0 && lane < RMMA_ROWS) {
-        int c = pre.head_dim / RMMA_ROWS, rank = (int)cluster_rank();
-        int i = rank * RMMA_ROWS + lane, half = pre.head_dim / 2;
-        unsigned p = *pre.pos;
-        size_t at = (size_t)p * kv_rows + r0 + lane;
-        float x = tile[lane];
-        if (mat == 2) {
-            cur.out[r0 + lane] = x;
-            pre.v_cache[at] = x;
-        } else {
-            const float* nw = mat == 0 ? pre.qn : pre.kn;
-            float y = cluster_load(tile + lane, rank < c / 2 ? rank + c / 2 : rank - c / 2);
-            if (nw) {
-                float ss = 0.0f;
-                for (int r = 0; r < c; r++) ss += cluster_load(tile + RMMA_ROWS, r);
-                float inv = 1.0f / sqrtf(ss / (float)pre.head_dim + pre.eps);
-                x = nw[i] * (x * inv);
-                y = nw[i < half ? i + half : i - half] * (y * inv);
-            }
-            float sn, cs;
-            sincosf((float)p * pre.inv_freq[i < half ? i : i - half], &sn, &cs);
-            float o = i < half ? x * cs - y * sn : x * cs + y * sn;
-            cur.out[r0 + lane] = o;
-            if (mat == 1) pre.k_cache[at] = o;
-        }
-    }
-    // No block leaves while another may still read its tile.
-    cluster_sync();
-}
-
-template <int BITS, bool NORM, bool PRE = false>
+template <int BITS, bool NORM>
 __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int cols,
-                          int in_dim, int parts, const NormArgs& norm,
-                          const QkvPreamble& pre = {}) {
-    static_assert(!PRE || NORM, "the preamble is built for the normed q/k/v product");
+                          int in_dim, int parts, const NormArgs& norm) {
     extern __shared__ __align__(16) unsigned smem[];
     int groups = cols / 64;
     unsigned* xs = smem;
@@ -2085,8 +1994,6 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
     // that routed_mma_shared counts) and the row through the norm (16-byte aligned).
     float* xscale = red + RMMA_WARPS * 2 * RMMA_ROWS;
     float* normed = align16(xscale + groups);
-    // With PRE: the block's tile of outputs, then its sum of squares.
-    float* tile = normed + in_dim;
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, q = lane & 3;
     int per_round = RMMA_WARPS / parts, slot = warp / parts, part = warp % parts;
     int tiles[3];
@@ -2100,10 +2007,9 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
     // memory), first row and rows g, g + 8 (a row past the matrix reads row 0 and is
     // never stored).
     DenseMat cur = m[0];
-    int r0 = 0, o0 = 0, o1 = 0, mat = 0;
+    int r0 = 0, o0 = 0, o1 = 0;
     auto place = [&](int job) {
         int mi = job < tiles[0] ? 0 : (job < tiles[0] + tiles[1] ? 1 : 2);
-        mat = mi;
         job -= mi == 0 ? 0 : (mi == 1 ? tiles[0] : tiles[0] + tiles[1]);
         cur = mi == 0 ? m[0] : (mi == 1 ? m[1] : m[2]);
         r0 = job * RMMA_ROWS;
@@ -2140,9 +2046,6 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
         load(u0);
     }
     PDL_WAIT();
-    // The attention after this kernel may load the caches' earlier rows before its own
-    // wait: every kernel before this one has finished.
-    if (PRE) PDL_LAUNCH();
     // The norm's 1/rms, which the outputs take (1 without NORM).
     float inv = 1.0f;
     if (NORM) {
@@ -2191,21 +2094,15 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
         if (live && part == 0 && lane < RMMA_ROWS && r0 + lane < cur.rows) {
             float v = 0.0f;
             for (int k = 0; k < parts; k++) v += red[(warp + k) * RMMA_ROWS + lane];
-            if (PRE)
-                tile[lane] = v * inv;
-            else
-                cur.out[r0 + lane] = v * inv;
+            cur.out[r0 + lane] = v * inv;
         }
         __syncthreads();
     }
-    if (PRE) qkv_preamble_tile(tile, cur, r0, mat, m[1].rows, pre);
 }
 
 // The kernels: x as it is, and (`_norm_`) through the residual add and norm. Two entries,
 // not a branch: a branch on the norm in one kernel made ptxas spill the loaded words of
-// the plain one (420 bytes at q4 against 24). `_norm_pre_` is the normed q/k/v product
-// with a decode step's attention preamble (QkvPreamble), launched in clusters of a head's
-// tiles; it lets the next kernel start only after its own wait.
+// the plain one (420 bytes at q4 against 24).
 #define DENSE_MMA_ARGS                                                                        \
     const unsigned *w0, const unsigned short *s0, const unsigned short *b0, float *out0,      \
         int rows0, const unsigned *w1, const unsigned short *s1, const unsigned short *b1,    \
@@ -2227,16 +2124,6 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
         PDL_LAUNCH();                                                                         \
         const DenseMat m[3] = DENSE_MATS;                                                     \
         dense_mma<B, true>(m, mats, x, cols, in_dim, parts, {delta, norm_w, eps, sum});       \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, DMMA_BLOCKS)              \
-        dense_mma_norm_pre_q##B(DENSE_MMA_ARGS, const float* delta, const float* norm_w,      \
-                                float eps, float* sum, const float* qn, const float* kn,      \
-                                float head_eps, const unsigned* pos, const float* inv_freq,   \
-                                float* k_cache, float* v_cache, int head_dim) {               \
-        const DenseMat m[3] = DENSE_MATS;                                                     \
-        dense_mma<B, true, true>(m, mats, x, cols, in_dim, parts, {delta, norm_w, eps, sum},  \
-                                 {qn, kn, head_eps, pos, inv_freq, k_cache, v_cache,          \
-                                  head_dim});                                                 \
     }
 
 DENSE_MMA(4)

@@ -61,8 +61,6 @@ pub struct Launch<'a> {
     stream: &'a CudaStream,
     func: &'a CudaFunction,
     programmatic: bool,
-    /// Blocks a cluster along x (1: no clusters).
-    cluster: u32,
     args: Vec<u64>,
 }
 
@@ -72,7 +70,6 @@ impl<'a> Launch<'a> {
             stream,
             func,
             programmatic,
-            cluster: 1,
             args: Vec::with_capacity(16),
         }
     }
@@ -80,13 +77,6 @@ impl<'a> Launch<'a> {
     /// The next argument, in the kernel's parameter order.
     pub fn arg<A: KernelArg + ?Sized>(&mut self, a: &A) -> &mut Self {
         self.args.push(a.bits(self.stream));
-        self
-    }
-
-    /// Launches the blocks in clusters of `blocks` consecutive blocks along x (sm_90 and
-    /// later: a cluster's blocks run at once and may read each other's shared memory).
-    pub fn cluster(&mut self, blocks: u32) -> &mut Self {
-        self.cluster = blocks;
         self
     }
 
@@ -103,21 +93,9 @@ impl<'a> Launch<'a> {
             .map(|a| a as *mut u64 as *mut c_void)
             .collect();
         // SAFETY: a plain C struct and union; zero is a valid value of every field.
-        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
-        let mut n = 0;
-        if self.programmatic {
-            attrs[n].id =
-                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attrs[n].value.programmaticStreamSerializationAllowed = 1;
-            n += 1;
-        }
-        if self.cluster > 1 {
-            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[n].value.clusterDim.x = self.cluster;
-            attrs[n].value.clusterDim.y = 1;
-            attrs[n].value.clusterDim.z = 1;
-            n += 1;
-        }
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -127,12 +105,12 @@ impl<'a> Launch<'a> {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: if n > 0 {
-                attrs.as_mut_ptr()
+            attrs: if self.programmatic {
+                &mut attr
             } else {
                 std::ptr::null_mut()
             },
-            numAttrs: n as u32,
+            numAttrs: self.programmatic as u32,
         };
         // SAFETY: `params` points at one live slot per argument for the whole call; the
         // caller vouches that they match the kernel.

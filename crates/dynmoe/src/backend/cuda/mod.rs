@@ -369,7 +369,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 120] = [
+const KERNEL_NAMES: [&str; 117] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -435,9 +435,6 @@ const KERNEL_NAMES: [&str; 120] = [
     "dense_mma_norm_q4",
     "dense_mma_norm_q3",
     "dense_mma_norm_q2",
-    "dense_mma_norm_pre_q4",
-    "dense_mma_norm_pre_q3",
-    "dense_mma_norm_pre_q2",
     "moe_step_q4",
     "moe_step_q3",
     "moe_step_q2",
@@ -770,24 +767,6 @@ struct InputNorm {
     sum: u64,
 }
 
-/// What `dense_mma_norm_pre_*` reads and writes for a decode step's attention preamble
-/// besides the q/k/v products (device addresses; a null norm leaves the heads unnormed),
-/// and the blocks of a cluster: one head's tiles.
-struct QkvPreambleArgs {
-    qn: u64,
-    kn: u64,
-    eps: f32,
-    pos: u64,
-    inv_freq: u64,
-    k_cache: u64,
-    v_cache: u64,
-    head_dim: usize,
-}
-
-/// Bytes `dense_mma_norm_pre_*` adds to `dense_mma_norm_*`'s shared memory: its tile of
-/// outputs and their sum of squares (RMMA_ROWS + 1 floats, rounded up).
-const PREAMBLE_TILE_BYTES: usize = 32 * 4;
-
 /// What confirms that a block's id still names the same weights.
 fn routed_check(experts: &RoutedExperts<'_, DeviceMatrix>) -> Option<RoutedCheck> {
     let gate = |e: usize| (experts.weights)(e)[0];
@@ -881,10 +860,6 @@ pub struct Cuda {
     /// the residual add and the norm in (the default) or the norm takes a launch of its
     /// own (`DYNMOE_CUDA_FOLD_NORMS=0`).
     fold_norms: Switch<bool>,
-    /// Whether a decode step's normed q/k/v product does the attention preamble itself
-    /// (`dense_mma_norm_pre_*`, `DYNMOE_CUDA_QKV_PREAMBLE=1`) or the preamble takes a
-    /// launch of its own.
-    qkv_preamble: Switch<bool>,
     /// Whether a decode step's attention blocks do its preamble themselves
     /// (`attention_step_*`, `DYNMOE_CUDA_STEP_ATTENTION=1`) or the preamble takes a launch
     /// of its own.
@@ -1526,7 +1501,6 @@ impl Cuda {
             // Measured slower in a decode step than the norm's own launch
             // (docs/GPU_NOTES.md), so off unless asked for.
             fold_norms: Switch::new(!switched_off("DYNMOE_CUDA_FOLD_NORMS")),
-            qkv_preamble: Switch::new(switched_on("DYNMOE_CUDA_QKV_PREAMBLE")),
             // Measured slower in a decode step than the preamble's own launch
             // (docs/GPU_NOTES.md), so off unless asked for.
             step_attention: Switch::new(switched_on("DYNMOE_CUDA_STEP_ATTENTION")),
@@ -1735,20 +1709,6 @@ impl Cuda {
     /// [`set_fold_norms`](Self::set_fold_norms)).
     pub fn fold_norms(&self) -> bool {
         self.fold_norms.get()
-    }
-
-    /// Whether a decode step's normed q/k/v product norms and rotates q's and k's heads and
-    /// writes the caches' new row itself, in clusters of a head's tiles, or the preamble
-    /// kernel runs after it (the default), to measure one against the other. Steps
-    /// already recorded keep their way.
-    pub fn set_qkv_preamble(&self, on: bool) {
-        self.qkv_preamble.set(on);
-    }
-
-    /// Whether the q/k/v product does the attention preamble (see
-    /// [`set_qkv_preamble`](Self::set_qkv_preamble)).
-    pub fn qkv_preamble(&self) -> bool {
-        self.qkv_preamble.get()
     }
 
     /// Whether a decode step's grouped attention blocks norm and rotate q and k and write
@@ -2307,7 +2267,7 @@ impl Cuda {
         let groups = w.cols / GROUP_SIZE;
         if rows == 1 && self.routed_mma() && routed_mma_shared(groups) <= SHARED_LIMIT {
             let o = out.device_ptr_mut(&self.stream).0;
-            self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim, None, None);
+            self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim, None);
             return;
         }
         if rows > AFFINE_GEMM_ROWS && self.tensor_cores() {
@@ -2376,24 +2336,17 @@ impl Cuda {
         cols: usize,
         in_dim: usize,
         norm: Option<&InputNorm>,
-        pre: Option<&QkvPreambleArgs>,
     ) {
         debug_assert!((1..=3).contains(&mats.len()));
-        debug_assert!(pre.is_none() || norm.is_some());
         let groups = cols / GROUP_SIZE;
         let tiles: usize = mats.iter().map(|m| m.1.div_ceil(RMMA_ROWS)).sum();
         let (parts, blocks) = dense_mma_layout(tiles, groups, self.sms);
-        let kernel = match (norm, pre) {
-            (_, Some(_)) => "dense_mma_norm_pre",
-            (Some(_), None) => "dense_mma_norm",
-            (None, None) => "dense_mma",
+        let kernel = if norm.is_some() {
+            "dense_mma_norm"
+        } else {
+            "dense_mma"
         };
-        let shared = dense_mma_shared(groups, norm.is_some())
-            + if pre.is_some() {
-                PREAMBLE_TILE_BYTES
-            } else {
-                0
-            };
+        let shared = dense_mma_shared(groups, norm.is_some());
         let name = format!("{kernel}_{}", bits_suffix(bits));
         let mut l = self.launcher(self.func(&name));
         for i in 0..3 {
@@ -2413,18 +2366,6 @@ impl Cuda {
                 .arg(&norm.w)
                 .arg(&norm.eps)
                 .arg(&norm.sum);
-        }
-        if let Some(pre) = pre {
-            let d = pre.head_dim as i32;
-            l.arg(&pre.qn)
-                .arg(&pre.kn)
-                .arg(&pre.eps)
-                .arg(&pre.pos)
-                .arg(&pre.inv_freq)
-                .arg(&pre.k_cache)
-                .arg(&pre.v_cache)
-                .arg(&d)
-                .cluster((pre.head_dim / RMMA_ROWS) as u32);
         }
         let launch = cfg(blocks, (RMMA_WARPS * 32) as u32, shared);
         ok(unsafe { l.launch(launch) }, "dense_mma");
@@ -2462,42 +2403,6 @@ impl Cuda {
             && dense_mma_shared(a.cols / GROUP_SIZE, true) <= SHARED_LIMIT
     }
 
-    /// Whether `dense_mma_norm_pre_*` takes a decode step's q/k/v products (`ws`) with the
-    /// attention preamble of heads of `shape`: switched on, the normed product takes
-    /// them, the matrices are q's, k's and v's heads, a head is a cluster of 2 to 8 tiles,
-    /// every tile is a block of its own with its units split over all its warps (so a
-    /// block's outputs are whole when it reaches the cluster's barrier), and the grouped
-    /// attention follows.
-    fn qkv_preamble_takes(
-        &self,
-        ws: &[Weight<'_, DeviceMatrix>; 3],
-        in_dim: usize,
-        shape: AttentionShape,
-    ) -> bool {
-        let Some(Weight::Affine(a)) = ws.first() else {
-            return false;
-        };
-        let rows = ws.each_ref().map(|w| match w {
-            Weight::Affine(m) => m.rows,
-            _ => 0,
-        });
-        let d = shape.head_dim;
-        let cluster = d / RMMA_ROWS;
-        let tiles = (shape.heads + 2 * shape.kv_heads) * cluster;
-        let groups = a.cols / GROUP_SIZE;
-        self.qkv_preamble()
-            && self.dense_mma_folds_norm(ws, 1, in_dim)
-            && d.is_multiple_of(RMMA_ROWS)
-            && (2..=8).contains(&cluster)
-            && shape.heads > 0
-            && shape.kv_heads > 0
-            && rows == [shape.heads * d, shape.kv_heads * d, shape.kv_heads * d]
-            && dense_mma_layout(tiles, groups, self.sms) == (RMMA_WARPS, tiles)
-            && dense_mma_shared(groups, true) + PREAMBLE_TILE_BYTES <= SHARED_LIMIT
-            && self.decode_attention() == DecodeAttention::Grouped
-            && group_kernel(d).is_some()
-    }
-
     /// The products [`dense_mma_takes`](Self::dense_mma_takes) took, into `outs`.
     fn dense_mma_product(
         &self,
@@ -2506,7 +2411,6 @@ impl Cuda {
         in_dim: usize,
         outs: &[u64],
         norm: Option<&InputNorm>,
-        pre: Option<&QkvPreambleArgs>,
     ) {
         let views: Vec<&AffineView<'_>> = ws
             .iter()
@@ -2522,7 +2426,7 @@ impl Cuda {
             .zip(outs)
             .map(|((w, d), &o)| (&**d, w.rows, o))
             .collect();
-        self.launch_dense_mma(views[0].bits, &mats, x, views[0].cols, in_dim, norm, pre);
+        self.launch_dense_mma(views[0].bits, &mats, x, views[0].cols, in_dim, norm);
     }
 
     /// The [`InputNorm`] of `n` for a kernel that folds it in: `sum` gets `x + delta` (with
@@ -4322,47 +4226,7 @@ impl Backend for Cuda {
         }
         let norm = self.input_norm(n, sum);
         let outs = outs.map(|o| o.device_ptr_mut(&self.stream).0);
-        self.dense_mma_product(n.x, &ws, in_dim, &outs, Some(&norm), None);
-    }
-
-    fn add_rms_norm_qkv_attention_at(
-        &self,
-        n: AddNorm<'_, CudaSlice<f32>>,
-        sum: &mut CudaSlice<f32>,
-        ws: [Weight<'_, DeviceMatrix>; 3],
-        in_dim: usize,
-        outs: [&mut CudaSlice<f32>; 3],
-        norm: Option<HeadNorm<'_, CudaSlice<f32>>>,
-        shape: AttentionShape,
-        inv_freq: &[f32],
-        step: &CudaSlice<f32>,
-        k_cache: &mut CudaSlice<f32>,
-        v_cache: &mut CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
-    ) -> bool {
-        if !self.qkv_preamble_takes(&ws, in_dim, shape) {
-            return false;
-        }
-        let input = self.input_norm(n, sum);
-        let freq = self.constant(inv_freq);
-        let at = |t: &CudaSlice<f32>| t.device_ptr(&self.stream).0;
-        let pre = QkvPreambleArgs {
-            qn: norm.map_or(0, |h| at(h.q)),
-            kn: norm.map_or(0, |h| at(h.k)),
-            eps: norm.map_or(0.0, |h| h.eps),
-            pos: step.slice(1..2).device_ptr(&self.stream).0,
-            inv_freq: at(&freq),
-            k_cache: k_cache.device_ptr_mut(&self.stream).0,
-            v_cache: v_cache.device_ptr_mut(&self.stream).0,
-            head_dim: shape.head_dim,
-        };
-        let [q, k, v] = outs;
-        let addrs = [at(q), at(k), at(v)];
-        self.dense_mma_product(n.x, &ws, in_dim, &addrs, Some(&input), Some(&pre));
-        // The product lets the attention start only after its own wait: the caches' rows
-        // before this step's are final, and the attention may load them before its wait.
-        self.attention_row_at(q, k_cache, v_cache, shape, step, out, self.kv_early());
-        true
+        self.dense_mma_product(n.x, &ws, in_dim, &outs, Some(&norm));
     }
 
     fn add_rms_norm_linear(
@@ -4384,7 +4248,7 @@ impl Backend for Cuda {
         }
         let norm = self.input_norm(n, sum);
         let out = out.device_ptr_mut(&self.stream).0;
-        self.dense_mma_product(n.x, &ws, in_dim, &[out], Some(&norm), None);
+        self.dense_mma_product(n.x, &ws, in_dim, &[out], Some(&norm));
     }
 
     fn matmul(
@@ -4453,7 +4317,6 @@ impl Backend for Cuda {
                     ws3,
                     in_dim,
                     &outs.map(|o| o.device_ptr_mut(&self.stream).0),
-                    None,
                     None,
                 );
             }
