@@ -296,6 +296,45 @@ struct Affine {
     }
 };
 
+// An affine matrix in unit tiles, as the backend uploads one for dense_mma_*tiled_q*
+// (kernels.cu, load_unit_tiled): each unit's lane words, then each unit's scales and
+// biases row by row; rows past the matrix are zeros.
+struct Tiles {
+    std::vector<unsigned> words;
+    std::vector<unsigned short> sb;
+};
+
+Tiles tile_affine(const Affine& m) {
+    int groups = m.cols / 64, tiles = (m.rows + 15) / 16, per = m.bits == 4 ? 4 : 2;
+    size_t row_words = (size_t)m.cols * m.bits / 32;
+    Tiles t;
+    t.words.assign((size_t)tiles * groups * 32 * per, 0u);
+    t.sb.assign((size_t)tiles * groups * 16 * 2, 0);
+    for (int tile = 0; tile < tiles; tile++)
+        for (int gi = 0; gi < groups; gi++) {
+            size_t unit = (size_t)tile * groups + gi;
+            for (int lane = 0; lane < 32; lane++)
+                for (int half = 0; half < 2; half++) {
+                    int r = tile * 16 + lane / 4 + 8 * half, q = lane % 4;
+                    if (r >= m.rows) continue;
+                    const unsigned* row = &m.words[r * row_words];
+                    unsigned* dst = &t.words[(unit * 32 + lane) * per];
+                    if (m.bits == 4) {
+                        dst[2 * half] = row[gi * 8 + 2 * q];
+                        dst[2 * half + 1] = row[gi * 8 + 2 * q + 1];
+                    } else {
+                        dst[half] = row[gi * 4 + q];
+                    }
+                }
+            for (int r = 0; r < 16 && tile * 16 + r < m.rows; r++) {
+                size_t g = (size_t)(tile * 16 + r) * groups + gi;
+                t.sb[(unit * 16 + r) * 2] = m.scales[g];
+                t.sb[(unit * 16 + r) * 2 + 1] = m.biases[g];
+            }
+        }
+    return t;
+}
+
 using DenseKernel = void (*)(const unsigned*, const unsigned short*, const unsigned short*,
                              float*, int, const unsigned*, const unsigned short*,
                              const unsigned short*, float*, int, const unsigned*,
@@ -342,13 +381,20 @@ struct NormedRow {
 // as zeros up to `cols`), split `parts` ways over a grid of `blocks` blocks; through the
 // residual add and norm of `mode` (with `outliers`: NormedRow's), whose sum every block
 // writes a slice of.
+// With `tiled` (4 and 2 bits), the matrices in unit tiles (dense_mma_*tiled_q*).
 double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int parts, int blocks,
-                   AddMode mode = ADD_NONE, bool outliers = false) {
+                   AddMode mode = ADD_NONE, bool outliers = false, bool tiled = false) {
     DenseKernel plain = bits == 4 ? dense_mma_q4 : (bits == 3 ? dense_mma_q3 : dense_mma_q2);
     DenseNormKernel normed =
         bits == 4 ? dense_mma_norm_q4 : (bits == 3 ? dense_mma_norm_q3 : dense_mma_norm_q2);
+    if (tiled) {
+        plain = bits == 4 ? dense_mma_tiled_q4 : dense_mma_tiled_q2;
+        normed = bits == 4 ? dense_mma_norm_tiled_q4 : dense_mma_norm_tiled_q2;
+    }
     std::vector<Affine> mats;
     for (int r : rows) mats.emplace_back(bits, r, cols);
+    std::vector<Tiles> tiles;
+    for (auto& m : mats) tiles.push_back(tiled ? tile_affine(m) : Tiles{});
     NormedRow x(in_dim, mode, outliers);
     std::vector<std::vector<float>> got;
     std::vector<double> want;
@@ -363,6 +409,14 @@ double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int pa
     }
     std::vector<float> sum(in_dim, NAN);
     auto arg = [&](int i) -> const Affine& { return mats[std::min<size_t>(i, mats.size() - 1)]; };
+    auto words = [&](int i) {
+        size_t j = std::min<size_t>(i, mats.size() - 1);
+        return tiled ? tiles[j].words.data() : mats[j].words.data();
+    };
+    auto scales = [&](int i) {
+        size_t j = std::min<size_t>(i, mats.size() - 1);
+        return tiled ? tiles[j].sb.data() : mats[j].scales.data();
+    };
     auto out = [&](int i) { return got[std::min<size_t>(i, got.size() - 1)].data(); };
     auto live = [&](int i) { return i < (int)mats.size() ? mats[i].rows : 0; };
     // As the host's dense_mma_shared: the normed kernel adds a scale a group and the row
@@ -371,9 +425,9 @@ double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int pa
                     (mode == ADD_NONE ? 0 : (size_t)(cols / 64 + cols) * 4 + 16);
     shim::launch({(unsigned)blocks, 1, 1}, {256, 1, 1}, shared, [&] {
 #define DENSE_CHECK_ARGS                                                                        \
-    arg(0).words.data(), arg(0).scales.data(), arg(0).biases.data(), out(0), live(0),          \
-        arg(1).words.data(), arg(1).scales.data(), arg(1).biases.data(), out(1), live(1),      \
-        arg(2).words.data(), arg(2).scales.data(), arg(2).biases.data(), out(2), live(2),      \
+    words(0), scales(0), arg(0).biases.data(), out(0), live(0), words(1), scales(1),           \
+        arg(1).biases.data(), out(1), live(1), words(2), scales(2), arg(2).biases.data(),      \
+        out(2), live(2),                                                                       \
         (int)mats.size(), x.x.data(), cols, in_dim, parts
         if (mode == ADD_NONE)
             plain(DENSE_CHECK_ARGS);
@@ -385,9 +439,9 @@ double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int pa
     for (auto& g : got) flat.insert(flat.end(), g.begin(), g.end());
     double e = rel_err(flat, want);
     if (mode == ADD_SUM) e = std::max(e, rel_err(sum, x.sum));
-    std::printf("dense q%d, %zu matrices of %d..%d rows x %d (x %d wide), %d parts, %d blocks, "
+    std::printf("dense q%d%s, %zu matrices of %d..%d rows x %d (x %d wide), %d parts, %d blocks, "
                 "%s%s: %.2e\n",
-                bits, rows.size(), *std::min_element(rows.begin(), rows.end()),
+                bits, tiled ? " in tiles" : "", rows.size(), *std::min_element(rows.begin(), rows.end()),
                 *std::max_element(rows.begin(), rows.end()), cols, in_dim, parts, blocks,
                 mode == ADD_NONE ? "x as it is" : (mode == ADD_NORM ? "normed" : "added, normed"),
                 outliers ? ", outliers" : "", e);
@@ -1051,6 +1105,12 @@ int main(int argc, char** argv) {
         // Residuals past f16's range before the norm's 1/rms: each unit's scale.
         worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 4, 3, ADD_SUM, true));
         worst = std::max(worst, check_dense(bits, {40, 24}, 1024, 1000, 1, 2, ADD_NORM, true));
+        // In unit tiles (4 and 2 bits): a ragged matrix whose grid loops over rounds, with
+        // and without the norm, several jobs a warp and parts of a job.
+        if (bits == 3) continue;
+        worst = std::max(worst, check_dense(bits, {100}, 256, 256, 1, 1, ADD_NONE, false, true));
+        worst = std::max(worst, check_dense(bits, {200}, 1024, 1000, 2, 3, ADD_SUM, false, true));
+        worst = std::max(worst, check_dense(bits, {37}, 640, 600, 8, 3, ADD_NORM, true, true));
     }
     // Routes: one and several experts a thread, widths off whole float4s, masks, ties.
     const int routes[][3] = {{128, 8, 128}, {128, 8, 256}, {12, 4, 32}, {130, 2, 256},

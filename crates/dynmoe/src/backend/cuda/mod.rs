@@ -340,6 +340,58 @@ struct DeviceAffine {
     biases: CudaSlice<u16>,
     /// Host words sampled when it was copied (first, middle, last).
     fingerprint: [u32; 3],
+    /// The same matrix in unit tiles ([`unit_tiles`]), made the first time a one-row
+    /// product streams it ([`Cuda::dense_tiles`]).
+    tiles: std::sync::OnceLock<DeviceTiles>,
+}
+
+/// An affine matrix on the device in unit tiles, as `dense_mma_*tiled_q*` read it.
+struct DeviceTiles {
+    words: CudaSlice<u32>,
+    /// Each unit's scales and biases, row by row.
+    sb: CudaSlice<u16>,
+}
+
+/// A 4- or 2-bit affine matrix in unit tiles (kernels.cu, `load_unit_tiled`): for each
+/// tile of [`RMMA_ROWS`] rows and 64-column group (a unit), its 32 lanes' words one lane
+/// after another, lane 4g + q holding row g's words of its quarter of the unit, then
+/// row g + 8's (two words each at 4 bits, one at 2); then, apart, each unit's scale and
+/// bias row by row. Rows past the matrix are zeros. A warp reads a unit as whole cache
+/// lines where the row-major layout spreads it over 16 rows' lines: the LM head, which
+/// the one-row kernel streams round after round, reads ~16% faster
+/// (`tools/gpu-microbench`, bench/results/gpu/weight_stream.log).
+fn unit_tiles(w: &AffineView<'_>) -> (Vec<u32>, Vec<u16>) {
+    assert!(matches!(w.bits, 4 | 2), "unit tiles of 4- and 2-bit words");
+    let groups = w.cols / GROUP_SIZE;
+    let tiles = w.rows.div_ceil(RMMA_ROWS);
+    let row_words = words_per_row(w.cols, w.bits);
+    let (per_lane, per_unit_row) = if w.bits == 4 { (4, 8) } else { (2, 4) };
+    let lane_words = per_lane / 2;
+    let mut words = vec![0u32; tiles * groups * 32 * per_lane];
+    let mut sb = vec![0u16; tiles * groups * RMMA_ROWS * 2];
+    for t in 0..tiles {
+        for gi in 0..groups {
+            let unit = t * groups + gi;
+            for lane in 0..32 {
+                let (g, q) = (lane / 4, lane % 4);
+                for half in 0..2 {
+                    let r = t * RMMA_ROWS + g + 8 * half;
+                    if r >= w.rows {
+                        continue;
+                    }
+                    let src = r * row_words + gi * per_unit_row + q * lane_words;
+                    let dst = (unit * 32 + lane) * per_lane + half * lane_words;
+                    words[dst..dst + lane_words].copy_from_slice(&w.words[src..src + lane_words]);
+                }
+            }
+            for r in 0..RMMA_ROWS.min(w.rows.saturating_sub(t * RMMA_ROWS)) {
+                let g = (t * RMMA_ROWS + r) * groups + gi;
+                sb[(unit * RMMA_ROWS + r) * 2] = w.scales[g].to_bits();
+                sb[(unit * RMMA_ROWS + r) * 2 + 1] = w.biases[g].to_bits();
+            }
+        }
+    }
+    (words, sb)
 }
 
 /// Host addresses and lengths of a view: what the weight cache is keyed by.
@@ -369,7 +421,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 117] = [
+const KERNEL_NAMES: [&str; 121] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -435,6 +487,10 @@ const KERNEL_NAMES: [&str; 117] = [
     "dense_mma_norm_q4",
     "dense_mma_norm_q3",
     "dense_mma_norm_q2",
+    "dense_mma_tiled_q4",
+    "dense_mma_tiled_q2",
+    "dense_mma_norm_tiled_q4",
+    "dense_mma_norm_tiled_q2",
     "moe_step_q4",
     "moe_step_q3",
     "moe_step_q2",
@@ -860,6 +916,10 @@ pub struct Cuda {
     /// the residual add and the norm in (the default) or the norm takes a launch of its
     /// own (`DYNMOE_CUDA_FOLD_NORMS=0`).
     fold_norms: Switch<bool>,
+    /// Whether one-row products of matrices the launch streams round after round (the LM
+    /// head) read a copy in unit tiles (the default) or the row-major words
+    /// (`DYNMOE_CUDA_HEAD_TILES=0`).
+    head_tiles: Switch<bool>,
     /// Whether a decode step's attention blocks do its preamble themselves
     /// (`attention_step_*`, `DYNMOE_CUDA_STEP_ATTENTION=1`) or the preamble takes a launch
     /// of its own.
@@ -1501,6 +1561,7 @@ impl Cuda {
             // Measured slower in a decode step than the norm's own launch
             // (docs/GPU_NOTES.md), so off unless asked for.
             fold_norms: Switch::new(!switched_off("DYNMOE_CUDA_FOLD_NORMS")),
+            head_tiles: Switch::new(!switched_off("DYNMOE_CUDA_HEAD_TILES")),
             // Measured slower in a decode step than the preamble's own launch
             // (docs/GPU_NOTES.md), so off unless asked for.
             step_attention: Switch::new(switched_on("DYNMOE_CUDA_STEP_ATTENTION")),
@@ -1709,6 +1770,20 @@ impl Cuda {
     /// [`set_fold_norms`](Self::set_fold_norms)).
     pub fn fold_norms(&self) -> bool {
         self.fold_norms.get()
+    }
+
+    /// Whether one-row products of the LM head (and any matrix the launch streams round
+    /// after round) read a copy of it in unit tiles (the default, made on first use) or
+    /// its row-major words, to measure one against the other. Steps already recorded
+    /// keep their way.
+    pub fn set_head_tiles(&self, on: bool) {
+        self.head_tiles.set(on);
+    }
+
+    /// Whether the LM head's one-row products read unit tiles (see
+    /// [`set_head_tiles`](Self::set_head_tiles)).
+    pub fn head_tiles(&self) -> bool {
+        self.head_tiles.get()
     }
 
     /// Whether a decode step's grouped attention blocks norm and rotate q and k and write
@@ -2243,7 +2318,18 @@ impl Cuda {
                 "upload",
             ),
             fingerprint: print,
+            tiles: std::sync::OnceLock::new(),
         });
+        // The row-major copy stays for the other kernels; the tiles cost the matrix's
+        // bytes again, for the LM head only.
+        if self.tiles_take(w) {
+            let (words, sb) = unit_tiles(w);
+            let tiles = DeviceTiles {
+                words: self.upload_u32(&words),
+                sb: ok(self.stream.clone_htod(&sb), "upload"),
+            };
+            let _ = d.tiles.set(tiles);
+        }
         cache.insert(key, d.clone());
         d
     }
@@ -2267,7 +2353,8 @@ impl Cuda {
         let groups = w.cols / GROUP_SIZE;
         if rows == 1 && self.routed_mma() && routed_mma_shared(groups) <= SHARED_LIMIT {
             let o = out.device_ptr_mut(&self.stream).0;
-            self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim, None);
+            let tiled = self.dense_tiles(w, d);
+            self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim, None, tiled);
             return;
         }
         if rows > AFFINE_GEMM_ROWS && self.tensor_cores() {
@@ -2336,15 +2423,18 @@ impl Cuda {
         cols: usize,
         in_dim: usize,
         norm: Option<&InputNorm>,
+        tiled: Option<&DeviceTiles>,
     ) {
         debug_assert!((1..=3).contains(&mats.len()));
+        debug_assert!(tiled.is_none() || mats.len() == 1);
         let groups = cols / GROUP_SIZE;
         let tiles: usize = mats.iter().map(|m| m.1.div_ceil(RMMA_ROWS)).sum();
         let (parts, blocks) = dense_mma_layout(tiles, groups, self.sms);
-        let kernel = if norm.is_some() {
-            "dense_mma_norm"
-        } else {
-            "dense_mma"
+        let kernel = match (norm.is_some(), tiled.is_some()) {
+            (true, true) => "dense_mma_norm_tiled",
+            (true, false) => "dense_mma_norm",
+            (false, true) => "dense_mma_tiled",
+            (false, false) => "dense_mma",
         };
         let shared = dense_mma_shared(groups, norm.is_some());
         let name = format!("{kernel}_{}", bits_suffix(bits));
@@ -2353,11 +2443,12 @@ impl Cuda {
             // Unused slots repeat the first matrix with no rows.
             let (d, rows, o) = mats.get(i).copied().unwrap_or((mats[0].0, 0, mats[0].2));
             let r = rows as i32;
-            l.arg(&d.words)
-                .arg(&d.scales)
-                .arg(&d.biases)
-                .arg(&o)
-                .arg(&r);
+            match tiled {
+                // The tiled kernels read scales and biases from one buffer.
+                Some(t) => l.arg(&t.words).arg(&t.sb).arg(&t.sb),
+                None => l.arg(&d.words).arg(&d.scales).arg(&d.biases),
+            };
+            l.arg(&o).arg(&r);
         }
         let (n, c, i, p) = (mats.len() as i32, cols as i32, in_dim as i32, parts as i32);
         l.arg(&n).arg(x).arg(&c).arg(&i).arg(&p);
@@ -2403,6 +2494,24 @@ impl Cuda {
             && dense_mma_shared(a.cols / GROUP_SIZE, true) <= SHARED_LIMIT
     }
 
+    /// Whether a one-row product of `w` alone reads it in unit tiles: switched on, 4 or 2
+    /// bits, and so many rows that the launch's blocks loop over rounds of jobs (the LM
+    /// head).
+    fn tiles_take(&self, w: &AffineView<'_>) -> bool {
+        let tiles = w.rows.div_ceil(RMMA_ROWS);
+        let (parts, blocks) = dense_mma_layout(tiles, w.cols / GROUP_SIZE, self.sms);
+        let rounds = tiles.div_ceil(RMMA_WARPS / parts).div_ceil(blocks);
+        self.head_tiles() && matches!(w.bits, 4 | 2) && rounds >= 2
+    }
+
+    /// `d` (the device copy of `w`) in unit tiles, for a one-row product of it alone,
+    /// where [`tiles_take`](Self::tiles_take) it and the copy was made with `d` (never
+    /// later: a first use may come while a step is being recorded, where no upload may
+    /// run).
+    fn dense_tiles<'d>(&self, w: &AffineView<'_>, d: &'d DeviceAffine) -> Option<&'d DeviceTiles> {
+        d.tiles.get().filter(|_| self.tiles_take(w))
+    }
+
     /// The products [`dense_mma_takes`](Self::dense_mma_takes) took, into `outs`.
     fn dense_mma_product(
         &self,
@@ -2426,7 +2535,11 @@ impl Cuda {
             .zip(outs)
             .map(|((w, d), &o)| (&**d, w.rows, o))
             .collect();
-        self.launch_dense_mma(views[0].bits, &mats, x, views[0].cols, in_dim, norm);
+        let tiled = match (&views[..], &devs[..]) {
+            ([w], [d]) => self.dense_tiles(w, d),
+            _ => None,
+        };
+        self.launch_dense_mma(views[0].bits, &mats, x, views[0].cols, in_dim, norm, tiled);
     }
 
     /// The [`InputNorm`] of `n` for a kernel that folds it in: `sum` gets `x + delta` (with
@@ -4991,12 +5104,70 @@ impl Backend for Cuda {
 mod tests {
     use super::{
         dense_mma_layout, group_chunk, group_kernel, is_bf16_exact, moe_step_shared, slice_shared,
-        slice_stride, staged_rows, tiled_kernel, tiled_shared, vq_book_bytes, vq_suffix, vq_tile,
-        VqRoutedShape, VqTile, ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT, VQR_SHARED_BOOK,
+        slice_stride, staged_rows, tiled_kernel, tiled_shared, unit_tiles, vq_book_bytes,
+        vq_suffix, vq_tile, VqRoutedShape, VqTile, ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT,
+        VQR_SHARED_BOOK,
     };
     use crate::codec::vq::{Rung, LADDER};
     use crate::testing::fresh;
     use half::bf16;
+
+    #[test]
+    fn unit_tiles_give_each_lane_the_words_and_scales_its_rows_hold() {
+        use super::words_per_row;
+        use crate::codec::affine::AffineMatrix;
+        // A ragged last tile (37 rows), at both widths the tiled kernels read. Lane
+        // 4g + q of unit (t, gi) holds rows 16t + g and 16t + g + 8 (load_unit_tiled):
+        // at 4 bits words 8gi + 2q and 8gi + 2q + 1 of each, at 2 bits word 4gi + q;
+        // rows past the matrix are zeros.
+        let (rows, cols) = (37, 192);
+        for bits in [4u32, 2] {
+            let m = AffineMatrix::quantize(&fresh(rows * cols, 3), rows, cols, bits).unwrap();
+            let w = m.view();
+            let (words, sb) = unit_tiles(&w);
+            let (groups, row_words) = (cols / 64, words_per_row(cols, bits));
+            let (per_lane, lane_words) = if bits == 4 { (4, 2) } else { (2, 1) };
+            assert_eq!(words.len(), 3 * groups * 32 * per_lane);
+            assert_eq!(sb.len(), 3 * groups * 16 * 2);
+            for t in 0..3 {
+                for gi in 0..groups {
+                    let unit = t * groups + gi;
+                    for lane in 0..32 {
+                        let (g, q) = (lane / 4, lane % 4);
+                        for half in 0..2 {
+                            let r = 16 * t + g + 8 * half;
+                            for j in 0..lane_words {
+                                let got =
+                                    words[(unit * 32 + lane) * per_lane + half * lane_words + j];
+                                let want = if r < rows {
+                                    let k = if bits == 4 {
+                                        gi * 8 + 2 * q + j
+                                    } else {
+                                        gi * 4 + q
+                                    };
+                                    w.words[r * row_words + k]
+                                } else {
+                                    0
+                                };
+                                assert_eq!(got, want, "q{bits} unit {unit} lane {lane} row {r}");
+                            }
+                        }
+                    }
+                    for r in 0..16 {
+                        let row = 16 * t + r;
+                        let (scale, bias) = if row < rows {
+                            let g = row * groups + gi;
+                            (w.scales[g].to_bits(), w.biases[g].to_bits())
+                        } else {
+                            (0, 0)
+                        };
+                        assert_eq!(sb[(unit * 16 + r) * 2], scale);
+                        assert_eq!(sb[(unit * 16 + r) * 2 + 1], bias);
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn every_rung_has_a_vq_kernel_and_a_book_of_whole_16_byte_units() {
