@@ -1111,6 +1111,7 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_dense(bits, {100}, 256, 256, 1, 1, ADD_NONE, false, true));
         worst = std::max(worst, check_dense(bits, {200}, 1024, 1000, 2, 3, ADD_SUM, false, true));
         worst = std::max(worst, check_dense(bits, {37}, 640, 600, 8, 3, ADD_NORM, true, true));
+        worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 4, 3, ADD_SUM, false, true));
     }
     // Routes: one and several experts a thread, widths off whole float4s, masks, ties.
     const int routes[][3] = {{128, 8, 128}, {128, 8, 256}, {12, 4, 32}, {130, 2, 256},

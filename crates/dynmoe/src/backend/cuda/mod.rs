@@ -920,6 +920,10 @@ pub struct Cuda {
     /// head) read a copy in unit tiles (the default) or the row-major words
     /// (`DYNMOE_CUDA_HEAD_TILES=0`).
     head_tiles: Switch<bool>,
+    /// Whether every 4- and 2-bit dense matrix's one-row products read unit tiles
+    /// (`DYNMOE_CUDA_DENSE_TILES=1`; their bytes again in device memory), or only the LM
+    /// head's.
+    dense_tiles: Switch<bool>,
     /// Whether a decode step's attention blocks do its preamble themselves
     /// (`attention_step_*`, `DYNMOE_CUDA_STEP_ATTENTION=1`) or the preamble takes a launch
     /// of its own.
@@ -1562,6 +1566,7 @@ impl Cuda {
             // (docs/GPU_NOTES.md), so off unless asked for.
             fold_norms: Switch::new(!switched_off("DYNMOE_CUDA_FOLD_NORMS")),
             head_tiles: Switch::new(!switched_off("DYNMOE_CUDA_HEAD_TILES")),
+            dense_tiles: Switch::new(switched_on("DYNMOE_CUDA_DENSE_TILES")),
             // Measured slower in a decode step than the preamble's own launch
             // (docs/GPU_NOTES.md), so off unless asked for.
             step_attention: Switch::new(switched_on("DYNMOE_CUDA_STEP_ATTENTION")),
@@ -1770,6 +1775,13 @@ impl Cuda {
     /// [`set_fold_norms`](Self::set_fold_norms)).
     pub fn fold_norms(&self) -> bool {
         self.fold_norms.get()
+    }
+
+    /// Whether one-row products of every 4- and 2-bit dense matrix (attention's too) read
+    /// a copy in unit tiles, or only the LM head's (the default), to measure one against
+    /// the other. Matrices already on the device keep their way.
+    pub fn set_dense_tiles(&self, on: bool) {
+        self.dense_tiles.set(on);
     }
 
     /// Whether one-row products of the LM head (and any matrix the launch streams round
@@ -2293,8 +2305,9 @@ impl Cuda {
         d
     }
 
-    /// The device copy of `w`, made on first use.
-    fn device_affine(&self, w: &AffineView<'_>) -> Arc<DeviceAffine> {
+    /// The device copy of `w`, made on first use; with `dense` (a dense layer's matrix,
+    /// not an expert's), also in unit tiles where [`tiles_take`](Self::tiles_take) it.
+    fn device_affine(&self, w: &AffineView<'_>, dense: bool) -> Arc<DeviceAffine> {
         let key = affine_key(w);
         let print = fingerprint(w);
         let mut cache = self.affine.lock().expect("weight cache lock");
@@ -2322,7 +2335,7 @@ impl Cuda {
         });
         // The row-major copy stays for the other kernels; the tiles cost the matrix's
         // bytes again, for the LM head only.
-        if self.tiles_take(w) {
+        if dense && self.tiles_take(w) {
             let (words, sb) = unit_tiles(w);
             let tiles = DeviceTiles {
                 words: self.upload_u32(&words),
@@ -2353,7 +2366,7 @@ impl Cuda {
         let groups = w.cols / GROUP_SIZE;
         if rows == 1 && self.routed_mma() && routed_mma_shared(groups) <= SHARED_LIMIT {
             let o = out.device_ptr_mut(&self.stream).0;
-            let tiled = self.dense_tiles(w, d);
+            let tiled = self.dense_tiles(w, d).is_some();
             self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim, None, tiled);
             return;
         }
@@ -2423,14 +2436,13 @@ impl Cuda {
         cols: usize,
         in_dim: usize,
         norm: Option<&InputNorm>,
-        tiled: Option<&DeviceTiles>,
+        tiled: bool,
     ) {
         debug_assert!((1..=3).contains(&mats.len()));
-        debug_assert!(tiled.is_none() || mats.len() == 1);
         let groups = cols / GROUP_SIZE;
         let tiles: usize = mats.iter().map(|m| m.1.div_ceil(RMMA_ROWS)).sum();
         let (parts, blocks) = dense_mma_layout(tiles, groups, self.sms);
-        let kernel = match (norm.is_some(), tiled.is_some()) {
+        let kernel = match (norm.is_some(), tiled) {
             (true, true) => "dense_mma_norm_tiled",
             (true, false) => "dense_mma_norm",
             (false, true) => "dense_mma_tiled",
@@ -2443,7 +2455,7 @@ impl Cuda {
             // Unused slots repeat the first matrix with no rows.
             let (d, rows, o) = mats.get(i).copied().unwrap_or((mats[0].0, 0, mats[0].2));
             let r = rows as i32;
-            match tiled {
+            match d.tiles.get().filter(|_| tiled) {
                 // The tiled kernels read scales and biases from one buffer.
                 Some(t) => l.arg(&t.words).arg(&t.sb).arg(&t.sb),
                 None => l.arg(&d.words).arg(&d.scales).arg(&d.biases),
@@ -2494,14 +2506,15 @@ impl Cuda {
             && dense_mma_shared(a.cols / GROUP_SIZE, true) <= SHARED_LIMIT
     }
 
-    /// Whether a one-row product of `w` alone reads it in unit tiles: switched on, 4 or 2
+    /// Whether one-row products of the dense matrix `w` read it in unit tiles: 4 or 2
     /// bits, and so many rows that the launch's blocks loop over rounds of jobs (the LM
-    /// head).
+    /// head, switched on by default), or any such matrix with
+    /// [`set_dense_tiles`](Self::set_dense_tiles).
     fn tiles_take(&self, w: &AffineView<'_>) -> bool {
         let tiles = w.rows.div_ceil(RMMA_ROWS);
         let (parts, blocks) = dense_mma_layout(tiles, w.cols / GROUP_SIZE, self.sms);
         let rounds = tiles.div_ceil(RMMA_WARPS / parts).div_ceil(blocks);
-        self.head_tiles() && matches!(w.bits, 4 | 2) && rounds >= 2
+        matches!(w.bits, 4 | 2) && (self.head_tiles() && rounds >= 2 || self.dense_tiles.get())
     }
 
     /// `d` (the device copy of `w`) in unit tiles, for a one-row product of it alone,
@@ -2528,17 +2541,18 @@ impl Cuda {
                 _ => unreachable!("dense_mma_takes checked"),
             })
             .collect();
-        let devs: Vec<_> = views.iter().map(|w| self.device_affine(w)).collect();
+        let devs: Vec<_> = views.iter().map(|w| self.device_affine(w, true)).collect();
         let mats: Vec<_> = views
             .iter()
             .zip(&devs)
             .zip(outs)
             .map(|((w, d), &o)| (&**d, w.rows, o))
             .collect();
-        let tiled = match (&views[..], &devs[..]) {
-            ([w], [d]) => self.dense_tiles(w, d),
-            _ => None,
-        };
+        // Tiles for all or for none: one kernel reads the launch's matrices.
+        let tiled = views
+            .iter()
+            .zip(&devs)
+            .all(|(w, d)| self.dense_tiles(w, d).is_some());
         self.launch_dense_mma(views[0].bits, &mats, x, views[0].cols, in_dim, norm, tiled);
     }
 
@@ -2652,7 +2666,7 @@ impl Cuda {
         let mut keep = Vec::with_capacity(n_groups);
         for (g, m) in &take {
             for w in m {
-                let d = self.device_affine(w);
+                let d = self.device_affine(w, false);
                 table.push(d.words.device_ptr(&self.stream).0);
                 table.push(d.scales.device_ptr(&self.stream).0);
                 table.push(d.biases.device_ptr(&self.stream).0);
@@ -2911,7 +2925,7 @@ impl Cuda {
                         return None;
                     }
                     for m in [g, u, d] {
-                        let dev = self.device_affine(&m);
+                        let dev = self.device_affine(&m, false);
                         table.push(dev.words.device_ptr(&self.stream).0);
                         table.push(dev.scales.device_ptr(&self.stream).0);
                         table.push(dev.biases.device_ptr(&self.stream).0);
@@ -4387,7 +4401,7 @@ impl Backend for Cuda {
         if rows == 0 || w.rows == 0 {
             return;
         }
-        let d = self.device_affine(w);
+        let d = self.device_affine(w, true);
         self.affine_product(x, w, &d, rows, in_dim, out);
     }
 
