@@ -753,6 +753,21 @@ using AffineDown = void (*)(const unsigned long long*, const int*, const float*,
 struct AffineExperts {
     std::vector<std::array<Affine, 3>> ex;
     std::vector<unsigned long long> table;
+    // With tile(): each matrix in unit tiles, and the table of those (words, the tiles'
+    // scales and biases twice), as the routed tiled kernels read them.
+    std::vector<Tiles> tiles;
+    std::vector<unsigned long long> tiled_table;
+
+    void tile() {
+        tiles.reserve(ex.size() * 3);
+        for (auto& e : ex)
+            for (auto& m : e) {
+                tiles.push_back(tile_affine(m));
+                tiled_table.push_back((unsigned long long)tiles.back().words.data());
+                tiled_table.push_back((unsigned long long)tiles.back().sb.data());
+                tiled_table.push_back((unsigned long long)tiles.back().sb.data());
+            }
+    }
 
     AffineExperts(int bits, int hidden, int inter, int experts, int down_cols = 0) {
         for (int e = 0; e < experts; e++)
@@ -798,13 +813,20 @@ struct AffineExperts {
 // One token routed to top_k of `experts` affine experts (hidden × inter), the route taken
 // inside the gate/up kernel from the router logits, the probabilities written by the down
 // kernel: ids, weights, SiLU · up per pair and the weighted sum against the definition.
-double check_routed_affine(int bits, int hidden, int inter, int experts, int top_k) {
+// With `tiled` (4 and 2 bits), the experts in unit tiles (routed_mma_*_tiled_q*).
+double check_routed_affine(int bits, int hidden, int inter, int experts, int top_k,
+                           bool tiled = false) {
     AffineGateUp gate_up = bits == 4 ? routed_mma_gate_up_q4
                                      : (bits == 3 ? routed_mma_gate_up_q3 : routed_mma_gate_up_q2);
     AffineDown down = bits == 4 ? routed_mma_down_q4
                                 : (bits == 3 ? routed_mma_down_q3 : routed_mma_down_q2);
+    if (tiled) {
+        gate_up = bits == 4 ? routed_mma_gate_up_tiled_q4 : routed_mma_gate_up_tiled_q2;
+        down = bits == 4 ? routed_mma_down_tiled_q4 : routed_mma_down_tiled_q2;
+    }
     AffineExperts ex(bits, hidden, inter, experts);
-    const auto& table = ex.table;
+    if (tiled) ex.tile();
+    const auto& table = tiled ? ex.tiled_table : ex.table;
     std::vector<float> logits = route_logits(experts), x(hidden);
     for (auto& v : x) v = normal();
     std::vector<unsigned char> keep(experts, 1);
@@ -914,10 +936,10 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
     bool same_early = early_ids == got_ids &&
                       std::memcmp(early_w.data(), got_w.data(), got_w.size() * 4) == 0 &&
                       std::memcmp(early_h.data(), got_h.data(), got_h.size() * 4) == 0;
-    std::printf("routed q%d %d x %d, top-%d of %d: ids %s, weights %.2e, probs %.2e, gate/up "
+    std::printf("routed q%d%s %d x %d, top-%d of %d: ids %s, weights %.2e, probs %.2e, gate/up "
                 "%.2e, down %.2e, routed before: %s, early: %s, early through the norm %.2e, "
                 "by the logits: %s, down early: %s\n",
-                bits, hidden, inter, top_k, experts, ids_ok ? "same" : "DIFFER", ew, ep, eh, eo,
+                bits, tiled ? " in tiles" : "", hidden, inter, top_k, experts, ids_ok ? "same" : "DIFFER", ew, ep, eh, eo,
                 same ? "same bits" : "DIFFERENT", same_early ? "same bits" : "DIFFERENT", en,
                 same_logits ? "same bits" : "DIFFERENT", same_ready ? "same bits" : "DIFFERENT");
     return ids_ok && same && same_early && same_logits && same_ready
@@ -1143,6 +1165,10 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_routed_affine(bits, 128, 1024, 16, 8));
         // Rows 2112 wide: gate/up warps take 5 units of 33, so several rounds each.
         worst = std::max(worst, check_routed_affine(bits, 2112, 64, 6, 2));
+        // In unit tiles: top-8 of 128, and rows that take several rounds.
+        if (bits == 3) continue;
+        worst = std::max(worst, check_routed_affine(bits, 512, 192, 128, 8, true));
+        worst = std::max(worst, check_routed_affine(bits, 2112, 64, 6, 2, true));
     }
     // The MoE layer in one launch: grids with fewer blocks than tiles (blocks loop, router
     // rows too) and more than the down tiles, masks.

@@ -1568,7 +1568,37 @@ struct TileLanes {
     }
 };
 
-template <int BITS, int UNITS>
+// A matrix in unit tiles (TILED; 4 and 2 bits): the lane words of unit (tile t, group gi)
+// are contiguous, lane l's at ((t·groups + gi)·32 + l)·W (W = 4 at 4 bits: row g's two
+// words, then row g + 8's; 2 at 2 bits: row g's word, then row g + 8's), and the unit's
+// scales and biases at ((t·groups + gi)·16 + r)·2 (+1 for the bias) for its row r. A
+// warp's unit is then 4 (or 2) whole cache lines and one 64-byte piece, where rows take
+// 16 lines and 16 pieces: the LM head's rounds stream ~16% faster
+// (tools/gpu-microbench). The words' bits are the store's, so decode_fragments applies.
+template <int BITS>
+__device__ __forceinline__ void load_unit_tiled(const unsigned* words, const unsigned short* sb,
+                                                size_t unit, int lane, int g, int q,
+                                                unsigned (&w)[2][2], unsigned short& s) {
+    static_assert(BITS == 4 || BITS == 2, "tiles of 4- and 2-bit words");
+    if (BITS == 4) {
+        uint4 v = reinterpret_cast<const uint4*>(words)[unit * WARP + lane];
+        w[0][0] = v.x;
+        w[0][1] = v.y;
+        w[1][0] = v.z;
+        w[1][1] = v.w;
+    } else {
+        uint2 v = reinterpret_cast<const uint2*>(words)[unit * WARP + lane];
+        w[0][0] = v.x;
+        w[0][1] = 0u;
+        w[1][0] = v.y;
+        w[1][1] = 0u;
+    }
+    s = sb[(unit * RMMA_ROWS + (q < 2 ? g : g + 8)) * 2 + (q & 1)];
+}
+
+// With TILED, the expert's matrices are in unit tiles (load_unit_tiled): the entry's
+// words and scales point at the tiles, its biases are not read.
+template <int BITS, int UNITS, bool TILED = false>
 struct GateUpTile : TileLanes {
     const unsigned* rw[2][2];
     const unsigned short* sc[2];
@@ -1582,8 +1612,8 @@ struct GateUpTile : TileLanes {
 #pragma unroll
         for (int m = 0; m < 2; m++) {
             const unsigned* words = (const unsigned*)entry[3 * m];
-            rw[m][0] = words + o0 * stride;
-            rw[m][1] = words + o1 * stride;
+            rw[m][0] = TILED ? words : words + o0 * stride;
+            rw[m][1] = TILED ? words : words + o1 * stride;
             sc[m] = (const unsigned short*)entry[3 * m + 1];
             bi[m] = (const unsigned short*)entry[3 * m + 2];
             acc[m][0] = acc[m][1] = 0.0f;
@@ -1595,9 +1625,15 @@ struct GateUpTile : TileLanes {
         for (int j = 0; j < UNITS; j++)
             if (base + j < u1)
 #pragma unroll
-                for (int m = 0; m < 2; m++)
-                    load_unit<BITS>(rw[m][0], rw[m][1], sc[m], bi[m], (size_t)o0 * groups,
-                                    (size_t)o1 * groups, base + j, q, w[j][m], sb[j][m]);
+                for (int m = 0; m < 2; m++) {
+                    if constexpr (TILED)
+                        load_unit_tiled<BITS>(rw[m][0], sc[m],
+                                              (size_t)(r0 / RMMA_ROWS) * groups + base + j,
+                                              lane, g, q, w[j][m], sb[j][m]);
+                    else
+                        load_unit<BITS>(rw[m][0], rw[m][1], sc[m], bi[m], (size_t)o0 * groups,
+                                        (size_t)o1 * groups, base + j, q, w[j][m], sb[j][m]);
+                }
     }
 
     __device__ void compute(int base, const unsigned* xs, const float* xsum) {
@@ -1653,7 +1689,7 @@ struct GateUpTile : TileLanes {
 // Unit u is group u % groups of pair u / groups, staged by the block in xs / xsum; `ids`
 // and `weights` are the token's top_k (global or shared memory). As GateUpTile: load(u0),
 // then finish once h is staged.
-template <int BITS, int UNITS>
+template <int BITS, int UNITS, bool TILED = false>
 struct DownTile : TileLanes {
     const unsigned long long* table;
     const int* ids;
@@ -1678,10 +1714,15 @@ struct DownTile : TileLanes {
                 int k = u / groups;
                 const unsigned long long* e = table + (size_t)ids[k] * ROUTED_ENTRY;
                 const unsigned* words = (const unsigned*)e[6];
-                load_unit<BITS>(words + o0 * stride, words + o1 * stride,
-                                (const unsigned short*)e[7], (const unsigned short*)e[8],
-                                (size_t)o0 * groups, (size_t)o1 * groups, u % groups, q, w[j],
-                                sb[j]);
+                if constexpr (TILED)
+                    load_unit_tiled<BITS>(words, (const unsigned short*)e[7],
+                                          (size_t)(r0 / RMMA_ROWS) * groups + u % groups, lane,
+                                          g, q, w[j], sb[j]);
+                else
+                    load_unit<BITS>(words + o0 * stride, words + o1 * stride,
+                                    (const unsigned short*)e[7], (const unsigned short*)e[8],
+                                    (size_t)o0 * groups, (size_t)o1 * groups, u % groups, q,
+                                    w[j], sb[j]);
                 pw[j] = weights[k];
             }
         }
@@ -1764,7 +1805,7 @@ __device__ __forceinline__ void wait_count(const unsigned* c, unsigned target) {
 // ready[0] for the down kernel (routed_mma_down).
 #define GATE_UP_POINTERS 6
 
-template <int BITS, int UNITS>
+template <int BITS, int UNITS, bool TILED = false>
 __device__ void routed_mma_gate_up(const unsigned long long* table, const float* logits,
                                    const unsigned char* keep, int experts, int renormalize,
                                    int* ids, float* weights, int top_k, const float* x,
@@ -1836,7 +1877,7 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
         expert = ids[pair];
     }
     PHASE(0, 2);
-    GateUpTile<BITS, UNITS> tile(early ? pointers + (size_t)expert * GATE_UP_POINTERS
+    GateUpTile<BITS, UNITS, TILED> tile(early ? pointers + (size_t)expert * GATE_UP_POINTERS
                                        : table + (size_t)expert * ROUTED_ENTRY,
                                  blockIdx.x * RMMA_ROWS, rows, cols);
     // The words' loads go out before x is staged, to overlap their latency.
@@ -1858,7 +1899,7 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
 // route is there, while gate/up's last blocks still run. ready[1] counts the blocks that
 // saw the flag; the last lowers both, for the next launch. The caller does PDL_LAUNCH;
 // this waits.
-template <int BITS, int UNITS>
+template <int BITS, int UNITS, bool TILED = false>
 __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                 const float* weights, int top_k, const float* h, float* out,
                                 int rows, int cols, int in_dim, float* logits, int experts,
@@ -1882,7 +1923,7 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
     } else {
         PDL_WAIT();
     }
-    DownTile<BITS, UNITS> tile(table, ids + token * top_k, weights + token * top_k, top_k,
+    DownTile<BITS, UNITS, TILED> tile(table, ids + token * top_k, weights + token * top_k, top_k,
                                blockIdx.x * RMMA_ROWS, rows, cols);
     tile.load(tile.u0);
     // h, and the logits that gate/up blocks may still be routing by, only after the wait.
@@ -1916,33 +1957,37 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
 #ifndef RMMA_GATE_UP_BLOCKS
 #define RMMA_GATE_UP_BLOCKS 3
 #endif
-#define ROUTED_MMA(B)                                                                         \
+// NAME is the kernels' suffix: q4, q3, q2, and tiled_q4, tiled_q2 for experts in unit
+// tiles (load_unit_tiled; the table's words and scales point at the tiles).
+#define ROUTED_MMA(B, NAME, TILED)                                                            \
     extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, RMMA_GATE_UP_BLOCKS)       \
-        routed_mma_gate_up_q##B(const unsigned long long* table, const float* logits,          \
-                                const unsigned char* keep, int experts, int renormalize,       \
-                                int* ids, float* weights, int top_k, const float* x, float* h, \
-                                int rows, int cols, int in_dim, int early, const float* delta, \
-                                const float* norm_w, float eps, int by_logits,                 \
-                                unsigned* ready) {                                             \
+        routed_mma_gate_up_##NAME(const unsigned long long* table, const float* logits,        \
+                                  const unsigned char* keep, int experts, int renormalize,     \
+                                  int* ids, float* weights, int top_k, const float* x,         \
+                                  float* h, int rows, int cols, int in_dim, int early,         \
+                                  const float* delta, const float* norm_w, float eps,          \
+                                  int by_logits, unsigned* ready) {                            \
         PDL_LAUNCH();                                                                          \
-        routed_mma_gate_up<B, RMMA_GATE_UP_UNITS>(table, logits, keep, experts, renormalize,   \
-                                                  ids, weights, top_k, x, h, rows, cols,       \
-                                                  in_dim, early != 0, delta, norm_w, eps,      \
-                                                  by_logits != 0, ready);                      \
+        routed_mma_gate_up<B, RMMA_GATE_UP_UNITS, TILED>(                                      \
+            table, logits, keep, experts, renormalize, ids, weights, top_k, x, h, rows, cols,  \
+            in_dim, early != 0, delta, norm_w, eps, by_logits != 0, ready);                    \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP) routed_mma_down_q##B( \
-        const unsigned long long* table, const int* ids, const float* weights, int top_k,      \
-        const float* h, float* out, int rows, int cols, int in_dim, float* logits,             \
-        int experts, unsigned* ready) {                                                        \
+    extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP)                       \
+        routed_mma_down_##NAME(const unsigned long long* table, const int* ids,                \
+                               const float* weights, int top_k, const float* h, float* out,    \
+                               int rows, int cols, int in_dim, float* logits, int experts,     \
+                               unsigned* ready) {                                              \
         PHASE(1, 0);                                                                           \
         PDL_LAUNCH();                                                                          \
-        routed_mma_down<B, RMMA_DOWN_UNITS>(table, ids, weights, top_k, h, out, rows, cols,    \
-                                            in_dim, logits, experts, ready);                   \
+        routed_mma_down<B, RMMA_DOWN_UNITS, TILED>(table, ids, weights, top_k, h, out, rows,   \
+                                                   cols, in_dim, logits, experts, ready);      \
     }
 
-ROUTED_MMA(4)
-ROUTED_MMA(3)
-ROUTED_MMA(2)
+ROUTED_MMA(4, q4, false)
+ROUTED_MMA(3, q3, false)
+ROUTED_MMA(2, q2, false)
+ROUTED_MMA(4, tiled_q4, true)
+ROUTED_MMA(2, tiled_q2, true)
 
 // ---- Dense affine matrices of one input row on tensor cores ----
 //
@@ -1981,34 +2026,6 @@ struct NormArgs {
     float eps;
     float* sum;
 };
-
-// A matrix in unit tiles (TILED; 4 and 2 bits): the lane words of unit (tile t, group gi)
-// are contiguous, lane l's at ((t·groups + gi)·32 + l)·W (W = 4 at 4 bits: row g's two
-// words, then row g + 8's; 2 at 2 bits: row g's word, then row g + 8's), and the unit's
-// scales and biases at ((t·groups + gi)·16 + r)·2 (+1 for the bias) for its row r. A
-// warp's unit is then 4 (or 2) whole cache lines and one 64-byte piece, where rows take
-// 16 lines and 16 pieces: the LM head's rounds stream ~16% faster
-// (tools/gpu-microbench). The words' bits are the store's, so decode_fragments applies.
-template <int BITS>
-__device__ __forceinline__ void load_unit_tiled(const unsigned* words, const unsigned short* sb,
-                                                size_t unit, int lane, int g, int q,
-                                                unsigned (&w)[2][2], unsigned short& s) {
-    static_assert(BITS == 4 || BITS == 2, "tiles of 4- and 2-bit words");
-    if (BITS == 4) {
-        uint4 v = reinterpret_cast<const uint4*>(words)[unit * WARP + lane];
-        w[0][0] = v.x;
-        w[0][1] = v.y;
-        w[1][0] = v.z;
-        w[1][1] = v.w;
-    } else {
-        uint2 v = reinterpret_cast<const uint2*>(words)[unit * WARP + lane];
-        w[0][0] = v.x;
-        w[0][1] = 0u;
-        w[1][0] = v.y;
-        w[1][1] = 0u;
-    }
-    s = sb[(unit * RMMA_ROWS + (q < 2 ? g : g + 8)) * 2 + (q & 1)];
-}
 
 template <int BITS, bool NORM, bool TILED = false>
 __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int cols,

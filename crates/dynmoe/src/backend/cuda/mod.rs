@@ -421,7 +421,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 121] = [
+const KERNEL_NAMES: [&str; 125] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -481,6 +481,10 @@ const KERNEL_NAMES: [&str; 121] = [
     "routed_mma_down_q4",
     "routed_mma_down_q3",
     "routed_mma_down_q2",
+    "routed_mma_gate_up_tiled_q4",
+    "routed_mma_gate_up_tiled_q2",
+    "routed_mma_down_tiled_q4",
+    "routed_mma_down_tiled_q2",
     "dense_mma_q4",
     "dense_mma_q3",
     "dense_mma_q2",
@@ -582,6 +586,10 @@ type Constant = (Vec<f32>, Arc<CudaSlice<f32>>);
 /// down pointers in one table indexed by expert id.
 struct RoutedBlock {
     table: CudaSlice<u64>,
+    /// The same table pointing at the experts' copies in unit tiles, for the one-row
+    /// routed kernels (`routed_mma_*_tiled_*`), where they are made
+    /// ([`Cuda::set_expert_tiles`]).
+    tiles_table: Option<CudaSlice<u64>>,
     /// The copies the table points into, kept alive with it.
     _weights: Vec<Arc<dyn Send + Sync>>,
     /// What confirms the block's id: it is trusted only while this still matches.
@@ -757,6 +765,8 @@ struct Routed<'a> {
     kind: RoutedKind,
     /// Device address of the `[E, ROUTED_ENTRY]` pointer table.
     table: u64,
+    /// Device address of that table over the experts in unit tiles (0: none).
+    tiles_table: u64,
     /// Device address of the `[E]` byte mask (0: every expert may be chosen).
     keep: u64,
     experts: usize,
@@ -924,6 +934,10 @@ pub struct Cuda {
     /// (`DYNMOE_CUDA_DENSE_TILES=1`; their bytes again in device memory), or only the LM
     /// head's.
     dense_tiles: Switch<bool>,
+    /// Whether fully resident 4- and 2-bit experts also get copies in unit tiles that a
+    /// decode step's routed kernels read (`DYNMOE_CUDA_EXPERT_TILES=1`; their bytes
+    /// again in device memory).
+    expert_tiles: Switch<bool>,
     /// Whether a decode step's attention blocks do its preamble themselves
     /// (`attention_step_*`, `DYNMOE_CUDA_STEP_ATTENTION=1`) or the preamble takes a launch
     /// of its own.
@@ -1567,6 +1581,7 @@ impl Cuda {
             fold_norms: Switch::new(!switched_off("DYNMOE_CUDA_FOLD_NORMS")),
             head_tiles: Switch::new(!switched_off("DYNMOE_CUDA_HEAD_TILES")),
             dense_tiles: Switch::new(switched_on("DYNMOE_CUDA_DENSE_TILES")),
+            expert_tiles: Switch::new(switched_on("DYNMOE_CUDA_EXPERT_TILES")),
             // Measured slower in a decode step than the preamble's own launch
             // (docs/GPU_NOTES.md), so off unless asked for.
             step_attention: Switch::new(switched_on("DYNMOE_CUDA_STEP_ATTENTION")),
@@ -1782,6 +1797,14 @@ impl Cuda {
     /// the other. Matrices already on the device keep their way.
     pub fn set_dense_tiles(&self, on: bool) {
         self.dense_tiles.set(on);
+    }
+
+    /// Whether fully resident 4- and 2-bit experts get a copy in unit tiles that a decode
+    /// step's routed gate/up and down kernels read, or those read the rows (the
+    /// default), to measure one against the other. Blocks already on the device keep
+    /// their way.
+    pub fn set_expert_tiles(&self, on: bool) {
+        self.expert_tiles.set(on);
     }
 
     /// Whether one-row products of the LM head (and any matrix the launch streams round
@@ -2336,12 +2359,7 @@ impl Cuda {
         // The row-major copy stays for the other kernels; the tiles cost the matrix's
         // bytes again, for the LM head only.
         if dense && self.tiles_take(w) {
-            let (words, sb) = unit_tiles(w);
-            let tiles = DeviceTiles {
-                words: self.upload_u32(&words),
-                sb: ok(self.stream.clone_htod(&sb), "upload"),
-            };
-            let _ = d.tiles.set(tiles);
+            let _ = d.tiles.set(self.upload_tiles(w));
         }
         cache.insert(key, d.clone());
         d
@@ -2504,6 +2522,15 @@ impl Cuda {
         self.fold_norms()
             && self.dense_mma_takes(ws, rows, in_dim)
             && dense_mma_shared(a.cols / GROUP_SIZE, true) <= SHARED_LIMIT
+    }
+
+    /// `w` in unit tiles on the device.
+    fn upload_tiles(&self, w: &AffineView<'_>) -> DeviceTiles {
+        let (words, sb) = unit_tiles(w);
+        DeviceTiles {
+            words: self.upload_u32(&words),
+            sb: ok(self.stream.clone_htod(&sb), "upload"),
+        }
     }
 
     /// Whether one-row products of the dense matrix `w` read it in unit tiles: 4 or 2
@@ -2904,6 +2931,7 @@ impl Cuda {
         check: RoutedCheck,
     ) -> Option<RoutedBlock> {
         let mut table = Vec::with_capacity(experts.count * ROUTED_ENTRY);
+        let mut tiles_table = Vec::new();
         let mut weights: Vec<Arc<dyn Send + Sync>> = Vec::with_capacity(experts.count * 3);
         let kind = match (experts.weights)(0) {
             [Weight::Affine(g), Weight::Affine(_), Weight::Affine(d)] => {
@@ -2924,11 +2952,17 @@ impl Cuda {
                     {
                         return None;
                     }
+                    let tiled = self.expert_tiles.get() && matches!(bits, 4 | 2);
                     for m in [g, u, d] {
                         let dev = self.device_affine(&m, false);
                         table.push(dev.words.device_ptr(&self.stream).0);
                         table.push(dev.scales.device_ptr(&self.stream).0);
                         table.push(dev.biases.device_ptr(&self.stream).0);
+                        if tiled {
+                            let t = dev.tiles.get_or_init(|| self.upload_tiles(&m));
+                            let sb = t.sb.device_ptr(&self.stream).0;
+                            tiles_table.extend([t.words.device_ptr(&self.stream).0, sb, sb]);
+                        }
                         weights.push(dev);
                     }
                 }
@@ -2961,6 +2995,8 @@ impl Cuda {
         };
         Some(RoutedBlock {
             table: ok(self.stream.clone_htod(&table), "upload"),
+            tiles_table: (!tiles_table.is_empty())
+                .then(|| ok(self.stream.clone_htod(&tiles_table), "upload")),
             _weights: weights,
             check,
             kind,
@@ -3181,8 +3217,13 @@ impl Cuda {
             // pairs, weighted, straight into `out`.
             let block = ((RMMA_WARPS * 32) as u32, 1, 1);
             let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
+            // The experts in unit tiles where the block has them.
+            let (table, suffix) = match r.tiles_table {
+                0 => (r.table, suffix.to_string()),
+                t => (t, format!("tiled_{suffix}")),
+            };
             let mut l = self.launcher(self.func(&format!("routed_mma_gate_up_{suffix}")));
-            l.arg(&r.table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
+            l.arg(&table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
             l.arg(&ids).arg(&weights).arg(&ki).arg(&x).arg(&g);
             l.arg(&ri).arg(&c).arg(&i).arg(&(early as i32));
             let by_logits = self.route_by_logits() as i32;
@@ -3212,7 +3253,7 @@ impl Cuda {
 
             let (ri, c, i) = (hidden as i32, shape.down_cols as i32, inter as i32);
             let mut l = self.launcher(self.func(&format!("routed_mma_down_{suffix}")));
-            l.arg(&r.table)
+            l.arg(&table)
                 .arg(&ids)
                 .arg(&weights)
                 .arg(&ki)
@@ -4977,9 +5018,14 @@ impl Backend for Cuda {
         };
         let kind = block.kind;
         let table = block.table.device_ptr(&self.stream).0;
+        let tiles_table = block
+            .tiles_table
+            .as_ref()
+            .map_or(0, |t| t.device_ptr(&self.stream).0);
         let routed = Routed {
             kind,
             table,
+            tiles_table,
             keep,
             experts: e,
             route,
@@ -5064,6 +5110,7 @@ impl Backend for Cuda {
         let routed = Routed {
             kind: slots.kind,
             table: slots.table_at(),
+            tiles_table: 0,
             keep: slots.keep_at(),
             experts: e,
             route,
