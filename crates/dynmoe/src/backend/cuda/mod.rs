@@ -930,9 +930,9 @@ pub struct Cuda {
     /// head) read a copy in unit tiles (the default) or the row-major words
     /// (`DYNMOE_CUDA_HEAD_TILES=0`).
     head_tiles: Switch<bool>,
-    /// Whether every 4- and 2-bit dense matrix's one-row products read unit tiles
-    /// (`DYNMOE_CUDA_DENSE_TILES=1`; their bytes again in device memory), or only the LM
-    /// head's.
+    /// Whether every 4- and 2-bit dense matrix's one-row products read unit tiles (the
+    /// default; their bytes again in device memory), or only the LM head's
+    /// (`DYNMOE_CUDA_DENSE_TILES=0`).
     dense_tiles: Switch<bool>,
     /// Whether fully resident 4- and 2-bit experts also get copies in unit tiles that a
     /// decode step's routed kernels read (`DYNMOE_CUDA_EXPERT_TILES=1`; their bytes
@@ -1580,7 +1580,7 @@ impl Cuda {
             // (docs/GPU_NOTES.md), so off unless asked for.
             fold_norms: Switch::new(!switched_off("DYNMOE_CUDA_FOLD_NORMS")),
             head_tiles: Switch::new(!switched_off("DYNMOE_CUDA_HEAD_TILES")),
-            dense_tiles: Switch::new(switched_on("DYNMOE_CUDA_DENSE_TILES")),
+            dense_tiles: Switch::new(!switched_off("DYNMOE_CUDA_DENSE_TILES")),
             expert_tiles: Switch::new(switched_on("DYNMOE_CUDA_EXPERT_TILES")),
             // Measured slower in a decode step than the preamble's own launch
             // (docs/GPU_NOTES.md), so off unless asked for.
@@ -1793,7 +1793,7 @@ impl Cuda {
     }
 
     /// Whether one-row products of every 4- and 2-bit dense matrix (attention's too) read
-    /// a copy in unit tiles, or only the LM head's (the default), to measure one against
+    /// a copy in unit tiles (the default), or only the LM head's, to measure one against
     /// the other. Matrices already on the device keep their way.
     pub fn set_dense_tiles(&self, on: bool) {
         self.dense_tiles.set(on);
@@ -2535,8 +2535,8 @@ impl Cuda {
 
     /// Whether one-row products of the dense matrix `w` read it in unit tiles: 4 or 2
     /// bits, and so many rows that the launch's blocks loop over rounds of jobs (the LM
-    /// head, switched on by default), or any such matrix with
-    /// [`set_dense_tiles`](Self::set_dense_tiles).
+    /// head), or any such matrix with [`set_dense_tiles`](Self::set_dense_tiles) (both
+    /// switched on by default).
     fn tiles_take(&self, w: &AffineView<'_>) -> bool {
         let tiles = w.rows.div_ceil(RMMA_ROWS);
         let (parts, blocks) = dense_mma_layout(tiles, w.cols / GROUP_SIZE, self.sms);
