@@ -340,8 +340,9 @@ struct DeviceAffine {
     biases: CudaSlice<u16>,
     /// Host words sampled when it was copied (first, middle, last).
     fingerprint: [u32; 3],
-    /// The same matrix in unit tiles ([`unit_tiles`]), made the first time a one-row
-    /// product streams it ([`Cuda::dense_tiles`]).
+    /// The same matrix in unit tiles ([`unit_tiles`]), made with the row-major copy where
+    /// one-row products read it so ([`Cuda::tiles_take`]), or when a routed block of
+    /// experts in tiles is built.
     tiles: std::sync::OnceLock<DeviceTiles>,
 }
 
@@ -1808,9 +1809,9 @@ impl Cuda {
     }
 
     /// Whether one-row products of the LM head (and any matrix the launch streams round
-    /// after round) read a copy of it in unit tiles (the default, made on first use) or
-    /// its row-major words, to measure one against the other. Steps already recorded
-    /// keep their way.
+    /// after round) read a copy of it in unit tiles (the default, made with its row-major
+    /// copy) or its row-major words, to measure one against the other. Matrices already
+    /// on the device and steps already recorded keep their way.
     pub fn set_head_tiles(&self, on: bool) {
         self.head_tiles.set(on);
     }
@@ -2356,8 +2357,8 @@ impl Cuda {
             fingerprint: print,
             tiles: std::sync::OnceLock::new(),
         });
-        // The row-major copy stays for the other kernels; the tiles cost the matrix's
-        // bytes again, for the LM head only.
+        // The row-major copy stays for the other kernels (the prompt's GEMMs); the tiles
+        // cost the matrix's bytes again.
         if dense && self.tiles_take(w) {
             let _ = d.tiles.set(self.upload_tiles(w));
         }
@@ -2384,7 +2385,7 @@ impl Cuda {
         let groups = w.cols / GROUP_SIZE;
         if rows == 1 && self.routed_mma() && routed_mma_shared(groups) <= SHARED_LIMIT {
             let o = out.device_ptr_mut(&self.stream).0;
-            let tiled = self.dense_tiles(w, d).is_some();
+            let tiled = self.tiles_of(w, d).is_some();
             self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim, None, tiled);
             return;
         }
@@ -2548,7 +2549,7 @@ impl Cuda {
     /// where [`tiles_take`](Self::tiles_take) it and the copy was made with `d` (never
     /// later: a first use may come while a step is being recorded, where no upload may
     /// run).
-    fn dense_tiles<'d>(&self, w: &AffineView<'_>, d: &'d DeviceAffine) -> Option<&'d DeviceTiles> {
+    fn tiles_of<'d>(&self, w: &AffineView<'_>, d: &'d DeviceAffine) -> Option<&'d DeviceTiles> {
         d.tiles.get().filter(|_| self.tiles_take(w))
     }
 
@@ -2579,7 +2580,7 @@ impl Cuda {
         let tiled = views
             .iter()
             .zip(&devs)
-            .all(|(w, d)| self.dense_tiles(w, d).is_some());
+            .all(|(w, d)| self.tiles_of(w, d).is_some());
         self.launch_dense_mma(views[0].bits, &mats, x, views[0].cols, in_dim, norm, tiled);
     }
 
@@ -2937,6 +2938,7 @@ impl Cuda {
             [Weight::Affine(g), Weight::Affine(_), Weight::Affine(d)] => {
                 let (bits, inter, up_cols, down_cols) = (g.bits, g.rows, g.cols, d.cols);
                 let shape = RoutedShape::of(bits, inter, up_cols, down_cols, hidden)?;
+                let tiled = self.expert_tiles.get() && matches!(bits, 4 | 2);
                 for e in 0..experts.count {
                     let [Weight::Affine(g), Weight::Affine(u), Weight::Affine(d)] =
                         (experts.weights)(e)
@@ -2952,7 +2954,6 @@ impl Cuda {
                     {
                         return None;
                     }
-                    let tiled = self.expert_tiles.get() && matches!(bits, 4 | 2);
                     for m in [g, u, d] {
                         let dev = self.device_affine(&m, false);
                         table.push(dev.words.device_ptr(&self.stream).0);
