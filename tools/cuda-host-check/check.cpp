@@ -947,6 +947,121 @@ double check_routed_affine(int bits, int hidden, int inter, int experts, int top
                : INFINITY;
 }
 
+// ---- A prompt's grouped expert GEMMs (expert_mma_gate_up_q*, expert_mma_down_q*) ----
+
+using GemmGateUp = void (*)(const unsigned long long*, const unsigned*, const unsigned*,
+                            const unsigned*, const float*, float*, int, int, int);
+using GemmDown = void (*)(const unsigned long long*, const unsigned*, const unsigned*,
+                          const unsigned*, const float*, const float*, float*, int, int, int);
+
+// `rows` input rows each routed to `top_k` distinct experts of `experts` (hidden × inter;
+// down's input padded to down_cols), grouped by expert as moe_group_pairs leaves them:
+// a GROUP_ENTRY table (the expert's nine pointers, its first grouped pair and count),
+// each grouped pair's row and weight, and (group, first pair) tiles of MMA_BM pairs.
+// Gate/up (SiLU · up a grouped pair) and down (each pair's weighted output added into its
+// row) against the definition; down reads the reference's h so its error is its own.
+// With `tiled` (4 and 2 bits) the experts are in unit tiles, and both outputs must be the
+// row-major kernels' to the bit.
+double check_expert_gemm(int bits, int hidden, int inter, int down_cols, int experts,
+                         int rows, int top_k, bool tiled) {
+    AffineExperts ex(bits, hidden, inter, experts, down_cols);
+    ex.tile();
+    std::vector<float> x((size_t)rows * hidden);
+    for (auto& v : x) v = normal();
+    // Each row's experts: a random draw of top_k, each with a positive weight.
+    std::vector<std::vector<std::pair<int, float>>> by_expert(experts);
+    for (int r = 0; r < rows; r++) {
+        std::vector<int> ids(experts);
+        for (int e = 0; e < experts; e++) ids[e] = e;
+        std::shuffle(ids.begin(), ids.end(), rng);
+        for (int k = 0; k < top_k; k++)
+            by_expert[ids[k]].push_back({r, 0.1f + std::abs(normal())});
+    }
+    auto run = [&](bool in_tiles, std::vector<float>& h, std::vector<float>& out,
+                   const std::vector<float>& h_in) {
+        const auto& experts_table = in_tiles ? ex.tiled_table : ex.table;
+        std::vector<unsigned long long> table;
+        std::vector<unsigned> pair_rows, tiles;
+        std::vector<float> scales;
+        int g = 0;
+        for (int e = 0; e < experts; e++) {
+            if (by_expert[e].empty()) continue;
+            for (int i = 0; i < ROUTED_ENTRY; i++) table.push_back(experts_table[e * ROUTED_ENTRY + i]);
+            table.push_back(pair_rows.size());
+            table.push_back(by_expert[e].size());
+            for (size_t first = 0; first < by_expert[e].size(); first += MMA_BM)
+                tiles.insert(tiles.end(), {(unsigned)g, (unsigned)first});
+            for (auto [r, w] : by_expert[e]) {
+                pair_rows.push_back(r);
+                scales.push_back(w);
+            }
+            g++;
+        }
+        GemmGateUp gate_up = bits == 4 ? (in_tiles ? expert_mma_gate_up_tiled_q4 : expert_mma_gate_up_q4)
+                             : bits == 3 ? expert_mma_gate_up_q3
+                                         : (in_tiles ? expert_mma_gate_up_tiled_q2 : expert_mma_gate_up_q2);
+        GemmDown down = bits == 4 ? (in_tiles ? expert_mma_down_tiled_q4 : expert_mma_down_q4)
+                        : bits == 3 ? expert_mma_down_q3
+                                    : (in_tiles ? expert_mma_down_tiled_q2 : expert_mma_down_q2);
+        unsigned n_tiles = tiles.size() / 2;
+        shim::launch({(unsigned)(inter + MMA_BN - 1) / MMA_BN, n_tiles, 1}, {128, 1, 1}, 0, [&] {
+            gate_up(table.data(), tiles.data(), nullptr, pair_rows.data(), x.data(), h.data(), inter,
+                    hidden, hidden);
+        });
+        // The down GEMM adds into its rows: they start at zero, as the backend fills them.
+        std::fill(out.begin(), out.end(), 0.0f);
+        shim::launch({(unsigned)(hidden + MMA_BN - 1) / MMA_BN, n_tiles, 1}, {128, 1, 1}, 0, [&] {
+            down(table.data(), tiles.data(), nullptr, pair_rows.data(), scales.data(), h_in.data(),
+                 out.data(), hidden, down_cols, inter);
+        });
+        return pair_rows;
+    };
+    size_t pairs = (size_t)rows * top_k;
+    std::vector<double> want_h(pairs * inter), want_out((size_t)rows * hidden, 0.0);
+    {
+        size_t p = 0;
+        for (int e = 0; e < experts; e++)
+            for (auto [r, w] : by_expert[e]) {
+                const float* xr = &x[(size_t)r * hidden];
+                for (int o = 0; o < inter; o++) {
+                    double gv = AffineExperts::product(ex.ex[e][0], xr, o);
+                    double uv = AffineExperts::product(ex.ex[e][1], xr, o);
+                    want_h[p * inter + o] = gv / (1.0 + std::exp(-gv)) * uv;
+                }
+                p++;
+            }
+    }
+    // Down's input: the reference's h, its rows padded with zeros to down_cols.
+    std::vector<float> h_in(want_h.begin(), want_h.end());
+    {
+        size_t p = 0;
+        std::vector<float> padded(down_cols, 0.0f);
+        for (int e = 0; e < experts; e++)
+            for (auto [r, w] : by_expert[e]) {
+                std::copy_n(&h_in[p * inter], inter, padded.begin());
+                for (int o = 0; o < hidden; o++)
+                    want_out[(size_t)r * hidden + o] +=
+                        w * AffineExperts::product(ex.ex[e][2], padded.data(), o);
+                p++;
+            }
+    }
+    std::vector<float> h(pairs * inter, NAN), out((size_t)rows * hidden, NAN);
+    run(false, h, out, h_in);
+    double eh = rel_err(h, want_h), eo = rel_err(out, want_out);
+    bool same = true;
+    if (tiled) {
+        std::vector<float> th(pairs * inter, NAN), tout((size_t)rows * hidden, NAN);
+        run(true, th, tout, h_in);
+        same = std::memcmp(th.data(), h.data(), h.size() * 4) == 0 &&
+               std::memcmp(tout.data(), out.data(), out.size() * 4) == 0;
+    }
+    std::printf("grouped GEMMs q%d %d x %d (down %d wide), %d rows top-%d of %d: gate/up %.2e, "
+                "down %.2e%s\n",
+                bits, hidden, inter, down_cols, rows, top_k, experts, eh, eo,
+                tiled ? (same ? ", in tiles: same bits" : ", in tiles: DIFFERENT") : "");
+    return same ? std::max(eh, eo) : INFINITY;
+}
+
 // ---- A decode step's MoE layer in one launch (moe_step_q*) ----
 
 using MoeStep = void (*)(const unsigned short*, const float*, float*, const unsigned char*, int,
@@ -1097,8 +1212,8 @@ double check_advance(int dim) {
 
 }  // namespace
 
-// With an argument, only the checks whose family it names (dense, route, affine, step,
-// slices, attention, decode, routed).
+// With an argument, only the checks whose family it names (dense, route, affine, gemm,
+// step, slices, attention, decode, routed).
 int main(int argc, char** argv) {
     auto wanted = [&](const char* family) { return argc < 2 || std::string(argv[1]) == family; };
     struct Rung {
@@ -1169,6 +1284,14 @@ int main(int argc, char** argv) {
         if (bits == 3) continue;
         worst = std::max(worst, check_routed_affine(bits, 512, 192, 128, 8, true));
         worst = std::max(worst, check_routed_affine(bits, 2112, 64, 6, 2, true));
+    }
+    // A prompt's grouped GEMMs: the small fixture's 80-wide experts (a block's last warp
+    // past the rows, down's input padded to 128), experts with more pairs than a tile
+    // (several tiles a group), rows of several groups; in tiles at 4 and 2 bits.
+    for (int bits : {4, 3, 2}) {
+        if (!wanted("gemm")) break;
+        worst = std::max(worst, check_expert_gemm(bits, 256, 80, 128, 12, 40, 4, bits != 3));
+        worst = std::max(worst, check_expert_gemm(bits, 512, 192, 192, 4, 100, 2, bits != 3));
     }
     // The MoE layer in one launch: grids with fewer blocks than tiles (blocks loop, router
     // rows too) and more than the down tiles, masks.

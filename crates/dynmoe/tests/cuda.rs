@@ -1855,6 +1855,34 @@ fn moe_routed_on_the_device_matches_the_host_route() {
         check_routed(g, 128, 32, 260, Codes::Affine(2), true);
         check_routed(g, 2112, 1600, 6, Codes::Affine(3), false);
     }
+    // Experts held in unit tiles (4 and 2 bits, their only device copy): decode steps on
+    // the tiled routed kernels (early or not, by the logits, down early or not), prompts
+    // through the tiled grouped GEMMs. The one-launch step and the slices, asked for,
+    // leave them to the tiled kernels; without the tensor-core routed kernels the blocks
+    // are copied again in rows.
+    let was_tiles = g.expert_tiles();
+    g.set_expert_tiles(true);
+    for (mma, step, slices, early, logits, down) in [
+        (true, false, false, true, false, true),
+        (true, false, false, false, false, false),
+        (true, false, false, true, true, false),
+        (true, true, true, true, false, true),
+        (false, false, false, true, false, true),
+    ] {
+        g.set_routed_mma(mma);
+        g.set_moe_step(step);
+        g.set_router_routes(false);
+        g.set_routed_slices(slices);
+        g.set_gate_up_early(early);
+        g.set_route_by_logits(logits);
+        g.set_down_early(down);
+        for bits in [4, 2] {
+            check_routed(g, 256, 80, 12, Codes::Affine(bits), false);
+        }
+        check_routed(g, 128, 32, 128, Codes::Affine(4), true);
+        check_routed(g, 128, 32, 260, Codes::Affine(2), true);
+    }
+    g.set_expert_tiles(was_tiles);
     g.set_routed_mma(was);
     g.set_moe_step(was_step);
     g.set_router_routes(was_routes);

@@ -812,6 +812,32 @@ __device__ __forceinline__ void load_lane_words(const unsigned* row, int gi, int
     }
 }
 
+// A matrix in unit tiles (TILED; 4 and 2 bits): the lane words of unit (tile t, group gi)
+// are contiguous, lane l's at ((t·groups + gi)·32 + l)·W (W = 4 at 4 bits: row g's two
+// words, then row g + 8's; 2 at 2 bits: row g's word, then row g + 8's), and the unit's
+// scales and biases at ((t·groups + gi)·16 + r)·2 (+1 for the bias) for its row r. A
+// warp's unit is then 4 (or 2) whole cache lines and one 64-byte piece, where rows take
+// 16 lines and 16 pieces: the LM head's rounds stream ~16% faster
+// (tools/gpu-microbench). The words' bits are the store's, so decode_fragments applies.
+template <int BITS>
+__device__ __forceinline__ void load_tile_words(const unsigned* words, size_t unit, int lane,
+                                                unsigned (&w)[2][2]) {
+    static_assert(BITS == 4 || BITS == 2, "tiles of 4- and 2-bit words");
+    if (BITS == 4) {
+        uint4 v = reinterpret_cast<const uint4*>(words)[unit * WARP + lane];
+        w[0][0] = v.x;
+        w[0][1] = v.y;
+        w[1][0] = v.z;
+        w[1][1] = v.w;
+    } else {
+        uint2 v = reinterpret_cast<const uint2*>(words)[unit * WARP + lane];
+        w[0][0] = v.x;
+        w[0][1] = 0u;
+        w[1][0] = v.y;
+        w[1][1] = 0u;
+    }
+}
+
 __device__ __forceinline__ unsigned sub_f16x2(unsigned x, unsigned y) {
     unsigned r = 0;
 #if __CUDA_ARCH__ >= 800
@@ -909,7 +935,10 @@ __device__ __forceinline__ void add_down_fragments(const float (&acc)[2][2][4], 
 // `*tiles_n`, when given, do nothing); blockIdx.x picks MMA_BN output rows. GATED (gate and up, table entries 0 and 1): input row r is x[x_rows[p]],
 // out[p] = silu(gate) ⊙ up for pair p. Otherwise (down, entry 2): input row r is x[p] and
 // out[x_rows[p]] += pair_scales[p] · down, atomically (a token's experts add into its row).
-template <int BITS, bool GATED>
+// With TILED (4 and 2 bits) the matrices are in unit tiles (load_tile_words): a warp's 16
+// output rows are one tile, the entry's scales point at the tiles' scales and biases and
+// its biases are not read.
+template <int BITS, bool GATED, bool TILED = false>
 __device__ void expert_mma(const unsigned long long* table, const unsigned* tiles,
                            const unsigned* tiles_n, const unsigned* x_rows,
                            const float* pair_scales, const float* x, float* out, int rows,
@@ -943,7 +972,8 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
     int groups = cols / 64;
     size_t stride = row_words<BITS>(cols);
     // The lane's two output rows (one per n8 fragment); a row past the matrix reads row 0
-    // and is never stored.
+    // and is never stored. In tiles, the warp's rows are tile `tile` (past the matrix:
+    // tile 0, never stored).
     const unsigned* wrow[M][2];
 #pragma unroll
     for (int m = 0; m < M; m++)
@@ -952,6 +982,7 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
             int o = n0 + 16 * warp + 8 * jt + g;
             wrow[m][jt] = words[m] + (o < rows ? o : 0) * stride;
         }
+    size_t tile = n0 + 16 * warp < rows ? (size_t)(n0 / 16 + warp) : 0;
     // This thread's share of the x tile: row t/4, columns 16·(t%4) .. +16 of the group.
     int xr = t >> 2, xq = t & 3;
     const float* xrow = nullptr;
@@ -975,13 +1006,26 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
     auto fetch = [&](int gi) {
         load_x16(xrow, gi * 64 + 16 * xq, in_dim, vec, v);
 #pragma unroll
-        for (int m = 0; m < M; m++)
+        for (int m = 0; m < M; m++) {
+            if constexpr (TILED)
+                load_tile_words<BITS>(words[m], tile * groups + gi, lane, w[m]);
+            else
 #pragma unroll
-            for (int jt = 0; jt < 2; jt++) load_lane_words<BITS>(wrow[m][jt], gi, q, w[m][jt]);
+                for (int jt = 0; jt < 2; jt++)
+                    load_lane_words<BITS>(wrow[m][jt], gi, q, w[m][jt]);
+        }
         if (scaler) {
-            size_t sg = (size_t)so * groups + gi;
-            sraw = my_scales[sg];
-            braw = my_biases[sg];
+            if constexpr (TILED) {
+                // The row's scale and bias, side by side in its unit.
+                unsigned sb = reinterpret_cast<const unsigned*>(
+                    my_scales)[((size_t)(so / 16) * groups + gi) * 16 + so % 16];
+                sraw = (unsigned short)(sb & 0xffffu);
+                braw = (unsigned short)(sb >> 16);
+            } else {
+                size_t sg = (size_t)so * groups + gi;
+                sraw = my_scales[sg];
+                braw = my_biases[sg];
+            }
         }
     };
 
@@ -1087,25 +1131,29 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
     }
 }
 
-#define EXPERT_MMA_ENTRY(B)                                                                    \
-    extern "C" __global__ void __launch_bounds__(128, 3) expert_mma_gate_up_q##B(              \
+// NAME as ROUTED_MMA's: q4, q3, q2, and tiled_q4, tiled_q2 for experts in unit tiles.
+#define EXPERT_MMA_ENTRY(B, NAME, TILED)                                                       \
+    extern "C" __global__ void __launch_bounds__(128, 3) expert_mma_gate_up_##NAME(            \
         const unsigned long long* table, const unsigned* tiles, const unsigned* tiles_n,       \
         const unsigned* x_rows, const float* x, float* h, int rows, int cols, int in_dim) {    \
         PDL_ENTRY();                                                                           \
-        expert_mma<B, true>(table, tiles, tiles_n, x_rows, nullptr, x, h, rows, cols, in_dim); \
+        expert_mma<B, true, TILED>(table, tiles, tiles_n, x_rows, nullptr, x, h, rows, cols,   \
+                                   in_dim);                                                    \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) expert_mma_down_q##B(                    \
+    extern "C" __global__ void __launch_bounds__(128) expert_mma_down_##NAME(                  \
         const unsigned long long* table, const unsigned* tiles, const unsigned* tiles_n,       \
         const unsigned* x_rows, const float* pair_scales, const float* h, float* out,          \
         int rows, int cols, int in_dim) {                                                      \
         PDL_ENTRY();                                                                           \
-        expert_mma<B, false>(table, tiles, tiles_n, x_rows, pair_scales, h, out, rows, cols,   \
-                             in_dim);                                                          \
+        expert_mma<B, false, TILED>(table, tiles, tiles_n, x_rows, pair_scales, h, out, rows,  \
+                                    cols, in_dim);                                             \
     }
 
-EXPERT_MMA_ENTRY(4)
-EXPERT_MMA_ENTRY(3)
-EXPERT_MMA_ENTRY(2)
+EXPERT_MMA_ENTRY(4, q4, false)
+EXPERT_MMA_ENTRY(3, q3, false)
+EXPERT_MMA_ENTRY(2, q2, false)
+EXPERT_MMA_ENTRY(4, tiled_q4, true)
+EXPERT_MMA_ENTRY(2, tiled_q2, true)
 
 // Device-to-device copy at full width, the bandwidth ceiling kernels are compared with.
 extern "C" __global__ void copy_f4(const float4* src, float4* dst, long long n4) {
@@ -1568,31 +1616,13 @@ struct TileLanes {
     }
 };
 
-// A matrix in unit tiles (TILED; 4 and 2 bits): the lane words of unit (tile t, group gi)
-// are contiguous, lane l's at ((t·groups + gi)·32 + l)·W (W = 4 at 4 bits: row g's two
-// words, then row g + 8's; 2 at 2 bits: row g's word, then row g + 8's), and the unit's
-// scales and biases at ((t·groups + gi)·16 + r)·2 (+1 for the bias) for its row r. A
-// warp's unit is then 4 (or 2) whole cache lines and one 64-byte piece, where rows take
-// 16 lines and 16 pieces: the LM head's rounds stream ~16% faster
-// (tools/gpu-microbench). The words' bits are the store's, so decode_fragments applies.
+// The lane's words of a unit in tiles and its quad item of the scales and biases (as
+// load_unit).
 template <int BITS>
 __device__ __forceinline__ void load_unit_tiled(const unsigned* words, const unsigned short* sb,
                                                 size_t unit, int lane, int g, int q,
                                                 unsigned (&w)[2][2], unsigned short& s) {
-    static_assert(BITS == 4 || BITS == 2, "tiles of 4- and 2-bit words");
-    if (BITS == 4) {
-        uint4 v = reinterpret_cast<const uint4*>(words)[unit * WARP + lane];
-        w[0][0] = v.x;
-        w[0][1] = v.y;
-        w[1][0] = v.z;
-        w[1][1] = v.w;
-    } else {
-        uint2 v = reinterpret_cast<const uint2*>(words)[unit * WARP + lane];
-        w[0][0] = v.x;
-        w[0][1] = 0u;
-        w[1][0] = v.y;
-        w[1][1] = 0u;
-    }
+    load_tile_words<BITS>(words, unit, lane, w);
     s = sb[(unit * RMMA_ROWS + (q < 2 ? g : g + 8)) * 2 + (q & 1)];
 }
 

@@ -341,12 +341,11 @@ struct DeviceAffine {
     /// Host words sampled when it was copied (first, middle, last).
     fingerprint: [u32; 3],
     /// The same matrix in unit tiles ([`unit_tiles`]), made with the row-major copy where
-    /// one-row products read it so ([`Cuda::tiles_take`]), or when a routed block of
-    /// experts in tiles is built.
-    tiles: std::sync::OnceLock<DeviceTiles>,
+    /// one-row products read it so ([`Cuda::tiles_take`]).
+    tiles: Option<DeviceTiles>,
 }
 
-/// An affine matrix on the device in unit tiles, as `dense_mma_*tiled_q*` read it.
+/// An affine matrix on the device in unit tiles, as the `*_tiled_q*` kernels read it.
 struct DeviceTiles {
     words: CudaSlice<u32>,
     /// Each unit's scales and biases, row by row.
@@ -587,10 +586,6 @@ type Constant = (Vec<f32>, Arc<CudaSlice<f32>>);
 /// down pointers in one table indexed by expert id.
 struct RoutedBlock {
     table: CudaSlice<u64>,
-    /// The same table pointing at the experts' copies in unit tiles, for the one-row
-    /// routed kernels (`routed_mma_*_tiled_*`), where they are made
-    /// ([`Cuda::set_expert_tiles`]).
-    tiles_table: Option<CudaSlice<u64>>,
     /// The copies the table points into, kept alive with it.
     _weights: Vec<Arc<dyn Send + Sync>>,
     /// What confirms the block's id: it is trusted only while this still matches.
@@ -604,6 +599,10 @@ struct RoutedBlock {
 #[derive(Debug, Clone, Copy)]
 struct RoutedShape {
     bits: u32,
+    /// Whether the experts' only device copy is in unit tiles ([`unit_tiles`],
+    /// [`Cuda::experts_tiled`]), which the kernels named `*_tiled_q*` read; otherwise
+    /// rows, as a record stores them.
+    tiled: bool,
     /// Expert width (rows of gate and up).
     inter: usize,
     /// Stored columns of gate and up, and of down.
@@ -629,10 +628,21 @@ impl RoutedShape {
             && fits(down_cols))
         .then_some(RoutedShape {
             bits,
+            tiled: false,
             inter,
             up_cols,
             down_cols,
         })
+    }
+
+    /// The suffix of the affine kernels that read these experts: `q4`, or `tiled_q4`.
+    fn kernels(&self) -> String {
+        let bits = bits_suffix(self.bits);
+        if self.tiled {
+            format!("tiled_{bits}")
+        } else {
+            bits.to_string()
+        }
     }
 }
 
@@ -766,8 +776,6 @@ struct Routed<'a> {
     kind: RoutedKind,
     /// Device address of the `[E, ROUTED_ENTRY]` pointer table.
     table: u64,
-    /// Device address of that table over the experts in unit tiles (0: none).
-    tiles_table: u64,
     /// Device address of the `[E]` byte mask (0: every expert may be chosen).
     keep: u64,
     experts: usize,
@@ -790,7 +798,8 @@ struct Routed<'a> {
 /// weight, the input rows, the SiLU outputs `[pairs, inter]` and the rows the down
 /// products add into; and the shapes.
 struct ExpertGemms {
-    bits: u32,
+    /// The kernels' suffix ([`RoutedShape::kernels`]).
+    kernels: String,
     table: u64,
     tiles: u64,
     grid_tiles: usize,
@@ -935,9 +944,8 @@ pub struct Cuda {
     /// default; their bytes again in device memory), or only the LM head's
     /// (`DYNMOE_CUDA_DENSE_TILES=0`).
     dense_tiles: Switch<bool>,
-    /// Whether fully resident 4- and 2-bit experts also get copies in unit tiles that a
-    /// decode step's routed kernels read (`DYNMOE_CUDA_EXPERT_TILES=1`; their bytes
-    /// again in device memory).
+    /// Whether fully resident 4- and 2-bit experts are held in unit tiles instead of rows
+    /// where every launch that reads them takes tiles (`DYNMOE_CUDA_EXPERT_TILES=1`).
     expert_tiles: Switch<bool>,
     /// Whether a decode step's attention blocks do its preamble themselves
     /// (`attention_step_*`, `DYNMOE_CUDA_STEP_ATTENTION=1`) or the preamble takes a launch
@@ -1800,12 +1808,19 @@ impl Cuda {
         self.dense_tiles.set(on);
     }
 
-    /// Whether fully resident 4- and 2-bit experts get a copy in unit tiles that a decode
-    /// step's routed gate/up and down kernels read, or those read the rows (the
-    /// default), to measure one against the other. Blocks already on the device keep
-    /// their way.
+    /// Whether fully resident 4- and 2-bit experts are held in unit tiles (their only
+    /// device copy: decode's routed kernels and the prompt's grouped GEMMs read tiles) or
+    /// in rows, to measure one against the other; see
+    /// [`experts_tiled`](Self::experts_tiled). A block already on the device is copied
+    /// again the other way when next routed.
     pub fn set_expert_tiles(&self, on: bool) {
         self.expert_tiles.set(on);
+    }
+
+    /// Whether fully resident 4- and 2-bit experts are held in unit tiles (see
+    /// [`set_expert_tiles`](Self::set_expert_tiles)).
+    pub fn expert_tiles(&self) -> bool {
+        self.expert_tiles.get()
     }
 
     /// Whether one-row products of the LM head (and any matrix the launch streams round
@@ -2355,13 +2370,10 @@ impl Cuda {
                 "upload",
             ),
             fingerprint: print,
-            tiles: std::sync::OnceLock::new(),
+            // The row-major copy stays for the other kernels (the prompt's GEMMs); the
+            // tiles cost the matrix's bytes again.
+            tiles: (dense && self.tiles_take(w)).then(|| self.upload_tiles(w)),
         });
-        // The row-major copy stays for the other kernels (the prompt's GEMMs); the tiles
-        // cost the matrix's bytes again.
-        if dense && self.tiles_take(w) {
-            let _ = d.tiles.set(self.upload_tiles(w));
-        }
         cache.insert(key, d.clone());
         d
     }
@@ -2474,7 +2486,7 @@ impl Cuda {
             // Unused slots repeat the first matrix with no rows.
             let (d, rows, o) = mats.get(i).copied().unwrap_or((mats[0].0, 0, mats[0].2));
             let r = rows as i32;
-            match d.tiles.get().filter(|_| tiled) {
+            match d.tiles.as_ref().filter(|_| tiled) {
                 // The tiled kernels read scales and biases from one buffer.
                 Some(t) => l.arg(&t.words).arg(&t.sb).arg(&t.sb),
                 None => l.arg(&d.words).arg(&d.scales).arg(&d.biases),
@@ -2550,7 +2562,7 @@ impl Cuda {
     /// later: a first use may come while a step is being recorded, where no upload may
     /// run).
     fn tiles_of<'d>(&self, w: &AffineView<'_>, d: &'d DeviceAffine) -> Option<&'d DeviceTiles> {
-        d.tiles.get().filter(|_| self.tiles_take(w))
+        d.tiles.as_ref().filter(|_| self.tiles_take(w))
     }
 
     /// The products [`dense_mma_takes`](Self::dense_mma_takes) took, into `outs`.
@@ -2735,7 +2747,7 @@ impl Cuda {
             // A grid's y extent is at most 65 535 tiles; longer prompts take several.
             for t0 in (0..tiles).step_by(65_535) {
                 self.launch_expert_gemms(&ExpertGemms {
-                    bits,
+                    kernels: suffix.to_string(),
                     table: at(&table_v),
                     tiles: at(&meta.slice(tiles_at + 2 * t0..)),
                     grid_tiles: (tiles - t0).min(65_535),
@@ -2901,44 +2913,63 @@ impl Cuda {
     }
 
     /// The device table of a block's experts, built (every expert copied to the device)
-    /// the first time the block is routed here; `None` when its experts are not affine
+    /// the first time the block is routed here, with `top_k` experts a row, and again
+    /// when its experts' layout no longer suits the kernels switched on
+    /// ([`experts_tiled`](Self::experts_tiled)); `None` when its experts are not affine
     /// matrices of one shape the routed kernels take.
     fn routed_block<'m>(
         &self,
         map: &'m mut HashMap<usize, RoutedBlock>,
         experts: &RoutedExperts<'_, DeviceMatrix>,
         hidden: usize,
+        top_k: usize,
     ) -> Option<&'m mut RoutedBlock> {
         let check = routed_check(experts)?;
-        if map.get(&experts.id).is_some_and(|b| b.check != check) {
+        let stale = |b: &RoutedBlock| {
+            b.check != check
+                || matches!(b.kind, RoutedKind::Affine(s) if s.tiled != self.experts_tiled(s, top_k))
+        };
+        if map.get(&experts.id).is_some_and(stale) {
             self.drop_graphs();
             map.remove(&experts.id);
         }
         match map.entry(experts.id) {
             std::collections::hash_map::Entry::Occupied(o) => Some(o.into_mut()),
             std::collections::hash_map::Entry::Vacant(v) => {
-                Some(v.insert(self.build_routed(experts, hidden, check)?))
+                Some(v.insert(self.build_routed(experts, hidden, top_k, check)?))
             }
         }
     }
 
+    /// Whether a block of experts of `shape` (4 or 2 bits), `top_k` a row, is held in
+    /// unit tiles: with [`set_expert_tiles`](Self::set_expert_tiles), where every launch
+    /// that may read it takes tiles — one to [`ROUTED_MAX_ROWS`] rows on the tensor-core
+    /// routed kernels, more through the grouped GEMMs (the other routed kernels, the
+    /// slices and the one-launch step read rows).
+    fn experts_tiled(&self, shape: RoutedShape, top_k: usize) -> bool {
+        self.expert_tiles.get()
+            && matches!(shape.bits, 4 | 2)
+            && self.tensor_cores()
+            && self.routed_mma_takes(shape, top_k)
+    }
+
     /// Copies every expert of a block to the device and tables their pointers: gate, up
-    /// and down in turn, each as its codes, then its scales and biases (affine) or its
-    /// norms and rotation sign bits (VQ).
+    /// and down in turn, each as its codes, then its scales and biases (affine: in tiles,
+    /// the tiles' scales and biases twice) or its norms and rotation sign bits (VQ).
     fn build_routed(
         &self,
         experts: &RoutedExperts<'_, DeviceMatrix>,
         hidden: usize,
+        top_k: usize,
         check: RoutedCheck,
     ) -> Option<RoutedBlock> {
         let mut table = Vec::with_capacity(experts.count * ROUTED_ENTRY);
-        let mut tiles_table = Vec::new();
         let mut weights: Vec<Arc<dyn Send + Sync>> = Vec::with_capacity(experts.count * 3);
         let kind = match (experts.weights)(0) {
             [Weight::Affine(g), Weight::Affine(_), Weight::Affine(d)] => {
                 let (bits, inter, up_cols, down_cols) = (g.bits, g.rows, g.cols, d.cols);
-                let shape = RoutedShape::of(bits, inter, up_cols, down_cols, hidden)?;
-                let tiled = self.expert_tiles.get() && matches!(bits, 4 | 2);
+                let mut shape = RoutedShape::of(bits, inter, up_cols, down_cols, hidden)?;
+                shape.tiled = self.experts_tiled(shape, top_k);
                 for e in 0..experts.count {
                     let [Weight::Affine(g), Weight::Affine(u), Weight::Affine(d)] =
                         (experts.weights)(e)
@@ -2955,16 +2986,18 @@ impl Cuda {
                         return None;
                     }
                     for m in [g, u, d] {
-                        let dev = self.device_affine(&m, false);
-                        table.push(dev.words.device_ptr(&self.stream).0);
-                        table.push(dev.scales.device_ptr(&self.stream).0);
-                        table.push(dev.biases.device_ptr(&self.stream).0);
-                        if tiled {
-                            let t = dev.tiles.get_or_init(|| self.upload_tiles(&m));
+                        if shape.tiled {
+                            let t = self.upload_tiles(&m);
                             let sb = t.sb.device_ptr(&self.stream).0;
-                            tiles_table.extend([t.words.device_ptr(&self.stream).0, sb, sb]);
+                            table.extend([t.words.device_ptr(&self.stream).0, sb, sb]);
+                            weights.push(Arc::new(t));
+                        } else {
+                            let dev = self.device_affine(&m, false);
+                            table.push(dev.words.device_ptr(&self.stream).0);
+                            table.push(dev.scales.device_ptr(&self.stream).0);
+                            table.push(dev.biases.device_ptr(&self.stream).0);
+                            weights.push(dev);
                         }
-                        weights.push(dev);
                     }
                 }
                 RoutedKind::Affine(shape)
@@ -2996,8 +3029,6 @@ impl Cuda {
         };
         Some(RoutedBlock {
             table: ok(self.stream.clone_htod(&table), "upload"),
-            tiles_table: (!tiles_table.is_empty())
-                .then(|| ok(self.stream.clone_htod(&tiles_table), "upload")),
             _weights: weights,
             check,
             kind,
@@ -3026,6 +3057,7 @@ impl Cuda {
         let (e, k) = (r.experts, r.route.top_k);
         let shared = moe_step_shared(e, k, shape.up_cols, shape.down_cols);
         if rows != 1
+            || shape.tiled
             || !(self.moe_step() && self.routed_mma())
             || e > ROUTE_SHARED_MAX
             || !hidden.is_multiple_of(8)
@@ -3097,7 +3129,8 @@ impl Cuda {
     ) -> bool {
         let (e, k) = (r.experts, r.route.top_k);
         let shared = slice_shared(shape.bits, shape.up_cols, e, k);
-        if !(self.routed_slices() && self.routed_mma())
+        if shape.tiled
+            || !(self.routed_slices() && self.routed_mma())
             || e > ROUTE_SHARED_MAX
             || shared > self.slices_shared
             || shape.inter.div_ceil(SLICE_ROWS) > shape.down_cols / GROUP_SIZE
@@ -3219,10 +3252,7 @@ impl Cuda {
             let block = ((RMMA_WARPS * 32) as u32, 1, 1);
             let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
             // The experts in unit tiles where the block has them.
-            let (table, suffix) = match r.tiles_table {
-                0 => (r.table, suffix.to_string()),
-                t => (t, format!("tiled_{suffix}")),
-            };
+            let (table, suffix) = (r.table, shape.kernels());
             let mut l = self.launcher(self.func(&format!("routed_mma_gate_up_{suffix}")));
             l.arg(&table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
             l.arg(&ids).arg(&weights).arg(&ki).arg(&x).arg(&g);
@@ -3269,6 +3299,11 @@ impl Cuda {
             ok(unsafe { l.launch(down) }, "routed down on tensor cores");
             return;
         }
+        // Experts in tiles are held so only where routed_mma_takes them (experts_tiled).
+        assert!(
+            !shape.tiled,
+            "experts in tiles reached the row-major routed kernels"
+        );
         if !r.routed {
             self.launch_route(r, rows, probs, ids, weights);
         }
@@ -3809,7 +3844,7 @@ impl Cuda {
         let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
         self.fill_at(out, 0.0, rows * hidden);
         self.launch_expert_gemms(&ExpertGemms {
-            bits: shape.bits,
+            kernels: shape.kernels(),
             table: groups.table.device_ptr(&self.stream).0,
             tiles: at(&groups.tiles),
             grid_tiles: groups.most_tiles,
@@ -3870,7 +3905,7 @@ impl Cuda {
     /// SiLU into `h`, then down with each pair's weighted output added into its row of
     /// `out`.
     fn launch_expert_gemms(&self, g: &ExpertGemms) {
-        let suffix = bits_suffix(g.bits);
+        let suffix = &g.kernels;
         let grid = |outputs: usize| LaunchConfig {
             grid_dim: (
                 outputs.div_ceil(EXPERT_TILE_OUTPUTS) as u32,
@@ -4980,7 +5015,7 @@ impl Backend for Cuda {
             return false;
         }
         let mut map = self.routed.lock().expect("routed blocks lock");
-        let Some(block) = self.routed_block(&mut map, experts, hidden) else {
+        let Some(block) = self.routed_block(&mut map, experts, hidden, k) else {
             return false;
         };
         match block.kind {
@@ -5019,14 +5054,9 @@ impl Backend for Cuda {
         };
         let kind = block.kind;
         let table = block.table.device_ptr(&self.stream).0;
-        let tiles_table = block
-            .tiles_table
-            .as_ref()
-            .map_or(0, |t| t.device_ptr(&self.stream).0);
         let routed = Routed {
             kind,
             table,
-            tiles_table,
             keep,
             experts: e,
             route,
@@ -5111,7 +5141,6 @@ impl Backend for Cuda {
         let routed = Routed {
             kind: slots.kind,
             table: slots.table_at(),
-            tiles_table: 0,
             keep: slots.keep_at(),
             experts: e,
             route,
