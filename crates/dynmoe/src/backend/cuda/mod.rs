@@ -421,7 +421,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 125] = [
+const KERNEL_NAMES: [&str; 129] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -462,9 +462,13 @@ const KERNEL_NAMES: [&str; 125] = [
     "expert_mma_gate_up_q4",
     "expert_mma_gate_up_q3",
     "expert_mma_gate_up_q2",
+    "expert_mma_gate_up_tiled_q4",
+    "expert_mma_gate_up_tiled_q2",
     "expert_mma_down_q4",
     "expert_mma_down_q3",
     "expert_mma_down_q2",
+    "expert_mma_down_tiled_q4",
+    "expert_mma_down_tiled_q2",
     "copy_f4",
     "moe_route",
     "moe_combine",
@@ -5476,12 +5480,11 @@ mod tests {
         );
     }
 
-    #[test]
-    fn every_kernel_the_source_names_is_loaded() {
-        // A literal name must be in KERNEL_NAMES for the host to find its function; a
-        // macro's (`dense_mma_q##B`) by at least one name it makes.
-        let mut missing = Vec::new();
-        for part in super::SOURCE.split("__global__ void").skip(1) {
+    /// The names `__global__` entries take in `source`: a literal name as written, a
+    /// macro's (`expert_mma_gate_up_##NAME`) once per top-level use of the macro, with
+    /// each `##PARAM` replaced by that use's argument.
+    fn kernel_entries(source: &str) -> Vec<String> {
+        let name_after = |part: &str| {
             let mut rest = part.trim_start();
             if let Some(bounds) = rest.strip_prefix("__launch_bounds__") {
                 // A macro's definition may go on past a line's backslash.
@@ -5493,18 +5496,73 @@ mod tests {
             let end = rest
                 .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == '#'))
                 .unwrap_or(rest.len());
-            let name = &rest[..end];
-            let known = match name.split_once("##") {
-                Some((prefix, _)) => super::KERNEL_NAMES.iter().any(|k| k.starts_with(prefix)),
-                None => super::KERNEL_NAMES.contains(&name),
-            };
-            if !known {
-                missing.push(name.to_string());
+            rest[..end].to_string()
+        };
+        let mut names = Vec::new();
+        let mut at = 0;
+        while let Some(found) = source[at..].find("__global__ void") {
+            let start = at + found;
+            at = start + "__global__ void".len();
+            let name = name_after(&source[at..]);
+            if !name.contains("##") {
+                names.push(name);
+                continue;
+            }
+            // The macro that holds this entry: the last `#define M(params)` before it.
+            let define = source[..start]
+                .rfind("#define ")
+                .expect("a macro entry's #define");
+            let head = &source[define + "#define ".len()..];
+            let (macro_name, rest) = head.split_once('(').expect("a macro with parameters");
+            let params: Vec<&str> = rest
+                .split_once(')')
+                .expect("a parameter list")
+                .0
+                .split(',')
+                .map(str::trim)
+                .collect();
+            let uses = source.lines().filter_map(|line| {
+                line.strip_prefix(macro_name)?
+                    .strip_prefix('(')?
+                    .split_once(')')
+                    .map(|(args, _)| args)
+            });
+            for args in uses {
+                let args: Vec<&str> = args.split(',').map(str::trim).collect();
+                let mut expanded = name.clone();
+                for (param, arg) in params.iter().zip(&args) {
+                    expanded = expanded.replace(&format!("##{param}"), arg);
+                }
+                names.push(expanded);
             }
         }
+        names
+    }
+
+    #[test]
+    fn every_kernel_the_source_defines_is_loaded() {
+        // The host finds a function only by a name in KERNEL_NAMES, and a name there that
+        // the source lacks fails the module's load.
+        let entries = kernel_entries(super::SOURCE);
+        assert!(
+            entries.iter().any(|e| e == "expert_mma_down_tiled_q2"),
+            "macro uses expand: {entries:?}"
+        );
+        let missing: Vec<_> = entries
+            .iter()
+            .filter(|e| !super::KERNEL_NAMES.contains(&e.as_str()))
+            .collect();
         assert!(
             missing.is_empty(),
             "kernels not in KERNEL_NAMES: {missing:?}"
+        );
+        let unknown: Vec<_> = super::KERNEL_NAMES
+            .iter()
+            .filter(|k| !entries.iter().any(|e| e == *k))
+            .collect();
+        assert!(
+            unknown.is_empty(),
+            "KERNEL_NAMES the source does not define: {unknown:?}"
         );
     }
 
