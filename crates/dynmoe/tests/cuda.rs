@@ -1805,6 +1805,7 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     // through the grouped GEMMs). Then 128 experts (a warp routes a row, 4 experts a lane,
     // top-8 as Qwen3-30B-A3B), with a tie, and 260 (past the warp's 256: a block routes).
     // Decode steps run both ways: on tensor cores, and through the matrix-vector kernels.
+    // First with the experts in rows, then (4 and 2 bits) in unit tiles.
     // Rows 2112 wide and experts 1600 wide give the tensor-core warps more 64-column
     // units than they load at once (33 for gate and up: 5 a warp and none for the last;
     // 4 × 26 for down), so those take a second round. On tensor cores a decode step with
@@ -1827,6 +1828,8 @@ fn moe_routed_on_the_device_matches_the_host_route() {
         g.route_by_logits(),
         g.down_early(),
     );
+    let was_tiles = g.expert_tiles();
+    g.set_expert_tiles(false);
     for (mma, step, routes, slices, early, logits, down) in [
         (true, true, false, false, true, false, true),
         (true, false, false, true, true, false, true),
@@ -1860,7 +1863,6 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     // through the tiled grouped GEMMs. The one-launch step and the slices, asked for,
     // leave them to the tiled kernels; without the tensor-core routed kernels the blocks
     // are copied again in rows.
-    let was_tiles = g.expert_tiles();
     g.set_expert_tiles(true);
     for (mma, step, slices, early, logits, down) in [
         (true, false, false, true, false, true),

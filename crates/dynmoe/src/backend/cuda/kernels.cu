@@ -1975,11 +1975,17 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
 
 // Units a warp loads at once: gate and up take two matrices a unit; a down warp of a
 // top-8 step of 768-wide experts takes 6. Gate/up blocks an SM is its launch bound. All
-// three are tunable (DYNMOE_CUDA_DEFINES): nothing on the host depends on them. Gate/up
-// at one unit a round measured fastest on the H200 (1 303 tok/s against 1 261 at four, in
-// the 12-layer Qwen3-30B-A3B shape): fewer registers, no spills.
-#ifndef RMMA_GATE_UP_UNITS
-#define RMMA_GATE_UP_UNITS 1
+// three are tunable (DYNMOE_CUDA_DEFINES; RMMA_GATE_UP_UNITS for rows and tiles alike):
+// nothing on the host depends on them. Gate/up from rows at one unit a round measured
+// fastest on the H200 (1 303 tok/s against 1 261 at four, in the 12-layer Qwen3-30B-A3B
+// shape; 1 612 against 1 586 at two, a later build), from tiles at two: a tiled unit is
+// one 16- or 8-byte load a lane where rows take two, so two units are no more loads in
+// flight than one of rows (4 bits: 1 665 tok/s against 1 653 at one and 1 624 at four;
+// 2 bits: 1 640, 1 571, 1 625).
+#ifdef RMMA_GATE_UP_UNITS
+#define RMMA_GATE_UP_UNITS_OF(TILED) RMMA_GATE_UP_UNITS
+#else
+#define RMMA_GATE_UP_UNITS_OF(TILED) ((TILED) ? 2 : 1)
 #endif
 #ifndef RMMA_DOWN_UNITS
 #define RMMA_DOWN_UNITS 6
@@ -1998,7 +2004,7 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                   const float* delta, const float* norm_w, float eps,          \
                                   int by_logits, unsigned* ready) {                            \
         PDL_LAUNCH();                                                                          \
-        routed_mma_gate_up<B, RMMA_GATE_UP_UNITS, TILED>(                                      \
+        routed_mma_gate_up<B, RMMA_GATE_UP_UNITS_OF(TILED), TILED>(                           \
             table, logits, keep, experts, renormalize, ids, weights, top_k, x, h, rows, cols,  \
             in_dim, early != 0, delta, norm_w, eps, by_logits != 0, ready);                    \
     }                                                                                          \
@@ -2869,7 +2875,7 @@ __device__ void moe_step(const unsigned short* router, const float* x, float* pr
     }
     for (int t = blockIdx.x; t < top_k * up_tiles; t += gridDim.x) {
         int pair = t / up_tiles;
-        GateUpTile<BITS, RMMA_GATE_UP_UNITS> tile(
+        GateUpTile<BITS, RMMA_GATE_UP_UNITS_OF(false)> tile(
             table + (size_t)route_ids[pair] * ROUTED_ENTRY, (t % up_tiles) * RMMA_ROWS, inter,
             up_cols);
         tile.load(tile.u0);

@@ -949,7 +949,8 @@ pub struct Cuda {
     /// (`DYNMOE_CUDA_DENSE_TILES=0`).
     dense_tiles: Switch<bool>,
     /// Whether fully resident 4- and 2-bit experts are held in unit tiles instead of rows
-    /// where every launch that reads them takes tiles (`DYNMOE_CUDA_EXPERT_TILES=1`).
+    /// where every launch that reads them takes tiles (the default; one copy either way),
+    /// or in rows (`DYNMOE_CUDA_EXPERT_TILES=0`).
     expert_tiles: Switch<bool>,
     /// Whether a decode step's attention blocks do its preamble themselves
     /// (`attention_step_*`, `DYNMOE_CUDA_STEP_ATTENTION=1`) or the preamble takes a launch
@@ -1594,7 +1595,9 @@ impl Cuda {
             fold_norms: Switch::new(!switched_off("DYNMOE_CUDA_FOLD_NORMS")),
             head_tiles: Switch::new(!switched_off("DYNMOE_CUDA_HEAD_TILES")),
             dense_tiles: Switch::new(!switched_off("DYNMOE_CUDA_DENSE_TILES")),
-            expert_tiles: Switch::new(switched_on("DYNMOE_CUDA_EXPERT_TILES")),
+            // Measured faster in a decode step at 4 and 2 bits (docs/GPU_NOTES.md), and the
+            // tiles replace the rows, so on unless switched off.
+            expert_tiles: Switch::new(!switched_off("DYNMOE_CUDA_EXPERT_TILES")),
             // Measured slower in a decode step than the preamble's own launch
             // (docs/GPU_NOTES.md), so off unless asked for.
             step_attention: Switch::new(switched_on("DYNMOE_CUDA_STEP_ATTENTION")),
@@ -2946,7 +2949,7 @@ impl Cuda {
     }
 
     /// Whether a block of experts of `shape` (4 or 2 bits), `top_k` a row, is held in
-    /// unit tiles: with [`set_expert_tiles`](Self::set_expert_tiles), where every launch
+    /// unit tiles: unless [`set_expert_tiles`](Self::set_expert_tiles) says rows, where every launch
     /// that may read it takes tiles — one to [`ROUTED_MAX_ROWS`] rows on the tensor-core
     /// routed kernels, more through the grouped GEMMs (the other routed kernels, the
     /// slices and the one-launch step read rows).
