@@ -1441,6 +1441,14 @@ extern "C" __global__ void moe_combine(const float* down, const float* weights, 
 // the step waits for, so twice the warps halve it.
 #define RMMA_DOWN_WARPS 16
 #define RMMA_ROWS 16
+// With DOWN_LAUNCH_LATE=1 the routed down kernel lets the next kernel launch only once its
+// block has staged h, not as it starts: at 2 bits a tenth of down's blocks stage h ~3 µs
+// after the median (phases_copy_q2.log; 0.5 µs at 4 bits), and the next layer's q/k/v
+// blocks, on their SMs early and loading their weights, are one suspect. A tuning switch
+// until measured.
+#ifndef DOWN_LAUNCH_LATE
+#define DOWN_LAUNCH_LATE 0
+#endif
 // A staged unit: f16x2 words [hi/lo][ks][q][h]; the lo half starts 40 words on, so the
 // two lane groups that read them (g = 0 and g = 1) fall in different banks.
 #define RMMA_HALF 40
@@ -1970,6 +1978,7 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                       in_dim, threadIdx.x, blockDim.x);
     __syncthreads();
     PHASE(1, 2);
+    if (DOWN_LAUNCH_LATE) PDL_LAUNCH();
     tile.finish(xs, xsum, red, out + (size_t)token * rows);
 }
 
@@ -2014,7 +2023,7 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                int rows, int cols, int in_dim, float* logits, int experts,     \
                                unsigned* ready) {                                              \
         PHASE(1, 0);                                                                           \
-        PDL_LAUNCH();                                                                          \
+        if (!DOWN_LAUNCH_LATE) PDL_LAUNCH();                                                   \
         routed_mma_down<B, RMMA_DOWN_UNITS, TILED>(table, ids, weights, top_k, h, out, rows,   \
                                                    cols, in_dim, logits, experts, ready);      \
     }
