@@ -335,6 +335,23 @@ Tiles tile_affine(const Affine& m) {
     return t;
 }
 
+// affine_tiles_from_rows (a slot's record taken into tiles on the device) against
+// tile_affine, word for word, over outputs poisoned first; a grid smaller than the units
+// so threads loop. Returns 0 when equal, 1 otherwise.
+double check_tiles_from_rows(int bits, int rows, int cols) {
+    Affine m(bits, rows, cols);
+    Tiles want = tile_affine(m);
+    Tiles got{std::vector<unsigned>(want.words.size(), 0xDEADBEEFu),
+              std::vector<unsigned short>(want.sb.size(), 0xBEEF)};
+    shim::launch({3, 1, 1}, {64, 1, 1}, 0, [&] {
+        affine_tiles_from_rows(m.words.data(), m.scales.data(), m.biases.data(), rows, cols,
+                               bits, got.words.data(), got.sb.data());
+    });
+    bool same = got.words == want.words && got.sb == want.sb;
+    std::printf("tiles from rows q%d %4d x %4d: %s\n", bits, rows, cols, same ? "same" : "DIFFER");
+    return same ? 0.0 : 1.0;
+}
+
 using DenseKernel = void (*)(const unsigned*, const unsigned short*, const unsigned short*,
                              float*, int, const unsigned*, const unsigned short*,
                              const unsigned short*, float*, int, const unsigned*,
@@ -1288,6 +1305,13 @@ int main(int argc, char** argv) {
     // A prompt's grouped GEMMs: the small fixture's 80-wide experts (a block's last warp
     // past the rows, down's input padded to 128), experts with more pairs than a tile
     // (several tiles a group), rows of several groups; in tiles at 4 and 2 bits.
+    // Rows into tiles on the device: whole tiles, and rows past the last whole one.
+    for (int bits : {4, 2}) {
+        if (!wanted("gemm")) break;
+        worst = std::max(worst, check_tiles_from_rows(bits, 48, 128));
+        worst = std::max(worst, check_tiles_from_rows(bits, 80, 256));
+        worst = std::max(worst, check_tiles_from_rows(bits, 37, 192));
+    }
     for (int bits : {4, 3, 2}) {
         if (!wanted("gemm")) break;
         worst = std::max(worst, check_expert_gemm(bits, 256, 80, 128, 12, 40, 4, bits != 3));

@@ -2167,31 +2167,51 @@ fn fixtures_agree_with_the_cpu_end_to_end() {
 /// `forward`, picks the token the CPU picks with routing masked to the sets that step
 /// used; swaps happen and commit only once their copies have landed; and a whole
 /// sequence through the device slots (the prompt path) equals the CPU model masked to
-/// the final sets.
+/// the final sets. The 4-bit store's slots also in unit tiles, and a 2-bit store's.
 #[test]
 fn resident_sets_in_device_memory_route_as_masks() {
     let Some(_) = gpu() else { return };
     let converted = TempDir::new("cuda-residency");
     dynmoe::store::base::convert(&fixture("small-moe"), converted.dir(), &mut |_, _| {}).unwrap();
-    let eb = ExpertBits {
-        default: Some(4),
-        ..ExpertBits::default()
-    };
-    check_resident_sets("q4", converted.dir(), &(&eb).into());
+    for bits in [4, 2] {
+        let codecs = (&ExpertBits {
+            default: Some(bits),
+            ..ExpertBits::default()
+        })
+            .into();
+        let rows = check_resident_sets(&format!("q{bits}"), converted.dir(), &codecs, false);
+        // Tiled slots are sized by their tiles, not by the record's whole pages: the
+        // device bytes say which the sets held.
+        let tiles =
+            check_resident_sets(&format!("q{bits} in tiles"), converted.dir(), &codecs, true);
+        assert_ne!(
+            rows, tiles,
+            "q{bits}: slots in tiles took the records' size"
+        );
+    }
     // VQ slots hold each expert's rotation signs beside its record.
     let copy = dynmoe::testing::fixture_copy("small-moe");
     let codecs = Codecs {
         default: Some("vq1.5".parse().unwrap()),
         ..Codecs::default()
     };
-    check_resident_sets("vq1.5", copy.dir(), &codecs);
+    check_resident_sets("vq1.5", copy.dir(), &codecs, false);
 }
 
-fn check_resident_sets(label: &str, dir: &std::path::Path, codecs: &Codecs) {
+/// Checks resident sets of the model at `dir` (`slot_tiles`: affine slots in unit
+/// tiles); returns the device bytes the sets took.
+fn check_resident_sets(
+    label: &str,
+    dir: &std::path::Path,
+    codecs: &Codecs,
+    slot_tiles: bool,
+) -> usize {
     use dynmoe::residency::{Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount};
     let mut cpu = model::load_with_codecs(dir, Cpu::fast(), codecs).unwrap();
     let mut dev = model::load_with_codecs(dir, Cuda::new(0).unwrap(), codecs).unwrap();
     dev.model.backend().set_vq_slots(true);
+    dev.model.backend().set_slot_tiles(slot_tiles);
+    let mut device_bytes = 0;
     let e = cpu.model.config.moe.num_experts;
     let layers: Vec<usize> = cpu.model.config.moe_layers().collect();
     for kind in [ReservoirKind::Ram, ReservoirKind::Disk] {
@@ -2305,11 +2325,13 @@ fn check_resident_sets(label: &str, dir: &std::path::Path, codecs: &Codecs) {
             err < 1e-4,
             "{label} {kind:?}: sequence logits differ ({err:.2e})"
         );
+        device_bytes = rep.device_bytes;
         dev.model.set_residency(None);
         for &l in &layers {
             cpu.model.set_expert_mask(l, None).unwrap();
         }
     }
+    device_bytes
 }
 
 /// `advance_step` against the CPU's (the token's bits copied, the position one on), and

@@ -2034,6 +2034,40 @@ ROUTED_MMA(2, q2, false)
 ROUTED_MMA(4, tiled_q4, true)
 ROUTED_MMA(2, tiled_q2, true)
 
+// A 4- or 2-bit affine matrix from its rows (`words`, `scales`, `biases` as stored) into
+// unit tiles (`tile_words`, `sb`: load_tile_words' layout, which the host's unit_tiles
+// also makes). A thread per lane of each unit moves the lane's words of rows g and g + 8
+// and, on lanes below RMMA_ROWS, that row's scale and bias; rows past the matrix are
+// zeros. Resident slots hold their experts so: a record is copied in rows to a staging
+// buffer and taken into its slot by this kernel, both on the copy stream.
+extern "C" __global__ void affine_tiles_from_rows(const unsigned* words,
+                                                  const unsigned short* scales,
+                                                  const unsigned short* biases, int rows,
+                                                  int cols, int bits, unsigned* tile_words,
+                                                  unsigned short* sb) {
+    const int groups = cols / 64, lane_words = bits == 4 ? 2 : 1;
+    const int unit_row_words = 4 * lane_words, row_words = groups * unit_row_words;
+    const size_t units = (size_t)((rows + RMMA_ROWS - 1) / RMMA_ROWS) * groups;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < units * WARP;
+         i += (size_t)gridDim.x * blockDim.x) {
+        size_t unit = i / WARP;
+        int lane = (int)(i % WARP), t = (int)(unit / groups), gi = (int)(unit % groups);
+        int g = lane >> 2, q = lane & 3;
+        for (int half = 0; half < 2; half++) {
+            int r = t * RMMA_ROWS + g + 8 * half;
+            const unsigned* src = words + (size_t)r * row_words + gi * unit_row_words + q * lane_words;
+            for (int j = 0; j < lane_words; j++)
+                tile_words[(i * 2 + half) * lane_words + j] = r < rows ? src[j] : 0u;
+        }
+        if (lane < RMMA_ROWS) {
+            int r = t * RMMA_ROWS + lane;
+            size_t from = (size_t)r * groups + gi, to = (unit * RMMA_ROWS + lane) * 2;
+            sb[to] = r < rows ? scales[from] : (unsigned short)0;
+            sb[to + 1] = r < rows ? biases[from] : (unsigned short)0;
+        }
+    }
+}
+
 // ---- Dense affine matrices of one input row on tensor cores ----
 //
 // The LM head and attention projections of a decode step coded as affine q4/q3/q2

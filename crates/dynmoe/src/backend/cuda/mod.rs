@@ -367,8 +367,9 @@ fn unit_tiles(w: &AffineView<'_>) -> (Vec<u32>, Vec<u16>) {
     let row_words = words_per_row(w.cols, w.bits);
     let (per_lane, per_unit_row) = if w.bits == 4 { (4, 8) } else { (2, 4) };
     let lane_words = per_lane / 2;
-    let mut words = vec![0u32; tiles * groups * 32 * per_lane];
-    let mut sb = vec![0u16; tiles * groups * RMMA_ROWS * 2];
+    let (word_count, sb_count) = tile_lengths(w.rows, w.cols, w.bits);
+    let mut words = vec![0u32; word_count];
+    let mut sb = vec![0u16; sb_count];
     for t in 0..tiles {
         for gi in 0..groups {
             let unit = t * groups + gi;
@@ -392,6 +393,14 @@ fn unit_tiles(w: &AffineView<'_>) -> (Vec<u32>, Vec<u16>) {
         }
     }
     (words, sb)
+}
+
+/// The u32 words and u16 scales-and-biases of a `rows × cols` matrix at `bits` (4 or 2)
+/// in unit tiles ([`unit_tiles`]).
+fn tile_lengths(rows: usize, cols: usize, bits: u32) -> (usize, usize) {
+    let units = rows.div_ceil(RMMA_ROWS) * (cols / GROUP_SIZE);
+    let per_lane = if bits == 4 { 4 } else { 2 };
+    (units * 32 * per_lane, units * RMMA_ROWS * 2)
 }
 
 /// Host addresses and lengths of a view: what the weight cache is keyed by.
@@ -421,7 +430,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 129] = [
+const KERNEL_NAMES: [&str; 130] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -469,6 +478,7 @@ const KERNEL_NAMES: [&str; 129] = [
     "expert_mma_down_q2",
     "expert_mma_down_tiled_q4",
     "expert_mma_down_tiled_q2",
+    "affine_tiles_from_rows",
     "copy_f4",
     "moe_route",
     "moe_combine",
@@ -959,6 +969,10 @@ pub struct Cuda {
     /// Whether resident sets of VQ experts live in device slots (`DYNMOE_CUDA_VQ_SLOTS=0`
     /// keeps them in host memory).
     vq_slots: Switch<bool>,
+    /// Whether resident sets of 4- and 2-bit affine experts made from now on hold their
+    /// slots in unit tiles where the tiled kernels take them (`DYNMOE_CUDA_SLOT_TILES=1`),
+    /// or in rows as stored.
+    slot_tiles: Switch<bool>,
     /// Whether [`Backend::upload_matrix`] keeps bf16-exact matrices in bf16
     /// (`DYNMOE_CUDA_BF16=0`: always f32, to measure what bf16 saves).
     bf16_matrices: bool,
@@ -1576,6 +1590,8 @@ impl Cuda {
             tensor_cores: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_TENSOR_CORES")),
             routed_mma: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_ROUTED_MMA")),
             vq_slots: Switch::new(!switched_off("DYNMOE_CUDA_VQ_SLOTS")),
+            // Not yet measured against rows, so off unless asked for.
+            slot_tiles: Switch::new(switched_on("DYNMOE_CUDA_SLOT_TILES")),
             // Measured slower in a decode step than the three launches it replaces
             // (docs/GPU_NOTES.md), so off unless asked for.
             moe_step: Switch::new(switched_on("DYNMOE_CUDA_MOE_STEP")),
@@ -1749,6 +1765,21 @@ impl Cuda {
     /// [`set_vq_slots`](Self::set_vq_slots)).
     pub fn vq_slots(&self) -> bool {
         self.vq_slots.get()
+    }
+
+    /// Whether resident sets of 4- and 2-bit affine experts made from now on hold their
+    /// slots in unit tiles (each record copied in rows to a staging buffer and taken into
+    /// its slot by `affine_tiles_from_rows`, both on the copy stream) where the tiled
+    /// routed kernels and grouped GEMMs take them, or in rows as stored (the default). A
+    /// step that finds the tiled kernels switched off since takes the host path.
+    pub fn set_slot_tiles(&self, on: bool) {
+        self.slot_tiles.set(on);
+    }
+
+    /// Whether resident sets' slots are made in unit tiles (see
+    /// [`set_slot_tiles`](Self::set_slot_tiles)).
+    pub fn slot_tiles(&self) -> bool {
+        self.slot_tiles.get()
     }
 
     /// Whether a decode step's MoE layers with affine experts run as one launch from now on
@@ -2954,10 +2985,13 @@ impl Cuda {
     /// routed kernels, more through the grouped GEMMs (the other routed kernels, the
     /// slices and the one-launch step read rows).
     fn experts_tiled(&self, shape: RoutedShape, top_k: usize) -> bool {
-        self.expert_tiles.get()
-            && matches!(shape.bits, 4 | 2)
-            && self.tensor_cores()
-            && self.routed_mma_takes(shape, top_k)
+        self.expert_tiles.get() && self.tiled_kernels_take(shape, top_k)
+    }
+
+    /// Whether every launch that may read experts of `shape`, `top_k` a row, has a tiled
+    /// kernel: 4 or 2 bits, the tensor-core routed kernels and the grouped GEMMs.
+    fn tiled_kernels_take(&self, shape: RoutedShape, top_k: usize) -> bool {
+        matches!(shape.bits, 4 | 2) && self.tensor_cores() && self.routed_mma_takes(shape, top_k)
     }
 
     /// Copies every expert of a block to the device and tables their pointers: gate, up
@@ -5104,8 +5138,9 @@ impl Backend for Cuda {
         let kind = match format {
             RecordFormat::Affine(layout) => {
                 let [gate, _, down] = layout.matrices;
-                let shape =
+                let mut shape =
                     RoutedShape::of(layout.bits, gate.rows, gate.cols, down.cols, layout.hidden)?;
+                shape.tiled = self.slot_tiles() && self.tiled_kernels_take(shape, top_k);
                 RoutedKind::Affine(shape)
             }
             // As in `routed_moe`: the CUDA-core down kernel, which every shape may fall
@@ -5119,6 +5154,8 @@ impl Backend for Cuda {
             }
             _ => return None,
         };
+        let from_rows = matches!(kind, RoutedKind::Affine(s) if s.tiled)
+            .then(|| self.func("affine_tiles_from_rows").clone());
         Some(CudaSlots::new(
             &self.stream,
             &self.copies,
@@ -5126,6 +5163,7 @@ impl Backend for Cuda {
             format,
             experts,
             count,
+            from_rows,
         ))
     }
 
@@ -5143,6 +5181,11 @@ impl Backend for Cuda {
     ) -> bool {
         let (e, k) = (slots.experts(), route.top_k);
         if rows == 0 || k == 0 || k > e || e > 4096 {
+            return false;
+        }
+        // Slots made in tiles, with a tiled kernel switched off since.
+        if matches!(slots.kind, RoutedKind::Affine(s) if s.tiled && !self.tiled_kernels_take(s, k))
+        {
             return false;
         }
         let routed = Routed {

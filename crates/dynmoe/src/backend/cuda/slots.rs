@@ -11,17 +11,27 @@
 //! A VQ slot also holds its expert's rotation signs as bits after the record: the
 //! kernels read them from the table, and a record carries only their seeds. They are
 //! made on the host when the record is loaded and copied beside it.
+//!
+//! Affine slots may hold their experts in unit tiles instead, as the tiled routed kernels
+//! read them ([`Cuda::set_slot_tiles`](super::Cuda::set_slot_tiles)): a record is copied
+//! as stored into one staging buffer and `affine_tiles_from_rows` takes each matrix into
+//! the slot, both on the copy stream, whose order keeps the next copy off the staging
+//! buffer until the kernel has read it.
 
 use std::sync::Arc;
 
 use cudarc::driver::sys;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
+use cudarc::driver::{
+    CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
+};
 
-use super::{ok, sign_bits, RoutedKind, ROUTED_ENTRY, VQ_CODE_PADDING};
+use super::{ok, sign_bits, tile_lengths, RoutedKind, ROUTED_ENTRY, VQ_CODE_PADDING};
 use crate::backend::ExpertSlots;
 use crate::residency::reservoir::words_as_bytes;
 use crate::residency::RecordFormat;
 use crate::store::vq::{record_views, VqLayout};
+use crate::store::Layout;
 
 /// Slots of one MoE layer on the device, with their routing table and mask.
 pub struct CudaSlots {
@@ -52,6 +62,42 @@ pub struct CudaSlots {
     loads: Vec<Option<CudaEvent>>,
     /// Host ranges page-locked for these slots, unlocked when they go.
     pinned: Vec<usize>,
+    /// Slots in unit tiles: where each matrix's tiles sit, the staging buffer and the
+    /// kernel that takes a record from it.
+    tiled: Option<TiledSlots>,
+}
+
+/// What slots in unit tiles need beside the pool.
+struct TiledSlots {
+    parts: [TiledPart; 3],
+    // Owned here, addressed through `staging_at`.
+    staging: CudaSlice<u8>,
+    staging_at: u64,
+    from_rows: CudaFunction,
+}
+
+/// Where one matrix of a tiled slot sits, in bytes from the slot's start: its tiles'
+/// words, then their scales and biases (one buffer, as the tiled kernels read them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TiledPart {
+    words: usize,
+    sb: usize,
+}
+
+/// The parts of a tiled slot for records of `layout` (4 or 2 bits), gate, up and down
+/// in turn, each 16-byte aligned, and the slot's bytes.
+fn tiled_parts(layout: &Layout) -> ([TiledPart; 3], usize) {
+    let mut at = 0;
+    let parts = layout.matrices.map(|m| {
+        let (words, sb) = tile_lengths(m.rows, m.cols, layout.bits);
+        let part = TiledPart {
+            words: at,
+            sb: at + (4 * words).next_multiple_of(16),
+        };
+        at = part.sb + (2 * sb).next_multiple_of(16);
+        part
+    });
+    (parts, at)
 }
 
 // SAFETY: the raw host addresses in `pinned` are only handed back to the driver; every
@@ -66,7 +112,8 @@ fn sign_words(layout: &VqLayout) -> usize {
 
 impl CudaSlots {
     /// `count` slots for records of `format` (affine or VQ, routed as `kind`), over
-    /// `experts` experts.
+    /// `experts` experts; with `from_rows` (affine records at 4 or 2 bits, `kind` tiled),
+    /// in unit tiles, made by that kernel.
     pub(super) fn new(
         stream: &Arc<CudaStream>,
         copies: &Arc<CudaStream>,
@@ -74,14 +121,25 @@ impl CudaSlots {
         format: &RecordFormat,
         experts: usize,
         count: usize,
+        from_rows: Option<CudaFunction>,
     ) -> CudaSlots {
         let signs = match format {
             RecordFormat::Vq(l) => sign_words(l),
             _ => 0,
         };
+        let tiled = match (format, from_rows) {
+            (RecordFormat::Affine(layout), Some(from_rows)) => {
+                let (parts, bytes) = tiled_parts(layout);
+                Some((parts, bytes, from_rows))
+            }
+            _ => None,
+        };
         // Records are whole pages, so every part stays 16-byte aligned; the kernels copy
         // VQ codes in 16-byte chunks, up to 15 bytes past a part's end, hence the tail.
-        let stride = format.record_bytes() + (4 * signs).next_multiple_of(16);
+        let stride = match &tiled {
+            Some((_, bytes, _)) => bytes.next_multiple_of(256),
+            None => format.record_bytes() + (4 * signs).next_multiple_of(16),
+        };
         let pool: CudaSlice<u8> = ok(
             stream.alloc_zeros(count.max(1) * stride + VQ_CODE_PADDING),
             "slot pool",
@@ -113,6 +171,17 @@ impl CudaSlots {
             dirty: true,
             loads: (0..count).map(|_| None).collect(),
             pinned: Vec::new(),
+            tiled: tiled.map(|(parts, _, from_rows)| {
+                let staging: CudaSlice<u8> =
+                    ok(stream.alloc_zeros(format.record_bytes()), "slot staging");
+                let staging_at = staging.device_ptr(stream).0;
+                TiledSlots {
+                    parts,
+                    staging,
+                    staging_at,
+                    from_rows,
+                }
+            }),
         };
         // Unrouted entries still point at a real record, so that no pointer in the
         // table is ever wild.
@@ -141,8 +210,40 @@ impl CudaSlots {
     /// affine matrix's codes, scales and biases, a VQ matrix's codes, norms and signs.
     fn point(&mut self, e: usize, slot: usize) {
         let base = self.pool_at + (slot * self.stride) as u64;
-        let entry = &mut self.table_host[e * ROUTED_ENTRY..(e + 1) * ROUTED_ENTRY];
-        entry.copy_from_slice(&slot_entry(&self.format, base));
+        let at = match &self.tiled {
+            Some(t) => tiled_entry(&t.parts, base),
+            None => slot_entry(&self.format, base),
+        };
+        self.table_host[e * ROUTED_ENTRY..(e + 1) * ROUTED_ENTRY].copy_from_slice(&at);
+    }
+
+    /// Takes the record in the staging buffer into slot `slot` in tiles, on the copy
+    /// stream.
+    fn tiles_from_staging(&self, tiled: &TiledSlots, layout: &Layout, slot: usize) {
+        let staging = tiled.staging_at;
+        let base = self.pool_at + (slot * self.stride) as u64;
+        for (m, part) in layout.matrices.iter().zip(&tiled.parts) {
+            let (words, scales, biases) = (
+                staging + m.codes.offset as u64,
+                staging + m.scales.offset as u64,
+                staging + m.biases.offset as u64,
+            );
+            let (tile_words, sb) = (base + part.words as u64, base + part.sb as u64);
+            let (rows, cols, bits) = (m.rows as i32, m.cols as i32, layout.bits as i32);
+            let threads = m.rows.div_ceil(16) * (m.cols / 64) * 32;
+            let mut l = self.copies.launch_builder(&tiled.from_rows);
+            l.arg(&words).arg(&scales).arg(&biases);
+            l.arg(&rows).arg(&cols).arg(&bits);
+            l.arg(&tile_words).arg(&sb);
+            let launch = LaunchConfig {
+                grid_dim: (threads.div_ceil(256).min(4096) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the staging buffer holds a whole record of `layout`, and the slot
+            // `tiled_parts`' bytes (within the stride); the arguments match the kernel's.
+            ok(unsafe { l.launch(launch) }, "a record into tiles");
+        }
     }
 }
 
@@ -169,6 +270,18 @@ fn slot_entry(format: &RecordFormat, base: u64) -> [u64; ROUTED_ENTRY] {
             }
         }
         RecordFormat::Dense { .. } => unreachable!("dense records take no device slots"),
+    }
+    entry
+}
+
+/// The table entry of an expert whose tiled slot starts at device address `base`: for
+/// each of gate, up and down, its tiles' words and their scales and biases twice (the
+/// tiled kernels read both from one buffer).
+fn tiled_entry(parts: &[TiledPart; 3], base: u64) -> [u64; ROUTED_ENTRY] {
+    let mut entry = [0u64; ROUTED_ENTRY];
+    for (p, at) in parts.iter().zip(entry.chunks_mut(3)) {
+        let sb = base + p.sb as u64;
+        at.copy_from_slice(&[base + p.words as u64, sb, sb]);
     }
     entry
 }
@@ -222,7 +335,12 @@ impl ExpertSlots for CudaSlots {
                 "copying a record into slot {slot}"
             );
         };
-        copy(dst, record.as_ptr(), bytes);
+        if let (Some(tiled), RecordFormat::Affine(layout)) = (&self.tiled, self.format) {
+            copy(tiled.staging_at, record.as_ptr(), bytes);
+            self.tiles_from_staging(tiled, &layout, slot);
+        } else {
+            copy(dst, record.as_ptr(), bytes);
+        }
         if let (RecordFormat::Vq(layout), Some(host)) = (self.format, self.signs_host.as_mut()) {
             // The slot's previous signs may still be on their way.
             if let Some(previous) = &self.loads[slot] {
@@ -274,7 +392,8 @@ impl ExpertSlots for CudaSlots {
     }
 
     fn bytes(&self) -> usize {
-        self.count * self.stride + self.table_host.len() * 8 + self.keep_host.len()
+        let staging = self.tiled.as_ref().map_or(0, |t| t.staging.len());
+        self.count * self.stride + staging + self.table_host.len() * 8 + self.keep_host.len()
     }
 }
 
@@ -291,10 +410,12 @@ impl Drop for CudaSlots {
 
 #[cfg(test)]
 mod tests {
-    use super::{record_signs, sign_words, slot_entry};
+    use super::{record_signs, sign_words, slot_entry, tiled_entry, tiled_parts};
+    use crate::backend::cuda::tile_lengths;
     use crate::codec::vq::{rotation, Rung, VqMatrix};
     use crate::residency::RecordFormat;
     use crate::store::vq::{pack_record, VqLayout};
+    use crate::store::Layout;
     use crate::testing::fresh;
 
     /// The small fixture's experts: gate/up rows of 256 (one rotation block) and down
@@ -324,6 +445,43 @@ mod tests {
             signs,
             base + l.record_size as u64 + 4 * sign_words(&l) as u64
         );
+    }
+
+    #[test]
+    fn a_tiled_slot_holds_each_matrix_tiles_apart_and_the_entry_points_at_them() {
+        // The small fixture's experts (80 rows pad to 96, down's 80 columns are stored
+        // as 128) and Qwen3-30B-A3B's, at both tiled widths.
+        for (bits, hidden, inter) in [(4, 256, 80), (2, 256, 80), (4, 2048, 768), (2, 2048, 768)] {
+            let layout = Layout::new(bits, hidden, inter).unwrap();
+            let (parts, bytes) = tiled_parts(&layout);
+            let mut end = 0;
+            for (m, p) in layout.matrices.iter().zip(&parts) {
+                let (words, sb) = tile_lengths(m.rows, m.cols, bits);
+                assert!(
+                    p.words % 16 == 0 && p.sb % 16 == 0,
+                    "{bits} bits: unaligned part"
+                );
+                assert!(
+                    p.words >= end && p.sb >= p.words + 4 * words,
+                    "{bits} bits: overlap"
+                );
+                end = p.sb + 2 * sb;
+                // Whole tiles of 16 rows, 64-column units, 32 lanes.
+                let units = m.rows.div_ceil(16) * m.cols / 64;
+                assert_eq!(words, units * 32 * bits as usize);
+                assert_eq!(sb, units * 32);
+            }
+            assert!(
+                bytes >= end && bytes - end < 16,
+                "{bits} bits: {bytes} bytes for {end}"
+            );
+            let base = 1 << 30;
+            let entry = tiled_entry(&parts, base);
+            for (p, at) in parts.iter().zip(entry.chunks(3)) {
+                let sb = base + p.sb as u64;
+                assert_eq!(at, [base + p.words as u64, sb, sb]);
+            }
+        }
     }
 
     #[test]
