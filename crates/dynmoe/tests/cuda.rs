@@ -1111,6 +1111,79 @@ fn dense_affine_products_match_the_reference_every_way() {
             );
         }
     }
+    // Held only in tiles (4 and 2 bits): one row on the tiled one-row kernel, more rows
+    // (3, 9, 300) through the tiled grouped GEMM, also with the tensor-core routed kernels
+    // switched off after the copy; q, k and v in one launch. The copy holds the matrix's
+    // bytes once (rows padded to whole tiles), not twice.
+    let (single, tiles) = (g.dense_single(), g.dense_tiles());
+    g.set_dense_single(true);
+    g.set_dense_tiles(true);
+    g.set_tensor_cores(cores);
+    for bits in [4, 2] {
+        let shapes = [(4096, 2048, 2048), (512, 2048, 2048), (100, 192, 150)];
+        for (i, &(rows, cols, in_dim)) in shapes.iter().enumerate() {
+            let m = affine(rows, cols, bits, 90 + 3 * bits as u64 + i as u64);
+            let w = m.view();
+            // Nothing else on the device: a matrix at a freed one's address replaces it.
+            g.clear_weight_cache();
+            for (batch, routed) in [
+                (1, true),
+                (3, true),
+                (9, true),
+                (300, true),
+                (1, false),
+                (3, false),
+            ] {
+                g.set_routed_mma(routed && mma);
+                let x = fresh(batch * in_dim, 95 + batch as u64);
+                both!(
+                    &format!("dense q{bits} {rows}x{cols} (in {in_dim}) rows {batch} only in tiles, routed mma {routed}"),
+                    &[&x],
+                    batch * rows,
+                    1e-5,
+                    |b, t, o| b.matmul_affine(&t[0], &w, batch, in_dim, o)
+                );
+            }
+            let held = g.weight_cache_bytes();
+            // Codes at `bits`, a scale and a bias of 16 bits per 64 values.
+            let once = rows.div_ceil(16) * 16 * cols * (2 * bits as usize + 1) / 16;
+            assert!(
+                !cores || held == once,
+                "q{bits} {rows}x{cols}: {held} bytes on the device for {once} in tiles"
+            );
+        }
+        let ms: Vec<Affine> = (0..3)
+            .map(|j| {
+                affine(
+                    [4096, 512, 512][j],
+                    2048,
+                    bits,
+                    110 + bits as u64 + j as u64,
+                )
+            })
+            .collect();
+        let x = fresh(2048, 115);
+        both!(
+            &format!("linear3 q{bits} only in tiles"),
+            &[&x],
+            5120,
+            1e-5,
+            |b, t, o| {
+                let (mut q, mut k, mut v) = (b.alloc(4096), b.alloc(512), b.alloc(512));
+                b.linear3(
+                    &t[0],
+                    [0, 1, 2].map(|j| Weight::Affine(ms[j].view())),
+                    1,
+                    2048,
+                    [4096, 512, 512],
+                    [&mut q, &mut k, &mut v],
+                );
+                concat(b, &[(&q, 4096), (&k, 512), (&v, 512)], o)
+            }
+        );
+    }
+    g.set_dense_single(single);
+    g.set_dense_tiles(tiles);
     g.set_routed_mma(mma);
     g.set_tensor_cores(cores);
 }

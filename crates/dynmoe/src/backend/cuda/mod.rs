@@ -335,14 +335,54 @@ fn vq_fingerprint(w: &VqView<'_>) -> VqFingerprint {
 
 /// A device copy of an affine matrix.
 struct DeviceAffine {
-    words: CudaSlice<u32>,
-    scales: CudaSlice<u16>,
-    biases: CudaSlice<u16>,
+    /// The matrix as stored, row by row; none where it is held only in tiles
+    /// ([`Cuda::set_dense_single`]).
+    rows: Option<AffineRows>,
     /// Host words sampled when it was copied (first, middle, last).
     fingerprint: [u32; 3],
     /// The same matrix in unit tiles ([`unit_tiles`]), made with the row-major copy where
     /// one-row products read it so ([`Cuda::tiles_take`]).
     tiles: Option<DeviceTiles>,
+}
+
+/// An affine matrix on the device as stored: codes row by row, scales and biases.
+struct AffineRows {
+    words: CudaSlice<u32>,
+    scales: CudaSlice<u16>,
+    biases: CudaSlice<u16>,
+}
+
+impl AffineRows {
+    /// The three parts' device addresses, as a routing or group table holds them.
+    fn addresses(&self, stream: &CudaStream) -> [u64; 3] {
+        [
+            self.words.device_ptr(stream).0,
+            self.scales.device_ptr(stream).0,
+            self.biases.device_ptr(stream).0,
+        ]
+    }
+}
+
+impl DeviceAffine {
+    /// The row-major copy, for the kernels that read rows; only matrices that every
+    /// reader takes in tiles lack one.
+    fn rows(&self) -> &AffineRows {
+        self.rows
+            .as_ref()
+            .expect("a matrix held only in tiles reached a row-major kernel")
+    }
+
+    /// Bytes on the device, both copies.
+    fn bytes(&self) -> usize {
+        let rows = self.rows.as_ref().map_or(0, |r| {
+            r.words.len() * 4 + (r.scales.len() + r.biases.len()) * 2
+        });
+        let tiles = self
+            .tiles
+            .as_ref()
+            .map_or(0, |t| t.words.len() * 4 + t.sb.len() * 2);
+        rows + tiles
+    }
 }
 
 /// An affine matrix on the device in unit tiles, as the `*_tiled_q*` kernels read it.
@@ -958,6 +998,9 @@ pub struct Cuda {
     /// default; their bytes again in device memory), or only the LM head's
     /// (`DYNMOE_CUDA_DENSE_TILES=0`).
     dense_tiles: Switch<bool>,
+    /// Whether dense matrices that every reader takes in tiles are held only so
+    /// (`DYNMOE_CUDA_DENSE_SINGLE=1`), or in rows beside their tiles.
+    dense_single: Switch<bool>,
     /// Whether fully resident 4- and 2-bit experts are held in unit tiles instead of rows
     /// where every launch that reads them takes tiles (the default; one copy either way),
     /// or in rows (`DYNMOE_CUDA_EXPERT_TILES=0`).
@@ -1611,6 +1654,8 @@ impl Cuda {
             fold_norms: Switch::new(!switched_off("DYNMOE_CUDA_FOLD_NORMS")),
             head_tiles: Switch::new(!switched_off("DYNMOE_CUDA_HEAD_TILES")),
             dense_tiles: Switch::new(!switched_off("DYNMOE_CUDA_DENSE_TILES")),
+            // Not yet measured on the GPU, so off unless asked for.
+            dense_single: Switch::new(switched_on("DYNMOE_CUDA_DENSE_SINGLE")),
             // Measured faster in a decode step at 4 and 2 bits (docs/GPU_NOTES.md), and the
             // tiles replace the rows, so on unless switched off.
             expert_tiles: Switch::new(!switched_off("DYNMOE_CUDA_EXPERT_TILES")),
@@ -1844,6 +1889,29 @@ impl Cuda {
     /// the other. Matrices already on the device keep their way.
     pub fn set_dense_tiles(&self, on: bool) {
         self.dense_tiles.set(on);
+    }
+
+    /// Whether one-row products of every 4- and 2-bit dense matrix read tiles (see
+    /// [`set_dense_tiles`](Self::set_dense_tiles)).
+    pub fn dense_tiles(&self) -> bool {
+        self.dense_tiles.get()
+    }
+
+    /// Whether dense matrices copied to the device from now on, where their one-row
+    /// products take tiles, are held only in tiles (their prompts' products then run as
+    /// the tiled grouped GEMM, whatever the switches say later), or in rows beside them
+    /// (the default). Saves the matrices' bytes once: ~300 MB for the 12-layer
+    /// Qwen3-30B-A3B shape at q4. Needs tensor cores and every dense matrix in tiles
+    /// ([`set_dense_tiles`](Self::set_dense_tiles)), both as the model's matrices are
+    /// first copied: the matrices of one launch must all be held one way.
+    pub fn set_dense_single(&self, on: bool) {
+        self.dense_single.set(on);
+    }
+
+    /// Whether dense matrices are held only in tiles (see
+    /// [`set_dense_single`](Self::set_dense_single)).
+    pub fn dense_single(&self) -> bool {
+        self.dense_single.get()
     }
 
     /// Whether fully resident 4- and 2-bit experts are held in unit tiles (their only
@@ -2236,7 +2304,7 @@ impl Cuda {
             .lock()
             .expect("weight cache lock")
             .values()
-            .map(|a| a.words.len() * 4 + (a.scales.len() + a.biases.len()) * 2)
+            .map(|a| a.bytes())
             .sum()
     }
 
@@ -2383,34 +2451,41 @@ impl Cuda {
     }
 
     /// The device copy of `w`, made on first use; with `dense` (a dense layer's matrix,
-    /// not an expert's), also in unit tiles where [`tiles_take`](Self::tiles_take) it.
+    /// not an expert's), also in unit tiles where [`tiles_take`](Self::tiles_take) it,
+    /// and only so with [`set_dense_single`](Self::set_dense_single) on tensor cores.
     fn device_affine(&self, w: &AffineView<'_>, dense: bool) -> Arc<DeviceAffine> {
         let key = affine_key(w);
         let print = fingerprint(w);
         let mut cache = self.affine.lock().expect("weight cache lock");
         if let Some(d) = cache.get(&key) {
-            if d.fingerprint == print {
+            // An expert's kernels read rows: a copy held only in tiles is made again.
+            if d.fingerprint == print && (dense || d.rows.is_some()) {
                 return d.clone();
             }
         }
+        let tiled = dense && self.tiles_take(w);
         let groups = w.rows * (w.cols / GROUP_SIZE);
         let words = &w.words[..w.rows * words_per_row(w.cols, w.bits)];
+        // Without the rows, every product of the matrix runs on tiled kernels, all of them
+        // on tensor cores. Only where every 4- and 2-bit dense matrix takes tiles, so that
+        // the matrices of one launch (q, k, v) are all in tiles.
+        let single = tiled && self.dense_tiles() && self.dense_single() && self.tensor_cores();
         let d = Arc::new(DeviceAffine {
-            words: self.upload_u32(words),
-            scales: ok(
-                self.stream
-                    .clone_htod(w.scales[..groups].reinterpret_cast()),
-                "upload",
-            ),
-            biases: ok(
-                self.stream
-                    .clone_htod(w.biases[..groups].reinterpret_cast()),
-                "upload",
-            ),
+            rows: (!single).then(|| AffineRows {
+                words: self.upload_u32(words),
+                scales: ok(
+                    self.stream
+                        .clone_htod(w.scales[..groups].reinterpret_cast()),
+                    "upload",
+                ),
+                biases: ok(
+                    self.stream
+                        .clone_htod(w.biases[..groups].reinterpret_cast()),
+                    "upload",
+                ),
+            }),
             fingerprint: print,
-            // The row-major copy stays for the other kernels (the prompt's GEMMs); the
-            // tiles cost the matrix's bytes again.
-            tiles: (dense && self.tiles_take(w)).then(|| self.upload_tiles(w)),
+            tiles: tiled.then(|| self.upload_tiles(w)),
         });
         cache.insert(key, d.clone());
         d
@@ -2433,16 +2508,21 @@ impl Cuda {
             w.cols
         );
         let groups = w.cols / GROUP_SIZE;
-        if rows == 1 && self.routed_mma() && routed_mma_shared(groups) <= SHARED_LIMIT {
+        // Held only in tiles: one row on the tiled one-row kernel, more (or a row too wide
+        // for its shared memory) as the tiled grouped GEMM, whatever the switches say now.
+        let only_tiles = d.rows.is_none();
+        let one_row = rows == 1 && routed_mma_shared(groups) <= SHARED_LIMIT;
+        if one_row && (self.routed_mma() || only_tiles) {
             let o = out.device_ptr_mut(&self.stream).0;
             let tiled = self.tiles_of(w, d).is_some();
             self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim, None, tiled);
             return;
         }
-        if rows > AFFINE_GEMM_ROWS && self.tensor_cores() {
+        if only_tiles || rows > AFFINE_GEMM_ROWS && self.tensor_cores() {
             self.affine_gemm(x, w, d, rows, in_dim, out);
             return;
         }
+        let d = d.rows();
         if rows > AFFINE_GEMM_ROWS {
             let mut dense = ok(
                 unsafe { self.stream.alloc::<f32>(w.rows * w.cols) },
@@ -2527,7 +2607,10 @@ impl Cuda {
             match d.tiles.as_ref().filter(|_| tiled) {
                 // The tiled kernels read scales and biases from one buffer.
                 Some(t) => l.arg(&t.words).arg(&t.sb).arg(&t.sb),
-                None => l.arg(&d.words).arg(&d.scales).arg(&d.biases),
+                None => {
+                    let r = d.rows();
+                    l.arg(&r.words).arg(&r.scales).arg(&r.biases)
+                }
             };
             l.arg(&o).arg(&r);
         }
@@ -2592,7 +2675,7 @@ impl Cuda {
         let tiles = w.rows.div_ceil(RMMA_ROWS);
         let (parts, blocks) = dense_mma_layout(tiles, w.cols / GROUP_SIZE, self.sms);
         let rounds = tiles.div_ceil(RMMA_WARPS / parts).div_ceil(blocks);
-        matches!(w.bits, 4 | 2) && (self.head_tiles() && rounds >= 2 || self.dense_tiles.get())
+        matches!(w.bits, 4 | 2) && (self.head_tiles() && rounds >= 2 || self.dense_tiles())
     }
 
     /// `d` (the device copy of `w`) in unit tiles, for a one-row product of it alone,
@@ -2600,7 +2683,9 @@ impl Cuda {
     /// later: a first use may come while a step is being recorded, where no upload may
     /// run).
     fn tiles_of<'d>(&self, w: &AffineView<'_>, d: &'d DeviceAffine) -> Option<&'d DeviceTiles> {
-        d.tiles.as_ref().filter(|_| self.tiles_take(w))
+        d.tiles
+            .as_ref()
+            .filter(|_| d.rows.is_none() || self.tiles_take(w))
     }
 
     /// The products [`dense_mma_takes`](Self::dense_mma_takes) took, into `outs`.
@@ -2626,11 +2711,21 @@ impl Cuda {
             .zip(outs)
             .map(|((w, d), &o)| (&**d, w.rows, o))
             .collect();
-        // Tiles for all or for none: one kernel reads the launch's matrices.
-        let tiled = views
-            .iter()
-            .zip(&devs)
-            .all(|(w, d)| self.tiles_of(w, d).is_some());
+        // Tiles for all or for none: one kernel reads the launch's matrices; all of them
+        // where one is held only in tiles.
+        let only_tiles = devs.iter().any(|d| d.rows.is_none());
+        let tiled = if only_tiles {
+            assert!(
+                devs.iter().all(|d| d.tiles.is_some()),
+                "matrices held only in tiles share a launch with matrices without tiles"
+            );
+            true
+        } else {
+            views
+                .iter()
+                .zip(&devs)
+                .all(|(w, d)| self.tiles_of(w, d).is_some())
+        };
         self.launch_dense_mma(views[0].bits, &mats, x, views[0].cols, in_dim, norm, tiled);
     }
 
@@ -2653,6 +2748,7 @@ impl Cuda {
     /// `rows` input rows times an affine matrix on tensor cores: the grouped expert GEMM
     /// (`expert_mma_down_*`) over one group that holds every row, with unit weights, so a
     /// prompt's dense products read the codes as the experts' do and keep f32 precision.
+    /// A matrix held only in tiles takes the tiled GEMM (`expert_mma_down_tiled_*`).
     fn affine_gemm(
         &self,
         x: &CudaSlice<f32>,
@@ -2664,9 +2760,18 @@ impl Cuda {
     ) {
         let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
         let mut entry = [0u64; GROUP_ENTRY];
-        entry[6] = at(&d.words);
-        entry[7] = d.scales.device_ptr(&self.stream).0;
-        entry[8] = d.biases.device_ptr(&self.stream).0;
+        let kernels = match (&d.rows, &d.tiles) {
+            (Some(r), _) => {
+                entry[6..9].copy_from_slice(&r.addresses(&self.stream));
+                bits_suffix(w.bits).to_string()
+            }
+            (None, Some(t)) => {
+                let sb = t.sb.device_ptr(&self.stream).0;
+                entry[6..9].copy_from_slice(&[at(&t.words), sb, sb]);
+                format!("tiled_{}", bits_suffix(w.bits))
+            }
+            (None, None) => unreachable!("a device matrix is held in rows, tiles or both"),
+        };
         entry[10] = rows as u64;
         let table = ok(self.stream.clone_htod(&entry), "upload");
         let tiles: Vec<u32> = (0..rows.div_ceil(EXPERT_TILE_ROWS))
@@ -2677,7 +2782,7 @@ impl Cuda {
         let ones = self.upload(&vec![1.0f32; rows]);
         self.fill(out, 0.0, rows * w.rows);
         let (r, c, i) = (w.rows as i32, w.cols as i32, in_dim as i32);
-        let mut l = self.launcher(self.func(&format!("expert_mma_down_{}", bits_suffix(w.bits))));
+        let mut l = self.launcher(self.func(&format!("expert_mma_down_{kernels}")));
         l.arg(&table)
             .arg(&tiles)
             .arg(&0u64)
@@ -2745,9 +2850,7 @@ impl Cuda {
         for (g, m) in &take {
             for w in m {
                 let d = self.device_affine(w, false);
-                table.push(d.words.device_ptr(&self.stream).0);
-                table.push(d.scales.device_ptr(&self.stream).0);
-                table.push(d.biases.device_ptr(&self.stream).0);
+                table.extend(d.rows().addresses(&self.stream));
                 keep.push(d);
             }
             table.push(row_ids.len() as u64);
@@ -3034,9 +3137,7 @@ impl Cuda {
                             weights.push(Arc::new(t));
                         } else {
                             let dev = self.device_affine(&m, false);
-                            table.push(dev.words.device_ptr(&self.stream).0);
-                            table.push(dev.scales.device_ptr(&self.stream).0);
-                            table.push(dev.biases.device_ptr(&self.stream).0);
+                            table.extend(dev.rows().addresses(&self.stream));
                             weights.push(dev);
                         }
                     }
