@@ -340,7 +340,7 @@ struct DeviceAffine {
     rows: Option<AffineRows>,
     /// Host words sampled when it was copied (first, middle, last).
     fingerprint: [u32; 3],
-    /// The same matrix in unit tiles ([`unit_tiles`]), made with the row-major copy where
+    /// The same matrix in unit tiles ([`unit_tiles`]), made with the device copy where
     /// one-row products read it so ([`Cuda::tiles_take`]).
     tiles: Option<DeviceTiles>,
 }
@@ -2678,8 +2678,9 @@ impl Cuda {
         matches!(w.bits, 4 | 2) && (self.head_tiles() && rounds >= 2 || self.dense_tiles())
     }
 
-    /// `d` (the device copy of `w`) in unit tiles, for a one-row product of it alone,
-    /// where [`tiles_take`](Self::tiles_take) it and the copy was made with `d` (never
+    /// `d` (the device copy of `w`) in unit tiles, for a one-row product of it alone:
+    /// always for a matrix held only in tiles, otherwise where
+    /// [`tiles_take`](Self::tiles_take) it and the copy was made with `d` (never
     /// later: a first use may come while a step is being recorded, where no upload may
     /// run).
     fn tiles_of<'d>(&self, w: &AffineView<'_>, d: &'d DeviceAffine) -> Option<&'d DeviceTiles> {
