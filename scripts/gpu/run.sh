@@ -325,7 +325,7 @@ for step in $steps; do
                     # shellcheck disable=SC2046
                     nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null \
                         $(for d in $defs; do echo "-D$d"; done) "$BIN/kernels.cu" 2>&1 |
-                        grep -A3 -E "entry function '(routed_mma_(gate_up|down)|dense_mma)_q($bits|4)'" |
+                        grep -A3 -E "entry function '(routed_mma_(gate_up|down)|dense_mma(_norm)?)_(tiled_)?q($bits|4)'" |
                         grep -oE "(entry function '[a-z_0-9]+'|Used [0-9]+ registers|[0-9]+ bytes spill (stores|loads))" |
                         paste -sd' ' | tee -a "$log"
                 fi
