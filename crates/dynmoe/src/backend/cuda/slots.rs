@@ -323,7 +323,8 @@ impl ExpertSlots for CudaSlots {
         let dst = self.pool_at + (slot * self.stride) as u64;
         let copy = |dst: u64, src: *const u32, bytes: usize| {
             // SAFETY: `dst .. dst + bytes` lies inside the pool (slot < count, the
-            // record and its signs within the stride); the caller keeps `record`
+            // record and its signs within the stride) or is the staging buffer (a whole
+            // record); the caller keeps `record`
             // unchanged until `loaded(slot)`, and `signs_host` is only rewritten after
             // the slot's previous load has landed (below).
             let r = unsafe {
