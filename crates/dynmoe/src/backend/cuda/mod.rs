@@ -435,10 +435,15 @@ fn unit_tiles(w: &AffineView<'_>) -> (Vec<u32>, Vec<u16>) {
     (words, sb)
 }
 
+/// The units (16 rows by one 64-column group) of a `rows × cols` matrix in unit tiles.
+fn tile_units(rows: usize, cols: usize) -> usize {
+    rows.div_ceil(RMMA_ROWS) * (cols / GROUP_SIZE)
+}
+
 /// The u32 words and u16 scales-and-biases of a `rows × cols` matrix at `bits` (4 or 2)
 /// in unit tiles ([`unit_tiles`]).
 fn tile_lengths(rows: usize, cols: usize, bits: u32) -> (usize, usize) {
-    let units = rows.div_ceil(RMMA_ROWS) * (cols / GROUP_SIZE);
+    let units = tile_units(rows, cols);
     let per_lane = if bits == 4 { 4 } else { 2 };
     (units * 32 * per_lane, units * RMMA_ROWS * 2)
 }

@@ -26,7 +26,7 @@ use cudarc::driver::{
     PushKernelArg,
 };
 
-use super::{ok, sign_bits, tile_lengths, RoutedKind, ROUTED_ENTRY, VQ_CODE_PADDING};
+use super::{ok, sign_bits, tile_lengths, tile_units, RoutedKind, ROUTED_ENTRY, VQ_CODE_PADDING};
 use crate::backend::ExpertSlots;
 use crate::residency::reservoir::words_as_bytes;
 use crate::residency::RecordFormat;
@@ -230,7 +230,8 @@ impl CudaSlots {
             );
             let (tile_words, sb) = (base + part.words as u64, base + part.sb as u64);
             let (rows, cols, bits) = (m.rows as i32, m.cols as i32, layout.bits as i32);
-            let threads = m.rows.div_ceil(16) * (m.cols / 64) * 32;
+            // A thread per lane of each unit.
+            let threads = tile_units(m.rows, m.cols) * 32;
             let mut l = self.copies.launch_builder(&tiled.from_rows);
             l.arg(&words).arg(&scales).arg(&biases);
             l.arg(&rows).arg(&cols).arg(&bits);
