@@ -1018,8 +1018,8 @@ pub struct Cuda {
     /// keeps them in host memory).
     vq_slots: Switch<bool>,
     /// Whether resident sets of 4- and 2-bit affine experts made from now on hold their
-    /// slots in unit tiles where the tiled kernels take them (`DYNMOE_CUDA_SLOT_TILES=1`),
-    /// or in rows as stored.
+    /// slots in unit tiles where the tiled kernels take them (the default), or in rows as
+    /// stored (`DYNMOE_CUDA_SLOT_TILES=0`).
     slot_tiles: Switch<bool>,
     /// Whether [`Backend::upload_matrix`] keeps bf16-exact matrices in bf16
     /// (`DYNMOE_CUDA_BF16=0`: always f32, to measure what bf16 saves).
@@ -1638,8 +1638,9 @@ impl Cuda {
             tensor_cores: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_TENSOR_CORES")),
             routed_mma: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_ROUTED_MMA")),
             vq_slots: Switch::new(!switched_off("DYNMOE_CUDA_VQ_SLOTS")),
-            // Not yet measured against rows, so off unless asked for.
-            slot_tiles: Switch::new(switched_on("DYNMOE_CUDA_SLOT_TILES")),
+            // Measured closer to a fully resident run than rows (docs/GPU_NOTES.md), so on
+            // unless switched off.
+            slot_tiles: Switch::new(!switched_off("DYNMOE_CUDA_SLOT_TILES")),
             // Measured slower in a decode step than the three launches it replaces
             // (docs/GPU_NOTES.md), so off unless asked for.
             moe_step: Switch::new(switched_on("DYNMOE_CUDA_MOE_STEP")),
@@ -1659,7 +1660,8 @@ impl Cuda {
             fold_norms: Switch::new(!switched_off("DYNMOE_CUDA_FOLD_NORMS")),
             head_tiles: Switch::new(!switched_off("DYNMOE_CUDA_HEAD_TILES")),
             dense_tiles: Switch::new(!switched_off("DYNMOE_CUDA_DENSE_TILES")),
-            // Not yet measured on the GPU, so off unless asked for.
+            // Measured a little slower in a decode step at 4 bits and level at 2
+            // (docs/GPU_NOTES.md), so off unless asked for: it saves memory, not time.
             dense_single: Switch::new(switched_on("DYNMOE_CUDA_DENSE_SINGLE")),
             // Measured faster in a decode step at 4 and 2 bits (docs/GPU_NOTES.md), and the
             // tiles replace the rows, so on unless switched off.
@@ -1820,7 +1822,7 @@ impl Cuda {
     /// Whether resident sets of 4- and 2-bit affine experts made from now on hold their
     /// slots in unit tiles (each record copied in rows to a staging buffer and taken into
     /// its slot by `affine_tiles_from_rows`, both on the copy stream) where the tiled
-    /// routed kernels and grouped GEMMs take them, or in rows as stored (the default). A
+    /// routed kernels and grouped GEMMs take them (the default), or in rows as stored. A
     /// step that finds the tiled kernels switched off since takes the host path.
     pub fn set_slot_tiles(&self, on: bool) {
         self.slot_tiles.set(on);

@@ -12,8 +12,8 @@
 //! kernels read them from the table, and a record carries only their seeds. They are
 //! made on the host when the record is loaded and copied beside it.
 //!
-//! Affine slots may hold their experts in unit tiles instead, as the tiled routed kernels
-//! read them ([`Cuda::set_slot_tiles`](super::Cuda::set_slot_tiles)): a record is copied
+//! Affine slots hold their 4- and 2-bit experts in unit tiles by default, as the tiled
+//! routed kernels read them ([`Cuda::set_slot_tiles`](super::Cuda::set_slot_tiles)): a record is copied
 //! as stored into one staging buffer and `affine_tiles_from_rows` takes each matrix into
 //! the slot, both on the copy stream, whose order keeps the next copy off the staging
 //! buffer until the kernel has read it.
