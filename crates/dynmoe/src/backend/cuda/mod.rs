@@ -112,6 +112,24 @@ const MV_ONE_COLS: usize = 2048;
 const RMMA_ROWS: usize = 16;
 const RMMA_WARPS: usize = 8;
 const RMMA_DOWN_WARPS: usize = 16;
+
+/// Warps of a `routed_mma_down_*` block: `RMMA_DOWN_WARPS` (the kernels' launch bound),
+/// or fewer with `DYNMOE_CUDA_DOWN_WARPS`, to measure whether a smaller block lands
+/// beside more gate/up blocks (docs/GPU_NOTES.md).
+fn down_warps_from_env() -> Result<usize, CudaError> {
+    const NAME: &str = "DYNMOE_CUDA_DOWN_WARPS";
+    match std::env::var(NAME) {
+        Err(_) => Ok(RMMA_DOWN_WARPS),
+        Ok(value) => match value.parse::<usize>() {
+            Ok(w) if (1..=RMMA_DOWN_WARPS).contains(&w) => Ok(w),
+            _ => Err(CudaError::Setting {
+                name: NAME,
+                value,
+                expected: "a count of warps from 1 to 16",
+            }),
+        },
+    }
+}
 /// Phases a block of the routed kernels stamps with `PHASES` (the kernels' `PHASE_SLOTS`).
 pub const PHASE_SLOTS: usize = 8;
 /// Intermediate rows of one routed expert a `routed_slices_*` block takes (the kernels'
@@ -201,6 +219,16 @@ pub enum CudaError {
     /// cuBLAS could not be set up.
     #[error("cuBLAS: {0}")]
     Blas(String),
+    /// An environment setting of the backend has a value it does not take.
+    #[error("{name}={value}: {expected}")]
+    Setting {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What it takes.
+        expected: &'static str,
+    },
 }
 
 /// Whether the driver, NVRTC and cuBLAS libraries can be loaded, without touching a
@@ -1047,6 +1075,8 @@ pub struct Cuda {
     /// The flag gate/up raises once the route is written and the count of down blocks
     /// that saw it (the down kernel's early start): both zero between launches.
     down_ready: CudaSlice<u32>,
+    /// Warps of a routed down block on tensor cores ([`down_warps_from_env`]).
+    down_warps: usize,
     /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
     prefill_attention: Switch<PrefillAttention>,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
@@ -1677,6 +1707,7 @@ impl Cuda {
             route_by_logits: Switch::new(!switched_off("DYNMOE_CUDA_ROUTE_LOGITS")),
             down_early: Switch::new(!switched_off("DYNMOE_CUDA_DOWN_EARLY")),
             down_ready,
+            down_warps: down_warps_from_env()?,
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
             timeline,
             prefill_attention: Switch::new(PrefillAttention::from_env()),
@@ -3443,7 +3474,7 @@ impl Cuda {
             l.arg(&ri).arg(&c).arg(&i).arg(&logits).arg(&ei).arg(&ready);
             let down = LaunchConfig {
                 grid_dim: (hidden.div_ceil(RMMA_ROWS) as u32, rows as u32, 1),
-                block_dim: ((RMMA_DOWN_WARPS * 32) as u32, 1, 1),
+                block_dim: ((self.down_warps * 32) as u32, 1, 1),
                 shared_mem_bytes: routed_mma_shared(down_units) as u32,
             };
             ok(unsafe { l.launch(down) }, "routed down on tensor cores");
