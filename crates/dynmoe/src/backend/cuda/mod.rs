@@ -113,6 +113,45 @@ const RMMA_ROWS: usize = 16;
 const RMMA_WARPS: usize = 8;
 const RMMA_DOWN_WARPS: usize = 16;
 
+/// With `DYNMOE_CUDA_DOWN_ALONE=1`: the shared memory that keeps a second
+/// `routed_mma_down_*` block off an SM, more than half of what an SM holds. At 2 bits a
+/// 16-warp down block takes 64 registers a thread, so two fit an SM's registers where at
+/// 4 bits (76) only one does; two on one SM take twice as long over the products after
+/// their wait, and the layer waits for the last (docs/GPU_NOTES.md). Every kernel then
+/// prefers the most shared memory an SM can give, so that no SM must be reconfigured,
+/// which it can only be when idle, before a down block lands beside gate/up's blocks.
+/// Returns 0 (no padding) where the device grants less than that.
+fn down_alone(
+    ctx: &CudaContext,
+    f: &HashMap<&'static str, CudaFunction>,
+    optin: usize,
+) -> Result<usize, CudaError> {
+    use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+    let per_sm = driver(
+        ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+    )? as usize;
+    // Each block also takes a reserve of about 1 KB, so half the SM is more than enough.
+    let bytes = per_sm / 2;
+    let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    let downs: Vec<&str> = KERNEL_NAMES
+        .into_iter()
+        .filter(|n| n.starts_with("routed_mma_down"))
+        .collect();
+    if bytes > optin
+        || !downs
+            .iter()
+            .all(|n| f[n].set_attribute(attr, bytes as i32).is_ok())
+    {
+        return Ok(0);
+    }
+    let carveout = CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
+    for func in f.values() {
+        // 100: the most shared memory, in percent (CU_SHAREDMEM_CARVEOUT_MAX_SHARED).
+        driver(func.set_attribute(carveout, 100))?;
+    }
+    Ok(bytes)
+}
+
 /// Warps of a `routed_mma_down_*` block: `RMMA_DOWN_WARPS` (the kernels' launch bound),
 /// or fewer with `DYNMOE_CUDA_DOWN_WARPS`, to measure whether a smaller block lands
 /// beside more gate/up blocks (docs/GPU_NOTES.md).
@@ -1077,6 +1116,9 @@ pub struct Cuda {
     down_ready: CudaSlice<u32>,
     /// Warps of a routed down block on tensor cores ([`down_warps_from_env`]).
     down_warps: usize,
+    /// Shared memory a routed down block on tensor cores asks for at least, so that two
+    /// never share an SM ([`down_alone`]; 0 without `DYNMOE_CUDA_DOWN_ALONE=1`).
+    down_alone_shared: usize,
     /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
     prefill_attention: Switch<PrefillAttention>,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
@@ -1633,6 +1675,11 @@ impl Cuda {
         // routed_slices stages its slice's gate and up rows: 148 KB at Qwen3-30B-A3B's
         // shapes and 4 bits.
         let slices_shared = granted(&["routed_slices_q4", "routed_slices_q3", "routed_slices_q2"]);
+        let down_alone_shared = if switched_on("DYNMOE_CUDA_DOWN_ALONE") {
+            down_alone(&ctx, &f, optin)?
+        } else {
+            0
+        };
         // A stream of its own: the legacy default stream cannot be recorded into a graph.
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
@@ -1708,6 +1755,7 @@ impl Cuda {
             down_early: Switch::new(!switched_off("DYNMOE_CUDA_DOWN_EARLY")),
             down_ready,
             down_warps: down_warps_from_env()?,
+            down_alone_shared,
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
             timeline,
             prefill_attention: Switch::new(PrefillAttention::from_env()),
@@ -3475,7 +3523,7 @@ impl Cuda {
             let down = LaunchConfig {
                 grid_dim: (hidden.div_ceil(RMMA_ROWS) as u32, rows as u32, 1),
                 block_dim: ((self.down_warps * 32) as u32, 1, 1),
-                shared_mem_bytes: routed_mma_shared(down_units) as u32,
+                shared_mem_bytes: routed_mma_shared(down_units).max(self.down_alone_shared) as u32,
             };
             ok(unsafe { l.launch(down) }, "routed down on tensor cores");
             return;
