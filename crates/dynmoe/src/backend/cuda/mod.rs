@@ -114,13 +114,11 @@ const RMMA_WARPS: usize = 8;
 const RMMA_DOWN_WARPS: usize = 16;
 
 /// With `DYNMOE_CUDA_DOWN_ALONE=1`: the shared memory that keeps a second
-/// `routed_mma_down_*` block off an SM, more than half of what an SM holds. At 2 bits a
-/// 16-warp down block takes 64 registers a thread, so two fit an SM's registers where at
-/// 4 bits (76) only one does; two on one SM take twice as long over the products after
-/// their wait, and the layer waits for the last (docs/GPU_NOTES.md). Every kernel then
-/// prefers the most shared memory an SM can give, so that no SM must be reconfigured,
-/// which it can only be when idle, before a down block lands beside gate/up's blocks.
-/// Returns 0 (no padding) where the device grants less than that.
+/// `routed_mma_down_*` block off an SM, half of what an SM holds (each block also takes a
+/// reserve of about 1 KB). At 2 bits a 16-warp down block takes 64 registers a thread,
+/// so two fit an SM's registers where at 4 bits (76) only one does; two on one SM take
+/// twice as long over the products after their wait, and the layer waits for the last
+/// (docs/GPU_NOTES.md). Returns 0 (no padding) where the device grants less.
 fn down_alone(
     ctx: &CudaContext,
     f: &HashMap<&'static str, CudaFunction>,
@@ -130,45 +128,65 @@ fn down_alone(
     let per_sm = driver(
         ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
     )? as usize;
-    // Each block also takes a reserve of about 1 KB, so half the SM is more than enough.
     let bytes = per_sm / 2;
     let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-    let downs: Vec<&str> = KERNEL_NAMES
-        .into_iter()
-        .filter(|n| n.starts_with("routed_mma_down"))
-        .collect();
-    if bytes > optin
-        || !downs
-            .iter()
-            .all(|n| f[n].set_attribute(attr, bytes as i32).is_ok())
-    {
-        return Ok(0);
-    }
-    let carveout = CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
+    let granted = bytes <= optin
+        && KERNEL_NAMES
+            .into_iter()
+            .filter(|n| n.starts_with("routed_mma_down"))
+            .all(|n| f[n].set_attribute(attr, bytes as i32).is_ok());
+    Ok(if granted { bytes } else { 0 })
+}
+
+/// With `DYNMOE_CUDA_CARVEOUT=P`: every kernel prefers P% of the unified L1 and shared
+/// memory as shared memory. An SM changes its split only while idle, so a block that
+/// needs more shared memory than its SM's split gives (a padded down block,
+/// [`down_alone`]) waits for the SM to empty; 100 keeps every SM at the most.
+fn prefer_carveout(f: &HashMap<&'static str, CudaFunction>) -> Result<(), CudaError> {
+    let Some(percent) = env_count("DYNMOE_CUDA_CARVEOUT", 0..=100, "a percentage, 0 to 100")?
+    else {
+        return Ok(());
+    };
+    let attr =
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
     for func in f.values() {
-        // 100: the most shared memory, in percent (CU_SHAREDMEM_CARVEOUT_MAX_SHARED).
-        driver(func.set_attribute(carveout, 100))?;
+        driver(func.set_attribute(attr, percent as i32))?;
     }
-    Ok(bytes)
+    Ok(())
+}
+
+/// The count in environment variable `name`, if set: an error that names the variable
+/// and `expected` where it is not a number within `range`.
+fn env_count(
+    name: &'static str,
+    range: std::ops::RangeInclusive<usize>,
+    expected: &'static str,
+) -> Result<Option<usize>, CudaError> {
+    let Ok(value) = std::env::var(name) else {
+        return Ok(None);
+    };
+    match value.parse::<usize>() {
+        Ok(n) if range.contains(&n) => Ok(Some(n)),
+        _ => Err(CudaError::Setting {
+            name,
+            value,
+            expected,
+        }),
+    }
 }
 
 /// Warps of a `routed_mma_down_*` block: `RMMA_DOWN_WARPS` (the kernels' launch bound),
 /// or fewer with `DYNMOE_CUDA_DOWN_WARPS`, to measure whether a smaller block lands
 /// beside more gate/up blocks (docs/GPU_NOTES.md).
 fn down_warps_from_env() -> Result<usize, CudaError> {
-    const NAME: &str = "DYNMOE_CUDA_DOWN_WARPS";
-    match std::env::var(NAME) {
-        Err(_) => Ok(RMMA_DOWN_WARPS),
-        Ok(value) => match value.parse::<usize>() {
-            Ok(w) if (1..=RMMA_DOWN_WARPS).contains(&w) => Ok(w),
-            _ => Err(CudaError::Setting {
-                name: NAME,
-                value,
-                expected: "a count of warps from 1 to 16",
-            }),
-        },
-    }
+    let warps = env_count(
+        "DYNMOE_CUDA_DOWN_WARPS",
+        1..=RMMA_DOWN_WARPS,
+        "a count of warps from 1 to 16",
+    )?;
+    Ok(warps.unwrap_or(RMMA_DOWN_WARPS))
 }
+
 /// Phases a block of the routed kernels stamps with `PHASES` (the kernels' `PHASE_SLOTS`).
 pub const PHASE_SLOTS: usize = 8;
 /// Intermediate rows of one routed expert a `routed_slices_*` block takes (the kernels'
@@ -1680,6 +1698,7 @@ impl Cuda {
         } else {
             0
         };
+        prefer_carveout(&f)?;
         // A stream of its own: the legacy default stream cannot be recorded into a graph.
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
