@@ -124,18 +124,36 @@ fn down_alone(
     f: &HashMap<&'static str, CudaFunction>,
     optin: usize,
 ) -> Result<usize, CudaError> {
-    use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+    use cudarc::driver::sys::CUdevice_attribute;
     let per_sm = driver(
         ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
     )? as usize;
     let bytes = per_sm / 2;
-    let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-    let granted = bytes <= optin
-        && KERNEL_NAMES
-            .into_iter()
-            .filter(|n| n.starts_with("routed_mma_down"))
-            .all(|n| f[n].set_attribute(attr, bytes as i32).is_ok());
-    Ok(if granted { bytes } else { 0 })
+    let downs: Vec<&str> = KERNEL_NAMES
+        .into_iter()
+        .filter(|n| n.starts_with("routed_mma_down"))
+        .collect();
+    Ok(if grant_shared(f, &downs, bytes, optin) {
+        bytes
+    } else {
+        0
+    })
+}
+
+/// Asks for `bytes` of dynamic shared memory a block for each kernel of `names`: whether
+/// every one was granted it (never more than the device's opt-in, `optin`).
+fn grant_shared(
+    f: &HashMap<&'static str, CudaFunction>,
+    names: &[&str],
+    bytes: usize,
+    optin: usize,
+) -> bool {
+    let attr =
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    bytes <= optin
+        && names
+            .iter()
+            .all(|n| f[n].set_attribute(attr, bytes as i32).is_ok())
 }
 
 /// With `DYNMOE_CUDA_CARVEOUT=P`: every kernel prefers P% of the unified L1 and shared
@@ -1657,20 +1675,15 @@ impl Cuda {
         for width in [64, 128, 256] {
             let bytes = tiled_shared(width);
             let name = tiled_kernel(width).expect("a tiled width");
-            let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            if bytes > optin || f[name].set_attribute(attr, bytes as i32).is_err() {
+            if !grant_shared(&f, &[name], bytes, optin) {
                 break;
             }
             tiled_head_dim = width;
         }
         // Shared memory each of `names` may take: the device's opt-in where every one of
         // them was granted it, else what a block gets without asking.
-        let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         let granted = |names: &[&str]| {
-            if names
-                .iter()
-                .all(|n| f[n].set_attribute(attr, optin as i32).is_ok())
-            {
+            if grant_shared(&f, names, optin, optin) {
                 optin
             } else {
                 SHARED_LIMIT
@@ -3189,10 +3202,10 @@ impl Cuda {
     }
 
     /// Whether a block of experts of `shape` (4 or 2 bits), `top_k` a row, is held in
-    /// unit tiles: unless [`set_expert_tiles`](Self::set_expert_tiles) says rows, where every launch
-    /// that may read it takes tiles — one to [`ROUTED_MAX_ROWS`] rows on the tensor-core
-    /// routed kernels, more through the grouped GEMMs (the other routed kernels, the
-    /// slices and the one-launch step read rows).
+    /// unit tiles: unless [`set_expert_tiles`](Self::set_expert_tiles) says rows, where
+    /// every launch that may read it takes tiles — one to [`ROUTED_MAX_ROWS`] rows on the
+    /// tensor-core routed kernels, more through the grouped GEMMs (the other routed
+    /// kernels, the slices and the one-launch step read rows).
     fn experts_tiled(&self, shape: RoutedShape, top_k: usize) -> bool {
         self.expert_tiles.get() && self.tiled_kernels_take(shape, top_k)
     }
