@@ -1302,9 +1302,6 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_routed_affine(bits, 512, 192, 128, 8, true));
         worst = std::max(worst, check_routed_affine(bits, 2112, 64, 6, 2, true));
     }
-    // A prompt's grouped GEMMs: the small fixture's 80-wide experts (a block's last warp
-    // past the rows, down's input padded to 128), experts with more pairs than a tile
-    // (several tiles a group), rows of several groups; in tiles at 4 and 2 bits.
     // Rows into tiles on the device: whole tiles, and rows past the last whole one.
     for (int bits : {4, 2}) {
         if (!wanted("gemm")) break;
@@ -1312,6 +1309,9 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_tiles_from_rows(bits, 80, 256));
         worst = std::max(worst, check_tiles_from_rows(bits, 37, 192));
     }
+    // A prompt's grouped GEMMs: the small fixture's 80-wide experts (a block's last warp
+    // past the rows, down's input padded to 128), experts with more pairs than a tile
+    // (several tiles a group), rows of several groups; in tiles at 4 and 2 bits.
     for (int bits : {4, 3, 2}) {
         if (!wanted("gemm")) break;
         worst = std::max(worst, check_expert_gemm(bits, 256, 80, 128, 12, 40, 4, bits != 3));

@@ -13,10 +13,10 @@
 //! made on the host when the record is loaded and copied beside it.
 //!
 //! Affine slots hold their 4- and 2-bit experts in unit tiles by default, as the tiled
-//! routed kernels read them ([`Cuda::set_slot_tiles`](super::Cuda::set_slot_tiles)): a record is copied
-//! as stored into one staging buffer and `affine_tiles_from_rows` takes each matrix into
-//! the slot, both on the copy stream, whose order keeps the next copy off the staging
-//! buffer until the kernel has read it.
+//! routed kernels read them ([`Cuda::set_slot_tiles`](super::Cuda::set_slot_tiles)): a
+//! record is copied as stored into one staging buffer and `affine_tiles_from_rows` takes
+//! each matrix into the slot, both on the copy stream, whose order keeps the next copy
+//! off the staging buffer until the kernel has read it.
 
 use std::sync::Arc;
 
@@ -325,9 +325,9 @@ impl ExpertSlots for CudaSlots {
         let copy = |dst: u64, src: *const u32, bytes: usize| {
             // SAFETY: `dst .. dst + bytes` lies inside the pool (slot < count, the
             // record and its signs within the stride) or is the staging buffer (a whole
-            // record); the caller keeps `record`
-            // unchanged until `loaded(slot)`, and `signs_host` is only rewritten after
-            // the slot's previous load has landed (below).
+            // record); the caller keeps `record` unchanged until `loaded(slot)`, and
+            // `signs_host` is only rewritten after the slot's previous load has landed
+            // (below).
             let r = unsafe {
                 sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), bytes, self.copies.cu_stream())
             };
