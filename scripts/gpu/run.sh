@@ -47,7 +47,8 @@
 #          sets of DYNMOE_CUDA_DEFINES constants and DYNMOE_* switches, '-' the source's),
 #          dense layers at $TUNE_DENSE (q4; or bf16), and with nvcc ptxas's registers and
 #          spills of the routed and dense kernels under each (tune_q<bits>[_bf16].log;
-#          TUNE_PTXAS=0 skips ptxas, which takes about half a minute a set)
+#          TUNE_PTXAS=0 skips ptxas, which takes about half a minute a set); TUNE_REPEATS
+#          rounds over the sets in turn (default 1)
 # resources ptxas's registers, stack, spills and shared memory of every kernel (ptxas.log;
 #          needs nvcc)
 # timeline each kernel's share of a decode token in the chain, from stamps taken as each
@@ -307,32 +308,39 @@ for step in $steps; do
         suffix=""
         [ "${TUNE_DENSE:-q4}" = bf16 ] && dense_flags=() && suffix=_bf16
         IFS=';' read -ra sets <<< "${TUNE:--}"
+        # TUNE_REPEATS: rounds over the sets, in turn, so drift in the machine's speed
+        # falls on every set alike (round r's JSON is tune_..._<n>_r<r>.json).
+        repeats=${TUNE_REPEATS:-1}
         for bits in ${BITS:-4}; do
             log="$OUT/tune_q$bits$suffix.log"
             echo "== kernel constants and switches, $bits bits, dense ${TUNE_DENSE:-q4}" | tee "$log"
-            n=0
-            for set in "${sets[@]}"; do
-                n=$((n + 1))
-                defs="" switches=()
-                for word in $([ "$set" = - ] || echo "$set"); do
-                    case $word in
-                    DYNMOE_*) switches+=("$word") ;;
-                    *) defs="${defs:+$defs }$word" ;;
-                    esac
+            for round in $(seq "$repeats"); do
+                n=0
+                for set in "${sets[@]}"; do
+                    n=$((n + 1))
+                    defs="" switches=()
+                    for word in $([ "$set" = - ] || echo "$set"); do
+                        case $word in
+                        DYNMOE_*) switches+=("$word") ;;
+                        *) defs="${defs:+$defs }$word" ;;
+                        esac
+                    done
+                    json="$OUT/tune_q$bits${suffix}_$n.json"
+                    [ "$repeats" = 1 ] || json="${json%.json}_r$round.json"
+                    echo "-- ${set/#-/source}" | tee -a "$log"
+                    if command -v nvcc > /dev/null && [ "${TUNE_PTXAS:-1}" != 0 ] && [ "$round" = 1 ]; then
+                        # shellcheck disable=SC2046
+                        nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null \
+                            $(for d in $defs; do echo "-D$d"; done) "$BIN/kernels.cu" 2>&1 |
+                            grep -A3 -E "entry function '(routed_mma_(gate_up|down)|dense_mma(_norm)?)_(tiled_)?q($bits|4)'" |
+                            grep -oE "(entry function '[a-z_0-9]+'|Used [0-9]+ registers|[0-9]+ bytes spill (stores|loads))" |
+                            paste -sd' ' | tee -a "$log"
+                    fi
+                    env ${switches[@]+"${switches[@]}"} DYNMOE_CUDA_DEFINES="$defs" "$BIN/dynmoe" \
+                        bench decode "$m" --backend cuda --bits "$bits" \
+                        ${dense_flags[@]+"${dense_flags[@]}"} --prompt 512 --generate 128 \
+                        --json "$json" 2>&1 | tail -1 | tee -a "$log"
                 done
-                echo "-- ${set/#-/source}" | tee -a "$log"
-                if command -v nvcc > /dev/null && [ "${TUNE_PTXAS:-1}" != 0 ]; then
-                    # shellcheck disable=SC2046
-                    nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null \
-                        $(for d in $defs; do echo "-D$d"; done) "$BIN/kernels.cu" 2>&1 |
-                        grep -A3 -E "entry function '(routed_mma_(gate_up|down)|dense_mma(_norm)?)_(tiled_)?q($bits|4)'" |
-                        grep -oE "(entry function '[a-z_0-9]+'|Used [0-9]+ registers|[0-9]+ bytes spill (stores|loads))" |
-                        paste -sd' ' | tee -a "$log"
-                fi
-                env ${switches[@]+"${switches[@]}"} DYNMOE_CUDA_DEFINES="$defs" "$BIN/dynmoe" \
-                    bench decode "$m" --backend cuda --bits "$bits" \
-                    ${dense_flags[@]+"${dense_flags[@]}"} --prompt 512 --generate 128 \
-                    --json "$OUT/tune_q$bits${suffix}_$n.json" 2>&1 | tail -1 | tee -a "$log"
             done
         done
         ;;
