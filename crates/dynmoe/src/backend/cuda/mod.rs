@@ -135,18 +135,11 @@ fn down_alone(
     down_warps: usize,
 ) -> Result<Vec<(&'static str, usize)>, CudaError> {
     use cudarc::driver::sys::CUdevice_attribute;
-    const NAME: &str = "DYNMOE_CUDA_DOWN_ALONE";
-    let every = match std::env::var(NAME).as_deref() {
-        Ok("0") => return Ok(Vec::new()),
-        Ok("1") => true,
-        Err(_) | Ok("auto") => false,
-        Ok(value) => {
-            return Err(CudaError::Setting {
-                name: NAME,
-                value: value.to_string(),
-                expected: "0, 1 or auto",
-            })
-        }
+    let setting = std::env::var(DownAlone::NAME).ok();
+    let every = match DownAlone::parse(setting.as_deref())? {
+        DownAlone::None => return Ok(Vec::new()),
+        DownAlone::Shared => false,
+        DownAlone::Every => true,
     };
     let per_sm = driver(
         ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
@@ -179,6 +172,35 @@ fn down_alone(
         padded.push((name, bytes));
     }
     Ok(padded)
+}
+
+/// Which routed down kernels [`down_alone`] pads (`DYNMOE_CUDA_DOWN_ALONE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DownAlone {
+    /// `0`: none.
+    None,
+    /// `auto`, the default: those whose blocks could share an SM.
+    Shared,
+    /// `1`: every one.
+    Every,
+}
+
+impl DownAlone {
+    const NAME: &'static str = "DYNMOE_CUDA_DOWN_ALONE";
+
+    /// The variable's value (`None` where unset), or an error that names it.
+    fn parse(value: Option<&str>) -> Result<Self, CudaError> {
+        match value {
+            Some("0") => Ok(Self::None),
+            None | Some("auto") => Ok(Self::Shared),
+            Some("1") => Ok(Self::Every),
+            Some(value) => Err(CudaError::Setting {
+                name: Self::NAME,
+                value: value.to_string(),
+                expected: "0, 1 or auto",
+            }),
+        }
+    }
 }
 
 /// Asks for `bytes` of dynamic shared memory a block for each kernel of `names`: whether
@@ -5510,12 +5532,25 @@ mod tests {
     use super::{
         dense_mma_layout, group_chunk, group_kernel, is_bf16_exact, moe_step_shared, slice_shared,
         slice_stride, staged_rows, tiled_kernel, tiled_shared, unit_tiles, vq_book_bytes,
-        vq_suffix, vq_tile, VqRoutedShape, VqTile, ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT,
-        VQR_SHARED_BOOK,
+        vq_suffix, vq_tile, DownAlone, VqRoutedShape, VqTile, ATT_CHUNK_MAX, ATT_STEP,
+        SHARED_LIMIT, VQR_SHARED_BOOK,
     };
     use crate::codec::vq::{Rung, LADDER};
     use crate::testing::fresh;
     use half::bf16;
+
+    #[test]
+    fn down_alone_takes_its_three_values_and_names_itself_on_any_other() {
+        assert_eq!(DownAlone::parse(None).unwrap(), DownAlone::Shared);
+        assert_eq!(DownAlone::parse(Some("auto")).unwrap(), DownAlone::Shared);
+        assert_eq!(DownAlone::parse(Some("0")).unwrap(), DownAlone::None);
+        assert_eq!(DownAlone::parse(Some("1")).unwrap(), DownAlone::Every);
+        let err = DownAlone::parse(Some("yes")).unwrap_err().to_string();
+        assert!(
+            err.contains("DYNMOE_CUDA_DOWN_ALONE=yes") && err.contains("0, 1 or auto"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn unit_tiles_give_each_lane_the_words_and_scales_its_rows_hold() {
