@@ -136,10 +136,10 @@ fn down_alone(
 ) -> Result<Vec<(&'static str, usize)>, CudaError> {
     use cudarc::driver::sys::CUdevice_attribute;
     let setting = std::env::var(DownAlone::NAME).ok();
-    let every = match DownAlone::parse(setting.as_deref())? {
+    let only_shared = match DownAlone::parse(setting.as_deref())? {
         DownAlone::None => return Ok(Vec::new()),
-        DownAlone::Shared => false,
-        DownAlone::Every => true,
+        DownAlone::Shared => true,
+        DownAlone::Every => false,
     };
     let per_sm = driver(
         ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
@@ -152,20 +152,22 @@ fn down_alone(
         let Some(suffix) = name.strip_prefix("routed_mma_down_") else {
             continue;
         };
-        let blocks = driver(f[name].occupancy_max_active_blocks_per_multiprocessor(
-            (down_warps * 32) as u32,
-            0,
-            None,
-        ))?;
-        if !(every || blocks >= 2) || !grant_shared(f, &[name], bytes, optin) {
+        if only_shared {
+            let blocks = driver(f[name].occupancy_max_active_blocks_per_multiprocessor(
+                (down_warps * 32) as u32,
+                0,
+                None,
+            ))?;
+            if blocks < 2 {
+                continue;
+            }
+        }
+        if !grant_shared(f, &[name], bytes, optin) {
             continue;
         }
-        if !every {
-            let gate_up = KERNEL_NAMES
-                .into_iter()
-                .find(|n| n.strip_prefix("routed_mma_gate_up_") == Some(suffix))
-                .expect("a gate/up kernel for each down kernel");
-            for n in [name, gate_up] {
+        if only_shared {
+            let gate_up = format!("routed_mma_gate_up_{suffix}");
+            for n in [name, gate_up.as_str()] {
                 driver(f[n].set_attribute(carveout, 100))?;
             }
         }
