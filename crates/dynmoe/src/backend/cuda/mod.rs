@@ -145,8 +145,6 @@ fn down_alone(
         ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
     )? as usize;
     let bytes = per_sm / 2;
-    let carveout =
-        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
     let mut padded = Vec::new();
     for name in KERNEL_NAMES {
         let Some(suffix) = name.strip_prefix("routed_mma_down_") else {
@@ -168,7 +166,7 @@ fn down_alone(
         if only_shared {
             let gate_up = format!("routed_mma_gate_up_{suffix}");
             for n in [name, gate_up.as_str()] {
-                driver(f[n].set_attribute(carveout, 100))?;
+                prefer_shared(&f[n], 100)?;
             }
         }
         padded.push((name, bytes));
@@ -230,12 +228,17 @@ fn prefer_carveout(f: &HashMap<&'static str, CudaFunction>) -> Result<(), CudaEr
     else {
         return Ok(());
     };
-    let attr =
-        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
     for func in f.values() {
-        driver(func.set_attribute(attr, percent as i32))?;
+        prefer_shared(func, percent)?;
     }
     Ok(())
+}
+
+/// Has `func` prefer `percent`% of the unified L1 and shared memory as shared memory.
+fn prefer_shared(func: &CudaFunction, percent: usize) -> Result<(), CudaError> {
+    let attr =
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
+    driver(func.set_attribute(attr, percent as i32))
 }
 
 /// The count in environment variable `name`, if set: an error that names the variable
@@ -573,8 +576,9 @@ fn unit_tiles(w: &AffineView<'_>) -> (Vec<u32>, Vec<u16>) {
     let groups = w.cols / GROUP_SIZE;
     let tiles = w.rows.div_ceil(RMMA_ROWS);
     let row_words = words_per_row(w.cols, w.bits);
-    let (per_lane, per_unit_row) = if w.bits == 4 { (4, 8) } else { (2, 4) };
+    let per_lane = tile_lane_words(w.bits);
     let lane_words = per_lane / 2;
+    let per_unit_row = 4 * lane_words;
     let (word_count, sb_count) = tile_lengths(w.rows, w.cols, w.bits);
     let mut words = vec![0u32; word_count];
     let mut sb = vec![0u16; sb_count];
@@ -612,8 +616,17 @@ fn tile_units(rows: usize, cols: usize) -> usize {
 /// in unit tiles ([`unit_tiles`]).
 fn tile_lengths(rows: usize, cols: usize, bits: u32) -> (usize, usize) {
     let units = tile_units(rows, cols);
-    let per_lane = if bits == 4 { 4 } else { 2 };
-    (units * 32 * per_lane, units * RMMA_ROWS * 2)
+    (units * 32 * tile_lane_words(bits), units * RMMA_ROWS * 2)
+}
+
+/// The words a lane holds of one unit in tiles: a quarter of a 64-column group of each of
+/// its two rows, two words a row at 4 bits and one at 2.
+fn tile_lane_words(bits: u32) -> usize {
+    if bits == 4 {
+        4
+    } else {
+        2
+    }
 }
 
 /// Host addresses and lengths of a view: what the weight cache is keyed by.
