@@ -127,16 +127,17 @@ const RMMA_DOWN_WARPS: usize = 16;
 /// changes its split only while idle, so a padded block must find the split it needs
 /// already there, beside gate/up's blocks. Measured on the H200 (12-layer Qwen3-30B-A3B
 /// shape, q4 dense layers, median of three): 2 bits 1 671.9 tok/s padded against 1 637.8,
-/// 4 bits (nothing padded) unchanged.
+/// 4 bits (nothing padded) unchanged. With bf16 dense layers `auto` leaves the blocks
+/// unpadded at launch ([`Cuda::down_padding`]).
 fn down_alone(
     ctx: &CudaContext,
     f: &HashMap<&'static str, CudaFunction>,
     optin: usize,
     down_warps: usize,
+    which: DownAlone,
 ) -> Result<Vec<(&'static str, usize)>, CudaError> {
     use cudarc::driver::sys::CUdevice_attribute;
-    let setting = std::env::var(DownAlone::NAME).ok();
-    let only_shared = match DownAlone::parse(setting.as_deref())? {
+    let only_shared = match which {
         DownAlone::None => return Ok(Vec::new()),
         DownAlone::Shared => true,
         DownAlone::Every => false,
@@ -187,6 +188,10 @@ enum DownAlone {
 
 impl DownAlone {
     const NAME: &'static str = "DYNMOE_CUDA_DOWN_ALONE";
+
+    fn from_env() -> Result<Self, CudaError> {
+        Self::parse(std::env::var(Self::NAME).ok().as_deref())
+    }
 
     /// The variable's value (`None` where unset), or an error that names it.
     fn parse(value: Option<&str>) -> Result<Self, CudaError> {
@@ -1233,6 +1238,11 @@ pub struct Cuda {
     /// The routed down kernels on tensor cores whose blocks ask for at least so many
     /// bytes of shared memory, so that two never share an SM ([`down_alone`]).
     down_alone: Vec<(&'static str, usize)>,
+    /// `DYNMOE_CUDA_DOWN_ALONE`, which chose `down_alone`.
+    down_alone_which: DownAlone,
+    /// Whether a dense product has run on a one-row bf16 kernel
+    /// ([`dense_bf16_matvec`](Cuda::dense_bf16_matvec)); [`Cuda::down_padding`] reads it.
+    bf16_one_row_dense: Switch<bool>,
     /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
     prefill_attention: Switch<PrefillAttention>,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
@@ -1785,7 +1795,8 @@ impl Cuda {
         // shapes and 4 bits.
         let slices_shared = granted(&["routed_slices_q4", "routed_slices_q3", "routed_slices_q2"]);
         let down_warps = down_warps_from_env()?;
-        let down_alone = down_alone(&ctx, &f, optin, down_warps)?;
+        let down_alone_which = DownAlone::from_env()?;
+        let down_alone = down_alone(&ctx, &f, optin, down_warps, down_alone_which)?;
         prefer_carveout(&f)?;
         // A stream of its own: the legacy default stream cannot be recorded into a graph.
         let stream = driver(ctx.new_stream())?;
@@ -1863,6 +1874,8 @@ impl Cuda {
             down_ready,
             down_warps,
             down_alone,
+            down_alone_which,
+            bf16_one_row_dense: Switch::new(false),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
             timeline,
             prefill_attention: Switch::new(PrefillAttention::from_env()),
@@ -3620,11 +3633,7 @@ impl Cuda {
 
             let (ri, c, i) = (hidden as i32, shape.down_cols as i32, inter as i32);
             let down_name = format!("routed_mma_down_{suffix}");
-            let padding = self
-                .down_alone
-                .iter()
-                .find(|(n, _)| *n == down_name)
-                .map_or(0, |p| p.1);
+            let padding = self.down_padding(&down_name);
             let mut l = self.launcher(self.func(&down_name));
             l.arg(&table)
                 .arg(&ids)
@@ -4282,6 +4291,41 @@ impl Cuda {
     /// [`Backend::matmul`] into any device buffer: the matrix-vector kernel for a few
     /// rows (cuBLAS' GEMM runs far under bandwidth there, and keeps cuBLAS out of a
     /// recorded decode step), cuBLAS otherwise, a bf16 matrix widened to f32 first.
+    /// [`bf16_matvec`] for a dense layer's product; a one-row kernel is noted for
+    /// [`down_padding`](Cuda::down_padding).
+    fn dense_bf16_matvec(
+        &self,
+        three: bool,
+        rows: usize,
+        cols: usize,
+        out_rows: usize,
+    ) -> (&'static str, LaunchConfig) {
+        let (name, launch) = bf16_matvec(three, rows, cols, out_rows);
+        if name.ends_with("_one") {
+            self.bf16_one_row_dense.set(true);
+        }
+        (name, launch)
+    }
+
+    /// The shared memory a routed down block of kernel `name` asks for beyond its own
+    /// ([`down_alone`]). With `auto`, none once a dense product has run on a one-row bf16
+    /// kernel: those prefer L1 to shared memory, an SM changes its split only while idle,
+    /// and a padded block then waits for its SM to empty. Measured on the H200 (12-layer
+    /// Qwen3-30B-A3B shape, bf16 dense layers, 2 bits): 1 205.6 tok/s padded against
+    /// 1 240.1 unpadded; padded with every kernel preferring all shared memory, 1 180.8.
+    /// Dense layers in tiles run on kernels that leave the split alone, and the padding
+    /// pays there. A decode step runs its attention products before its first MoE block,
+    /// so the graph it records has the choice made.
+    fn down_padding(&self, name: &str) -> usize {
+        if self.down_alone_which == DownAlone::Shared && self.bf16_one_row_dense.get() {
+            return 0;
+        }
+        self.down_alone
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or(0, |p| p.1)
+    }
+
     fn dense_product<O: DevicePtrMut<f32>>(
         &self,
         x: &CudaSlice<f32>,
@@ -4307,7 +4351,7 @@ impl Cuda {
             // Any width: the kernel falls back to one value per lane off whole 8s.
             DeviceMatrix::Bf16(w) if rows <= MATVEC_MAX_BATCH => {
                 let o = out.device_ptr_mut(&self.stream).0;
-                let (name, launch) = bf16_matvec(false, rows, in_dim, out_dim);
+                let (name, launch) = self.dense_bf16_matvec(false, rows, in_dim, out_dim);
                 let mut l = self.launcher(self.func(name));
                 l.arg(w).arg(x).arg(&o).arg(&r).arg(&c).arg(&b);
                 ok(unsafe { l.launch(launch) }, "matvec_bf16");
@@ -4851,7 +4895,7 @@ impl Backend for Cuda {
                 let [r0, r1, r2] = out_dims.map(|d| d as i32);
                 let (cols, batch) = (in_dim as i32, rows as i32);
                 let total: usize = out_dims.iter().sum();
-                let (name, launch) = bf16_matvec(true, rows, in_dim, total);
+                let (name, launch) = self.dense_bf16_matvec(true, rows, in_dim, total);
                 let mut l = self.launcher(self.func(name));
                 l.arg(a).arg(b).arg(c).arg(x).arg(o0).arg(o1).arg(o2);
                 l.arg(&r0).arg(&r1).arg(&r2).arg(&cols).arg(&batch);
