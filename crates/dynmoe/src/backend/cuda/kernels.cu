@@ -866,6 +866,38 @@ __device__ __forceinline__ void decode_fragments(const unsigned (&w)[2], int q, 
         }
 }
 
+// With CODES_SUBNORMAL=1 the 4- and 2-bit products of unit_products take each code as
+// the f16 whose bits it is, where it already sits in its word once masked: a code c in
+// the lowest bits is the subnormal c·2^-24, exact, and the tensor cores multiply
+// subnormals as they are. That drops decode_fragments' f16 subtraction and all but two
+// (4 bits) or three (2 bits) of its shifts a row: an odd k step's codes sit 4 (or 2)
+// bits higher, so they are 16 (or 4) times larger and sum apart from the even steps'.
+// A tuning switch until measured.
+#ifndef CODES_SUBNORMAL
+#define CODES_SUBNORMAL 0
+#endif
+
+// How much larger an odd k step's codes are than an even one's in subnormal_fragments.
+template <int BITS> __device__ __forceinline__ float subnormal_odd() { return BITS == 4 ? 16.0f : 4.0f; }
+
+// decode_fragments' b[2·ks + h] as subnormal f16 codes, scaled by subnormal_odd on odd
+// k steps: at 4 bits k step ks takes bits 4·ks of word h, at 2 bits bits 8·h + 2·ks of
+// word 0 (as decode_fragments), masked where they are after a shift by a whole byte (4
+// bits) or half byte (2 bits).
+template <int BITS>
+__device__ __forceinline__ void subnormal_fragments(const unsigned (&w)[2], unsigned (&b)[8]) {
+    static_assert(BITS == 4 || BITS == 2, "subnormal codes at 4 and 2 bits");
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            unsigned src = BITS == 4 ? w[h] >> (8 * (ks / 2)) : w[0] >> (8 * h + 4 * (ks / 2));
+            unsigned mask = BITS == 4 ? (ks % 2 ? 0x00F000F0u : 0x000F000Fu)
+                                      : (ks % 2 ? 0x000C000Cu : 0x00030003u);
+            b[2 * ks + h] = src & mask;
+        }
+}
+
 // The 16 x values of columns 16q .. 16q + 15 as f16 hi and lo parts, paired in the
 // lane order above: word 4·ks + h holds positions 16·ks + 8·h + 2q + (0, 1). The indices
 // fold to constants, so `v` stays in registers.
@@ -1530,6 +1562,27 @@ __device__ void stage_units(unsigned* xs, float* xsum, const float* x, RowOf row
 template <int BITS>
 __device__ __forceinline__ float2 unit_products(const unsigned (&w)[2][2], int q,
                                                 const unsigned (&bx)[8]) {
+#if CODES_SUBNORMAL
+    if constexpr (BITS != 3) {
+        unsigned a0[8], a1[8];
+        subnormal_fragments<BITS>(w[0], a0);
+        subnormal_fragments<BITS>(w[1], a1);
+        // Even k steps' codes are c·2^-24, odd ones' SUBNORMAL_ODD times that.
+        float even[4], odd[4];
+#pragma unroll
+        for (int ks = 0; ks < 4; ks++) {
+            unsigned a[4] = {a0[2 * ks], a1[2 * ks], a0[2 * ks + 1], a1[2 * ks + 1]};
+            float(&c)[4] = ks % 2 ? odd : even;
+            if (ks < 2)
+                mma_f16_first(c, a, bx[2 * ks], bx[2 * ks + 1]);
+            else
+                mma_f16(c, a, bx[2 * ks], bx[2 * ks + 1]);
+        }
+        const float unit = 16777216.0f, unit_odd = unit / subnormal_odd<BITS>();
+        return make_float2((even[0] + even[1]) * unit + (odd[0] + odd[1]) * unit_odd,
+                           (even[2] + even[3]) * unit + (odd[2] + odd[3]) * unit_odd);
+    }
+#endif
     unsigned a0[8], a1[8];
     decode_fragments<BITS>(w[0], q, a0);
     decode_fragments<BITS>(w[1], q, a1);
