@@ -872,7 +872,8 @@ __device__ __forceinline__ void decode_fragments(const unsigned (&w)[2], int q, 
 // subnormals as they are. That drops decode_fragments' f16 subtraction and all but two
 // (4 bits) or three (2 bits) of its shifts a row: an odd k step's codes sit 4 (or 2)
 // bits higher, so they are 16 (or 4) times larger and sum apart from the even steps'.
-// A tuning switch until measured.
+// Measured +8.4% decode at 4 and 2 bits (docs/GPU_NOTES.md, seventeenth round); off until
+// the GPU tests have run with it, since only they show the tensor cores' subnormals.
 #ifndef CODES_SUBNORMAL
 #define CODES_SUBNORMAL 0
 #endif
@@ -1567,7 +1568,7 @@ __device__ __forceinline__ float2 unit_products(const unsigned (&w)[2][2], int q
         unsigned a0[8], a1[8];
         subnormal_fragments<BITS>(w[0], a0);
         subnormal_fragments<BITS>(w[1], a1);
-        // Even k steps' codes are c·2^-24, odd ones' SUBNORMAL_ODD times that.
+        // Even k steps' codes are c·2^-24, odd ones' subnormal_odd times that.
         float even[4], odd[4];
 #pragma unroll
         for (int ks = 0; ks < 4; ks++) {

@@ -189,6 +189,7 @@ enum DownAlone {
 impl DownAlone {
     const NAME: &'static str = "DYNMOE_CUDA_DOWN_ALONE";
 
+    /// The variable's value, or an error that names it.
     fn from_env() -> Result<Self, CudaError> {
         Self::parse(std::env::var(Self::NAME).ok().as_deref())
     }
@@ -4288,9 +4289,6 @@ impl Cuda {
         ok(unsafe { l.launch(grid(g.hidden)) }, "expert down GEMM");
     }
 
-    /// [`Backend::matmul`] into any device buffer: the matrix-vector kernel for a few
-    /// rows (cuBLAS' GEMM runs far under bandwidth there, and keeps cuBLAS out of a
-    /// recorded decode step), cuBLAS otherwise, a bf16 matrix widened to f32 first.
     /// [`bf16_matvec`] for a dense layer's product; a one-row kernel is noted for
     /// [`down_padding`](Cuda::down_padding).
     fn dense_bf16_matvec(
@@ -4315,7 +4313,10 @@ impl Cuda {
     /// 1 240.1 unpadded; padded with every kernel preferring all shared memory, 1 180.8.
     /// Dense layers in tiles run on kernels that leave the split alone, and the padding
     /// pays there. A decode step runs its attention products before its first MoE block,
-    /// so the graph it records has the choice made.
+    /// so the graph it records has the choice made. The q2 gate/up and down kernels keep
+    /// the preference for shared memory set when they loaded: 1.8% below
+    /// `DYNMOE_CUDA_DOWN_ALONE=0` there, in one run. A bf16 LM head counts as a dense
+    /// product too, so q4 dense layers under a bf16 head run unpadded once it has run.
     fn down_padding(&self, name: &str) -> usize {
         if self.down_alone_which == DownAlone::Shared && self.bf16_one_row_dense.get() {
             return 0;
@@ -4326,6 +4327,9 @@ impl Cuda {
             .map_or(0, |p| p.1)
     }
 
+    /// [`Backend::matmul`] into any device buffer: the matrix-vector kernel for a few
+    /// rows (cuBLAS' GEMM runs far under bandwidth there, and keeps cuBLAS out of a
+    /// recorded decode step), cuBLAS otherwise, a bf16 matrix widened to f32 first.
     fn dense_product<O: DevicePtrMut<f32>>(
         &self,
         x: &CudaSlice<f32>,
