@@ -242,9 +242,21 @@ fn prefer_carveout(f: &HashMap<&'static str, CudaFunction>) -> Result<(), CudaEr
 
 /// Has `func` prefer `percent`% of the unified L1 and shared memory as shared memory.
 fn prefer_shared(func: &CudaFunction, percent: usize) -> Result<(), CudaError> {
+    set_carveout(func, percent as i32)
+}
+
+/// Takes back a preference of [`prefer_shared`]: the driver picks `func`'s split again.
+fn leave_split_to_driver(func: &CudaFunction) -> Result<(), CudaError> {
+    set_carveout(
+        func,
+        cudarc::driver::sys::CUshared_carveout::CU_SHAREDMEM_CARVEOUT_DEFAULT as i32,
+    )
+}
+
+fn set_carveout(func: &CudaFunction, value: i32) -> Result<(), CudaError> {
     let attr =
         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
-    driver(func.set_attribute(attr, percent as i32))
+    driver(func.set_attribute(attr, value))
 }
 
 /// The count in environment variable `name`, if set: an error that names the variable
@@ -4299,10 +4311,28 @@ impl Cuda {
         out_rows: usize,
     ) -> (&'static str, LaunchConfig) {
         let (name, launch) = bf16_matvec(three, rows, cols, out_rows);
-        if name.ends_with("_one") {
+        if name.ends_with("_one") && !self.bf16_one_row_dense.get() {
             self.bf16_one_row_dense.set(true);
+            self.unpad_down_blocks();
         }
         (name, launch)
+    }
+
+    /// With `auto`, once a one-row bf16 dense product has run ([`Cuda::down_padding`]):
+    /// the routed kernels that [`down_alone`] had prefer all shared memory leave the split
+    /// to the driver again, as they would had they never been padded (a
+    /// `DYNMOE_CUDA_CARVEOUT` preference on them goes too). Set on the
+    /// functions, so every later launch and recorded graph takes it.
+    fn unpad_down_blocks(&self) {
+        if self.down_alone_which != DownAlone::Shared {
+            return;
+        }
+        for (down, _) in &self.down_alone {
+            let gate_up = down.replace("routed_mma_down_", "routed_mma_gate_up_");
+            for n in [*down, gate_up.as_str()] {
+                ok(leave_split_to_driver(self.func(n)), "a kernel's carveout");
+            }
+        }
     }
 
     /// The shared memory a routed down block of kernel `name` asks for beyond its own
@@ -4313,8 +4343,9 @@ impl Cuda {
     /// 1 240.1 unpadded; padded with every kernel preferring all shared memory, 1 180.8.
     /// Dense layers in tiles run on kernels that leave the split alone, and the padding
     /// pays there. A decode step runs its attention products before its first MoE block,
-    /// so the graph it records has the choice made. The q2 gate/up and down kernels keep
-    /// the preference for shared memory set when they loaded: 1.8% below
+    /// so the graph it records has the choice made. The preference for shared memory that
+    /// the padded kernels were given at load goes at the same time
+    /// ([`Cuda::unpad_down_blocks`]): kept, it left 2 bits 1.8% below
     /// `DYNMOE_CUDA_DOWN_ALONE=0` there, in one run. A bf16 LM head counts as a dense
     /// product too, so q4 dense layers under a bf16 head run unpadded once it has run.
     fn down_padding(&self, name: &str) -> usize {
