@@ -867,24 +867,35 @@ __device__ __forceinline__ void decode_fragments(const unsigned (&w)[2], int q, 
 }
 
 // With CODES_SUBNORMAL=1 the 4- and 2-bit products of unit_products take each code as
-// the f16 whose bits it is, where it already sits in its word once masked: a code c in
-// the lowest bits is the subnormal c·2^-24, exact, and the tensor cores multiply
-// subnormals as they are. That drops decode_fragments' f16 subtraction and all but two
-// (4 bits) or three (2 bits) of its shifts a row: an odd k step's codes sit 4 (or 2)
-// bits higher, so they are 16 (or 4) times larger and sum apart from the even steps'.
-// Measured +8.4% decode at 4 and 2 bits (docs/GPU_NOTES.md, seventeenth round); off until
-// the GPU tests have run with it, since only they show the tensor cores' subnormals.
+// the f16 whose bits it is once shifted into the high bits of the significand and
+// masked: a code c at bit p (p + BITS <= 10) is the subnormal c·2^(p - 24), exact, and
+// the tensor cores multiply subnormals as they are. That drops decode_fragments' f16
+// subtraction a register, and where a code already sits at its place, its shift.
+// The codes go high because with them in the lowest bits (c·2^-24) the products lost
+// precision on the GPU: ten times decode_fragments' error at 4 bits and 1e-5 at 2
+// (docs/GPU_NOTES.md, eighteenth round). That fits tensor cores that align a k step's
+// products and the accumulator at the largest exponent field among them, since a
+// subnormal's field says 2^-14 whatever its leading zeros. At 4 bits every nibble goes to bits 4..7 (one accumulator); at 2
+// bits the even k steps' codes to bits 8..9 and the odd ones' to bits 6..7, from the
+// same shifted words, so they sum apart and are scaled back apart. Off until the GPU
+// tests have passed with the codes high.
 #ifndef CODES_SUBNORMAL
 #define CODES_SUBNORMAL 0
 #endif
 
-// How much larger an odd k step's codes are than an even one's in subnormal_fragments.
-template <int BITS> __device__ __forceinline__ float subnormal_odd() { return BITS == 4 ? 16.0f : 4.0f; }
+// The bit at which subnormal_fragments puts k step ks's codes.
+template <int BITS> __device__ __forceinline__ constexpr int subnormal_place(int ks) {
+    return BITS == 4 ? 4 : (ks % 2 ? 6 : 8);
+}
 
-// decode_fragments' b[2·ks + h] as subnormal f16 codes, scaled by subnormal_odd on odd
-// k steps: at 4 bits k step ks takes bits 4·ks of word h, at 2 bits bits 8·h + 2·ks of
-// word 0 (as decode_fragments), masked where they are after a shift by a whole byte (4
-// bits) or half byte (2 bits).
+// What a subnormal code of k step ks is multiplied by to be the code: 2^(24 - place).
+template <int BITS> __device__ __forceinline__ constexpr float subnormal_unit(int ks) {
+    return float(1u << (24 - subnormal_place<BITS>(ks)));
+}
+
+// decode_fragments' b[2·ks + h] as subnormal f16 codes at subnormal_place: at 4 bits k
+// step ks takes bits 4·ks of word h, at 2 bits bits 2·(4·h + ks) of word 0 (as
+// decode_fragments), each half of the word shifted as one.
 template <int BITS>
 __device__ __forceinline__ void subnormal_fragments(const unsigned (&w)[2], unsigned (&b)[8]) {
     static_assert(BITS == 4 || BITS == 2, "subnormal codes at 4 and 2 bits");
@@ -892,10 +903,11 @@ __device__ __forceinline__ void subnormal_fragments(const unsigned (&w)[2], unsi
     for (int ks = 0; ks < 4; ks++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            unsigned src = BITS == 4 ? w[h] >> (8 * (ks / 2)) : w[0] >> (8 * h + 4 * (ks / 2));
-            unsigned mask = BITS == 4 ? (ks % 2 ? 0x00F000F0u : 0x000F000Fu)
-                                      : (ks % 2 ? 0x000C000Cu : 0x00030003u);
-            b[2 * ks + h] = src & mask;
+            unsigned word = BITS == 4 ? w[h] : w[0];
+            int from = BITS == 4 ? 4 * ks : 2 * (4 * h + ks), to = subnormal_place<BITS>(ks);
+            unsigned src = to >= from ? word << (to - from) : word >> (from - to);
+            unsigned mask = ((1u << BITS) - 1u) << to;
+            b[2 * ks + h] = src & (mask | mask << 16);
         }
 }
 
@@ -1568,18 +1580,22 @@ __device__ __forceinline__ float2 unit_products(const unsigned (&w)[2][2], int q
         unsigned a0[8], a1[8];
         subnormal_fragments<BITS>(w[0], a0);
         subnormal_fragments<BITS>(w[1], a1);
-        // Even k steps' codes are c·2^-24, odd ones' subnormal_odd times that.
+        // Steps whose codes sit at one place share an accumulator: all four at 4 bits,
+        // the even and the odd apart at 2.
+        constexpr bool apart = subnormal_place<BITS>(0) != subnormal_place<BITS>(1);
         float even[4], odd[4];
 #pragma unroll
         for (int ks = 0; ks < 4; ks++) {
             unsigned a[4] = {a0[2 * ks], a1[2 * ks], a0[2 * ks + 1], a1[2 * ks + 1]};
-            float(&c)[4] = ks % 2 ? odd : even;
-            if (ks < 2)
+            float(&c)[4] = apart && ks % 2 ? odd : even;
+            if (ks < (apart ? 2 : 1))
                 mma_f16_first(c, a, bx[2 * ks], bx[2 * ks + 1]);
             else
                 mma_f16(c, a, bx[2 * ks], bx[2 * ks + 1]);
         }
-        const float unit = 16777216.0f, unit_odd = unit / subnormal_odd<BITS>();
+        const float unit = subnormal_unit<BITS>(0), unit_odd = subnormal_unit<BITS>(1);
+        if constexpr (!apart)
+            return make_float2((even[0] + even[1]) * unit, (even[2] + even[3]) * unit);
         return make_float2((even[0] + even[1]) * unit + (odd[0] + odd[1]) * unit_odd,
                            (even[2] + even[3]) * unit + (odd[2] + odd[3]) * unit_odd);
     }
