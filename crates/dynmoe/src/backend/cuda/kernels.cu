@@ -877,10 +877,12 @@ __device__ __forceinline__ void decode_fragments(const unsigned (&w)[2], int q, 
 // products and the accumulator at the largest exponent field among them, since a
 // subnormal's field says 2^-14 whatever its leading zeros. At 4 bits every nibble goes to bits 4..7 (one accumulator); at 2
 // bits the even k steps' codes to bits 8..9 and the odd ones' to bits 6..7, from the
-// same shifted words, so they sum apart and are scaled back apart. Off until the GPU
-// tests have passed with the codes high.
+// same shifted words, so they sum apart and are scaled back apart. So placed, the GPU
+// tests of every reader pass at decode_fragments' precision, and decode measured +6.3%
+// at 4 bits and +7.4% at 2 (eighteenth round). CODES_SUBNORMAL=0 decodes as
+// decode_fragments does.
 #ifndef CODES_SUBNORMAL
-#define CODES_SUBNORMAL 0
+#define CODES_SUBNORMAL 1
 #endif
 
 // The bit at which subnormal_fragments puts k step ks's codes.
