@@ -870,17 +870,17 @@ __device__ __forceinline__ void decode_fragments(const unsigned (&w)[2], int q, 
 // the f16 whose bits it is once shifted into the high bits of the significand and
 // masked: a code c at bit p (p + BITS <= 10) is the subnormal c·2^(p - 24), exact, and
 // the tensor cores multiply subnormals as they are. That drops decode_fragments' f16
-// subtraction a register, and where a code already sits at its place, its shift.
-// The codes go high because with them in the lowest bits (c·2^-24) the products lost
-// precision on the GPU: ten times decode_fragments' error at 4 bits and 1e-5 at 2
-// (docs/GPU_NOTES.md, eighteenth round). That fits tensor cores that align a k step's
-// products and the accumulator at the largest exponent field among them, since a
-// subnormal's field says 2^-14 whatever its leading zeros. At 4 bits every nibble goes to bits 4..7 (one accumulator); at 2
-// bits the even k steps' codes to bits 8..9 and the odd ones' to bits 6..7, from the
-// same shifted words, so they sum apart and are scaled back apart. So placed, the GPU
-// tests of every reader pass at decode_fragments' precision, and decode measured +6.3%
-// at 4 bits and +7.4% at 2 (eighteenth round). CODES_SUBNORMAL=0 decodes as
-// decode_fragments does.
+// subtraction a register, and where a code already sits at its place, its shift. At 4
+// bits every nibble goes to bits 4..7 (one accumulator); at 2 bits the even k steps'
+// codes go to bits 8..9 and the odd ones' to bits 6..7, from the same shifted words, so
+// they sum apart and are scaled back apart.
+// The codes go high because in the lowest bits (c·2^-24) the products lost precision on
+// the GPU: ten times decode_fragments' error at 4 bits and 1e-5 at 2. That fits tensor
+// cores that align a k step's products and the accumulator at the largest exponent
+// field among them, since a subnormal's field says 2^-14 whatever its leading zeros.
+// Placed high, the GPU tests of every reader pass at decode_fragments' precision, and
+// decode measured +6.3% at 4 bits and +7.4% at 2 (docs/GPU_NOTES.md, eighteenth round).
+// CODES_SUBNORMAL=0 decodes as decode_fragments does.
 #ifndef CODES_SUBNORMAL
 #define CODES_SUBNORMAL 1
 #endif
