@@ -148,9 +148,9 @@ fn down_alone(
     let bytes = per_sm / 2;
     let mut padded = Vec::new();
     for name in KERNEL_NAMES {
-        let Some(suffix) = name.strip_prefix("routed_mma_down_") else {
+        if !name.starts_with("routed_mma_down_") {
             continue;
-        };
+        }
         if only_shared {
             let blocks = driver(f[name].occupancy_max_active_blocks_per_multiprocessor(
                 (down_warps * 32) as u32,
@@ -165,14 +165,22 @@ fn down_alone(
             continue;
         }
         if only_shared {
-            let gate_up = format!("routed_mma_gate_up_{suffix}");
-            for n in [name, gate_up.as_str()] {
-                prefer_shared(&f[n], 100)?;
+            for n in split_pair(name) {
+                prefer_shared(&f[n.as_str()], 100)?;
             }
         }
         padded.push((name, bytes));
     }
     Ok(padded)
+}
+
+/// The routed down kernel `down` and the gate/up kernel of the same experts, whose split
+/// of L1 and shared memory [`down_alone`] sets together.
+fn split_pair(down: &str) -> [String; 2] {
+    [
+        down.to_string(),
+        down.replace("routed_mma_down_", "routed_mma_gate_up_"),
+    ]
 }
 
 /// Which routed down kernels [`down_alone`] pads (`DYNMOE_CUDA_DOWN_ALONE`).
@@ -4328,9 +4336,8 @@ impl Cuda {
             return;
         }
         for (down, _) in &self.down_alone {
-            let gate_up = down.replace("routed_mma_down_", "routed_mma_gate_up_");
-            for n in [*down, gate_up.as_str()] {
-                ok(leave_split_to_driver(self.func(n)), "a kernel's carveout");
+            for n in split_pair(down) {
+                ok(leave_split_to_driver(self.func(&n)), "a kernel's carveout");
             }
         }
     }
@@ -4347,8 +4354,8 @@ impl Cuda {
     /// the padded kernels were given at load goes at the same time
     /// ([`Cuda::unpad_down_blocks`]): kept, it left 2 bits 1.8% below
     /// `DYNMOE_CUDA_DOWN_ALONE=0` there, in one run; given up, level (1 331.4 against
-    /// 1 330.8 tok/s). A bf16 LM head counts as a dense
-    /// product too, so q4 dense layers under a bf16 head run unpadded once it has run.
+    /// 1 330.8 tok/s). A bf16 LM head counts as a dense product too, so q4 dense layers
+    /// under a bf16 head run unpadded once it has run.
     fn down_padding(&self, name: &str) -> usize {
         if self.down_alone_which == DownAlone::Shared && self.bf16_one_row_dense.get() {
             return 0;
