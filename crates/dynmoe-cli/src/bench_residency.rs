@@ -14,7 +14,8 @@ use crate::bench::{
 use crate::residency::ResidencyArgs;
 use crate::{cuda_backend, BackendKind, DenseCodecArgs};
 use dynmoe::backend::Backend;
-use dynmoe::model::{Config, LoadedModel};
+use dynmoe::checkpoint::Config;
+use dynmoe::model::LoadedModel;
 use dynmoe::residency::ResidencyReport;
 use dynmoe::runtime::generate::argmax;
 

@@ -538,8 +538,8 @@ fn cmd_inspect(a: InspectArgs) -> Result<()> {
             a.resident_fraction
         );
     }
-    let config = model::Config::from_file(&a.dir.join("config.json"))?;
-    let ckpt = model::Checkpoint::open(&a.dir)?;
+    let config = dynmoe::checkpoint::Config::from_file(&a.dir.join("config.json"))?;
+    let ckpt = dynmoe::checkpoint::Checkpoint::open(&a.dir)?;
     let e = config.moe.num_experts;
     let resident =
         ((e as f64 * a.resident_fraction).round() as usize).clamp(config.moe.top_k.min(e), e);

@@ -27,16 +27,17 @@ use dynmoe::alloc::compress::{self, BudgetScope, CompressOptions};
 use dynmoe::alloc::plan::Plan;
 use dynmoe::backend::Cpu;
 use dynmoe::calib::probe::{assemble, follow_plan, load_plan};
+use dynmoe::checkpoint::experts::ExpertShape;
+use dynmoe::checkpoint::{Checkpoint, Config};
 use dynmoe::codec::vq::{Rung, LADDER};
 use dynmoe::codec::Codec;
 use dynmoe::eval::kld::{kl_divergence_to, reference_logits, ReferenceLogits};
 use dynmoe::eval::plot::{Plot, Series};
 use dynmoe::eval::ppl::PplOptions;
-use dynmoe::model::experts::ExpertShape;
-use dynmoe::model::weights::{encode_experts_by_projection, VqExperts};
-use dynmoe::model::{self, Checkpoint, Config, ExpertBits, LoadedModel};
+use dynmoe::model::{self, ExpertBits, LoadedModel};
 use dynmoe::residency::{Mode, ResidencyConfig};
 use dynmoe::store::journal::Journal;
+use dynmoe::store::{vq_encode::encode_experts_by_projection, vq_encode::VqExperts};
 
 const DOMAINS: [&str; 5] = ["en", "code", "zh", "math", "json"];
 

@@ -22,10 +22,12 @@
 pub mod alloc;
 pub mod backend;
 pub mod calib;
+pub mod checkpoint;
 pub mod codec;
 pub mod eval;
 pub mod model;
 pub mod residency;
+pub mod rng;
 pub mod runtime;
 pub mod serve;
 pub mod store;

@@ -22,39 +22,13 @@ pub fn process_seed() -> u64 {
     })
 }
 
-/// SplitMix64: a small, well-mixed generator for test data.
-pub struct Rng(u64);
+pub use crate::rng::Rng;
 
 impl Rng {
-    /// A generator for this salt, mixed with the process seed.
+    /// A generator for this salt, mixed with the process seed: test data no earlier run
+    /// drew.
     pub fn new(salt: u64) -> Rng {
-        Rng(process_seed() ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-    }
-
-    /// A generator that depends on `seed` alone (for samplers, not for test data).
-    pub fn seeded(seed: u64) -> Rng {
-        Rng(seed)
-    }
-
-    /// Next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
-    }
-
-    /// Standard normal (Box–Muller).
-    pub fn normal(&mut self) -> f32 {
-        let u1 = self.uniform().max(1e-7);
-        let u2 = self.uniform();
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+        Rng::seeded(process_seed() ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15))
     }
 }
 
@@ -246,7 +220,7 @@ pub fn greedy_reference<B: crate::backend::Backend>(
 /// # Panics
 /// If a tensor cannot be read or the file cannot be written.
 pub fn write_checkpoint_replacing(
-    ckpt: &crate::model::Checkpoint,
+    ckpt: &crate::checkpoint::Checkpoint,
     replaced: &std::collections::BTreeMap<String, Vec<f32>>,
     path: &Path,
 ) {

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use dynmoe::backend::Cpu;
+use dynmoe::checkpoint::Error as CkError;
 use dynmoe::model::{self, Error};
 use dynmoe::testing::{fixture, TempDir};
 use safetensors::tensor::TensorView;
@@ -78,7 +79,10 @@ fn unsupported_model_type() {
     let s = Scratch::copy_of("tiny-moe");
     edit_config(&s, "\"qwen3_moe\"", "\"deepseek_v3\"");
     let e = s.load_err();
-    assert!(matches!(e, Error::UnsupportedArch { .. }));
+    assert!(matches!(
+        e,
+        Error::Checkpoint(CkError::UnsupportedArch { .. })
+    ));
     assert_mentions(&e, &["config.json", "deepseek_v3"]);
 }
 
@@ -87,7 +91,7 @@ fn malformed_config_json() {
     let s = Scratch::copy_of("tiny-moe");
     std::fs::write(s.path("config.json"), "{\"model_type\": \"qwen3_moe\", ").unwrap();
     let e = s.load_err();
-    assert!(matches!(e, Error::Json { .. }));
+    assert!(matches!(e, Error::Checkpoint(CkError::Json { .. })));
     assert_mentions(&e, &["config.json"]);
 }
 
@@ -105,7 +109,10 @@ fn missing_tensor() {
     let gone = "model.layers.1.mlp.experts.3.up_proj.weight";
     s.rewrite_weights(|t| t.retain(|(n, ..)| n != gone));
     let e = s.load_err();
-    assert!(matches!(e, Error::MissingTensor { .. }));
+    assert!(matches!(
+        e,
+        Error::Checkpoint(CkError::MissingTensor { .. })
+    ));
     assert_mentions(&e, &[gone, "model.safetensors"]);
 }
 
@@ -119,7 +126,7 @@ fn misshapen_tensor() {
         entry.2 = vec![numel / 2, 2];
     });
     let e = s.load_err();
-    assert!(matches!(e, Error::TensorShape { .. }));
+    assert!(matches!(e, Error::Checkpoint(CkError::TensorShape { .. })));
     assert_mentions(&e, &[bent, "model.safetensors"]);
 }
 
@@ -132,7 +139,7 @@ fn tensor_of_an_unreadable_dtype() {
         entry.1 = safetensors::Dtype::I16;
     });
     let e = s.load_err();
-    assert!(matches!(e, Error::TensorDtype { .. }));
+    assert!(matches!(e, Error::Checkpoint(CkError::TensorDtype { .. })));
     assert_mentions(&e, &[odd]);
 }
 
@@ -144,7 +151,10 @@ fn truncated_safetensors() {
     let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
     f.set_len(len - 1000).unwrap();
     let e = s.load_err();
-    assert!(matches!(e, Error::Safetensors { .. }), "{e}");
+    assert!(
+        matches!(e, Error::Checkpoint(CkError::Safetensors { .. })),
+        "{e}"
+    );
     assert_mentions(&e, &["model.safetensors"]);
 }
 
@@ -157,7 +167,10 @@ fn garbage_safetensors_header() {
     )
     .unwrap();
     let e = s.load_err();
-    assert!(matches!(e, Error::Safetensors { .. }), "{e}");
+    assert!(
+        matches!(e, Error::Checkpoint(CkError::Safetensors { .. })),
+        "{e}"
+    );
 }
 
 #[test]
@@ -165,7 +178,10 @@ fn no_weights_at_all() {
     let s = Scratch::copy_of("tiny-moe");
     std::fs::remove_file(s.path("model.safetensors")).unwrap();
     let e = s.load_err();
-    assert!(matches!(e, Error::NoWeights { .. }), "{e}");
+    assert!(
+        matches!(e, Error::Checkpoint(CkError::NoWeights { .. })),
+        "{e}"
+    );
 }
 
 #[test]
@@ -178,7 +194,7 @@ fn index_naming_a_missing_shard() {
         .unwrap();
     std::fs::remove_file(&shard).unwrap();
     let e = s.load_err();
-    assert!(matches!(e, Error::Io { .. }), "{e}");
+    assert!(matches!(e, Error::Checkpoint(CkError::Io { .. })), "{e}");
     assert_mentions(&e, &[shard.file_name().unwrap().to_str().unwrap()]);
 }
 
@@ -191,7 +207,7 @@ fn malformed_index() {
     )
     .unwrap();
     let e = s.load_err();
-    assert!(matches!(e, Error::Json { .. }), "{e}");
+    assert!(matches!(e, Error::Checkpoint(CkError::Json { .. })), "{e}");
     assert_mentions(&e, &["model.safetensors.index.json"]);
 }
 
@@ -200,7 +216,10 @@ fn broken_tokenizer() {
     let s = Scratch::copy_of("tiny-moe");
     std::fs::write(s.path("tokenizer.json"), "{\"model\": 1}").unwrap();
     let e = s.load_err();
-    assert!(matches!(e, Error::Tokenizer { .. }), "{e}");
+    assert!(
+        matches!(e, Error::Checkpoint(CkError::Tokenizer { .. })),
+        "{e}"
+    );
     assert_mentions(&e, &["tokenizer.json"]);
 }
 

@@ -156,7 +156,7 @@ fn a_compressed_directory_with_coded_dense_layers() {
     assert_eq!(plan.dense_codec.to_string(), "vq3");
     let coded = dir.join("dense-vq3.safetensors");
     assert!(coded.exists());
-    let dense = model::Checkpoint::open(dir).unwrap();
+    let dense = dynmoe::checkpoint::Checkpoint::open(dir).unwrap();
     assert!(dense
         .names()
         .iter()
@@ -212,7 +212,7 @@ fn a_compressed_directory_with_affine_dense_layers() {
         .file_name()
         .to_string_lossy()
         .starts_with("dense-")));
-    let dense = model::Checkpoint::open(dir).unwrap();
+    let dense = dynmoe::checkpoint::Checkpoint::open(dir).unwrap();
     assert!(dense
         .names()
         .iter()
@@ -267,8 +267,8 @@ fn a_model_scope_plan_prices_its_coded_dense_layers() {
     let plan = compress(&src, &[("en".into(), calib)], out.dir(), &opts, &|_| {}).unwrap();
     assert_eq!(plan.dense_codec, dense_codec);
     assert!(plan.resident_bytes <= plan.budget_bytes);
-    let config = model::Config::from_file(&src.join("config.json")).unwrap();
-    let ckpt = model::Checkpoint::open(&src).unwrap();
+    let config = dynmoe::checkpoint::Config::from_file(&src.join("config.json")).unwrap();
+    let ckpt = dynmoe::checkpoint::Checkpoint::open(&src).unwrap();
     let assignment = Assignment {
         dense: dense_codec,
         head: Codec::Bf16,
@@ -284,7 +284,7 @@ fn a_model_scope_plan_prices_its_coded_dense_layers() {
     assert_eq!(plan.params_total, priced.params_total);
     let bf16_dense = account(&config, &ckpt, &Assignment::uncompressed(), None).unwrap();
     assert!(
-        priced.resident_by_kind[&dynmoe::eval::inspect::TensorKind::Attention]
-            < bf16_dense.resident_by_kind[&dynmoe::eval::inspect::TensorKind::Attention] / 3
+        priced.resident_by_kind[&dynmoe::checkpoint::arch::TensorKind::Attention]
+            < bf16_dense.resident_by_kind[&dynmoe::checkpoint::arch::TensorKind::Attention] / 3
     );
 }

@@ -17,9 +17,9 @@ use dynmoe::backend::{
     AddNorm, AttentionShape, Backend, Cpu, Cuda, DeviceRoute, HeadNorm, MoeInput, RoutedExperts,
     SwiGluGroup, Weight,
 };
+use dynmoe::checkpoint::config::Router;
 use dynmoe::codec::affine::AffineMatrix;
 use dynmoe::eval::ppl::{perplexity, PplOptions};
-use dynmoe::model::config::Router;
 use dynmoe::model::moe::route;
 use dynmoe::model::{self, Codecs, ExpertBits};
 use dynmoe::residency::confine;

@@ -9,13 +9,15 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use dynmoe::backend::{Backend, Cpu, Weight};
+use dynmoe::checkpoint::arch::TensorKind;
+use dynmoe::checkpoint::{Checkpoint, Config};
 use dynmoe::codec::affine::{self, lowbit};
 use dynmoe::codec::Codec;
 use dynmoe::eval::bits::{account, Assignment};
-use dynmoe::eval::inspect::TensorKind;
 use dynmoe::eval::ppl::{perplexity, PplOptions};
-use dynmoe::model::weights::{CodedLayers, CodedWeight, Loader};
-use dynmoe::model::{self, Checkpoint, Codecs, Config};
+use dynmoe::model::weights::Loader;
+use dynmoe::model::{self, Codecs};
+use dynmoe::store::{dense_vq::CodedLayers, dense_vq::CodedWeight};
 use dynmoe::testing::{
     fixture, fixture_copy, fresh, logits_of, rel_err, write_checkpoint_replacing, TempDir,
 };

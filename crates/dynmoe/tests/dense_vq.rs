@@ -7,9 +7,10 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use dynmoe::backend::Cpu;
+use dynmoe::checkpoint::Checkpoint;
 use dynmoe::codec::vq::Rung;
 use dynmoe::codec::Codec;
-use dynmoe::model::{self, Checkpoint, Codecs};
+use dynmoe::model::{self, Codecs};
 use dynmoe::store::dense_vq::{self, dense_linear_weights, lm_head_weight};
 use dynmoe::store::Error;
 use dynmoe::testing::{fixture_copy, logits_of, rel_err, write_checkpoint_replacing, TempDir};
@@ -82,7 +83,7 @@ fn coded_layers_round_trip_and_are_reused() {
 
     // The LM head at the same rung joins the same file; the dense layers stay in it and
     // are read, not encoded, again.
-    let config = model::Config::from_file(&dir.path("config.json")).unwrap();
+    let config = dynmoe::checkpoint::Config::from_file(&dir.path("config.json")).unwrap();
     let head = lm_head_weight(&ckpt, &config)
         .unwrap()
         .expect("tiny-moe's head is untied");
@@ -111,7 +112,7 @@ fn coded_dense_layers_equal_their_decoded_weights() {
     let coded_dir = fixture_copy("tiny-moe");
     let decoded_dir = fixture_copy("tiny-moe");
     let ckpt = Checkpoint::open(coded_dir.dir()).unwrap();
-    let config = model::Config::from_file(&coded_dir.path("config.json")).unwrap();
+    let config = dynmoe::checkpoint::Config::from_file(&coded_dir.path("config.json")).unwrap();
     let mut weights = dense_linear_weights(&ckpt).unwrap();
     weights.extend(lm_head_weight(&ckpt, &config).unwrap());
     assert_eq!(

@@ -118,7 +118,7 @@ fn every_fixture_has_an_oracle_and_all_architectures_are_covered() {
             "{} has no oracle",
             dir.display()
         );
-        let cfg = model::Config::from_file(&dir.join("config.json")).unwrap();
+        let cfg = dynmoe::checkpoint::Config::from_file(&dir.join("config.json")).unwrap();
         archs.insert(cfg.arch.model_type());
     }
     assert_eq!(

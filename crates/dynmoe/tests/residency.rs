@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use dynmoe::backend::Cpu;
-use dynmoe::model::checkpoint::Checkpoint;
-use dynmoe::model::experts::{ExpertShape, ExpertTensors};
+use dynmoe::checkpoint::Checkpoint;
+use dynmoe::checkpoint::{experts::ExpertShape, experts::ExpertTensors};
 use dynmoe::model::{self, ExpertBits};
 use dynmoe::residency::{
     Buffer, Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount,
@@ -500,13 +500,13 @@ fn vq_reservoirs_deliver_the_store_records() {
     }
     // VQ experts encoded in memory (the allocator's probes) have no reservoir.
     let (config, ckpt) = (
-        model::Config::from_file(&copy.path("config.json")).unwrap(),
+        dynmoe::checkpoint::Config::from_file(&copy.path("config.json")).unwrap(),
         Checkpoint::open(copy.dir()).unwrap(),
     );
     let rung = dynmoe::codec::vq::Rung::parse("vq2").unwrap();
     let vq = BTreeMap::from([(
         0,
-        model::weights::encode_experts(&config, &ckpt, 0, rung).unwrap(),
+        dynmoe::store::vq_encode::encode_experts(&config, &ckpt, 0, rung).unwrap(),
     )]);
     let probe = dynmoe::calib::probe::assemble(
         copy.dir(),

@@ -7,7 +7,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use dynmoe::backend::Cpu;
-use dynmoe::model::{self, LoadedModel, Tokenizer};
+use dynmoe::checkpoint::Tokenizer;
+use dynmoe::model::{self, LoadedModel};
 use dynmoe::runtime::chat::{self, ChatTemplate, Message};
 use dynmoe::runtime::generate::{generate, generate_ids, Sampling};
 use dynmoe::serve::engine::EngineOptions;

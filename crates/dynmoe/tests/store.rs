@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use dynmoe::model::{Checkpoint, Config};
+use dynmoe::checkpoint::{Checkpoint, Config};
 use dynmoe::store::lowbit::{self, spot_check_records};
 use dynmoe::store::{base, Error, ExpertStore, Layout, Proj};
 use dynmoe::testing::{fixture, TempDir as Scratch};

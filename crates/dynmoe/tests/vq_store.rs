@@ -10,13 +10,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use dynmoe::backend::Cpu;
+use dynmoe::checkpoint::{experts::ExpertShape, experts::ExpertTensors};
+use dynmoe::checkpoint::{Checkpoint, Config};
 use dynmoe::codec::vq::{Rung, VqMatrix};
 use dynmoe::codec::Codec;
 use dynmoe::eval::ppl::{perplexity_tokens, PplOptions};
-use dynmoe::model::experts::{ExpertShape, ExpertTensors};
-use dynmoe::model::weights::{encode_experts, vq_seed};
-use dynmoe::model::{self, Checkpoint, Codecs, Config};
+use dynmoe::model::{self, Codecs};
 use dynmoe::store::vq::{self, VqLayout, VqManifest, VqStore, HEADER};
+use dynmoe::store::{vq_encode::encode_experts, vq_encode::vq_seed};
 use dynmoe::store::{Error, PAGE};
 use dynmoe::testing::{fixture_copy, TempDir};
 

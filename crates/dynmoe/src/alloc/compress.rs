@@ -16,10 +16,10 @@ use super::cache::{CacheError, CachedProber};
 use super::isp::{isp, CodecOption, IspError, Problem, Round, Setting};
 use super::plan::{LayerPlan, Plan, PlanError, FORMAT, PLAN_FILE, VERSION};
 use crate::calib::probe::{resident_count, ModelProber};
+use crate::checkpoint::arch::TensorKind;
 use crate::codec::vq::{codebook, VqMatrix, LADDER};
 use crate::codec::{Codec, CodecError};
 use crate::eval::bits::{account, Assignment};
-use crate::eval::inspect::TensorKind;
 use crate::eval::ppl::{PplError, PplOptions};
 use crate::model::Error;
 
@@ -76,6 +76,12 @@ pub enum CompressError {
     Write(#[from] PlanError),
 }
 
+impl From<crate::checkpoint::Error> for CompressError {
+    fn from(e: crate::checkpoint::Error) -> CompressError {
+        CompressError::Model(e.into())
+    }
+}
+
 /// Relative mean squared error of `codec` on unit Gaussian data (0 for bf16): the
 /// distortion the laws interpolate through.
 pub fn gaussian_distortion(codec: Codec) -> Result<f64, CodecError> {
@@ -106,10 +112,10 @@ pub fn compress(
 ) -> Result<Plan, CompressError> {
     crate::store::dense_vq::rung_of(opts.dense_codec).map_err(CompressError::Plan)?;
     std::fs::create_dir_all(out).map_err(|source| {
-        CompressError::Model(Error::Io {
+        CompressError::Model(Error::from(crate::checkpoint::Error::Io {
             path: out.to_path_buf(),
             source,
-        })
+        }))
     })?;
     let codecs: Vec<Codec> = std::iter::once(Codec::Bf16)
         .chain(
@@ -142,8 +148,8 @@ pub fn compress(
         progress(&format!("coding the dense layers at {}", opts.dense_codec));
         prober.with_dense_codec(opts.dense_codec, &mut |_, _| {})?
     };
-    let config = crate::model::Config::from_file(&model.join("config.json"))?;
-    let ckpt = crate::model::Checkpoint::open(model)?;
+    let config = crate::checkpoint::Config::from_file(&model.join("config.json"))?;
+    let ckpt = crate::checkpoint::Checkpoint::open(model)?;
     let (e, top_k) = (config.moe.num_experts, config.moe.top_k);
     let (h, inter) = (config.hidden_size, config.moe.expert_intermediate);
     let assignment = Assignment {
@@ -214,7 +220,9 @@ pub fn compress(
     );
     let journal = out.join("probes.jsonl");
     let cached = CachedProber::open(prober, &journal, &context).map_err(|e| match e {
-        CacheError::Io { path, source } => CompressError::Model(Error::Io { path, source }),
+        CacheError::Io { path, source } => {
+            CompressError::Model(crate::checkpoint::Error::Io { path, source }.into())
+        }
         CacheError::Probe(p) => CompressError::Probe(p.to_string()),
     })?;
 

@@ -14,11 +14,12 @@ use std::sync::Mutex;
 use super::reap::{reap_saliency, Saliency};
 use crate::alloc::isp::{Prober, Setting};
 use crate::backend::{Backend, Cpu};
+use crate::checkpoint::{Checkpoint, Config, Tokenizer};
 use crate::codec::Codec;
 use crate::eval::ppl::{perplexity_tokens, PplError, PplOptions};
-use crate::model::weights::{encode_experts, CodedLayers, VqExperts};
-use crate::model::{Checkpoint, Config, Error, LoadedModel, Model, Tokenizer};
+use crate::model::{Error, LoadedModel, Model};
 use crate::residency::{self, ResidencyConfig, ResidentCount};
+use crate::store::{dense_vq::CodedLayers, vq_encode::encode_experts, vq_encode::VqExperts};
 
 /// Probes one Hugging Face checkpoint.
 pub struct ModelProber {

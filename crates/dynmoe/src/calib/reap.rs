@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::backend::Backend;
-use crate::model::config::Router;
+use crate::checkpoint::config::Router;
 use crate::model::moe::{expert_group, route, MoeObserver};
 use crate::model::weights::Moe;
 use crate::model::{Error, LoadedModel};

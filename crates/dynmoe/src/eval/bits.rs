@@ -7,9 +7,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
-use super::inspect::{classify, is_dense_linear, TensorKind};
+use crate::checkpoint::arch::{classify, is_dense_linear, TensorKind};
+use crate::checkpoint::{Checkpoint, Config};
 use crate::codec::{Codec, CodecError};
-use crate::model::{Checkpoint, Config, Error};
+use crate::model::Error;
 
 /// What each part of the model is stored as.
 #[derive(Debug, Clone, PartialEq)]

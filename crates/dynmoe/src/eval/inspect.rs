@@ -6,67 +6,9 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::model::{Checkpoint, Config, Error};
-
-/// The kinds of tensor a MoE checkpoint holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TensorKind {
-    /// Token embedding.
-    Embedding,
-    /// Output projection.
-    LmHead,
-    /// q, k, v, o projections and their biases.
-    Attention,
-    /// RMSNorm weights (layer, q/k and final norms).
-    Norm,
-    /// Router (and shared-expert gate) weights.
-    Router,
-    /// Routed experts.
-    RoutedExperts,
-    /// Shared experts.
-    SharedExperts,
-    /// Dense MLPs of non-MoE layers.
-    DenseMlp,
-    /// Anything else.
-    Other,
-}
-
-/// Classifies a checkpoint tensor by its name.
-pub fn classify(name: &str) -> TensorKind {
-    if name.contains("embed_tokens") {
-        TensorKind::Embedding
-    } else if name.starts_with("lm_head") {
-        TensorKind::LmHead
-    } else if name.contains("norm") {
-        TensorKind::Norm
-    } else if name.contains("self_attn") {
-        TensorKind::Attention
-    } else if name.contains("shared_expert_gate")
-        || name.ends_with("mlp.gate.weight")
-        || name.ends_with("block_sparse_moe.gate.weight")
-    {
-        TensorKind::Router
-    } else if name.contains("shared_expert") {
-        TensorKind::SharedExperts
-    } else if name.contains(".experts.") {
-        TensorKind::RoutedExperts
-    } else if name.contains(".mlp.") {
-        TensorKind::DenseMlp
-    } else {
-        TensorKind::Other
-    }
-}
-
-/// Whether tensor `name` of shape `shape` is a dense linear weight: an attention
-/// projection, a shared expert's or a dense MLP's matrix. These are what a model's dense
-/// codec applies to; embeddings, the LM head, routers and norms keep their precision.
-pub fn is_dense_linear(name: &str, shape: &[usize]) -> bool {
-    matches!(
-        classify(name),
-        TensorKind::Attention | TensorKind::SharedExperts | TensorKind::DenseMlp
-    ) && shape.len() == 2
-}
+use crate::checkpoint::arch::{classify, TensorKind};
+use crate::checkpoint::{Checkpoint, Config};
+use crate::model::Error;
 
 /// Parameter and byte accounting of a checkpoint.
 #[derive(Debug, Clone, Serialize)]

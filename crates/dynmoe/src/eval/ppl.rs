@@ -73,6 +73,12 @@ pub enum PplError {
     BadCtx(usize),
 }
 
+impl From<crate::checkpoint::Error> for PplError {
+    fn from(e: crate::checkpoint::Error) -> PplError {
+        PplError::Model(e.into())
+    }
+}
+
 /// Negative log-likelihood of `target` under one row of logits, in f64.
 pub fn nll(logits: &[f32], target: u32) -> f64 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;

@@ -5,21 +5,20 @@
 //! cache. Shapes in comments: `n` tokens in the chunk, `h` hidden size, `q`/`kv` the
 //! query and key/value widths, `E` experts, `V` vocabulary.
 
-use super::arch;
-use super::checkpoint::Checkpoint;
-use super::config::{Config, QkNorm};
+use crate::checkpoint::config::{Config, QkNorm};
+use crate::checkpoint::Checkpoint;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::moe::{self, MoeObserver, Routing};
-use super::weights::{
-    Attention, CodedLayers, Experts, Ffn, Layer, LayerStores, Linear, Loader, VqExperts,
-};
+use super::weights::{Attention, Experts, Ffn, Layer, LayerStores, Linear, Loader};
 use super::Error;
 use crate::backend::{AddNorm, AttentionShape, Backend, HeadNorm, MoeInput, PendingRead, Weight};
 use crate::residency::{
     self, LayerSource, Reservoir, ReservoirKind, Residency, ResidencyConfig, Step,
 };
+use crate::store::dense_vq::CodedLayers;
+use crate::store::vq_encode::VqExperts;
 
 /// A model's weights on a backend, ready to run.
 pub struct Model<B: Backend> {
@@ -131,7 +130,7 @@ impl<B: Backend> Model<B> {
         };
         let embed_tokens = ld.matrix("model.embed_tokens.weight", v, h)?;
         let layers = (0..config.layers.len())
-            .map(|i| arch::load_layer(&ld, i))
+            .map(|i| super::weights::load_layer(&ld, i))
             .collect::<Result<Vec<_>, _>>()?;
         let norm = ld.tensor("model.norm.weight", &[h])?;
         // Some tied checkpoints still carry lm_head.weight; the tie decides.

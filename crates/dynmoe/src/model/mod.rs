@@ -1,134 +1,38 @@
-//! Loading a Hugging Face MoE checkpoint and running its forward pass.
+//! A model's weights on a backend and its forward pass.
 //!
-//! `Model::load` reads `config.json` (see [`config`]), memory-maps the safetensors
-//! shards (see [`checkpoint`]), names every tensor through the architecture's file
-//! under [`arch`], and uploads the weights to a [`Backend`]. The forward pass
+//! [`load`] opens a model directory (a Hugging Face checkpoint, a converted directory
+//! with expert stores, or a compressed one), reads it through [`crate::checkpoint`] and
+//! the stores, and uploads the weights to a [`Backend`] ([`weights`]). The forward pass
 //! ([`forward`]) is written once against that backend for every architecture; the
 //! mixture-of-experts block is shared ([`moe`]).
 
-pub mod arch;
-pub mod checkpoint;
-pub mod config;
-pub mod experts;
 pub mod forward;
 pub mod moe;
 pub mod synth;
-pub mod tokenizer;
 pub mod weights;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use checkpoint::Checkpoint;
-pub use config::{Arch, Config};
 pub use forward::{Model, State};
-pub use tokenizer::Tokenizer;
 
 use crate::backend::Backend;
+use crate::checkpoint::{Checkpoint, Config, Tokenizer};
+use crate::store::dense_vq::{vq_layers, CodedLayers};
+use crate::store::vq_encode::VqExperts;
 use crate::store::ExpertStore;
 
-/// Everything that can go wrong reading or running a model. Each variant names the
+/// Everything that can go wrong loading or running a model. Each variant names the
 /// file and the field or tensor involved.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The checkpoint could not be read.
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::Error),
     /// A run-time setting that cannot apply to this model.
     #[error("{0}")]
     Config(String),
-    /// A file could not be read.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// What the OS said.
-        source: std::io::Error,
-    },
-    /// A JSON file is malformed or has the wrong structure.
-    #[error("{path}: malformed JSON: {reason}")]
-    Json {
-        /// The file.
-        path: PathBuf,
-        /// What the parser said.
-        reason: String,
-    },
-    /// `model_type` names an architecture dynmoe does not run.
-    #[error("{path}: model_type {model_type:?} is not supported (supported: qwen3_moe, qwen2_moe, mixtral, olmoe)")]
-    UnsupportedArch {
-        /// The config file.
-        path: PathBuf,
-        /// What it says.
-        model_type: String,
-    },
-    /// A required configuration field is absent.
-    #[error("{path}: missing field {field:?}")]
-    MissingField {
-        /// The config file.
-        path: PathBuf,
-        /// The field.
-        field: String,
-    },
-    /// A configuration field has a value dynmoe cannot use.
-    #[error("{path}: field {field:?}: {reason}")]
-    InvalidField {
-        /// The config file.
-        path: PathBuf,
-        /// The field.
-        field: String,
-        /// Why.
-        reason: String,
-    },
-    /// The directory has neither `model.safetensors` nor an index of shards.
-    #[error("{dir}: no model.safetensors, model.safetensors.index.json or dense.safetensors")]
-    NoWeights {
-        /// The model directory.
-        dir: PathBuf,
-    },
-    /// A safetensors file is malformed or truncated.
-    #[error("{path}: invalid safetensors file: {reason}")]
-    Safetensors {
-        /// The shard.
-        path: PathBuf,
-        /// What is wrong.
-        reason: String,
-    },
-    /// A tensor the configuration requires is not in the checkpoint.
-    #[error("{path}: tensor {tensor} is missing")]
-    MissingTensor {
-        /// A shard of the checkpoint (the first one, when no shard names it).
-        path: PathBuf,
-        /// The tensor.
-        tensor: String,
-    },
-    /// A tensor's shape disagrees with the configuration.
-    #[error("{path}: tensor {tensor} has shape {found:?}, the config implies {expected:?}")]
-    TensorShape {
-        /// The shard holding it.
-        path: PathBuf,
-        /// The tensor.
-        tensor: String,
-        /// Shape the config implies.
-        expected: Vec<usize>,
-        /// Shape in the file.
-        found: Vec<usize>,
-    },
-    /// A tensor's dtype is not one dynmoe reads.
-    #[error("{path}: tensor {tensor} has dtype {dtype}, expected bf16, f16 or f32")]
-    TensorDtype {
-        /// The shard holding it.
-        path: PathBuf,
-        /// The tensor.
-        tensor: String,
-        /// Its dtype.
-        dtype: String,
-    },
-    /// The tokenizer could not be loaded or used.
-    #[error("{path}: tokenizer: {reason}")]
-    Tokenizer {
-        /// tokenizer.json or tokenizer_config.json.
-        path: PathBuf,
-        /// What went wrong.
-        reason: String,
-    },
     /// A token id outside the vocabulary was fed to the model.
     #[error("token id {id} is outside the vocabulary of {vocab} entries")]
     TokenOutOfRange {
@@ -397,7 +301,7 @@ pub fn coded_layers(
     codecs: [Option<crate::codec::Codec>; 2],
     converted: bool,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<weights::CodedLayers, Error> {
+) -> Result<CodedLayers, Error> {
     use crate::codec::Codec;
     use crate::store::dense_vq;
     let mut by_codec: BTreeMap<Codec, dense_vq::WeightShapes> = BTreeMap::new();
@@ -422,7 +326,7 @@ pub fn coded_layers(
         };
         by_codec.entry(codec).or_default().extend(weights);
     }
-    let mut out = weights::CodedLayers::new();
+    let mut out = CodedLayers::new();
     for (codec, weights) in by_codec {
         match codec {
             Codec::Affine { bits } => {
@@ -433,7 +337,7 @@ pub fn coded_layers(
                     .map_err(Error::Config)?
                     .expect("a VQ codec is coded into a file");
                 let coded = dense_vq::ensure(dir, ckpt, rung, &weights, progress)?;
-                out.extend(weights::vq_layers(coded));
+                out.extend(vq_layers(coded));
             }
         }
     }
@@ -450,7 +354,7 @@ pub fn stored_vq_experts(
     ckpt: &Checkpoint,
     rungs: &BTreeMap<usize, crate::codec::vq::Rung>,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<BTreeMap<usize, weights::VqExperts>, Error> {
+) -> Result<BTreeMap<usize, VqExperts>, Error> {
     if rungs.is_empty() {
         return Ok(BTreeMap::new());
     }
@@ -458,7 +362,7 @@ pub fn stored_vq_experts(
     Ok(ensured
         .stores
         .into_iter()
-        .map(|(layer, store)| (layer, weights::VqExperts::Stored { store, layer }))
+        .map(|(layer, store)| (layer, VqExperts::Stored { store, layer }))
         .collect())
 }
 

@@ -8,9 +8,9 @@
 
 use rayon::prelude::*;
 
-use super::config::Router;
 use super::weights::{Experts, Mlp, Moe};
 use crate::backend::{Backend, DeviceRoute, MoeInput, RoutedExperts, SwiGluGroup, Weight};
+use crate::checkpoint::config::Router;
 use crate::residency::LayerSet;
 
 /// Sees every MoE block of a forward call: the block, its input rows `x`

@@ -37,9 +37,9 @@ use super::Error;
 use crate::alloc::plan::{LayerPlan, Plan, PlanError, PLAN_FILE};
 use crate::codec::vq::{Rung, LADDER};
 use crate::codec::Codec;
+use crate::rng::Rng;
 use crate::store::manifest::{Generator, ModelInfo};
 use crate::store::{self, atomic, compressed, synth_vq, vq, DENSE_FILE};
-use crate::testing::Rng;
 
 /// The shape of a published model.
 #[derive(Debug, Clone, Copy)]
@@ -117,13 +117,16 @@ pub fn shape(name: &str) -> Result<Shape, Error> {
         .iter()
         .find(|s| s.name == name)
         .copied()
-        .ok_or_else(|| Error::InvalidField {
-            path: PathBuf::from(name),
-            field: "like".into(),
-            reason: format!(
-                "no model shape {name:?}; known: {}",
-                SHAPES.map(|s| s.name).join(", ")
-            ),
+        .ok_or_else(|| {
+            crate::checkpoint::Error::InvalidField {
+                path: PathBuf::from(name),
+                field: "like".into(),
+                reason: format!(
+                    "no model shape {name:?}; known: {}",
+                    SHAPES.map(|s| s.name).join(", ")
+                ),
+            }
+            .into()
         })
 }
 
@@ -394,9 +397,12 @@ fn tensor_bytes(name: &str, n: usize, seed: u64) -> Vec<u8> {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
-    move |source| Error::Io {
-        path: path.to_path_buf(),
-        source,
+    move |source| {
+        crate::checkpoint::Error::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+        .into()
     }
 }
 
@@ -519,11 +525,12 @@ impl ConvertedReport {
 fn layer_count(shape: &Shape, layers: Option<usize>, out: &Path) -> Result<usize, Error> {
     let layers = layers.unwrap_or(shape.layers);
     if layers == 0 || layers > shape.layers {
-        return Err(Error::InvalidField {
+        return Err(crate::checkpoint::Error::InvalidField {
             path: out.to_path_buf(),
             field: "layers".into(),
             reason: format!("{layers} layers asked of a {}-layer model", shape.layers),
-        });
+        }
+        .into());
     }
     Ok(layers)
 }
@@ -588,13 +595,14 @@ pub fn synth_converted(
         store::compressed::MANIFEST_FILE,
     ] {
         if out.join(other).exists() {
-            return Err(Error::InvalidField {
+            return Err(crate::checkpoint::Error::InvalidField {
                 path: out.join(other),
                 field: "out".into(),
                 reason: "the output directory holds another model, which loaders would read \
                          instead of the synthetic one; choose another directory"
                     .into(),
-            });
+            }
+            .into());
         }
     }
     let total = shape.converted_bytes(layers, bits)? as usize;
@@ -662,14 +670,16 @@ impl CompressedReport {
 /// (a checkpoint, a converted directory, a compressed checkpoint or the journal of one
 /// being compressed): its files would be mixed with the synthetic ones or deleted.
 fn check_compressed_out(out: &Path) -> Result<(), Error> {
-    let refuse = |path: PathBuf, what: &str| {
-        Error::InvalidField {
-        path,
-        field: "out".into(),
-        reason: format!(
-            "the output directory holds {what}, which a synthetic compressed model would be              mixed with; choose another directory"
-        ),
-    }
+    let refuse = |path: PathBuf, what: &str| -> Error {
+        crate::checkpoint::Error::InvalidField {
+            path,
+            field: "out".into(),
+            reason: format!(
+                "the output directory holds {what}, which a synthetic compressed model would \
+                 be mixed with; choose another directory"
+            ),
+        }
+        .into()
     };
     for (file, what) in [
         ("model.safetensors", "a checkpoint"),
@@ -817,9 +827,11 @@ pub fn synth(
             })
             .collect();
         let path = out.join(&file);
-        let serialized = safetensors::serialize(views, None).map_err(|e| Error::Safetensors {
-            path: path.clone(),
-            reason: e.to_string(),
+        let serialized = safetensors::serialize(views, None).map_err(|e| {
+            crate::checkpoint::Error::Safetensors {
+                path: path.clone(),
+                reason: e.to_string(),
+            }
         })?;
         atomic::write_file(&path, &serialized)?;
         for (name, dims) in &tensors {
@@ -848,8 +860,8 @@ pub fn synth(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::checkpoint::Checkpoint;
-    use crate::model::config::Config;
+    use crate::checkpoint::config::Config;
+    use crate::checkpoint::Checkpoint;
     use crate::testing::{fixture, TempDir};
 
     /// A two-layer checkpoint of a shrunken Qwen3-30B-A3B shape loads, runs, and is the

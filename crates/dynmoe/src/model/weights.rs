@@ -1,19 +1,20 @@
 //! The weights of one decoder layer, shared by every architecture. Architecture files
-//! under [`super::arch`] only say which checkpoint tensor goes where.
+//! under [`crate::checkpoint::arch`] only say which checkpoint tensor goes where.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::checkpoint::Checkpoint;
-use super::config::{Config, QkNorm};
-use super::experts::{ExpertShape, ExpertTensors};
 use super::Error;
 use crate::backend::{Backend, Weight};
-use crate::codec::affine::AffineMatrix;
-use crate::codec::vq::{Rung, VqMatrix, VqView};
-use crate::model::experts::Extent;
+use crate::checkpoint::arch;
+use crate::checkpoint::config::FfnKind;
+use crate::checkpoint::config::{Config, QkNorm};
+use crate::checkpoint::experts::Extent;
+use crate::checkpoint::experts::{ExpertShape, ExpertTensors};
+use crate::checkpoint::Checkpoint;
 use crate::residency::{LayerSource, RecordFormat};
-use crate::store::vq::VqStore;
+use crate::store::dense_vq::{CodedLayers, CodedWeight};
+use crate::store::vq_encode::VqExperts;
 use crate::store::ExpertStore;
 
 /// A linear layer `y = x Wᵀ + b`, `W` stored `[out_dim, in_dim]`.
@@ -56,43 +57,6 @@ impl<B: Backend> Linear<B> {
     }
 }
 
-/// A dense linear layer's weight coded in host memory (shared, so several models can
-/// hold one coding).
-#[derive(Debug, Clone, PartialEq)]
-pub enum CodedWeight {
-    /// At a VQ rung.
-    Vq(Arc<VqMatrix>),
-    /// At an affine width (4, 3 or 2 bits).
-    Affine(Arc<AffineMatrix>),
-}
-
-impl CodedWeight {
-    /// `(rows, cols)`.
-    pub fn shape(&self) -> (usize, usize) {
-        match self {
-            CodedWeight::Vq(m) => (m.rows, m.cols),
-            CodedWeight::Affine(m) => (m.rows, m.cols),
-        }
-    }
-}
-
-/// Dense linear layers (attention projections, shared experts, dense MLPs) coded at VQ
-/// rungs, by the name of their weight tensor (`model.layers.3.self_attn.q_proj.weight`):
-/// what a `dense-vq{bits}.safetensors` file holds.
-pub type DenseVq = BTreeMap<String, Arc<VqMatrix>>;
-
-/// Dense linear layers and an untied LM head coded at any codec, by the name of their
-/// weight tensor: what a model runs coded.
-pub type CodedLayers = BTreeMap<String, CodedWeight>;
-
-/// The VQ-coded layers of `coded`, as a model runs them.
-pub fn vq_layers(coded: DenseVq) -> CodedLayers {
-    coded
-        .into_iter()
-        .map(|(name, m)| (name, CodedWeight::Vq(m)))
-        .collect()
-}
-
 /// A SwiGLU MLP: `down(silu(gate(x)) * up(x))`. Dense MLPs, routed experts and shared
 /// experts are all this.
 pub struct Mlp<B: Backend> {
@@ -132,103 +96,6 @@ pub enum Experts<B: Backend> {
     /// Coded at a rung of the VQ ladder: encoded in host memory, or records of a VQ
     /// expert store read in place.
     Vq(VqExperts),
-}
-
-/// One layer's routed experts at a VQ rung.
-#[derive(Clone)]
-pub enum VqExperts {
-    /// Encoded in memory: per expert its gate, up and down projections (shared, so
-    /// several models can hold one encoding).
-    Encoded(Arc<Vec<[VqMatrix; 3]>>),
-    /// The records of decoder layer `layer` in a VQ expert store.
-    Stored {
-        /// The store of the layer's rung.
-        store: Arc<VqStore>,
-        /// Decoder layer whose records these are.
-        layer: usize,
-    },
-}
-
-impl VqExperts {
-    /// Gate, up and down of expert `e`.
-    pub fn expert(&self, e: usize) -> [VqView<'_>; 3] {
-        match self {
-            VqExperts::Encoded(m) => [m[e][0].view(), m[e][1].view(), m[e][2].view()],
-            VqExperts::Stored { store, layer } => store.record(*layer, e),
-        }
-    }
-}
-
-/// The seed of the rotation of projection `p` (0 gate, 1 up, 2 down) of expert `e` of
-/// decoder layer `layer`, in a model of `experts` experts per MoE layer: every matrix of
-/// the model gets its own, so no two share a rotation.
-pub fn vq_seed(layer: usize, experts: usize, e: usize, p: usize) -> u64 {
-    ((layer * experts + e) * 3 + p) as u64
-}
-
-/// Where MoE layer `layer`'s routed experts sit in the checkpoint, and the prefix their
-/// tensor names share (for errors).
-pub fn expert_tensors(
-    config: &Config,
-    ckpt: &Checkpoint,
-    layer: usize,
-) -> Result<(ExpertTensors, String, [&'static str; 3]), Error> {
-    let names = super::arch::ffn_names(config.arch, ckpt, layer);
-    let prefix = format!("model.layers.{layer}.{}", names.block);
-    let tensors = ExpertTensors::find(ckpt, &prefix, names.projections)?;
-    Ok((tensors, prefix, names.projections))
-}
-
-/// Gate, up and down of expert `e` of MoE layer `layer` encoded at `rungs` (one per
-/// projection), from the checkpoint's weights, with the seeds of [`vq_seed`]. The one
-/// encoder of expert weights: in-memory encodings and VQ expert stores are both made by
-/// it.
-pub fn encode_expert(
-    config: &Config,
-    ckpt: &Checkpoint,
-    tensors: &ExpertTensors,
-    layer: usize,
-    e: usize,
-    rungs: [Rung; 3],
-) -> Result<[VqMatrix; 3], Error> {
-    let shape = ExpertShape::of(config);
-    let encode = |p: usize| -> Result<VqMatrix, Error> {
-        let [rows, cols] = shape.matrix(p);
-        let (w, name) = tensors.matrix(ckpt, &shape, e, p)?;
-        let seed = vq_seed(layer, shape.experts, e, p);
-        VqMatrix::encode(&w, rows, cols, rungs[p], seed).map_err(|source| Error::Encode {
-            tensor: name,
-            source,
-        })
-    };
-    Ok([encode(0)?, encode(1)?, encode(2)?])
-}
-
-/// Every routed expert of MoE layer `layer` encoded at `rung` in memory, from the
-/// checkpoint's weights (what the allocator's probes try; running models read VQ
-/// experts from a store, see `store::vq`).
-pub fn encode_experts(
-    config: &Config,
-    ckpt: &Checkpoint,
-    layer: usize,
-    rung: Rung,
-) -> Result<VqExperts, Error> {
-    encode_experts_by_projection(config, ckpt, layer, [rung; 3])
-}
-
-/// [`encode_experts`] with a rung per projection (gate, up, down): mixes that give the
-/// down projection more bits, as hand-made dynamic quants do.
-pub fn encode_experts_by_projection(
-    config: &Config,
-    ckpt: &Checkpoint,
-    layer: usize,
-    rungs: [Rung; 3],
-) -> Result<VqExperts, Error> {
-    let (tensors, ..) = expert_tensors(config, ckpt, layer)?;
-    let experts = (0..config.moe.num_experts)
-        .map(|e| encode_expert(config, ckpt, &tensors, layer, e, rungs))
-        .collect::<Result<Vec<_>, Error>>()?;
-    Ok(VqExperts::Encoded(Arc::new(experts)))
 }
 
 /// The expert store each MoE layer reads, by decoder layer.
@@ -377,12 +244,13 @@ impl<B: Backend> Loader<'_, B> {
         );
         let expected = (c.moe.num_experts, c.hidden_size, c.moe.expert_intermediate);
         if found != expected || store.record_index(layer, 0).is_none() {
-            return Err(Error::TensorShape {
+            return Err(crate::checkpoint::Error::TensorShape {
                 path: store.path().to_path_buf(),
                 tensor: format!("experts of layer {layer} (experts, hidden, intermediate)"),
                 expected: vec![expected.0, expected.1, expected.2],
                 found: vec![found.0, found.1, found.2],
-            });
+            }
+            .into());
         }
         let source = LayerSource {
             format: RecordFormat::Affine(*layout),
@@ -417,14 +285,15 @@ impl<B: Backend> Loader<'_, B> {
             for p in 0..3 {
                 let (extent, dt) = tensors.extent(self.ckpt, &shape, e, p)?;
                 if *dtype.get_or_insert(dt) != dt {
-                    return Err(Error::TensorDtype {
+                    return Err(crate::checkpoint::Error::TensorDtype {
                         path: extent.file,
                         tensor: format!("{prefix}.experts ({e}, projection {p})"),
                         dtype: format!(
                             "{dt:?}, while other experts of the layer are {:?}",
                             dtype.unwrap()
                         ),
-                    });
+                    }
+                    .into());
                 }
                 runs.push(extent);
             }
@@ -504,4 +373,55 @@ impl<B: Backend> Loader<'_, B> {
             )?,
         ))
     }
+}
+
+/// Loads decoder layer `i` with the naming of the configured architecture.
+pub fn load_layer<B: Backend>(ld: &Loader<B>, i: usize) -> Result<Layer<B>, Error> {
+    layer_with(ld, i, &arch::ffn_names(ld.config.arch, ld.ckpt, i))
+}
+
+/// Norms, attention and the feed-forward block of layer `i`, named by `names`.
+pub fn layer_with<B: Backend>(
+    ld: &Loader<B>,
+    i: usize,
+    names: &arch::FfnNames,
+) -> Result<Layer<B>, Error> {
+    let c = ld.config;
+    let (input_layernorm, post_attention_layernorm) = ld.layer_norms(i)?;
+    let prefix = format!("model.layers.{i}.{}", names.block);
+    let mlp = match c.layers[i].ffn {
+        FfnKind::Dense { intermediate } => {
+            Ffn::Dense(ld.mlp(&prefix, names.projections, intermediate)?)
+        }
+        FfnKind::Moe => {
+            let (shared_expert, shared_expert_gate) =
+                match (names.shared, c.moe.shared_expert_intermediate) {
+                    (Some((mlp, gate)), Some(width)) => (
+                        Some(ld.mlp(&format!("{prefix}.{mlp}"), names.projections, width)?),
+                        Some(ld.linear(&format!("{prefix}.{gate}"), 1, c.hidden_size, false)?),
+                    ),
+                    _ => (None, None),
+                };
+            let (experts, source) = ld.routed_experts(i, &prefix, names.projections)?;
+            Ffn::Moe(Moe {
+                gate: ld.linear(
+                    &format!("{prefix}.{}", names.router),
+                    c.moe.num_experts,
+                    c.hidden_size,
+                    false,
+                )?,
+                experts,
+                shared_expert,
+                shared_expert_gate,
+                source: Box::new(source),
+                keep: None,
+            })
+        }
+    };
+    Ok(Layer {
+        input_layernorm,
+        self_attn: ld.attention(i)?,
+        post_attention_layernorm,
+        mlp,
+    })
 }

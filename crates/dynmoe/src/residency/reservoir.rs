@@ -21,8 +21,8 @@ use safetensors::tensor::Dtype;
 use serde::Serialize;
 
 use super::Error;
-use crate::model::checkpoint::{float_size, widen};
-use crate::model::experts::Extent;
+use crate::checkpoint::experts::Extent;
+use crate::checkpoint::{float_size, widen};
 use crate::store::vq::VqLayout;
 use crate::store::Layout;
 

@@ -4,7 +4,7 @@
 use super::policy::Evidence;
 use super::reservoir::{words_as_bytes, Buffer, RecordFormat};
 use crate::backend::{Backend, ExpertSlots, SwiGluGroup, Weight};
-use crate::model::config::Router;
+use crate::checkpoint::config::Router;
 use crate::model::moe::{route, Route};
 use crate::store::reader::record_view;
 use crate::store::vq::record_views;

@@ -8,7 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::Tokenizer;
+use crate::checkpoint::Tokenizer;
 
 /// The template used when a model has none: ChatML, each turn between `<|im_start|>`
 /// and `<|im_end|>`.

@@ -4,8 +4,9 @@
 use serde::Serialize;
 
 use crate::backend::Backend;
-use crate::model::{Error, LoadedModel, Tokenizer};
-use crate::testing::Rng;
+use crate::checkpoint::Tokenizer;
+use crate::model::{Error, LoadedModel};
+use crate::rng::Rng;
 
 /// Sampling parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -131,10 +132,11 @@ pub fn generate<B: Backend>(
 ) -> Result<Generation, Error> {
     let ids = m.tokenizer.encode(prompt)?;
     if ids.is_empty() {
-        return Err(Error::Tokenizer {
+        return Err(crate::checkpoint::Error::Tokenizer {
             path: m.dir.join("tokenizer.json"),
             reason: "the prompt encodes to no tokens".into(),
-        });
+        }
+        .into());
     }
     let eos: Vec<u32> = m
         .tokenizer

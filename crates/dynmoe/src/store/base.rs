@@ -16,8 +16,8 @@ use super::layout::{put_bf16s, put_u32s, Layout, Proj};
 use super::manifest::{Created, Fnv64, Manifest, ModelInfo, Source, SCALE_DTYPE, VERSION};
 use super::tensors::{self, Experts};
 use super::{manifest_file_name, Error, BASE_FILE, DENSE_FILE};
+use crate::checkpoint::{Checkpoint, Config};
 use crate::codec::affine::{quantize, GROUP_SIZE};
-use crate::model::{Checkpoint, Config};
 
 /// Files copied unchanged from the checkpoint directory when present; `config.json` is
 /// required, the rest optional.

@@ -32,11 +32,13 @@ use super::manifest::Generator;
 use super::{atomic, base, tensors, Error, DENSE_FILE};
 use crate::alloc::plan::{Plan, PLAN_FILE};
 use crate::backend::Backend;
+use crate::checkpoint::experts::expert_tensors;
+use crate::checkpoint::{Checkpoint, Config, Tokenizer};
 use crate::codec::vq::codebook::fnv1a;
 use crate::codec::vq::Rung;
 use crate::codec::Codec;
-use crate::model::weights::{expert_tensors, vq_layers, VqExperts};
-use crate::model::{self, Checkpoint, Config, LoadedModel, Model, Tokenizer};
+use crate::model::{self, LoadedModel, Model};
+use crate::store::{dense_vq::vq_layers, vq_encode::VqExperts};
 
 /// The manifest of a compressed directory, and its commit mark.
 pub const MANIFEST_FILE: &str = "compressed.json";

@@ -23,12 +23,48 @@ use serde::{Deserialize, Serialize};
 
 use super::manifest::Fnv64;
 use super::{atomic, tensors, Error};
+use crate::checkpoint::arch::is_dense_linear;
+use crate::checkpoint::{Checkpoint, Config};
 use crate::codec::affine::AffineMatrix;
 use crate::codec::vq::{row_bytes, Rung, VqMatrix, VqView};
 use crate::codec::{Codec, CodecError};
-use crate::eval::inspect::is_dense_linear;
-use crate::model::weights::{CodedLayers, CodedWeight, DenseVq};
-use crate::model::{Checkpoint, Config};
+
+/// A dense linear layer's weight coded in host memory (shared, so several models can
+/// hold one coding).
+#[derive(Debug, Clone, PartialEq)]
+pub enum CodedWeight {
+    /// At a VQ rung.
+    Vq(Arc<VqMatrix>),
+    /// At an affine width (4, 3 or 2 bits).
+    Affine(Arc<AffineMatrix>),
+}
+
+impl CodedWeight {
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            CodedWeight::Vq(m) => (m.rows, m.cols),
+            CodedWeight::Affine(m) => (m.rows, m.cols),
+        }
+    }
+}
+
+/// Dense linear layers (attention projections, shared experts, dense MLPs) coded at VQ
+/// rungs, by the name of their weight tensor (`model.layers.3.self_attn.q_proj.weight`):
+/// what a `dense-vq{bits}.safetensors` file holds.
+pub type DenseVq = BTreeMap<String, Arc<VqMatrix>>;
+
+/// Dense linear layers and an untied LM head coded at any codec, by the name of their
+/// weight tensor: what a model runs coded.
+pub type CodedLayers = BTreeMap<String, CodedWeight>;
+
+/// The VQ-coded layers of `coded`, as a model runs them.
+pub fn vq_layers(coded: DenseVq) -> CodedLayers {
+    coded
+        .into_iter()
+        .map(|(name, m)| (name, CodedWeight::Vq(m)))
+        .collect()
+}
 
 /// Value of the `format` metadata field.
 pub const FORMAT: &str = "dynmoe-dense-vq";

@@ -48,6 +48,7 @@ pub mod synth;
 pub mod synth_vq;
 mod tensors;
 pub mod vq;
+pub mod vq_encode;
 
 use std::path::{Path, PathBuf};
 
@@ -191,9 +192,17 @@ pub enum Error {
         /// What the codec said.
         reason: String,
     },
+    /// A matrix could not be encoded.
+    #[error("{tensor}: {source}")]
+    Encode {
+        /// The matrix.
+        tensor: String,
+        /// What the codec said.
+        source: crate::codec::CodecError,
+    },
     /// The checkpoint could not be read.
     #[error(transparent)]
-    Model(#[from] crate::model::Error),
+    Checkpoint(#[from] crate::checkpoint::Error),
 }
 
 /// The JSON value of the manifest at `path`: a missing file is [`Error::Missing`], text

@@ -59,7 +59,7 @@ use super::manifest::{
 };
 use super::{data_file_name, manifest_file_name, Error, BASE_FILE, PAGE};
 use crate::codec::affine::GROUP_SIZE;
-use crate::testing::Rng;
+use crate::rng::Rng;
 
 /// The `source.kind` of a store of random records.
 pub const SOURCE_KIND: &str = "synthetic";

@@ -6,7 +6,7 @@
 //!
 //! Every record is made by the generator [`GENERATOR`], seeded by the seed, the layer and
 //! the expert, in the layout of [`super::vq`] (`VqLayout`, packed by `vq::pack_record`,
-//! the rotation seeds of `model::weights::vq_seed`): for gate, up and down in turn,
+//! the rotation seeds of `store::vq_encode::vq_seed`): for gate, up and down in turn,
 //! every code bit random, so that every index is uniform over the rung's `2^k`
 //! codewords, then one norm per rotation block, uniform within ±[`SPREAD`] of a mean
 //! chosen so that decoded weights have the standard deviation [`STD`] of the other
@@ -58,8 +58,8 @@ use super::vq::{self, data_file_name, pack_record, record_checksum, VqLayout, Vq
 use super::{lowbit, Error};
 use crate::codec::vq::{row_bytes, Rung, VqMatrix};
 use crate::codec::CodecError;
-use crate::model::weights::vq_seed;
-use crate::testing::Rng;
+use crate::rng::Rng;
+use crate::store::vq_encode::vq_seed;
 
 pub use super::synth::SOURCE_KIND;
 

@@ -8,9 +8,9 @@ use std::path::Path;
 use super::layout::Proj;
 use super::manifest::{Fnv64, SourceFile};
 use super::Error;
-use crate::model::arch;
-use crate::model::experts::{ExpertShape, ExpertTensors};
-use crate::model::{Checkpoint, Config};
+use crate::checkpoint::arch;
+use crate::checkpoint::{experts::ExpertShape, experts::ExpertTensors};
+use crate::checkpoint::{Checkpoint, Config};
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     move |source| Error::Io {

@@ -51,11 +51,12 @@ use super::atomic::{self, TempOutput};
 use super::layout::{round_up, Part, ALIGN, PAGE};
 use super::manifest::{Created, Fnv64, ModelInfo, Source};
 use super::{lowbit, tensors, Error};
+use crate::checkpoint::experts::expert_tensors;
+use crate::checkpoint::{experts::ExpertShape, experts::Extent};
+use crate::checkpoint::{Checkpoint, Config};
 use crate::codec::vq::{rotation, row_bytes, Rung, VqMatrix, VqView};
-use crate::model::experts::{ExpertShape, Extent};
-use crate::model::weights::{encode_expert, expert_tensors, vq_seed};
-use crate::model::{Checkpoint, Config};
 use crate::residency::{LayerSource, RecordFormat};
+use crate::store::{vq_encode::encode_expert, vq_encode::vq_seed};
 
 /// The `format` field of every VQ store manifest.
 pub const FORMAT: &str = "dynmoe-vq-expert-store";
@@ -956,7 +957,7 @@ fn build(
                             let mats = encode_expert(config, ckpt, t, layer, e, [rung; 3])?;
                             Ok(pack_record(&layout, layer, e, &mats))
                         })
-                        .collect::<Result<_, crate::model::Error>>()?,
+                        .collect::<Result<_, Error>>()?,
                     (None, None) => unreachable!("tensors are found for every layer not copied"),
                 };
                 for r in records {

@@ -967,7 +967,7 @@ fn ln(x: f64) -> f64 {
 /// `n` standard normal values for `seed` (SplitMix64 and Marsaglia's polar method),
 /// bit-identical on every platform.
 pub fn gaussian(seed: u64, n: usize) -> Vec<f32> {
-    let mut rng = crate::testing::Rng::seeded(seed);
+    let mut rng = crate::rng::Rng::seeded(seed);
     let mut uniform =
         move || ((rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)) * 2.0 - 1.0;
     let mut out = Vec::with_capacity(n + 1);

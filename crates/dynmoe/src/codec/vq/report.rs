@@ -50,8 +50,8 @@ pub struct RealMatrix {
 pub fn expert_matrices(
     dir: &std::path::Path,
     stride: usize,
-) -> Result<Vec<RealMatrix>, crate::model::Error> {
-    let ck = crate::model::checkpoint::Checkpoint::open(dir)?;
+) -> Result<Vec<RealMatrix>, crate::checkpoint::Error> {
+    let ck = crate::checkpoint::Checkpoint::open(dir)?;
     let mut names: Vec<&str> = ck
         .names()
         .into_iter()

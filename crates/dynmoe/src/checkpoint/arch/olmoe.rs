@@ -5,7 +5,7 @@
 //! model, not renormalised by default.
 
 use super::{FfnNames, ROUTED_MLP};
-use crate::model::checkpoint::Checkpoint;
+use crate::checkpoint::Checkpoint;
 
 /// Layer `layer`'s feed-forward tensors: `model.layers.{i}.mlp.gate`, `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj`.
 pub fn ffn_names(_: &Checkpoint, _layer: usize) -> FfnNames {

@@ -5,7 +5,7 @@
 //! under `block_sparse_moe` in published checkpoints; optional sliding-window attention.
 
 use super::{FfnNames, ROUTED_MLP};
-use crate::model::checkpoint::Checkpoint;
+use crate::checkpoint::Checkpoint;
 
 /// Layer `layer`'s feed-forward tensors, in the published layout
 /// (`block_sparse_moe.experts.{e}.w1/w3/w2`) or, when that is absent, in the

@@ -4,7 +4,7 @@
 //! `sigmoid(shared_expert_gate(x))` and added to the routed experts' output.
 
 use super::{FfnNames, ROUTED_MLP};
-use crate::model::checkpoint::Checkpoint;
+use crate::checkpoint::Checkpoint;
 
 /// Layer `layer`'s feed-forward tensors: as Qwen3-MoE plus `mlp.shared_expert.*` and
 /// `mlp.shared_expert_gate`.

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 
 use safetensors::tensor::Dtype;
 
-use super::checkpoint::Checkpoint;
-use super::Error;
+use super::config::Config;
+use super::{arch, Checkpoint, Error};
 
 /// A run of bytes in a file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -264,7 +264,7 @@ mod tests {
                     let file = std::fs::read(&ext.file).unwrap();
                     let at = ext.offset as usize;
                     let mut got = vec![0.0f32; want.len()];
-                    crate::model::checkpoint::widen(dtype, &file[at..at + ext.len], &mut got);
+                    crate::checkpoint::widen(dtype, &file[at..at + ext.len], &mut got);
                     assert_eq!(&got, want, "extent {label} e{e} p{p}");
                 }
             }
@@ -275,4 +275,17 @@ mod tests {
             assert_eq!(listed, stored, "{label}");
         }
     }
+}
+
+/// Where MoE layer `layer`'s routed experts sit in the checkpoint, and the prefix their
+/// tensor names share (for errors).
+pub fn expert_tensors(
+    config: &Config,
+    ckpt: &Checkpoint,
+    layer: usize,
+) -> Result<(ExpertTensors, String, [&'static str; 3]), Error> {
+    let names = arch::ffn_names(config.arch, ckpt, layer);
+    let prefix = format!("model.layers.{layer}.{}", names.block);
+    let tensors = ExpertTensors::find(ckpt, &prefix, names.projections)?;
+    Ok((tensors, prefix, names.projections))
 }

@@ -1,0 +1,107 @@
+//! Where each architecture keeps its tensors: one file per architecture, chosen by one
+//! `match` on `model_type`, and the classification of a checkpoint's tensors by name.
+//! The forward pass and the MoE block are shared (`model`).
+
+pub mod mixtral;
+pub mod olmoe;
+pub mod qwen2_moe;
+pub mod qwen3_moe;
+
+use serde::Serialize;
+
+use super::config::Arch;
+use super::Checkpoint;
+
+/// How the configured architecture names layer `layer`'s feed-forward tensors.
+pub fn ffn_names(arch: Arch, ckpt: &Checkpoint, layer: usize) -> FfnNames {
+    match arch {
+        Arch::Qwen3Moe => qwen3_moe::ffn_names(ckpt, layer),
+        Arch::Qwen2Moe => qwen2_moe::ffn_names(ckpt, layer),
+        Arch::Mixtral => mixtral::ffn_names(ckpt, layer),
+        Arch::Olmoe => olmoe::ffn_names(ckpt, layer),
+    }
+}
+
+/// How an architecture names the feed-forward block of a layer.
+pub struct FfnNames {
+    /// Under `model.layers.{i}.`: `mlp` or `block_sparse_moe`.
+    pub block: &'static str,
+    /// Router tensor under the block (`gate`).
+    pub router: &'static str,
+    /// Gate, up and down projections of an expert (or dense MLP).
+    pub projections: [&'static str; 3],
+    /// Shared expert and its sigmoid gate under the block, if the architecture has one.
+    pub shared: Option<(&'static str, &'static str)>,
+}
+
+/// The projection names most architectures use.
+pub const SWIGLU: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+/// `mlp.gate` and `mlp.experts.{e}.{gate,up,down}_proj`, no shared expert (Qwen3-MoE,
+/// OLMoE, and Mixtral as newer transformers versions write it).
+pub const ROUTED_MLP: FfnNames = FfnNames {
+    block: "mlp",
+    router: "gate",
+    projections: SWIGLU,
+    shared: None,
+};
+
+/// The kinds of tensor a MoE checkpoint holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TensorKind {
+    /// Token embedding.
+    Embedding,
+    /// Output projection.
+    LmHead,
+    /// q, k, v, o projections and their biases.
+    Attention,
+    /// RMSNorm weights (layer, q/k and final norms).
+    Norm,
+    /// Router (and shared-expert gate) weights.
+    Router,
+    /// Routed experts.
+    RoutedExperts,
+    /// Shared experts.
+    SharedExperts,
+    /// Dense MLPs of non-MoE layers.
+    DenseMlp,
+    /// Anything else.
+    Other,
+}
+
+/// Classifies a checkpoint tensor by its name.
+pub fn classify(name: &str) -> TensorKind {
+    if name.contains("embed_tokens") {
+        TensorKind::Embedding
+    } else if name.starts_with("lm_head") {
+        TensorKind::LmHead
+    } else if name.contains("norm") {
+        TensorKind::Norm
+    } else if name.contains("self_attn") {
+        TensorKind::Attention
+    } else if name.contains("shared_expert_gate")
+        || name.ends_with("mlp.gate.weight")
+        || name.ends_with("block_sparse_moe.gate.weight")
+    {
+        TensorKind::Router
+    } else if name.contains("shared_expert") {
+        TensorKind::SharedExperts
+    } else if name.contains(".experts.") {
+        TensorKind::RoutedExperts
+    } else if name.contains(".mlp.") {
+        TensorKind::DenseMlp
+    } else {
+        TensorKind::Other
+    }
+}
+
+/// Whether tensor `name` of shape `shape` is a dense linear weight: an attention
+/// projection, a shared expert's or a dense MLP's matrix. These are what a model's dense
+/// codec applies to; embeddings, the LM head, routers and norms keep their precision.
+pub fn is_dense_linear(name: &str, shape: &[usize]) -> bool {
+    matches!(
+        classify(name),
+        TensorKind::Attention | TensorKind::SharedExperts | TensorKind::DenseMlp
+    ) && shape.len() == 2
+}
