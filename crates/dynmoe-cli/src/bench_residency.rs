@@ -15,9 +15,9 @@ use crate::residency::ResidencyArgs;
 use crate::{cuda_backend, BackendKind, DenseCodecArgs};
 use dynmoe::backend::Backend;
 use dynmoe::checkpoint::Config;
+use dynmoe::model::argmax;
 use dynmoe::model::LoadedModel;
 use dynmoe::residency::ResidencyReport;
-use dynmoe::runtime::generate::argmax;
 
 #[derive(Args)]
 pub struct ResidencyBenchArgs {

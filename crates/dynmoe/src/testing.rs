@@ -196,8 +196,7 @@ pub fn greedy_reference<B: crate::backend::Backend>(
 ) -> GreedyReference<B> {
     let p = prompt.len();
     let mut state = model.new_state(p + n);
-    let first =
-        crate::runtime::generate::argmax(&model.forward(&mut state, prompt, p - 1).unwrap());
+    let first = crate::model::argmax(&model.forward(&mut state, prompt, p - 1).unwrap());
     let (mut tokens, mut probs) = (Vec::new(), Vec::new());
     let mut t = first;
     for _ in 0..n {

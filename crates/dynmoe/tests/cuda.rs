@@ -13,6 +13,8 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use dynmoe::backend::cuda::{DecodeAttention, PrefillAttention};
+use dynmoe::backend::route::confine;
+use dynmoe::backend::route::route;
 use dynmoe::backend::{
     AddNorm, AttentionShape, Backend, Cpu, Cuda, DeviceRoute, HeadNorm, MoeInput, RoutedExperts,
     SwiGluGroup, Weight,
@@ -20,9 +22,7 @@ use dynmoe::backend::{
 use dynmoe::checkpoint::config::Router;
 use dynmoe::codec::affine::AffineMatrix;
 use dynmoe::eval::ppl::{perplexity, PplOptions};
-use dynmoe::model::moe::route;
 use dynmoe::model::{self, Codecs, ExpertBits};
-use dynmoe::residency::confine;
 use dynmoe::runtime::generate::{generate_ids, Sampling};
 use dynmoe::testing::{
     fixture, fixtures_root, fresh, greedy_reference, rel_err, GreedyReference, Rng, TempDir,
@@ -2336,7 +2336,7 @@ fn check_resident_sets(
         );
         dev.model.residency().unwrap().wait_loads();
 
-        let mut next = dynmoe::runtime::generate::argmax(&lc);
+        let mut next = dynmoe::model::argmax(&lc);
         let mut changed = 0;
         let mut before = dev.model.residency().unwrap().resident_sets();
         for step in 0..40 {
@@ -2345,15 +2345,14 @@ fn check_resident_sets(
             let t = if step % 2 == 0 {
                 dev.model.decode_greedy(&mut sd, next).unwrap()
             } else {
-                dynmoe::runtime::generate::argmax(&dev.model.forward(&mut sd, &[next], 0).unwrap())
+                dynmoe::model::argmax(&dev.model.forward(&mut sd, &[next], 0).unwrap())
             };
             let r = dev.model.residency().unwrap();
             let used = r.resident_sets();
             changed += (used != before) as usize;
             before = used.clone();
             masks(&mut cpu, &used);
-            let want =
-                dynmoe::runtime::generate::argmax(&cpu.model.forward(&mut sc, &[next], 0).unwrap());
+            let want = dynmoe::model::argmax(&cpu.model.forward(&mut sc, &[next], 0).unwrap());
             assert_eq!(
                 t, want,
                 "{label} {kind:?} step {step}: device slots and CPU mask disagree"

@@ -58,8 +58,8 @@ fn greedy_decode_matches_transformers_on_every_fixture() {
 /// step after step, on an MoE fixture with its experts in a 4-bit store.
 #[test]
 fn decode_greedy_is_forward_and_argmax() {
+    use dynmoe::model::argmax;
     use dynmoe::model::ExpertBits;
-    use dynmoe::runtime::generate::argmax;
     use dynmoe::testing::{fixture, TempDir};
     let dir = TempDir::new("greedy-step");
     dynmoe::store::base::convert(&fixture("small-moe"), dir.dir(), &mut |_, _| {}).unwrap();
@@ -108,8 +108,8 @@ fn decode_greedy_is_forward_and_argmax() {
 /// a first token out of the vocabulary fails; no tokens asked runs nothing.
 #[test]
 fn decode_greedy_many_is_decode_greedy_token_by_token() {
+    use dynmoe::model::argmax;
     use dynmoe::model::Error;
-    use dynmoe::runtime::generate::argmax;
     let prompt = [5u32, 17, 300, 42, 7, 99, 1000, 3];
     let (p, n, stop) = (prompt.len(), 10, 3);
     for dir in fixture_dirs() {

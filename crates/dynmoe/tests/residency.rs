@@ -9,10 +9,9 @@ use dynmoe::backend::Cpu;
 use dynmoe::checkpoint::Checkpoint;
 use dynmoe::checkpoint::{experts::ExpertShape, experts::ExpertTensors};
 use dynmoe::model::{self, ExpertBits};
-use dynmoe::residency::{
-    Buffer, Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount,
-};
+use dynmoe::residency::{Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount};
 use dynmoe::runtime::generate::{generate_ids, Sampling};
+use dynmoe::store::records::Buffer;
 use dynmoe::testing::{fixture, rel_err, TempDir};
 use safetensors::tensor::TensorView;
 

@@ -10,6 +10,8 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+pub mod route;
+
 pub use cpu::Cpu;
 #[cfg(feature = "cuda")]
 pub use cuda::Cuda;
@@ -506,7 +508,7 @@ pub trait Backend: Send + Sync {
     /// default) or cannot route these on the device.
     fn new_slots(
         &self,
-        format: &crate::residency::RecordFormat,
+        format: &crate::store::records::RecordFormat,
         experts: usize,
         top_k: usize,
         count: usize,
@@ -638,7 +640,7 @@ pub struct RoutedExperts<'a, T> {
 }
 
 /// How [`Backend::routed_moe`] picks experts: the softmax router of
-/// [`crate::model::moe::route`], confined to `keep` as [`crate::residency::confine`] does.
+/// [`crate::backend::route::route`], confined to `keep` as [`crate::backend::route::confine`] does.
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceRoute<'a> {
     /// Experts per row.
@@ -793,6 +795,41 @@ pub struct SwiGluGroup<'a, T> {
     pub rows: &'a [u32],
     /// Weight of each row's output (the router's gate value).
     pub scales: &'a [f32],
+}
+
+impl<'a, T> SwiGluGroup<'a, T> {
+    /// The group that runs a VQ-coded expert (gate, up, down) on `rows`.
+    pub fn of_vq(
+        [gate, up, down]: [crate::codec::vq::VqView<'a>; 3],
+        rows: &'a [u32],
+        scales: &'a [f32],
+    ) -> SwiGluGroup<'a, T> {
+        SwiGluGroup {
+            gate: Weight::Vq(gate),
+            up: Weight::Vq(up),
+            down: Weight::Vq(down),
+            intermediate: gate.rows,
+            rows,
+            scales,
+        }
+    }
+
+    /// The group that runs an affine expert record (a store's, or a resident slot's) on
+    /// `rows`.
+    pub fn of_record(
+        r: crate::store::ExpertRecord<'a>,
+        rows: &'a [u32],
+        scales: &'a [f32],
+    ) -> SwiGluGroup<'a, T> {
+        SwiGluGroup {
+            gate: Weight::Affine(r.gate),
+            up: Weight::Affine(r.up),
+            down: Weight::Affine(r.down),
+            intermediate: r.gate.rows,
+            rows,
+            scales,
+        }
+    }
 }
 
 /// The sizes of one attention call.

@@ -6,10 +6,11 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use crate::backend::route::route;
 use crate::backend::Backend;
 use crate::checkpoint::config::Router;
-use crate::model::moe::{expert_group, route, MoeObserver};
 use crate::model::weights::Moe;
+use crate::model::{moe::expert_group, moe::MoeObserver};
 use crate::model::{Error, LoadedModel};
 
 /// Saliency of every expert of every MoE layer.
@@ -173,7 +174,7 @@ mod tests {
     use super::*;
     use crate::backend::Cpu;
     use crate::model::weights::{Experts, Linear, LinearWeight, Mlp};
-    use crate::residency::{LayerSource, RecordFormat};
+    use crate::store::{records::LayerSource, records::RecordFormat};
     use crate::testing::{fresh, rel_err};
 
     fn linear(b: &Cpu, out_dim: usize, in_dim: usize, salt: u64) -> (Linear<Cpu>, Vec<f32>) {

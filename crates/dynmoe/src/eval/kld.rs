@@ -53,7 +53,7 @@ pub fn kl(log_p: &[f64], log_q: &[f64]) -> f64 {
 }
 
 fn argmax(row: &[f32]) -> usize {
-    crate::runtime::generate::argmax(row) as usize
+    crate::model::argmax(row) as usize
 }
 
 /// The reference model's logits at every position perplexity scores in a text, kept so

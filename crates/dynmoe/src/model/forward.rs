@@ -14,10 +14,9 @@ use super::moe::{self, MoeObserver, Routing};
 use super::weights::{Attention, Experts, Ffn, Layer, LayerStores, Linear, Loader};
 use super::Error;
 use crate::backend::{AddNorm, AttentionShape, Backend, HeadNorm, MoeInput, PendingRead, Weight};
-use crate::residency::{
-    self, LayerSource, Reservoir, ReservoirKind, Residency, ResidencyConfig, Step,
-};
+use crate::residency::{self, Reservoir, ReservoirKind, Residency, ResidencyConfig, Step};
 use crate::store::dense_vq::CodedLayers;
+use crate::store::records::LayerSource;
 use crate::store::vq_encode::VqExperts;
 
 /// A model's weights on a backend, ready to run.
@@ -532,7 +531,7 @@ impl<B: Backend> Model<B> {
         }
         if self.residency.as_ref().is_some_and(|r| !r.all_on_device()) {
             let logits = self.forward(state, &[token], 0)?;
-            return Ok(crate::runtime::generate::argmax(&logits));
+            return Ok(crate::model::argmax(&logits));
         }
         let (e, l) = (c.moe.num_experts, self.layers.len());
         let bufs = state.step.get_or_insert_with(|| self.step_buffers());
@@ -996,7 +995,7 @@ fn linear<B: Backend>(b: &B, x: &B::Tensor, l: &Linear<B>, rows: usize, out: &mu
 mod tests {
     use crate::backend::Cpu;
     use crate::model;
-    use crate::runtime::generate::argmax;
+    use crate::model::argmax;
     use crate::testing::{fixture_dirs, greedy_reference, GreedyReference};
 
     /// The queued loop of `decode_greedy_many` forced on the CPU, which records no step

@@ -88,6 +88,17 @@ pub enum Error {
     },
 }
 
+/// Index of the largest logit (the lowest index on ties).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 /// A model directory opened for running: configuration, weights on a backend, tokenizer.
 pub struct LoadedModel<B: Backend> {
     /// Directory it came from.

@@ -9,6 +9,7 @@
 use rayon::prelude::*;
 
 use super::weights::{Experts, Mlp, Moe};
+use crate::backend::route::{confine, route, Route};
 use crate::backend::{Backend, DeviceRoute, MoeInput, RoutedExperts, SwiGluGroup, Weight};
 use crate::checkpoint::config::Router;
 use crate::residency::LayerSet;
@@ -27,46 +28,6 @@ pub trait MoeObserver<B: Backend> {
         rows: usize,
         probs: &[f32],
     );
-}
-
-/// The experts chosen for one token and their weights.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Route {
-    /// Expert ids, best first.
-    pub experts: Vec<u32>,
-    /// Weight of each chosen expert's output.
-    pub weights: Vec<f32>,
-}
-
-/// Picks the `top_k` most probable experts of one token. Ties go to the lower id.
-pub fn route(probs: &[f32], top_k: usize, router: Router) -> Route {
-    let better = |a: &u32, b: &u32| {
-        probs[*b as usize]
-            .total_cmp(&probs[*a as usize])
-            .then(a.cmp(b))
-    };
-    let mut order: Vec<u32> = (0..probs.len() as u32).collect();
-    // Select, then sort only the chosen: a prompt routes every token of every layer here,
-    // and a full sort of 128 or 256 experts a token cost milliseconds a layer.
-    if top_k == 0 {
-        order.clear();
-    } else if top_k < order.len() {
-        order.select_nth_unstable_by(top_k - 1, better);
-        order.truncate(top_k);
-    }
-    order.sort_by(better);
-    let mut weights: Vec<f32> = order.iter().map(|&e| probs[e as usize]).collect();
-    match router {
-        Router::SoftmaxTopK { renormalize: true } => {
-            let sum: f32 = weights.iter().sum();
-            weights.iter_mut().for_each(|w| *w /= sum);
-        }
-        Router::SoftmaxTopK { renormalize: false } => {}
-    }
-    Route {
-        experts: order,
-        weights,
-    }
 }
 
 /// The group that runs `mlp` on `rows` with output weights `scales`.
@@ -94,41 +55,10 @@ pub fn expert_group<'a, B: Backend>(
 ) -> SwiGluGroup<'a, B::Matrix> {
     match experts {
         Experts::Dense(mlps) => group(&mlps[e], rows, scales),
-        Experts::Stored { store, layer } => record_group(store.record(*layer, e), rows, scales),
-        Experts::Vq(m) => vq_group(m.expert(e), rows, scales),
-    }
-}
-
-/// The group that runs a VQ-coded expert (gate, up, down) on `rows`.
-pub fn vq_group<'a, T>(
-    [gate, up, down]: [crate::codec::vq::VqView<'a>; 3],
-    rows: &'a [u32],
-    scales: &'a [f32],
-) -> SwiGluGroup<'a, T> {
-    SwiGluGroup {
-        gate: Weight::Vq(gate),
-        up: Weight::Vq(up),
-        down: Weight::Vq(down),
-        intermediate: gate.rows,
-        rows,
-        scales,
-    }
-}
-
-/// The group that runs an affine expert record (a store's, or a resident slot's) on
-/// `rows`.
-pub fn record_group<'a, T>(
-    r: crate::store::ExpertRecord<'a>,
-    rows: &'a [u32],
-    scales: &'a [f32],
-) -> SwiGluGroup<'a, T> {
-    SwiGluGroup {
-        gate: Weight::Affine(r.gate),
-        up: Weight::Affine(r.up),
-        down: Weight::Affine(r.down),
-        intermediate: r.gate.rows,
-        rows,
-        scales,
+        Experts::Stored { store, layer } => {
+            SwiGluGroup::of_record(store.record(*layer, e), rows, scales)
+        }
+        Experts::Vq(m) => SwiGluGroup::of_vq(m.expert(e), rows, scales),
     }
 }
 
@@ -179,7 +109,7 @@ pub fn forward<B: Backend>(
         None => probs
             .par_chunks(e)
             .map(|p| match &moe.keep {
-                Some(keep) => route(&crate::residency::confine(p, keep), top_k, router),
+                Some(keep) => route(&confine(p, keep), top_k, router),
                 None => route(p, top_k, router),
             })
             .collect(),
@@ -291,46 +221,4 @@ pub fn forward_on_device<B: Backend>(
 /// the host) and a router kept as a plain matrix.
 pub fn routable_on_device<B: Backend>(moe: &Moe<B>) -> bool {
     moe.shared_expert.is_none() && moe.gate.dense().is_some()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn routes_best_first_and_renormalises() {
-        let probs = [0.1, 0.4, 0.2, 0.3];
-        let r = route(&probs, 2, Router::SoftmaxTopK { renormalize: true });
-        assert_eq!(r.experts, vec![1, 3]);
-        assert!((r.weights[0] - 4.0 / 7.0).abs() < 1e-6 && (r.weights[1] - 3.0 / 7.0).abs() < 1e-6);
-        let r = route(&probs, 2, Router::SoftmaxTopK { renormalize: false });
-        assert_eq!(r.weights, vec![0.4, 0.3]);
-    }
-
-    #[test]
-    fn ties_go_to_the_lower_id() {
-        let r = route(&[0.25; 4], 2, Router::SoftmaxTopK { renormalize: false });
-        assert_eq!(r.experts, vec![0, 1]);
-    }
-
-    #[test]
-    fn selection_picks_what_a_full_sort_picks() {
-        let mut rng = crate::testing::Rng::new(5);
-        for experts in [1usize, 7, 128] {
-            // Few distinct values, so ties are common.
-            let probs: Vec<f32> = (0..experts)
-                .map(|_| (rng.next_u64() % 5) as f32 / 5.0)
-                .collect();
-            let mut sorted: Vec<u32> = (0..experts as u32).collect();
-            sorted.sort_by(|&a, &b| {
-                probs[b as usize]
-                    .total_cmp(&probs[a as usize])
-                    .then(a.cmp(&b))
-            });
-            for top_k in 0..=experts {
-                let r = route(&probs, top_k, Router::SoftmaxTopK { renormalize: false });
-                assert_eq!(r.experts, sorted[..top_k], "{experts} experts, top {top_k}");
-            }
-        }
-    }
 }

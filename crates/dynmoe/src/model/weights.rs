@@ -12,10 +12,10 @@ use crate::checkpoint::config::{Config, QkNorm};
 use crate::checkpoint::experts::Extent;
 use crate::checkpoint::experts::{ExpertShape, ExpertTensors};
 use crate::checkpoint::Checkpoint;
-use crate::residency::{LayerSource, RecordFormat};
 use crate::store::dense_vq::{CodedLayers, CodedWeight};
 use crate::store::vq_encode::VqExperts;
 use crate::store::ExpertStore;
+use crate::store::{records::LayerSource, records::RecordFormat};
 
 /// A linear layer `y = x Wᵀ + b`, `W` stored `[out_dim, in_dim]`.
 pub struct Linear<B: Backend> {

@@ -29,8 +29,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde::Serialize;
 
 pub use policy::{plan_swaps, Evidence, PolicyParams};
-pub use reservoir::{Buffer, LayerSource, Loaded, Loader, RecordFormat, Reservoir, ReservoirKind};
-pub use set::{confine, LayerSet};
+pub use reservoir::{Loaded, Loader, Reservoir, ReservoirKind};
+pub use set::LayerSet;
 
 use crate::backend::Backend;
 

@@ -2,11 +2,12 @@
 //! them from, the spare buffers loads land in, and routing confined to the residents.
 
 use super::policy::Evidence;
-use super::reservoir::{words_as_bytes, Buffer, RecordFormat};
+use crate::backend::route::confine;
+use crate::backend::{route::route, route::Route};
 use crate::backend::{Backend, ExpertSlots, SwiGluGroup, Weight};
 use crate::checkpoint::config::Router;
-use crate::model::moe::{route, Route};
 use crate::store::reader::record_view;
+use crate::store::records::{words_as_bytes, Buffer, RecordFormat};
 use crate::store::vq::record_views;
 
 /// What a slot holds for the kernels: f32 tensors on the backend, a store's record
@@ -69,23 +70,6 @@ fn words(buf: &Buffer) -> &[u32] {
         Buffer::Words(w) => w,
         Buffer::F32(_) => panic!("a dense buffer holds no record words"),
     }
-}
-
-/// The probabilities of one token with routing confined to `resident`: the router
-/// logits of the others set to −∞ before the softmax, so the residents' probabilities
-/// are renormalised over the residents and the others are −∞ (never picked).
-pub fn confine(probs: &[f32], resident: &[bool]) -> Vec<f32> {
-    let s: f32 = probs
-        .iter()
-        .zip(resident)
-        .filter(|(_, &r)| r)
-        .map(|(p, _)| p)
-        .sum();
-    probs
-        .iter()
-        .zip(resident)
-        .map(|(&p, &r)| if r { p / s } else { f32::NEG_INFINITY })
-        .collect()
 }
 
 impl<B: Backend> LayerSet<B> {
@@ -371,13 +355,11 @@ impl<B: Backend> LayerSet<B> {
                 rows,
                 scales,
             },
-            (Slot::Record(w), RecordFormat::Affine(layout)) => crate::model::moe::record_group(
-                record_view(&layout, words_as_bytes(w)),
-                rows,
-                scales,
-            ),
+            (Slot::Record(w), RecordFormat::Affine(layout)) => {
+                SwiGluGroup::of_record(record_view(&layout, words_as_bytes(w)), rows, scales)
+            }
             (Slot::Record(w), RecordFormat::Vq(layout)) => {
-                crate::model::moe::vq_group(record_views(&layout, words_as_bytes(w)), rows, scales)
+                SwiGluGroup::of_vq(record_views(&layout, words_as_bytes(w)), rows, scales)
             }
             (Slot::Device(_), _) => {
                 panic!("expert {e} lives in a device slot: the block is routed on the backend")

@@ -5,7 +5,7 @@ use serde::Serialize;
 
 use crate::backend::Backend;
 use crate::checkpoint::Tokenizer;
-use crate::model::{Error, LoadedModel};
+use crate::model::{argmax, Error, LoadedModel};
 use crate::rng::Rng;
 
 /// Sampling parameters.
@@ -91,17 +91,6 @@ impl Sampler {
         }
         *order.last().expect("at least one candidate")
     }
-}
-
-/// Index of the largest logit (the lowest index on ties).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// What a generation produced and how fast.

@@ -44,6 +44,7 @@ pub mod layout;
 pub mod lowbit;
 pub mod manifest;
 pub mod reader;
+pub mod records;
 pub mod synth;
 pub mod synth_vq;
 mod tensors;

@@ -55,7 +55,7 @@ use crate::checkpoint::experts::expert_tensors;
 use crate::checkpoint::{experts::ExpertShape, experts::Extent};
 use crate::checkpoint::{Checkpoint, Config};
 use crate::codec::vq::{rotation, row_bytes, Rung, VqMatrix, VqView};
-use crate::residency::{LayerSource, RecordFormat};
+use crate::store::{records::LayerSource, records::RecordFormat};
 use crate::store::{vq_encode::encode_expert, vq_encode::vq_seed};
 
 /// The `format` field of every VQ store manifest.

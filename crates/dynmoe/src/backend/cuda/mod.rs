@@ -60,7 +60,7 @@ use crate::codec::affine::kernels::AffineView;
 use crate::codec::affine::lowbit::words_per_row;
 use crate::codec::affine::GROUP_SIZE;
 use crate::codec::vq::{rotation, row_bytes, Rung, VqView};
-use crate::residency::RecordFormat;
+use crate::store::records::RecordFormat;
 use crate::store::vq::VqLayout;
 
 /// The kernels' CUDA C source.

@@ -28,8 +28,8 @@ use cudarc::driver::{
 
 use super::{ok, sign_bits, tile_lengths, tile_units, RoutedKind, ROUTED_ENTRY, VQ_CODE_PADDING};
 use crate::backend::ExpertSlots;
-use crate::residency::reservoir::words_as_bytes;
-use crate::residency::RecordFormat;
+use crate::store::records::words_as_bytes;
+use crate::store::records::RecordFormat;
 use crate::store::vq::{record_views, VqLayout};
 use crate::store::Layout;
 
@@ -415,7 +415,7 @@ mod tests {
     use super::{record_signs, sign_words, slot_entry, tiled_entry, tiled_parts};
     use crate::backend::cuda::tile_lengths;
     use crate::codec::vq::{rotation, Rung, VqMatrix};
-    use crate::residency::RecordFormat;
+    use crate::store::records::RecordFormat;
     use crate::store::vq::{pack_record, VqLayout};
     use crate::store::Layout;
     use crate::testing::fresh;
