@@ -53,7 +53,8 @@ pub fn codebooks(c: CodebooksCommand) -> Result<()> {
         };
         let book = codebook::build(r, params);
         let path = a.out.join(codebook::file_name(r));
-        book.write(&path)?;
+        // Written as every store is: a crash leaves the old file or the new one.
+        dynmoe::store::atomic::write_file(&path, &book.to_bytes())?;
         println!(
             "{:<8} p={:<2} k={:<2} {:>6} codewords {:?} {:>9} samples {:>3} iterations {:>6.1} s  {}",
             r.name(),

@@ -469,7 +469,7 @@ fn cmd_ppl(a: PplArgs) -> Result<()> {
         let plan = dynmoe::alloc::plan::Plan::load(path)?;
         let spinner = progress::spinner(&format!("loading {}", a.model.model.display()));
         let bar = VqBuildBar::default();
-        let mut m = dynmoe::calib::probe::load_plan(&a.model.model, &plan, &mut |d, t| {
+        let mut m = dynmoe::alloc::probe::load_plan(&a.model.model, &plan, &mut |d, t| {
             bar.update(&spinner, d, t)
         })
         .with_context(|| format!("loading {} as {}", a.model.model.display(), path.display()))?;

@@ -14,7 +14,6 @@
 
 use std::time::{Duration, Instant};
 
-use dynmoe::backend::cpu::fast;
 use dynmoe::codec::affine::kernels::{self, AffineView};
 use dynmoe::codec::affine::{lowbit, quantize};
 use dynmoe::testing::fresh;
@@ -242,7 +241,7 @@ fn main() {
             bytes: dense.bytes(),
             copies: dense.words.len(),
             call: Box::new(|i, x, batch, out| {
-                fast::matmul(x, &dense.words[i], batch, cols, rows, out)
+                dynmoe::codec::dense::matmul(x, &dense.words[i], batch, cols, rows, out)
             }),
         });
         for ((threads, pool), bw) in pools.iter().zip(&bandwidth) {

@@ -6,8 +6,8 @@ use std::path::Path;
 
 use dynmoe::alloc::compress::{compress, BudgetScope, CompressOptions};
 use dynmoe::alloc::plan::Plan;
+use dynmoe::alloc::probe::load_plan;
 use dynmoe::backend::Cpu;
-use dynmoe::calib::probe::load_plan;
 use dynmoe::codec::Codec;
 use dynmoe::model;
 use dynmoe::store::compressed;

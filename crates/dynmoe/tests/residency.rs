@@ -507,7 +507,7 @@ fn vq_reservoirs_deliver_the_store_records() {
         0,
         dynmoe::store::vq_encode::encode_experts(&config, &ckpt, 0, rung).unwrap(),
     )]);
-    let probe = dynmoe::calib::probe::assemble(
+    let probe = dynmoe::alloc::probe::assemble(
         copy.dir(),
         config,
         &ckpt,

@@ -390,7 +390,7 @@ fn small_moe_perplexity_through_the_store_equals_the_in_memory_encoding() {
         .moe_layers()
         .map(|l| (l, encode_experts(&config, &ckpt, l, rung("vq1.5")).unwrap()))
         .collect();
-    let memory = dynmoe::calib::probe::assemble(
+    let memory = dynmoe::alloc::probe::assemble(
         dir.dir(),
         config,
         &ckpt,

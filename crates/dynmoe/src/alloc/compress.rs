@@ -15,7 +15,7 @@ use serde::Serialize;
 use super::cache::{CacheError, CachedProber};
 use super::isp::{isp, CodecOption, IspError, Problem, Round, Setting};
 use super::plan::{LayerPlan, Plan, PlanError, FORMAT, PLAN_FILE, VERSION};
-use crate::calib::probe::{resident_count, ModelProber};
+use crate::alloc::{probe::resident_count, probe::ModelProber};
 use crate::checkpoint::arch::TensorKind;
 use crate::codec::vq::{codebook, VqMatrix, LADDER};
 use crate::codec::{Codec, CodecError};

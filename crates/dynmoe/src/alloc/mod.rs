@@ -14,3 +14,4 @@ pub mod isp;
 pub mod lagrange;
 pub mod law;
 pub mod plan;
+pub mod probe;

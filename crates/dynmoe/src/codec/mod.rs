@@ -4,9 +4,11 @@
 //! [`affine`] is MLX's group-wise affine quantization (`w = q * scale + bias`, groups of
 //! 64 along the input dimension) and the reduced-bit layouts derived from its 4-bit codes
 //! (seed 000, see `docs/FORMAT.md`). [`vq`] is the rotate-then-vector-quantize ladder
-//! from 0.7 to 5 bits per weight (DESIGN.md §5).
+//! from 0.7 to 5 bits per weight (docs/ARCHITECTURE.md). [`dense`] is the plain f32
+//! product they fall back to.
 
 pub mod affine;
+pub mod dense;
 pub mod vq;
 
 use std::fmt;

@@ -270,7 +270,7 @@ pub fn open(dir: &Path) -> Result<(Manifest, Plan), Error> {
 }
 
 /// Loads the compressed model in `dir` on `backend`, every expert routable; returns it
-/// with its plan (whose resident sets [`crate::calib::probe::follow_plan`] installs).
+/// with its plan (whose resident sets [`crate::alloc::probe::follow_plan`] installs).
 pub fn load<B: Backend>(dir: &Path, backend: B) -> Result<(LoadedModel<B>, Plan), model::Error> {
     let (manifest, plan) = open(dir)?;
     let config = Config::from_file(&dir.join("config.json"))?;

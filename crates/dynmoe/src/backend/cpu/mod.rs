@@ -96,7 +96,7 @@ impl Backend for Cpu {
         out: &mut Vec<f32>,
     ) {
         if self.fast {
-            fast::matmul(x, w, rows, in_dim, out_dim, out);
+            crate::codec::dense::matmul(x, w, rows, in_dim, out_dim, out);
         } else {
             reference::matmul(x, w, rows, in_dim, out_dim, out);
         }

@@ -418,12 +418,6 @@ impl Codebook {
         Codebook::from_bytes(&path.display().to_string(), &bytes, rung)
     }
 
-    /// Writes the file atomically (temporary file, flushed, renamed).
-    pub fn write(&self, path: &Path) -> Result<(), CodebookError> {
-        crate::store::atomic::write_file(path, &self.to_bytes())
-            .map_err(|e| CodebookError::Io(e.to_string()))
-    }
-
     fn search(&self) -> &Search {
         self.search.get_or_init(|| {
             let stored = self.params.symmetry.stored_codewords(self.rung);
@@ -1231,7 +1225,7 @@ mod tests {
         let book = shipped(r).unwrap();
         let dir = TempDir::new("codebook");
         let path = dir.path(&file_name(r));
-        book.write(&path).unwrap();
+        crate::store::atomic::write_file(&path, &book.to_bytes()).unwrap();
         let back = Codebook::read(&path, r).unwrap();
         assert_eq!(back.values(), book.values());
         assert_eq!(back.to_bytes(), book.to_bytes());

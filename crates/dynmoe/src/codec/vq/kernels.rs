@@ -509,9 +509,9 @@ fn run(
     if batch > EXPAND_ABOVE_ROWS {
         let dense = w.decode_with(book);
         if parallel {
-            crate::backend::cpu::fast::matmul(x, &dense, batch, w.cols, w.rows, out);
+            crate::codec::dense::matmul(x, &dense, batch, w.cols, w.rows, out);
         } else {
-            crate::backend::cpu::fast::matmul_serial(x, &dense, batch, w.cols, w.rows, out);
+            crate::codec::dense::matmul_serial(x, &dense, batch, w.cols, w.rows, out);
         }
         return;
     }

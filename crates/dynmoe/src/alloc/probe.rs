@@ -11,9 +11,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use super::reap::{reap_saliency, Saliency};
 use crate::alloc::isp::{Prober, Setting};
 use crate::backend::{Backend, Cpu};
+use crate::calib::reap::{reap_saliency, Saliency};
 use crate::checkpoint::{Checkpoint, Config, Tokenizer};
 use crate::codec::Codec;
 use crate::eval::ppl::{perplexity_tokens, PplError, PplOptions};
