@@ -9,14 +9,15 @@ use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args, Subcommand, ValueEnum};
 
 use crate::{cuda_backend, BackendKind, DenseCodecArgs};
-use dynmoe::alloc::plan::{Plan, PLAN_FILE};
 use dynmoe::backend::Backend;
 use dynmoe::checkpoint::Config;
 use dynmoe::codec::vq::Rung;
 use dynmoe::codec::Codec;
 use dynmoe::model::argmax;
-use dynmoe::model::{synth, Codecs, ExpertBits, LoadedModel};
+use dynmoe::model::{Codecs, ExpertBits, LoadedModel};
 use dynmoe::store::compressed;
+use dynmoe::store::{plan::Plan, plan::PLAN_FILE};
+use dynmoe::synth;
 use dynmoe::testing::Rng;
 use serde::Serialize;
 

@@ -466,7 +466,7 @@ fn print_residency(r: &dynmoe::residency::ResidencyReport) {
 fn cmd_ppl(a: PplArgs) -> Result<()> {
     let text = read_text(&a.text)?;
     if let Some(path) = &a.plan {
-        let plan = dynmoe::alloc::plan::Plan::load(path)?;
+        let plan = dynmoe::store::plan::Plan::load(path)?;
         let spinner = progress::spinner(&format!("loading {}", a.model.model.display()));
         let bar = VqBuildBar::default();
         let mut m = dynmoe::alloc::probe::load_plan(&a.model.model, &plan, &mut |d, t| {

@@ -24,7 +24,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::read_text;
 use dynmoe::alloc::compress::{self, BudgetScope, CompressOptions};
-use dynmoe::alloc::plan::Plan;
 use dynmoe::alloc::{probe::assemble, probe::follow_plan, probe::load_plan};
 use dynmoe::backend::Cpu;
 use dynmoe::checkpoint::experts::ExpertShape;
@@ -37,6 +36,7 @@ use dynmoe::eval::ppl::PplOptions;
 use dynmoe::model::{self, ExpertBits, LoadedModel};
 use dynmoe::residency::{Mode, ResidencyConfig};
 use dynmoe::store::journal::Journal;
+use dynmoe::store::plan::Plan;
 use dynmoe::store::{vq_encode::encode_experts_by_projection, vq_encode::VqExperts};
 
 const DOMAINS: [&str; 5] = ["en", "code", "zh", "math", "json"];

@@ -120,7 +120,7 @@ impl ResidencyArgs {
     pub fn install_plan<B: Backend>(
         &self,
         m: &mut LoadedModel<B>,
-        plan: &dynmoe::alloc::plan::Plan,
+        plan: &dynmoe::store::plan::Plan,
     ) -> Result<ResidencyConfig> {
         if self.resident_fraction.is_some() || self.resident_count.is_some() || self.calib.is_some()
         {

@@ -701,16 +701,8 @@ fn tiny_vq_model(name: &str) -> (TempDir, dynmoe::codec::vq::Rung) {
     let rung = dynmoe::codec::vq::Rung::parse("vq1.5").unwrap();
     let tok = root().join("fixtures/models/small-moe");
     let shape = dynmoe::testing::TINY_SHAPE;
-    dynmoe::model::synth::synth_compressed(
-        &shape,
-        Some(2),
-        rung,
-        &tok,
-        out.dir(),
-        0,
-        &mut |_, _| {},
-    )
-    .unwrap();
+    dynmoe::synth::synth_compressed(&shape, Some(2), rung, &tok, out.dir(), 0, &mut |_, _| {})
+        .unwrap();
     (out, rung)
 }
 
@@ -786,8 +778,7 @@ fn bench_decode_takes_dense_and_head_codecs() {
     let out = TempDir::new("cli-bench-dense-codec");
     let tok = root().join("fixtures/models/small-moe");
     let model = out.path("model");
-    dynmoe::model::synth::synth_converted(&S, Some(2), &[4], &tok, &model, 0, &mut |_, _| {})
-        .unwrap();
+    dynmoe::synth::synth_converted(&S, Some(2), &[4], &tok, &model, 0, &mut |_, _| {}).unwrap();
     let dir = model.display().to_string();
     let bench = |extra: &[&str], json: &str| -> Value {
         let json = out.path(json).display().to_string();

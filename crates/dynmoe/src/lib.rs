@@ -31,4 +31,7 @@ pub mod rng;
 pub mod runtime;
 pub mod serve;
 pub mod store;
+#[cfg(any(test, feature = "testing"))]
+pub mod synth;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;

@@ -101,7 +101,7 @@ pub fn mean_std(v: &[f32]) -> (f64, f64) {
 /// with the small-moe fixture's tokenizer and its 8192-entry vocabulary): an expert width
 /// of 96, which is neither a multiple of 64 (affine stores pad it) nor of a rotation
 /// block (VQ rotations pad it to 128).
-pub const TINY_SHAPE: crate::model::synth::Shape = crate::model::synth::Shape {
+pub const TINY_SHAPE: crate::synth::Shape = crate::synth::Shape {
     name: "tiny-synth",
     hidden: 128,
     moe_intermediate: 96,

@@ -5,12 +5,12 @@
 use std::path::Path;
 
 use dynmoe::alloc::compress::{compress, BudgetScope, CompressOptions};
-use dynmoe::alloc::plan::Plan;
 use dynmoe::alloc::probe::load_plan;
 use dynmoe::backend::Cpu;
 use dynmoe::codec::Codec;
 use dynmoe::model;
 use dynmoe::store::compressed;
+use dynmoe::store::plan::Plan;
 use dynmoe::testing::{fixture, logits_of, TempDir};
 
 fn logits(m: &model::LoadedModel<Cpu>) -> Vec<f32> {
@@ -63,7 +63,7 @@ fn a_compressed_directory_runs_as_its_plan_and_refuses_damage() {
     assert!(compressed::is_compressed(dir));
     // Every expert routable in both: the same weights, read from the directory's own
     // stores and dense tensors instead of the checkpoint.
-    let (from_dir, loaded_plan) = compressed::load(dir, Cpu::fast()).unwrap();
+    let (from_dir, loaded_plan) = model::load_compressed(dir, Cpu::fast()).unwrap();
     assert_eq!(loaded_plan.layers, plan.layers);
     let mut from_ckpt = load_plan(&fixture("tiny-moe"), &plan, &mut |_, _| {}).unwrap();
     for l in &plan.layers {
@@ -162,7 +162,7 @@ fn a_compressed_directory_with_coded_dense_layers() {
         .iter()
         .all(|n| !n.contains("self_attn.q_proj.weight")));
 
-    let (from_dir, _) = compressed::load(dir, Cpu::fast()).unwrap();
+    let (from_dir, _) = model::load_compressed(dir, Cpu::fast()).unwrap();
     let mut from_ckpt = load_plan(&fixture("tiny-moe"), &plan, &mut |_, _| {}).unwrap();
     for l in &plan.layers {
         from_ckpt.model.set_expert_mask(l.layer, None).unwrap();
@@ -218,7 +218,7 @@ fn a_compressed_directory_with_affine_dense_layers() {
         .iter()
         .any(|n| n.contains("self_attn.q_proj.weight")));
 
-    let (from_dir, _) = compressed::load(dir, Cpu::fast()).unwrap();
+    let (from_dir, _) = model::load_compressed(dir, Cpu::fast()).unwrap();
     let mut from_ckpt = load_plan(&fixture("tiny-moe"), &plan, &mut |_, _| {}).unwrap();
     for l in &plan.layers {
         from_ckpt.model.set_expert_mask(l.layer, None).unwrap();

@@ -8,9 +8,9 @@ use std::path::Path;
 
 use dynmoe::backend::Cpu;
 use dynmoe::codec::affine::lowbit::dequantize;
-use dynmoe::model::synth::{synth_converted, ConvertedReport, Shape};
 use dynmoe::model::{self, ExpertBits};
 use dynmoe::store::{lowbit, manifest::Manifest, synth, ExpertStore};
+use dynmoe::synth::{synth_converted, ConvertedReport, Shape};
 use dynmoe::testing::{fixture, TempDir};
 
 /// A small Qwen3-MoE shape: intermediate 96 is not a multiple of 64, so the stored

@@ -7,16 +7,16 @@
 
 use std::path::Path;
 
-use dynmoe::alloc::plan::{Plan, PLAN_FILE};
 use dynmoe::backend::Cpu;
 use dynmoe::codec::vq::Rung;
 use dynmoe::codec::Codec;
-use dynmoe::model::synth::{synth_compressed, synth_converted, CompressedReport};
 use dynmoe::model::{self, Codecs};
 use dynmoe::store::compressed::{self, MANIFEST_FILE};
 use dynmoe::store::synth::{SOURCE_KIND, STD};
 use dynmoe::store::vq::{VqManifest, VqStore};
 use dynmoe::store::{is_converted, synth_vq};
+use dynmoe::store::{plan::Plan, plan::PLAN_FILE};
+use dynmoe::synth::{synth_compressed, synth_converted, CompressedReport};
 use dynmoe::testing::{fixture, TempDir, TINY_SHAPE};
 
 const LAYERS: usize = 2;

@@ -14,7 +14,6 @@ use serde::Serialize;
 
 use super::cache::{CacheError, CachedProber};
 use super::isp::{isp, CodecOption, IspError, Problem, Round, Setting};
-use super::plan::{LayerPlan, Plan, PlanError, FORMAT, PLAN_FILE, VERSION};
 use crate::alloc::{probe::resident_count, probe::ModelProber};
 use crate::checkpoint::arch::TensorKind;
 use crate::codec::vq::{codebook, VqMatrix, LADDER};
@@ -22,6 +21,7 @@ use crate::codec::{Codec, CodecError};
 use crate::eval::bits::{account, Assignment};
 use crate::eval::ppl::{PplError, PplOptions};
 use crate::model::Error;
+use crate::store::plan::{LayerPlan, Plan, PlanError, FORMAT, PLAN_FILE, VERSION};
 
 /// What the budget is a share of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -13,5 +13,4 @@ pub mod compress;
 pub mod isp;
 pub mod lagrange;
 pub mod law;
-pub mod plan;
 pub mod probe;

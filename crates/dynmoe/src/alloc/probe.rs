@@ -238,7 +238,7 @@ pub fn assemble(
 /// store is built.
 pub fn load_plan(
     dir: &Path,
-    plan: &crate::alloc::plan::Plan,
+    plan: &crate::store::plan::Plan,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<LoadedModel<Cpu>, Error> {
     let config = Config::from_file(&dir.join("config.json"))?;
@@ -268,7 +268,7 @@ pub fn load_plan(
 /// streamed from `config.reservoir`. `config.resident` is replaced by the plan's counts.
 pub fn follow_plan<B: Backend>(
     m: &mut LoadedModel<B>,
-    plan: &crate::alloc::plan::Plan,
+    plan: &crate::store::plan::Plan,
     config: ResidencyConfig,
 ) -> Result<(), residency::Error> {
     let config = ResidencyConfig {

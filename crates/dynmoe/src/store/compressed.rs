@@ -10,7 +10,7 @@
 //!   ([`super::dense_vq`]): the attention, shared-expert and dense-MLP weights coded
 //!   (and left out of `dense.safetensors`); at an affine width they stay in
 //!   `dense.safetensors` and are quantized at load;
-//! - `plan.json` ([`crate::alloc::plan`]): per layer the codec and the resident experts;
+//! - `plan.json` ([`crate::store::plan`]): per layer the codec and the resident experts;
 //! - `compressed.json`, written last: what the directory holds, the source checkpoint's
 //!   fingerprint the stores were encoded from, and a checksum of `plan.json`. Its presence
 //!   marks a complete directory; it is removed first whenever the directory is rewritten.
@@ -30,15 +30,11 @@ use serde::{Deserialize, Serialize};
 
 use super::manifest::Generator;
 use super::{atomic, base, tensors, Error, DENSE_FILE};
-use crate::alloc::plan::{Plan, PLAN_FILE};
-use crate::backend::Backend;
 use crate::checkpoint::experts::expert_tensors;
-use crate::checkpoint::{Checkpoint, Config, Tokenizer};
+use crate::checkpoint::{Checkpoint, Config};
 use crate::codec::vq::codebook::fnv1a;
 use crate::codec::vq::Rung;
-use crate::codec::Codec;
-use crate::model::{self, LoadedModel, Model};
-use crate::store::{dense_vq::vq_layers, vq_encode::VqExperts};
+use crate::store::{plan::Plan, plan::PLAN_FILE};
 
 /// The manifest of a compressed directory, and its commit mark.
 pub const MANIFEST_FILE: &str = "compressed.json";
@@ -267,63 +263,4 @@ pub fn open(dir: &Path) -> Result<(Manifest, Plan), Error> {
         ));
     }
     Ok((m, plan))
-}
-
-/// Loads the compressed model in `dir` on `backend`, every expert routable; returns it
-/// with its plan (whose resident sets [`crate::alloc::probe::follow_plan`] installs).
-pub fn load<B: Backend>(dir: &Path, backend: B) -> Result<(LoadedModel<B>, Plan), model::Error> {
-    let (manifest, plan) = open(dir)?;
-    let config = Config::from_file(&dir.join("config.json"))?;
-    let ckpt = Checkpoint::open(dir)?;
-    let mut vq = BTreeMap::new();
-    for (name, layers) in &manifest.stores {
-        let rung = Rung::parse(name).map_err(|source| model::Error::Encode {
-            tensor: format!("{} store {name}", dir.display()),
-            source,
-        })?;
-        let store = std::sync::Arc::new(super::vq::VqStore::open_encoded_from(
-            dir,
-            rung,
-            &manifest.source_fingerprint,
-        )?);
-        for &layer in layers {
-            vq.insert(
-                layer,
-                VqExperts::Stored {
-                    store: store.clone(),
-                    layer,
-                },
-            );
-        }
-    }
-    // `open` checked that the manifest names a coded file exactly when the plan's dense
-    // codec is a VQ rung.
-    let dense = match (&manifest.dense_vq, plan.dense_codec) {
-        (Some(name), _) => {
-            let rung = Rung::parse(name).map_err(|source| model::Error::Encode {
-                tensor: format!("{} dense_vq {name}", dir.display()),
-                source,
-            })?;
-            let path = dir.join(super::dense_vq::file_name(rung));
-            vq_layers(super::dense_vq::read(
-                &path,
-                rung,
-                &manifest.source_fingerprint,
-            )?)
-        }
-        (None, Codec::Affine { bits }) => {
-            let weights = super::dense_vq::dense_linear_weights(&ckpt)?;
-            super::dense_vq::quantize_affine(&ckpt, bits, &weights, &mut |_, _| {})?
-        }
-        (None, _) => Default::default(),
-    };
-    let model = Model::load(config, &ckpt, None, &vq, &dense, backend)?;
-    Ok((
-        LoadedModel {
-            dir: dir.to_path_buf(),
-            model,
-            tokenizer: Tokenizer::from_dir(dir)?,
-        },
-        plan,
-    ))
 }

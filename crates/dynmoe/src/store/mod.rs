@@ -43,10 +43,22 @@ pub mod journal;
 pub mod layout;
 pub mod lowbit;
 pub mod manifest;
+pub mod plan;
 pub mod reader;
 pub mod records;
+// Random stores of the shapes of published models: what a synthetic record is stays here,
+// since loading checks such stores against their generator; writing them is API only for
+// tests, benchmarks and `dynmoe synth` (the `testing` feature).
+#[cfg(any(test, feature = "testing"))]
 pub mod synth;
+#[cfg(not(any(test, feature = "testing")))]
+#[allow(dead_code, unused_imports)]
+mod synth;
+#[cfg(any(test, feature = "testing"))]
 pub mod synth_vq;
+#[cfg(not(any(test, feature = "testing")))]
+#[allow(dead_code, unused_imports)]
+mod synth_vq;
 mod tensors;
 pub mod vq;
 pub mod vq_encode;

@@ -33,13 +33,13 @@ use half::bf16;
 use rayon::prelude::*;
 use safetensors::tensor::{Dtype, TensorView};
 
-use super::Error;
-use crate::alloc::plan::{LayerPlan, Plan, PlanError, PLAN_FILE};
 use crate::codec::vq::{Rung, LADDER};
 use crate::codec::Codec;
+use crate::model::Error;
 use crate::rng::Rng;
 use crate::store::manifest::{Generator, ModelInfo};
 use crate::store::{self, atomic, compressed, synth_vq, vq, DENSE_FILE};
+use crate::store::{plan::LayerPlan, plan::Plan, plan::PlanError, plan::PLAN_FILE};
 
 /// The shape of a published model.
 #[derive(Debug, Clone, Copy)]
@@ -329,8 +329,8 @@ impl Shape {
         let resident_bytes = dense_bytes + plans.iter().map(|l| l.resident_bytes).sum::<u64>();
         let params_total = dense_params + (layers * e * 3 * h * i) as u64;
         Ok(Plan {
-            format: crate::alloc::plan::FORMAT.to_string(),
-            version: crate::alloc::plan::VERSION,
+            format: crate::store::plan::FORMAT.to_string(),
+            version: crate::store::plan::VERSION,
             model_type: "qwen3_moe".to_string(),
             source: format!("synthetic {}", self.name),
             budget_bits: resident_bytes as f64 * 8.0 / params_total as f64,
