@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::read_text;
 use dynmoe::alloc::compress::{self, BudgetScope, CompressOptions};
-use dynmoe::alloc::{probe::assemble, probe::follow_plan, probe::load_plan};
+use dynmoe::alloc::{probe::assemble, probe::load_plan};
 use dynmoe::backend::Cpu;
 use dynmoe::checkpoint::experts::ExpertShape;
 use dynmoe::checkpoint::{Checkpoint, Config};
@@ -35,6 +35,7 @@ use dynmoe::eval::plot::{Plot, Series};
 use dynmoe::eval::ppl::PplOptions;
 use dynmoe::model::{self, ExpertBits, LoadedModel};
 use dynmoe::residency::{Mode, ResidencyConfig};
+use dynmoe::runtime::residency::follow_plan;
 use dynmoe::store::journal::Journal;
 use dynmoe::store::plan::Plan;
 use dynmoe::store::{vq_encode::encode_experts_by_projection, vq_encode::VqExperts};

@@ -1,17 +1,17 @@
 //! The resident-set flags every running command shares (`run`, `eval ppl`,
 //! `eval hitrate`, and later `chat` and `serve`), and `eval hitrate` itself.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use dynmoe::backend::Backend;
-use dynmoe::calib::reap_saliency;
 use dynmoe::eval::hitrate::{self, Domain, HitrateOptions, HitrateReport};
 use dynmoe::eval::ppl::PplOptions;
 use dynmoe::model::LoadedModel;
 use dynmoe::residency::{Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount};
+use dynmoe::runtime::residency::ResidencyRequest;
+use dynmoe::store::plan::Plan;
 
 use crate::{progress, read_text, ModelArgs};
 
@@ -74,109 +74,77 @@ pub struct ResidencyArgs {
 }
 
 impl ResidencyArgs {
-    /// The configuration, or `None` when every expert stays resident.
-    pub fn config(&self) -> Result<Option<ResidencyConfig>> {
-        let resident = match (self.resident_fraction, self.resident_count) {
-            (Some(f), _) if f >= 1.0 => return Ok(None),
-            (Some(f), _) => ResidentCount::Fraction(f),
-            (None, Some(k)) => ResidentCount::Count(k),
-            (None, None) => return Ok(None),
-        };
-        self.config_with(resident).map(Some)
-    }
-
-    /// The configuration with `resident` experts per layer and the other flags.
-    fn config_with(&self, resident: ResidentCount) -> Result<ResidencyConfig> {
+    /// The request these flags make, without the calibration text (which `install`
+    /// reads).
+    fn request(&self) -> Result<ResidencyRequest> {
         if self.half_lives.len() != 2 {
             bail!("--half-lives takes two values, got {:?}", self.half_lives);
         }
-        if self.swap_margin.is_nan() || self.swap_margin < 0.0 {
-            bail!("--swap-margin must be >= 0, got {}", self.swap_margin);
-        }
-        Ok(ResidencyConfig {
-            resident,
-            mode: match self.residency {
-                ModeArg::Dynamic => Mode::Dynamic,
-                ModeArg::Static => Mode::Static,
+        Ok(ResidencyRequest {
+            resident: match (self.resident_fraction, self.resident_count) {
+                (Some(f), _) => Some(ResidentCount::Fraction(f)),
+                (None, Some(k)) => Some(ResidentCount::Count(k)),
+                (None, None) => None,
             },
-            reservoir: match self.reservoir {
-                ReservoirArg::Ram => ReservoirKind::Ram,
-                ReservoirArg::Disk => ReservoirKind::Disk,
+            config: ResidencyConfig {
+                mode: match self.residency {
+                    ModeArg::Dynamic => Mode::Dynamic,
+                    ModeArg::Static => Mode::Static,
+                },
+                reservoir: match self.reservoir {
+                    ReservoirArg::Ram => ReservoirKind::Ram,
+                    ReservoirArg::Disk => ReservoirKind::Disk,
+                },
+                policy: PolicyParams {
+                    interval: self.swap_interval,
+                    max_swaps: self.max_swaps,
+                    margin: self.swap_margin,
+                    half_lives: [self.half_lives[0], self.half_lives[1]],
+                },
+                loader_threads: self.loader_threads,
+                ..ResidencyConfig::default()
             },
-            policy: PolicyParams {
-                interval: self.swap_interval,
-                max_swaps: self.max_swaps,
-                margin: self.swap_margin,
-                half_lives: [self.half_lives[0], self.half_lives[1]],
-            },
-            loader_threads: self.loader_threads,
+            calib: None,
         })
     }
 
-    /// Installs the resident sets of `plan` on `m` (loaded by `load_plan`): each layer
-    /// starts from the experts the plan keeps, with as many slots, and follows the text
-    /// unless `--residency static`. The plan's static masks are lifted, since the sets
-    /// now confine routing. Returns the configuration.
+    /// The request with the calibration text read.
+    fn request_with_calib(&self) -> Result<ResidencyRequest> {
+        let mut request = self.request()?;
+        if let Some(path) = &self.calib {
+            request.calib = Some((read_text(path)?, self.calib_chunks));
+        }
+        Ok(request)
+    }
+
+    /// The configuration, or `None` when every expert stays resident.
+    pub fn config(&self) -> Result<Option<ResidencyConfig>> {
+        Ok(self.request()?.config()?)
+    }
+
+    /// Installs the resident sets of `plan` on `m` (loaded by `load_plan`).
     pub fn install_plan<B: Backend>(
         &self,
         m: &mut LoadedModel<B>,
-        plan: &dynmoe::store::plan::Plan,
+        plan: &Plan,
     ) -> Result<ResidencyConfig> {
-        if self.resident_fraction.is_some() || self.resident_count.is_some() || self.calib.is_some()
-        {
-            bail!("a plan sets each layer's resident experts; drop --resident-fraction, --resident-count and --calib");
-        }
-        let config = self.config_with(ResidentCount::Initial)?;
-        for l in &plan.layers {
-            m.model.set_expert_mask(l.layer, None)?;
-        }
-        let reservoir = m.model.reservoir(config.reservoir)?;
-        let res = m
-            .model
-            .new_residency(reservoir, config, &plan.resident_sets())?;
-        m.model.set_residency(Some(res));
-        Ok(config)
+        Ok(self.request_with_calib()?.install_plan(m, plan)?)
     }
 
-    /// Installs the resident sets these flags ask for on `m`; returns whether any.
-    ///
-    /// A compressed model (`dynmoe compress -o DIR`) runs its plan's resident sets unless
-    /// --resident-fraction or --resident-count say otherwise (1.0: every expert).
+    /// Installs the resident sets these flags ask for on `m` (a compressed model's
+    /// plan's unless --resident-fraction or --resident-count say otherwise); returns
+    /// their configuration, if any.
     pub fn install<B: Backend>(&self, m: &mut LoadedModel<B>) -> Result<Option<ResidencyConfig>> {
-        let explicit = self.resident_fraction.is_some() || self.resident_count.is_some();
-        if !explicit && dynmoe::store::compressed::is_compressed(&m.dir) {
-            let (_, plan) = dynmoe::store::compressed::open(&m.dir)?;
-            if plan.layers.iter().all(|l| l.resident >= l.experts) {
-                return Ok(None);
-            }
-            return self.install_plan(m, &plan).map(Some);
-        }
-        let Some(config) = self.config()? else {
-            return Ok(None);
+        let request = self.request_with_calib()?;
+        let Some(path) = &self.calib else {
+            return Ok(request.install(m, &mut |_, _| {})?);
         };
-        if config.is_full(m.model.config.moe.num_experts) {
-            return Ok(None);
-        }
-        let initial = match &self.calib {
-            Some(path) => {
-                let text = read_text(path)?;
-                let bar = progress::bar("REAP saliency");
-                let s = reap_saliency(m, &text, 512, Some(self.calib_chunks), &mut |d, t| {
-                    progress::update(&bar, d, t)
-                })
-                .with_context(|| format!("calibrating on {}", path.display()))?;
-                bar.finish_and_clear();
-                s.ranking()
-            }
-            None if config.mode == Mode::Static => {
-                bail!("--residency static needs --calib TEXT to choose its experts")
-            }
-            None => BTreeMap::new(),
-        };
-        let reservoir = m.model.reservoir(config.reservoir)?;
-        let res = m.model.new_residency(reservoir, config, &initial)?;
-        m.model.set_residency(Some(res));
-        Ok(Some(config))
+        let bar = progress::bar("REAP saliency");
+        let config = request
+            .install(m, &mut |d, t| progress::update(&bar, d, t))
+            .with_context(|| format!("calibrating on {}", path.display()))?;
+        bar.finish_and_clear();
+        Ok(config)
     }
 }
 

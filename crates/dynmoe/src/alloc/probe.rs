@@ -12,13 +12,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use crate::alloc::isp::{Prober, Setting};
-use crate::backend::{Backend, Cpu};
+use crate::backend::Cpu;
 use crate::calib::reap::{reap_saliency, Saliency};
 use crate::checkpoint::{Checkpoint, Config, Tokenizer};
 use crate::codec::Codec;
 use crate::eval::ppl::{perplexity_tokens, PplError, PplOptions};
 use crate::model::{Error, LoadedModel, Model};
-use crate::residency::{self, ResidencyConfig, ResidentCount};
 use crate::store::{dense_vq::CodedLayers, vq_encode::encode_experts, vq_encode::VqExperts};
 
 /// Probes one Hugging Face checkpoint.
@@ -260,32 +259,6 @@ pub fn load_plan(
         progress,
     )?;
     assemble(dir, config, &ckpt, &vq, &dense, &keep)
-}
-
-/// Turns the static masks [`load_plan`] sets into resident sets holding the same
-/// experts, each layer with as many slots as the plan keeps resident: under
-/// [`Mode::Dynamic`](crate::residency::Mode::Dynamic) they then follow the text, the rest
-/// streamed from `config.reservoir`. `config.resident` is replaced by the plan's counts.
-pub fn follow_plan<B: Backend>(
-    m: &mut LoadedModel<B>,
-    plan: &crate::store::plan::Plan,
-    config: ResidencyConfig,
-) -> Result<(), residency::Error> {
-    let config = ResidencyConfig {
-        resident: ResidentCount::Initial,
-        ..config
-    };
-    for l in &plan.layers {
-        m.model
-            .set_expert_mask(l.layer, None)
-            .map_err(|e| residency::Error::Config(e.to_string()))?;
-    }
-    let reservoir = m.model.reservoir(config.reservoir)?;
-    let sets = m
-        .model
-        .new_residency(reservoir, config, &plan.resident_sets())?;
-    m.model.set_residency(Some(sets));
-    Ok(())
 }
 
 /// Resident experts of a layer of `experts` when a share `removed` goes: rounded to the
