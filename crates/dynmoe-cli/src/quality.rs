@@ -1,6 +1,6 @@
 //! `dynmoe bench quality`: perplexity and KL divergence to the uncompressed model against
 //! resident bits per routed-expert weight, for ISP plans and the baselines they must beat
-//! (DESIGN.md §6, §8).
+//! (docs/ARCHITECTURE.md, Allocation).
 //!
 //! Methods, all measured on the same chunks of every text:
 //! - ISP with two rounds and with one (the second reuses the first's probe journal, so

@@ -1,5 +1,5 @@
 //! `dynmoe compress`: probe a checkpoint, spend a resident byte budget across its MoE
-//! layers by ISP, and write the plan (DESIGN.md §6).
+//! layers by ISP, and write the plan (docs/ARCHITECTURE.md, Allocation).
 //!
 //! Candidates per layer are bf16 and every rung of the VQ ladder, times a ladder of
 //! removal levels (eighths of the experts, never fewer than top-k resident); a rung
@@ -28,7 +28,7 @@ use crate::store::plan::{LayerPlan, Plan, PlanError, FORMAT, PLAN_FILE, VERSION}
 #[serde(rename_all = "lowercase")]
 pub enum BudgetScope {
     /// Resident bytes of the whole model, every tensor priced, over all parameters
-    /// (DESIGN.md's bits per weight).
+    /// (bits per weight as docs/ARCHITECTURE.md, Allocation, defines them).
     Model,
     /// Resident bytes of the routed experts (and the codebooks they use) over the routed
     /// experts' parameters; everything else stays as the checkpoint has it.

@@ -1,5 +1,5 @@
 //! Iterative Sensitivity Probing: probe, allocate, re-probe under the new allocation,
-//! re-allocate, until the plan stops changing (DESIGN.md §6).
+//! re-allocate, until the plan stops changing (docs/ARCHITECTURE.md, Allocation).
 //!
 //! A probe is the calibration loss of the whole model with one layer's setting changed
 //! and every other layer left where the current plan put it. Per layer and round: each

@@ -1,5 +1,5 @@
 //! Where the resident bytes go: per layer, a codec for its experts and how many of them
-//! stay resident (DESIGN.md §6).
+//! stay resident (docs/ARCHITECTURE.md, Allocation).
 //!
 //! [`law`] turns a few probes per layer into a cost for every setting (the distortion
 //! law φ across codecs, the removal law `a_i·f^p` across resident fractions);

@@ -180,6 +180,19 @@ impl ExpertTensors {
     }
 }
 
+/// Where MoE layer `layer`'s routed experts sit in the checkpoint, and the prefix their
+/// tensor names share (for errors).
+pub fn expert_tensors(
+    config: &Config,
+    ckpt: &Checkpoint,
+    layer: usize,
+) -> Result<(ExpertTensors, String, [&'static str; 3]), Error> {
+    let names = arch::ffn_names(config.arch, ckpt, layer);
+    let prefix = format!("model.layers.{layer}.{}", names.block);
+    let tensors = ExpertTensors::find(ckpt, &prefix, names.projections)?;
+    Ok((tensors, prefix, names.projections))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,17 +288,4 @@ mod tests {
             assert_eq!(listed, stored, "{label}");
         }
     }
-}
-
-/// Where MoE layer `layer`'s routed experts sit in the checkpoint, and the prefix their
-/// tensor names share (for errors).
-pub fn expert_tensors(
-    config: &Config,
-    ckpt: &Checkpoint,
-    layer: usize,
-) -> Result<(ExpertTensors, String, [&'static str; 3]), Error> {
-    let names = arch::ffn_names(config.arch, ckpt, layer);
-    let prefix = format!("model.layers.{layer}.{}", names.block);
-    let tensors = ExpertTensors::find(ckpt, &prefix, names.projections)?;
-    Ok((tensors, prefix, names.projections))
 }

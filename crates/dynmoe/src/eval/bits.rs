@@ -1,6 +1,6 @@
 //! Bits accounting: the bytes of every tensor at the codec it is given, split into what
 //! stays resident and what waits in the reservoir, and bits per weight = resident
-//! bytes × 8 / all parameters (DESIGN.md §6). Attention, routers, norms, embeddings
+//! bytes × 8 / all parameters (docs/ARCHITECTURE.md, Allocation). Attention, routers, norms, embeddings
 //! and the LM head are priced too, not only the experts.
 
 use std::collections::{BTreeMap, BTreeSet};

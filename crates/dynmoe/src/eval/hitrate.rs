@@ -1,4 +1,4 @@
-//! The hit-rate grid of DESIGN.md §7: a static REAP set calibrated on each domain,
+//! The hit-rate grid (docs/ARCHITECTURE.md, Residency): a static REAP set calibrated on each domain,
 //! evaluated on every domain, against a dynamic set that starts from the same
 //! calibration and follows the text. Hit rate is the share of the unmasked routing
 //! probability that lands on resident experts; perplexity is reported for both.

@@ -1,4 +1,4 @@
-//! Resident expert sets and dynamic REAP (DESIGN.md §7).
+//! Resident expert sets and dynamic REAP (docs/ARCHITECTURE.md, Residency).
 //!
 //! Per MoE layer a fixed number K of slots holds the resident experts at the layer's
 //! codec, and routing is confined to them ([`set`]). Every token's unmasked routing

@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-/// The numbers of the policy (DESIGN.md §7); every one is a command-line flag.
+/// The numbers of the policy (docs/ARCHITECTURE.md, Residency); every one is a command-line flag.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct PolicyParams {
     /// Routed tokens between checkpoints.

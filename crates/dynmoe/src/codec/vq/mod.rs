@@ -1,4 +1,4 @@
-//! Rotate-then-vector-quantize codecs (HIGGS style, DESIGN.md §5).
+//! Rotate-then-vector-quantize codecs (HIGGS style, docs/ARCHITECTURE.md, The VQ ladder).
 //!
 //! A weight row is cut into blocks ([`rotation`]); each block is stored as its fp16 L2
 //! norm and, after a seeded sign flip and a Walsh–Hadamard transform, as close to

@@ -12,7 +12,7 @@ use super::{kernels, Rung, VqMatrix};
 use crate::codec::CodecError;
 
 /// Mean squared error of unit-variance Gaussian data through the public bitsandbytes
-/// kernels (DESIGN.md §5), by bits per weight.
+/// kernels (docs/ARCHITECTURE.md, The VQ ladder), by bits per weight.
 pub const REFERENCE: [(f64, f64); 5] = [
     (1.0, 0.429),
     (1.5, 0.201),
