@@ -14,11 +14,11 @@ use dynmoe::checkpoint::Config;
 use dynmoe::codec::vq::Rung;
 use dynmoe::codec::Codec;
 use dynmoe::model::argmax;
-use dynmoe::model::{Codecs, ExpertBits, LoadedModel};
+use dynmoe::model::{Codecs, DecodeOptions, ExpertBits, LoadedModel};
 use dynmoe::store::compressed;
 use dynmoe::store::{plan::Plan, plan::PLAN_FILE};
 use dynmoe::synth;
-use dynmoe::testing::Rng;
+use dynmoe::testing::{decode_one, Rng};
 use serde::Serialize;
 
 use crate::progress;
@@ -459,12 +459,12 @@ struct Case {
     expert_bits_per_weight: f64,
     prefill_tok_s: f64,
     /// Greedy decode with the token picked on the backend, the steps queued back to back
-    /// on the device and each token read back as it lands (`Model::decode_greedy_many`;
+    /// on the device and each token read back as it lands (`Model::decode`;
     /// on CUDA each step replayed from a graph). Where the step cannot be recorded (the
     /// CPU, dense or host-routed feed-forward layers, graphs off) it runs token by token,
     /// as `decode_sync_tok_s` does.
     decode_tok_s: f64,
-    /// The same positions in the same run decoded token by token (`Model::decode_greedy`):
+    /// The same positions in the same run decoded token by token (`Model::decode` of one token a call):
     /// each token read back, and waited for, before the next step is issued.
     decode_sync_tok_s: f64,
     prefill_runs_tok_s: Vec<f64>,
@@ -556,9 +556,9 @@ pub(crate) fn expert_bytes(c: &Config, bits: u32) -> Result<usize> {
 #[derive(Default)]
 struct Runs {
     prefill: Vec<f64>,
-    /// Through `Model::decode_greedy_many`: steps queued back to back.
+    /// Through `Model::decode`: steps queued back to back.
     greedy: Vec<f64>,
-    /// Through `Model::decode_greedy`, token by token.
+    /// Through `Model::decode`, one token a call.
     sync: Vec<f64>,
     /// Through `Model::forward` and a host argmax.
     logits: Vec<f64>,
@@ -601,18 +601,24 @@ fn measure<B: Backend>(
         let first = argmax(&logits);
         let mut tokens = [(); 3].map(|_| Vec::with_capacity(generate));
         let t = Instant::now();
-        m.model
-            .decode_greedy_many(&mut state, first, generate, &mut |next| {
+        m.model.decode(
+            &mut state,
+            first,
+            DecodeOptions {
+                max_tokens: generate,
+            },
+            &mut |next| {
                 tokens[0].push(next);
                 true
-            })?;
+            },
+        )?;
         let greedy = t.elapsed().as_secs_f64();
         // The same positions again: the cache rows are rewritten as they are reached.
         state.pos = prompt;
         let mut next = first;
         let t = Instant::now();
         for _ in 0..generate {
-            next = m.model.decode_greedy(&mut state, next)?;
+            next = decode_one(&m.model, &mut state, next)?;
             tokens[1].push(next);
         }
         let sync = t.elapsed().as_secs_f64();
@@ -804,8 +810,14 @@ fn print_timeline(
     let mut state = m.model.new_state(prompt + generate);
     let first = argmax(&m.model.forward(&mut state, &ids, prompt - 1)?);
     b.timeline_start()?;
-    m.model
-        .decode_greedy_many(&mut state, first, generate, &mut |_| true)?;
+    m.model.decode(
+        &mut state,
+        first,
+        DecodeOptions {
+            max_tokens: generate,
+        },
+        &mut |_| true,
+    )?;
     let marks = b.timeline_take()?;
     // The first token's launches run while the host is still queueing them.
     let skip = marks.len() / generate.max(1);

@@ -1,5 +1,5 @@
 //! `dynmoe bench residency`: decode speed with a resident set smaller than the model,
-//! beside the same model fully resident, with what the swaps cost (DESIGN.md §7, §11).
+//! beside the same model fully resident, with what the swaps cost (docs/ARCHITECTURE.md, Residency).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -18,6 +18,7 @@ use dynmoe::checkpoint::Config;
 use dynmoe::model::argmax;
 use dynmoe::model::LoadedModel;
 use dynmoe::residency::ResidencyReport;
+use dynmoe::testing::decode_one;
 
 #[derive(Args)]
 pub struct ResidencyBenchArgs {
@@ -119,7 +120,7 @@ fn decode_runs<B: Backend>(
         let mut next = argmax(&m.model.forward(&mut state, &ids, prompt - 1)?);
         let t = Instant::now();
         for _ in 0..generate {
-            next = m.model.decode_greedy(&mut state, next)?;
+            next = decode_one(&m.model, &mut state, next)?;
         }
         if run > 0 {
             runs.push(generate as f64 / t.elapsed().as_secs_f64());

@@ -3,14 +3,14 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use dynmoe::backend::Backend;
 use dynmoe::eval::hitrate::{self, Domain, HitrateOptions, HitrateReport};
 use dynmoe::eval::ppl::PplOptions;
 use dynmoe::model::LoadedModel;
 use dynmoe::residency::{Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount};
-use dynmoe::runtime::residency::ResidencyRequest;
+use dynmoe::runtime::residency::{ResidencyRequest, SetupError};
 use dynmoe::store::plan::Plan;
 
 use crate::{progress, read_text, ModelArgs};
@@ -119,7 +119,7 @@ impl ResidencyArgs {
 
     /// The configuration, or `None` when every expert stays resident.
     pub fn config(&self) -> Result<Option<ResidencyConfig>> {
-        Ok(self.request()?.config()?)
+        self.request()?.config().map_err(flags)
     }
 
     /// Installs the resident sets of `plan` on `m` (loaded by `load_plan`).
@@ -128,7 +128,9 @@ impl ResidencyArgs {
         m: &mut LoadedModel<B>,
         plan: &Plan,
     ) -> Result<ResidencyConfig> {
-        Ok(self.request_with_calib()?.install_plan(m, plan)?)
+        self.request_with_calib()?
+            .install_plan(m, plan)
+            .map_err(flags)
     }
 
     /// Installs the resident sets these flags ask for on `m` (a compressed model's
@@ -137,14 +139,30 @@ impl ResidencyArgs {
     pub fn install<B: Backend>(&self, m: &mut LoadedModel<B>) -> Result<Option<ResidencyConfig>> {
         let request = self.request_with_calib()?;
         let Some(path) = &self.calib else {
-            return Ok(request.install(m, &mut |_, _| {})?);
+            return request.install(m, &mut |_, _| {}).map_err(flags);
         };
         let bar = progress::bar("REAP saliency");
         let config = request
             .install(m, &mut |d, t| progress::update(&bar, d, t))
+            .map_err(flags)
             .with_context(|| format!("calibrating on {}", path.display()))?;
         bar.finish_and_clear();
         Ok(config)
+    }
+}
+
+/// A set-up error in the words of these flags.
+fn flags(e: SetupError) -> anyhow::Error {
+    match e {
+        SetupError::StaticWithoutCalibration => {
+            anyhow!("--residency static needs --calib TEXT to choose its experts")
+        }
+        SetupError::PlanSetsResidency => anyhow!(
+            "a plan sets each layer's resident experts; drop --resident-fraction, \
+             --resident-count and --calib"
+        ),
+        SetupError::SwapMargin(m) => anyhow!("--swap-margin must be >= 0, got {m}"),
+        other => other.into(),
     }
 }
 

@@ -183,9 +183,25 @@ pub struct GreedyReference<B: crate::backend::Backend> {
     pub probs: Vec<Vec<Vec<f32>>>,
 }
 
+/// The token after `token`: [`Model::decode`](crate::model::Model::decode) of one token,
+/// as a caller decoding token by token runs it.
+pub fn decode_one<B: crate::backend::Backend>(
+    model: &crate::model::Model<B>,
+    state: &mut crate::model::State<B>,
+    token: u32,
+) -> Result<u32, crate::model::Error> {
+    let mut next = None;
+    let opts = crate::model::DecodeOptions { max_tokens: 1 };
+    model.decode(state, token, opts, &mut |t| {
+        next = Some(t);
+        true
+    })?;
+    Ok(next.expect("one token decoded"))
+}
+
 /// Greedy decode by its definition, to test other ways of decoding against: the prompt's
 /// prefill into a fresh state with room for `n` more positions, then `n` tokens through
-/// [`Model::decode_greedy`](crate::model::Model::decode_greedy), one call a token.
+/// [`decode_one`], one call a token.
 ///
 /// # Panics
 /// If a step fails.
@@ -200,7 +216,7 @@ pub fn greedy_reference<B: crate::backend::Backend>(
     let (mut tokens, mut probs) = (Vec::new(), Vec::new());
     let mut t = first;
     for _ in 0..n {
-        t = model.decode_greedy(&mut state, t).unwrap();
+        t = decode_one(model, &mut state, t).unwrap();
         tokens.push(t);
         probs.push(state.router_probs.clone());
     }

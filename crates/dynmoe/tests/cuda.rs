@@ -2343,7 +2343,7 @@ fn check_resident_sets(
             // Every other step through `forward` (one row, the logits read back) rather
             // than the recorded step: both must route over the sets alone.
             let t = if step % 2 == 0 {
-                dev.model.decode_greedy(&mut sd, next).unwrap()
+                dynmoe::testing::decode_one(&dev.model, &mut sd, next).unwrap()
             } else {
                 dynmoe::model::argmax(&dev.model.forward(&mut sd, &[next], 0).unwrap())
             };
@@ -2458,13 +2458,13 @@ fn step_advance_and_queued_reads_match_the_cpu() {
     assert!(g.finish_read(g.read_async(&t, 0)).is_empty());
 }
 
-/// `decode_greedy_many` on the device (every MoE layer routed there, so the step is
+/// `decode` of many tokens on the device (every MoE layer routed there, so the step is
 /// recorded and the steps queued back to back, each replay reading the token and
-/// position the one before left) against `decode_greedy` called token by token: the
-/// same tokens and router probabilities; stopped early, `decode_greedy` goes on from
+/// position the one before left) against `decode` of one token a call: the
+/// same tokens and router probabilities; stopped early, decoding goes on from
 /// the last token handed over; with graphs off it takes the steps one call at a time.
 #[test]
-fn queued_greedy_decode_is_decode_greedy_on_the_device() {
+fn queued_decode_is_decode_token_by_token_on_the_device() {
     let Some(_) = gpu() else { return };
     let converted = TempDir::new("cuda-queued");
     dynmoe::store::base::convert(&fixture("small-moe"), converted.dir(), &mut |_, _| {}).unwrap();
@@ -2497,10 +2497,15 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
         s.pos = p;
         let mut got = Vec::new();
         let k = m
-            .decode_greedy_many(&mut s, first, n, &mut |t| {
-                got.push(t);
-                true
-            })
+            .decode(
+                &mut s,
+                first,
+                dynmoe::model::DecodeOptions { max_tokens: n },
+                &mut |t| {
+                    got.push(t);
+                    true
+                },
+            )
             .unwrap();
         println!(
             "queued greedy (graphs {graphs}, down early {down}): equal {}",
@@ -2523,10 +2528,15 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
         s.pos = p;
         got.clear();
         let k = m
-            .decode_greedy_many(&mut s, first, n, &mut |t| {
-                got.push(t);
-                got.len() < stop
-            })
+            .decode(
+                &mut s,
+                first,
+                dynmoe::model::DecodeOptions { max_tokens: n },
+                &mut |t| {
+                    got.push(t);
+                    got.len() < stop
+                },
+            )
             .unwrap();
         assert_eq!(
             (k, &got[..]),
@@ -2534,11 +2544,8 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
             "graphs {graphs} stopped"
         );
         assert_eq!(s.pos, p + stop);
-        let next = m.decode_greedy(&mut s, want[stop - 1]).unwrap();
-        assert_eq!(
-            next, want[stop],
-            "graphs {graphs}: decode_greedy after the stop"
-        );
+        let next = dynmoe::testing::decode_one(m, &mut s, want[stop - 1]).unwrap();
+        assert_eq!(next, want[stop], "graphs {graphs}: a step after the stop");
     }
     m.backend().set_down_early(was_down);
     m.backend().set_graphs(true);

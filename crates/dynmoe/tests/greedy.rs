@@ -53,14 +53,14 @@ fn greedy_decode_matches_transformers_on_every_fixture() {
     }
 }
 
-/// `decode_greedy` (the argmax and every per-step value on the backend) against
+/// `decode` of one token a call (the argmax and every per-step value on the backend) against
 /// `forward` of one token and a host argmax: the same token and router probabilities,
 /// step after step, on an MoE fixture with its experts in a 4-bit store.
 #[test]
-fn decode_greedy_is_forward_and_argmax() {
+fn decode_is_forward_and_argmax() {
     use dynmoe::model::argmax;
     use dynmoe::model::ExpertBits;
-    use dynmoe::testing::{fixture, TempDir};
+    use dynmoe::testing::{decode_one, fixture, TempDir};
     let dir = TempDir::new("greedy-step");
     dynmoe::store::base::convert(&fixture("small-moe"), dir.dir(), &mut |_, _| {}).unwrap();
     let eb = ExpertBits {
@@ -74,7 +74,7 @@ fn decode_greedy_is_forward_and_argmax() {
     m.model.forward(&mut b, &prompt, prompt.len()).unwrap();
     let (mut x, mut y) = (argmax(&logits), argmax(&logits));
     for step in 0..12 {
-        x = m.model.decode_greedy(&mut a, x).unwrap();
+        x = decode_one(&m.model, &mut a, x).unwrap();
         y = argmax(&m.model.forward(&mut b, &[y], 0).unwrap());
         assert_eq!(x, y, "step {step}");
         assert_eq!(a.pos, b.pos);
@@ -93,23 +93,24 @@ fn decode_greedy_is_forward_and_argmax() {
     }
     // The step checks its input like forward does.
     let vocab = m.model.config.vocab_size as u32;
-    assert!(m.model.decode_greedy(&mut a, vocab).is_err());
+    assert!(decode_one(&m.model, &mut a, vocab).is_err());
     let mut full = m.model.new_state(1);
     m.model.forward(&mut full, &[1], 1).unwrap();
-    assert!(m.model.decode_greedy(&mut full, 1).is_err());
+    assert!(decode_one(&m.model, &mut full, 1).is_err());
 }
 
-/// `decode_greedy_many` against `decode_greedy` called token by token on every fixture:
-/// the same tokens, position and router probabilities. On the CPU, which records no
-/// step, it runs the steps one call at a time (the unit test in `model::forward` drives
-/// its queued loop); what is checked here is the contract: an early stop counts only
-/// the tokens handed over and `decode_greedy` and `forward` go on from there; a cache
-/// that fills first hands over the tokens that fit, then fails as `decode_greedy` would;
+/// `decode` of many tokens against `decode` of one token a call on every fixture: the
+/// same tokens, position and router probabilities. On the CPU, which records no step, it
+/// runs the steps one call at a time (the unit test in `model::forward::decode` drives
+/// its queued loop); what is checked here is the contract: an early stop counts only the
+/// tokens handed over and decoding and `forward` go on from there; a cache that fills
+/// first hands over the tokens that fit, then fails as a step past it would;
 /// a first token out of the vocabulary fails; no tokens asked runs nothing.
 #[test]
-fn decode_greedy_many_is_decode_greedy_token_by_token() {
-    use dynmoe::model::argmax;
-    use dynmoe::model::Error;
+fn decode_of_many_tokens_is_decode_token_by_token() {
+    use dynmoe::model::{argmax, DecodeOptions, Error};
+    use dynmoe::testing::decode_one;
+    let at_most = |max_tokens| DecodeOptions { max_tokens };
     let prompt = [5u32, 17, 300, 42, 7, 99, 1000, 3];
     let (p, n, stop) = (prompt.len(), 10, 3);
     for dir in fixture_dirs() {
@@ -127,7 +128,7 @@ fn decode_greedy_many_is_decode_greedy_token_by_token() {
         model.forward(&mut b, &prompt, p - 1).unwrap();
         let mut got = Vec::new();
         let k = model
-            .decode_greedy_many(&mut b, first, n, &mut |t| {
+            .decode(&mut b, first, at_most(n), &mut |t| {
                 got.push(t);
                 true
             })
@@ -139,7 +140,7 @@ fn decode_greedy_many_is_decode_greedy_token_by_token() {
         b.pos = p;
         got.clear();
         let k = model
-            .decode_greedy_many(&mut b, first, n, &mut |t| {
+            .decode(&mut b, first, at_most(n), &mut |t| {
                 got.push(t);
                 got.len() < stop
             })
@@ -147,15 +148,15 @@ fn decode_greedy_many_is_decode_greedy_token_by_token() {
         assert_eq!((k, &got[..]), (stop, &want[..stop]), "{label} stopped");
         assert_eq!(b.pos, p + stop, "{label} stopped");
         assert_eq!(b.router_probs, probs[stop - 1], "{label} stopped");
-        let next = model.decode_greedy(&mut b, want[stop - 1]).unwrap();
-        assert_eq!(next, want[stop], "{label}: decode_greedy after the stop");
+        let next = decode_one(model, &mut b, want[stop - 1]).unwrap();
+        assert_eq!(next, want[stop], "{label}: a step after the stop");
         let logits = model.forward(&mut b, &[next], 0).unwrap();
         assert_eq!(argmax(&logits), want[stop + 1], "{label}: forward after it");
         // The rest in a second call, from where the first stopped.
         got.clear();
         let rest = n - stop - 2;
         let k = model
-            .decode_greedy_many(&mut b, want[stop + 1], rest, &mut |t| {
+            .decode(&mut b, want[stop + 1], at_most(rest), &mut |t| {
                 got.push(t);
                 true
             })
@@ -165,7 +166,7 @@ fn decode_greedy_many_is_decode_greedy_token_by_token() {
         // Room for 4 more positions: 4 tokens, then the overflow.
         b.pos = p + n - 4;
         got.clear();
-        let r = model.decode_greedy_many(&mut b, want[n - 5], n, &mut |t| {
+        let r = model.decode(&mut b, want[n - 5], at_most(n), &mut |t| {
             got.push(t);
             true
         });
@@ -179,10 +180,10 @@ fn decode_greedy_many_is_decode_greedy_token_by_token() {
 
         b.pos = p;
         let vocab = model.config.vocab_size as u32;
-        let r = model.decode_greedy_many(&mut b, vocab, n, &mut |_| true);
+        let r = model.decode(&mut b, vocab, at_most(n), &mut |_| true);
         assert!(matches!(r, Err(Error::TokenOutOfRange { .. })), "{label}");
         assert_eq!(b.pos, p);
-        let r = model.decode_greedy_many(&mut b, vocab, 0, &mut |_| true);
+        let r = model.decode(&mut b, vocab, at_most(0), &mut |_| true);
         assert_eq!(r.unwrap(), 0);
         assert_eq!(b.pos, p);
     }

@@ -1,6 +1,6 @@
 //! The allocator's probes on a real model: the calibration loss of a checkpoint with
 //! each MoE layer's routed experts at a chosen codec and a chosen share of them removed
-//! (DESIGN.md §6).
+//! (docs/ARCHITECTURE.md, Allocation).
 //!
 //! Removal follows REAP: a layer keeps its most salient experts (saliency measured once,
 //! on the uncompressed model and the calibration text) and its routing is confined to

@@ -1,9 +1,15 @@
 //! The forward pass, written once for every architecture against [`Backend`].
 //!
-//! One call processes a chunk of tokens at consecutive positions (a whole prompt in
-//! prefill, one token in decode), appending their keys and values to the state's
-//! cache. Shapes in comments: `n` tokens in the chunk, `h` hidden size, `q`/`kv` the
-//! query and key/value widths, `E` experts, `V` vocabulary.
+//! One pass over the decoder layers ([`Model::run_layers`]) serves every use: a chunk of
+//! tokens at consecutive positions (a prompt, a scored chunk, a probe, a residency run:
+//! [`Model::forward`]) and a decode step of one token ([`Model::decode`], in [`decode`]).
+//! They differ only in where the tokens' positions come from and in the fused ops a step
+//! asks the backend for ([`Pass`]). Shapes in comments: `n` tokens, `h` hidden size,
+//! `q`/`kv` the query and key/value widths, `E` experts, `V` vocabulary.
+
+mod decode;
+
+pub use decode::DecodeOptions;
 
 use crate::checkpoint::config::{Config, QkNorm};
 use crate::checkpoint::Checkpoint;
@@ -13,7 +19,7 @@ use std::sync::Arc;
 use super::moe::{self, MoeObserver, Routing};
 use super::weights::{Attention, Experts, Ffn, Layer, LayerStores, Linear, Loader};
 use super::Error;
-use crate::backend::{AddNorm, AttentionShape, Backend, HeadNorm, MoeInput, PendingRead, Weight};
+use crate::backend::{AddNorm, AttentionShape, Backend, HeadNorm, MoeInput, Weight};
 use crate::residency::{self, Reservoir, ReservoirKind, Residency, ResidencyConfig, Step};
 use crate::store::dense_vq::CodedLayers;
 use crate::store::records::LayerSource;
@@ -53,36 +59,8 @@ pub struct State<B: Backend> {
     pub router_probs: Vec<Vec<f32>>,
     /// Distinguishes this state's recorded decode steps from another's.
     id: usize,
-    /// Buffers of [`Model::decode_greedy`], made on its first call.
-    step: Option<StepBuffers<B>>,
-}
-
-/// The buffers of a one-token decode step, at fixed addresses so a backend can record
-/// the step once and replay it.
-struct StepBuffers<B: Backend> {
-    /// `[token, position]` as `u32` bits: every per-step value the step reads.
-    step: B::Tensor,
-    /// The residual, and the buffer its next sum goes to (the ops that add to it read
-    /// the old one while they write the new one; the two swap after each add).
-    x: B::Tensor,
-    x_next: B::Tensor,
-    xn: B::Tensor,
-    qs: B::Tensor,
-    ks: B::Tensor,
-    vs: B::Tensor,
-    attn: B::Tensor,
-    /// The attention's output projection, added to the residual by the MoE block.
-    attn_out: B::Tensor,
-    /// The feed-forward block's output, added to the residual by the next layer.
-    delta: B::Tensor,
-    /// Router probabilities, `E` per layer at `layer · E`, then the chosen token's bits.
-    probs: B::Tensor,
-    logits: B::Tensor,
-    /// MoE layers the last run of the step routed on the backend.
-    routed: Vec<usize>,
-    /// Whether the last run queued nothing but device work (every MoE layer routed on
-    /// the backend, no dense feed-forward layer): then it may be recorded.
-    fit: bool,
+    /// Buffers of [`Model::decode`]'s steps, made on the first.
+    step: Option<decode::StepBuffers<B>>,
 }
 
 impl<B: Backend> State<B> {
@@ -304,7 +282,7 @@ impl<B: Backend> Model<B> {
         state: &mut State<B>,
         tokens: &[u32],
         logits_from: usize,
-        mut observer: Option<&mut dyn MoeObserver<B>>,
+        observer: Option<&mut dyn MoeObserver<B>>,
     ) -> Result<Vec<f32>, Error> {
         let c = &self.config;
         let b = &self.backend;
@@ -328,152 +306,335 @@ impl<B: Backend> Model<B> {
                 capacity: state.capacity,
             });
         }
-        let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
-
+        let h = c.hidden_size;
         let positions: Vec<usize> = (state.pos..state.pos + n).collect();
-        let mut x = b.alloc(n * h); // [n, h] residual stream
-        let mut xn = b.alloc(n * h); // [n, h] normalised
-        let mut qs = b.alloc(n * q); // [n, q]
-        let mut ks = b.alloc(n * kv); // [n, kv]
-        let mut vs = b.alloc(n * kv); // [n, kv]
-        let mut attn = b.alloc(n * q); // [n, q]
-        let mut delta = b.alloc(n * h); // [n, h] block output
+        let mut acts = Activations::new(b, c, n, false);
 
         // A token boundary: loads that have arrived commit now, and the sets stay as
         // they are until this call ends.
-        let mut step = self.residency.as_ref().map(|r| r.begin(b));
-        let track = step.as_ref().is_some_and(|s| s.tracks());
+        let mut sets = self.residency.as_ref().map(|r| r.begin(b));
+        let track = sets.as_ref().is_some_and(|s| s.tracks());
+        // MoE layers routed on the backend leave their probabilities here, one slice a
+        // layer, read back once at the end of the call instead of once a layer. Not with
+        // resident sets or an observer where the sets are not on the backend: both need
+        // each layer's probabilities at once.
+        let device_ok = self.residency.is_none() && observer.is_none();
+        let sets_on_device = sets.as_ref().is_some_and(|s| s.any_on_device());
+        let mut probs = ((device_ok || sets_on_device) && c.moe_layers().next().is_some())
+            .then(|| b.alloc(self.layers.len() * n * c.moe.num_experts));
+        let mut moe = MoeRun {
+            sets: sets.as_mut(),
+            track,
+            device_ok,
+            probs: probs.as_mut(),
+            // A shorter borrow of the observer, as long as the others'.
+            observer: match observer {
+                Some(o) => Some(o),
+                None => None,
+            },
+            routed: Vec::new(),
+            host: Vec::new(),
+            device_only: true,
+        };
+        b.embed(&self.embed_tokens, h, tokens, &mut acts.x);
+        let pass = Pass::Chunk {
+            pos0: state.pos,
+            positions: &positions,
+        };
+        self.run_layers(
+            pass,
+            n,
+            &mut acts,
+            &mut state.k_cache,
+            &mut state.v_cache,
+            &mut moe,
+        );
+        let MoeRun { routed, host, .. } = moe;
+        state.pos += n;
+        // Rows whose logits are wanted.
+        let m = n - logits_from;
+        let mut out = vec![0.0f32; m * c.vocab_size];
+        if m > 0 {
+            // The final norm runs on every row (a row's norm reads only that row), the LM
+            // head only on the rows wanted.
+            let (x, xn, eps) = (&mut acts.x, &mut acts.xn, c.rms_norm_eps);
+            if self.layers.is_empty() {
+                b.rms_norm(x, &self.norm, n, h, eps, xn);
+            } else {
+                b.add_rms_norm(x, &acts.delta, &self.norm, n, h, eps, xn);
+            }
+            let head_in = if logits_from == 0 {
+                &acts.xn
+            } else {
+                let rows: Vec<u32> = (logits_from as u32..n as u32).collect();
+                b.gather_rows(&acts.xn, &rows, h, &mut acts.delta);
+                &acts.delta
+            };
+            let mut logits = b.alloc(m * c.vocab_size);
+            b.linear(head_in, self.head(), m, h, c.vocab_size, &mut logits);
+            b.download(&logits, &mut out);
+        }
+        // After the logits, which waited for the device: a copy, not a wait.
+        self.read_router_probs(state, probs.as_ref(), &routed, n);
+        for (i, p) in host {
+            state.router_probs[i] = p;
+        }
+        finish_sets(sets, &state.router_probs, &routed, n, track);
+        Ok(out)
+    }
+
+    /// The one pass over the decoder layers, for every use of the model: `acts.x` holds
+    /// the embedded tokens on entry, and on return the residual stream before the last
+    /// layer's feed-forward output, which is in `acts.delta` (the final norm adds it).
+    /// MoE layers leave their router probabilities as `moe` says.
+    pub(super) fn run_layers(
+        &self,
+        pass: Pass<'_, B::Tensor>,
+        rows: usize,
+        acts: &mut Activations<B::Tensor>,
+        k_cache: &mut [B::Tensor],
+        v_cache: &mut [B::Tensor],
+        moe: &mut MoeRun<'_, '_, B>,
+    ) {
+        for (i, layer) in self.layers.iter().enumerate() {
+            self.attention_block(pass, i, layer, rows, acts, &mut k_cache[i], &mut v_cache[i]);
+            self.feed_forward(pass, i, layer, rows, acts, moe);
+        }
+    }
+
+    /// Decoder layer `i`'s attention block: the residual add of the layer before and
+    /// this layer's input norm, q, k and v, their norms and clipping, RoPE, the cache,
+    /// attention, and the output projection into `acts.attn_out`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_block(
+        &self,
+        pass: Pass<'_, B::Tensor>,
+        i: usize,
+        layer: &Layer<B>,
+        rows: usize,
+        acts: &mut Activations<B::Tensor>,
+        k_cache: &mut B::Tensor,
+        v_cache: &mut B::Tensor,
+    ) {
+        let (c, b) = (&self.config, &self.backend);
+        let (h, kv, eps) = (c.hidden_size, c.kv_dim(), c.rms_norm_eps);
+        let a = &layer.self_attn;
+        let ls = [&a.q_proj, &a.k_proj, &a.v_proj];
+        let shape = AttentionShape {
+            rows,
+            pos0: 0,
+            heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+            window: c.layers[i].sliding_window,
+        };
+        let Activations {
+            x,
+            x_next,
+            xn,
+            qs,
+            ks,
+            vs,
+            attn,
+            attn_out,
+            delta,
+        } = acts;
+        match pass {
+            Pass::Chunk { pos0, positions } => {
+                match i {
+                    0 => b.rms_norm(x, self.norm_before(0), rows, h, eps, xn),
+                    _ => b.add_rms_norm(x, delta, self.norm_before(i), rows, h, eps, xn),
+                }
+                let ws = ls.map(|l| l.weight());
+                let dims = ls.map(|l| l.out_dim);
+                b.linear3(xn, ws, rows, h, dims, [&mut *qs, &mut *ks, &mut *vs]);
+                qkv_biases(b, a, rows, [&mut *qs, &mut *ks, &mut *vs]);
+                self.qk_norm_and_clip(layer, qs, ks, vs, rows);
+                b.rope(qs, positions, c.num_heads, c.head_dim, &self.inv_freq);
+                b.rope(ks, positions, c.num_kv_heads, c.head_dim, &self.inv_freq);
+                b.write_rows(ks, k_cache, pos0, rows, kv);
+                b.write_rows(vs, v_cache, pos0, rows, kv);
+                let shape = AttentionShape { pos0, ..shape };
+                b.attention(qs, k_cache, v_cache, shape, attn);
+            }
+            Pass::Step { step } => {
+                // The residual add is made by the products that read the norm, into
+                // `x_next`; then the two swap. The first layer's norm reads the
+                // embedding as it is.
+                let x_next = x_next
+                    .as_mut()
+                    .expect("a step has a second residual buffer");
+                let n = AddNorm {
+                    x: &*x,
+                    delta: (i > 0).then_some(&*delta),
+                    w: self.norm_before(i),
+                    eps,
+                };
+                let ws = ls.map(|l| l.weight());
+                let dims = ls.map(|l| l.out_dim);
+                let outs = [&mut *qs, &mut *ks, &mut *vs];
+                b.add_rms_norm_linear3(n, x_next, xn, ws, rows, h, dims, outs);
+                qkv_biases(b, a, rows, [&mut *qs, &mut *ks, &mut *vs]);
+                if i > 0 {
+                    std::mem::swap(x, x_next);
+                }
+                // Per-head q/k norms without clipping go into the attention's own
+                // preamble; any other normalisation or clipping runs first, on its own.
+                let norm = match (&a.qk_norm, c.qk_norm, c.clip_qkv) {
+                    (Some((qn, kn)), QkNorm::PerHead, None) => Some(HeadNorm { q: qn, k: kn, eps }),
+                    _ => {
+                        self.qk_norm_and_clip(layer, qs, ks, vs, rows);
+                        None
+                    }
+                };
+                let freqs = &self.inv_freq;
+                b.attention_step_at(qs, ks, vs, norm, shape, freqs, step, k_cache, v_cache, attn);
+            }
+        }
+        linear(b, attn, &a.o_proj, rows, attn_out);
+    }
+
+    /// Decoder layer `i`'s feed-forward block: the residual add of the attention output
+    /// and the norm after it, then the dense MLP or the MoE block, on the backend where it
+    /// routes there, into `acts.delta`.
+    fn feed_forward(
+        &self,
+        pass: Pass<'_, B::Tensor>,
+        i: usize,
+        layer: &Layer<B>,
+        rows: usize,
+        acts: &mut Activations<B::Tensor>,
+        moe: &mut MoeRun<'_, '_, B>,
+    ) {
+        let (c, b) = (&self.config, &self.backend);
+        let (h, e, eps) = (c.hidden_size, c.moe.num_experts, c.rms_norm_eps);
         let routing = Routing {
             top_k: c.moe.top_k,
             router: c.moe.router,
         };
-        // MoE layers routed on the backend leave their probabilities here, one slice a
-        // layer, read back once at the end of the call instead of once a layer. Not with
-        // resident sets or an observer: both need each layer's probabilities at once.
-        let e = c.moe.num_experts;
-        let on_device_ok = self.residency.is_none() && observer.is_none();
-        let sets_on_device = step.as_ref().is_some_and(|s| s.any_on_device());
-        let mut probs_dev = ((on_device_ok || sets_on_device) && c.moe_layers().next().is_some())
-            .then(|| b.alloc(self.layers.len() * n * e));
-        let mut on_device: Vec<usize> = Vec::new();
-        // Rows whose logits are wanted.
-        let m = n - logits_from;
-        b.embed(&self.embed_tokens, h, tokens, &mut x);
-        // Each residual add is fused with the norm that reads its result (the next
-        // block's input norm, or the final one), so `xn` holds a block's input on entry.
-        // The final norm runs on every row (a row's norm reads only that row), and only
-        // when some logits are wanted.
-        let norm_wanted = |i: usize| i < self.layers.len() || m > 0;
-        if norm_wanted(0) {
-            b.rms_norm(&x, self.norm_before(0), n, h, c.rms_norm_eps, &mut xn);
-        }
-        for (i, layer) in self.layers.iter().enumerate() {
-            // Attention block.
-            let a = &layer.self_attn;
-            qkv(b, &xn, a, n, [&mut qs, &mut ks, &mut vs]);
-            self.qk_norm_and_clip(layer, &mut qs, &mut ks, &mut vs, n);
-            b.rope(&mut qs, &positions, c.num_heads, c.head_dim, &self.inv_freq);
-            b.rope(
-                &mut ks,
-                &positions,
-                c.num_kv_heads,
-                c.head_dim,
-                &self.inv_freq,
-            );
-            b.write_rows(&ks, &mut state.k_cache[i], state.pos, n, kv);
-            b.write_rows(&vs, &mut state.v_cache[i], state.pos, n, kv);
-            let shape = AttentionShape {
-                rows: n,
-                pos0: state.pos,
-                heads: c.num_heads,
-                kv_heads: c.num_kv_heads,
-                head_dim: c.head_dim,
-                window: c.layers[i].sliding_window,
-            };
-            b.attention(&qs, &state.k_cache[i], &state.v_cache[i], shape, &mut attn);
-            linear(b, &attn, &a.o_proj, n, &mut delta);
-
-            // Feed-forward block.
-            let post = &layer.post_attention_layernorm;
-            b.add_rms_norm(&mut x, &delta, post, n, h, c.rms_norm_eps, &mut xn);
-            match &layer.mlp {
-                Ffn::Dense(mlp) => {
-                    moe::dense(b, mlp, &xn, n, &mut delta);
-                    state.router_probs[i].clear();
+        let post = &layer.post_attention_layernorm;
+        let Ffn::Moe(block) = &layer.mlp else {
+            match pass {
+                Pass::Chunk { .. } => {
+                    let (x, xn) = (&mut acts.x, &mut acts.xn);
+                    b.add_rms_norm(x, &acts.attn_out, post, rows, h, eps, xn);
                 }
-                Ffn::Moe(block) => {
-                    let set = step.as_mut().and_then(|s| s.layer(i));
-                    // On the backend: a layer with no set when nothing watches each layer,
-                    // and a layer whose set lives in the backend's memory.
-                    let slots = set.as_deref().and_then(|s| s.device_slots());
-                    let try_device = set.is_none() && on_device_ok || slots.is_some();
-                    let routed = try_device
-                        && probs_dev.as_mut().is_some_and(|p| {
-                            moe::forward_on_device(
-                                b,
-                                block,
-                                routing,
-                                MoeInput::Rows(&xn),
-                                n,
-                                &mut delta,
-                                p,
-                                i * n * e,
-                                slots,
-                            )
-                        });
-                    if routed {
-                        // A set's evidence is fed once the probabilities are read back
-                        // (`finish_sets`); an observer needs them now.
-                        on_device.push(i);
-                        if let (Some(o), Some(p)) = (observer.as_deref_mut(), &probs_dev) {
-                            let mut host = vec![0.0f32; (i + 1) * n * e];
-                            b.download(p, &mut host);
-                            state.router_probs[i] = host.split_off(i * n * e);
-                            o.observe(b, i, block, &xn, n, &state.router_probs[i]);
-                        }
-                    } else {
-                        assert!(
-                            slots.is_none(),
-                            "layer {i}: a set on the device the backend cannot route"
-                        );
-                        state.router_probs[i] =
-                            moe::forward(b, block, routing, &xn, n, &mut delta, set, track);
-                        if let Some(o) = observer.as_deref_mut() {
-                            o.observe(b, i, block, &xn, n, &state.router_probs[i]);
-                        }
-                    }
+                Pass::Step { .. } => {
+                    let x_next = acts
+                        .x_next
+                        .as_mut()
+                        .expect("a step has a second residual buffer");
+                    let n = AddNorm {
+                        x: &acts.x,
+                        delta: Some(&acts.attn_out),
+                        w: post,
+                        eps,
+                    };
+                    b.add_rms_norm_to(n, rows, h, x_next, &mut acts.xn);
+                    std::mem::swap(&mut acts.x, x_next);
                 }
             }
-            if norm_wanted(i + 1) {
-                let w = self.norm_before(i + 1);
-                b.add_rms_norm(&mut x, &delta, w, n, h, c.rms_norm_eps, &mut xn);
-            } else {
-                b.add(&mut x, &delta, n * h);
+            if let Ffn::Dense(mlp) = &layer.mlp {
+                moe::dense(b, mlp, &acts.xn, rows, &mut acts.delta);
             }
-        }
-        state.pos += n;
-
-        // LM head, only on the rows whose logits are wanted.
-        if m == 0 {
-            self.read_router_probs(state, probs_dev.as_ref(), &on_device, n);
-            finish_sets(step, &state.router_probs, &on_device, n, track);
-            return Ok(Vec::new());
-        }
-        let head_in = if logits_from == 0 {
-            &xn
-        } else {
-            let rows: Vec<u32> = (logits_from as u32..n as u32).collect();
-            b.gather_rows(&xn, &rows, h, &mut delta);
-            &delta
+            moe.device_only = false;
+            return;
         };
-        let mut logits = b.alloc(m * c.vocab_size);
-        b.linear(head_in, self.head(), m, h, c.vocab_size, &mut logits);
-        let mut out = vec![0.0f32; m * c.vocab_size];
-        b.download(&logits, &mut out);
-        // After the logits, which waited for the device: a copy, not a wait.
-        self.read_router_probs(state, probs_dev.as_ref(), &on_device, n);
-        finish_sets(step, &state.router_probs, &on_device, n, track);
-        Ok(out)
+        let at = i * rows * e;
+        let routed = match pass {
+            Pass::Chunk { .. } => {
+                let (x, xn) = (&mut acts.x, &mut acts.xn);
+                b.add_rms_norm(x, &acts.attn_out, post, rows, h, eps, xn);
+                let set = moe.sets.as_mut().and_then(|s| s.layer(i));
+                // On the backend: a layer with no set when nothing watches each layer,
+                // and a layer whose set lives in the backend's memory.
+                let slots = set.as_deref().and_then(|s| s.device_slots());
+                let try_device = set.is_none() && moe.device_ok || slots.is_some();
+                let routed = try_device
+                    && moe.probs.as_mut().is_some_and(|p| {
+                        let x = MoeInput::Rows(&acts.xn);
+                        moe::forward_on_device(
+                            b,
+                            block,
+                            routing,
+                            x,
+                            rows,
+                            &mut acts.delta,
+                            p,
+                            at,
+                            slots,
+                        )
+                    });
+                if !routed {
+                    assert!(
+                        slots.is_none(),
+                        "layer {i}: a set on the device the backend cannot route"
+                    );
+                    let (x, out) = (&acts.xn, &mut acts.delta);
+                    let p = moe::forward(b, block, routing, x, rows, out, set, moe.track);
+                    if let Some(o) = moe.observer.as_deref_mut() {
+                        o.observe(b, i, block, &acts.xn, rows, &p);
+                    }
+                    moe.host.push((i, p));
+                }
+                routed
+            }
+            Pass::Step { .. } => {
+                let x_next = acts
+                    .x_next
+                    .as_mut()
+                    .expect("a step has a second residual buffer");
+                let n = AddNorm {
+                    x: &acts.x,
+                    delta: Some(&acts.attn_out),
+                    w: post,
+                    eps,
+                };
+                let slots = moe
+                    .sets
+                    .as_mut()
+                    .and_then(|s| s.layer(i))
+                    .and_then(|s| s.device_slots());
+                let probs = moe.probs.as_mut().expect("a step's probabilities");
+                let x = MoeInput::AddNorm {
+                    n,
+                    sum: &mut *x_next,
+                    xn: &mut acts.xn,
+                };
+                let routed = moe::forward_on_device(
+                    b,
+                    block,
+                    routing,
+                    x,
+                    rows,
+                    &mut acts.delta,
+                    probs,
+                    at,
+                    slots,
+                );
+                if !routed {
+                    b.add_rms_norm_to(n, rows, h, x_next, &mut acts.xn);
+                }
+                std::mem::swap(&mut acts.x, x_next);
+                if !routed {
+                    let (x, out) = (&acts.xn, &mut acts.delta);
+                    let p = moe::forward(b, block, routing, x, rows, out, None, false);
+                    moe.host.push((i, p));
+                    moe.device_only = false;
+                }
+                routed
+            }
+        };
+        if routed {
+            moe.routed.push(i);
+            // A set's evidence is fed once the probabilities are read back
+            // (`finish_sets`); an observer needs them now.
+            if let (Some(o), Some(p)) = (moe.observer.as_deref_mut(), moe.probs.as_deref()) {
+                let mut host = vec![0.0f32; at + rows * e];
+                b.download(p, &mut host);
+                o.observe(b, i, block, &acts.xn, rows, &host[at..]);
+            }
+        }
     }
 
     /// The q/k normalisation and the QKV clipping of the architecture, on `n` rows.
@@ -507,399 +668,6 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// Runs one token at position `state.pos`, appends it to the cache and returns the
-    /// most probable next token: [`forward`](Self::forward) of one token followed by an
-    /// argmax, with the argmax on the backend and every per-step value (token, position)
-    /// read from device memory, so that no host round trip happens before the chosen
-    /// token and a backend may replay the step from a record (a CUDA graph). Router
-    /// probabilities land in `state.router_probs` as with `forward`. With resident sets
-    /// the step runs as `forward` does.
-    pub fn decode_greedy(&self, state: &mut State<B>, token: u32) -> Result<u32, Error> {
-        let c = &self.config;
-        let b = &self.backend;
-        if token as usize >= c.vocab_size {
-            return Err(Error::TokenOutOfRange {
-                id: token,
-                vocab: c.vocab_size,
-            });
-        }
-        if state.pos + 1 > state.capacity {
-            return Err(Error::ContextOverflow {
-                needed: state.pos + 1,
-                capacity: state.capacity,
-            });
-        }
-        if self.residency.as_ref().is_some_and(|r| !r.all_on_device()) {
-            let logits = self.forward(state, &[token], 0)?;
-            return Ok(crate::model::argmax(&logits));
-        }
-        let (e, l) = (c.moe.num_experts, self.layers.len());
-        let bufs = state.step.get_or_insert_with(|| self.step_buffers());
-        let at = [f32::from_bits(token), f32::from_bits(state.pos as u32)];
-        b.upload_into(&at, &mut bufs.step);
-        // A token boundary: landed loads commit before the step is issued.
-        let mut step = self.residency.as_ref().map(|r| r.begin(b));
-        let track = step.as_ref().is_some_and(|s| s.tracks());
-        let key = (state.id, self.epoch);
-        let (kc, vc) = (&mut state.k_cache, &mut state.v_cache);
-        let (_, host_probs) = self.run_step(bufs, kc, vc, key, step.as_mut());
-        state.pos += 1;
-
-        // One read of the step's results: the router probabilities and the token.
-        let mut host = vec![0.0f32; l * e + 1];
-        b.download(&bufs.probs, &mut host);
-        let token = self.step_results(&host, &bufs.routed, host_probs, &mut state.router_probs);
-        finish_sets(step, &state.router_probs, &bufs.routed, 1, track);
-        Ok(token)
-    }
-
-    /// Runs one decode step from the values the step tensor holds, replayed from a record
-    /// where it fits (recording it the first time), else op by op; returns whether it
-    /// ran from a record, and the probabilities of the layers it routed on the host.
-    fn run_step(
-        &self,
-        bufs: &mut StepBuffers<B>,
-        k_cache: &mut [B::Tensor],
-        v_cache: &mut [B::Tensor],
-        key: (usize, u64),
-        mut sets: Option<&mut Step<'_, B>>,
-    ) -> (bool, Vec<(usize, Vec<f32>)>) {
-        let mut host_probs = Vec::new();
-        let recorded = if bufs.fit {
-            self.backend.replay_step(key, &mut || {
-                self.step_body(bufs, k_cache, v_cache, &mut host_probs, sets.as_deref_mut())
-            })
-        } else {
-            bufs.fit = self.step_body(bufs, k_cache, v_cache, &mut host_probs, sets);
-            false
-        };
-        (recorded, host_probs)
-    }
-
-    /// A step's results as the host read them (`host`: the router probabilities of the
-    /// layers routed on the backend, `E` a layer, then the chosen token's bits) into
-    /// `router_probs`, with those of the layers routed on the host; returns the token.
-    fn step_results(
-        &self,
-        host: &[f32],
-        routed: &[usize],
-        host_probs: Vec<(usize, Vec<f32>)>,
-        router_probs: &mut [Vec<f32>],
-    ) -> u32 {
-        let e = self.config.moe.num_experts;
-        for p in router_probs.iter_mut() {
-            p.clear();
-        }
-        for &i in routed {
-            router_probs[i] = host[i * e..(i + 1) * e].to_vec();
-        }
-        for (i, p) in host_probs {
-            router_probs[i] = p;
-        }
-        host[self.layers.len() * e].to_bits()
-    }
-
-    /// The buffers of a decode step, made on a state's first.
-    fn step_buffers(&self) -> StepBuffers<B> {
-        let (c, b) = (&self.config, &self.backend);
-        let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
-        StepBuffers {
-            step: b.alloc(2),
-            x: b.alloc(h),
-            x_next: b.alloc(h),
-            xn: b.alloc(h),
-            qs: b.alloc(q),
-            ks: b.alloc(kv),
-            vs: b.alloc(kv),
-            attn: b.alloc(q),
-            attn_out: b.alloc(h),
-            delta: b.alloc(h),
-            probs: b.alloc(self.layers.len() * c.moe.num_experts + 1),
-            logits: b.alloc(c.vocab_size),
-            routed: Vec::new(),
-            fit: false,
-        }
-    }
-
-    /// Greedy decode of up to `n` tokens after `first` (the token at position
-    /// `state.pos`), each handed to `on_token` as it is chosen; `on_token` returning
-    /// `false` stops there. Returns how many tokens were handed over. Those tokens, and
-    /// `state.pos` and `state.router_probs` after each, are what as many
-    /// [`decode_greedy`](Self::decode_greedy) calls give, each fed the token before.
-    ///
-    /// Where the backend replays the step from a record, the steps are queued back to
-    /// back: the step tensor is uploaded once, each step leaves its token and the next
-    /// position there for the next one, and step `t + 1` is queued before step `t`'s
-    /// results are read, so the device does not wait for the host between tokens. Steps
-    /// run one call at a time, as `decode_greedy` runs them, on a state's first step
-    /// (which tells whether the step can be recorded), where it cannot be (dense or
-    /// host-routed feed-forward layers, graphs off), and with resident sets, whose swaps
-    /// land at token boundaries the host picks. Stopped early, the step after the last
-    /// token handed over may have run too: it wrote the cache row at `state.pos`, which
-    /// the next call writes again.
-    ///
-    /// Errors as `decode_greedy`: `first` out of the vocabulary, or the cache full, in
-    /// which case the tokens that fit were handed over first.
-    pub fn decode_greedy_many(
-        &self,
-        state: &mut State<B>,
-        first: u32,
-        n: usize,
-        on_token: &mut dyn FnMut(u32) -> bool,
-    ) -> Result<usize, Error> {
-        let mut done = 0;
-        let mut token = first;
-        let mut queue = self.residency.is_none();
-        while done < n {
-            let fit = state.step.as_ref().is_some_and(|s| s.fit);
-            let room = state.capacity.saturating_sub(state.pos).min(n - done);
-            // One step left gains nothing from queueing; one past the cache is left to
-            // `decode_greedy`'s error.
-            if queue && fit && room > 1 && (token as usize) < self.config.vocab_size {
-                let q = self.decode_queued(state, token, room, on_token, false);
-                done += q.delivered;
-                token = q.last;
-                if q.stopped {
-                    break;
-                }
-                queue = q.recorded;
-                continue;
-            }
-            token = self.decode_greedy(state, token)?;
-            done += 1;
-            if !on_token(token) {
-                break;
-            }
-        }
-        Ok(done)
-    }
-
-    /// The queued steps of [`decode_greedy_many`](Self::decode_greedy_many): up to `n`
-    /// tokens after `first`, `n` within the cache. When the first step did not run from a
-    /// record it delivers that one token alone, unless `force`d to queue steps that run
-    /// their body each time (which gives the same tokens, to test the loop on a backend
-    /// that records nothing).
-    fn decode_queued(
-        &self,
-        state: &mut State<B>,
-        first: u32,
-        n: usize,
-        on_token: &mut dyn FnMut(u32) -> bool,
-        force: bool,
-    ) -> Queued {
-        let b = &self.backend;
-        let State {
-            pos,
-            k_cache,
-            v_cache,
-            router_probs,
-            id,
-            step,
-            ..
-        } = state;
-        let bufs = step.get_or_insert_with(|| self.step_buffers());
-        let key = (*id, self.epoch);
-        let start = [f32::from_bits(first), f32::from_bits(*pos as u32)];
-        b.upload_into(&start, &mut bufs.step);
-        let (recorded, read) = self.queue_step(bufs, k_cache, v_cache, key);
-        let mut out = Queued {
-            delivered: 0,
-            last: first,
-            stopped: false,
-            recorded,
-        };
-        let limit = if recorded || force { n } else { 1 };
-        let mut queued = 1;
-        let mut ahead = Some(read);
-        while let Some((read, host_probs)) = ahead.take() {
-            if queued < limit {
-                ahead = Some(self.queue_step(bufs, k_cache, v_cache, key).1);
-                queued += 1;
-            }
-            let host = b.finish_read(read);
-            *pos += 1;
-            out.delivered += 1;
-            out.last = self.step_results(&host, &bufs.routed, host_probs, router_probs);
-            if !on_token(out.last) {
-                out.stopped = true;
-                break;
-            }
-        }
-        // The step queued past a stop: its read is finished so that the backend gets its
-        // buffer back.
-        if let Some((read, _)) = ahead {
-            let _ = b.finish_read(read);
-        }
-        out
-    }
-
-    /// Queues one decode step ([`run_step`](Self::run_step), no resident sets) and the
-    /// read of its results; returns whether it ran from a record, the read, and the
-    /// probabilities of layers routed on the host.
-    fn queue_step(
-        &self,
-        bufs: &mut StepBuffers<B>,
-        k_cache: &mut [B::Tensor],
-        v_cache: &mut [B::Tensor],
-        key: (usize, u64),
-    ) -> (bool, QueuedRead) {
-        let (recorded, host_probs) = self.run_step(bufs, k_cache, v_cache, key, None);
-        let len = self.layers.len() * self.config.moe.num_experts + 1;
-        let read = self.backend.read_async(&bufs.probs, len);
-        (recorded, (read, host_probs))
-    }
-
-    /// The ops of [`decode_greedy`](Self::decode_greedy); returns whether it queued
-    /// nothing but device work. MoE layers the backend cannot route run on the host
-    /// path, their probabilities pushed to `host_probs`.
-    fn step_body(
-        &self,
-        bufs: &mut StepBuffers<B>,
-        k_cache: &mut [B::Tensor],
-        v_cache: &mut [B::Tensor],
-        host_probs: &mut Vec<(usize, Vec<f32>)>,
-        mut sets: Option<&mut Step<'_, B>>,
-    ) -> bool {
-        let (c, b) = (&self.config, &self.backend);
-        let (h, e) = (c.hidden_size, c.moe.num_experts);
-        let routing = Routing {
-            top_k: c.moe.top_k,
-            router: c.moe.router,
-        };
-        let mut fit = true;
-        bufs.routed.clear();
-        let eps = c.rms_norm_eps;
-        b.embed_at(&self.embed_tokens, h, &bufs.step, &mut bufs.x);
-        // Each residual add is made by the op that reads the norm after it (the q/k/v
-        // projections, the router, the LM head), into `x_next`; then the two swap. The
-        // first layer's norm reads the embedding as it is; each later one adds the layer
-        // before's feed-forward output.
-        for (i, layer) in self.layers.iter().enumerate() {
-            let a = &layer.self_attn;
-            let n = AddNorm {
-                x: &bufs.x,
-                delta: (i > 0).then_some(&bufs.delta),
-                w: self.norm_before(i),
-                eps,
-            };
-            let ls = [&a.q_proj, &a.k_proj, &a.v_proj];
-            b.add_rms_norm_linear3(
-                n,
-                &mut bufs.x_next,
-                &mut bufs.xn,
-                ls.map(|l| l.weight()),
-                1,
-                h,
-                ls.map(|l| l.out_dim),
-                [&mut bufs.qs, &mut bufs.ks, &mut bufs.vs],
-            );
-            qkv_biases(b, a, 1, [&mut bufs.qs, &mut bufs.ks, &mut bufs.vs]);
-            if i > 0 {
-                std::mem::swap(&mut bufs.x, &mut bufs.x_next);
-            }
-            let shape = AttentionShape {
-                rows: 1,
-                pos0: 0,
-                heads: c.num_heads,
-                kv_heads: c.num_kv_heads,
-                head_dim: c.head_dim,
-                window: c.layers[i].sliding_window,
-            };
-            // Per-head q/k norms without clipping go into the preamble's one launch;
-            // any other normalisation or clipping runs first, on its own.
-            let norm = match (&a.qk_norm, c.qk_norm, c.clip_qkv) {
-                (Some((qn, kn)), QkNorm::PerHead, None) => Some(HeadNorm { q: qn, k: kn, eps }),
-                _ => {
-                    self.qk_norm_and_clip(layer, &mut bufs.qs, &mut bufs.ks, &mut bufs.vs, 1);
-                    None
-                }
-            };
-            b.attention_step_at(
-                &mut bufs.qs,
-                &mut bufs.ks,
-                &bufs.vs,
-                norm,
-                shape,
-                &self.inv_freq,
-                &bufs.step,
-                &mut k_cache[i],
-                &mut v_cache[i],
-                &mut bufs.attn,
-            );
-            linear(b, &bufs.attn, &a.o_proj, 1, &mut bufs.attn_out);
-            let post = AddNorm {
-                x: &bufs.x,
-                delta: Some(&bufs.attn_out),
-                w: &layer.post_attention_layernorm,
-                eps,
-            };
-            let routed = match &layer.mlp {
-                Ffn::Moe(block) => moe::forward_on_device(
-                    b,
-                    block,
-                    routing,
-                    MoeInput::AddNorm {
-                        n: post,
-                        sum: &mut bufs.x_next,
-                        xn: &mut bufs.xn,
-                    },
-                    1,
-                    &mut bufs.delta,
-                    &mut bufs.probs,
-                    i * e,
-                    sets.as_mut()
-                        .and_then(|s| s.layer(i))
-                        .and_then(|s| s.device_slots()),
-                ),
-                Ffn::Dense(_) => false,
-            };
-            if !routed {
-                b.add_rms_norm_to(post, 1, h, &mut bufs.x_next, &mut bufs.xn);
-            }
-            std::mem::swap(&mut bufs.x, &mut bufs.x_next);
-            match &layer.mlp {
-                Ffn::Moe(_) if routed => bufs.routed.push(i),
-                Ffn::Dense(mlp) => {
-                    fit = false;
-                    moe::dense(b, mlp, &bufs.xn, 1, &mut bufs.delta);
-                }
-                Ffn::Moe(block) => {
-                    fit = false;
-                    let p =
-                        moe::forward(b, block, routing, &bufs.xn, 1, &mut bufs.delta, None, false);
-                    host_probs.push((i, p));
-                }
-            }
-        }
-        let n = AddNorm {
-            x: &bufs.x,
-            delta: (!self.layers.is_empty()).then_some(&bufs.delta),
-            w: self.norm_before(self.layers.len()),
-            eps,
-        };
-        b.add_rms_norm_linear(
-            n,
-            &mut bufs.x_next,
-            &mut bufs.xn,
-            self.head(),
-            1,
-            h,
-            c.vocab_size,
-            &mut bufs.logits,
-        );
-        b.argmax_rows(
-            &bufs.logits,
-            1,
-            c.vocab_size,
-            &mut bufs.probs,
-            self.layers.len() * e,
-        );
-        // So that the record replays again with no upload between (`decode_queued`);
-        // `decode_greedy` uploads each step's values over it.
-        b.advance_step(&mut bufs.step, &bufs.probs, self.layers.len() * e);
-        fit
-    }
-
     /// Copies the probabilities of the MoE layers routed on the backend (`layers`, each
     /// `[n, E]` at `layer · n · E` in `probs`) into `state.router_probs`.
     fn read_router_probs(
@@ -909,7 +677,10 @@ impl<B: Backend> Model<B> {
         layers: &[usize],
         n: usize,
     ) {
-        let (Some(probs), Some(&last)) = (probs, layers.last()) else {
+        for p in state.router_probs.iter_mut() {
+            p.clear();
+        }
+        let (Some(probs), Some(&last)) = (probs, layers.iter().max()) else {
             return;
         };
         let e = self.config.moe.num_experts;
@@ -921,20 +692,95 @@ impl<B: Backend> Model<B> {
     }
 }
 
-/// A queued step's read of its results, and the probabilities of the layers it routed on
-/// the host.
-type QueuedRead = (PendingRead, Vec<(usize, Vec<f32>)>);
+/// Where a pass over the layers takes its tokens' positions from, which also decides
+/// which fused ops it asks the backend for.
+pub(super) enum Pass<'p, T> {
+    /// Tokens at positions `pos0 ..` that the host knows (`positions`): prompts, scored
+    /// chunks, probes, residency runs.
+    Chunk {
+        /// Position of the first token.
+        pos0: usize,
+        /// Every token's position.
+        positions: &'p [usize],
+    },
+    /// One decode step: its token and position are `[token, position]` bits in `step`,
+    /// read by the backend, so that the step can be recorded once and replayed. Each
+    /// residual add is folded into the op that reads the norm after it.
+    Step {
+        /// The step's values.
+        step: &'p T,
+    },
+}
 
-/// What [`Model::decode_queued`] did.
-struct Queued {
-    /// Tokens handed to the callback.
-    delivered: usize,
-    /// The last of them (`first` when none).
-    last: u32,
-    /// Whether the callback asked to stop.
-    stopped: bool,
-    /// Whether the first step ran from a record.
-    recorded: bool,
+impl<T> Clone for Pass<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Pass<'_, T> {}
+
+/// The activations of a pass, each `rows` rows of the width in its comment.
+pub(super) struct Activations<T> {
+    /// `[h]` the residual stream.
+    pub x: T,
+    /// `[h]` where a step's next residual sum goes: the ops that add to the residual read
+    /// the old sum while they write the new one, and the two swap after each add. A
+    /// chunk adds in place and has none.
+    pub x_next: Option<T>,
+    /// `[h]` the normalised residual a block reads.
+    pub xn: T,
+    /// `[q]`, `[kv]`, `[kv]`.
+    pub qs: T,
+    pub ks: T,
+    pub vs: T,
+    /// `[q]` attention output.
+    pub attn: T,
+    /// `[h]` the attention block's output projection.
+    pub attn_out: T,
+    /// `[h]` the feed-forward block's output, added to the residual by the next layer.
+    pub delta: T,
+}
+
+impl<T> Activations<T> {
+    /// Buffers for `rows` rows; `step` adds the second residual buffer a step needs.
+    pub fn new<B: Backend<Tensor = T>>(b: &B, c: &Config, rows: usize, step: bool) -> Self {
+        let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
+        Activations {
+            x: b.alloc(rows * h),
+            x_next: step.then(|| b.alloc(rows * h)),
+            xn: b.alloc(rows * h),
+            qs: b.alloc(rows * q),
+            ks: b.alloc(rows * kv),
+            vs: b.alloc(rows * kv),
+            attn: b.alloc(rows * q),
+            attn_out: b.alloc(rows * h),
+            delta: b.alloc(rows * h),
+        }
+    }
+}
+
+/// What a pass's MoE layers route with and leave behind.
+pub(super) struct MoeRun<'m, 's, B: Backend> {
+    /// The resident sets of this call.
+    pub sets: Option<&'m mut Step<'s, B>>,
+    /// Whether the sets take this call's evidence.
+    pub track: bool,
+    /// Whether a layer without a set may route on the backend (nothing needs each
+    /// layer's probabilities at once).
+    pub device_ok: bool,
+    /// `[layers, rows, E]` the probabilities of the layers routed on the backend; `None`
+    /// where none may be.
+    pub probs: Option<&'m mut B::Tensor>,
+    /// Sees every MoE block (calibration).
+    pub observer: Option<&'m mut dyn MoeObserver<B>>,
+    /// The MoE layers routed on the backend.
+    pub routed: Vec<usize>,
+    /// The probabilities of the layers routed on the host, by layer.
+    pub host: Vec<(usize, Vec<f32>)>,
+    /// Whether the pass queued nothing but backend work (every MoE layer routed on the
+    /// backend, no dense feed-forward layer): then a step may be recorded.
+    pub device_only: bool,
 }
 
 /// Ends a forward call's hold on the resident sets: the layers in `routed` were routed on
@@ -958,22 +804,6 @@ fn finish_sets<B: Backend>(
     step.finish(n);
 }
 
-/// A layer's q, k and v projections of `x` on `rows` rows (one launch where the backend
-/// can), then their biases.
-fn qkv<B: Backend>(b: &B, x: &B::Tensor, a: &Attention<B>, rows: usize, outs: [&mut B::Tensor; 3]) {
-    let ls = [&a.q_proj, &a.k_proj, &a.v_proj];
-    let [q, k, v] = outs;
-    b.linear3(
-        x,
-        ls.map(|l| l.weight()),
-        rows,
-        a.q_proj.in_dim,
-        ls.map(|l| l.out_dim),
-        [&mut *q, &mut *k, &mut *v],
-    );
-    qkv_biases(b, a, rows, [q, k, v]);
-}
-
 /// The q, k and v projections' biases, where they have them, added to their outputs.
 fn qkv_biases<B: Backend>(b: &B, a: &Attention<B>, rows: usize, outs: [&mut B::Tensor; 3]) {
     for (l, out) in [&a.q_proj, &a.k_proj, &a.v_proj].into_iter().zip(outs) {
@@ -988,82 +818,5 @@ fn linear<B: Backend>(b: &B, x: &B::Tensor, l: &Linear<B>, rows: usize, out: &mu
     b.linear(x, l.weight(), rows, l.in_dim, l.out_dim, out);
     if let Some(bias) = &l.bias {
         b.add_bias(out, bias, rows);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::backend::Cpu;
-    use crate::model;
-    use crate::model::argmax;
-    use crate::testing::{fixture_dirs, greedy_reference, GreedyReference};
-
-    /// The queued loop of `decode_greedy_many` forced on the CPU, which records no step
-    /// and so never queues one otherwise: from a fresh state's first step and from a
-    /// state that has run some, it gives the tokens, position and router probabilities of
-    /// `decode_greedy` called token by token; stopped early (one step past the stop
-    /// already run), the state goes on from the last token handed over as if that step
-    /// had never run.
-    #[test]
-    fn queued_steps_decode_as_steps_one_call_at_a_time() {
-        let prompt = [5u32, 17, 300, 42, 7, 99];
-        let (p, n, stop) = (prompt.len(), 9, 4);
-        for dir in fixture_dirs() {
-            let m = model::load(&dir, Cpu::fast()).unwrap();
-            let model = &m.model;
-            let label = dir.display();
-            let GreedyReference {
-                state: mut a,
-                first,
-                tokens: want,
-                probs,
-            } = greedy_reference(model, &prompt, n);
-
-            let mut fresh = model.new_state(p + n);
-            model.forward(&mut fresh, &prompt, p - 1).unwrap();
-            a.pos = p;
-            for (which, s) in [("fresh state", &mut fresh), ("used state", &mut a)] {
-                let mut got = Vec::new();
-                let q = model.decode_queued(
-                    s,
-                    first,
-                    n,
-                    &mut |t| {
-                        got.push(t);
-                        true
-                    },
-                    true,
-                );
-                assert_eq!(got, want, "{label} {which}");
-                assert_eq!((q.delivered, q.last, q.stopped), (n, want[n - 1], false));
-                assert_eq!(s.pos, p + n, "{label} {which}");
-                assert_eq!(s.router_probs, probs[n - 1], "{label} {which}");
-            }
-
-            a.pos = p;
-            let mut got = Vec::new();
-            let q = model.decode_queued(
-                &mut a,
-                first,
-                n,
-                &mut |t| {
-                    got.push(t);
-                    got.len() < stop
-                },
-                true,
-            );
-            assert_eq!(got, want[..stop], "{label} stopped");
-            assert_eq!((q.delivered, q.stopped), (stop, true), "{label}");
-            assert_eq!(
-                a.pos,
-                p + stop,
-                "{label}: the step past the stop is not counted"
-            );
-            assert_eq!(a.router_probs, probs[stop - 1], "{label} stopped");
-            let next = model.decode_greedy(&mut a, want[stop - 1]).unwrap();
-            assert_eq!(next, want[stop], "{label}: decode_greedy after the stop");
-            let logits = model.forward(&mut a, &[next], 0).unwrap();
-            assert_eq!(argmax(&logits), want[stop + 1], "{label}: forward after it");
-        }
     }
 }

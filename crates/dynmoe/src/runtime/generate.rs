@@ -5,7 +5,7 @@ use serde::Serialize;
 
 use crate::backend::Backend;
 use crate::checkpoint::Tokenizer;
-use crate::model::{argmax, Error, LoadedModel};
+use crate::model::{argmax, DecodeOptions, Error, LoadedModel};
 use crate::rng::Rng;
 
 /// Sampling parameters.
@@ -181,8 +181,13 @@ pub fn generate_ids<B: Backend>(
         } else {
             emit(&mut out, &m.tokenizer, first, on_token)?;
             let mut failed = None;
-            m.model
-                .decode_greedy_many(&mut state, first, max_tokens - 1, &mut |t| {
+            m.model.decode(
+                &mut state,
+                first,
+                DecodeOptions {
+                    max_tokens: max_tokens - 1,
+                },
+                &mut |t| {
                     if stop.contains(&t) {
                         stopped_at_eos = true;
                         return false;
@@ -194,7 +199,8 @@ pub fn generate_ids<B: Backend>(
                             false
                         }
                     }
-                })?;
+                },
+            )?;
             if let Some(e) = failed {
                 return Err(e);
             }

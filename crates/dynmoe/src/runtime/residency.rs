@@ -14,9 +14,16 @@ use crate::store::plan::Plan;
 /// Why resident sets could not be set up.
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
-    /// Options that contradict each other or the model.
-    #[error("{0}")]
-    Request(String),
+    /// A static set asked for with no calibration text to choose its experts.
+    #[error("a static resident set needs a calibration text to choose its experts")]
+    StaticWithoutCalibration,
+    /// A resident share, count or calibration text asked of a plan, which sets each
+    /// layer's resident experts itself.
+    #[error("a plan sets each layer's resident experts; drop the resident share or count and the calibration text")]
+    PlanSetsResidency,
+    /// A swap margin that is negative or not a number.
+    #[error("the swap margin must be >= 0, got {0}")]
+    SwapMargin(f32),
     /// The sets or their reservoir could not be made.
     #[error(transparent)]
     Residency(#[from] residency::Error),
@@ -56,9 +63,7 @@ impl ResidencyRequest {
     fn config_with(&self, resident: ResidentCount) -> Result<ResidencyConfig, SetupError> {
         let margin = self.config.policy.margin;
         if margin.is_nan() || margin < 0.0 {
-            return Err(SetupError::Request(format!(
-                "the swap margin must be >= 0, got {margin}"
-            )));
+            return Err(SetupError::SwapMargin(margin));
         }
         Ok(ResidencyConfig {
             resident,
@@ -75,11 +80,7 @@ impl ResidencyRequest {
         plan: &Plan,
     ) -> Result<ResidencyConfig, SetupError> {
         if self.resident.is_some() || self.calib.is_some() {
-            return Err(SetupError::Request(
-                "a plan sets each layer's resident experts; drop the resident share or count \
-                 and the calibration text"
-                    .into(),
-            ));
+            return Err(SetupError::PlanSetsResidency);
         }
         let config = self.config_with(ResidentCount::Initial)?;
         follow_plan(m, plan, config)?;
@@ -111,9 +112,7 @@ impl ResidencyRequest {
         let initial = match &self.calib {
             Some((text, chunks)) => reap_saliency(m, text, 512, Some(*chunks), progress)?.ranking(),
             None if config.mode == Mode::Static => {
-                return Err(SetupError::Request(
-                    "a static resident set needs a calibration text to choose its experts".into(),
-                ))
+                return Err(SetupError::StaticWithoutCalibration)
             }
             None => BTreeMap::new(),
         };
