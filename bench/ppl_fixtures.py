@@ -84,7 +84,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="tiny-moe,small-moe")
     ap.add_argument("--binary", default=str(ROOT / "target/release/dynmoe"))
-    ap.add_argument("--wikitext", default=str(ROOT / "../shared/data/wikitext-2-raw/wiki.test.raw"))
+    ap.add_argument("--wikitext", default=str(ROOT / "data/wikitext-2-raw/wiki.test.raw"))
     ap.add_argument("--bits", default="bf16",
                     help="precisions: bf16, expert bits 4, 3, 2 (affine stores) and/or VQ rungs vq1.5, vq2, ...")
     ap.add_argument("--chunks", type=int, default=None, help="evaluate at most this many chunks per text")
@@ -97,8 +97,7 @@ def main() -> int:
         model = ROOT / "fixtures/models" / name
         reference = transformers_ppl(model)
         texts = [(d, ROOT / "data/corpus" / d / "test.txt") for d in DOMAINS]
-        if Path(args.wikitext).exists():
-            texts.append(("wikitext2", Path(args.wikitext)))
+        texts.append(("wikitext2", Path(args.wikitext)))
         converted = None
         for precision in args.bits.split(","):
             run_dir, extra = model, []

@@ -61,7 +61,7 @@ struct DemoReport {
     params_total: u64,
     params_active_per_token: u64,
     domains: Vec<DomainResult>,
-    wikitext2: Option<ppl::PplReport>,
+    wikitext2: ppl::PplReport,
     stores: Vec<StoreResult>,
 }
 
@@ -150,20 +150,16 @@ pub fn run(a: DemoArgs) -> Result<()> {
             perplexity: report,
         });
     }
-    let wiki = root.join("../shared/data/wikitext-2-raw/wiki.test.raw");
-    let wikitext2 = if wiki.exists() {
-        let text = std::fs::read_to_string(&wiki)?;
-        let report = ppl::perplexity(&m, &text, opts, &mut |_, _| {})?;
-        if !a.json {
-            println!(
-                "\n[wikitext-2] PPL = {:.3} +/- {:.3} over {} tokens",
-                report.ppl, report.ppl_stderr, report.tokens_scored
-            );
-        }
-        Some(report)
-    } else {
-        None
-    };
+    let wiki = root.join("data/wikitext-2-raw/wiki.test.raw");
+    let text =
+        std::fs::read_to_string(&wiki).with_context(|| format!("reading {}", wiki.display()))?;
+    let wikitext2 = ppl::perplexity(&m, &text, opts, &mut |_, _| {})?;
+    if !a.json {
+        println!(
+            "\n[wikitext-2] PPL = {:.3} +/- {:.3} over {} tokens",
+            wikitext2.ppl, wikitext2.ppl_stderr, wikitext2.tokens_scored
+        );
+    }
     let texts: Vec<String> = DOMAINS
         .iter()
         .map(|d| std::fs::read_to_string(corpus.join(d).join("test.txt")))

@@ -61,7 +61,7 @@ pub struct QualityArgs {
     #[arg(long, default_value = "data/corpus")]
     corpus: PathBuf,
     /// WikiText-2 test split, scored too when the file exists.
-    #[arg(long, default_value = "../shared/data/wikitext-2-raw/wiki.test.raw")]
+    #[arg(long, default_value = "data/wikitext-2-raw/wiki.test.raw")]
     wikitext: PathBuf,
     /// Calibration chunks per domain for each probe.
     #[arg(long, default_value_t = 2)]

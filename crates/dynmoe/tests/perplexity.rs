@@ -98,11 +98,8 @@ fn small_model_beats_tiny_and_chance_on_every_domain() {
 
 #[test]
 fn wikitext2_gives_a_finite_perplexity() {
-    let path = root().join("../shared/data/wikitext-2-raw/wiki.test.raw");
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        eprintln!("skipped: {} is not present", path.display());
-        return;
-    };
+    let path = root().join("data/wikitext-2-raw/wiki.test.raw");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let r = ppl(&load("small-moe"), &text, Some(4));
     assert_eq!((r.chunks, r.tokens_scored), (4, 4 * 255));
     assert!(r.ppl.is_finite() && r.ppl > 1.0, "{}", r.ppl);
