@@ -521,9 +521,9 @@ def model_speed():
              prompt then 128 greedy decode steps, medians of 3 runs, tokens per second.
              Experts `qB` are the affine stores, `vq1.5` a compressed directory whose plan puts
              every MoE layer at that rung; "dense" is the codec of the attention projections
-             and the LM head. Decode is queued (`Model::decode_greedy_many`: each step is
+             and the LM head. Decode is queued (`Model::decode` of many tokens: each step is
              queued before the host has read the last token) / token by token
-             (`Model::decode_greedy`) / eager (without the CUDA graph) / logits (through
+             (`Model::decode` of one token a call) / eager (without the CUDA graph) / logits (through
              `Model::forward`, the logits read back every token), `–` where the run did not
              measure it. MB a token is what one decode step reads; the floor is those bytes at
              the copy kernel's bandwidth; "agree" says every decode path chose the same
