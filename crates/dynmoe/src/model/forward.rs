@@ -507,33 +507,13 @@ impl<B: Backend> Model<B> {
         moe: &mut MoeRun<'_, '_, B>,
     ) {
         let (c, b) = (&self.config, &self.backend);
-        let (h, e, eps) = (c.hidden_size, c.moe.num_experts, c.rms_norm_eps);
+        let e = c.moe.num_experts;
         let routing = Routing {
             top_k: c.moe.top_k,
             router: c.moe.router,
         };
-        let post = &layer.post_attention_layernorm;
         let Ffn::Moe(block) = &layer.mlp else {
-            match pass {
-                Pass::Chunk { .. } => {
-                    let (x, xn) = (&mut acts.x, &mut acts.xn);
-                    b.add_rms_norm(x, &acts.attn_out, post, rows, h, eps, xn);
-                }
-                Pass::Step { .. } => {
-                    let x_next = acts
-                        .x_next
-                        .as_mut()
-                        .expect("a step has a second residual buffer");
-                    let n = AddNorm {
-                        x: &acts.x,
-                        delta: Some(&acts.attn_out),
-                        w: post,
-                        eps,
-                    };
-                    b.add_rms_norm_to(n, rows, h, x_next, &mut acts.xn);
-                    std::mem::swap(&mut acts.x, x_next);
-                }
-            }
+            self.post_attention_norm(pass, layer, rows, acts);
             if let Ffn::Dense(mlp) = &layer.mlp {
                 moe::dense(b, mlp, &acts.xn, rows, &mut acts.delta);
             }
@@ -543,8 +523,7 @@ impl<B: Backend> Model<B> {
         let at = i * rows * e;
         let routed = match pass {
             Pass::Chunk { .. } => {
-                let (x, xn) = (&mut acts.x, &mut acts.xn);
-                b.add_rms_norm(x, &acts.attn_out, post, rows, h, eps, xn);
+                self.post_attention_norm(pass, layer, rows, acts);
                 let set = moe.sets.as_mut().and_then(|s| s.layer(i));
                 // On the backend: a layer with no set when nothing watches each layer,
                 // and a layer whose set lives in the backend's memory.
@@ -580,6 +559,8 @@ impl<B: Backend> Model<B> {
                 routed
             }
             Pass::Step { .. } => {
+                // The residual add and the norm folded into the router's reading of its
+                // input where the block routes on the backend.
                 let x_next = acts
                     .x_next
                     .as_mut()
@@ -587,8 +568,8 @@ impl<B: Backend> Model<B> {
                 let n = AddNorm {
                     x: &acts.x,
                     delta: Some(&acts.attn_out),
-                    w: post,
-                    eps,
+                    w: &layer.post_attention_layernorm,
+                    eps: c.rms_norm_eps,
                 };
                 let slots = moe
                     .sets
@@ -612,11 +593,10 @@ impl<B: Backend> Model<B> {
                     at,
                     slots,
                 );
-                if !routed {
-                    b.add_rms_norm_to(n, rows, h, x_next, &mut acts.xn);
-                }
-                std::mem::swap(&mut acts.x, x_next);
-                if !routed {
+                if routed {
+                    std::mem::swap(&mut acts.x, x_next);
+                } else {
+                    self.post_attention_norm(pass, layer, rows, acts);
                     let (x, out) = (&acts.xn, &mut acts.delta);
                     let p = moe::forward(b, block, routing, x, rows, out, None, false);
                     moe.host.push((i, p));
@@ -633,6 +613,42 @@ impl<B: Backend> Model<B> {
                 let mut host = vec![0.0f32; at + rows * e];
                 b.download(p, &mut host);
                 o.observe(b, i, block, &acts.xn, rows, &host[at..]);
+            }
+        }
+    }
+
+    /// The residual add of the attention output and the norm after it, into `acts.xn`:
+    /// in place in a chunk, into the second residual buffer (then swapped) in a step.
+    fn post_attention_norm(
+        &self,
+        pass: Pass<'_, B::Tensor>,
+        layer: &Layer<B>,
+        rows: usize,
+        acts: &mut Activations<B::Tensor>,
+    ) {
+        let (c, b) = (&self.config, &self.backend);
+        let (h, eps, w) = (
+            c.hidden_size,
+            c.rms_norm_eps,
+            &layer.post_attention_layernorm,
+        );
+        match pass {
+            Pass::Chunk { .. } => {
+                b.add_rms_norm(&mut acts.x, &acts.attn_out, w, rows, h, eps, &mut acts.xn);
+            }
+            Pass::Step { .. } => {
+                let x_next = acts
+                    .x_next
+                    .as_mut()
+                    .expect("a step has a second residual buffer");
+                let n = AddNorm {
+                    x: &acts.x,
+                    delta: Some(&acts.attn_out),
+                    w,
+                    eps,
+                };
+                b.add_rms_norm_to(n, rows, h, x_next, &mut acts.xn);
+                std::mem::swap(&mut acts.x, x_next);
             }
         }
     }
