@@ -604,9 +604,7 @@ fn measure<B: Backend>(
         m.model.decode(
             &mut state,
             first,
-            DecodeOptions {
-                max_tokens: generate,
-            },
+            DecodeOptions::greedy(generate),
             &mut |next| {
                 tokens[0].push(next);
                 true
@@ -813,9 +811,7 @@ fn print_timeline(
     m.model.decode(
         &mut state,
         first,
-        DecodeOptions {
-            max_tokens: generate,
-        },
+        DecodeOptions::greedy(generate),
         &mut |_| true,
     )?;
     let marks = b.timeline_take()?;

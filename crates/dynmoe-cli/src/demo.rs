@@ -4,10 +4,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::Args;
+use dynmoe::backend::sample::Sampling;
 use dynmoe::backend::Cpu;
 use dynmoe::eval::{inspect, ppl};
 use dynmoe::model::ExpertBits;
-use dynmoe::runtime::generate::{self, Sampling};
+use dynmoe::runtime::generate;
 use dynmoe::store;
 use serde::Serialize;
 

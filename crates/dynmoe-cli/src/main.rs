@@ -15,11 +15,12 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use dynmoe::backend::sample::Sampling;
 use dynmoe::backend::{Backend, Cpu};
 use dynmoe::codec::Codec;
 use dynmoe::eval::{bits, inspect, ppl};
 use dynmoe::model::{self, Codecs, ExpertBits, LoadedModel};
-use dynmoe::runtime::generate::{self, Sampling};
+use dynmoe::runtime::generate;
 
 /// Mixture-of-Experts models at 1.5-2 resident bits per weight, with a resident expert
 /// set that follows the text.
@@ -263,10 +264,23 @@ pub(crate) struct SamplingArgs {
     /// Keep only the k most likely tokens (0: all).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
-    /// Nucleus sampling threshold.
+    /// Keep the fewest most likely tokens whose probability reaches p (1: all).
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
-    /// Sampler seed.
+    /// Keep tokens at least this fraction as likely as the most likely one (0: all).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Above 1, makes tokens the text already holds less likely (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Subtracted from the logit of every token the text already holds.
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    /// Subtracted from a token's logit once per time the text already holds it.
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    /// Sampler seed: the same seed, prompt and settings give the same text on every
+    /// backend.
     #[arg(long, default_value_t = 0)]
     seed: u64,
 }
@@ -274,18 +288,23 @@ pub(crate) struct SamplingArgs {
 impl SamplingArgs {
     /// The settings, refused when out of range.
     pub(crate) fn checked(&self) -> Result<Sampling> {
-        if self.top_p.is_nan() || self.top_p <= 0.0 || self.top_p > 1.0 {
-            anyhow::bail!("--top-p must be in (0, 1], got {}", self.top_p);
-        }
         if self.temperature.is_nan() || self.temperature < 0.0 {
             anyhow::bail!("--temperature must be >= 0, got {}", self.temperature);
         }
-        Ok(Sampling {
+        let s = Sampling {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
             seed: self.seed,
-        })
+        };
+        // The settings' own names, as flags.
+        s.check()
+            .map_err(|why| anyhow::anyhow!("--{}", why.replacen('_', "-", 2)))?;
+        Ok(s)
     }
 }
 

@@ -281,9 +281,10 @@ fn chat_with(input: &str, extra: &[&str]) -> Output {
 
 #[test]
 fn chat_reads_piped_lines_keeps_history_and_reports_speed() {
+    use dynmoe::backend::sample::Sampling;
     use dynmoe::backend::Cpu;
     use dynmoe::runtime::chat::{stop_tokens, ChatTemplate, Message};
-    use dynmoe::runtime::generate::{generate_ids, Sampling};
+    use dynmoe::runtime::generate::generate_ids;
 
     let out = chat_with("Hello there\n\nWrite a loop\n", &["--system", "Be brief."]);
     assert!(

@@ -191,7 +191,7 @@ pub fn decode_one<B: crate::backend::Backend>(
     token: u32,
 ) -> Result<u32, crate::model::Error> {
     let mut next = None;
-    let opts = crate::model::DecodeOptions { max_tokens: 1 };
+    let opts = crate::model::DecodeOptions::greedy(1);
     model.decode(state, token, opts, &mut |t| {
         next = Some(t);
         true

@@ -15,6 +15,7 @@ use std::sync::OnceLock;
 use dynmoe::backend::cuda::{DecodeAttention, PrefillAttention};
 use dynmoe::backend::route::confine;
 use dynmoe::backend::route::route;
+use dynmoe::backend::sample::Sampling;
 use dynmoe::backend::{
     AddNorm, AttentionShape, Backend, Cpu, Cuda, DeviceRoute, HeadNorm, MoeInput, RoutedExperts,
     SwiGluGroup, Weight,
@@ -23,7 +24,7 @@ use dynmoe::checkpoint::config::Router;
 use dynmoe::codec::affine::AffineMatrix;
 use dynmoe::eval::ppl::{perplexity, PplOptions};
 use dynmoe::model::{self, Codecs, ExpertBits};
-use dynmoe::runtime::generate::{generate_ids, Sampling};
+use dynmoe::runtime::generate::generate_ids;
 use dynmoe::testing::{
     fixture, fixtures_root, fresh, greedy_reference, rel_err, GreedyReference, Rng, TempDir,
 };
@@ -2500,7 +2501,7 @@ fn queued_decode_is_decode_token_by_token_on_the_device() {
             .decode(
                 &mut s,
                 first,
-                dynmoe::model::DecodeOptions { max_tokens: n },
+                dynmoe::model::DecodeOptions::greedy(n),
                 &mut |t| {
                     got.push(t);
                     true
@@ -2531,7 +2532,7 @@ fn queued_decode_is_decode_token_by_token_on_the_device() {
             .decode(
                 &mut s,
                 first,
-                dynmoe::model::DecodeOptions { max_tokens: n },
+                dynmoe::model::DecodeOptions::greedy(n),
                 &mut |t| {
                     got.push(t);
                     got.len() < stop

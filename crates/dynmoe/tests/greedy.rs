@@ -3,9 +3,10 @@
 //! the 24 tokens transformers' `generate(do_sample=False)` produced for the same
 //! checkpoint (`greedy.json`, written by `tools/fixtures/train.py greedy`).
 
+use dynmoe::backend::sample::Sampling;
 use dynmoe::backend::Cpu;
 use dynmoe::model;
-use dynmoe::runtime::generate::{generate_ids, Sampling};
+use dynmoe::runtime::generate::generate_ids;
 use dynmoe::testing::{fixture_dirs, greedy_reference, GreedyReference};
 
 #[derive(serde::Deserialize)]
@@ -110,7 +111,7 @@ fn decode_is_forward_and_argmax() {
 fn decode_of_many_tokens_is_decode_token_by_token() {
     use dynmoe::model::{argmax, DecodeOptions, Error};
     use dynmoe::testing::decode_one;
-    let at_most = |max_tokens| DecodeOptions { max_tokens };
+    let at_most = DecodeOptions::greedy;
     let prompt = [5u32, 17, 300, 42, 7, 99, 1000, 3];
     let (p, n, stop) = (prompt.len(), 10, 3);
     for dir in fixture_dirs() {

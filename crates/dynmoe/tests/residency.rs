@@ -5,12 +5,13 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use dynmoe::backend::sample::Sampling;
 use dynmoe::backend::Cpu;
 use dynmoe::checkpoint::Checkpoint;
 use dynmoe::checkpoint::{experts::ExpertShape, experts::ExpertTensors};
 use dynmoe::model::{self, ExpertBits};
 use dynmoe::residency::{Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount};
-use dynmoe::runtime::generate::{generate_ids, Sampling};
+use dynmoe::runtime::generate::generate_ids;
 use dynmoe::store::records::Buffer;
 use dynmoe::testing::{fixture, rel_err, TempDir};
 use safetensors::tensor::TensorView;
@@ -368,9 +369,8 @@ fn decode_from_a_disk_reservoir_does_not_stall() {
     let ids = tokens(&m);
     let sampling = Sampling {
         temperature: 1.0,
-        top_k: 0,
-        top_p: 1.0,
         seed: 7,
+        ..Sampling::GREEDY
     };
     let g = generate_ids(&m, &ids, 300, sampling, &[], &mut |_| {}).unwrap();
     assert_eq!(g.tokens.len(), 300);
@@ -609,9 +609,8 @@ fn vq_decode_from_a_disk_reservoir_does_not_stall() {
     let ids = tokens(&m);
     let sampling = Sampling {
         temperature: 1.0,
-        top_k: 0,
-        top_p: 1.0,
         seed: 7,
+        ..Sampling::GREEDY
     };
     let g = generate_ids(&m, &ids, 300, sampling, &[], &mut |_| {}).unwrap();
     assert_eq!(g.tokens.len(), 300);

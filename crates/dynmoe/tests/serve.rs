@@ -6,11 +6,12 @@ use std::io::{BufRead, BufReader};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use dynmoe::backend::sample::Sampling;
 use dynmoe::backend::Cpu;
 use dynmoe::checkpoint::Tokenizer;
 use dynmoe::model::{self, LoadedModel};
 use dynmoe::runtime::chat::{self, ChatTemplate, Message};
-use dynmoe::runtime::generate::{generate, generate_ids, Sampling};
+use dynmoe::runtime::{generate::generate, generate::generate_ids};
 use dynmoe::serve::engine::EngineOptions;
 use dynmoe::serve::{metrics, spawn, Running, ServeOptions};
 use dynmoe::testing::{fixture, TempDir};

@@ -11,6 +11,7 @@ pub mod cpu;
 pub mod cuda;
 
 pub mod route;
+pub mod sample;
 
 pub use cpu::Cpu;
 #[cfg(feature = "cuda")]
@@ -18,6 +19,7 @@ pub use cuda::Cuda;
 
 use crate::codec::affine::kernels::AffineView;
 use crate::codec::vq::VqView;
+use sample::Sampling;
 
 /// A compute backend.
 pub trait Backend: Send + Sync {
@@ -421,6 +423,63 @@ pub trait Backend: Send + Sync {
             o[at + r] = f32::from_bits(best as u32);
         }
         self.upload_into(&o, out);
+    }
+
+    /// The next token of a decode step picked from `logits` (`[V]`) by `s`, its id's bits
+    /// written to `out[at]` (the other values of `out` are kept): the draw is the one for
+    /// the position after `step[1]`, the penalties read `counts` (`[V]`, each token's
+    /// occurrences in the sequence) as [`sample::sample`] defines. The default reads them
+    /// back and picks on the host; a backend whose [`samples_on_device`] is true does it
+    /// without the host, so that a step that samples can be recorded.
+    ///
+    /// [`samples_on_device`]: Self::samples_on_device
+    #[allow(clippy::too_many_arguments)]
+    fn sample_at(
+        &self,
+        logits: &Self::Tensor,
+        vocab: usize,
+        s: &Sampling,
+        counts: Option<&Self::Tensor>,
+        step: &Self::Tensor,
+        out: &mut Self::Tensor,
+        at: usize,
+    ) {
+        let mut l = vec![0.0f32; vocab];
+        self.download(logits, &mut l);
+        let counts: Vec<u32> = counts.map_or_else(Vec::new, |c| {
+            let mut v = vec![0.0f32; vocab];
+            self.download(c, &mut v);
+            v.iter().map(|&n| n as u32).collect()
+        });
+        let [_, pos] = self.step_values(step);
+        let token = sample::sample(&l, &counts, s, pos as u64 + 1);
+        let mut o = vec![0.0f32; at + 1];
+        self.download(out, &mut o);
+        o[at] = f32::from_bits(token);
+        self.upload_into(&o, out);
+    }
+
+    /// Whether [`sample_at`](Self::sample_at) and [`count_token`](Self::count_token) run
+    /// without the host.
+    fn samples_on_device(&self) -> bool {
+        false
+    }
+
+    /// `counts[t] += 1` for the token `t` whose bits are at `chosen[at]` (where
+    /// [`sample_at`](Self::sample_at) left it). The default goes through the host.
+    fn count_token(
+        &self,
+        counts: &mut Self::Tensor,
+        vocab: usize,
+        chosen: &Self::Tensor,
+        at: usize,
+    ) {
+        let mut c = vec![0.0f32; at + 1];
+        self.download(chosen, &mut c);
+        let mut n = vec![0.0f32; vocab];
+        self.download(counts, &mut n);
+        n[c[at].to_bits() as usize] += 1.0;
+        self.upload_into(&n, counts);
     }
 
     /// Readies a decode step tensor for the next step without the host: `step[0]` takes

@@ -61,6 +61,12 @@ pub struct State<B: Backend> {
     id: usize,
     /// Buffers of [`Model::decode`]'s steps, made on the first.
     step: Option<decode::StepBuffers<B>>,
+    /// The tokens at positions `0 .. pos` (and beyond, left by a call that was rewound):
+    /// what sampling penalties count.
+    tokens: Vec<u32>,
+    /// `[V]` how many times each token occurs in the sequence, as the backend's sampler
+    /// reads them; made by the first decode that penalizes.
+    counts: Option<B::Tensor>,
 }
 
 impl<B: Backend> State<B> {
@@ -262,6 +268,8 @@ impl<B: Backend> Model<B> {
                 NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             },
             step: None,
+            tokens: Vec::new(),
+            counts: None,
         }
     }
 
@@ -350,6 +358,8 @@ impl<B: Backend> Model<B> {
             &mut moe,
         );
         let MoeRun { routed, host, .. } = moe;
+        state.tokens.truncate(state.pos);
+        state.tokens.extend_from_slice(tokens);
         state.pos += n;
         // Rows whose logits are wanted.
         let m = n - logits_from;

@@ -1,97 +1,12 @@
-//! Text generation: prefill the prompt in one chunk, then decode token by token with a
-//! seeded sampler (greedy at temperature 0).
+//! Text generation: prefill the prompt in one chunk, then decode token by token, each
+//! token picked by the sampling settings (`backend::sample`; greedy at temperature 0).
 
 use serde::Serialize;
 
+use crate::backend::sample::{self, Sampling};
 use crate::backend::Backend;
 use crate::checkpoint::Tokenizer;
-use crate::model::{argmax, DecodeOptions, Error, LoadedModel};
-use crate::rng::Rng;
-
-/// Sampling parameters.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Sampling {
-    /// 0 means greedy.
-    pub temperature: f32,
-    /// Keep only the k most likely tokens (0: all).
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches p (1: all).
-    pub top_p: f32,
-    /// Seed of the sampler.
-    pub seed: u64,
-}
-
-impl Default for Sampling {
-    fn default() -> Self {
-        Sampling {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: 0,
-        }
-    }
-}
-
-/// Picks tokens from logits.
-pub struct Sampler {
-    params: Sampling,
-    rng: Rng,
-}
-
-impl Sampler {
-    /// A sampler with these parameters.
-    pub fn new(params: Sampling) -> Sampler {
-        Sampler {
-            params,
-            rng: Rng::seeded(params.seed),
-        }
-    }
-
-    /// The next token from one row of logits.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = self.params;
-        if p.temperature <= 0.0 {
-            return argmax(logits);
-        }
-        let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-        order.sort_by(|&a, &b| {
-            logits[b as usize]
-                .total_cmp(&logits[a as usize])
-                .then(a.cmp(&b))
-        });
-        if p.top_k > 0 {
-            order.truncate(p.top_k);
-        }
-        let max = logits[order[0] as usize];
-        let mut probs: Vec<f32> = order
-            .iter()
-            .map(|&t| ((logits[t as usize] - max) / p.temperature).exp())
-            .collect();
-        let sum: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|v| *v /= sum);
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            let keep = probs
-                .iter()
-                .position(|&v| {
-                    acc += v;
-                    acc >= p.top_p
-                })
-                .map_or(probs.len(), |i| i + 1);
-            probs.truncate(keep);
-            order.truncate(keep);
-        }
-        let total: f32 = probs.iter().sum();
-        let mut u = self.rng.uniform() * total;
-        for (&t, &v) in order.iter().zip(&probs) {
-            if u < v {
-                return t;
-            }
-            u -= v;
-        }
-        *order.last().expect("at least one candidate")
-    }
-}
+use crate::model::{DecodeOptions, Error, LoadedModel};
 
 /// What a generation produced and how fast.
 #[derive(Debug, Clone, Serialize)]
@@ -147,12 +62,14 @@ pub fn generate_ids<B: Backend>(
     stop: &[u32],
     on_token: &mut dyn FnMut(&str),
 ) -> Result<Generation, Error> {
+    if let Err(why) = sampling.check() {
+        return Err(Error::Config(format!("sampling: {why}")));
+    }
     let mut state = m.model.new_state(ids.len() + max_tokens);
-    let mut sampler = Sampler::new(sampling);
     let vocab = m.model.config.vocab_size;
 
     let t0 = std::time::Instant::now();
-    let mut logits = m
+    let logits = m
         .model
         .forward(&mut state, ids, ids.len().saturating_sub(1))?;
     let prefill = t0.elapsed().as_secs_f64();
@@ -160,47 +77,36 @@ pub fn generate_ids<B: Backend>(
     let t1 = std::time::Instant::now();
     let mut out = TextStream::default();
     let mut stopped_at_eos = false;
-    if sampling.temperature > 0.0 {
-        while out.tokens().len() < max_tokens {
-            let next = sampler.sample(&logits[..vocab]);
-            if stop.contains(&next) {
-                stopped_at_eos = true;
-                break;
-            }
-            emit(&mut out, &m.tokenizer, next, on_token)?;
-            if out.tokens().len() < max_tokens {
-                logits = m.model.forward(&mut state, &[next], 0)?;
-            }
-        }
-    } else if max_tokens > 0 {
+    if max_tokens > 0 {
         // The first token is the prefill's; the backend picks the rest, its steps queued
         // back to back, and each token is handed out here while the next step runs.
-        let first = sampler.sample(&logits[..vocab]);
+        let counts = match sampling.penalizes() {
+            true => sample::counts(ids, vocab),
+            false => Vec::new(),
+        };
+        let first = sample::sample(&logits[..vocab], &counts, &sampling, ids.len() as u64);
         if stop.contains(&first) {
             stopped_at_eos = true;
         } else {
             emit(&mut out, &m.tokenizer, first, on_token)?;
             let mut failed = None;
-            m.model.decode(
-                &mut state,
-                first,
-                DecodeOptions {
-                    max_tokens: max_tokens - 1,
-                },
-                &mut |t| {
-                    if stop.contains(&t) {
-                        stopped_at_eos = true;
-                        return false;
+            let opts = DecodeOptions {
+                max_tokens: max_tokens - 1,
+                sampling,
+            };
+            m.model.decode(&mut state, first, opts, &mut |t| {
+                if stop.contains(&t) {
+                    stopped_at_eos = true;
+                    return false;
+                }
+                match emit(&mut out, &m.tokenizer, t, on_token) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        failed = Some(e);
+                        false
                     }
-                    match emit(&mut out, &m.tokenizer, t, on_token) {
-                        Ok(()) => true,
-                        Err(e) => {
-                            failed = Some(e);
-                            false
-                        }
-                    }
-                },
-            )?;
+                }
+            })?;
             if let Some(e) = failed {
                 return Err(e);
             }
@@ -301,48 +207,5 @@ impl TextStream {
     /// Everything not yet taken.
     pub fn take_rest(&mut self) -> &str {
         self.take_until(self.text.len())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn greedy_takes_the_argmax() {
-        let mut s = Sampler::new(Sampling::default());
-        assert_eq!(s.sample(&[0.1, 3.0, -1.0, 2.9]), 1);
-    }
-
-    #[test]
-    fn top_k_one_is_greedy_at_any_temperature() {
-        let mut s = Sampler::new(Sampling {
-            temperature: 5.0,
-            top_k: 1,
-            top_p: 1.0,
-            seed: 9,
-        });
-        for _ in 0..20 {
-            assert_eq!(s.sample(&[0.1, 3.0, -1.0, 2.9]), 1);
-        }
-    }
-
-    #[test]
-    fn same_seed_same_samples() {
-        let params = Sampling {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 0.9,
-            seed: 42,
-        };
-        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
-        let (mut a, mut b) = (Sampler::new(params), Sampler::new(params));
-        let xs: Vec<u32> = (0..30).map(|_| a.sample(&logits)).collect();
-        let ys: Vec<u32> = (0..30).map(|_| b.sample(&logits)).collect();
-        assert_eq!(xs, ys);
-        assert!(
-            xs.iter().collect::<std::collections::HashSet<_>>().len() > 1,
-            "sampling never varied"
-        );
     }
 }

@@ -4,8 +4,8 @@
 use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 
+use crate::backend::sample::Sampling;
 use crate::runtime::chat::Message;
-use crate::runtime::generate::Sampling;
 
 /// An error answered as `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone, PartialEq)]
@@ -299,6 +299,26 @@ impl Fields {
         let seed = self
             .get::<u64>("seed", "a non-negative integer")?
             .unwrap_or(default_seed);
+        // OpenAI's penalties (in [-2, 2]) and the min-p and repetition penalty that vLLM
+        // and llama-server take beside them.
+        let number = |field: &'static str, default: f64, range: std::ops::RangeInclusive<f64>| {
+            let v = self.get::<f64>(field, "a number")?.unwrap_or(default);
+            if !range.contains(&v) {
+                return Err(ApiError::invalid(
+                    field,
+                    format!(
+                        "{field} must be in [{}, {}], got {v}",
+                        range.start(),
+                        range.end()
+                    ),
+                ));
+            }
+            Ok(v as f32)
+        };
+        let presence_penalty = number("presence_penalty", 0.0, -2.0..=2.0)?;
+        let frequency_penalty = number("frequency_penalty", 0.0, -2.0..=2.0)?;
+        let min_p = number("min_p", 0.0, 0.0..=1.0)?;
+        let repetition_penalty = number("repetition_penalty", 1.0, 0.01..=10.0)?;
         let stop = match self.raw("stop") {
             None => Vec::new(),
             Some(Value::String(s)) => vec![s.clone()],
@@ -333,6 +353,10 @@ impl Fields {
                 temperature: temperature as f32,
                 top_k,
                 top_p: top_p as f32,
+                min_p,
+                repetition_penalty,
+                presence_penalty,
+                frequency_penalty,
                 seed,
             },
             stop,

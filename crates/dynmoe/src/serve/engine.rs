@@ -20,9 +20,11 @@ use std::time::Instant;
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
+use crate::backend::sample;
+use crate::backend::sample::Sampling;
 use crate::backend::Backend;
 use crate::model::{LoadedModel, State};
-use crate::runtime::generate::{Sampler, Sampling, TextStream};
+use crate::runtime::generate::TextStream;
 
 /// How much the engine takes on.
 #[derive(Debug, Clone, Copy)]
@@ -258,7 +260,8 @@ struct Sequence<B: Backend> {
     request: Request,
     events: UnboundedSender<Event>,
     state: State<B>,
-    sampler: Sampler,
+    /// How many times the sequence holds each token, when a penalty reads it.
+    counts: Vec<u32>,
     /// Tokens the next forward runs: the prompt, then the last sampled token.
     feed: Vec<u32>,
     out: TextStream,
@@ -293,7 +296,12 @@ fn schedule<B: Backend>(model: &LoadedModel<B>, shared: &Shared) {
                     let capacity = p.request.prompt.len() + p.request.max_tokens;
                     active.push(Sequence {
                         state: model.model.new_state(capacity),
-                        sampler: Sampler::new(p.request.sampling),
+                        counts: match p.request.sampling.penalizes() {
+                            true => {
+                                sample::counts(&p.request.prompt, model.model.config.vocab_size)
+                            }
+                            false => Vec::new(),
+                        },
                         feed: p.request.prompt.clone(),
                         out: TextStream::default(),
                         request: p.request,
@@ -345,7 +353,12 @@ fn step<B: Backend>(model: &LoadedModel<B>, s: &mut Sequence<B>, m: &Metrics) ->
         m.prompt_tokens
             .fetch_add(s.feed.len() as u64, Ordering::Relaxed);
     }
-    let next = s.sampler.sample(&logits[..model.model.config.vocab_size]);
+    let vocab = model.model.config.vocab_size;
+    let position = s.state.pos as u64;
+    let next = sample::sample(&logits[..vocab], &s.counts, &s.request.sampling, position);
+    if let Some(c) = s.counts.get_mut(next as usize) {
+        *c += 1;
+    }
     let r = &s.request;
     let done = |s: &Sequence<B>, reason: FinishReason| Event::Done {
         reason,

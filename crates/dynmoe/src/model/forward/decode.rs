@@ -4,15 +4,35 @@
 //! next token is known, and a backend that records a step (a CUDA graph) replays it.
 
 use super::{finish_sets, Activations, Model, MoeRun, Pass, State};
+use crate::backend::sample::{self, Sampling};
 use crate::backend::{AddNorm, Backend, PendingRead};
 use crate::model::{argmax, Error};
 use crate::residency::Step;
 
-/// How [`Model::decode`] produces tokens: greedily, for now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How [`Model::decode`] produces tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DecodeOptions {
     /// Tokens to produce at most.
     pub max_tokens: usize,
+    /// How each token is picked from the logits ([`Sampling::GREEDY`]: the most probable).
+    pub sampling: Sampling,
+}
+
+impl DecodeOptions {
+    /// Up to `max_tokens` tokens, each the most probable.
+    pub fn greedy(max_tokens: usize) -> DecodeOptions {
+        DecodeOptions {
+            max_tokens,
+            sampling: Sampling::GREEDY,
+        }
+    }
+}
+
+/// What a step picks its token with: the settings, and the sequence's token counts when
+/// a penalty reads them (the step adds its token to them).
+struct Pick<'a, T> {
+    sampling: &'a Sampling,
+    counts: Option<&'a mut T>,
 }
 
 /// The buffers of a decode step, at fixed addresses so a backend can record the step once
@@ -56,6 +76,10 @@ impl<B: Backend> Model<B> {
         opts: DecodeOptions,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize, Error> {
+        if let Err(why) = opts.sampling.check() {
+            return Err(Error::Config(format!("sampling: {why}")));
+        }
+        self.ready_counts(state, first, &opts.sampling);
         let n = opts.max_tokens;
         let mut done = 0;
         let mut token = first;
@@ -66,7 +90,7 @@ impl<B: Backend> Model<B> {
             // One step left gains nothing from queueing; one past the cache is left to
             // `step`'s error.
             if queue && fit && room > 1 && (token as usize) < self.config.vocab_size {
-                let q = self.decode_queued(state, token, room, on_token, false);
+                let q = self.decode_queued(state, token, room, &opts.sampling, on_token, false);
                 done += q.delivered;
                 token = q.last;
                 if q.stopped {
@@ -75,7 +99,7 @@ impl<B: Backend> Model<B> {
                 queue = q.recorded;
                 continue;
             }
-            token = self.step(state, token)?;
+            token = self.step(state, token, &opts.sampling)?;
             done += 1;
             if !on_token(token) {
                 break;
@@ -87,7 +111,7 @@ impl<B: Backend> Model<B> {
     /// Runs one token at position `state.pos`, appends it to the cache and returns the
     /// most probable next token. With resident sets that do not all live in the
     /// backend's memory the step runs as [`forward`](Self::forward) does.
-    fn step(&self, state: &mut State<B>, token: u32) -> Result<u32, Error> {
+    fn step(&self, state: &mut State<B>, token: u32, s: &Sampling) -> Result<u32, Error> {
         let c = &self.config;
         let b = &self.backend;
         if token as usize >= c.vocab_size {
@@ -103,8 +127,16 @@ impl<B: Backend> Model<B> {
             });
         }
         if self.residency.as_ref().is_some_and(|r| !r.all_on_device()) {
+            let position = state.pos as u64 + 1;
             let logits = self.forward(state, &[token], 0)?;
-            return Ok(argmax(&logits));
+            let next = match s.is_greedy() && !s.penalizes() {
+                true => argmax(&logits),
+                false => {
+                    let counts = sample::counts(&state.tokens[..state.pos], c.vocab_size);
+                    sample::sample(&logits, &counts, s, position)
+                }
+            };
+            return Ok(next);
         }
         let (e, l) = (c.moe.num_experts, self.layers.len());
         let bufs = state.step.get_or_insert_with(|| self.step_buffers());
@@ -113,9 +145,15 @@ impl<B: Backend> Model<B> {
         // A token boundary: landed loads commit before the step is issued.
         let mut sets = self.residency.as_ref().map(|r| r.begin(b));
         let track = sets.as_ref().is_some_and(|s| s.tracks());
-        let key = (state.id, self.epoch);
+        let key = (state.id, self.epoch ^ step_key(s, state.counts.is_some()));
         let (kc, vc) = (&mut state.k_cache, &mut state.v_cache);
-        let (_, host_probs) = self.run_step(bufs, kc, vc, key, sets.as_mut());
+        let pick = Pick {
+            sampling: s,
+            counts: state.counts.as_mut(),
+        };
+        let (_, host_probs) = self.run_step(bufs, kc, vc, key, pick, sets.as_mut());
+        state.tokens.truncate(state.pos);
+        state.tokens.push(token);
         state.pos += 1;
 
         // One read of the step's results: the router probabilities and the token.
@@ -135,29 +173,36 @@ impl<B: Backend> Model<B> {
         k_cache: &mut [B::Tensor],
         v_cache: &mut [B::Tensor],
         key: (usize, u64),
+        mut pick: Pick<'_, B::Tensor>,
         mut sets: Option<&mut Step<'_, B>>,
     ) -> (bool, Vec<(usize, Vec<f32>)>) {
         let mut host_probs = Vec::new();
         let recorded = if bufs.fit {
             self.backend.replay_step(key, &mut || {
-                self.step_body(bufs, k_cache, v_cache, &mut host_probs, sets.as_deref_mut())
+                let pick = Pick {
+                    sampling: pick.sampling,
+                    counts: pick.counts.as_deref_mut(),
+                };
+                let sets = sets.as_deref_mut();
+                self.step_body(bufs, k_cache, v_cache, pick, &mut host_probs, sets)
             })
         } else {
-            bufs.fit = self.step_body(bufs, k_cache, v_cache, &mut host_probs, sets);
+            bufs.fit = self.step_body(bufs, k_cache, v_cache, pick, &mut host_probs, sets);
             false
         };
         (recorded, host_probs)
     }
 
     /// The ops of one step: the pass over the layers, the final norm and the LM head, the
-    /// argmax, and the step values moved on for the next step. Returns whether it queued
-    /// nothing but backend work; MoE layers the backend cannot route run on the host,
-    /// their probabilities pushed to `host_probs`.
+    /// token picked, and the step values moved on for the next step. Returns whether it
+    /// queued nothing but backend work; MoE layers the backend cannot route run on the
+    /// host, their probabilities pushed to `host_probs`.
     fn step_body(
         &self,
         bufs: &mut StepBuffers<B>,
         k_cache: &mut [B::Tensor],
         v_cache: &mut [B::Tensor],
+        pick: Pick<'_, B::Tensor>,
         host_probs: &mut Vec<(usize, Vec<f32>)>,
         sets: Option<&mut Step<'_, B>>,
     ) -> bool {
@@ -192,11 +237,22 @@ impl<B: Backend> Model<B> {
             .expect("a step has a second residual buffer");
         let (head, v) = (self.head(), c.vocab_size);
         b.add_rms_norm_linear(n, x_next, &mut acts.xn, head, 1, h, v, &mut bufs.logits);
-        b.argmax_rows(&bufs.logits, 1, v, &mut bufs.probs, l * e);
+        let s = pick.sampling;
+        let plain = s.is_greedy() && !s.penalizes();
+        if plain {
+            b.argmax_rows(&bufs.logits, 1, v, &mut bufs.probs, l * e);
+        } else {
+            let (step, out, counts) = (&bufs.step, &mut bufs.probs, pick.counts.as_deref());
+            b.sample_at(&bufs.logits, v, s, counts, step, out, l * e);
+        }
+        if let Some(counts) = pick.counts {
+            // The sequence holds the picked token from now on.
+            b.count_token(counts, v, &bufs.probs, l * e);
+        }
         // So that the record replays again with no upload between (`decode_queued`);
         // `step` uploads each step's values over it.
         b.advance_step(&mut bufs.step, &bufs.probs, l * e);
-        fit
+        fit && (plain || b.samples_on_device())
     }
 
     /// The queued steps of [`decode`](Self::decode): up to `n` tokens after `first`, `n`
@@ -208,6 +264,7 @@ impl<B: Backend> Model<B> {
         state: &mut State<B>,
         first: u32,
         n: usize,
+        s: &Sampling,
         on_token: &mut dyn FnMut(u32) -> bool,
         force: bool,
     ) -> Queued {
@@ -219,13 +276,19 @@ impl<B: Backend> Model<B> {
             router_probs,
             id,
             step,
+            tokens,
+            counts,
             ..
         } = state;
         let bufs = step.get_or_insert_with(|| self.step_buffers());
-        let key = (*id, self.epoch);
+        let key = (*id, self.epoch ^ step_key(s, counts.is_some()));
         let start = [f32::from_bits(first), f32::from_bits(*pos as u32)];
         b.upload_into(&start, &mut bufs.step);
-        let (recorded, read) = self.queue_step(bufs, k_cache, v_cache, key);
+        let pick = Pick {
+            sampling: s,
+            counts: counts.as_mut(),
+        };
+        let (recorded, read) = self.queue_step(bufs, k_cache, v_cache, key, pick);
         let mut out = Queued {
             delivered: 0,
             last: first,
@@ -237,10 +300,16 @@ impl<B: Backend> Model<B> {
         let mut ahead = Some(read);
         while let Some((read, host_probs)) = ahead.take() {
             if queued < limit {
-                ahead = Some(self.queue_step(bufs, k_cache, v_cache, key).1);
+                let pick = Pick {
+                    sampling: s,
+                    counts: counts.as_mut(),
+                };
+                ahead = Some(self.queue_step(bufs, k_cache, v_cache, key, pick).1);
                 queued += 1;
             }
             let host = b.finish_read(read);
+            tokens.truncate(*pos);
+            tokens.push(out.last);
             *pos += 1;
             out.delivered += 1;
             out.last = self.step_results(&host, &bufs.routed, host_probs, router_probs);
@@ -266,8 +335,9 @@ impl<B: Backend> Model<B> {
         k_cache: &mut [B::Tensor],
         v_cache: &mut [B::Tensor],
         key: (usize, u64),
+        pick: Pick<'_, B::Tensor>,
     ) -> (bool, QueuedRead) {
-        let (recorded, host_probs) = self.run_step(bufs, k_cache, v_cache, key, None);
+        let (recorded, host_probs) = self.run_step(bufs, k_cache, v_cache, key, pick, None);
         let len = self.layers.len() * self.config.moe.num_experts + 1;
         let read = self.backend.read_async(&bufs.probs, len);
         (recorded, (read, host_probs))
@@ -296,6 +366,26 @@ impl<B: Backend> Model<B> {
         host[self.layers.len() * e].to_bits()
     }
 
+    /// Readies `state`'s token counts for a decode that starts from `first` with `s`: the
+    /// tokens up to `state.pos` and `first` counted, on the backend, when a penalty reads
+    /// them. Made once a state, then written in place, so recorded steps keep reading
+    /// them.
+    fn ready_counts(&self, state: &mut State<B>, first: u32, s: &Sampling) {
+        if !s.penalizes() {
+            return;
+        }
+        let v = self.config.vocab_size;
+        state.tokens.truncate(state.pos);
+        let mut counts = sample::counts(&state.tokens, v);
+        if let Some(c) = counts.get_mut(first as usize) {
+            *c += 1;
+        }
+        let values: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
+        let b = &self.backend;
+        let t = state.counts.get_or_insert_with(|| b.alloc(v));
+        b.upload_into(&values, t);
+    }
+
     /// The buffers of a decode step, made on a state's first.
     fn step_buffers(&self) -> StepBuffers<B> {
         let (c, b) = (&self.config, &self.backend);
@@ -308,6 +398,31 @@ impl<B: Backend> Model<B> {
             fit: false,
         }
     }
+}
+
+/// What a recorded step is kept under besides its state and the model's routing: the
+/// sampling settings it was recorded with (its launches hold them) and whether it counts
+/// tokens.
+fn step_key(s: &Sampling, counts: bool) -> u64 {
+    if s.is_greedy() && !s.penalizes() && !counts {
+        return 0;
+    }
+    let words = [
+        s.temperature.to_bits() as u64,
+        s.top_k as u64,
+        s.top_p.to_bits() as u64,
+        s.min_p.to_bits() as u64,
+        s.repetition_penalty.to_bits() as u64,
+        s.presence_penalty.to_bits() as u64,
+        s.frequency_penalty.to_bits() as u64,
+        s.seed,
+        counts as u64,
+    ];
+    // FNV-1a over the words, then moved to the high bits, where epochs never reach.
+    let h = words.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &w| {
+        (h ^ w).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    h | (1 << 63)
 }
 
 /// A queued step's read of its results, and the probabilities of the layers it routed on
@@ -328,6 +443,7 @@ struct Queued {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
     use crate::backend::Cpu;
     use crate::model;
     use crate::model::argmax;
@@ -363,6 +479,7 @@ mod tests {
                     s,
                     first,
                     n,
+                    &Sampling::GREEDY,
                     &mut |t| {
                         got.push(t);
                         true
@@ -381,6 +498,7 @@ mod tests {
                 &mut a,
                 first,
                 n,
+                &Sampling::GREEDY,
                 &mut |t| {
                     got.push(t);
                     got.len() < stop
@@ -395,10 +513,84 @@ mod tests {
                 "{label}: the step past the stop is not counted"
             );
             assert_eq!(a.router_probs, probs[stop - 1], "{label} stopped");
-            let next = model.step(&mut a, want[stop - 1]).unwrap();
+            let next = model
+                .step(&mut a, want[stop - 1], &Sampling::GREEDY)
+                .unwrap();
             assert_eq!(next, want[stop], "{label}: a step after the stop");
             let logits = model.forward(&mut a, &[next], 0).unwrap();
             assert_eq!(argmax(&logits), want[stop + 1], "{label}: forward after it");
+        }
+    }
+
+    /// Sampled decode with penalties, the steps one call at a time and queued (forced on
+    /// the CPU, which records no step), against its definition: `forward` of each token
+    /// and the host sampler on its logits, counting the prompt and every token fed.
+    #[test]
+    fn sampled_decode_is_the_host_sampler_on_forward_logits() {
+        let prompt = [5u32, 17, 300, 42, 7, 99, 5, 17];
+        let n = 12;
+        let s = Sampling {
+            temperature: 0.9,
+            top_k: 50,
+            top_p: 0.9,
+            min_p: 0.01,
+            repetition_penalty: 1.2,
+            presence_penalty: 0.3,
+            frequency_penalty: 0.2,
+            seed: 1234,
+        };
+        for dir in fixture_dirs() {
+            let m = model::load(&dir, Cpu::fast()).unwrap();
+            let model = &m.model;
+            let v = model.config.vocab_size;
+            let label = dir.display();
+            // The definition.
+            let mut r = model.new_state(prompt.len() + n + 1);
+            let mut fed = prompt.to_vec();
+            let mut logits = model.forward(&mut r, &prompt, prompt.len() - 1).unwrap();
+            let mut want = Vec::new();
+            for _ in 0..=n {
+                let counts = sample::counts(&fed, v);
+                let t = sample::sample(&logits, &counts, &s, r.pos as u64);
+                want.push(t);
+                fed.push(t);
+                logits = model.forward(&mut r, &[t], 0).unwrap();
+            }
+            let (first, want) = (want[0], &want[1..]);
+            // One call at a time, and queued.
+            for queued in [false, true] {
+                let mut a = model.new_state(prompt.len() + n + 1);
+                model.forward(&mut a, &prompt, prompt.len() - 1).unwrap();
+                let mut got = Vec::new();
+                if queued {
+                    model.ready_counts(&mut a, first, &s);
+                    let q = model.decode_queued(
+                        &mut a,
+                        first,
+                        n,
+                        &s,
+                        &mut |t| {
+                            got.push(t);
+                            true
+                        },
+                        true,
+                    );
+                    assert_eq!(q.delivered, n, "{label}");
+                } else {
+                    let opts = DecodeOptions {
+                        max_tokens: n,
+                        sampling: s,
+                    };
+                    model
+                        .decode(&mut a, first, opts, &mut |t| {
+                            got.push(t);
+                            true
+                        })
+                        .unwrap();
+                }
+                assert_eq!(&got, want, "{label}, queued {queued}");
+                assert_eq!(a.pos, prompt.len() + n, "{label}");
+            }
         }
     }
 }
