@@ -1,5 +1,22 @@
 //! The `dynmoe` command line: parses arguments, calls the library, prints results.
 
+/// Loads the model the arguments name on their backend and evaluates `$body` with it
+/// bound to `$m`: the body is generic code instantiated once per backend type.
+macro_rules! with_model {
+    ($args:expr, |$m:pat_param| $body:expr) => {
+        match $args.backend {
+            BackendKind::Cuda => {
+                let $m = load(&$args.model, cuda_backend()?, &$args.expert_codecs())?;
+                $body
+            }
+            other => {
+                let $m = load(&$args.model, other.cpu(), &$args.expert_codecs())?;
+                $body
+            }
+        }
+    };
+}
+
 mod bench;
 mod bench_residency;
 mod codecs;
@@ -108,23 +125,6 @@ pub(crate) fn cuda_backend() -> Result<Cpu> {
     anyhow::bail!("this dynmoe was built without the `cuda` feature (cargo build --features cuda)")
 }
 
-/// Loads the model the arguments name on their backend and evaluates `$body` with it
-/// bound to `$m`: the body is generic code instantiated once per backend type.
-macro_rules! with_model {
-    ($args:expr, |$m:pat_param| $body:expr) => {
-        match $args.backend {
-            BackendKind::Cuda => {
-                let $m = load(&$args.model, cuda_backend()?, &$args.expert_codecs())?;
-                $body
-            }
-            other => {
-                let $m = load(&$args.model, other.cpu(), &$args.expert_codecs())?;
-                $body
-            }
-        }
-    };
-}
-
 #[derive(Args)]
 pub(crate) struct ModelArgs {
     /// Model directory (Hugging Face layout: config.json, *.safetensors, tokenizer.json).
@@ -199,14 +199,6 @@ impl ModelArgs {
                     per_layer: self.expert_bits_layer.iter().copied().collect(),
                 })
             })
-    }
-
-    /// Loads the model these arguments name, for commands that run on the CPU only.
-    pub(crate) fn load(&self) -> Result<LoadedModel<Cpu>> {
-        if matches!(self.backend, BackendKind::Cuda) {
-            anyhow::bail!("this command runs on the CPU; --backend cuda is for run and eval ppl");
-        }
-        load(&self.model, self.backend.cpu(), &self.expert_codecs())
     }
 }
 

@@ -13,7 +13,7 @@ use dynmoe::residency::{Mode, PolicyParams, ReservoirKind, ResidencyConfig, Resi
 use dynmoe::runtime::residency::{ResidencyRequest, SetupError};
 use dynmoe::store::plan::Plan;
 
-use crate::{progress, read_text, ModelArgs};
+use crate::{cuda_backend, load, progress, read_text, BackendKind, ModelArgs};
 
 /// Whether the resident set follows the text.
 #[derive(Clone, Copy, ValueEnum)]
@@ -241,8 +241,6 @@ pub fn cmd_hitrate(a: HitrateArgs) -> Result<()> {
             test: read_text(test)?,
         });
     }
-    let mut m = a.model.load()?;
-    let bar = progress::bar("hit rate");
     let opts = HitrateOptions {
         residency: config,
         ppl: PplOptions {
@@ -252,10 +250,17 @@ pub fn cmd_hitrate(a: HitrateArgs) -> Result<()> {
         },
         calib_chunks: Some(a.residency.calib_chunks),
     };
-    let report = hitrate::hitrate_grid(&mut m, &domains, opts, &mut |d, t, what| {
+    let bar = progress::bar("hit rate");
+    let mut progress = |d: usize, t: usize, what: &str| {
         progress::update(&bar, d - 1, t);
         bar.set_message(what.to_string());
-    })?;
+    };
+    let report = with_model!(a.model, |mut m| hitrate::hitrate_grid(
+        &mut m,
+        &domains,
+        opts,
+        &mut progress
+    )?);
     bar.finish_and_clear();
     let json = serde_json::to_string_pretty(&report)?;
     if let Some(out) = &a.out {

@@ -11,8 +11,12 @@ use dynmoe::runtime::generate::generate_ids;
 use dynmoe::serve::engine::EngineOptions;
 use dynmoe::serve::{self, ServeOptions};
 
+use dynmoe::backend::sample::Sampling;
+use dynmoe::backend::Backend;
+use dynmoe::model::LoadedModel;
+
 use crate::residency::ResidencyArgs;
-use crate::{ModelArgs, SamplingArgs};
+use crate::{cuda_backend, load, BackendKind, ModelArgs, SamplingArgs};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -53,9 +57,12 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     if a.max_seqs == 0 {
         anyhow::bail!("--max-seqs must be at least 1");
     }
-    let mut m = a.model.load()?;
+    with_model!(a.model, |m| serve_on(m, &a))
+}
+
+fn serve_on<B: Backend + 'static>(mut m: LoadedModel<B>, a: &ServeArgs) -> Result<()> {
     a.residency.install(&mut m)?;
-    let name = match a.name {
+    let name = match a.name.clone() {
         Some(n) => n,
         None => dir_name(&a.model.model),
     };
@@ -105,7 +112,10 @@ pub struct ChatArgs {
 /// and a status line on stderr. `/reset` forgets the conversation.
 pub fn chat(a: ChatArgs) -> Result<()> {
     let sampling = a.sampling.checked()?;
-    let mut m = a.model.load()?;
+    with_model!(a.model, |m| chat_on(m, &a, sampling))
+}
+
+fn chat_on<B: Backend>(mut m: LoadedModel<B>, a: &ChatArgs, sampling: Sampling) -> Result<()> {
     a.residency.install(&mut m)?;
     let template = ChatTemplate::for_tokenizer(&m.tokenizer)?;
     let stop = chat::stop_tokens(&m.tokenizer, &m.model.config.eos_token_ids);
