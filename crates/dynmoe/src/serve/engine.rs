@@ -23,7 +23,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::backend::sample;
 use crate::backend::sample::Sampling;
 use crate::backend::Backend;
-use crate::model::{LoadedModel, State};
+use crate::model::{DecodeOptions, Error, LoadedModel, State};
 use crate::runtime::generate::TextStream;
 
 /// How much the engine takes on.
@@ -260,9 +260,8 @@ struct Sequence<B: Backend> {
     request: Request,
     events: UnboundedSender<Event>,
     state: State<B>,
-    /// How many times the sequence holds each token, when a penalty reads it.
-    counts: Vec<u32>,
-    /// Tokens the next forward runs: the prompt, then the last sampled token.
+    /// The prompt, until its prefill; then the last token, which the next decode step
+    /// feeds.
     feed: Vec<u32>,
     out: TextStream,
 }
@@ -296,12 +295,6 @@ fn schedule<B: Backend>(model: &LoadedModel<B>, shared: &Shared) {
                     let capacity = p.request.prompt.len() + p.request.max_tokens;
                     active.push(Sequence {
                         state: model.model.new_state(capacity),
-                        counts: match p.request.sampling.penalizes() {
-                            true => {
-                                sample::counts(&p.request.prompt, model.model.config.vocab_size)
-                            }
-                            false => Vec::new(),
-                        },
                         feed: p.request.prompt.clone(),
                         out: TextStream::default(),
                         request: p.request,
@@ -342,8 +335,8 @@ fn step<B: Backend>(model: &LoadedModel<B>, s: &mut Sequence<B>, m: &Metrics) ->
     if s.events.is_closed() {
         return Step::Cancelled;
     }
-    let logits = match model.model.forward(&mut s.state, &s.feed, s.feed.len() - 1) {
-        Ok(l) => l,
+    let next = match next_token(model, s) {
+        Ok(t) => t,
         Err(e) => {
             let _ = s.events.send(Event::Failed(e.to_string()));
             return Step::Failed;
@@ -352,12 +345,6 @@ fn step<B: Backend>(model: &LoadedModel<B>, s: &mut Sequence<B>, m: &Metrics) ->
     if s.out.tokens().is_empty() {
         m.prompt_tokens
             .fetch_add(s.feed.len() as u64, Ordering::Relaxed);
-    }
-    let vocab = model.model.config.vocab_size;
-    let position = s.state.pos as u64;
-    let next = sample::sample(&logits[..vocab], &s.counts, &s.request.sampling, position);
-    if let Some(c) = s.counts.get_mut(next as usize) {
-        *c += 1;
     }
     let r = &s.request;
     let done = |s: &Sequence<B>, reason: FinishReason| Event::Done {
@@ -391,6 +378,40 @@ fn step<B: Backend>(model: &LoadedModel<B>, s: &mut Sequence<B>, m: &Metrics) ->
         return Step::Cancelled;
     }
     Step::Continue
+}
+
+/// The sequence's next token: the prompt's prefill and the host sampler on its last
+/// logits, then one decode step a call (recorded and replayed where the backend can).
+fn next_token<B: Backend>(model: &LoadedModel<B>, s: &mut Sequence<B>) -> Result<u32, Error> {
+    let sampling = s.request.sampling;
+    if s.out.tokens().is_empty() {
+        let logits = model
+            .model
+            .forward(&mut s.state, &s.feed, s.feed.len() - 1)?;
+        let vocab = model.model.config.vocab_size;
+        let counts = match sampling.penalizes() {
+            true => sample::counts(&s.feed, vocab),
+            false => Vec::new(),
+        };
+        return Ok(sample::sample(
+            &logits[..vocab],
+            &counts,
+            &sampling,
+            s.state.pos as u64,
+        ));
+    }
+    let mut next = None;
+    let opts = DecodeOptions {
+        max_tokens: 1,
+        sampling,
+    };
+    model
+        .model
+        .decode(&mut s.state, s.feed[0], opts, &mut |t| {
+            next = Some(t);
+            true
+        })?;
+    Ok(next.expect("one token decoded"))
 }
 
 /// Sends the last text and the end. The request is counted complete and its sequence
