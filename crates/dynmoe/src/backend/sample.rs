@@ -1,20 +1,57 @@
-//! Picking the next token from one row of logits: penalties, temperature, top-k, min-p and
+//! Picking the next token from one row of logits: penalties, temperature, min-p, top-k and
 //! top-p, then one draw. This host version is the reference a backend's sampler is checked
-//! against; every step is defined so that a GPU can follow it exactly.
+//! against; every step is defined so that a GPU can follow it with order-free integer sums
+//! and max-reductions, and so give the same token for the same logits and seed.
 //!
 //! 1. Penalties, on the tokens the sequence holds (`counts[t] > 0`): the repetition
 //!    penalty divides a positive logit by `r` and multiplies a negative one by it; the
 //!    presence penalty subtracts once, the frequency penalty once per occurrence.
 //! 2. At temperature 0 the token is the largest logit (the lowest id on ties).
-//! 3. Otherwise `s = logit / T` and `w = exp(s - max s)`. Tokens are ordered by `s`,
-//!    larger first, the lower id first on ties.
-//! 4. Kept: the first `top_k` tokens in that order, those with `w >= min_p`, and of those
-//!    the shortest prefix of the order whose weight reaches `top_p` of theirs.
-//! 5. One uniform draw `u` ([`crate::rng::uniform_at`] of the seed at the token's
-//!    position) picks the kept token where the running sum of `w` over the kept tokens,
-//!    in id order, first passes `u` times their total.
+//! 3. Otherwise `s = logit / T`, `w = exp(s - max s)` and the weight `W = round(w · 2^32)`.
+//!    Candidates: every token, or with min-p those with `w >= min_p`. They are ordered by
+//!    `s`, larger first, the lower id first on ties.
+//! 4. Kept: the first `top_k` candidates, and of those the shortest prefix whose weight
+//!    reaches `top_p` of theirs ([`kept_prefix`]). A GPU finds where the prefix ends
+//!    through a histogram of [`bin`]s and a sort of the one bin it ends in; should that bin
+//!    hold more than [`BIN_SORT_MAX`] candidates (a near-flat distribution), the whole bin
+//!    is kept.
+//! 5. The token is the kept one with the largest `s + g`, `g = -ln(-ln u)` Gumbel noise
+//!    with `u` the Philox draw of (seed, the token's position, the token's id) (the lower
+//!    id on ties): a sample of the kept tokens' softmax, whatever order they are visited in.
 
-use crate::rng::uniform_at;
+use crate::rng::philox4x32;
+
+/// Bins of `(max s - s)` per unit of `s` in [`bin`].
+pub const BINS_PER_UNIT: f32 = 128.0;
+
+/// Bins of the histogram a sampler finds the top-k/top-p cut with: `s` within 32 units of
+/// the maximum, finer than 1% of probability, and one bin for everything below.
+pub const BINS: usize = 4096;
+
+/// The most candidates of the bin where the cut falls that a sampler sorts to place it
+/// exactly; above this the whole bin is kept.
+pub const BIN_SORT_MAX: usize = 16384;
+
+/// The histogram bin of a scaled logit `s` when the largest is `max`.
+pub fn bin(s: f32, max: f32) -> usize {
+    (((max - s) * BINS_PER_UNIT) as usize).min(BINS - 1)
+}
+
+/// A weight `w` in (0, 1] as the integer the cut is summed in: `round(w · 2^32)`.
+pub fn fixed_weight(w: f32) -> u64 {
+    (w as f64 * 4294967296.0).round() as u64
+}
+
+/// The Gumbel noise of token `id` at `position` under `seed`: `-ln(-ln u)` with `u` the
+/// first Philox word's upper 24 bits, centred in its step so it is never 0 or 1.
+pub fn gumbel(seed: u64, position: u64, id: u32) -> f32 {
+    let w = philox4x32(
+        [id, position as u32, (position >> 32) as u32, 0],
+        [seed as u32, (seed >> 32) as u32],
+    );
+    let u = ((w[0] >> 8) as f32 + 0.5) * (1.0 / (1u32 << 24) as f32);
+    -(-u.ln()).ln()
+}
 
 /// How the next token is picked.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -137,52 +174,54 @@ pub fn sample(logits: &[f32], counts: &[u32], s: &Sampling, position: u64) -> u3
         .collect();
     let max = scaled.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let w: Vec<f32> = scaled.iter().map(|&v| (v - max).exp()).collect();
-    let weight = |t: u32| w[t as usize];
-    // Larger first, the lower id first on ties.
+    let mut kept: Vec<u32> = (0..logits.len() as u32)
+        .filter(|&t| s.min_p <= 0.0 || w[t as usize] >= s.min_p)
+        .collect();
+    if s.top_k > 0 || s.top_p < 1.0 {
+        kept = kept_prefix(kept, &scaled, &w, max, s);
+    }
+    let mut best = (f32::NEG_INFINITY, u32::MAX);
+    for t in kept {
+        let v = scaled[t as usize] + gumbel(s.seed, position, t);
+        if v > best.0 || (v == best.0 && t < best.1) {
+            best = (v, t);
+        }
+    }
+    best.1
+}
+
+/// Of the candidates `rest`, the first `top_k` in the order (larger `s` first, the lower id
+/// on ties) and of those the shortest prefix whose weight reaches `top_p` of theirs, with
+/// the rule for a crowded last bin (the module's step 4). The order is found a chunk at a
+/// time, each chunk selected from what is left and sorted alone, so a peaked distribution
+/// costs a few linear passes, not a sort of the vocabulary.
+pub fn kept_prefix(
+    mut rest: Vec<u32>,
+    scaled: &[f32],
+    w: &[f32],
+    max: f32,
+    s: &Sampling,
+) -> Vec<u32> {
     let before = |a: &u32, b: &u32| {
         scaled[*b as usize]
             .total_cmp(&scaled[*a as usize])
             .then(a.cmp(b))
     };
-    let mut kept: Vec<u32> = (0..logits.len() as u32)
-        .filter(|&t| s.min_p <= 0.0 || weight(t) >= s.min_p)
-        .collect();
-    if s.top_k > 0 && s.top_k < kept.len() {
-        kept.select_nth_unstable_by(s.top_k - 1, before);
-        kept.truncate(s.top_k);
+    let weight = |t: u32| fixed_weight(w[t as usize]);
+    let candidates = rest.clone();
+    if s.top_k > 0 && s.top_k < rest.len() {
+        rest.select_nth_unstable_by(s.top_k - 1, before);
+        rest.truncate(s.top_k);
     }
-    if s.top_p < 1.0 {
-        kept = top_p_prefix(kept, &weight, &before, s.top_p);
-    }
-    kept.sort_unstable();
-    let total: f64 = kept.iter().map(|&t| weight(t) as f64).sum();
-    let target = uniform_at(s.seed, position) as f64 * total;
-    let mut acc = 0.0f64;
-    for &t in &kept {
-        acc += weight(t) as f64;
-        if acc > target {
-            return t;
-        }
-    }
-    *kept.last().expect("the most probable token is always kept")
-}
-
-/// The shortest prefix of `kept` in the order `before` whose weight reaches `p` of all
-/// of theirs. The order is found a chunk at a time, each chunk selected from what is left
-/// and sorted alone, so a peaked distribution costs a few linear passes, not a sort of
-/// the vocabulary.
-fn top_p_prefix(
-    mut rest: Vec<u32>,
-    weight: &dyn Fn(u32) -> f32,
-    before: &dyn Fn(&u32, &u32) -> std::cmp::Ordering,
-    p: f32,
-) -> Vec<u32> {
-    let total: f64 = rest.iter().map(|&t| weight(t) as f64).sum();
-    let goal = p as f64 * total;
+    let total: u64 = rest.iter().map(|&t| weight(t)).sum();
+    let goal = match s.top_p < 1.0 {
+        true => (s.top_p as f64 * total as f64).ceil() as u64,
+        false => u64::MAX,
+    };
     let mut prefix = Vec::new();
-    let mut acc = 0.0f64;
+    let mut acc = 0u64;
     let mut chunk = 64;
-    while !rest.is_empty() {
+    'order: while !rest.is_empty() {
         let take = chunk.min(rest.len());
         if take < rest.len() {
             rest.select_nth_unstable_by(take - 1, before);
@@ -192,12 +231,28 @@ fn top_p_prefix(
         for t in head {
             // A token is kept while the weight before it falls short of the goal.
             if acc >= goal {
-                return prefix;
+                break 'order;
             }
-            acc += weight(t) as f64;
+            acc += weight(t);
             prefix.push(t);
         }
         chunk *= 4;
+    }
+    // The last kept token's bin: a GPU places the cut exactly only within a bin it can
+    // sort; a more crowded one is kept whole.
+    let Some(&last) = prefix.last() else {
+        return prefix;
+    };
+    let cut = bin(scaled[last as usize], max);
+    let crowd = candidates
+        .iter()
+        .filter(|&&t| bin(scaled[t as usize], max) == cut)
+        .count();
+    if crowd > BIN_SORT_MAX {
+        prefix = candidates
+            .into_iter()
+            .filter(|&t| bin(scaled[t as usize], max) <= cut)
+            .collect();
     }
     prefix
 }
@@ -207,7 +262,8 @@ mod tests {
     use super::*;
     use crate::testing::Rng;
 
-    /// The sampler by its definition: every token sorted, the prefix cut, the draw.
+    /// The sampler by its definition: every candidate sorted, the prefix cut, the
+    /// crowded-bin rule, the Gumbel argmax.
     fn by_definition(logits: &[f32], counts: &[u32], s: &Sampling, position: u64) -> u32 {
         let l: Vec<f32> = (0..logits.len())
             .map(|t| penalized(logits[t], counts.get(t).copied().unwrap_or(0), s))
@@ -215,7 +271,10 @@ mod tests {
         let scaled: Vec<f32> = l.iter().map(|v| v / s.temperature).collect();
         let max = scaled.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let w: Vec<f32> = scaled.iter().map(|v| (v - max).exp()).collect();
-        let mut order: Vec<u32> = (0..l.len() as u32).collect();
+        let mut order: Vec<u32> = (0..l.len() as u32)
+            .filter(|&t| s.min_p <= 0.0 || w[t as usize] >= s.min_p)
+            .collect();
+        let candidates = order.clone();
         order.sort_by(|&a, &b| {
             scaled[b as usize]
                 .total_cmp(&scaled[a as usize])
@@ -224,29 +283,35 @@ mod tests {
         if s.top_k > 0 {
             order.truncate(s.top_k);
         }
-        order.retain(|&t| s.min_p <= 0.0 || w[t as usize] >= s.min_p);
-        let total: f64 = order.iter().map(|&t| w[t as usize] as f64).sum();
-        let mut acc = 0.0f64;
+        let total: u64 = order.iter().map(|&t| fixed_weight(w[t as usize])).sum();
+        let goal = (s.top_p as f64 * total as f64).ceil() as u64;
+        let mut acc = 0u64;
         let cut = order
             .iter()
             .position(|&t| {
-                let keep = acc < s.top_p as f64 * total;
-                acc += w[t as usize] as f64;
+                let keep = s.top_p >= 1.0 || acc < goal;
+                acc += fixed_weight(w[t as usize]);
                 !keep
             })
             .unwrap_or(order.len());
         order.truncate(cut);
+        let last_bin = bin(scaled[*order.last().unwrap() as usize], max);
+        let in_bin = |t: &u32| bin(scaled[*t as usize], max) == last_bin;
+        if candidates.iter().filter(|t| in_bin(t)).count() > BIN_SORT_MAX {
+            order = candidates
+                .into_iter()
+                .filter(|&t| bin(scaled[t as usize], max) <= last_bin)
+                .collect();
+        }
         order.sort_unstable();
-        let kept: f64 = order.iter().map(|&t| w[t as usize] as f64).sum();
-        let target = uniform_at(s.seed, position) as f64 * kept;
-        let mut acc = 0.0f64;
+        let mut best = (f32::NEG_INFINITY, 0);
         for &t in &order {
-            acc += w[t as usize] as f64;
-            if acc > target {
-                return t;
+            let v = scaled[t as usize] + gumbel(s.seed, position, t);
+            if v > best.0 {
+                best = (v, t);
             }
         }
-        *order.last().unwrap()
+        best.1
     }
 
     #[test]
@@ -279,9 +344,10 @@ mod tests {
         ];
         for (i, s) in settings.iter().enumerate() {
             for trial in 0..40 {
-                let v = [5usize, 100, 3000][trial % 3];
-                // Scaled so some rows are peaked and some flat; a few repeated values tie.
-                let spread = [0.3f32, 3.0, 12.0][trial % 3];
+                let v = [5usize, 100, 3000, 20_000][trial % 4];
+                // Scaled so some rows are peaked and some flat (the last so flat that the
+                // cut falls in a bin too crowded to sort); a few repeated values tie.
+                let spread = [0.3f32, 3.0, 12.0, 1e-4][trial % 4];
                 let logits: Vec<f32> = (0..v)
                     .map(|t| {
                         if t % 17 == 3 {
