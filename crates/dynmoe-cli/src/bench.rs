@@ -14,7 +14,7 @@ use dynmoe::checkpoint::Config;
 use dynmoe::codec::vq::Rung;
 use dynmoe::codec::Codec;
 use dynmoe::model::argmax;
-use dynmoe::model::{Codecs, DecodeOptions, ExpertBits, LoadedModel};
+use dynmoe::model::{Codecs, DecodeOptions, Decoding, ExpertBits, LoadedModel};
 use dynmoe::store::compressed;
 use dynmoe::store::{plan::Plan, plan::PLAN_FILE};
 use dynmoe::synth;
@@ -602,10 +602,12 @@ fn measure<B: Backend>(
         let mut tokens = [(); 3].map(|_| Vec::with_capacity(generate));
         let t = Instant::now();
         m.model.decode(
-            &mut state,
-            first,
-            DecodeOptions::greedy(generate),
-            &mut |next| {
+            &mut [Decoding::new(
+                &mut state,
+                first,
+                DecodeOptions::greedy(generate),
+            )],
+            &mut |_, next| {
                 tokens[0].push(next);
                 true
             },
@@ -809,10 +811,12 @@ fn print_timeline(
     let first = argmax(&m.model.forward(&mut state, &ids, prompt - 1)?);
     b.timeline_start()?;
     m.model.decode(
-        &mut state,
-        first,
-        DecodeOptions::greedy(generate),
-        &mut |_| true,
+        &mut [Decoding::new(
+            &mut state,
+            first,
+            DecodeOptions::greedy(generate),
+        )],
+        &mut |_, _| true,
     )?;
     let marks = b.timeline_take()?;
     // The first token's launches run while the host is still queueing them.

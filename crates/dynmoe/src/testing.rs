@@ -192,10 +192,13 @@ pub fn decode_one<B: crate::backend::Backend>(
 ) -> Result<u32, crate::model::Error> {
     let mut next = None;
     let opts = crate::model::DecodeOptions::greedy(1);
-    model.decode(state, token, opts, &mut |t| {
-        next = Some(t);
-        true
-    })?;
+    model.decode(
+        &mut [crate::model::Decoding::new(&mut *state, token, opts)],
+        &mut |_, t| {
+            next = Some(t);
+            true
+        },
+    )?;
     Ok(next.expect("one token decoded"))
 }
 

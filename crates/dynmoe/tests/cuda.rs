@@ -2499,10 +2499,12 @@ fn queued_decode_is_decode_token_by_token_on_the_device() {
         let mut got = Vec::new();
         let k = m
             .decode(
-                &mut s,
-                first,
-                dynmoe::model::DecodeOptions::greedy(n),
-                &mut |t| {
+                &mut [dynmoe::model::Decoding::new(
+                    &mut s,
+                    first,
+                    dynmoe::model::DecodeOptions::greedy(n),
+                )],
+                &mut |_, t| {
                     got.push(t);
                     true
                 },
@@ -2512,7 +2514,11 @@ fn queued_decode_is_decode_token_by_token_on_the_device() {
             "queued greedy (graphs {graphs}, down early {down}): equal {}",
             got == want
         );
-        assert_eq!((k, &got), (n, &want), "graphs {graphs}, down early {down}");
+        assert_eq!(
+            (k, &got),
+            (vec![n], &want),
+            "graphs {graphs}, down early {down}"
+        );
         assert_eq!(s.pos, p + n);
         let worst = s
             .router_probs
@@ -2530,10 +2536,12 @@ fn queued_decode_is_decode_token_by_token_on_the_device() {
         got.clear();
         let k = m
             .decode(
-                &mut s,
-                first,
-                dynmoe::model::DecodeOptions::greedy(n),
-                &mut |t| {
+                &mut [dynmoe::model::Decoding::new(
+                    &mut s,
+                    first,
+                    dynmoe::model::DecodeOptions::greedy(n),
+                )],
+                &mut |_, t| {
                     got.push(t);
                     got.len() < stop
                 },
@@ -2541,7 +2549,7 @@ fn queued_decode_is_decode_token_by_token_on_the_device() {
             .unwrap();
         assert_eq!(
             (k, &got[..]),
-            (stop, &want[..stop]),
+            (vec![stop], &want[..stop]),
             "graphs {graphs} stopped"
         );
         assert_eq!(s.pos, p + stop);

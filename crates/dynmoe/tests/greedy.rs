@@ -109,7 +109,7 @@ fn decode_is_forward_and_argmax() {
 /// a first token out of the vocabulary fails; no tokens asked runs nothing.
 #[test]
 fn decode_of_many_tokens_is_decode_token_by_token() {
-    use dynmoe::model::{argmax, DecodeOptions, Error};
+    use dynmoe::model::{argmax, DecodeOptions, Decoding, Error};
     use dynmoe::testing::decode_one;
     let at_most = DecodeOptions::greedy;
     let prompt = [5u32, 17, 300, 42, 7, 99, 1000, 3];
@@ -129,24 +129,34 @@ fn decode_of_many_tokens_is_decode_token_by_token() {
         model.forward(&mut b, &prompt, p - 1).unwrap();
         let mut got = Vec::new();
         let k = model
-            .decode(&mut b, first, at_most(n), &mut |t| {
-                got.push(t);
-                true
-            })
+            .decode(
+                &mut [Decoding::new(&mut b, first, at_most(n))],
+                &mut |_, t| {
+                    got.push(t);
+                    true
+                },
+            )
             .unwrap();
-        assert_eq!((k, &got), (n, &want), "{label}");
+        assert_eq!((k, &got), (vec![n], &want), "{label}");
         assert_eq!(b.pos, p + n, "{label}");
         assert_eq!(b.router_probs, probs[n - 1], "{label}");
 
         b.pos = p;
         got.clear();
         let k = model
-            .decode(&mut b, first, at_most(n), &mut |t| {
-                got.push(t);
-                got.len() < stop
-            })
+            .decode(
+                &mut [Decoding::new(&mut b, first, at_most(n))],
+                &mut |_, t| {
+                    got.push(t);
+                    got.len() < stop
+                },
+            )
             .unwrap();
-        assert_eq!((k, &got[..]), (stop, &want[..stop]), "{label} stopped");
+        assert_eq!(
+            (k, &got[..]),
+            (vec![stop], &want[..stop]),
+            "{label} stopped"
+        );
         assert_eq!(b.pos, p + stop, "{label} stopped");
         assert_eq!(b.router_probs, probs[stop - 1], "{label} stopped");
         let next = decode_one(model, &mut b, want[stop - 1]).unwrap();
@@ -157,20 +167,30 @@ fn decode_of_many_tokens_is_decode_token_by_token() {
         got.clear();
         let rest = n - stop - 2;
         let k = model
-            .decode(&mut b, want[stop + 1], at_most(rest), &mut |t| {
-                got.push(t);
-                true
-            })
+            .decode(
+                &mut [Decoding::new(&mut b, want[stop + 1], at_most(rest))],
+                &mut |_, t| {
+                    got.push(t);
+                    true
+                },
+            )
             .unwrap();
-        assert_eq!((k, &got[..]), (rest, &want[stop + 2..]), "{label} resumed");
+        assert_eq!(
+            (k, &got[..]),
+            (vec![rest], &want[stop + 2..]),
+            "{label} resumed"
+        );
 
         // Room for 4 more positions: 4 tokens, then the overflow.
         b.pos = p + n - 4;
         got.clear();
-        let r = model.decode(&mut b, want[n - 5], at_most(n), &mut |t| {
-            got.push(t);
-            true
-        });
+        let r = model.decode(
+            &mut [Decoding::new(&mut b, want[n - 5], at_most(n))],
+            &mut |_, t| {
+                got.push(t);
+                true
+            },
+        );
         assert!(
             matches!(r, Err(Error::ContextOverflow { .. })),
             "{label}: {:?}",
@@ -181,11 +201,94 @@ fn decode_of_many_tokens_is_decode_token_by_token() {
 
         b.pos = p;
         let vocab = model.config.vocab_size as u32;
-        let r = model.decode(&mut b, vocab, at_most(n), &mut |_| true);
+        let r = model.decode(
+            &mut [Decoding::new(&mut b, vocab, at_most(n))],
+            &mut |_, _| true,
+        );
         assert!(matches!(r, Err(Error::TokenOutOfRange { .. })), "{label}");
         assert_eq!(b.pos, p);
-        let r = model.decode(&mut b, vocab, at_most(0), &mut |_| true);
-        assert_eq!(r.unwrap(), 0);
+        let r = model.decode(
+            &mut [Decoding::new(&mut b, vocab, at_most(0))],
+            &mut |_, _| true,
+        );
+        assert_eq!(r.unwrap(), vec![0]);
         assert_eq!(b.pos, p);
+    }
+}
+
+/// Several sequences decoded together, one row each in every step's pass (prompts of
+/// different lengths, so every row is at its own position, one sequence stopped early and
+/// one given fewer tokens), against each decoded alone: the same tokens, greedy and
+/// sampled with penalties, and the same positions after.
+#[test]
+fn sequences_decoded_together_are_each_decoded_alone() {
+    use dynmoe::backend::sample::Sampling;
+    use dynmoe::model::{DecodeOptions, Decoding};
+    let prompts: [&[u32]; 3] = [&[5, 17, 300, 42], &[7, 99, 1000, 3, 12, 12, 40], &[1, 2]];
+    let sampled = Sampling {
+        temperature: 0.9,
+        top_p: 0.9,
+        repetition_penalty: 1.3,
+        seed: 5,
+        ..Sampling::GREEDY
+    };
+    for dir in fixture_dirs() {
+        let m = model::load(&dir, Cpu::fast()).unwrap();
+        let model = &m.model;
+        let label = dir.display();
+        for sampling in [Sampling::GREEDY, sampled] {
+            let n = [9, 6, 9];
+            let stop_after = [usize::MAX, usize::MAX, 4];
+            let prefill = |p: &[u32]| {
+                let mut s = model.new_state(p.len() + 10);
+                model.forward(&mut s, &p[..p.len() - 1], 0).unwrap();
+                s
+            };
+            // Alone.
+            let mut want = Vec::new();
+            for (i, p) in prompts.iter().enumerate() {
+                let mut s = prefill(p);
+                let mut got = Vec::new();
+                let opts = DecodeOptions {
+                    max_tokens: n[i],
+                    sampling,
+                };
+                let first = p[p.len() - 1];
+                model
+                    .decode(&mut [Decoding::new(&mut s, first, opts)], &mut |_, t| {
+                        got.push(t);
+                        got.len() < stop_after[i]
+                    })
+                    .unwrap();
+                want.push((got, s.pos));
+            }
+            // Together.
+            let mut states: Vec<_> = prompts.iter().map(|p| prefill(p)).collect();
+            let mut got = vec![Vec::new(); prompts.len()];
+            let mut seqs: Vec<Decoding<'_, _>> = states
+                .iter_mut()
+                .zip(&prompts)
+                .zip(n)
+                .map(|((s, p), max_tokens)| {
+                    let opts = DecodeOptions {
+                        max_tokens,
+                        sampling,
+                    };
+                    Decoding::new(s, p[p.len() - 1], opts)
+                })
+                .collect();
+            let done = model
+                .decode(&mut seqs, &mut |i, t| {
+                    got[i].push(t);
+                    got[i].len() < stop_after[i]
+                })
+                .unwrap();
+            drop(seqs);
+            for i in 0..prompts.len() {
+                assert_eq!(got[i], want[i].0, "{label}, sequence {i}, {sampling:?}");
+                assert_eq!(done[i], got[i].len());
+                assert_eq!(states[i].pos, want[i].1, "{label}, sequence {i}");
+            }
+        }
     }
 }

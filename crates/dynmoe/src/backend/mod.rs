@@ -262,6 +262,46 @@ pub trait Backend: Send + Sync {
         out: &mut Self::Tensor,
     );
 
+    /// Attention of `shape.rows` query rows that each belong to a different sequence:
+    /// row `r`'s key and value (rows of `k`, `v`) go to position `positions[r]` of its own
+    /// caches `k_caches[r]`, `v_caches[r]`, and its query attends to their first
+    /// `positions[r] + 1` positions, as [`attention`](Self::attention) of one row does.
+    /// The default is one `attention` a row, through row copies.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_rows(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        positions: &[usize],
+        k_caches: &mut [&mut Self::Tensor],
+        v_caches: &mut [&mut Self::Tensor],
+        shape: AttentionShape,
+        out: &mut Self::Tensor,
+    ) {
+        let (qd, kvd) = (
+            shape.heads * shape.head_dim,
+            shape.kv_heads * shape.head_dim,
+        );
+        let (mut qr, mut kr, mut vr) = (self.alloc(qd), self.alloc(kvd), self.alloc(kvd));
+        let mut or = self.alloc(qd);
+        for (r, &pos) in positions.iter().enumerate().take(shape.rows) {
+            let row = [r as u32];
+            self.gather_rows(q, &row, qd, &mut qr);
+            self.gather_rows(k, &row, kvd, &mut kr);
+            self.gather_rows(v, &row, kvd, &mut vr);
+            self.write_rows(&kr, k_caches[r], pos, 1, kvd);
+            self.write_rows(&vr, v_caches[r], pos, 1, kvd);
+            let one = AttentionShape {
+                rows: 1,
+                pos0: pos,
+                ..shape
+            };
+            self.attention(&qr, k_caches[r], v_caches[r], one, &mut or);
+            self.write_rows(&or, out, r, 1, qd);
+        }
+    }
+
     /// `dst[r] = src[rows[r]]` for rows of width `width`.
     fn gather_rows(&self, src: &Self::Tensor, rows: &[u32], width: usize, dst: &mut Self::Tensor);
     /// `dst[rows[r]] += scales[r] · src[r]` for rows of width `width`.

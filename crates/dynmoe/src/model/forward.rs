@@ -9,7 +9,7 @@
 
 mod decode;
 
-pub use decode::DecodeOptions;
+pub use decode::{DecodeOptions, Decoding};
 
 use crate::checkpoint::config::{Config, QkNorm};
 use crate::checkpoint::Checkpoint;
@@ -349,14 +349,11 @@ impl<B: Backend> Model<B> {
             pos0: state.pos,
             positions: &positions,
         };
-        self.run_layers(
-            pass,
-            n,
-            &mut acts,
-            &mut state.k_cache,
-            &mut state.v_cache,
-            &mut moe,
-        );
+        let mut caches = Caches::One {
+            k: &mut state.k_cache,
+            v: &mut state.v_cache,
+        };
+        self.run_layers(pass, n, &mut acts, &mut caches, &mut moe);
         let MoeRun { routed, host, .. } = moe;
         state.tokens.truncate(state.pos);
         state.tokens.extend_from_slice(tokens);
@@ -402,12 +399,11 @@ impl<B: Backend> Model<B> {
         pass: Pass<'_, B::Tensor>,
         rows: usize,
         acts: &mut Activations<B::Tensor>,
-        k_cache: &mut [B::Tensor],
-        v_cache: &mut [B::Tensor],
+        caches: &mut Caches<'_, B::Tensor>,
         moe: &mut MoeRun<'_, '_, B>,
     ) {
         for (i, layer) in self.layers.iter().enumerate() {
-            self.attention_block(pass, i, layer, rows, acts, &mut k_cache[i], &mut v_cache[i]);
+            self.attention_block(pass, i, layer, rows, acts, caches);
             self.feed_forward(pass, i, layer, rows, acts, moe);
         }
     }
@@ -423,8 +419,7 @@ impl<B: Backend> Model<B> {
         layer: &Layer<B>,
         rows: usize,
         acts: &mut Activations<B::Tensor>,
-        k_cache: &mut B::Tensor,
-        v_cache: &mut B::Tensor,
+        caches: &mut Caches<'_, B::Tensor>,
     ) {
         let (c, b) = (&self.config, &self.backend);
         let (h, kv, eps) = (c.hidden_size, c.kv_dim(), c.rms_norm_eps);
@@ -450,7 +445,7 @@ impl<B: Backend> Model<B> {
             delta,
         } = acts;
         match pass {
-            Pass::Chunk { pos0, positions } => {
+            Pass::Chunk { positions, .. } | Pass::Rows { positions } => {
                 match i {
                     0 => b.rms_norm(x, self.norm_before(0), rows, h, eps, xn),
                     _ => b.add_rms_norm(x, delta, self.norm_before(i), rows, h, eps, xn),
@@ -462,12 +457,29 @@ impl<B: Backend> Model<B> {
                 self.qk_norm_and_clip(layer, qs, ks, vs, rows);
                 b.rope(qs, positions, c.num_heads, c.head_dim, &self.inv_freq);
                 b.rope(ks, positions, c.num_kv_heads, c.head_dim, &self.inv_freq);
-                b.write_rows(ks, k_cache, pos0, rows, kv);
-                b.write_rows(vs, v_cache, pos0, rows, kv);
-                let shape = AttentionShape { pos0, ..shape };
-                b.attention(qs, k_cache, v_cache, shape, attn);
+                match (pass, caches) {
+                    (Pass::Chunk { pos0, .. }, Caches::One { k, v }) => {
+                        let (k_cache, v_cache) = (&mut k[i], &mut v[i]);
+                        b.write_rows(ks, k_cache, pos0, rows, kv);
+                        b.write_rows(vs, v_cache, pos0, rows, kv);
+                        let shape = AttentionShape { pos0, ..shape };
+                        b.attention(qs, k_cache, v_cache, shape, attn);
+                    }
+                    (_, Caches::Rows(per_row)) => {
+                        let (mut kc, mut vc): (Vec<_>, Vec<_>) = per_row
+                            .iter_mut()
+                            .map(|(k, v)| (&mut k[i], &mut v[i]))
+                            .unzip();
+                        b.attention_rows(qs, ks, vs, positions, &mut kc, &mut vc, shape, attn);
+                    }
+                    _ => unreachable!("a chunk attends one sequence's caches, rows each their own"),
+                }
             }
             Pass::Step { step } => {
+                let Caches::One { k, v } = caches else {
+                    unreachable!("a step runs one sequence")
+                };
+                let (k_cache, v_cache) = (&mut k[i], &mut v[i]);
                 // The residual add is made by the products that read the norm, into
                 // `x_next`; then the two swap. The first layer's norm reads the
                 // embedding as it is.
@@ -532,7 +544,7 @@ impl<B: Backend> Model<B> {
         };
         let at = i * rows * e;
         let routed = match pass {
-            Pass::Chunk { .. } => {
+            Pass::Chunk { .. } | Pass::Rows { .. } => {
                 self.post_attention_norm(pass, layer, rows, acts);
                 let set = moe.sets.as_mut().and_then(|s| s.layer(i));
                 // On the backend: a layer with no set when nothing watches each layer,
@@ -643,7 +655,7 @@ impl<B: Backend> Model<B> {
             &layer.post_attention_layernorm,
         );
         match pass {
-            Pass::Chunk { .. } => {
+            Pass::Chunk { .. } | Pass::Rows { .. } => {
                 b.add_rms_norm(&mut acts.x, &acts.attn_out, w, rows, h, eps, &mut acts.xn);
             }
             Pass::Step { .. } => {
@@ -729,6 +741,12 @@ pub(super) enum Pass<'p, T> {
         /// Every token's position.
         positions: &'p [usize],
     },
+    /// Tokens of different sequences, one a row, at positions the host knows, each
+    /// attending to its own sequence's caches ([`Caches::Rows`]): a decode step of a batch.
+    Rows {
+        /// Every row's position in its sequence.
+        positions: &'p [usize],
+    },
     /// One decode step: its token and position are `[token, position]` bits in `step`,
     /// read by the backend, so that the step can be recorded once and replayed. Each
     /// residual add is folded into the op that reads the norm after it.
@@ -745,6 +763,19 @@ impl<T> Clone for Pass<'_, T> {
 }
 
 impl<T> Copy for Pass<'_, T> {}
+
+/// The KV caches a pass writes and attends to.
+pub(super) enum Caches<'c, T> {
+    /// One sequence's, per layer.
+    One {
+        /// `[capacity, kv]` per layer.
+        k: &'c mut [T],
+        /// `[capacity, kv]` per layer.
+        v: &'c mut [T],
+    },
+    /// Each row's own sequence's: per row, its keys' and values' caches per layer.
+    Rows(Vec<(&'c mut [T], &'c mut [T])>),
+}
 
 /// The activations of a pass, each `rows` rows of the width in its comment.
 pub(super) struct Activations<T> {

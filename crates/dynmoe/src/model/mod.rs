@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 mod load;
 
-pub use forward::{DecodeOptions, Model, State};
+pub use forward::{DecodeOptions, Decoding, Model, State};
 pub use load::{
     coded_layers, load, load_compressed, load_with, load_with_codecs, load_with_progress,
     stored_vq_experts,

@@ -6,7 +6,7 @@ use serde::Serialize;
 use crate::backend::sample::{self, Sampling};
 use crate::backend::Backend;
 use crate::checkpoint::Tokenizer;
-use crate::model::{DecodeOptions, Error, LoadedModel};
+use crate::model::{DecodeOptions, Decoding, Error, LoadedModel};
 
 /// What a generation produced and how fast.
 #[derive(Debug, Clone, Serialize)]
@@ -94,19 +94,22 @@ pub fn generate_ids<B: Backend>(
                 max_tokens: max_tokens - 1,
                 sampling,
             };
-            m.model.decode(&mut state, first, opts, &mut |t| {
-                if stop.contains(&t) {
-                    stopped_at_eos = true;
-                    return false;
-                }
-                match emit(&mut out, &m.tokenizer, t, on_token) {
-                    Ok(()) => true,
-                    Err(e) => {
-                        failed = Some(e);
-                        false
+            m.model.decode(
+                &mut [Decoding::new(&mut state, first, opts)],
+                &mut |_, t| {
+                    if stop.contains(&t) {
+                        stopped_at_eos = true;
+                        return false;
                     }
-                }
-            })?;
+                    match emit(&mut out, &m.tokenizer, t, on_token) {
+                        Ok(()) => true,
+                        Err(e) => {
+                            failed = Some(e);
+                            false
+                        }
+                    }
+                },
+            )?;
             if let Some(e) = failed {
                 return Err(e);
             }

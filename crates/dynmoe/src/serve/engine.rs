@@ -23,7 +23,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::backend::sample;
 use crate::backend::sample::Sampling;
 use crate::backend::Backend;
-use crate::model::{DecodeOptions, Error, LoadedModel, State};
+use crate::model::{DecodeOptions, Decoding, Error, LoadedModel, State};
 use crate::runtime::generate::TextStream;
 
 /// How much the engine takes on.
@@ -405,12 +405,13 @@ fn next_token<B: Backend>(model: &LoadedModel<B>, s: &mut Sequence<B>) -> Result
         max_tokens: 1,
         sampling,
     };
-    model
-        .model
-        .decode(&mut s.state, s.feed[0], opts, &mut |t| {
+    model.model.decode(
+        &mut [Decoding::new(&mut s.state, s.feed[0], opts)],
+        &mut |_, t| {
             next = Some(t);
             true
-        })?;
+        },
+    )?;
     Ok(next.expect("one token decoded"))
 }
 

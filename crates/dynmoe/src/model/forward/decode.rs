@@ -3,7 +3,7 @@
 //! memory and its argmax runs on the backend, so no host round trip happens before the
 //! next token is known, and a backend that records a step (a CUDA graph) replays it.
 
-use super::{finish_sets, Activations, Model, MoeRun, Pass, State};
+use super::{finish_sets, Activations, Caches, Model, MoeRun, Pass, State};
 use crate::backend::sample::{self, Sampling};
 use crate::backend::{AddNorm, Backend, PendingRead};
 use crate::model::{argmax, Error};
@@ -51,11 +51,59 @@ pub(super) struct StepBuffers<B: Backend> {
     fit: bool,
 }
 
+/// A sequence [`Model::decode`] advances: its state, the token at `state.pos` it feeds
+/// first, and how its tokens are picked.
+pub struct Decoding<'s, B: Backend> {
+    /// The sequence's cache and position.
+    pub state: &'s mut State<B>,
+    /// The token at `state.pos`.
+    pub first: u32,
+    /// How many tokens, picked how.
+    pub opts: DecodeOptions,
+}
+
+impl<'s, B: Backend> Decoding<'s, B> {
+    /// `state` fed `first`, then its own tokens, as `opts` says.
+    pub fn new(state: &'s mut State<B>, first: u32, opts: DecodeOptions) -> Self {
+        Decoding { state, first, opts }
+    }
+}
+
 impl<B: Backend> Model<B> {
+    /// Decodes the sequences of `seqs` together: each is fed its `first` token, then the
+    /// tokens it produces, up to its `opts.max_tokens`, each handed to `on_token` with the
+    /// sequence's index as it is chosen; `on_token` returning `false` stops that
+    /// sequence. Returns how many tokens each was handed; each `state.pos` and
+    /// `state.router_probs` are those of its last token's step. Several sequences advance
+    /// in one pass over the layers a step, each row attending to its own cache; one
+    /// sequence runs the decode step below.
+    ///
+    /// Errors: a token outside the vocabulary, bad sampling settings, or a cache full, in
+    /// which case the tokens that fit were handed over first.
+    pub fn decode(
+        &self,
+        seqs: &mut [Decoding<'_, B>],
+        on_token: &mut dyn FnMut(usize, u32) -> bool,
+    ) -> Result<Vec<usize>, Error> {
+        for s in seqs.iter() {
+            if let Err(why) = s.opts.sampling.check() {
+                return Err(Error::Config(format!("sampling: {why}")));
+            }
+        }
+        match seqs {
+            [one] => {
+                let (state, first, opts) = (&mut *one.state, one.first, one.opts);
+                Ok(vec![
+                    self.decode_one(state, first, opts, &mut |t| on_token(0, t))?
+                ])
+            }
+            _ => self.decode_rows(seqs, on_token),
+        }
+    }
+
     /// Decodes up to `opts.max_tokens` tokens after `first` (the token at position
     /// `state.pos`), each handed to `on_token` as it is chosen; `on_token` returning
-    /// `false` stops there. Returns how many tokens were handed over; `state.pos` and
-    /// `state.router_probs` are those of the last one's step.
+    /// `false` stops there. Returns how many tokens were handed over.
     ///
     /// Where the backend replays the step from a record, the steps are queued back to
     /// back: the step tensor is uploaded once, each step leaves its token and the next
@@ -69,16 +117,13 @@ impl<B: Backend> Model<B> {
     ///
     /// Errors: `first` outside the vocabulary, or the cache full, in which case the
     /// tokens that fit were handed over first.
-    pub fn decode(
+    fn decode_one(
         &self,
         state: &mut State<B>,
         first: u32,
         opts: DecodeOptions,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize, Error> {
-        if let Err(why) = opts.sampling.check() {
-            return Err(Error::Config(format!("sampling: {why}")));
-        }
         self.ready_counts(state, first, &opts.sampling);
         let n = opts.max_tokens;
         let mut done = 0;
@@ -106,6 +151,155 @@ impl<B: Backend> Model<B> {
             }
         }
         Ok(done)
+    }
+
+    /// [`decode`](Self::decode) of several sequences: one pass over the layers a step for
+    /// every sequence still going, until each has its tokens or was stopped.
+    fn decode_rows(
+        &self,
+        seqs: &mut [Decoding<'_, B>],
+        on_token: &mut dyn FnMut(usize, u32) -> bool,
+    ) -> Result<Vec<usize>, Error> {
+        let v = self.config.vocab_size;
+        let mut done = vec![0usize; seqs.len()];
+        let mut fed: Vec<u32> = seqs.iter().map(|s| s.first).collect();
+        let mut going: Vec<bool> = seqs.iter().map(|s| s.opts.max_tokens > 0).collect();
+        loop {
+            let rows: Vec<usize> = (0..seqs.len()).filter(|&i| going[i]).collect();
+            if rows.is_empty() {
+                return Ok(done);
+            }
+            for &i in &rows {
+                let s = &seqs[i].state;
+                if fed[i] as usize >= v {
+                    return Err(Error::TokenOutOfRange {
+                        id: fed[i],
+                        vocab: v,
+                    });
+                }
+                if s.pos + 1 > s.capacity {
+                    return Err(Error::ContextOverflow {
+                        needed: s.pos + 1,
+                        capacity: s.capacity,
+                    });
+                }
+            }
+            let tokens: Vec<u32> = rows.iter().map(|&i| fed[i]).collect();
+            let sampling: Vec<Sampling> = rows.iter().map(|&i| seqs[i].opts.sampling).collect();
+            let mut states: Vec<&mut State<B>> = seqs
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| going[*i])
+                .map(|(_, s)| &mut *s.state)
+                .collect();
+            let picked = self.rows_step(&mut states, &tokens, &sampling)?;
+            for (&i, &t) in rows.iter().zip(&picked) {
+                done[i] += 1;
+                fed[i] = t;
+                going[i] = on_token(i, t) && done[i] < seqs[i].opts.max_tokens;
+            }
+        }
+    }
+
+    /// One decode step of several sequences at once: `tokens[r]` fed to `states[r]` at
+    /// its position, one pass over the layers with a row a sequence; returns each row's
+    /// next token, picked by `sampling[r]`.
+    fn rows_step(
+        &self,
+        states: &mut [&mut State<B>],
+        tokens: &[u32],
+        sampling: &[Sampling],
+    ) -> Result<Vec<u32>, Error> {
+        let (c, b) = (&self.config, &self.backend);
+        let (h, v, e, n) = (c.hidden_size, c.vocab_size, c.moe.num_experts, tokens.len());
+        let positions: Vec<usize> = states.iter().map(|s| s.pos).collect();
+        let mut acts = Activations::new(b, c, n, false);
+        // A token boundary for the resident sets, as a chunk is.
+        let mut sets = self.residency.as_ref().map(|r| r.begin(b));
+        let track = sets.as_ref().is_some_and(|s| s.tracks());
+        let device_ok = self.residency.is_none();
+        let sets_on_device = sets.as_ref().is_some_and(|s| s.any_on_device());
+        let mut probs = ((device_ok || sets_on_device) && c.moe_layers().next().is_some())
+            .then(|| b.alloc(self.layers.len() * n * e));
+        let mut moe = MoeRun {
+            sets: sets.as_mut(),
+            track,
+            device_ok,
+            probs: probs.as_mut(),
+            observer: None,
+            routed: Vec::new(),
+            host: Vec::new(),
+            device_only: true,
+        };
+        b.embed(&self.embed_tokens, h, tokens, &mut acts.x);
+        let mut caches = Caches::Rows(
+            states
+                .iter_mut()
+                .map(|s| (&mut s.k_cache[..], &mut s.v_cache[..]))
+                .collect(),
+        );
+        let pass = Pass::Rows {
+            positions: &positions,
+        };
+        self.run_layers(pass, n, &mut acts, &mut caches, &mut moe);
+        let MoeRun { routed, host, .. } = moe;
+        let (x, xn, eps) = (&mut acts.x, &mut acts.xn, c.rms_norm_eps);
+        if self.layers.is_empty() {
+            b.rms_norm(x, &self.norm, n, h, eps, xn);
+        } else {
+            b.add_rms_norm(x, &acts.delta, &self.norm, n, h, eps, xn);
+        }
+        let mut logits = b.alloc(n * v);
+        b.linear(&acts.xn, self.head(), n, h, v, &mut logits);
+        let picked = if sampling.iter().all(|s| s.is_greedy() && !s.penalizes()) {
+            let mut out = b.alloc(n);
+            b.argmax_rows(&logits, n, v, &mut out, 0);
+            let mut bits = vec![0.0f32; n];
+            b.download(&out, &mut bits);
+            bits.iter().map(|x| x.to_bits()).collect()
+        } else {
+            let mut host_logits = vec![0.0f32; n * v];
+            b.download(&logits, &mut host_logits);
+            let rows = host_logits.chunks(v).zip(states.iter()).zip(tokens);
+            rows.zip(sampling)
+                .map(|(((l, s), &fed), sm)| {
+                    let counts = match sm.penalizes() {
+                        true => {
+                            let mut held = s.tokens[..s.pos].to_vec();
+                            held.push(fed);
+                            sample::counts(&held, v)
+                        }
+                        false => Vec::new(),
+                    };
+                    sample::sample(l, &counts, sm, s.pos as u64 + 1)
+                })
+                .collect()
+        };
+        // Each layer's probabilities, `[n, E]`, then each row's share to its sequence.
+        let mut layer_probs = vec![Vec::new(); self.layers.len()];
+        if let (Some(p), Some(&last)) = (&probs, routed.iter().max()) {
+            let mut all = vec![0.0f32; (last + 1) * n * e];
+            b.download(p, &mut all);
+            for &i in &routed {
+                layer_probs[i] = all[i * n * e..(i + 1) * n * e].to_vec();
+            }
+        }
+        for (i, p) in host {
+            layer_probs[i] = p;
+        }
+        for (r, s) in states.iter_mut().enumerate() {
+            for (i, p) in layer_probs.iter().enumerate() {
+                s.router_probs[i] = match p.is_empty() {
+                    true => Vec::new(),
+                    false => p[r * e..(r + 1) * e].to_vec(),
+                };
+            }
+            s.tokens.truncate(s.pos);
+            s.tokens.push(tokens[r]);
+            s.pos += 1;
+        }
+        finish_sets(sets, &layer_probs, &routed, n, track);
+        Ok(picked)
     }
 
     /// Runs one token at position `state.pos`, appends it to the cache and returns the
@@ -220,7 +414,11 @@ impl<B: Backend> Model<B> {
             device_only: true,
         };
         let pass = Pass::Step { step: &bufs.step };
-        self.run_layers(pass, 1, &mut bufs.acts, k_cache, v_cache, &mut moe);
+        let mut caches = Caches::One {
+            k: k_cache,
+            v: v_cache,
+        };
+        self.run_layers(pass, 1, &mut bufs.acts, &mut caches, &mut moe);
         let fit = moe.device_only;
         bufs.routed = moe.routed;
         host_probs.extend(moe.host);
@@ -582,7 +780,7 @@ mod tests {
                         sampling: s,
                     };
                     model
-                        .decode(&mut a, first, opts, &mut |t| {
+                        .decode(&mut [Decoding::new(&mut a, first, opts)], &mut |_, t| {
                             got.push(t);
                             true
                         })
