@@ -1,13 +1,12 @@
 //! The scheduler: one thread owns the model's compute and serves every sequence.
 //!
 //! Requests wait in a bounded queue; up to `max_sequences` of them are active at once,
-//! each with its own KV cache, and each scheduler step runs one forward per active
-//! sequence (its prompt on the first step, one token after that) before admitting
-//! more. The forward takes one sequence's state, so sequences are interleaved token by
-//! token rather than batched into one matrix product; because every sequence sees
-//! exactly the calls it would see alone, greedy outputs do not depend on what else is
-//! being served. All sequences share the one model object, and through it whatever
-//! resident state the model keeps.
+//! each with its own KV cache. Sequences join and leave between scheduler rounds, and a
+//! round runs one chunk of at most [`PREFILL_CHUNK`] prompt tokens of one new sequence
+//! (so a long prompt never stalls the others for long), then one decode step of every
+//! sequence past its prompt together: one pass over the layers with a row a sequence
+//! (`Model::decode`). All sequences share the one model object, and through it whatever
+//! resident state the model keeps, which every sequence's routing feeds.
 //!
 //! A sequence whose receiver is gone (the client disconnected) is dropped at the start
 //! of the next step, freeing its cache.
@@ -255,14 +254,16 @@ impl Drop for Engine {
     }
 }
 
+/// Prompt tokens a scheduler round runs of a new sequence.
+pub const PREFILL_CHUNK: usize = 256;
+
 /// One active sequence.
 struct Sequence<B: Backend> {
     request: Request,
     events: UnboundedSender<Event>,
     state: State<B>,
-    /// The prompt, until its prefill; then the last token, which the next decode step
-    /// feeds.
-    feed: Vec<u32>,
+    /// The last token, which the next decode step feeds; `None` while the prompt runs.
+    fed: Option<u32>,
     out: TextStream,
 }
 
@@ -295,7 +296,7 @@ fn schedule<B: Backend>(model: &LoadedModel<B>, shared: &Shared) {
                     let capacity = p.request.prompt.len() + p.request.max_tokens;
                     active.push(Sequence {
                         state: model.model.new_state(capacity),
-                        feed: p.request.prompt.clone(),
+                        fed: None,
                         out: TextStream::default(),
                         request: p.request,
                         events: p.events,
@@ -312,8 +313,10 @@ fn schedule<B: Backend>(model: &LoadedModel<B>, shared: &Shared) {
             }
         }
         let t = Instant::now();
-        active.retain_mut(|s| {
-            let counter = match step(model, s, m) {
+        let outcomes = round(model, &mut active, m);
+        let mut outcomes = outcomes.into_iter();
+        active.retain(|_| {
+            let counter = match outcomes.next().expect("an outcome a sequence") {
                 Step::Continue => return true,
                 // Counted by `finish`, before the client could see the end.
                 Step::Finished => return false,
@@ -330,22 +333,98 @@ fn schedule<B: Backend>(model: &LoadedModel<B>, shared: &Shared) {
     }
 }
 
-/// One forward of one sequence and the token it yields.
-fn step<B: Backend>(model: &LoadedModel<B>, s: &mut Sequence<B>, m: &Metrics) -> Step {
-    if s.events.is_closed() {
-        return Step::Cancelled;
+/// One scheduler round over the active sequences: a chunk of one prompt, then one
+/// decode step of every sequence past its prompt, together. Returns each sequence's
+/// outcome, in order.
+fn round<B: Backend>(model: &LoadedModel<B>, active: &mut [Sequence<B>], m: &Metrics) -> Vec<Step> {
+    let mut outcomes: Vec<Option<Step>> = active
+        .iter()
+        .map(|s| s.events.is_closed().then_some(Step::Cancelled))
+        .collect();
+    if let Some(i) = (0..active.len()).find(|&i| outcomes[i].is_none() && active[i].fed.is_none()) {
+        outcomes[i] = prefill_chunk(model, &mut active[i], m);
     }
-    let next = match next_token(model, s) {
-        Ok(t) => t,
-        Err(e) => {
-            let _ = s.events.send(Event::Failed(e.to_string()));
-            return Step::Failed;
+    let decoding: Vec<usize> = (0..active.len())
+        .filter(|&i| outcomes[i].is_none() && active[i].fed.is_some())
+        .collect();
+    if !decoding.is_empty() {
+        let mut next = vec![0u32; decoding.len()];
+        let mut seqs: Vec<Decoding<'_, B>> = active
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| decoding.contains(i))
+            .map(|(_, s)| {
+                let opts = DecodeOptions {
+                    max_tokens: 1,
+                    sampling: s.request.sampling,
+                };
+                Decoding::new(&mut s.state, s.fed.expect("past its prompt"), opts)
+            })
+            .collect();
+        let result = model.model.decode(&mut seqs, &mut |r, t| {
+            next[r] = t;
+            true
+        });
+        drop(seqs);
+        for (r, &i) in decoding.iter().enumerate() {
+            outcomes[i] = Some(match &result {
+                Ok(_) => after_token(model, &mut active[i], next[r], m),
+                Err(e) => fail(&active[i], e),
+            });
         }
-    };
-    if s.out.tokens().is_empty() {
-        m.prompt_tokens
-            .fetch_add(s.feed.len() as u64, Ordering::Relaxed);
     }
+    outcomes
+        .into_iter()
+        .map(|o| o.unwrap_or(Step::Continue))
+        .collect()
+}
+
+/// Runs the next chunk of a sequence's prompt; after the last, picks its first token from
+/// the prompt's last logits. `None` while the prompt is not done.
+fn prefill_chunk<B: Backend>(
+    model: &LoadedModel<B>,
+    s: &mut Sequence<B>,
+    m: &Metrics,
+) -> Option<Step> {
+    let prompt = &s.request.prompt;
+    let from = s.state.pos;
+    let to = (from + PREFILL_CHUNK).min(prompt.len());
+    let last = to == prompt.len();
+    let chunk = &prompt[from..to];
+    let logits_from = if last { chunk.len() - 1 } else { chunk.len() };
+    let logits = match model.model.forward(&mut s.state, chunk, logits_from) {
+        Ok(l) => l,
+        Err(e) => return Some(fail(s, &e)),
+    };
+    m.prompt_tokens
+        .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+    if !last {
+        return None;
+    }
+    let sampling = s.request.sampling;
+    let vocab = model.model.config.vocab_size;
+    let counts = match sampling.penalizes() {
+        true => sample::counts(prompt, vocab),
+        false => Vec::new(),
+    };
+    let first = sample::sample(&logits[..vocab], &counts, &sampling, s.state.pos as u64);
+    Some(after_token(model, s, first, m))
+}
+
+/// The generation failed: the client is told.
+fn fail<B: Backend>(s: &Sequence<B>, e: &Error) -> Step {
+    let _ = s.events.send(Event::Failed(e.to_string()));
+    Step::Failed
+}
+
+/// A token the sequence produced: its end, or its text handed out (all but a possible
+/// start of a stop string) and the token kept for the next step.
+fn after_token<B: Backend>(
+    model: &LoadedModel<B>,
+    s: &mut Sequence<B>,
+    next: u32,
+    m: &Metrics,
+) -> Step {
     let r = &s.request;
     let done = |s: &Sequence<B>, reason: FinishReason| Event::Done {
         reason,
@@ -361,9 +440,8 @@ fn step<B: Backend>(model: &LoadedModel<B>, s: &mut Sequence<B>, m: &Metrics) ->
         return Step::Failed;
     }
     m.generated_tokens.fetch_add(1, Ordering::Relaxed);
-    s.feed.clear();
-    s.feed.push(next);
-
+    s.fed = Some(next);
+    let r = &s.request;
     if let Some(at) = first_stop(s.out.text(), s.out.shown(), &r.stop_strings) {
         let piece = s.out.take_until(at).to_string();
         return finish(s, piece, done(s, FinishReason::Stop), m);
@@ -378,41 +456,6 @@ fn step<B: Backend>(model: &LoadedModel<B>, s: &mut Sequence<B>, m: &Metrics) ->
         return Step::Cancelled;
     }
     Step::Continue
-}
-
-/// The sequence's next token: the prompt's prefill and the host sampler on its last
-/// logits, then one decode step a call (recorded and replayed where the backend can).
-fn next_token<B: Backend>(model: &LoadedModel<B>, s: &mut Sequence<B>) -> Result<u32, Error> {
-    let sampling = s.request.sampling;
-    if s.out.tokens().is_empty() {
-        let logits = model
-            .model
-            .forward(&mut s.state, &s.feed, s.feed.len() - 1)?;
-        let vocab = model.model.config.vocab_size;
-        let counts = match sampling.penalizes() {
-            true => sample::counts(&s.feed, vocab),
-            false => Vec::new(),
-        };
-        return Ok(sample::sample(
-            &logits[..vocab],
-            &counts,
-            &sampling,
-            s.state.pos as u64,
-        ));
-    }
-    let mut next = None;
-    let opts = DecodeOptions {
-        max_tokens: 1,
-        sampling,
-    };
-    model.model.decode(
-        &mut [Decoding::new(&mut s.state, s.feed[0], opts)],
-        &mut |_, t| {
-            next = Some(t);
-            true
-        },
-    )?;
-    Ok(next.expect("one token decoded"))
 }
 
 /// Sends the last text and the end. The request is counted complete and its sequence
