@@ -7,14 +7,13 @@
 //!    penalty divides a positive logit by `r` and multiplies a negative one by it; the
 //!    presence penalty subtracts once, the frequency penalty once per occurrence.
 //! 2. At temperature 0 the token is the largest logit (the lowest id on ties).
-//! 3. Otherwise `s = logit / T`, `w = exp(s - max s)` and the weight `W = round(w · 2^32)`.
+//! 3. Otherwise `s = logit / T`, `w = exp(s - max s)` and the weight `W = ⌊w · 2^32⌋`.
 //!    Candidates: every token, or with min-p those with `w >= min_p`. They are ordered by
 //!    `s`, larger first, the lower id first on ties.
 //! 4. Kept: the first `top_k` candidates, and of those the shortest prefix whose weight
-//!    reaches `top_p` of theirs ([`kept_prefix`]). A GPU finds where the prefix ends
-//!    through a histogram of [`bin`]s and a sort of the one bin it ends in; should that bin
-//!    hold more than [`BIN_SORT_MAX`] candidates (a near-flat distribution), the whole bin
-//!    is kept.
+//!    reaches `top_p` of theirs ([`kept`]). A GPU finds where the cut falls through a
+//!    histogram of [`bin`]s and sorts only the candidates it must; should they be more
+//!    than [`BIN_SORT_MAX`] (a near-flat distribution), whole bins are kept.
 //! 5. The token is the kept one with the largest `s + g`, `g = -ln(-ln u)` Gumbel noise
 //!    with `u` the Philox draw of (seed, the token's position, the token's id) (the lower
 //!    id on ties): a sample of the kept tokens' softmax, whatever order they are visited in.
@@ -37,9 +36,10 @@ pub fn bin(s: f32, max: f32) -> usize {
     (((max - s) * BINS_PER_UNIT) as usize).min(BINS - 1)
 }
 
-/// A weight `w` in (0, 1] as the integer the cut is summed in: `round(w · 2^32)`.
+/// A weight `w` in (0, 1] as the integer the cut is summed in: `w · 2^32`, rounded toward
+/// zero.
 pub fn fixed_weight(w: f32) -> u64 {
-    (w as f64 * 4294967296.0).round() as u64
+    (w as f64 * 4294967296.0) as u64
 }
 
 /// The Gumbel noise of token `id` at `position` under `seed`: `-ln(-ln u)` with `u` the
@@ -178,7 +178,7 @@ pub fn sample(logits: &[f32], counts: &[u32], s: &Sampling, position: u64) -> u3
         .filter(|&t| s.min_p <= 0.0 || w[t as usize] >= s.min_p)
         .collect();
     if s.top_k > 0 || s.top_p < 1.0 {
-        kept = kept_prefix(kept, &scaled, &w, max, s);
+        kept = self::kept(kept, &scaled, &w, max, s);
     }
     let mut best = (f32::NEG_INFINITY, u32::MAX);
     for t in kept {
@@ -190,71 +190,88 @@ pub fn sample(logits: &[f32], counts: &[u32], s: &Sampling, position: u64) -> u3
     best.1
 }
 
-/// Of the candidates `rest`, the first `top_k` in the order (larger `s` first, the lower id
-/// on ties) and of those the shortest prefix whose weight reaches `top_p` of theirs, with
-/// the rule for a crowded last bin (the module's step 4). The order is found a chunk at a
-/// time, each chunk selected from what is left and sorted alone, so a peaked distribution
-/// costs a few linear passes, not a sort of the vocabulary.
-pub fn kept_prefix(
-    mut rest: Vec<u32>,
-    scaled: &[f32],
-    w: &[f32],
-    max: f32,
-    s: &Sampling,
-) -> Vec<u32> {
+/// The kept candidates of step 4 (`cands` are those min-p keeps): the first `top_k` in
+/// the order (larger `s` first, the lower id on ties) and of those the shortest prefix
+/// whose weight reaches `top_p` of theirs. The cut is placed as a GPU places it: a
+/// histogram of [`bin`]s finds the bin it falls in, and only that bin's candidates (with
+/// top-k, all those up to it) are sorted; when they are more than [`BIN_SORT_MAX`], whole
+/// bins are kept instead.
+pub fn kept(cands: Vec<u32>, scaled: &[f32], w: &[f32], max: f32, s: &Sampling) -> Vec<u32> {
+    let bin_of = |t: u32| bin(scaled[t as usize], max);
+    let weight = |t: u32| fixed_weight(w[t as usize]);
     let before = |a: &u32, b: &u32| {
         scaled[*b as usize]
             .total_cmp(&scaled[*a as usize])
             .then(a.cmp(b))
     };
-    let weight = |t: u32| fixed_weight(w[t as usize]);
-    let candidates = rest.clone();
-    if s.top_k > 0 && s.top_k < rest.len() {
-        rest.select_nth_unstable_by(s.top_k - 1, before);
-        rest.truncate(s.top_k);
-    }
-    let total: u64 = rest.iter().map(|&t| weight(t)).sum();
-    let goal = match s.top_p < 1.0 {
-        true => (s.top_p as f64 * total as f64).ceil() as u64,
-        false => u64::MAX,
+    let goal = |total: u64| (s.top_p as f64 * total as f64).ceil() as u64;
+    // The shortest prefix of `sorted` whose weight, after `ahead` of it, reaches `goal`:
+    // a token is kept while the weight before it falls short.
+    let prefix = |sorted: &[u32], ahead: u64, goal: u64| {
+        let mut acc = ahead;
+        let n = sorted
+            .iter()
+            .take_while(|&&t| {
+                let keep = acc < goal;
+                acc += weight(t);
+                keep
+            })
+            .count();
+        sorted[..n].to_vec()
     };
-    let mut prefix = Vec::new();
-    let mut acc = 0u64;
-    let mut chunk = 64;
-    'order: while !rest.is_empty() {
-        let take = chunk.min(rest.len());
-        if take < rest.len() {
-            rest.select_nth_unstable_by(take - 1, before);
-        }
-        let mut head: Vec<u32> = rest.drain(..take).collect();
-        head.sort_unstable_by(before);
-        for t in head {
-            // A token is kept while the weight before it falls short of the goal.
-            if acc >= goal {
-                break 'order;
+    // The first bin where a running sum over the bins in order reaches `goal`.
+    let first_reaching = |per_bin: &[u64], goal: u64| {
+        let mut acc = 0u64;
+        per_bin
+            .iter()
+            .position(|&v| {
+                acc += v;
+                acc >= goal
+            })
+            .unwrap_or(BINS - 1)
+    };
+    if s.top_k > 0 && s.top_k < cands.len() {
+        let mut counts = vec![0u64; BINS];
+        cands.iter().for_each(|&t| counts[bin_of(t)] += 1);
+        let cut = first_reaching(&counts, s.top_k as u64);
+        let mut upto: Vec<u32> = cands.into_iter().filter(|&t| bin_of(t) <= cut).collect();
+        if upto.len() <= BIN_SORT_MAX {
+            upto.sort_unstable_by(before);
+            upto.truncate(s.top_k);
+            if s.top_p < 1.0 {
+                let total = upto.iter().map(|&t| weight(t)).sum();
+                upto = prefix(&upto, 0, goal(total));
             }
-            acc += weight(t);
-            prefix.push(t);
+            return upto;
         }
-        chunk *= 4;
+        if s.top_p < 1.0 {
+            let mut mass = vec![0u64; BINS];
+            upto.iter().for_each(|&t| mass[bin_of(t)] += weight(t));
+            let total = mass.iter().sum();
+            let cut = first_reaching(&mass, goal(total));
+            upto.retain(|&t| bin_of(t) <= cut);
+        }
+        return upto;
     }
-    // The last kept token's bin: a GPU places the cut exactly only within a bin it can
-    // sort; a more crowded one is kept whole.
-    let Some(&last) = prefix.last() else {
-        return prefix;
-    };
-    let cut = bin(scaled[last as usize], max);
-    let crowd = candidates
-        .iter()
-        .filter(|&&t| bin(scaled[t as usize], max) == cut)
-        .count();
-    if crowd > BIN_SORT_MAX {
-        prefix = candidates
-            .into_iter()
-            .filter(|&t| bin(scaled[t as usize], max) <= cut)
-            .collect();
+    if s.top_p >= 1.0 {
+        return cands;
     }
-    prefix
+    let mut mass = vec![0u64; BINS];
+    cands.iter().for_each(|&t| mass[bin_of(t)] += weight(t));
+    let goal = goal(mass.iter().sum());
+    let cut = first_reaching(&mass, goal);
+    let (mut crowd, mut kept): (Vec<u32>, Vec<u32>) = cands
+        .into_iter()
+        .filter(|&t| bin_of(t) <= cut)
+        .partition(|&t| bin_of(t) == cut);
+    if crowd.len() > BIN_SORT_MAX {
+        kept.extend(crowd);
+        return kept;
+    }
+    crowd.sort_unstable_by(before);
+    let ahead: u64 = mass[..cut].iter().sum();
+    kept.extend(prefix(&crowd, ahead, goal));
+    kept
 }
 
 #[cfg(test)]
@@ -262,8 +279,8 @@ mod tests {
     use super::*;
     use crate::testing::Rng;
 
-    /// The sampler by its definition: every candidate sorted, the prefix cut, the
-    /// crowded-bin rule, the Gumbel argmax.
+    /// The sampler by its definition: every candidate sorted, the exact cut, whole bins
+    /// where the GPU would have too many to sort, the Gumbel argmax.
     fn by_definition(logits: &[f32], counts: &[u32], s: &Sampling, position: u64) -> u32 {
         let l: Vec<f32> = (0..logits.len())
             .map(|t| penalized(logits[t], counts.get(t).copied().unwrap_or(0), s))
@@ -271,37 +288,60 @@ mod tests {
         let scaled: Vec<f32> = l.iter().map(|v| v / s.temperature).collect();
         let max = scaled.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let w: Vec<f32> = scaled.iter().map(|v| (v - max).exp()).collect();
+        let bin_of = |t: u32| bin(scaled[t as usize], max);
         let mut order: Vec<u32> = (0..l.len() as u32)
             .filter(|&t| s.min_p <= 0.0 || w[t as usize] >= s.min_p)
             .collect();
-        let candidates = order.clone();
         order.sort_by(|&a, &b| {
             scaled[b as usize]
                 .total_cmp(&scaled[a as usize])
                 .then(a.cmp(&b))
         });
-        if s.top_k > 0 {
-            order.truncate(s.top_k);
+        let candidates = order.clone();
+        let top_k = (s.top_k > 0 && s.top_k < order.len()).then_some(s.top_k);
+        if let Some(k) = top_k {
+            order.truncate(k);
         }
-        let total: u64 = order.iter().map(|&t| fixed_weight(w[t as usize])).sum();
+        let weight = |t: &u32| fixed_weight(w[*t as usize]);
+        let total: u64 = order.iter().map(weight).sum();
         let goal = (s.top_p as f64 * total as f64).ceil() as u64;
         let mut acc = 0u64;
-        let cut = order
-            .iter()
-            .position(|&t| {
-                let keep = s.top_p >= 1.0 || acc < goal;
-                acc += fixed_weight(w[t as usize]);
-                !keep
-            })
-            .unwrap_or(order.len());
-        order.truncate(cut);
-        let last_bin = bin(scaled[*order.last().unwrap() as usize], max);
-        let in_bin = |t: &u32| bin(scaled[*t as usize], max) == last_bin;
-        if candidates.iter().filter(|t| in_bin(t)).count() > BIN_SORT_MAX {
-            order = candidates
-                .into_iter()
-                .filter(|&t| bin(scaled[t as usize], max) <= last_bin)
-                .collect();
+        order.retain(|t| {
+            let keep = s.top_p >= 1.0 || acc < goal;
+            acc += weight(t);
+            keep
+        });
+        // Where the histogram's sort would overflow, whole bins.
+        let crowd = |b: usize| candidates.iter().filter(|&&t| bin_of(t) == b).count();
+        let upto = |b: usize| -> Vec<u32> {
+            candidates
+                .iter()
+                .copied()
+                .filter(|&t| bin_of(t) <= b)
+                .collect()
+        };
+        if let Some(k) = top_k {
+            let cut = bin_of(candidates[k - 1]);
+            let g = upto(cut);
+            if g.len() > BIN_SORT_MAX {
+                order = g;
+                if s.top_p < 1.0 {
+                    let total: u64 = order.iter().map(weight).sum();
+                    let goal = (s.top_p as f64 * total as f64).ceil() as u64;
+                    let mut acc = 0u64;
+                    let last = order.iter().find(|t| {
+                        acc += weight(t);
+                        acc >= goal
+                    });
+                    let cut = last.map_or(BINS - 1, |&t| bin_of(t));
+                    order.retain(|&t| bin_of(t) <= cut);
+                }
+            }
+        } else if s.top_p < 1.0 {
+            let cut = bin_of(*order.last().unwrap());
+            if crowd(cut) > BIN_SORT_MAX {
+                order = upto(cut);
+            }
         }
         order.sort_unstable();
         let mut best = (f32::NEG_INFINITY, 0);
@@ -339,6 +379,12 @@ mod tests {
             },
             Sampling {
                 temperature: 1.0,
+                ..Sampling::GREEDY
+            },
+            Sampling {
+                temperature: 0.7,
+                top_k: 3000,
+                top_p: 0.8,
                 ..Sampling::GREEDY
             },
         ];
