@@ -490,4 +490,110 @@ mod tests {
         assert!(bad.check().unwrap_err().contains("temperature"));
         assert!(Sampling::GREEDY.check().is_ok());
     }
+
+    /// SplitMix64's finalizer of `seed + t · φ`: the cases' inputs, made again bit for bit
+    /// by the C++ program that reads them.
+    fn case_bits(seed: u64, t: u64) -> u64 {
+        let mut z = seed.wrapping_add(t.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A case's logits: uniform in ±spread/2 from [`case_bits`], every 17th token at 1 (ties).
+    fn case_logits(seed: u64, vocab: usize, spread: f32) -> Vec<f32> {
+        (0..vocab as u64)
+            .map(|t| match t % 17 {
+                3 => 1.0,
+                _ => ((case_bits(seed, t) >> 40) as f32 / (1u32 << 24) as f32 - 0.5) * spread,
+            })
+            .collect()
+    }
+
+    /// A case's counts: 2 for one token in eight.
+    fn case_counts(seed: u64, vocab: usize) -> Vec<u32> {
+        (0..vocab as u64)
+            .map(|t| u32::from(case_bits(seed ^ 0xC0FF_EE00, t) % 8 == 0) * 2)
+            .collect()
+    }
+
+    /// Cases of the sampler with the token it picks, one a line: tools/cuda-host-check
+    /// makes the same inputs, runs the device sampler's kernels on them and must pick the
+    /// same tokens. Seeded alone, so the file is fixed.
+    fn cases() -> String {
+        let mut out = String::from(
+            "# backend::sample cases, one a line: vocab top_k top_p min_p repetition presence \
+             frequency temperature (f32 bits) seed position logits-seed spread (bits) \
+             penalized token\n",
+        );
+        let settings = [
+            (0.0, 0, 1.0, 0.0, 1.3, 0.2, 0.1),
+            (0.8, 0, 1.0, 0.0, 1.0, 0.0, 0.0),
+            (0.8, 0, 1.0, 0.05, 1.0, 0.0, 0.0),
+            (0.8, 0, 0.95, 0.0, 1.0, 0.0, 0.0),
+            (1.2, 40, 1.0, 0.0, 1.0, 0.0, 0.0),
+            (0.7, 40, 0.9, 0.02, 1.2, 0.3, 0.2),
+            (1.0, 3000, 0.8, 0.0, 1.0, 0.0, 0.0),
+            (0.6, 0, 0.5, 0.0, 1.0, 0.0, 0.0),
+        ];
+        let mut k = 0u64;
+        for &(temp, top_k, top_p, min_p, rep, pres, freq) in &settings {
+            // Peaked, middling and flat rows; the flat ones too crowded to sort.
+            for (vocab, spread) in [(1000, 1.0f32), (8192, 8.0), (20_000, 30.0), (20_000, 1e-4)] {
+                k += 1;
+                let s = Sampling {
+                    temperature: temp,
+                    top_k,
+                    top_p,
+                    min_p,
+                    repetition_penalty: rep,
+                    presence_penalty: pres,
+                    frequency_penalty: freq,
+                    seed: case_bits(k, 1),
+                };
+                let position = case_bits(k, 2) % 100_000;
+                let logits = case_logits(k, vocab, spread);
+                let penalized = s.penalizes();
+                let counts = if penalized {
+                    case_counts(k, vocab)
+                } else {
+                    Vec::new()
+                };
+                let token = sample(&logits, &counts, &s, position);
+                let bits =
+                    [top_p, min_p, rep, pres, freq, temp].map(|x| format!("{:08x}", x.to_bits()));
+                out += &format!(
+                    "{vocab} {top_k} {} {} {position} {k} {:08x} {} {token}\n",
+                    bits.join(" "),
+                    s.seed,
+                    spread.to_bits(),
+                    u8::from(penalized)
+                );
+            }
+        }
+        out
+    }
+
+    fn cases_file() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tools/cuda-host-check/sample_cases.txt")
+    }
+
+    /// The cases the device sampler is checked on are this sampler's: rewrite them with
+    /// `cargo test -p dynmoe --lib -- --ignored write_sample_cases` after changing it.
+    #[test]
+    fn the_device_samplers_cases_are_this_samplers() {
+        let file = std::fs::read_to_string(cases_file()).unwrap_or_default();
+        assert!(
+            file == cases(),
+            "{} is not what backend::sample picks; rewrite it (see this test's doc)",
+            cases_file().display()
+        );
+    }
+
+    #[test]
+    #[ignore = "writes tools/cuda-host-check/sample_cases.txt"]
+    fn write_sample_cases() {
+        std::fs::write(cases_file(), cases()).unwrap();
+    }
 }
