@@ -513,7 +513,7 @@ mod tests {
     /// A case's counts: 2 for one token in eight.
     fn case_counts(seed: u64, vocab: usize) -> Vec<u32> {
         (0..vocab as u64)
-            .map(|t| u32::from(case_bits(seed ^ 0xC0FF_EE00, t) % 8 == 0) * 2)
+            .map(|t| u32::from(case_bits(seed ^ 0xC0FF_EE00, t).is_multiple_of(8)) * 2)
             .collect()
     }
 
