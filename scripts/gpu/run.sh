@@ -59,9 +59,8 @@
 #          keys, with dense weights in f32 instead of bf16, prompts without tensor cores,
 #          the prompt's attention by the per-row kernel instead of the tiled one, kernels
 #          launched without programmatic dependent launch, a decode step's experts through
-#          the matrix-vector kernels instead of tensor cores, its MoE layers as one launch
-#          instead of three, its experts as slices, and decode after a 16-token prompt
-#          (model_variants.log)
+#          the matrix-vector kernels instead of tensor cores, and decode after a 16-token
+#          prompt (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -229,10 +228,6 @@ for step in $steps; do
             variant "kernels launched without programmatic dependent launch" DYNMOE_CUDA_PDL=0
             variant "decode experts through the matrix-vector kernels, not tensor cores" \
                 DYNMOE_CUDA_ROUTED_MMA=0
-            variant "a decode step's MoE layers as one launch (moe_step), not three" \
-                DYNMOE_CUDA_MOE_STEP=1
-            variant "a decode step's experts as slices (gate, up and down in one launch)" \
-                DYNMOE_CUDA_ROUTED_SLICES=1
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128
         } 2>&1 | tee "$OUT/model_variants.log"
@@ -256,7 +251,7 @@ for step in $steps; do
         echo "== registers, spills and shared memory of every kernel (ptxas)"
         nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null "$BIN/kernels.cu" \
             > "$OUT/ptxas.log" 2>&1 || status=1
-        grep -A1 -E "Compiling entry function '(moe_step|dense_mma|routed_mma|moe_route)" \
+        grep -A1 -E "Compiling entry function '(dense_mma|routed_mma|moe_route)" \
             "$OUT/ptxas.log" | grep -E "entry|registers|spill" | head -40
         ;;
     profile-routed)

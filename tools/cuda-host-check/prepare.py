@@ -28,7 +28,6 @@ PTX_HELPERS = [
     "prefetch_l1",
     "f16_bits",
     "wait_count",
-    "prefetch_l2",
 ]
 
 

@@ -158,13 +158,10 @@ fn route_row(
     )
 }
 
-/// One decode token's routed step (`step(t)` routes token `t` of `tokens`) four ways: as
-/// one launch (`moe_step`, graph key `key`), with the experts as slices in one launch
-/// after the router (`key + 1`), as three launches on tensor cores (`key + 2`), then on
-/// CUDA cores (`key + 3`), each launched call by call and then recorded as a graph (as a
-/// decode step runs): a printed line and a row `name_{step,slices,mma,matvec}_{eager,graph}`
-/// of each, `bytes` a token. Experts a way does not take (VQ) run the three-launch way
-/// under its name.
+/// One decode token's routed step (`step(t)` routes token `t` of `tokens`) two ways: on
+/// tensor cores (graph key `key`), then on CUDA cores (`key + 1`), each launched call by
+/// call and then recorded as a graph (as a decode step runs): a printed line and a row
+/// `name_{mma,matvec}_{eager,graph}` of each, `bytes` a token.
 #[allow(clippy::too_many_arguments)]
 fn routed_step_rows(
     g: &Cuda,
@@ -177,19 +174,9 @@ fn routed_step_rows(
     copy_gb_s: f64,
     rows_out: &mut Vec<Row>,
 ) {
-    let (was, was_step, was_slices) = (g.routed_mma(), g.moe_step(), g.routed_slices());
-    for (i, (mma, one, slices, way)) in [
-        (true, true, false, "step"),
-        (true, false, true, "slices"),
-        (true, false, false, "mma"),
-        (false, false, false, "matvec"),
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    let was = g.routed_mma();
+    for (i, (mma, way)) in [(true, "mma"), (false, "matvec")].into_iter().enumerate() {
         g.set_routed_mma(mma);
-        g.set_moe_step(one);
-        g.set_routed_slices(slices);
         let ms = time_ms(g, || (0..tokens).for_each(&mut step));
         let eager = ms * 1e3 / tokens as f64;
         let graph = graph_us(g, key + i as u64, |i| step(i % tokens));
@@ -206,8 +193,6 @@ fn routed_step_rows(
         }
     }
     g.set_routed_mma(was);
-    g.set_moe_step(was_step);
-    g.set_routed_slices(was_slices);
 }
 
 struct HostAffine {

@@ -933,12 +933,12 @@ fn attention_preamble_matches_the_single_ops() {
 #[test]
 fn attention_step_matches_the_preamble_then_attention() {
     let Some(g) = gpu() else { return };
-    // The decode step's attention with its preamble, in one launch on the device (the
-    // grouped kernel's blocks norm and rotate their heads and write the caches' new row)
-    // and as the two ops: Qwen3-30B-A3B's heads, two head tiles (GQA 12), narrow, wide and
-    // 96-wide heads, and an odd width the device leaves to the two ops; the first
-    // position, one inside the first chunk and one far into a cache longer than the
-    // context, with a window and without. The output and both caches are compared.
+    // The decode step's attention with its preamble (the preamble kernel, then the grouped
+    // attention) against the single ops: Qwen3-30B-A3B's heads, two head tiles (GQA 12),
+    // narrow, wide and 96-wide heads, and an odd width the device leaves to the single
+    // ops; the first position, one inside the first chunk and one far into a cache longer
+    // than the context, with a window and without. The output and both caches are
+    // compared.
     let cases = [
         (32, 4, 128),
         (24, 2, 64),
@@ -946,10 +946,8 @@ fn attention_step_matches_the_preamble_then_attention() {
         (3, 1, 96),
         (2, 2, 6),
     ];
-    // Unfused, the grouped kernel loads its keys and values before its launch wait or
-    // after it.
-    for (fused, early) in [(true, false), (false, true), (false, false)] {
-        g.set_step_attention(fused);
+    // The grouped kernel loads its keys and values before its launch wait or after it.
+    for early in [true, false] {
         g.set_kv_early(early);
         for (heads, kv_heads, head_dim) in cases {
             let inv_freq = dynmoe::model::forward::rope_inv_freq(1e6, head_dim, 1.0);
@@ -977,7 +975,7 @@ fn attention_step_matches_the_preamble_then_attention() {
                 both!(
                     &format!(
                         "attention_step_at {heads}/{kv_heads}x{head_dim} @{pos} norm {normed} \
-                         w{window:?} fused {fused} early {early}"
+                         w{window:?} early {early}"
                     ),
                     &[&q, &k, &v, &qn, &kn, &kc, &vc, &step],
                     qw + 2 * capacity * kvw,
@@ -1006,7 +1004,6 @@ fn attention_step_matches_the_preamble_then_attention() {
             }
         }
     }
-    g.set_step_attention(false);
     g.set_kv_early(true);
 }
 
@@ -1111,79 +1108,6 @@ fn dense_affine_products_match_the_reference_every_way() {
             );
         }
     }
-    // Held only in tiles (4 and 2 bits): one row on the tiled one-row kernel, more rows
-    // (3, 9, 300) through the tiled grouped GEMM, also with the tensor-core routed kernels
-    // switched off after the copy; q, k and v in one launch. The copy holds the matrix's
-    // bytes once (rows padded to whole tiles), not twice.
-    let (single, tiles) = (g.dense_single(), g.dense_tiles());
-    g.set_dense_single(true);
-    g.set_dense_tiles(true);
-    g.set_tensor_cores(cores);
-    for bits in [4, 2] {
-        let shapes = [(4096, 2048, 2048), (512, 2048, 2048), (100, 192, 150)];
-        for (i, &(rows, cols, in_dim)) in shapes.iter().enumerate() {
-            let m = affine(rows, cols, bits, 90 + 3 * bits as u64 + i as u64);
-            let w = m.view();
-            // Nothing else on the device: a matrix at a freed one's address replaces it.
-            g.clear_weight_cache();
-            for (batch, routed) in [
-                (1, true),
-                (3, true),
-                (9, true),
-                (300, true),
-                (1, false),
-                (3, false),
-            ] {
-                g.set_routed_mma(routed && mma);
-                let x = fresh(batch * in_dim, 95 + batch as u64);
-                both!(
-                    &format!("dense q{bits} {rows}x{cols} (in {in_dim}) rows {batch} only in tiles, routed mma {routed}"),
-                    &[&x],
-                    batch * rows,
-                    1e-5,
-                    |b, t, o| b.matmul_affine(&t[0], &w, batch, in_dim, o)
-                );
-            }
-            let held = g.weight_cache_bytes();
-            // Codes at `bits`, a scale and a bias of 16 bits per 64 values.
-            let once = rows.div_ceil(16) * 16 * cols * (2 * bits as usize + 1) / 16;
-            assert!(
-                !cores || held == once,
-                "q{bits} {rows}x{cols}: {held} bytes on the device for {once} in tiles"
-            );
-        }
-        let ms: Vec<Affine> = (0..3)
-            .map(|j| {
-                affine(
-                    [4096, 512, 512][j],
-                    2048,
-                    bits,
-                    110 + bits as u64 + j as u64,
-                )
-            })
-            .collect();
-        let x = fresh(2048, 115);
-        both!(
-            &format!("linear3 q{bits} only in tiles"),
-            &[&x],
-            5120,
-            1e-5,
-            |b, t, o| {
-                let (mut q, mut k, mut v) = (b.alloc(4096), b.alloc(512), b.alloc(512));
-                b.linear3(
-                    &t[0],
-                    [0, 1, 2].map(|j| Weight::Affine(ms[j].view())),
-                    1,
-                    2048,
-                    [4096, 512, 512],
-                    [&mut q, &mut k, &mut v],
-                );
-                concat(b, &[(&q, 4096), (&k, 512), (&v, 512)], o)
-            }
-        );
-    }
-    g.set_dense_single(single);
-    g.set_dense_tiles(tiles);
     g.set_routed_mma(mma);
     g.set_tensor_cores(cores);
 }
@@ -1763,12 +1687,9 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Co
         let (e_out, e_p) = (rel_err(&got, &want), rel_err(&got_p[at..], &want_p));
         println!(
             "check routed moe {codes} E {experts} rows {rows} top-{top_k} renorm {renormalize:<5} \
-             mask {masked:<5} gate bf16 {gate_bf16:<5} tie {tie:<5} mma {:<5} one launch {:<5} \
-             router routes {:<5} slices {:<5} out {e_out:.2e} probs {e_p:.2e}",
+             mask {masked:<5} gate bf16 {gate_bf16:<5} tie {tie:<5} mma {:<5} \
+             out {e_out:.2e} probs {e_p:.2e}",
             g.routed_mma(),
-            g.moe_step(),
-            g.router_routes(),
-            g.routed_slices()
         );
         // Past 8 rows a bf16 router's product runs on tensor cores over two bf16 parts of
         // x (about 16 of its bits), and the probabilities differ from the reference by up
@@ -1881,46 +1802,28 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     // First with the experts in rows, then (4 and 2 bits) in unit tiles.
     // Rows 2112 wide and experts 1600 wide give the tensor-core warps more 64-column
     // units than they load at once (33 for gate and up: 5 a warp and none for the last;
-    // 4 × 26 for down), so those take a second round. On tensor cores a decode step with
-    // a bf16 router runs as one launch (moe_step) and as three; either way of the three,
-    // and through the matrix-vector kernels, with the route taken by the router's last
-    // block (router_route_one) and by the routed kernels.
-    // On tensor cores a decode step's experts also run as slices (gate, up and down of
-    // one slice a block, in one launch; 1 600-wide experts take 25 slices a pair), routing
-    // the row themselves or reading the router's route. The three launches' gate/up
-    // starts early (x staged and the table copied before its launch wait) or not, and
-    // chooses its experts by the probabilities or by the logits; down's blocks load their
-    // words before their launch wait, on the flag gate/up raises once it has written the
-    // route, or after it.
-    let (was, was_step, was_routes, was_slices, was_early, was_logits, was_down) = (
+    // 4 × 26 for down), so those take a second round. The gate/up kernel starts early (x
+    // staged and the table copied before its launch wait) or not, and chooses its experts
+    // by the probabilities or by the logits; down's blocks load their words before their
+    // launch wait, on the flag gate/up raises once it has written the route, or after it.
+    let (was, was_early, was_logits, was_down) = (
         g.routed_mma(),
-        g.moe_step(),
-        g.router_routes(),
-        g.routed_slices(),
         g.gate_up_early(),
         g.route_by_logits(),
         g.down_early(),
     );
     let was_tiles = g.expert_tiles();
     g.set_expert_tiles(false);
-    for (mma, step, routes, slices, early, logits, down) in [
-        (true, true, false, false, true, false, true),
-        (true, false, false, true, true, false, true),
-        (true, false, false, false, true, false, true),
-        (true, false, false, false, true, true, true),
-        (true, false, false, false, true, true, false),
-        (true, false, false, false, false, false, true),
-        (true, false, false, false, false, false, false),
-        (true, false, false, false, false, true, true),
-        (true, false, true, true, true, false, true),
-        (true, false, true, false, true, false, true),
-        (false, false, false, false, true, false, true),
-        (false, false, true, false, true, false, true),
+    for (mma, early, logits, down) in [
+        (true, true, false, true),
+        (true, true, true, true),
+        (true, true, true, false),
+        (true, false, false, true),
+        (true, false, false, false),
+        (true, false, true, true),
+        (false, true, false, true),
     ] {
         g.set_routed_mma(mma);
-        g.set_moe_step(step);
-        g.set_router_routes(routes);
-        g.set_routed_slices(slices);
         g.set_gate_up_early(early);
         g.set_route_by_logits(logits);
         g.set_down_early(down);
@@ -1933,21 +1836,16 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     }
     // Experts held in unit tiles (4 and 2 bits, their only device copy): decode steps on
     // the tiled routed kernels (early or not, by the logits, down early or not), prompts
-    // through the tiled grouped GEMMs. The one-launch step and the slices, asked for,
-    // leave them to the tiled kernels; without the tensor-core routed kernels the blocks
+    // through the tiled grouped GEMMs. Without the tensor-core routed kernels the blocks
     // are copied again in rows.
     g.set_expert_tiles(true);
-    for (mma, step, slices, early, logits, down) in [
-        (true, false, false, true, false, true),
-        (true, false, false, false, false, false),
-        (true, false, false, true, true, false),
-        (true, true, true, true, false, true),
-        (false, false, false, true, false, true),
+    for (mma, early, logits, down) in [
+        (true, true, false, true),
+        (true, false, false, false),
+        (true, true, true, false),
+        (false, true, false, true),
     ] {
         g.set_routed_mma(mma);
-        g.set_moe_step(step);
-        g.set_router_routes(false);
-        g.set_routed_slices(slices);
         g.set_gate_up_early(early);
         g.set_route_by_logits(logits);
         g.set_down_early(down);
@@ -1959,9 +1857,6 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     }
     g.set_expert_tiles(was_tiles);
     g.set_routed_mma(was);
-    g.set_moe_step(was_step);
-    g.set_router_routes(was_routes);
-    g.set_routed_slices(was_slices);
     g.set_gate_up_early(was_early);
     g.set_route_by_logits(was_logits);
     g.set_down_early(was_down);
@@ -2027,12 +1922,10 @@ fn vq_experts_routed_on_the_device_match_the_host_route() {
     // 32-value blocks (down's: prompts through the decode kernels); and that model's own
     // shape (two blocks of 1024 for gate and up, three of 256 for down).
     // Decode steps run both ways: on tensor cores (but at 2 values a vector and under
-    // 64-value blocks), and on CUDA cores; on tensor cores with the route taken by the
-    // router's last block too.
-    let (was, was_routes) = (g.routed_mma(), g.router_routes());
-    for (mma, routes) in [(true, false), (true, true), (false, false)] {
+    // 64-value blocks), and on CUDA cores.
+    let was = g.routed_mma();
+    for mma in [true, false] {
         g.set_routed_mma(mma);
-        g.set_router_routes(routes);
         for rung in ["1.5", "2", "3", "0.7", "5"] {
             check_routed(g, 256, 80, 12, Codes::Vq(rung), false);
         }
@@ -2040,7 +1933,6 @@ fn vq_experts_routed_on_the_device_match_the_host_route() {
         check_routed(g, 2048, 768, 10, Codes::Vq("1.5"), false);
     }
     g.set_routed_mma(was);
-    g.set_router_routes(was_routes);
 }
 
 #[test]

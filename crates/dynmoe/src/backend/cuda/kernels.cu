@@ -1488,14 +1488,6 @@ extern "C" __global__ void moe_combine(const float* down, const float* weights, 
 // the step waits for, so twice the warps halve it.
 #define RMMA_DOWN_WARPS 16
 #define RMMA_ROWS 16
-// With DOWN_LAUNCH_LATE=1 the routed down kernel lets the next kernel launch only once its
-// block has staged h, not as it starts: at 2 bits a tenth of down's blocks stage h ~3 µs
-// after the median (phases_copy_q2.log; 0.5 µs at 4 bits), and the next layer's q/k/v
-// blocks, on their SMs early and loading their weights, are one suspect. A tuning switch
-// until measured.
-#ifndef DOWN_LAUNCH_LATE
-#define DOWN_LAUNCH_LATE 0
-#endif
 // A staged unit: f16x2 words [hi/lo][ks][q][h]; the lo half starts 40 words on, so the
 // two lane groups that read them (g = 0 and g = 1) fall in different banks.
 #define RMMA_HALF 40
@@ -2050,7 +2042,6 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                       in_dim, threadIdx.x, blockDim.x);
     __syncthreads();
     PHASE(1, 2);
-    if (DOWN_LAUNCH_LATE) PDL_LAUNCH();
     tile.finish(xs, xsum, red, out + (size_t)token * rows);
 }
 
@@ -2095,7 +2086,7 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                int rows, int cols, int in_dim, float* logits, int experts,     \
                                unsigned* ready) {                                              \
         PHASE(1, 0);                                                                           \
-        if (!DOWN_LAUNCH_LATE) PDL_LAUNCH();                                                   \
+        PDL_LAUNCH();                                                                          \
         routed_mma_down<B, RMMA_DOWN_UNITS, TILED>(table, ids, weights, top_k, h, out, rows,   \
                                                    cols, in_dim, logits, experts, ready);      \
     }
@@ -2843,43 +2834,6 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     matvec_bf16_parts_done(v * inv, out, rows, o, part, parts);
 }
 
-// A decode step's router and its route in one launch: the blocks compute `experts` logits
-// of one row as matvec_bf16_one does, and the last block to finish (a ticket counted in
-// `ticket`, which it resets) routes them (route_block): the probabilities replace the
-// logits, the top_k ids and weights go to `ids` / `weights`. The routed kernels then read
-// the ids instead of each of their blocks routing the row again. experts ≤
-// ROUTE_SHARED_MAX, blocks of 256 threads.
-extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
-    router_route_one(const unsigned short* w, const float* x, float* logits, int experts,
-                     int cols, const unsigned char* keep, int top_k, int renormalize, int* ids,
-                     float* weights, unsigned* ticket) {
-    PDL_LAUNCH();
-    __shared__ int route_ids[ROUTE_SHARED_MAX];
-    __shared__ float route_w[ROUTE_SHARED_MAX];
-    __shared__ __align__(16) float cand[ROUTE_SHARED_MAX];
-    __shared__ float scratch[32];
-    __shared__ bool last;
-    int warp = threadIdx.x / WARP, parts = mv_one_parts(cols);
-    int o = blockIdx.x * (8 / parts) + warp / parts, part = warp % parts;
-    RowAsIs row{x};
-    float v = matvec_bf16_part(w, row, experts, o, cols, part, parts);
-    matvec_bf16_parts_done(v, logits, experts, o, part, parts);
-    // Every writer's logits are visible device-wide before its block takes a ticket.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    route_block(logits, logits, keep, route_ids, route_w, experts, top_k, renormalize, cand,
-                scratch);
-    for (int k = threadIdx.x; k < top_k; k += blockDim.x) {
-        ids[k] = route_ids[k];
-        weights[k] = route_w[k];
-    }
-    if (threadIdx.x == 0) *ticket = 0u;
-}
-
 extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
     matvec_bf16_3_one(const unsigned short* w0, const unsigned short* w1,
                       const unsigned short* w2, const float* x, float* o0, float* o1,
@@ -2895,562 +2849,6 @@ extern "C" __global__ void __launch_bounds__(256, MV_ONE_BLOCKS)
     float v = matvec_bf16_part(w, input, rows, row, cols, part, parts);
     matvec_bf16_parts_done(v, out, rows, row, part, parts);
 }
-
-// ---- A decode step's MoE layer in one launch ----
-//
-// The router, the route and the routed experts of one token took three launches (router
-// product, gate/up, down), each waiting for the one before to drain, and the down kernel
-// could ask for its words only once it ran. moe_step does all of it in one grid whose
-// blocks are all resident at once (the host sizes it by the kernel's occupancy), in
-// phases that wait on counters in global memory instead of on kernel boundaries:
-//
-//   1. the first blocks' warps take the router's rows (bf16, their first loads before
-//      PDL_WAIT) and write the logits; every block stages x meanwhile;
-//   2. once every router row is written, every block routes the token itself
-//      (route_block), asks L2 for the down rows it will take, and runs its gate/up tiles;
-//   3. once every block's tiles are written, the blocks with down tiles stage h and run
-//      them; the first writes the probabilities over the logits.
-//
-// The products are GateUpTile's and DownTile's, so the results are the three launches',
-// bit for bit. `sync` holds three counters, zero at launch and zero again when the last
-// block leaves. A spin that outlasts two seconds traps, so a grid that could not all be
-// resident (another process's kernels sharing the device through MPS) fails loudly
-// instead of hanging. Measured in a decode step it was slower than the three launches
-// (docs/GPU_NOTES.md), so the host takes it only when asked (DYNMOE_CUDA_MOE_STEP=1).
-
-// Asks L2 for the 128-byte lines of [p, p + bytes), the block's threads a line each.
-__device__ __forceinline__ void prefetch_l2(const void* p, size_t bytes) {
-    const char* c = reinterpret_cast<const char*>((size_t)p & ~(size_t)127);
-    const char* end = reinterpret_cast<const char*>(p) + bytes;
-    for (c += threadIdx.x * 128; c < end; c += blockDim.x * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(c));
-}
-
-template <int BITS>
-__device__ void moe_step(const unsigned short* router, const float* x, float* probs,
-                         const unsigned char* keep, int experts, int renormalize, int top_k,
-                         const unsigned long long* table, float* h, float* out, unsigned* sync,
-                         int inter, int hidden, int up_cols, int down_cols) {
-    // Shared memory, as moe_step_shared on the host lays it out: the staged units (x's,
-    // then h's), the warps' sums, the candidates (16-byte aligned for route_block's float4
-    // reads), block 0's probabilities, the reduction scratch, the route.
-    extern __shared__ __align__(16) unsigned smem[];
-    int up_groups = up_cols / 64, down_groups = down_cols / 64;
-    int units = max(up_groups, top_k * down_groups);
-    unsigned* xs = smem;
-    float* xsum = reinterpret_cast<float*>(smem + (size_t)units * RMMA_UNIT);
-    float* red = xsum + ((units + 3) & ~3);  // [RMMA_WARPS][2][RMMA_ROWS]
-    float* cand = red + RMMA_WARPS * 2 * RMMA_ROWS;
-    float* mine = cand + ((experts + 3) & ~3);
-    float* scratch = mine + experts;
-    float* route_w = scratch + 32;
-    int* route_ids = reinterpret_cast<int*>(route_w + top_k);
-    int warps = gridDim.x * RMMA_WARPS, gw = blockIdx.x * RMMA_WARPS + threadIdx.x / WARP;
-    int router_blocks = min((int)gridDim.x, (experts + RMMA_WARPS - 1) / RMMA_WARPS);
-
-    // 1. Router rows (the logits go where the probabilities will be).
-    if (gw < experts) {
-        for (int r = gw; r < experts; r += warps) {
-            RowAsIs row{x};
-            float v = matvec_bf16_part(router, row, experts, r, hidden, 0, 1);
-            if (threadIdx.x % WARP == 0) probs[r] = v;
-        }
-    } else {
-        PDL_WAIT();
-    }
-    __syncthreads();
-    if (threadIdx.x == 0 && blockIdx.x < router_blocks) {
-        __threadfence();
-        atomicAdd(&sync[0], 1u);
-    }
-    stage_units<BITS>(xs, xsum, x, [](int) { return 0; }, up_groups, up_groups, hidden,
-                      threadIdx.x, blockDim.x);
-    if (threadIdx.x == 0) {
-        wait_count(&sync[0], (unsigned)router_blocks);
-        __threadfence();
-    }
-    __syncthreads();
-
-    // 2. The route, the down rows asked for, the gate/up tiles.
-    route_block(probs, blockIdx.x == 0 ? mine : nullptr, keep, route_ids, route_w, experts,
-                top_k, renormalize, cand, scratch);
-    int up_tiles = (inter + RMMA_ROWS - 1) / RMMA_ROWS;
-    int down_tiles = (hidden + RMMA_ROWS - 1) / RMMA_ROWS;
-    size_t down_row_bytes = row_words<BITS>(down_cols) * 4;
-    for (int t = blockIdx.x; t < down_tiles; t += gridDim.x) {
-        int r0 = t * RMMA_ROWS, n = min(RMMA_ROWS, hidden - r0);
-        for (int k = 0; k < top_k; k++) {
-            const unsigned long long* e = table + (size_t)route_ids[k] * ROUTED_ENTRY;
-            prefetch_l2((const char*)e[6] + r0 * down_row_bytes, n * down_row_bytes);
-            prefetch_l2((const unsigned short*)e[7] + (size_t)r0 * down_groups,
-                        n * down_groups * 2);
-            prefetch_l2((const unsigned short*)e[8] + (size_t)r0 * down_groups,
-                        n * down_groups * 2);
-        }
-    }
-    for (int t = blockIdx.x; t < top_k * up_tiles; t += gridDim.x) {
-        int pair = t / up_tiles;
-        GateUpTile<BITS, RMMA_GATE_UP_UNITS_OF(false)> tile(
-            table + (size_t)route_ids[pair] * ROUTED_ENTRY, (t % up_tiles) * RMMA_ROWS, inter,
-            up_cols);
-        tile.load(tile.u0);
-        tile.finish(xs, xsum, red, h + (size_t)pair * inter);
-    }
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(&sync[1], 1u);
-    }
-
-    // 3. The down tiles, once every h row is written.
-    if ((int)blockIdx.x < down_tiles) {
-        if (threadIdx.x == 0) {
-            wait_count(&sync[1], gridDim.x);
-            __threadfence();
-        }
-        __syncthreads();
-        // Every block has routed: the logits may give way to the probabilities.
-        if (blockIdx.x == 0)
-            for (int d = threadIdx.x; d < experts; d += blockDim.x) probs[d] = mine[d];
-        stage_units<BITS>(xs, xsum, h, [](int k) { return k; }, top_k * down_groups,
-                          down_groups, inter, threadIdx.x, blockDim.x);
-        __syncthreads();
-        for (int t = blockIdx.x; t < down_tiles; t += gridDim.x) {
-            DownTile<BITS, RMMA_DOWN_UNITS> tile(table, route_ids, route_w, top_k,
-                                                 t * RMMA_ROWS, hidden, down_cols);
-            tile.load(tile.u0);
-            tile.finish(xs, xsum, red, out);
-        }
-    }
-    if (threadIdx.x == 0 && atomicAdd(&sync[2], 1u) == gridDim.x - 1) {
-        sync[0] = sync[1] = sync[2] = 0;
-        __threadfence();
-    }
-}
-
-#define MOE_STEP(B)                                                                           \
-    extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, 2) moe_step_q##B(          \
-        const unsigned short* router, const float* x, float* probs, const unsigned char* keep, \
-        int experts, int renormalize, int top_k, const unsigned long long* table, float* h,    \
-        float* out, unsigned* sync, int inter, int hidden, int up_cols, int down_cols) {       \
-        PDL_LAUNCH();                                                                          \
-        moe_step<B>(router, x, probs, keep, experts, renormalize, top_k, table, h, out, sync,   \
-                    inter, hidden, up_cols, down_cols);                                        \
-    }
-
-MOE_STEP(4)
-MOE_STEP(3)
-MOE_STEP(2)
-
-// ---- A decode step's routed experts by slices: gate, up and down in one launch ----
-//
-// The two routed launches above wait on each other through h: down can ask for none of
-// its words before gate/up has written h and ended, and each pays its own route, table
-// reads and staging. Here a block takes one slice of SLICE_ROWS rows of one routed
-// expert's intermediate dimension: those rows of gate and up, and the same columns (one
-// 64-column group) of down for every output row. down is linear in h, so the layer's
-// output is the sum over blocks of weight · down[:, slice] · h[slice], and a block needs
-// no h but its own. Each block routes the token (or, with `logits` null, reads the route
-// router_route_one took into `ids` and `weights`), then asks for all of its bytes at once —
-// the gate and up rows by cp.async into shared memory, down's columns and every scale
-// into registers — stages x while they come, and computes. Its weighted partial output
-// goes to row `block` of `parts`; after a barrier of the whole grid each block adds a
-// share of the rows over every partial, in a fixed order, so the result does not depend
-// on timing, and block 0 turns the logits into probabilities (every block has routed by
-// then; routed before, the router did). The grid (slices × top_k blocks) must be
-// resident at once, which the host checks; `sync` holds two counters, zero at launch and
-// zero again when the last block leaves.
-//
-// Measured slower in a decode step than the two launches (docs/GPU_NOTES.md: 1 185
-// against 1 322 tok/s at 4 bits), so the host takes it only when asked
-// (DYNMOE_CUDA_ROUTED_SLICES=1). Its phases (SLICE_TIMES) say why: a block's decode and
-// products run after its loads land instead of beside them, on 96 SMs of 132, and at
-// this size they are bound by instruction issue (gate/up 5 µs, down 4.5 µs of ~28).
-#ifndef SLICE_WARPS
-#define SLICE_WARPS 16
-#endif
-#define SLICE_ROWS 64
-// Warps that split one 16-row tile of gate and up: SLICE_ROWS / RMMA_ROWS tiles share
-// the block's warps.
-#define SLICE_PARTS (SLICE_WARPS * RMMA_ROWS / SLICE_ROWS)
-// Gate/up units (64-column groups of x) a lane takes a round, and down tiles (16 output
-// rows each) a warp takes a round: the first rounds' loads go out with the gate/up copies.
-#ifndef SLICE_UNITS
-#define SLICE_UNITS 8
-#endif
-#ifndef SLICE_DOWN_TILES
-#define SLICE_DOWN_TILES 8
-#endif
-
-// Table entries a thread copies (ROUTE_SHARED_MAX experts' over SLICE_WARPS warps).
-#define SLICE_TABLE_LOADS ((ROUTE_SHARED_MAX * ROUTED_ENTRY + SLICE_WARPS * WARP - 1) / (SLICE_WARPS * WARP))
-// With SLICE_TIMES defined (DYNMOE_CUDA_DEFINES=SLICE_TIMES), thread 0 of three blocks
-// prints the SM cycles from the wait to the end of each phase: routed, loads issued, rows
-// landed, h staged, down done, barrier passed, end. A diagnostic, off in any measurement.
-#ifdef SLICE_TIMES
-#define SLICE_TIME(i) (t_[i] = clock64())
-#else
-#define SLICE_TIME(i)
-#endif
-
-// Words from one staged gate/up row to the next: whole rows of 32 words, then 8 more (4
-// at 2 bits), so that the rows g = 0 .. 7 a warp's lanes read fall in different banks.
-template <int BITS> __device__ __forceinline__ int slice_stride(int cols) {
-    return (int)(row_words<BITS>(cols) + 31) / 32 * 32 + (BITS == 2 ? 4 : 8);
-}
-
-// The block's shared memory, in words, as slice_shared on the host lays it out.
-struct SliceShared {
-    unsigned* rows;             // [2][SLICE_ROWS][stride]: the slice's gate rows, then up's
-    unsigned* xs;               // x staged as units
-    float* xsum;                // each unit's sum
-    unsigned* hs;               // h staged as one unit
-    float* hv;                  // h, SLICE_ROWS values
-    float* hsum;                // its sum
-    float* red;                 // [SLICE_WARPS][2][RMMA_ROWS]: the warps' gate/up sums
-    unsigned long long* table;  // every expert's ROUTED_ENTRY pointers
-    float* cand;                // the route's candidates (16-byte aligned)
-    float* scratch;             // 32 floats
-    float* route_w;
-    int* route_ids;
-
-    __device__ SliceShared(unsigned* s, int stride, int units, int experts, int top_k) {
-        auto pad = [](int n) { return (n + 3) & ~3; };
-        rows = s;
-        s += 2 * SLICE_ROWS * stride;
-        xs = s;
-        s += units * RMMA_UNIT;
-        xsum = reinterpret_cast<float*>(s);
-        s += pad(units);
-        hs = s;
-        s += RMMA_UNIT;
-        hv = reinterpret_cast<float*>(s);
-        s += SLICE_ROWS;
-        hsum = reinterpret_cast<float*>(s);
-        s += 4;
-        red = reinterpret_cast<float*>(s);
-        s += SLICE_WARPS * 2 * RMMA_ROWS;
-        table = reinterpret_cast<unsigned long long*>(s);
-        s += 2 * experts * ROUTED_ENTRY;
-        cand = reinterpret_cast<float*>(s);
-        s += pad(experts);
-        scratch = reinterpret_cast<float*>(s);
-        s += 32;
-        route_w = reinterpret_cast<float*>(s);
-        s += pad(top_k);
-        route_ids = reinterpret_cast<int*>(s);
-    }
-};
-
-// Rows [r0, r0 + n) of a matrix of `rw`-word rows into shared rows `stride` words apart:
-// a warp a row, its lanes along it, 16 bytes a copy when the rows allow it, else a word.
-// `first` and `step` pick the calling warp's rows.
-__device__ __forceinline__ void stage_rows_async(unsigned* dst, const unsigned* src, int r0,
-                                                 int n, size_t rw, int stride, bool wide,
-                                                 int first, int step) {
-    int lane = threadIdx.x % WARP;
-    for (int r = first; r < n; r += step) {
-        const unsigned* from = src + (size_t)(r0 + r) * rw;
-        unsigned* to = dst + (size_t)r * stride;
-        if (wide)
-            for (int c = lane; c < (int)(rw / 4); c += WARP)
-                copy16_async(reinterpret_cast<float4*>(to) + c,
-                             reinterpret_cast<const float4*>(from) + c, true);
-        else
-            for (int c = lane; c < (int)rw; c += WARP) copy4_async(to + c, from + c);
-    }
-}
-
-// One lane's share of a 16-row tile of the slice's gate and up rows (staged in shared
-// memory) against units [u0, u1) of the staged x: the scale items of a round's units come
-// from global memory into registers, so load_scales(u0) may go out before the rows land.
-template <int BITS>
-struct SliceGateUp {
-    const unsigned* rows[2][2];  // [gate/up][row g, g + 8] in shared memory
-    const unsigned short* sb_src[2];
-    size_t sb_at;  // this lane's scale item's row, times the groups
-    int groups, u0, u1, q, g, lane;
-    unsigned short sb[SLICE_UNITS][2];
-    float acc[2][2];
-
-    __device__ SliceGateUp(const unsigned* staged, int stride, const unsigned long long* e,
-                           int r0, int tile, int valid, int groups_, int u0_, int u1_)
-        : groups(groups_), u0(u0_), u1(u1_) {
-        lane = threadIdx.x % WARP;
-        g = lane >> 2;
-        q = lane & 3;
-        // A row past the expert reads the slice's first (its h is never used).
-        int a = tile * RMMA_ROWS + g, b = a + 8;
-        a = a < valid ? a : 0;
-        b = b < valid ? b : 0;
-#pragma unroll
-        for (int m = 0; m < 2; m++) {
-            rows[m][0] = staged + (size_t)(m * SLICE_ROWS + a) * stride;
-            rows[m][1] = staged + (size_t)(m * SLICE_ROWS + b) * stride;
-            // Lane q of a quad loads scale g, bias g, scale g + 8, bias g + 8 (quad_scales).
-            sb_src[m] = (const unsigned short*)e[3 * m + 1 + (q & 1)];
-            acc[m][0] = acc[m][1] = 0.0f;
-        }
-        sb_at = (size_t)(r0 + (q < 2 ? a : b)) * groups;
-    }
-
-    __device__ void load_scales(int base) {
-#pragma unroll
-        for (int j = 0; j < SLICE_UNITS; j++)
-            if (base + j < u1)
-#pragma unroll
-                for (int m = 0; m < 2; m++) sb[j][m] = sb_src[m][sb_at + base + j];
-    }
-
-    __device__ void compute(int base, const unsigned* xs, const float* xsum) {
-#pragma unroll
-        for (int j = 0; j < SLICE_UNITS; j++) {
-            int u = base + j;
-            if (u >= u1) break;
-            unsigned bx[8];
-            unit_fragments(xs, u, g, q, bx);
-            float s = xsum[u];
-#pragma unroll
-            for (int m = 0; m < 2; m++) {
-                unsigned w[2][2];
-                load_lane_words<BITS>(rows[m][0], u, q, w[0]);
-                load_lane_words<BITS>(rows[m][1], u, q, w[1]);
-                float2 d = unit_dot<BITS>(w, sb[j][m], bx, s, q, lane);
-                acc[m][0] += d.x;
-                acc[m][1] += d.y;
-            }
-        }
-    }
-};
-
-// One warp's down tiles tile0, tile0 + SLICE_WARPS, … (RMMA_ROWS output rows each) over
-// the slice's one group of down columns: the words and scale items of a round in
-// registers, so load(first) may go out before gate and up are done.
-template <int BITS>
-struct SliceDown {
-    const unsigned* words;
-    const unsigned short* sc;
-    const unsigned short* bi;
-    size_t stride;
-    int groups, gi, hidden, tile0, tiles, g, q, lane;
-    unsigned w[SLICE_DOWN_TILES][2][2];
-    unsigned short sb[SLICE_DOWN_TILES];
-
-    __device__ SliceDown(const unsigned long long* e, int gi_, int hidden_, int cols)
-        : gi(gi_), hidden(hidden_) {
-        words = (const unsigned*)e[6];
-        sc = (const unsigned short*)e[7];
-        bi = (const unsigned short*)e[8];
-        stride = row_words<BITS>(cols);
-        groups = cols / 64;
-        lane = threadIdx.x % WARP;
-        g = lane >> 2;
-        q = lane & 3;
-        tile0 = threadIdx.x / WARP;
-        tiles = (hidden + RMMA_ROWS - 1) / RMMA_ROWS;
-    }
-
-    __device__ int row(int t, int h) const {
-        int r = t * RMMA_ROWS + g + 8 * h;
-        return r < hidden ? r : 0;
-    }
-
-    // Tiles tile0 + SLICE_WARPS·(base + j) for j < SLICE_DOWN_TILES.
-    __device__ void load(int base) {
-#pragma unroll
-        for (int j = 0; j < SLICE_DOWN_TILES; j++) {
-            int t = tile0 + SLICE_WARPS * (base + j);
-            if (t < tiles) {
-                int o0 = row(t, 0), o1 = row(t, 1);
-                load_unit<BITS>(words + o0 * stride, words + o1 * stride, sc, bi,
-                                (size_t)o0 * groups, (size_t)o1 * groups, gi, q, w[j], sb[j]);
-            }
-        }
-    }
-
-    // The round's products with the staged h, times `weight`, into `part`.
-    __device__ void finish(int base, const unsigned* hs, float hsum, float weight, float* part) {
-        unsigned bx[8];
-        unit_fragments(hs, 0, g, q, bx);
-#pragma unroll
-        for (int j = 0; j < SLICE_DOWN_TILES; j++) {
-            int t = tile0 + SLICE_WARPS * (base + j);
-            if (t >= tiles) break;
-            float2 d = unit_dot<BITS>(w[j], sb[j], bx, hsum, q, lane);
-            int r = t * RMMA_ROWS + g;
-            if (q == 0) {
-                if (r < hidden) part[r] = weight * d.x;
-                if (r + 8 < hidden) part[r + 8] = weight * d.y;
-            }
-        }
-    }
-};
-
-template <int BITS>
-__device__ void routed_slices(const unsigned long long* table, float* logits,
-                              const unsigned char* keep, int experts, int renormalize,
-                              const int* ids, const float* weights, int top_k, const float* x,
-                              float* parts, unsigned* sync, float* out, int inter, int up_cols,
-                              int hidden, int down_cols) {
-    extern __shared__ __align__(16) unsigned smem[];
-#ifdef SLICE_TIMES
-    long long t_[8];
-#endif
-    int units = up_cols / 64, stride = slice_stride<BITS>(up_cols);
-    SliceShared sh(smem, stride, units, experts, top_k);
-    int slice = blockIdx.x, rank = blockIdx.y;
-    int blocks = gridDim.x * gridDim.y, block = rank * gridDim.x + slice;
-    int r0 = slice * SLICE_ROWS, valid = min(SLICE_ROWS, inter - r0);
-    int warp = threadIdx.x / WARP;
-
-    SLICE_TIME(0);
-    // The table beside the route, so that the chosen expert's pointers are one shared
-    // read away once it is known: every load issued before the first store.
-    {
-        unsigned long long v[SLICE_TABLE_LOADS];
-        int n = experts * ROUTED_ENTRY;
-#pragma unroll
-        for (int j = 0; j < SLICE_TABLE_LOADS; j++) {
-            int i = threadIdx.x + j * blockDim.x;
-            if (i < n) v[j] = table[i];
-        }
-#pragma unroll
-        for (int j = 0; j < SLICE_TABLE_LOADS; j++) {
-            int i = threadIdx.x + j * blockDim.x;
-            if (i < n) sh.table[i] = v[j];
-        }
-    }
-    if (logits) {
-        route_block(logits, nullptr, keep, sh.route_ids, sh.route_w, experts, top_k,
-                    renormalize, sh.cand, sh.scratch);
-    } else {
-        // Routed by the router's last block (router_route_one), which also wrote the
-        // probabilities.
-        for (int k = threadIdx.x; k < top_k; k += blockDim.x) {
-            sh.route_ids[k] = ids[k];
-            sh.route_w[k] = weights[k];
-        }
-        __syncthreads();
-    }
-    const unsigned long long* e = sh.table + (size_t)sh.route_ids[rank] * ROUTED_ENTRY;
-    float weight = sh.route_w[rank];
-    SLICE_TIME(1);
-
-    // Every byte the block reads goes out now: gate's and up's rows of the slice, ...
-    const unsigned* gate = (const unsigned*)e[0];
-    const unsigned* up = (const unsigned*)e[3];
-    size_t up_rw = row_words<BITS>(up_cols);
-    bool wide = up_rw % 4 == 0 && ((size_t)gate & 15) == 0 && ((size_t)up & 15) == 0;
-    int warp_count = blockDim.x / WARP;
-    stage_rows_async(sh.rows, gate, r0, valid, up_rw, stride, wide, warp, warp_count);
-    stage_rows_async(sh.rows + SLICE_ROWS * stride, up, r0, valid, up_rw, stride, wide, warp,
-                     warp_count);
-    copies_commit();
-    // ... their scales, and down's words and scales of the slice's group.
-    int tile = warp / SLICE_PARTS, part = warp % SLICE_PARTS;
-    int per = (units + SLICE_PARTS - 1) / SLICE_PARTS;
-    int u0 = min(units, part * per), u1 = min(units, u0 + per);
-    SliceGateUp<BITS> gu(sh.rows, stride, e, r0, tile, valid, units, u0, u1);
-    gu.load_scales(u0);
-    SliceDown<BITS> down(e, slice, hidden, down_cols);
-    down.load(0);
-    SLICE_TIME(2);
-    stage_units<BITS>(sh.xs, sh.xsum, x, [](int) { return 0; }, units, units, hidden,
-                      threadIdx.x, blockDim.x);
-    copies_wait();
-    __syncthreads();
-    SLICE_TIME(3);
-
-    // Gate and up: each tile's warps add their units' sums in a fixed order.
-    gu.compute(u0, sh.xs, sh.xsum);
-    for (int base = u0 + SLICE_UNITS; base < u1; base += SLICE_UNITS) {
-        gu.load_scales(base);
-        gu.compute(base, sh.xs, sh.xsum);
-    }
-    if (gu.q == 0)
-#pragma unroll
-        for (int m = 0; m < 2; m++) {
-            sh.red[(warp * 2 + m) * RMMA_ROWS + gu.g] = gu.acc[m][0];
-            sh.red[(warp * 2 + m) * RMMA_ROWS + gu.g + 8] = gu.acc[m][1];
-        }
-    __syncthreads();
-    if (threadIdx.x < SLICE_ROWS) {
-        int t = threadIdx.x / RMMA_ROWS, i = threadIdx.x % RMMA_ROWS;
-        float gv = 0.0f, uv = 0.0f;
-        for (int p = 0; p < SLICE_PARTS; p++) {
-            gv += sh.red[((t * SLICE_PARTS + p) * 2) * RMMA_ROWS + i];
-            uv += sh.red[((t * SLICE_PARTS + p) * 2 + 1) * RMMA_ROWS + i];
-        }
-        sh.hv[threadIdx.x] = (int)threadIdx.x < valid ? gv / (1.0f + expf(-gv)) * uv : 0.0f;
-    }
-    __syncthreads();
-    stage_units<BITS>(sh.hs, sh.hsum, sh.hv, [](int) { return 0; }, 1, 1, SLICE_ROWS,
-                      threadIdx.x, blockDim.x);
-    __syncthreads();
-    SLICE_TIME(4);
-
-    // Down: this block's weighted share of every output row.
-    float* mine = parts + (size_t)block * hidden;
-    int rounds = (down.tiles + SLICE_WARPS * SLICE_DOWN_TILES - 1) / (SLICE_WARPS * SLICE_DOWN_TILES);
-    down.finish(0, sh.hs, sh.hsum[0], weight, mine);
-    for (int round = 1; round < rounds; round++) {
-        down.load(round * SLICE_DOWN_TILES);
-        down.finish(round * SLICE_DOWN_TILES, sh.hs, sh.hsum[0], weight, mine);
-    }
-
-    // Every block's share written: the grid's sum, and the probabilities.
-    __syncthreads();
-    SLICE_TIME(5);
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(&sync[0], 1u);
-        wait_count(&sync[0], (unsigned)blocks);
-        __threadfence();
-    }
-    __syncthreads();
-    SLICE_TIME(6);
-    // The probabilities alone, through route_block with no top_k: at this kernel's
-    // 128-register bound, ptxas spills the q3 build when it calls route_probabilities.
-    if (block == 0 && logits)
-        route_block(logits, logits, nullptr, nullptr, nullptr, experts, 0, 0, sh.cand,
-                    sh.scratch);
-    int rows_per = (hidden + blocks - 1) / blocks;
-    int first = min(hidden, block * rows_per), last = min(hidden, first + rows_per);
-    int lane = threadIdx.x % WARP;
-    for (int r = first + warp; r < last; r += SLICE_WARPS) {
-        float v = 0.0f;
-#pragma unroll 4
-        for (int p = lane; p < blocks; p += WARP) v += __ldcg(parts + (size_t)p * hidden + r);
-        v = warp_sum(v);
-        if (lane == 0) out[r] = v;
-    }
-    if (threadIdx.x == 0 && atomicAdd(&sync[1], 1u) == (unsigned)blocks - 1) {
-        sync[0] = sync[1] = 0;
-        __threadfence();
-    }
-#ifdef SLICE_TIMES
-    __syncthreads();
-    SLICE_TIME(7);
-    if (threadIdx.x == 0 && (block == 0 || block == blocks / 2 || block == blocks - 1))
-        printf("slice-times %d %lld %lld %lld %lld %lld %lld %lld\n", block, t_[1] - t_[0],
-               t_[2] - t_[0], t_[3] - t_[0], t_[4] - t_[0], t_[5] - t_[0], t_[6] - t_[0],
-               t_[7] - t_[0]);
-#endif
-}
-
-#define ROUTED_SLICES(B)                                                                      \
-    extern "C" __global__ void __launch_bounds__(SLICE_WARPS * WARP, 1) routed_slices_q##B(    \
-        const unsigned long long* table, float* logits, const unsigned char* keep,             \
-        int experts, int renormalize, const int* ids, const float* weights, int top_k,         \
-        const float* x, float* parts, unsigned* sync, float* out, int inter, int up_cols,      \
-        int hidden, int down_cols) {                                                           \
-        PDL_ENTRY();                                                                           \
-        routed_slices<B>(table, logits, keep, experts, renormalize, ids, weights, top_k, x,    \
-                         parts, sync, out, inter, up_cols, hidden, down_cols);                 \
-    }
-
-ROUTED_SLICES(4)
-ROUTED_SLICES(3)
-ROUTED_SLICES(2)
 
 // ---- Decode attention split over the keys ----
 //
@@ -3570,87 +2968,21 @@ __device__ __forceinline__ void fma4(float4& a, float w, float4 x) {
     a.w += w * x.w;
 }
 
-// The preamble of a decode step done by the attention blocks themselves
-// (attention_step_*): q, k and v as the q/k/v products wrote them, the per-head norms'
-// weights (null: no norm) and RoPE's frequencies, and the caches' row *pos_at to write.
-struct StepPreamble {
-    const float* q;
-    const float* k;
-    const float* v;
-    const float* qn;
-    const float* kn;
-    float eps;
-    const float* inv_freq;
-    float* k_cache;
-    float* v_cache;
-};
-
-// One head of `head_dim` values at `src` (`live`: else zeros, and nothing stored) by an
-// aligned group of G lanes, into `dst` and, when non-null, `dst2`: with `rotate`, per-head
-// RMSNorm (with `nw`, when non-null) and RoPE at position p, as attn_preamble_at does;
-// without, as it is. Lane `sub` of the group takes the pairs (i, i + half) for
-// i = sub + G·j, j < 8 (half ≤ 8G), and issues all its loads before using any. Every lane
-// of the warp must call it (the group's sum is shuffled).
-template <int G>
-__device__ __forceinline__ void norm_rope_head(const float* src, const float* nw, float eps,
-                                               const float* inv_freq, unsigned p, int head_dim,
-                                               int sub, bool live, bool rotate, float* dst,
-                                               float* dst2) {
-    int half = head_dim / 2;
-    float a[8], c[8], ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        int i = sub + j * G;
-        a[j] = live && i < half ? src[i] : 0.0f;
-        c[j] = live && i < half ? src[i + half] : 0.0f;
-        ss += a[j] * a[j] + c[j] * c[j];
-    }
-#pragma unroll
-    for (int o = G / 2; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (!live) return;
-    float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
-    float fp = (float)p;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        int i = sub + j * G;
-        if (i < half) {
-            float lo = a[j], hi = c[j];
-            if (rotate) {
-                float x0 = nw ? nw[i] * (a[j] * inv) : a[j];
-                float x1 = nw ? nw[i + half] * (c[j] * inv) : c[j];
-                float sn, cs;
-                sincosf(fp * inv_freq[i], &sn, &cs);
-                lo = x0 * cs - x1 * sn;
-                hi = x1 * cs + x0 * sn;
-            }
-            dst[i] = lo;
-            dst[i + half] = hi;
-            if (dst2) {
-                dst2[i] = lo;
-                dst2[i + half] = hi;
-            }
-        }
-    }
-}
-
 // With `early` (the kernel before is attn_preamble_at with `late`, so every kernel before
 // that one has finished: the position and the caches' rows before it are final), a block
 // reads the position and issues its first keys' and values' loads before its own wait,
 // which then overlaps them with the preamble. Row p itself, which the preamble writes, is
 // read after the wait. The caller does PDL_LAUNCH; this waits.
-template <int NV, bool PRE>
+template <int NV>
 __device__ void attention_group(const float* __restrict__ q, const float* __restrict__ k,
                                 const float* __restrict__ v, float* __restrict__ acc_out,
                                 float* __restrict__ ml, int pos0, int heads, int kv_heads,
                                 int head_dim, int window, const unsigned* pos_at, int chunk,
-                                const StepPreamble& pre, bool early) {
+                                bool early) {
     static_assert(ATT_LANES == ATT_GROUP, "lane i of a key's lanes ends with head i's score");
     constexpr int KB = 8 / NV;  // keys a lane group loads at once
     constexpr int STEP = (ATT_THREADS / ATT_LANES) * KB;
     __shared__ float4 qs[ATT_GROUP][NV * ATT_LANES];
-    // With PRE, the new key and value row (position p) as this block made it: the block
-    // reads them from here, never from the caches it writes them to.
-    __shared__ float4 kp[PRE ? NV * ATT_LANES : 1], vp[PRE ? NV * ATT_LANES : 1];
     __shared__ float sc[ATT_GROUP][ATT_CHUNK_MAX];
     __shared__ float4 red[ATT_GROUP][ATT_THREADS];
     __shared__ float stat[ATT_GROUP][2];
@@ -3677,35 +3009,6 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
     const float4* v4 = reinterpret_cast<const float4*>(v) + (size_t)t0 * row4 + (size_t)kvh * f4;
     const float4* q4 = reinterpret_cast<const float4*>(q) + (size_t)h0 * f4;
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    // The chunk's key at position p, when PRE makes it here (-1: none does).
-    int jp = PRE && p < t1 ? p - t0 : -1;
-    if (PRE) {
-        // Zeros past the block's heads and the head's width, then a group of 2·NV lanes a
-        // job, all jobs in one round but at the widest heads: the block's query heads
-        // normed and rotated into qs; in the block whose chunk holds p, k's head also
-        // (into kp and the cache's row p) and v's (into vp and that row). Every head tile
-        // of a KV head has such a block; they write the same values.
-        constexpr int G = 2 * NV;
-        for (int i = tid; i < ATT_GROUP * NV * ATT_LANES; i += ATT_THREADS)
-            qs[i / (NV * ATT_LANES)][i % (NV * ATT_LANES)] = zero;
-        for (int i = tid; i < NV * ATT_LANES; i += ATT_THREADS) kp[i] = vp[i] = zero;
-        __syncthreads();
-        int jobs = gt + (jp >= 0 ? 2 : 0);
-        size_t kv_at = (size_t)kvh * head_dim, row_at = (size_t)p * kv_heads * head_dim + kv_at;
-        for (int job0 = 0; job0 < jobs; job0 += ATT_THREADS / G) {
-            int job = job0 + tid / G;
-            bool is_q = job < gt, is_k = job == gt;
-            const float* src = is_q ? pre.q + (size_t)(h0 + job) * head_dim
-                                    : (is_k ? pre.k : pre.v) + kv_at;
-            float* dst = reinterpret_cast<float*>(is_q ? qs[min(job, ATT_GROUP - 1)]
-                                                       : (is_k ? kp : vp));
-            float* dst2 = is_q ? nullptr : (is_k ? pre.k_cache : pre.v_cache) + row_at;
-            norm_rope_head<G>(src, is_q ? pre.qn : pre.kn, pre.eps, pre.inv_freq, p, head_dim,
-                              tid % G, job < jobs, is_q || is_k, dst, dst2);
-        }
-        __syncthreads();
-    }
-
     // The chunk's key at position p when the kernel before writes it (early): read only
     // after the wait (-1: none).
     int jl = early && p < t1 ? p - t0 : -1;
@@ -3714,11 +3017,11 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
     bool v_lane = kg < kg_n;
     int grp = tid / ATT_LANES, sub = tid % ATT_LANES;
     auto v_row = [&](int j) {
-        return v_lane && j < tn ? (PRE && j == jp ? vp[f] : v4[(size_t)j * row4 + f]) : zero;
+        return v_lane && j < tn ? v4[(size_t)j * row4 + f] : zero;
     };
     auto k_part = [&](int j, int i) {
         int c = sub + i * ATT_LANES;
-        return j < tn && c < f4 ? (PRE && j == jp ? kp[c] : k4[(size_t)j * row4 + c]) : zero;
+        return j < tn && c < f4 ? k4[(size_t)j * row4 + c] : zero;
     };
     float4 vb[ATT_VB], kr[KB][NV];
 #pragma unroll
@@ -3745,11 +3048,9 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
                     for (int i = 0; i < NV; i++) kr[b][i] = k_part(jl, i);
         }
     }
-    if (!PRE) {
-        for (int i = tid; i < ATT_GROUP * NV * ATT_LANES; i += ATT_THREADS) {
-            int g = i / (NV * ATT_LANES), c = i % (NV * ATT_LANES);
-            qs[g][c] = g < gt && c < f4 ? q4[(size_t)g * f4 + c] : zero;
-        }
+    for (int i = tid; i < ATT_GROUP * NV * ATT_LANES; i += ATT_THREADS) {
+        int g = i / (NV * ATT_LANES), c = i % (NV * ATT_LANES);
+        qs[g][c] = g < gt && c < f4 ? q4[(size_t)g * f4 + c] : zero;
     }
     __syncthreads();
 
@@ -3844,33 +3145,15 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
     }
 }
 
-// Head widths up to 64, 128 and 256, a multiple of 4 (float4 rows). attention_step_*
-// also does the decode step's preamble (see StepPreamble): its arguments are
-// attention_group_*'s up to `chunk`, then the preamble's; q, k and v are the q/k/v products' rows, and
-// the caches get row *pos_at. It removes a launch a layer but measured
-// 3-4% slower in decode on the H200 (each block's prologue is a dependent load, a reduction
-// and RoPE before its first key, which costs more than the launch it replaces), so the
-// backend uses it only when asked (DYNMOE_CUDA_STEP_ATTENTION=1). Its launch bound of one
-// block an SM lets ptxas take ~145 registers: at the default it held one width to 128 and
-// spilled.
+// Head widths up to 64, 128 and 256, a multiple of 4 (float4 rows).
 #define ATTENTION_GROUP(W, NV)                                                                  \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS)                                  \
         attention_group_##W(const float* q, const float* k, const float* v, float* acc,       \
                             float* ml, int pos0, int heads, int kv_heads, int head_dim,       \
                             int window, const unsigned* pos_at, int chunk, int early) {       \
         PDL_LAUNCH();                                                                          \
-        attention_group<NV, false>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, \
-                                   pos_at, chunk, {}, early != 0);                            \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attention_step_##W(           \
-        const float* q, float* k_cache, float* v_cache, float* acc, float* ml, int pos0,       \
-        int heads, int kv_heads, int head_dim, int window, const unsigned* pos_at, int chunk,  \
-        const float* k, const float* v, const float* qn, const float* kn, float eps,           \
-        const float* inv_freq) {                                                               \
-        PDL_LAUNCH();                                                                          \
-        attention_group<NV, true>(q, k_cache, v_cache, acc, ml, pos0, heads, kv_heads,         \
-                                  head_dim, window, pos_at, chunk,                             \
-                                  {q, k, v, qn, kn, eps, inv_freq, k_cache, v_cache}, false);  \
+        attention_group<NV>(q, k, v, acc, ml, pos0, heads, kv_heads, head_dim, window, pos_at, \
+                            chunk, early != 0);                                                \
     }
 ATTENTION_GROUP(64, 2)
 ATTENTION_GROUP(128, 4)

@@ -301,10 +301,6 @@ fn down_warps_from_env() -> Result<usize, CudaError> {
 
 /// Phases a block of the routed kernels stamps with `PHASES` (the kernels' `PHASE_SLOTS`).
 pub const PHASE_SLOTS: usize = 8;
-/// Intermediate rows of one routed expert a `routed_slices_*` block takes (the kernels'
-/// `SLICE_ROWS`: one 64-column group of down), and its warps (`SLICE_WARPS`).
-const SLICE_ROWS: usize = 64;
-const SLICE_WARPS: usize = 16;
 /// Shared memory of a staged 64-column unit of a `routed_mma_*` block: its f16 hi and lo
 /// fragments (`RMMA_UNIT` words) and its sum.
 const RMMA_UNIT: usize = 80;
@@ -532,9 +528,8 @@ fn vq_fingerprint(w: &VqView<'_>) -> VqFingerprint {
 
 /// A device copy of an affine matrix.
 struct DeviceAffine {
-    /// The matrix as stored, row by row; none where it is held only in tiles
-    /// ([`Cuda::set_dense_single`]).
-    rows: Option<AffineRows>,
+    /// The matrix as stored, row by row.
+    rows: AffineRows,
     /// Host words sampled when it was copied (first, middle, last).
     fingerprint: [u32; 3],
     /// The same matrix in unit tiles ([`unit_tiles`]), made with the device copy where
@@ -561,19 +556,10 @@ impl AffineRows {
 }
 
 impl DeviceAffine {
-    /// The row-major copy, for the kernels that read rows; only matrices that every
-    /// reader takes in tiles lack one.
-    fn rows(&self) -> &AffineRows {
-        self.rows
-            .as_ref()
-            .expect("a matrix held only in tiles reached a row-major kernel")
-    }
-
     /// Bytes on the device, both copies.
     fn bytes(&self) -> usize {
-        let rows = self.rows.as_ref().map_or(0, |r| {
-            r.words.len() * 4 + (r.scales.len() + r.biases.len()) * 2
-        });
+        let r = &self.rows;
+        let rows = r.words.len() * 4 + (r.scales.len() + r.biases.len()) * 2;
         let tiles = self
             .tiles
             .as_ref()
@@ -682,7 +668,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 130] = [
+const KERNEL_NAMES: [&str; 120] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -692,7 +678,6 @@ const KERNEL_NAMES: [&str; 130] = [
     "matvec_bf16_3",
     "matvec_bf16_one",
     "matvec_bf16_one_late",
-    "router_route_one",
     "matvec_bf16_norm_one_late",
     "matvec_bf16_3_one",
     "rms_norm",
@@ -761,12 +746,6 @@ const KERNEL_NAMES: [&str; 130] = [
     "dense_mma_tiled_q2",
     "dense_mma_norm_tiled_q4",
     "dense_mma_norm_tiled_q2",
-    "moe_step_q4",
-    "moe_step_q3",
-    "moe_step_q2",
-    "routed_slices_q4",
-    "routed_slices_q3",
-    "routed_slices_q2",
     "write_row_at",
     "attn_preamble_at",
     "argmax_rows",
@@ -776,9 +755,6 @@ const KERNEL_NAMES: [&str; 130] = [
     "attention_group_64",
     "attention_group_128",
     "attention_group_256",
-    "attention_step_64",
-    "attention_step_128",
-    "attention_step_256",
     "attention_combine",
     "attention_tiled_64",
     "attention_tiled_128",
@@ -1046,9 +1022,6 @@ struct Routed<'a> {
     keep: u64,
     experts: usize,
     route: DeviceRoute<'a>,
-    /// Whether the router already took the route (`router_route_one`): the ids and
-    /// weights are in the routed scratch and the probabilities in place of the logits.
-    routed: bool,
     /// Whether the router was `matvec_bf16_one_late`, so the routed gate/up kernel right
     /// after it may stage x and read the table before its launch wait.
     router_late: bool,
@@ -1175,29 +1148,6 @@ pub struct Cuda {
     /// than the matrix-vector kernels (`affine_routed_*`). On from sm_80 unless
     /// `DYNMOE_CUDA_ROUTED_MMA=0`.
     routed_mma: Switch<bool>,
-    /// Whether a decode step's affine MoE layers run as one `moe_step` launch
-    /// (`DYNMOE_CUDA_MOE_STEP=1`) or as the router, gate/up and down launches.
-    moe_step: Switch<bool>,
-    /// Shared memory a `moe_step` block may take (the device's opt-in where it was granted).
-    moe_step_shared: usize,
-    /// The three counters `moe_step`'s phases wait on, zero between launches.
-    moe_sync: Mutex<Option<CudaSlice<u32>>>,
-    /// Whether a decode step's affine experts run as slices, gate, up and down in one
-    /// `routed_slices_*` launch (`DYNMOE_CUDA_ROUTED_SLICES=1`), or as the gate/up and down
-    /// launches.
-    routed_slices: Switch<bool>,
-    /// Shared memory a `routed_slices_*` block may take (the device's opt-in where it was
-    /// granted).
-    slices_shared: usize,
-    /// `routed_slices_*`' partial outputs (`[blocks, hidden]`, grown as needed) and its
-    /// two barrier counters, zero between launches.
-    slice_scratch: Mutex<Option<(CudaSlice<f32>, CudaSlice<u32>)>>,
-    /// Whether a decode step's router also routes (`router_route_one`: its last block takes
-    /// the top-k, `DYNMOE_CUDA_ROUTER_ROUTES=1`) instead of each routed block routing the
-    /// row again (or the route kernel, for VQ experts).
-    router_routes: Switch<bool>,
-    /// `router_route_one`'s count of finished blocks, zero between launches.
-    route_ticket: CudaSlice<u32>,
     /// Whether the products that read a decode step's norms (q/k/v, router, LM head) fold
     /// the residual add and the norm in (the default) or the norm takes a launch of its
     /// own (`DYNMOE_CUDA_FOLD_NORMS=0`).
@@ -1210,17 +1160,10 @@ pub struct Cuda {
     /// default; their bytes again in device memory), or only the LM head's
     /// (`DYNMOE_CUDA_DENSE_TILES=0`).
     dense_tiles: Switch<bool>,
-    /// Whether dense matrices that every reader takes in tiles are held only so
-    /// (`DYNMOE_CUDA_DENSE_SINGLE=1`), or in rows beside their tiles.
-    dense_single: Switch<bool>,
     /// Whether fully resident 4- and 2-bit experts are held in unit tiles instead of rows
     /// where every launch that reads them takes tiles (the default; one copy either way),
     /// or in rows (`DYNMOE_CUDA_EXPERT_TILES=0`).
     expert_tiles: Switch<bool>,
-    /// Whether a decode step's attention blocks do its preamble themselves
-    /// (`attention_step_*`, `DYNMOE_CUDA_STEP_ATTENTION=1`) or the preamble takes a launch
-    /// of its own.
-    step_attention: Switch<bool>,
     /// Whether resident sets of VQ experts live in device slots (`DYNMOE_CUDA_VQ_SLOTS=0`
     /// keeps them in host memory).
     vq_slots: Switch<bool>,
@@ -1369,12 +1312,6 @@ fn switched_off(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == "0")
 }
 
-/// Whether the environment variable `name` switches a way that is off by default on
-/// (`=1`).
-fn switched_on(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| v == "1")
-}
-
 /// A way of running an op that a [`Switch`] holds.
 trait Way: Copy {
     fn to_u8(self) -> u8;
@@ -1444,26 +1381,6 @@ fn group_kernel(head_dim: usize) -> Option<&'static str> {
             "attention_group_256",
         ][c]
     })
-}
-
-/// The grouped kernel that also does a decode step's preamble, for heads of `head_dim`.
-fn step_kernel(head_dim: usize) -> Option<&'static str> {
-    head_width_class(head_dim).map(|c| {
-        [
-            "attention_step_64",
-            "attention_step_128",
-            "attention_step_256",
-        ][c]
-    })
-}
-
-/// What `attention_step_*` reads besides the caches: the q/k/v products' k and v rows,
-/// the per-head norms and RoPE's frequencies. It writes the caches' new row.
-struct OneRowPreamble<'a> {
-    k: &'a CudaSlice<f32>,
-    v: &'a CudaSlice<f32>,
-    norm: Option<HeadNorm<'a, CudaSlice<f32>>>,
-    inv_freq: &'a CudaSlice<f32>,
 }
 
 /// The tiled prefill kernel for heads of `head_dim`, if it takes them (as
@@ -1623,47 +1540,6 @@ fn routed_mma_gate_up_shared(units: usize, experts: usize, normed: usize) -> usi
         + if normed > 0 { normed * 4 + 16 } else { 0 }
 }
 
-/// Words from one staged gate/up row of a `routed_slices_*` block to the next (the
-/// kernels' `slice_stride`): the row's words rounded up to 32, then 8 more (4 at 2 bits).
-fn slice_stride(bits: u32, cols: usize) -> usize {
-    words_per_row(cols, bits).next_multiple_of(32) + if bits == 2 { 4 } else { 8 }
-}
-
-/// Dynamic shared memory of a `routed_slices_*` block, as the kernel's `SliceShared`
-/// lays it out: the slice's gate and up rows, x and h staged as units with their sums,
-/// the warps' sums, every expert's table entry, the route's candidates, a reduction
-/// scratch and the route.
-fn slice_shared(bits: u32, up_cols: usize, experts: usize, top_k: usize) -> usize {
-    let pad = |n: usize| n.next_multiple_of(4);
-    let units = up_cols / GROUP_SIZE;
-    let words = 2 * SLICE_ROWS * slice_stride(bits, up_cols)
-        + units * RMMA_UNIT
-        + pad(units)
-        + RMMA_UNIT
-        + SLICE_ROWS
-        + 4
-        + SLICE_WARPS * 2 * RMMA_ROWS
-        + 2 * experts * ROUTED_ENTRY
-        + pad(experts)
-        + 32
-        + 2 * pad(top_k);
-    4 * words
-}
-
-/// Shared memory of a `moe_step` block, as the kernel lays it out: the staged units (x's
-/// `up_cols`, then the top_k h rows' `down_cols`), the warps' sums, the route's candidates
-/// and block 0's probabilities, a reduction scratch, the route.
-fn moe_step_shared(experts: usize, top_k: usize, up_cols: usize, down_cols: usize) -> usize {
-    let units = (up_cols / GROUP_SIZE).max(top_k * (down_cols / GROUP_SIZE));
-    units * (RMMA_UNIT_BYTES - 4)
-        + units.next_multiple_of(4) * 4
-        + RMMA_WARPS * 2 * RMMA_ROWS * 4
-        + experts.next_multiple_of(4) * 4
-        + experts * 4
-        + 32 * 4
-        + 2 * top_k * 4
-}
-
 /// The warps that split a job of the one-row dense kernels (`dense_mma`'s `parts`, a
 /// power of two up to [`RMMA_WARPS`]) and the blocks of the launch, for `tiles` tiles of
 /// [`RMMA_ROWS`] rows of `groups` 64-column groups on `sms` multiprocessors. A job of
@@ -1809,12 +1685,6 @@ impl Cuda {
             })
             .collect();
         let vq_routed_shared = granted(&vq_kernels);
-        // moe_step stages a token's h rows beside its route: 62 KB at Qwen3-235B-A22B's
-        // shapes.
-        let moe_step_shared = granted(&["moe_step_q4", "moe_step_q3", "moe_step_q2"]);
-        // routed_slices stages its slice's gate and up rows: 148 KB at Qwen3-30B-A3B's
-        // shapes and 4 bits.
-        let slices_shared = granted(&["routed_slices_q4", "routed_slices_q3", "routed_slices_q2"]);
         let down_warps = down_warps_from_env()?;
         let down_alone_which = DownAlone::from_env()?;
         let down_alone = down_alone(&ctx, &f, optin, down_warps, down_alone_which)?;
@@ -1823,7 +1693,6 @@ impl Cuda {
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
         let copies = driver(ctx.new_stream())?;
-        let route_ticket = driver(stream.alloc_zeros::<u32>(1))?;
         let down_ready = driver(stream.alloc_zeros::<u32>(2))?;
         let timeline = module
             .get_global("timeline_count", &stream)
@@ -1857,34 +1726,14 @@ impl Cuda {
             // Measured closer to a fully resident run than rows (docs/GPU_NOTES.md), so on
             // unless switched off.
             slot_tiles: Switch::new(!switched_off("DYNMOE_CUDA_SLOT_TILES")),
-            // Measured slower in a decode step than the three launches it replaces
-            // (docs/GPU_NOTES.md), so off unless asked for.
-            moe_step: Switch::new(switched_on("DYNMOE_CUDA_MOE_STEP")),
-            moe_step_shared,
-            moe_sync: Mutex::new(None),
-            // Measured slower in a decode step than the gate/up and down launches
-            // (docs/GPU_NOTES.md), so off unless asked for.
-            routed_slices: Switch::new(major >= 8 && switched_on("DYNMOE_CUDA_ROUTED_SLICES")),
-            slices_shared,
-            slice_scratch: Mutex::new(None),
-            // Measured no faster in a decode step, affine or VQ (docs/GPU_NOTES.md), so off
-            // unless asked for.
-            router_routes: Switch::new(switched_on("DYNMOE_CUDA_ROUTER_ROUTES")),
-            route_ticket,
             // Measured slower in a decode step than the norm's own launch
             // (docs/GPU_NOTES.md), so off unless asked for.
             fold_norms: Switch::new(!switched_off("DYNMOE_CUDA_FOLD_NORMS")),
             head_tiles: Switch::new(!switched_off("DYNMOE_CUDA_HEAD_TILES")),
             dense_tiles: Switch::new(!switched_off("DYNMOE_CUDA_DENSE_TILES")),
-            // Measured a little slower in a decode step at 4 bits and level at 2
-            // (docs/GPU_NOTES.md), so off unless asked for: it saves memory, not time.
-            dense_single: Switch::new(switched_on("DYNMOE_CUDA_DENSE_SINGLE")),
             // Measured faster in a decode step at 4 and 2 bits (docs/GPU_NOTES.md), and the
             // tiles replace the rows, so on unless switched off.
             expert_tiles: Switch::new(!switched_off("DYNMOE_CUDA_EXPERT_TILES")),
-            // Measured slower in a decode step than the preamble's own launch
-            // (docs/GPU_NOTES.md), so off unless asked for.
-            step_attention: Switch::new(switched_on("DYNMOE_CUDA_STEP_ATTENTION")),
             bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
             decode_attention: Switch::new(DecodeAttention::from_env()),
             decode_chunk: std::sync::atomic::AtomicUsize::new(0),
@@ -2054,50 +1903,6 @@ impl Cuda {
         self.slot_tiles.get()
     }
 
-    /// Whether a decode step's MoE layers with affine experts run as one launch from now on
-    /// (`moe_step`: router, route, gate/up and down in phases of one grid) or as three
-    /// (router, gate/up with the route, down: the default, which measured faster in a
-    /// decode step), to measure one against the other. Both give the same result bit for
-    /// bit. Steps already recorded keep their way.
-    pub fn set_moe_step(&self, on: bool) {
-        self.moe_step.set(on);
-    }
-
-    /// Whether a decode step's affine MoE layers run as one launch (see
-    /// [`set_moe_step`](Self::set_moe_step)).
-    pub fn moe_step(&self) -> bool {
-        self.moe_step.get()
-    }
-
-    /// Whether a decode step's affine experts run as slices from now on, each block one
-    /// expert's gate and up rows of a slice and down's matching columns, in one launch
-    /// (sm_80 and later), or as the gate/up and down launches (the default), to measure
-    /// one against the other. Both give the same result up to the order of f32 sums.
-    /// Steps already recorded keep their way.
-    pub fn set_routed_slices(&self, on: bool) {
-        self.routed_slices.set(on && self.has_mma());
-    }
-
-    /// Whether a decode step's affine experts run as slices (see
-    /// [`set_routed_slices`](Self::set_routed_slices)).
-    pub fn routed_slices(&self) -> bool {
-        self.routed_slices.get()
-    }
-
-    /// Whether a decode step's router kernel also takes the route, or each block of the
-    /// routed kernels routes the row again (the default; VQ experts: the route kernel), to
-    /// measure one against the other. Both give the same result bit for bit. Steps already
-    /// recorded keep their way.
-    pub fn set_router_routes(&self, on: bool) {
-        self.router_routes.set(on);
-    }
-
-    /// Whether a decode step's router kernel takes the route (see
-    /// [`set_router_routes`](Self::set_router_routes)).
-    pub fn router_routes(&self) -> bool {
-        self.router_routes.get()
-    }
-
     /// Whether the products that read a decode step's norms fold the residual add and
     /// the norm in (the default), or a norm kernel runs first, to measure one against the
     /// other. Steps already recorded keep their way.
@@ -2122,23 +1927,6 @@ impl Cuda {
     /// [`set_dense_tiles`](Self::set_dense_tiles)).
     pub fn dense_tiles(&self) -> bool {
         self.dense_tiles.get()
-    }
-
-    /// Whether dense matrices copied to the device from now on, where their one-row
-    /// products take tiles, are held only in tiles (their prompts' products then run as
-    /// the tiled grouped GEMM, whatever the switches say later), or in rows beside them
-    /// (the default). Saves the matrices' bytes once: ~300 MB for the 12-layer
-    /// Qwen3-30B-A3B shape at q4. Needs tensor cores and every dense matrix in tiles
-    /// ([`set_dense_tiles`](Self::set_dense_tiles)), both as the model's matrices are
-    /// first copied: the matrices of one launch must all be held one way.
-    pub fn set_dense_single(&self, on: bool) {
-        self.dense_single.set(on);
-    }
-
-    /// Whether dense matrices are held only in tiles (see
-    /// [`set_dense_single`](Self::set_dense_single)).
-    pub fn dense_single(&self) -> bool {
-        self.dense_single.get()
     }
 
     /// Whether fully resident 4- and 2-bit experts are held in unit tiles (their only
@@ -2168,19 +1956,6 @@ impl Cuda {
     /// [`set_head_tiles`](Self::set_head_tiles)).
     pub fn head_tiles(&self) -> bool {
         self.head_tiles.get()
-    }
-
-    /// Whether a decode step's grouped attention blocks norm and rotate q and k and write
-    /// the caches' new row themselves, or the preamble kernel runs first (the default), to
-    /// measure one against the other. Steps already recorded keep their way.
-    pub fn set_step_attention(&self, on: bool) {
-        self.step_attention.set(on);
-    }
-
-    /// Whether a decode step's attention does its own preamble (see
-    /// [`set_step_attention`](Self::set_step_attention)).
-    pub fn step_attention(&self) -> bool {
-        self.step_attention.get()
     }
 
     /// Whether a decode step's grouped attention issues the loads of its keys and values
@@ -2256,11 +2031,8 @@ impl Cuda {
             && rows == 1
             && matches!(gate, DeviceMatrix::Bf16(_))
             && one_row_takes(hidden)
-            && !r.routed
-            && !self.router_routes()
             && r.experts <= ROUTE_SHARED_MAX
             && self.routed_mma_takes(shape, r.route.top_k)
-            && !self.routed_slices()
             && routed_mma_gate_up_shared(shape.up_cols / 64, r.experts, 0) <= SHARED_LIMIT
     }
 
@@ -2678,27 +2450,21 @@ impl Cuda {
     }
 
     /// The device copy of `w`, made on first use; with `dense` (a dense layer's matrix,
-    /// not an expert's), also in unit tiles where [`tiles_take`](Self::tiles_take) it,
-    /// and only so with [`set_dense_single`](Self::set_dense_single) on tensor cores.
+    /// not an expert's), also in unit tiles where [`tiles_take`](Self::tiles_take) it.
     fn device_affine(&self, w: &AffineView<'_>, dense: bool) -> Arc<DeviceAffine> {
         let key = affine_key(w);
         let print = fingerprint(w);
         let mut cache = self.affine.lock().expect("weight cache lock");
         if let Some(d) = cache.get(&key) {
-            // An expert's kernels read rows: a copy held only in tiles is made again.
-            if d.fingerprint == print && (dense || d.rows.is_some()) {
+            if d.fingerprint == print {
                 return d.clone();
             }
         }
         let tiled = dense && self.tiles_take(w);
         let groups = w.rows * (w.cols / GROUP_SIZE);
         let words = &w.words[..w.rows * words_per_row(w.cols, w.bits)];
-        // Without the rows, every product of the matrix runs on tiled kernels, all of them
-        // on tensor cores. Only where every 4- and 2-bit dense matrix takes tiles, so that
-        // the matrices of one launch (q, k, v) are all in tiles.
-        let single = tiled && self.dense_tiles() && self.dense_single() && self.tensor_cores();
         let d = Arc::new(DeviceAffine {
-            rows: (!single).then(|| AffineRows {
+            rows: AffineRows {
                 words: self.upload_u32(words),
                 scales: ok(
                     self.stream
@@ -2710,7 +2476,7 @@ impl Cuda {
                         .clone_htod(w.biases[..groups].reinterpret_cast()),
                     "upload",
                 ),
-            }),
+            },
             fingerprint: print,
             tiles: tiled.then(|| self.upload_tiles(w)),
         });
@@ -2735,21 +2501,18 @@ impl Cuda {
             w.cols
         );
         let groups = w.cols / GROUP_SIZE;
-        // Held only in tiles: one row on the tiled one-row kernel, more (or a row too wide
-        // for its shared memory) as the tiled grouped GEMM, whatever the switches say now.
-        let only_tiles = d.rows.is_none();
         let one_row = rows == 1 && routed_mma_shared(groups) <= SHARED_LIMIT;
-        if one_row && (self.routed_mma() || only_tiles) {
+        if one_row && self.routed_mma() {
             let o = out.device_ptr_mut(&self.stream).0;
             let tiled = self.tiles_of(w, d).is_some();
             self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim, None, tiled);
             return;
         }
-        if only_tiles || rows > AFFINE_GEMM_ROWS && self.tensor_cores() {
+        if rows > AFFINE_GEMM_ROWS && self.tensor_cores() {
             self.affine_gemm(x, w, d, rows, in_dim, out);
             return;
         }
-        let d = d.rows();
+        let d = &d.rows;
         if rows > AFFINE_GEMM_ROWS {
             let mut dense = ok(
                 unsafe { self.stream.alloc::<f32>(w.rows * w.cols) },
@@ -2835,7 +2598,7 @@ impl Cuda {
                 // The tiled kernels read scales and biases from one buffer.
                 Some(t) => l.arg(&t.words).arg(&t.sb).arg(&t.sb),
                 None => {
-                    let r = d.rows();
+                    let r = &d.rows;
                     l.arg(&r.words).arg(&r.scales).arg(&r.biases)
                 }
             };
@@ -2906,14 +2669,11 @@ impl Cuda {
     }
 
     /// `d` (the device copy of `w`) in unit tiles, for a one-row product of it alone:
-    /// always for a matrix held only in tiles, otherwise where
-    /// [`tiles_take`](Self::tiles_take) it and the copy was made with `d` (never
+    /// where [`tiles_take`](Self::tiles_take) it and the copy was made with `d` (never
     /// later: a first use may come while a step is being recorded, where no upload may
     /// run).
     fn tiles_of<'d>(&self, w: &AffineView<'_>, d: &'d DeviceAffine) -> Option<&'d DeviceTiles> {
-        d.tiles
-            .as_ref()
-            .filter(|_| d.rows.is_none() || self.tiles_take(w))
+        d.tiles.as_ref().filter(|_| self.tiles_take(w))
     }
 
     /// The products [`dense_mma_takes`](Self::dense_mma_takes) took, into `outs`.
@@ -2939,21 +2699,11 @@ impl Cuda {
             .zip(outs)
             .map(|((w, d), &o)| (&**d, w.rows, o))
             .collect();
-        // Tiles for all or for none: one kernel reads the launch's matrices; all of them
-        // where one is held only in tiles.
-        let only_tiles = devs.iter().any(|d| d.rows.is_none());
-        let tiled = if only_tiles {
-            assert!(
-                devs.iter().all(|d| d.tiles.is_some()),
-                "matrices held only in tiles share a launch with matrices without tiles"
-            );
-            true
-        } else {
-            views
-                .iter()
-                .zip(&devs)
-                .all(|(w, d)| self.tiles_of(w, d).is_some())
-        };
+        // Tiles for all or for none: one kernel reads the launch's matrices.
+        let tiled = views
+            .iter()
+            .zip(&devs)
+            .all(|(w, d)| self.tiles_of(w, d).is_some());
         self.launch_dense_mma(views[0].bits, &mats, x, views[0].cols, in_dim, norm, tiled);
     }
 
@@ -2976,7 +2726,6 @@ impl Cuda {
     /// `rows` input rows times an affine matrix on tensor cores: the grouped expert GEMM
     /// (`expert_mma_down_*`) over one group that holds every row, with unit weights, so a
     /// prompt's dense products read the codes as the experts' do and keep f32 precision.
-    /// A matrix held only in tiles takes the tiled GEMM (`expert_mma_down_tiled_*`).
     fn affine_gemm(
         &self,
         x: &CudaSlice<f32>,
@@ -2986,20 +2735,9 @@ impl Cuda {
         in_dim: usize,
         out: &mut CudaSlice<f32>,
     ) {
-        let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
         let mut entry = [0u64; GROUP_ENTRY];
-        let kernels = match (&d.rows, &d.tiles) {
-            (Some(r), _) => {
-                entry[6..9].copy_from_slice(&r.addresses(&self.stream));
-                bits_suffix(w.bits).to_string()
-            }
-            (None, Some(t)) => {
-                let sb = t.sb.device_ptr(&self.stream).0;
-                entry[6..9].copy_from_slice(&[at(&t.words), sb, sb]);
-                format!("tiled_{}", bits_suffix(w.bits))
-            }
-            (None, None) => unreachable!("a device matrix is held in rows, tiles or both"),
-        };
+        entry[6..9].copy_from_slice(&d.rows.addresses(&self.stream));
+        let kernels = bits_suffix(w.bits);
         entry[10] = rows as u64;
         let table = ok(self.stream.clone_htod(&entry), "upload");
         let tiles: Vec<u32> = (0..rows.div_ceil(EXPERT_TILE_ROWS))
@@ -3078,7 +2816,7 @@ impl Cuda {
         for (g, m) in &take {
             for w in m {
                 let d = self.device_affine(w, false);
-                table.extend(d.rows().addresses(&self.stream));
+                table.extend(d.rows.addresses(&self.stream));
                 keep.push(d);
             }
             table.push(row_ids.len() as u64);
@@ -3314,7 +3052,7 @@ impl Cuda {
     /// unit tiles: unless [`set_expert_tiles`](Self::set_expert_tiles) says rows, where
     /// every launch that may read it takes tiles — one to [`ROUTED_MAX_ROWS`] rows on the
     /// tensor-core routed kernels, more through the grouped GEMMs (the other routed
-    /// kernels, the slices and the one-launch step read rows).
+    /// kernels read rows).
     fn experts_tiled(&self, shape: RoutedShape, top_k: usize) -> bool {
         self.expert_tiles.get() && self.tiled_kernels_take(shape, top_k)
     }
@@ -3365,7 +3103,7 @@ impl Cuda {
                             weights.push(Arc::new(t));
                         } else {
                             let dev = self.device_affine(&m, false);
-                            table.extend(dev.rows().addresses(&self.stream));
+                            table.extend(dev.rows.addresses(&self.stream));
                             weights.push(dev);
                         }
                     }
@@ -3406,159 +3144,6 @@ impl Cuda {
         })
     }
 
-    /// One decode token's MoE layer as one `moe_step` launch: the router product of `x`
-    /// with the bf16 router `gate`, the route (`probs` receives the probabilities), the
-    /// affine experts through `r.table`, the weighted sum into `out`. Declines (false)
-    /// what the kernel does not take, for the launches it replaces.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_moe_step(
-        &self,
-        r: &Routed<'_>,
-        gate: &DeviceMatrix,
-        x: u64,
-        rows: usize,
-        hidden: usize,
-        probs: u64,
-        out: u64,
-    ) -> bool {
-        let (RoutedKind::Affine(shape), DeviceMatrix::Bf16(router)) = (r.kind, gate) else {
-            return false;
-        };
-        let (e, k) = (r.experts, r.route.top_k);
-        let shared = moe_step_shared(e, k, shape.up_cols, shape.down_cols);
-        if rows != 1
-            || shape.tiled
-            || !(self.moe_step() && self.routed_mma())
-            || e > ROUTE_SHARED_MAX
-            || !hidden.is_multiple_of(8)
-            || shared > self.moe_step_shared
-        {
-            return false;
-        }
-        let name = format!("moe_step_{}", bits_suffix(shape.bits));
-        let f = self.func(&name);
-        let threads = (RMMA_WARPS * 32) as u32;
-        let per_sm = ok(
-            f.occupancy_max_active_blocks_per_multiprocessor(threads, shared, None),
-            "occupancy",
-        ) as usize;
-        if per_sm == 0 {
-            return false;
-        }
-        // Every block resident at once (the phases wait on each other), and no more than
-        // there are tiles of the larger phase.
-        let tiles = (k * shape.inter.div_ceil(RMMA_ROWS)).max(hidden.div_ceil(RMMA_ROWS));
-        let blocks = tiles.min(per_sm * self.sms);
-        let [_, _, h, _, _] = self.routed_scratch_at(k, k, shape.inter, hidden);
-        let sync = {
-            let mut s = self.moe_sync.lock().expect("sync lock");
-            let buf = s.get_or_insert_with(|| ok(self.stream.alloc_zeros::<u32>(4), "alloc"));
-            let at = buf.device_ptr(&self.stream).0;
-            at
-        };
-        let (ei, rn, ki) = (e as i32, r.route.renormalize as i32, k as i32);
-        let (ii, hi, uc, dc) = (
-            shape.inter as i32,
-            hidden as i32,
-            shape.up_cols as i32,
-            shape.down_cols as i32,
-        );
-        let mut l = self.launcher(f);
-        l.arg(router)
-            .arg(&x)
-            .arg(&probs)
-            .arg(&r.keep)
-            .arg(&ei)
-            .arg(&rn)
-            .arg(&ki);
-        l.arg(&r.table).arg(&h).arg(&out).arg(&sync);
-        l.arg(&ii).arg(&hi).arg(&uc).arg(&dc);
-        ok(
-            unsafe { l.launch(cfg(blocks, threads, shared)) },
-            "moe_step",
-        );
-        true
-    }
-
-    /// One decode token's affine experts as one `routed_slices_*` launch: a block per
-    /// (slice of an expert's intermediate rows, routed expert) routes the row of logits at
-    /// `probs` itself (or reads the route the router took, `r.routed`), runs the slice's
-    /// gate, up and down, and the blocks add their partial outputs into `out` after a
-    /// barrier of the grid; `probs` then holds the probabilities. Declines (false) what it
-    /// does not take: more experts than a block routes, a slice too large for the shared
-    /// memory granted, or a grid that could not all be resident at once.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_routed_slices(
-        &self,
-        r: &Routed<'_>,
-        shape: RoutedShape,
-        x: u64,
-        hidden: usize,
-        probs: u64,
-        out: u64,
-    ) -> bool {
-        let (e, k) = (r.experts, r.route.top_k);
-        let shared = slice_shared(shape.bits, shape.up_cols, e, k);
-        if shape.tiled
-            || !(self.routed_slices() && self.routed_mma())
-            || e > ROUTE_SHARED_MAX
-            || shared > self.slices_shared
-            || shape.inter.div_ceil(SLICE_ROWS) > shape.down_cols / GROUP_SIZE
-        {
-            return false;
-        }
-        let f = self.func(&format!("routed_slices_{}", bits_suffix(shape.bits)));
-        let threads = (SLICE_WARPS * 32) as u32;
-        let per_sm = ok(
-            f.occupancy_max_active_blocks_per_multiprocessor(threads, shared, None),
-            "occupancy",
-        ) as usize;
-        let slices = shape.inter.div_ceil(SLICE_ROWS);
-        let blocks = slices * k;
-        // The blocks wait on each other: all of them must be resident at once.
-        if blocks > per_sm * self.sms {
-            return false;
-        }
-        let (parts, sync) = {
-            let mut s = self.slice_scratch.lock().expect("slice scratch lock");
-            if s.as_ref().is_none_or(|(p, _)| p.len() < blocks * hidden) {
-                self.drop_graphs();
-                let parts = ok(
-                    unsafe { self.stream.alloc::<f32>(blocks * hidden) },
-                    "alloc",
-                );
-                let sync = ok(self.stream.alloc_zeros::<u32>(2), "alloc");
-                *s = Some((parts, sync));
-            }
-            let (p, c) = s.as_ref().expect("set above");
-            let at = (p.device_ptr(&self.stream).0, c.device_ptr(&self.stream).0);
-            at
-        };
-        // Routed before (router_route_one): the ids and weights in the routed scratch,
-        // where the router wrote them, and no logits to route.
-        let [ids, weights, ..] = self.routed_scratch_at(k, k, shape.inter, hidden);
-        let logits = if r.routed { 0u64 } else { probs };
-        let (ei, rn, ki) = (e as i32, r.route.renormalize as i32, k as i32);
-        let (ii, uc, hi, dc) = (
-            shape.inter as i32,
-            shape.up_cols as i32,
-            hidden as i32,
-            shape.down_cols as i32,
-        );
-        let mut l = self.launcher(f);
-        l.arg(&r.table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
-        l.arg(&ids).arg(&weights).arg(&ki);
-        l.arg(&x).arg(&parts).arg(&sync).arg(&out);
-        l.arg(&ii).arg(&uc).arg(&hi).arg(&dc);
-        let launch = LaunchConfig {
-            grid_dim: (slices as u32, k as u32, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: shared as u32,
-        };
-        ok(unsafe { l.launch(launch) }, "routed experts as slices");
-        true
-    }
-
     /// Routes `rows` rows whose router logits are at device address `probs` (turned into
     /// probabilities there) and runs their experts: the route kernel, the gate/up and down
     /// launches reading the chosen experts through `r.table`, and the weighted combine into
@@ -3585,9 +3170,6 @@ impl Cuda {
             self.launch_routed_gemm(r, shape, x, rows, hidden, probs, out);
             return;
         }
-        if rows == 1 && self.launch_routed_slices(r, shape, x, hidden, probs, out) {
-            return;
-        }
         let k = r.route.top_k;
         let (inter, pairs) = (shape.inter, rows * k);
         let [ids, weights, g, u, d] = self.routed_scratch_at(pairs, k, inter, hidden);
@@ -3600,9 +3182,7 @@ impl Cuda {
             // Up to ROUTE_SHARED_MAX experts each gate/up block routes its row itself, and
             // the down kernel writes the probabilities; beyond, the route kernel runs
             // first and `logits` is null.
-            let logits = if r.routed {
-                0u64
-            } else if r.experts <= ROUTE_SHARED_MAX {
+            let logits = if r.experts <= ROUTE_SHARED_MAX {
                 probs
             } else {
                 self.launch_route(r, rows, probs, ids, weights);
@@ -3676,9 +3256,7 @@ impl Cuda {
             !shape.tiled,
             "experts in tiles reached the row-major routed kernels"
         );
-        if !r.routed {
-            self.launch_route(r, rows, probs, ids, weights);
-        }
+        self.launch_route(r, rows, probs, ids, weights);
         // A block per ROUTED_ROWS rows of each warp and per pair; `projections` in z.
         let grid = |out_rows: usize, cols: usize, projections: u32| LaunchConfig {
             grid_dim: (
@@ -3779,9 +3357,7 @@ impl Cuda {
             return;
         }
         let [ids, weights, h, ..] = self.routed_scratch_at(pairs, k, inter, hidden);
-        if !r.routed {
-            self.launch_route(r, rows, probs, ids, weights);
-        }
+        self.launch_route(r, rows, probs, ids, weights);
         let book = self.vq_book(shape.rung);
         let (ki, ri, hi) = (k as i32, inter as i32, hidden as i32);
         let bits = shape.rung.index_bits as i32;
@@ -4043,8 +3619,7 @@ impl Cuda {
     /// Whether the router of `r` folds in the norm of its input row and the routed
     /// gate/up after it reads the row through the same norm (`matvec_bf16_norm_one_late`,
     /// then the early gate/up): where the gate/up kernel starts early (so the row is whole
-    /// 8s), the whole step is not one launch, and gate/up's shared memory holds the row
-    /// too (then so does the router's).
+    /// 8s) and gate/up's shared memory holds the row too (then so does the router's).
     fn router_folds_norm(
         &self,
         r: &Routed<'_>,
@@ -4056,7 +3631,6 @@ impl Cuda {
             return false;
         };
         self.fold_norms()
-            && !self.moe_step()
             && self.routes_gate_up_early(r, gate, rows, hidden)
             && routed_mma_gate_up_shared(shape.up_cols / 64, r.experts, hidden) <= SHARED_LIMIT
     }
@@ -4094,10 +3668,8 @@ impl Cuda {
 
     /// The router's logits of `x` (`rows` rows of `hidden`) into `logits` (the
     /// probabilities' slot); with `r.norm` (from [`moe_input`](Self::moe_input)), of the
-    /// residual through the norm it folds in. With `router_routes`, a decode step's row
-    /// through a bf16 router also takes its route in the same launch (`router_route_one`),
-    /// into the routed scratch where the routed kernels read it: the returned `Routed`
-    /// says so.
+    /// residual through the norm it folds in. The returned `Routed` says whether the router
+    /// was a late kernel, after which the routed gate/up may start early.
     #[allow(clippy::too_many_arguments)]
     fn launch_router<'r>(
         &self,
@@ -4126,51 +3698,21 @@ impl Cuda {
                 ..r
             };
         }
-        let DeviceMatrix::Bf16(w) = gate else {
-            self.dense_product(x, gate, rows, hidden, e, logits);
-            return r;
-        };
-        if self.routes_gate_up_early(&r, gate, rows, hidden) {
-            let (_, launch) = bf16_matvec(false, 1, hidden, e);
-            let (ei, ci, one) = (e as i32, hidden as i32, 1i32);
-            let mut l = self.launcher(self.func("matvec_bf16_one_late"));
-            l.arg(w).arg(x).arg(logits).arg(&ei).arg(&ci).arg(&one);
-            ok(unsafe { l.launch(launch) }, "matvec_bf16_one_late");
-            return Routed {
-                router_late: true,
-                ..r
-            };
+        if let DeviceMatrix::Bf16(w) = gate {
+            if self.routes_gate_up_early(&r, gate, rows, hidden) {
+                let (_, launch) = bf16_matvec(false, 1, hidden, e);
+                let (ei, ci, one) = (e as i32, hidden as i32, 1i32);
+                let mut l = self.launcher(self.func("matvec_bf16_one_late"));
+                l.arg(w).arg(x).arg(logits).arg(&ei).arg(&ci).arg(&one);
+                ok(unsafe { l.launch(launch) }, "matvec_bf16_one_late");
+                return Routed {
+                    router_late: true,
+                    ..r
+                };
+            }
         }
-        let k = r.route.top_k;
-        if rows != 1
-            || !self.router_routes()
-            || e > ROUTE_SHARED_MAX
-            || k > e
-            || !one_row_takes(hidden)
-        {
-            self.dense_product(x, gate, rows, hidden, e, logits);
-            return r;
-        }
-        let inter = match r.kind {
-            RoutedKind::Affine(shape) => shape.inter,
-            RoutedKind::Vq(shape) => shape.inter,
-        };
-        // The same carving the routed launch takes next, so the addresses agree.
-        let [ids, weights, ..] = self.routed_scratch_at(k, k, inter, hidden);
-        let (ei, ci, ki, rn) = (
-            e as i32,
-            hidden as i32,
-            k as i32,
-            r.route.renormalize as i32,
-        );
-        let (_, launch) = bf16_matvec(false, 1, hidden, e);
-        let at = logits.device_ptr_mut(&self.stream).0;
-        let mut l = self.launcher(self.func("router_route_one"));
-        l.arg(w).arg(x).arg(&at).arg(&ei).arg(&ci);
-        l.arg(&r.keep).arg(&ki).arg(&rn).arg(&ids).arg(&weights);
-        l.arg(&self.route_ticket);
-        ok(unsafe { l.launch(launch) }, "router_route_one");
-        Routed { routed: true, ..r }
+        self.dense_product(x, gate, rows, hidden, e, logits);
+        r
     }
 
     /// The route of `rows` rows: router probabilities (in place of the logits at `probs`)
@@ -4501,7 +4043,7 @@ impl Cuda {
         let pos = step.slice(1..2);
         if self.decode_attention() != DecodeAttention::Whole {
             let at = pos.device_ptr(&self.stream).0;
-            self.attention_one_row(q, k_cache, v_cache, shape, at, out, None, early);
+            self.attention_one_row(q, k_cache, v_cache, shape, at, out, early);
             return;
         }
         let mut l = self.launcher(self.func("attention"));
@@ -4532,7 +4074,6 @@ impl Cuda {
         shape: AttentionShape,
         pos_at: u64,
         out: &mut CudaSlice<f32>,
-        preamble: Option<OneRowPreamble<'_>>,
         early: bool,
     ) {
         let kvw = shape.kv_heads * shape.head_dim;
@@ -4580,17 +4121,8 @@ impl Cuda {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        // The step kernel takes the grouped kernel's arguments up to the chunk, then the
-        // preamble's; the caller has checked that the grouped kernel takes these heads.
         // The grouped kernel ends with whether it may load early.
-        let name = match preamble {
-            Some(_) => step_kernel(shape.head_dim).expect("a grouped width"),
-            None => name,
-        };
-        let early = match (&preamble, grouped) {
-            (None, Some(_)) => Some(early as i32),
-            _ => None,
-        };
+        let early = grouped.map(|_| early as i32);
         let mut l = self.launcher(self.func(name));
         l.arg(q)
             .arg(k_cache)
@@ -4604,15 +4136,6 @@ impl Cuda {
             .arg(&window)
             .arg(&pos_at)
             .arg(&c);
-        if let Some(pre) = &preamble {
-            let null = 0u64;
-            l.arg(pre.k).arg(pre.v);
-            match &pre.norm {
-                Some(n) => l.arg(n.q).arg(n.k),
-                None => l.arg(&null).arg(&null),
-            };
-            l.arg(&pre.norm.map_or(0.0, |n| n.eps)).arg(pre.inv_freq);
-        }
         if let Some(e) = &early {
             l.arg(e);
         }
@@ -5072,7 +4595,7 @@ impl Backend for Cuda {
             return;
         }
         if shape.rows == 1 && self.decode_attention() != DecodeAttention::Whole {
-            self.attention_one_row(q, k_cache, v_cache, shape, 0, out, None, false);
+            self.attention_one_row(q, k_cache, v_cache, shape, 0, out, false);
             return;
         }
         if shape.rows > 1 && self.prefill_attention() == PrefillAttention::Tiled {
@@ -5252,35 +4775,14 @@ impl Backend for Cuda {
         v_cache: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) {
-        // With the switch on, one launch fewer where the grouped kernel takes the heads
-        // (its lane groups norm and rotate a head of up to 256 values); otherwise, and
-        // elsewhere, the preamble, then attention.
-        let fused = self.step_attention()
+        // The grouped kernel loads its keys and values early when the preamble before
+        // it is the kernel that lets it start only after its own wait.
+        let late = self.kv_early()
             && self.decode_attention() == DecodeAttention::Grouped
-            && step_kernel(shape.head_dim).is_some()
-            && shape.heads > 0
-            && shape.kv_heads > 0;
-        if !fused {
-            // The grouped kernel loads its keys and values early when the preamble before
-            // it is the kernel that lets it start only after its own wait.
-            let late = self.kv_early()
-                && self.decode_attention() == DecodeAttention::Grouped
-                && group_kernel(shape.head_dim).is_some();
-            let early = self
-                .preamble_at(q, k, v, norm, shape, inv_freq, step, k_cache, v_cache, late)
-                && late;
-            self.attention_row_at(q, k_cache, v_cache, shape, step, out, early);
-            return;
-        }
-        let freq = self.constant(inv_freq);
-        let at = step.slice(1..2).device_ptr(&self.stream).0;
-        let preamble = OneRowPreamble {
-            k,
-            v,
-            norm,
-            inv_freq: &freq,
-        };
-        self.attention_one_row(q, k_cache, v_cache, shape, at, out, Some(preamble), false);
+            && group_kernel(shape.head_dim).is_some();
+        let early =
+            self.preamble_at(q, k, v, norm, shape, inv_freq, step, k_cache, v_cache, late) && late;
+        self.attention_row_at(q, k_cache, v_cache, shape, step, out, early);
     }
 
     fn argmax_rows(
@@ -5489,7 +4991,6 @@ impl Backend for Cuda {
             keep,
             experts: e,
             route,
-            routed: false,
             router_late: false,
             norm: None,
         };
@@ -5498,9 +4999,6 @@ impl Backend for Cuda {
         let probs_ptr = logits.device_ptr_mut(&self.stream).0;
         let x_ptr = x.device_ptr(&self.stream).0;
         let out_ptr = out.device_ptr_mut(&self.stream).0;
-        if self.launch_moe_step(&routed, gate, x_ptr, rows, hidden, probs_ptr, out_ptr) {
-            return true;
-        }
         let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits);
         match kind {
             RoutedKind::Affine(_) => {
@@ -5582,7 +5080,6 @@ impl Backend for Cuda {
             keep: slots.keep_at(),
             experts: e,
             route,
-            routed: false,
             router_late: false,
             norm: None,
         };
@@ -5593,9 +5090,6 @@ impl Backend for Cuda {
             x.device_ptr(&self.stream).0,
             out.device_ptr_mut(&self.stream).0,
         );
-        if self.launch_moe_step(&routed, gate, x_at, rows, hidden, probs_at, out_at) {
-            return true;
-        }
         let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits);
         // The routed kernels read each chosen expert once per row: fine for a decode step,
         // and for a prompt the only path that reads device slots.
@@ -5632,10 +5126,9 @@ impl Backend for Cuda {
 #[cfg(test)]
 mod tests {
     use super::{
-        dense_mma_layout, group_chunk, group_kernel, is_bf16_exact, moe_step_shared, slice_shared,
-        slice_stride, staged_rows, tiled_kernel, tiled_shared, unit_tiles, vq_book_bytes,
-        vq_suffix, vq_tile, DownAlone, VqRoutedShape, VqTile, ATT_CHUNK_MAX, ATT_STEP,
-        SHARED_LIMIT, VQR_SHARED_BOOK,
+        dense_mma_layout, group_chunk, group_kernel, is_bf16_exact, staged_rows, tiled_kernel,
+        tiled_shared, unit_tiles, vq_book_bytes, vq_suffix, vq_tile, DownAlone, VqRoutedShape,
+        VqTile, ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT, VQR_SHARED_BOOK,
     };
     use crate::codec::vq::{Rung, LADDER};
     use crate::testing::fresh;
@@ -5812,58 +5305,6 @@ mod tests {
         // A job never splits into more parts than it has 64-column groups.
         assert_eq!(dense_mma_layout(3, 2, 132).0, 2);
         assert_eq!(dense_mma_layout(1, 1, 132), (1, 1));
-    }
-
-    #[test]
-    fn one_launch_moe_step_fits_its_shapes_in_shared_memory() {
-        // Qwen3-30B-A3B (top-8 of 128, 768 wide): h's 96 units are the most staged, and fit
-        // the 48 KB every block gets; Qwen3-235B-A22B's 192 units (1 536 wide) and
-        // Qwen3-Coder-480B's 320 (2 560 wide) need the opt-in of an H200 (227 KB).
-        let qwen30 = moe_step_shared(128, 8, 2048, 768);
-        assert_eq!(qwen30, 96 * 320 + 96 * 4 + 1024 + 512 + 512 + 128 + 64);
-        assert!(qwen30 <= SHARED_LIMIT);
-        let qwen235 = moe_step_shared(128, 8, 4096, 1536);
-        assert!(qwen235 > SHARED_LIMIT && qwen235 <= 227 << 10);
-        assert!(moe_step_shared(160, 8, 6144, 2560) <= 227 << 10);
-        // The x tile wins when top_k × down groups is smaller.
-        assert_eq!(
-            moe_step_shared(4, 1, 4096, 64) - moe_step_shared(4, 1, 64, 64),
-            63 * 320 + (64 - 4) * 4
-        );
-    }
-
-    #[test]
-    fn routed_slices_stage_their_rows_in_shared_memory_where_they_fit() {
-        // A staged row's words, rounded up to 32, then 8 more (4 at 2 bits): rows g = 0 .. 7
-        // of a tile start in different banks.
-        assert_eq!(slice_stride(4, 2048), 256 + 8);
-        assert_eq!(slice_stride(3, 2048), 192 + 8);
-        assert_eq!(slice_stride(2, 2048), 128 + 4);
-        assert_eq!(slice_stride(3, 2112), 224 + 8);
-        // Qwen3-30B-A3B at 4 bits (top-8 of 128, 2 048 wide): gate's and up's 64 rows, x's 32
-        // units, h's one, the warps' sums, every expert's table entry, the candidates, a
-        // scratch and the route, in words; within an H200's opt-in (227 KB) at every width.
-        let qwen30 = slice_shared(4, 2048, 128, 8);
-        assert_eq!(
-            qwen30,
-            4 * (2 * 64 * 264
-                + 32 * 80
-                + 32
-                + 80
-                + 64
-                + 4
-                + 16 * 2 * 16
-                + 2 * 128 * 9
-                + 128
-                + 32
-                + 16)
-        );
-        for bits in [4, 3, 2] {
-            assert!(slice_shared(bits, 2048, 128, 8) <= 227 << 10);
-        }
-        // Qwen3-235B-A22B's 4 096-wide rows do not fit at 4 bits: its experts take the
-        // gate/up and down launches.
-        assert!(slice_shared(4, 4096, 128, 8) > 227 << 10);
     }
 
     #[test]
