@@ -483,7 +483,7 @@ struct Case {
     /// `bits`, or at its plan's codec (a VQ expert's codes and block norms).
     decode_bytes_per_token: usize,
     /// Bytes a dense weight takes on the backend: 2 on CUDA, which keeps a bf16
-    /// checkpoint's matrices in bf16 (unless `DYNMOE_CUDA_BF16=0`), 4 on the CPU (f32).
+    /// checkpoint's matrices in bf16, 4 on the CPU (f32).
     dense_bytes_per_weight: usize,
     /// Copy bandwidth over those bytes.
     decode_floor_tok_s: Option<f64>,
@@ -898,14 +898,10 @@ fn print_phases(stamps: &[Vec<[u64; dynmoe::backend::cuda::PHASE_SLOTS]>; 2]) {
 }
 
 /// Bytes a dense weight takes on the device. Checkpoints (synthetic ones too) are bf16,
-/// so every dense matrix is bf16-exact and kept at 2 bytes unless that is switched off.
+/// so every dense matrix is bf16-exact and kept at 2 bytes.
 #[cfg(feature = "cuda")]
-fn dense_bytes(m: &LoadedModel<dynmoe::backend::Cuda>) -> usize {
-    if m.model.backend().bf16_matrices() {
-        2
-    } else {
-        4
-    }
+fn dense_bytes(_: &LoadedModel<dynmoe::backend::Cuda>) -> usize {
+    2
 }
 
 /// Without the feature the "CUDA" model is never made (see `cuda_backend`).

@@ -13,7 +13,6 @@
 //!
 //! `cargo bench -p dynmoe --features cuda --bench cuda_kernels`
 
-use dynmoe::backend::cuda::{DecodeAttention, PrefillAttention};
 use dynmoe::backend::{
     attention_preamble_one_by_one, AttentionShape, Backend, Cuda, DeviceRoute, HeadNorm, MoeInput,
     RoutedExperts, SwiGluGroup, Weight,
@@ -174,9 +173,9 @@ fn routed_step_rows(
     copy_gb_s: f64,
     rows_out: &mut Vec<Row>,
 ) {
-    let was = g.routed_mma();
+    let was = g.tensor_cores();
     for (i, (mma, way)) in [(true, "mma"), (false, "matvec")].into_iter().enumerate() {
-        g.set_routed_mma(mma);
+        g.set_tensor_cores(mma && was);
         let ms = time_ms(g, || (0..tokens).for_each(&mut step));
         let eager = ms * 1e3 / tokens as f64;
         let graph = graph_us(g, key + i as u64, |i| step(i % tokens));
@@ -192,7 +191,7 @@ fn routed_step_rows(
             report(rows_out, &format!("{label} {way} {launched}"), row, "");
         }
     }
-    g.set_routed_mma(was);
+    g.set_tensor_cores(was);
 }
 
 struct HostAffine {
@@ -777,9 +776,8 @@ fn main() {
     if want("attention") {
         // Decode attention at Qwen3-30B-A3B's heads (32 query, 4 KV, 128 wide) over a cache of
         // `ctx` positions, the query at the last: the grouped kernel (a block per KV head and
-        // chunk) and the per-head split it replaced, each timed as the other rows are (calls
-        // queued back to back on the stream, launch costs included) and in a recorded graph
-        // (as a decode step runs it).
+        // chunk), timed as the other rows are (calls queued back to back on the stream,
+        // launch costs included) and in a recorded graph (as a decode step runs it).
         for ctx in [16, 640, 4096] {
             let kvw = kv_heads * head_dim;
             let bytes = 2 * ctx * kvw * 4;
@@ -802,68 +800,28 @@ fn main() {
                 head_dim,
                 window: None,
             };
-            let ways = [
-                (DecodeAttention::Grouped, "attn dec", "attention_decode"),
-                (
-                    DecodeAttention::PerHead,
-                    "attn dec/h",
-                    "attention_decode_per_head",
-                ),
-            ];
-            for (way, label, kernel) in ways {
-                g.set_decode_attention(way);
-                let ms = time_ms(&g, || {
-                    for (k, v) in &caches {
-                        g.attention(&q, k, v, shape, &mut out);
-                    }
-                });
-                let queued = ms * 1e3 / copies as f64;
-                let graph = graph_us(&g, 100 + ctx as u64 * 4 + way as u64, |i| {
-                    let (k, v) = &caches[i % copies];
-                    g.attention(&q, k, v, shape, &mut out)
-                });
-                for (label, kernel, per_call) in [
-                    (label.to_string(), kernel.to_string(), queued),
-                    (format!("{label} g"), format!("{kernel}_graph"), graph),
-                ] {
-                    let row = Row::new(kernel, [ctx, kvw, 1], bytes, copies, per_call, copy_gb_s);
-                    report(&mut rows_out, &label, row, "");
+            let ms = time_ms(&g, || {
+                for (k, v) in &caches {
+                    g.attention(&q, k, v, shape, &mut out);
                 }
+            });
+            let queued = ms * 1e3 / copies as f64;
+            let graph = graph_us(&g, 100 + ctx as u64 * 4, |i| {
+                let (k, v) = &caches[i % copies];
+                g.attention(&q, k, v, shape, &mut out)
+            });
+            for (label, kernel, per_call) in [
+                ("attn dec", "attention_decode", queued),
+                ("attn dec g", "attention_decode_graph", graph),
+            ] {
+                let row = Row::new(kernel, [ctx, kvw, 1], bytes, copies, per_call, copy_gb_s);
+                report(&mut rows_out, label, row, "");
             }
-            g.set_decode_attention(DecodeAttention::Grouped);
-            // The grouped kernel with other splits of the keys than its own (group_chunk):
-            // fewer, longer blocks leave less for the merge.
-            for (i, keys) in [16usize, 32, 64, 128, 256].into_iter().enumerate() {
-                if keys >= ctx {
-                    break;
-                }
-                g.set_decode_chunk(Some(keys));
-                let graph = graph_us(&g, 400 + ctx as u64 * 8 + i as u64, |i| {
-                    let (k, v) = &caches[i % copies];
-                    g.attention(&q, k, v, shape, &mut out)
-                });
-                let row = Row::new(
-                    format!("attention_decode_chunk{keys}_graph"),
-                    [ctx, kvw, 1],
-                    bytes,
-                    copies,
-                    graph,
-                    copy_gb_s,
-                );
-                report(
-                    &mut rows_out,
-                    &format!("attn dec g, {keys} keys a block"),
-                    row,
-                    "",
-                );
-            }
-            g.set_decode_chunk(None);
         }
     }
     if want("prefill") {
         // Prefill attention at the same heads: a prompt of `n` rows from position 0, causal,
-        // through the tiled kernel and the per-row kernel it replaced, timed as the rows
-        // above (calls queued back to back, over copies of q and the caches). Bound by
+        // through the tiled kernel, timed as the rows above (calls queued back to back, over copies of q and the caches). Bound by
         // arithmetic, not bytes: the table's last columns are GFLOP/s (4 per visible
         // (row, head, key) and head dimension) and, in the JSON, bytes are q, K, V and out.
         for n in [512, 2048] {
@@ -890,40 +848,23 @@ fn main() {
                 head_dim,
                 window: None,
             };
-            let ways = [
-                (
-                    PrefillAttention::Tiled,
-                    "attn pre",
-                    "attention_prefill_tiled",
-                ),
-                (
-                    PrefillAttention::PerRow,
-                    "attn pre/r",
-                    "attention_prefill_per_row",
-                ),
-            ];
-            for (way, label, kernel) in ways {
-                g.set_prefill_attention(way);
-                let ms = time_ms(&g, || {
-                    for (q, k, v) in &inputs {
-                        g.attention(q, k, v, shape, &mut out);
-                    }
-                });
-                let per_call = ms * 1e3 / copies as f64;
-                let gflop_s = flop / (per_call * 1e-6) / 1e9;
-                println!(
-                    "{label:<10} {n:>6} {kvw:>6} {n:>5} {per_call:>10.2} {gflop_s:>8.0} GFLOP/s"
-                );
-                rows_out.push(Row::new(
-                    kernel,
-                    [n, kvw, n],
-                    bytes,
-                    copies,
-                    per_call,
-                    copy_gb_s,
-                ));
-            }
-            g.set_prefill_attention(PrefillAttention::Tiled);
+            let ms = time_ms(&g, || {
+                for (q, k, v) in &inputs {
+                    g.attention(q, k, v, shape, &mut out);
+                }
+            });
+            let per_call = ms * 1e3 / copies as f64;
+            let gflop_s = flop / (per_call * 1e-6) / 1e9;
+            let label = "attn pre";
+            println!("{label:<10} {n:>6} {kvw:>6} {n:>5} {per_call:>10.2} {gflop_s:>8.0} GFLOP/s");
+            rows_out.push(Row::new(
+                "attention_prefill_tiled",
+                [n, kvw, n],
+                bytes,
+                copies,
+                per_call,
+                copy_gb_s,
+            ));
         }
     }
 

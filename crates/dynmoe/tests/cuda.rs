@@ -12,7 +12,6 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use dynmoe::backend::cuda::{DecodeAttention, PrefillAttention};
 use dynmoe::backend::{
     AddNorm, AttentionShape, Backend, Cpu, Cuda, DeviceRoute, HeadNorm, MoeInput, RoutedExperts,
     SwiGluGroup, Weight,
@@ -384,14 +383,12 @@ fn attention_matches_the_reference() {
 #[test]
 fn prefill_attention_matches_the_reference_both_ways() {
     let Some(g) = gpu() else { return };
-    // Several query rows, through the tiled kernel and the per-row kernel it replaced, in
-    // the same process against one CPU result: rows 2 to 512 (one tile of 64 query slots,
+    // Several query rows against the CPU result: rows 2 to 512 (one tile of 64 query slots,
     // ragged tiles, many), from position 0 and later (chunked prefill), GQA ratios 1, 4
     // and 8 (a tile spans 64, 16 or 8 positions), head widths 64, 128, 96 (part of the
     // kernel's float4s) and 66 (not whole float4s: the per-row kernel either way),
     // windows none, 100 and 1. The cache holds 37 positions past the last row, poisoned
     // with NaN: no key past a row's own position may count.
-    let ways = [PrefillAttention::Tiled, PrefillAttention::PerRow];
     let heads_of = [(4, 4), (8, 2), (8, 1)];
     let mut case = 0u64;
     for head_dim in [64, 128, 96, 66] {
@@ -408,7 +405,7 @@ fn prefill_attention_matches_the_reference_both_ways() {
                             head_dim,
                             window,
                         };
-                        check_prefill(g, &ways, shape, 37, 900 + case);
+                        check_prefill(g, shape, 37, 900 + case);
                     }
                 }
             }
@@ -424,20 +421,13 @@ fn prefill_attention_matches_the_reference_both_ways() {
             head_dim: 128,
             window: None,
         };
-        check_prefill(g, &ways, shape, 0, 1900 + pos0 as u64);
+        check_prefill(g, shape, 0, 1900 + pos0 as u64);
     }
-    g.set_prefill_attention(PrefillAttention::Tiled);
 }
 
-/// Attention of `shape` on the CPU reference, then on the device each way; the cache
-/// holds `spare` positions of NaN after the context.
-fn check_prefill(
-    g: &Cuda,
-    ways: &[PrefillAttention],
-    shape: AttentionShape,
-    spare: usize,
-    seed: u64,
-) {
+/// Attention of `shape` on the CPU reference, then on the device; the cache holds `spare`
+/// positions of NaN after the context.
+fn check_prefill(g: &Cuda, shape: AttentionShape, spare: usize, seed: u64) {
     let kvw = shape.kv_heads * shape.head_dim;
     let ctx = shape.pos0 + shape.rows;
     let q = fresh(shape.rows * shape.heads * shape.head_dim, seed);
@@ -447,19 +437,16 @@ fn check_prefill(
     v.resize((ctx + spare) * kvw, f32::NAN);
     let op = |b: &Cpu, t: &[Vec<f32>], o: &mut Vec<f32>| b.attention(&t[0], &t[1], &t[2], shape, o);
     let want = run(&Cpu::reference(), &[&q, &k, &v], q.len(), op);
-    for &way in ways {
-        g.set_prefill_attention(way);
-        let got = run(g, &[&q, &k, &v], q.len(), |b, t, o| {
-            b.attention(&t[0], &t[1], &t[2], shape, o)
-        });
-        let e = rel_err(&got, &want);
-        let label = format!(
-            "{way:?} attention {}@{} h{}/{} d{} w{:?}",
-            shape.rows, shape.pos0, shape.heads, shape.kv_heads, shape.head_dim, shape.window
-        );
-        println!("check {label:<44} rel_err {e:.2e}");
-        assert!(e < 1e-5, "{label}: rel err {e:.2e} over 1e-5");
-    }
+    let got = run(g, &[&q, &k, &v], q.len(), |b, t, o| {
+        b.attention(&t[0], &t[1], &t[2], shape, o)
+    });
+    let e = rel_err(&got, &want);
+    let label = format!(
+        "attention {}@{} h{}/{} d{} w{:?}",
+        shape.rows, shape.pos0, shape.heads, shape.kv_heads, shape.head_dim, shape.window
+    );
+    println!("check {label:<44} rel_err {e:.2e}");
+    assert!(e < 1e-5, "{label}: rel err {e:.2e} over 1e-5");
 }
 
 #[test]
@@ -513,14 +500,7 @@ fn decode_step_ops_match_the_reference() {
         let (k, v) = (fresh((ctx + 300) * kvw, 604), fresh((ctx + 300) * kvw, 605));
         let q = fresh(heads * head_dim, 606 + pos as u64);
         for window in [None, Some(100)] {
-            let shape = AttentionShape {
-                rows: 1,
-                pos0: 0,
-                heads,
-                kv_heads,
-                head_dim,
-                window,
-            };
+            let shape = one_row(heads, kv_heads, head_dim, window);
             both!(
                 &format!("attention_at position {pos} w{window:?}"),
                 &[&q, &k, &v, &step],
@@ -555,21 +535,16 @@ fn decode_step_ops_match_the_reference() {
 }
 
 #[test]
-fn one_row_attention_matches_the_reference_every_way() {
-    let Some(g) = gpu() else { return };
-    // Each way of attending one query row, through `attention_at` (the position read from
-    // device memory, as a recorded step reads it) and `attention`: GQA ratios 1, 4, 8, 6
-    // (a head tile part full) and 12 (two tiles), head widths 64, 128, 256, 96 (rows of
-    // part of the kernel's float4s) and 66 (not whole float4s: the per-head kernel),
+fn one_row_attention_matches_the_reference() {
+    let Some(_) = gpu() else { return };
+    // One query row, through `attention_at` (the position read from device memory, as a
+    // recorded step reads it) and `attention`: GQA ratios 1, 4, 8, 6 (a head tile part
+    // full) and 12 (two tiles), head widths 64, 128, 256, 96 (rows of part of the grouped
+    // kernel's float4s) and 66 (not whole float4s: the per-head kernel),
     // positions at and across the edges of 16- and 64-key chunks, windows. The cache's
     // capacity sets the chunks: as long as the context, longer (chunks past the position
     // count for nothing), and 8192 positions (chunks of several score steps and V
     // batches).
-    let ways = [
-        DecodeAttention::Grouped,
-        DecodeAttention::PerHead,
-        DecodeAttention::Whole,
-    ];
     let shapes = [
         (8, 8, 64),
         (16, 4, 128),
@@ -588,38 +563,27 @@ fn one_row_attention_matches_the_reference_every_way() {
             fresh(most * kvw, 720 + i as u64),
         );
         let q = fresh(heads * head_dim, 740 + i as u64);
-        for way in ways {
-            g.set_decode_attention(way);
-            for pos in [0usize, 5, 63, 64, 1300] {
-                let step = [f32::from_bits(7), f32::from_bits(pos as u32)];
-                for capacity in [pos + 1, pos + 701, most] {
-                    let (k, v) = (&k[..capacity * kvw], &v[..capacity * kvw]);
-                    for window in [None, Some(100), Some(1)] {
-                        let label = format!(
-                            "{way:?} h{heads}/{kv_heads} d{head_dim} @{pos} cap {capacity} w{window:?}"
-                        );
-                        let mut shape = AttentionShape {
-                            rows: 1,
-                            pos0: 0,
-                            heads,
-                            kv_heads,
-                            head_dim,
-                            window,
-                        };
-                        if window == Some(100) {
-                            shape.pos0 = pos;
-                            both!(&label, &[&q, k, v], q.len(), 1e-5, |b, t, o| b
-                                .attention(&t[0], &t[1], &t[2], shape, o));
-                        } else {
-                            both!(&label, &[&q, k, v, &step], q.len(), 1e-5, |b, t, o| b
-                                .attention_at(&t[0], &t[1], &t[2], shape, &t[3], o));
-                        }
+        for pos in [0usize, 5, 63, 64, 1300] {
+            let step = [f32::from_bits(7), f32::from_bits(pos as u32)];
+            for capacity in [pos + 1, pos + 701, most] {
+                let (k, v) = (&k[..capacity * kvw], &v[..capacity * kvw]);
+                for window in [None, Some(100), Some(1)] {
+                    let label = format!(
+                        "h{heads}/{kv_heads} d{head_dim} @{pos} cap {capacity} w{window:?}"
+                    );
+                    let mut shape = one_row(heads, kv_heads, head_dim, window);
+                    if window == Some(100) {
+                        shape.pos0 = pos;
+                        both!(&label, &[&q, k, v], q.len(), 1e-5, |b, t, o| b
+                            .attention(&t[0], &t[1], &t[2], shape, o));
+                    } else {
+                        both!(&label, &[&q, k, v, &step], q.len(), 1e-5, |b, t, o| b
+                            .attention_at(&t[0], &t[1], &t[2], shape, &t[3], o));
                     }
                 }
             }
         }
     }
-    g.set_decode_attention(DecodeAttention::Grouped);
 }
 
 #[test]
@@ -863,6 +827,76 @@ fn three_products_in_one_launch_match_the_reference() {
     }
 }
 
+/// A decode step's attention inputs: q, k and v as the q/k/v products wrote them, the
+/// per-head norms' weights, caches of `capacity` rows and the step tensor (token and
+/// position bits, both `pos`).
+fn step_inputs(shape: AttentionShape, pos: u32, capacity: usize, salt: u64) -> [Vec<f32>; 8] {
+    let (qw, kvw) = (
+        shape.heads * shape.head_dim,
+        shape.kv_heads * shape.head_dim,
+    );
+    [
+        fresh(qw, salt),
+        fresh(kvw, salt + 1),
+        fresh(kvw, salt + 2),
+        fresh(shape.head_dim, salt + 3),
+        fresh(shape.head_dim, salt + 4),
+        fresh(capacity * kvw, salt + 5),
+        fresh(capacity * kvw, salt + 6),
+        vec![f32::from_bits(pos), f32::from_bits(pos)],
+    ]
+}
+
+/// Copies of what the preamble writes in place (q, k and the two caches) from the
+/// uploaded [`step_inputs`] `t`, and the per-head norm (with `normed`).
+fn step_buffers<'t, B: Backend>(
+    b: &B,
+    t: &'t [B::Tensor],
+    shape: AttentionShape,
+    capacity: usize,
+    normed: bool,
+) -> ([B::Tensor; 4], Option<HeadNorm<'t, B::Tensor>>) {
+    let (qw, kvw) = (
+        shape.heads * shape.head_dim,
+        shape.kv_heads * shape.head_dim,
+    );
+    let copy = |i: usize, rows: usize, width: usize| {
+        let mut c = b.alloc(rows * width);
+        b.write_rows(&t[i], &mut c, 0, rows, width);
+        c
+    };
+    let bufs = [
+        copy(0, 1, qw),
+        copy(1, 1, kvw),
+        copy(5, capacity, kvw),
+        copy(6, capacity, kvw),
+    ];
+    let norm = normed.then_some(HeadNorm {
+        q: &t[3],
+        k: &t[4],
+        eps: 1e-6,
+    });
+    (bufs, norm)
+}
+
+/// One query row of `heads` and `kv_heads` heads of `head_dim`, at the step tensor's
+/// position.
+fn one_row(
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    window: Option<usize>,
+) -> AttentionShape {
+    AttentionShape {
+        rows: 1,
+        pos0: 0,
+        heads,
+        kv_heads,
+        head_dim,
+        window,
+    }
+}
+
 #[test]
 fn attention_preamble_matches_the_single_ops() {
     let Some(_) = gpu() else { return };
@@ -877,46 +911,26 @@ fn attention_preamble_matches_the_single_ops() {
         (4, 2, 256),
         (2, 1, 640),
         (2, 1, 6),
-        (2, 2, 7),
     ];
     for (heads, kv_heads, head_dim) in cases {
         let inv_freq = dynmoe::model::forward::rope_inv_freq(1e6, head_dim, 1.0);
         let (qw, kvw) = (heads * head_dim, kv_heads * head_dim);
+        let shape = one_row(heads, kv_heads, head_dim, None);
         for (pos, normed) in [(0u32, true), (5, false), (1300, true)] {
-            let salt = 800 + pos as u64 + head_dim as u64;
             let ctx = pos as usize + 3;
-            let step = [f32::from_bits(pos), f32::from_bits(pos)];
-            let (q, k, v) = (fresh(qw, salt), fresh(kvw, salt + 1), fresh(kvw, salt + 2));
-            let (qn, kn) = (fresh(head_dim, salt + 3), fresh(head_dim, salt + 4));
-            let (kc, vc) = (fresh(ctx * kvw, salt + 5), fresh(ctx * kvw, salt + 6));
-            let shape = AttentionShape {
-                rows: 1,
-                pos0: 0,
-                heads,
-                kv_heads,
-                head_dim,
-                window: None,
-            };
+            let inputs = step_inputs(shape, pos, ctx, 800 + pos as u64 + head_dim as u64);
+            let inputs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
             let total = qw + kvw + 2 * ctx * kvw;
             both!(
                 &format!(
                     "attention_preamble_at {heads}/{kv_heads}x{head_dim} @{pos} norm {normed}"
                 ),
-                &[&q, &k, &v, &qn, &kn, &kc, &vc, &step],
+                &inputs,
                 total,
                 1e-5,
                 |b, t, o| {
-                    let (mut qs, mut ks) = (b.alloc(qw), b.alloc(kvw));
-                    b.write_rows(&t[0], &mut qs, 0, 1, qw);
-                    b.write_rows(&t[1], &mut ks, 0, 1, kvw);
-                    let (mut kcs, mut vcs) = (b.alloc(ctx * kvw), b.alloc(ctx * kvw));
-                    b.write_rows(&t[5], &mut kcs, 0, ctx, kvw);
-                    b.write_rows(&t[6], &mut vcs, 0, ctx, kvw);
-                    let norm = normed.then_some(HeadNorm {
-                        q: &t[3],
-                        k: &t[4],
-                        eps: 1e-6,
-                    });
+                    let ([mut qs, mut ks, mut kcs, mut vcs], norm) =
+                        step_buffers(b, t, shape, ctx, normed);
                     b.attention_preamble_at(
                         &mut qs, &mut ks, &t[2], norm, shape, &inv_freq, &t[7], &mut kcs, &mut vcs,
                     );
@@ -932,7 +946,7 @@ fn attention_preamble_matches_the_single_ops() {
 
 #[test]
 fn attention_step_matches_the_preamble_then_attention() {
-    let Some(g) = gpu() else { return };
+    let Some(_) = gpu() else { return };
     // The decode step's attention with its preamble (the preamble kernel, then the grouped
     // attention) against the single ops: Qwen3-30B-A3B's heads, two head tiles (GQA 12),
     // narrow, wide and 96-wide heads, and an odd width the device leaves to the single
@@ -946,65 +960,37 @@ fn attention_step_matches_the_preamble_then_attention() {
         (3, 1, 96),
         (2, 2, 6),
     ];
-    // The grouped kernel loads its keys and values before its launch wait or after it.
-    for early in [true, false] {
-        g.set_kv_early(early);
-        for (heads, kv_heads, head_dim) in cases {
-            let inv_freq = dynmoe::model::forward::rope_inv_freq(1e6, head_dim, 1.0);
-            let (qw, kvw) = (heads * head_dim, kv_heads * head_dim);
-            for (pos, normed, window) in
-                [(0u32, true, None), (5, false, None), (700, true, Some(100))]
-            {
-                let salt = 900 + pos as u64 + head_dim as u64;
-                let capacity = pos as usize + 40;
-                let step = [f32::from_bits(pos), f32::from_bits(pos)];
-                let (q, k, v) = (fresh(qw, salt), fresh(kvw, salt + 1), fresh(kvw, salt + 2));
-                let (qn, kn) = (fresh(head_dim, salt + 3), fresh(head_dim, salt + 4));
-                let (kc, vc) = (
-                    fresh(capacity * kvw, salt + 5),
-                    fresh(capacity * kvw, salt + 6),
-                );
-                let shape = AttentionShape {
-                    rows: 1,
-                    pos0: 0,
-                    heads,
-                    kv_heads,
-                    head_dim,
-                    window,
-                };
-                both!(
-                    &format!(
-                        "attention_step_at {heads}/{kv_heads}x{head_dim} @{pos} norm {normed} \
-                         w{window:?} early {early}"
-                    ),
-                    &[&q, &k, &v, &qn, &kn, &kc, &vc, &step],
-                    qw + 2 * capacity * kvw,
-                    1e-5,
-                    |b, t, o| {
-                        let (mut qs, mut ks) = (b.alloc(qw), b.alloc(kvw));
-                        b.write_rows(&t[0], &mut qs, 0, 1, qw);
-                        b.write_rows(&t[1], &mut ks, 0, 1, kvw);
-                        let (mut kcs, mut vcs) = (b.alloc(capacity * kvw), b.alloc(capacity * kvw));
-                        b.write_rows(&t[5], &mut kcs, 0, capacity, kvw);
-                        b.write_rows(&t[6], &mut vcs, 0, capacity, kvw);
-                        let norm = normed.then_some(HeadNorm {
-                            q: &t[3],
-                            k: &t[4],
-                            eps: 1e-6,
-                        });
-                        let mut out = b.alloc(qw);
-                        b.attention_step_at(
-                            &mut qs, &mut ks, &t[2], norm, shape, &inv_freq, &t[7], &mut kcs,
-                            &mut vcs, &mut out,
-                        );
-                        let n = capacity * kvw;
-                        concat(b, &[(&out, qw), (&kcs, n), (&vcs, n)], o)
-                    }
-                );
-            }
+    for (heads, kv_heads, head_dim) in cases {
+        let inv_freq = dynmoe::model::forward::rope_inv_freq(1e6, head_dim, 1.0);
+        let (qw, kvw) = (heads * head_dim, kv_heads * head_dim);
+        for (pos, normed, window) in [(0u32, true, None), (5, false, None), (700, true, Some(100))]
+        {
+            let shape = one_row(heads, kv_heads, head_dim, window);
+            let capacity = pos as usize + 40;
+            let inputs = step_inputs(shape, pos, capacity, 900 + pos as u64 + head_dim as u64);
+            let inputs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
+            both!(
+                &format!(
+                    "attention_step_at {heads}/{kv_heads}x{head_dim} @{pos} norm {normed} \
+                     w{window:?}"
+                ),
+                &inputs,
+                qw + 2 * capacity * kvw,
+                1e-5,
+                |b, t, o| {
+                    let ([mut qs, mut ks, mut kcs, mut vcs], norm) =
+                        step_buffers(b, t, shape, capacity, normed);
+                    let mut out = b.alloc(qw);
+                    b.attention_step_at(
+                        &mut qs, &mut ks, &t[2], norm, shape, &inv_freq, &t[7], &mut kcs, &mut vcs,
+                        &mut out,
+                    );
+                    let n = capacity * kvw;
+                    concat(b, &[(&out, qw), (&kcs, n), (&vcs, n)], o)
+                }
+            );
         }
     }
-    g.set_kv_early(true);
 }
 
 /// A random matrix quantized to MLX 4 bits and repacked at `bits`.
@@ -1057,14 +1043,13 @@ fn dense_affine_products_match_the_reference_every_way() {
         (512, 2048, 2048, 300),
         (100, 192, 150, 40),
     ];
-    let (mma, cores) = (g.routed_mma(), g.tensor_cores());
+    let cores = g.tensor_cores();
     for bits in [4, 3, 2] {
         for (i, &(rows, cols, in_dim, batch)) in shapes.iter().enumerate() {
             let m = affine(rows, cols, bits, 70 + i as u64);
             let x = fresh(batch * in_dim, 75 + i as u64);
             let w = m.view();
             for tensor_cores in [true, false] {
-                g.set_routed_mma(tensor_cores && mma);
                 g.set_tensor_cores(tensor_cores && cores);
                 both!(
                     &format!(
@@ -1108,7 +1093,6 @@ fn dense_affine_products_match_the_reference_every_way() {
             );
         }
     }
-    g.set_routed_mma(mma);
     g.set_tensor_cores(cores);
 }
 
@@ -1141,8 +1125,7 @@ fn residual_norms_folded_into_the_products_match_the_reference() {
     // three over a padded input; with the residual add and without it (the first
     // layer's norm reads the embedding), and each also through the separate norm
     // (matrix-vector kernels). Outputs: the products, then the sum.
-    let (mma, fold) = (g.routed_mma(), g.fold_norms());
-    g.set_fold_norms(true);
+    let cores = g.tensor_cores();
     let eps = 1e-6;
     for bits in [4, 3, 2] {
         for (case, (dims, cols, in_dim)) in
@@ -1161,7 +1144,7 @@ fn residual_norms_folded_into_the_products_match_the_reference() {
                 fresh(in_dim, salt + 6),
             );
             for (added, tensor_cores) in [(true, true), (false, true), (true, false)] {
-                g.set_routed_mma(tensor_cores && mma);
+                g.set_tensor_cores(tensor_cores && cores);
                 let label = format!(
                     "q{bits} {dims:?} x {cols} (in {in_dim}) add {added} mma {tensor_cores}"
                 );
@@ -1210,8 +1193,7 @@ fn residual_norms_folded_into_the_products_match_the_reference() {
             }
         }
     }
-    g.set_routed_mma(mma);
-    g.set_fold_norms(fold);
+    g.set_tensor_cores(cores);
 }
 
 #[test]
@@ -1666,7 +1648,10 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Co
         assert_eq!(gd.is_bf16(), gate_bf16);
         let mut probs = g.alloc(at + rows * experts);
         let mut out = g.alloc(rows * hidden);
-        assert!(
+        // Without tensor cores a prompt's affine experts would each be read once per row:
+        // the device declines them for the host path, and leaves the outputs alone.
+        let declines = !g.tensor_cores() && rows > 8 && matches!(codes, Codes::Affine(_));
+        assert_eq!(
             g.routed_moe(
                 MoeInput::Rows(&xd),
                 rows,
@@ -1678,8 +1663,15 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Co
                 at,
                 &mut out
             ),
-            "experts of one shape and codes route on the device"
+            !declines,
+            "experts of one shape and codes route on the device (declines {declines})"
         );
+        if declines {
+            let mut left = vec![0.0; rows * hidden];
+            g.download(&out, &mut left);
+            assert!(left.iter().all(|v| v.is_nan()), "a declined block wrote");
+            continue;
+        }
         let mut got = vec![0.0; rows * hidden];
         g.download(&out, &mut got);
         let mut got_p = vec![0.0; at + rows * experts];
@@ -1687,9 +1679,9 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Co
         let (e_out, e_p) = (rel_err(&got, &want), rel_err(&got_p[at..], &want_p));
         println!(
             "check routed moe {codes} E {experts} rows {rows} top-{top_k} renorm {renormalize:<5} \
-             mask {masked:<5} gate bf16 {gate_bf16:<5} tie {tie:<5} mma {:<5} \
+             mask {masked:<5} gate bf16 {gate_bf16:<5} tie {tie:<5} tensor cores {:<5} \
              out {e_out:.2e} probs {e_p:.2e}",
-            g.routed_mma(),
+            g.tensor_cores(),
         );
         // Past 8 rows a bf16 router's product runs on tensor cores over two bf16 parts of
         // x (about 16 of its bits), and the probabilities differ from the reference by up
@@ -1712,7 +1704,8 @@ fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Co
 /// A decode step's MoE block reading its row through the post-attention residual add
 /// and norm ([`MoeInput::AddNorm`], which the router folds in where it can): the output
 /// and probabilities against the reference on the normed row, and the sum the block
-/// writes (and the normed row, where the norm is a launch of its own).
+/// writes (and the normed row, where the norm is a launch of its own: folded in, nothing
+/// writes it).
 #[allow(clippy::too_many_arguments)]
 fn check_routed_add_norm<'w>(
     g: &Cuda,
@@ -1747,10 +1740,7 @@ fn check_routed_add_norm<'w>(
         keep,
     );
     let (xd, dd, wd) = (g.upload(&x), g.upload(&d), g.upload(&w));
-    let was = g.fold_norms();
-    // The router folding the norm in, and the norm as a launch of its own.
-    for fold in [true, false] {
-        g.set_fold_norms(fold);
+    {
         let (mut sum_d, mut xn_d) = (g.alloc(hidden), g.alloc(hidden));
         let mut probs = g.alloc(experts);
         let mut out = g.alloc(hidden);
@@ -1770,25 +1760,25 @@ fn check_routed_add_norm<'w>(
             g.download(t, &mut v);
             v
         };
+        // Folded (the router and the routed gate/up read the residual through the norm),
+        // the normed row is left as `alloc` made it: NaN.
+        let row = got(&xn_d, hidden);
+        let fold = row.iter().all(|v| v.is_nan());
         let [e_out, e_p, e_sum, e_xn] = [
             rel_err(&got(&out, hidden), &want),
             rel_err(&got(&probs, experts), &want_p),
             rel_err(&got(&sum_d, hidden), &sum),
-            rel_err(&got(&xn_d, hidden), &xn),
+            if fold { 0.0 } else { rel_err(&row, &xn) },
         ];
         println!(
             "check routed moe through the residual norm, folded {fold:<5}: out {e_out:.2e} \
              probs {e_p:.2e} sum {e_sum:.2e} row {e_xn:.2e}"
         );
-        // Folded, the router and the routed gate/up read the residual through the norm
-        // and nothing need write the normed row.
-        let e_xn = if fold { 0.0 } else { e_xn };
         assert!(
             [e_out, e_p, e_sum, e_xn].iter().all(|&e| e < 1e-5),
             "routed moe with its norm: {e_out:.2e} {e_p:.2e} {e_sum:.2e} {e_xn:.2e}"
         );
     }
-    g.set_fold_norms(was);
 }
 
 #[test]
@@ -1796,37 +1786,19 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     let Some(g) = gpu() else { return };
     // 12 experts 80 wide (the down input padded to 128) over 256-wide rows; top-k with
     // and without renormalisation and a plan's mask, one row (decode) to 300 (a prompt,
-    // through the grouped GEMMs). Then 128 experts (a warp routes a row, 4 experts a lane,
-    // top-8 as Qwen3-30B-A3B), with a tie, and 260 (past the warp's 256: a block routes).
-    // Decode steps run both ways: on tensor cores, and through the matrix-vector kernels.
-    // First with the experts in rows, then (4 and 2 bits) in unit tiles.
-    // Rows 2112 wide and experts 1600 wide give the tensor-core warps more 64-column
+    // through the grouped GEMMs). Then 128 experts (a block routes its row), with a tie,
+    // and 260 (past the 256 a block routes: the route kernel first). At 4 and 2 bits the
+    // experts are held in unit tiles (the tiled routed kernels and grouped GEMMs), at 3 in
+    // rows. Rows 2112 wide and experts 1600 wide give the tensor-core warps more 64-column
     // units than they load at once (33 for gate and up: 5 a warp and none for the last;
-    // 4 × 26 for down), so those take a second round. The gate/up kernel starts early (x
-    // staged and the table copied before its launch wait) or not, and chooses its experts
-    // by the probabilities or by the logits; down's blocks load their words before their
-    // launch wait, on the flag gate/up raises once it has written the route, or after it.
-    let (was, was_early, was_logits, was_down) = (
-        g.routed_mma(),
-        g.gate_up_early(),
-        g.route_by_logits(),
-        g.down_early(),
-    );
-    let was_tiles = g.expert_tiles();
-    g.set_expert_tiles(false);
-    for (mma, early, logits, down) in [
-        (true, true, false, true),
-        (true, true, true, true),
-        (true, true, true, false),
-        (true, false, false, true),
-        (true, false, false, false),
-        (true, false, true, true),
-        (false, true, false, true),
-    ] {
-        g.set_routed_mma(mma);
-        g.set_gate_up_early(early);
-        g.set_route_by_logits(logits);
-        g.set_down_early(down);
+    // 4 × 26 for down), so those take a second round. One row through a bf16 router
+    // starts the gate/up kernel early (x staged and the table copied before its launch
+    // wait) and down's blocks load their words before theirs; a router in f32 does not.
+    // Then the same without tensor cores: decode steps through the matrix-vector kernels,
+    // the experts in rows, prompts declined for the host path.
+    let was = g.tensor_cores();
+    for tensor_cores in [true, false] {
+        g.set_tensor_cores(tensor_cores && was);
         for bits in [4, 3, 2] {
             check_routed(g, 256, 80, 12, Codes::Affine(bits), false);
         }
@@ -1834,82 +1806,7 @@ fn moe_routed_on_the_device_matches_the_host_route() {
         check_routed(g, 128, 32, 260, Codes::Affine(2), true);
         check_routed(g, 2112, 1600, 6, Codes::Affine(3), false);
     }
-    // Experts held in unit tiles (4 and 2 bits, their only device copy): decode steps on
-    // the tiled routed kernels (early or not, by the logits, down early or not), prompts
-    // through the tiled grouped GEMMs. Without the tensor-core routed kernels the blocks
-    // are copied again in rows.
-    g.set_expert_tiles(true);
-    for (mma, early, logits, down) in [
-        (true, true, false, true),
-        (true, false, false, false),
-        (true, true, true, false),
-        (false, true, false, true),
-    ] {
-        g.set_routed_mma(mma);
-        g.set_gate_up_early(early);
-        g.set_route_by_logits(logits);
-        g.set_down_early(down);
-        for bits in [4, 2] {
-            check_routed(g, 256, 80, 12, Codes::Affine(bits), false);
-        }
-        check_routed(g, 128, 32, 128, Codes::Affine(4), true);
-        check_routed(g, 128, 32, 260, Codes::Affine(2), true);
-    }
-    g.set_expert_tiles(was_tiles);
-    g.set_routed_mma(was);
-    g.set_gate_up_early(was_early);
-    g.set_route_by_logits(was_logits);
-    g.set_down_early(was_down);
-    let (hidden, inter) = (256, 80);
-    // Without tensor cores more than 8 rows are too many for the device path: it declines
-    // and leaves the outputs alone.
-    let mats: Vec<[Affine; 3]> = (0..4u64)
-        .map(|e| {
-            [
-                affine(inter, hidden, 4, 500 + 3 * e),
-                affine(inter, hidden, 4, 501 + 3 * e),
-                affine(hidden, 128, 4, 502 + 3 * e),
-            ]
-        })
-        .collect();
-    let dev = |e: usize| -> [Weight<'_, _>; 3] {
-        [
-            Weight::Affine(mats[e][0].view()),
-            Weight::Affine(mats[e][1].view()),
-            Weight::Affine(mats[e][2].view()),
-        ]
-    };
-    let ex = RoutedExperts {
-        id: 8,
-        count: 4,
-        weights: &dev,
-    };
-    let r = DeviceRoute {
-        top_k: 2,
-        renormalize: true,
-        keep: None,
-    };
-    let rows = 9;
-    let (xd, gd) = (
-        g.upload(&fresh(rows * hidden, 510)),
-        g.upload_matrix(&fresh(4 * hidden, 511), 4, hidden),
-    );
-    let (mut probs, mut out) = (g.alloc(rows * 4), g.alloc(rows * hidden));
-    let was = g.tensor_cores();
-    g.set_tensor_cores(false);
-    let declined = !g.routed_moe(
-        MoeInput::Rows(&xd),
-        rows,
-        hidden,
-        &gd,
-        &ex,
-        r,
-        &mut probs,
-        0,
-        &mut out,
-    );
     g.set_tensor_cores(was);
-    assert!(declined);
 }
 
 #[test]
@@ -1923,16 +1820,16 @@ fn vq_experts_routed_on_the_device_match_the_host_route() {
     // shape (two blocks of 1024 for gate and up, three of 256 for down).
     // Decode steps run both ways: on tensor cores (but at 2 values a vector and under
     // 64-value blocks), and on CUDA cores.
-    let was = g.routed_mma();
-    for mma in [true, false] {
-        g.set_routed_mma(mma);
+    let was = g.tensor_cores();
+    for tensor_cores in [true, false] {
+        g.set_tensor_cores(tensor_cores && was);
         for rung in ["1.5", "2", "3", "0.7", "5"] {
             check_routed(g, 256, 80, 12, Codes::Vq(rung), false);
         }
         check_routed(g, 128, 32, 128, Codes::Vq("1.5"), true);
         check_routed(g, 2048, 768, 10, Codes::Vq("1.5"), false);
     }
-    g.set_routed_mma(was);
+    g.set_tensor_cores(was);
 }
 
 #[test]
@@ -2132,7 +2029,8 @@ fn fixtures_agree_with_the_cpu_end_to_end() {
 /// `forward`, picks the token the CPU picks with routing masked to the sets that step
 /// used; swaps happen and commit only once their copies have landed; and a whole
 /// sequence through the device slots (the prompt path) equals the CPU model masked to
-/// the final sets. The 4-bit store's slots also in unit tiles, and a 2-bit store's.
+/// the final sets. The 4- and 2-bit stores' slots in unit tiles (on tensor cores) and in
+/// rows (without).
 #[test]
 fn resident_sets_in_device_memory_route_as_masks() {
     let Some(_) = gpu() else { return };
@@ -2144,11 +2042,15 @@ fn resident_sets_in_device_memory_route_as_masks() {
             ..ExpertBits::default()
         })
             .into();
-        let rows = check_resident_sets(&format!("q{bits}"), converted.dir(), &codecs, false);
+        let tiles = check_resident_sets(&format!("q{bits}"), converted.dir(), &codecs, true);
         // Tiled slots are sized by their tiles, not by the record's whole pages: the
         // device bytes say which the sets held.
-        let tiles =
-            check_resident_sets(&format!("q{bits} in tiles"), converted.dir(), &codecs, true);
+        let rows = check_resident_sets(
+            &format!("q{bits} without tensor cores"),
+            converted.dir(),
+            &codecs,
+            false,
+        );
         assert_ne!(
             rows, tiles,
             "q{bits}: slots in tiles took the records' size"
@@ -2163,19 +2065,18 @@ fn resident_sets_in_device_memory_route_as_masks() {
     check_resident_sets("vq1.5", copy.dir(), &codecs, false);
 }
 
-/// Checks resident sets of the model at `dir` (`slot_tiles`: affine slots in unit
-/// tiles); returns the device bytes the sets took.
+/// Checks resident sets of the model at `dir` (`tensor_cores`: 4- and 2-bit affine slots
+/// in unit tiles); returns the device bytes the sets took.
 fn check_resident_sets(
     label: &str,
     dir: &std::path::Path,
     codecs: &Codecs,
-    slot_tiles: bool,
+    tensor_cores: bool,
 ) -> usize {
     use dynmoe::residency::{Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount};
     let mut cpu = model::load_with_codecs(dir, Cpu::fast(), codecs).unwrap();
     let mut dev = model::load_with_codecs(dir, Cuda::new(0).unwrap(), codecs).unwrap();
-    dev.model.backend().set_vq_slots(true);
-    dev.model.backend().set_slot_tiles(slot_tiles);
+    dev.model.backend().set_tensor_cores(tensor_cores);
     let mut device_bytes = 0;
     let e = cpu.model.config.moe.num_experts;
     let layers: Vec<usize> = cpu.model.config.moe_layers().collect();
@@ -2380,12 +2281,7 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
         m.backend().recorded_steps() > 0,
         "the step was not recorded"
     );
-    // With down's blocks loading their words before their wait (the default) or after
-    // it: the same tokens.
-    let was_down = m.backend().down_early();
-    for (down, graphs) in [(true, true), (true, false), (false, true), (false, false)] {
-        // Before set_graphs, which drops the step recorded the other way.
-        m.backend().set_down_early(down);
+    for graphs in [true, false] {
         m.backend().set_graphs(graphs);
         s.pos = p;
         let mut got = Vec::new();
@@ -2395,11 +2291,8 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
                 true
             })
             .unwrap();
-        println!(
-            "queued greedy (graphs {graphs}, down early {down}): equal {}",
-            got == want
-        );
-        assert_eq!((k, &got), (n, &want), "graphs {graphs}, down early {down}");
+        println!("queued greedy (graphs {graphs}): equal {}", got == want);
+        assert_eq!((k, &got), (n, &want), "graphs {graphs}");
         assert_eq!(s.pos, p + n);
         let worst = s
             .router_probs
@@ -2433,6 +2326,5 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
             "graphs {graphs}: decode_greedy after the stop"
         );
     }
-    m.backend().set_down_early(was_down);
     m.backend().set_graphs(true);
 }

@@ -419,15 +419,12 @@ extern "C" __global__ void scatter_add_rows(const float* src, const unsigned* ro
 // key at a time (lanes across the head: coalesced reads); each thread owns up to two
 // output dimensions (head_dim <= 256).
 #define ATT_TILE 1024
-// With `pos_at` non-null, pos0 is read from it (a decode step replayed from a graph).
 extern "C" __global__ void attention(const float* q, const float* k, const float* v, float* out,
-                                     int pos0, int heads, int kv_heads, int head_dim, int window,
-                                     const unsigned* pos_at) {
+                                     int pos0, int heads, int kv_heads, int head_dim, int window) {
     PDL_ENTRY();
     __shared__ float scratch[32];
     __shared__ float qs[256];
     __shared__ float sc[ATT_TILE];
-    if (pos_at) pos0 = (int)*pos_at;
     int r = blockIdx.x / heads, h = blockIdx.x % heads;
     int p = pos0 + r;
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
@@ -866,11 +863,12 @@ __device__ __forceinline__ void decode_fragments(const unsigned (&w)[2], int q, 
         }
 }
 
-// With CODES_SUBNORMAL=1 the 4- and 2-bit products of unit_products take each code as
-// the f16 whose bits it is once shifted into the high bits of the significand and
-// masked: a code c at bit p (p + BITS <= 10) is the subnormal c·2^(p - 24), exact, and
-// the tensor cores multiply subnormals as they are. That drops decode_fragments' f16
-// subtraction a register, and where a code already sits at its place, its shift. At 4
+// Codes as subnormals: the 4- and 2-bit products of unit_products take each code as the
+// f16 whose bits it is once shifted into the high bits of the significand and masked: a
+// code c at bit p (p + BITS <= 10) is the subnormal c·2^(p - 24), exact, and the tensor
+// cores multiply subnormals as they are. That drops decode_fragments' f16 subtraction a
+// register, and where a code already sits at its place, its shift (decode_fragments
+// stays for 3 bits and the grouped GEMMs). At 4
 // bits every nibble goes to bits 4..7 (one accumulator); at 2 bits the even k steps'
 // codes go to bits 8..9 and the odd ones' to bits 6..7, from the same shifted words, so
 // they sum apart and are scaled back apart.
@@ -880,10 +878,6 @@ __device__ __forceinline__ void decode_fragments(const unsigned (&w)[2], int q, 
 // field among them, since a subnormal's field says 2^-14 whatever its leading zeros.
 // Placed high, the GPU tests of every reader pass at decode_fragments' precision, and
 // decode measured +6.3% at 4 bits and +7.4% at 2 (docs/GPU_NOTES.md, eighteenth round).
-// CODES_SUBNORMAL=0 decodes as decode_fragments does.
-#ifndef CODES_SUBNORMAL
-#define CODES_SUBNORMAL 1
-#endif
 
 // The bit at which subnormal_fragments puts k step ks's codes.
 template <int BITS> __device__ __forceinline__ constexpr int subnormal_place(int ks) {
@@ -1178,7 +1172,8 @@ __device__ void expert_mma(const unsigned long long* table, const unsigned* tile
     }
 }
 
-// NAME as ROUTED_MMA's: q4, q3, q2, and tiled_q4, tiled_q2 for experts in unit tiles.
+// NAME is the kernels' suffix: q4, q3, q2 for matrices in rows, and tiled_q4, tiled_q2
+// for experts in unit tiles.
 #define EXPERT_MMA_ENTRY(B, NAME, TILED)                                                       \
     extern "C" __global__ void __launch_bounds__(128, 3) expert_mma_gate_up_##NAME(            \
         const unsigned long long* table, const unsigned* tiles, const unsigned* tiles_n,       \
@@ -1569,7 +1564,6 @@ __device__ void stage_units(unsigned* xs, float* xsum, const float* x, RowOf row
 template <int BITS>
 __device__ __forceinline__ float2 unit_products(const unsigned (&w)[2][2], int q,
                                                 const unsigned (&bx)[8]) {
-#if CODES_SUBNORMAL
     if constexpr (BITS != 3) {
         unsigned a0[8], a1[8];
         subnormal_fragments<BITS>(w[0], a0);
@@ -1593,7 +1587,6 @@ __device__ __forceinline__ float2 unit_products(const unsigned (&w)[2][2], int q
         return make_float2((even[0] + even[1]) * unit + (odd[0] + odd[1]) * unit_odd,
                            (even[2] + even[3]) * unit + (odd[2] + odd[3]) * unit_odd);
     }
-#endif
     unsigned a0[8], a1[8];
     decode_fragments<BITS>(w[0], q, a0);
     decode_fragments<BITS>(w[1], q, a1);
@@ -1900,9 +1893,6 @@ __device__ __forceinline__ void wait_count(const unsigned* c, unsigned target) {
 // the residual: the router before folds the same norm into its own products, so no
 // kernel writes the normed row, and with `early` all of it happens before the wait.
 //
-// With `by_logits` a block routes by route_by_logits: the softmax's reductions only in
-// the block that writes the route.
-//
 // With `ready` (one row, routed here), the block that writes the route then raises
 // ready[0] for the down kernel (routed_mma_down).
 #define GATE_UP_POINTERS 6
@@ -1913,7 +1903,7 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
                                    int* ids, float* weights, int top_k, const float* x,
                                    float* h, int rows, int cols, int in_dim, bool early,
                                    const float* delta, const float* norm_w, float eps,
-                                   bool by_logits, unsigned* ready) {
+                                   unsigned* ready) {
     extern __shared__ __align__(16) unsigned smem[];
     __shared__ int route_ids[ROUTE_SHARED_MAX];
     __shared__ float route_w[ROUTE_SHARED_MAX];
@@ -1953,14 +1943,10 @@ __device__ void routed_mma_gate_up(const unsigned long long* table, const float*
     PHASE(0, 1);
     int expert;
     if (logits) {
-        // By the logits, only the block that writes the route takes its weights.
+        // By the logits: only the block that writes the route takes its weights.
         bool writes = blockIdx.x == 0 && rank == 0;
-        if (by_logits)
-            route_by_logits(logits + (size_t)token * experts, keep, route_ids, route_w, experts,
-                            top_k, renormalize, writes, cand, scratch);
-        else
-            route_block(logits + (size_t)token * experts, nullptr, keep, route_ids, route_w,
-                        experts, top_k, renormalize, cand, scratch);
+        route_by_logits(logits + (size_t)token * experts, keep, route_ids, route_w, experts,
+                        top_k, renormalize, writes, cand, scratch);
         if (writes) {
             for (int k = threadIdx.x; k < top_k; k += blockDim.x) {
                 ids[token * top_k + k] = route_ids[k];
@@ -2065,8 +2051,10 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
 #ifndef RMMA_GATE_UP_BLOCKS
 #define RMMA_GATE_UP_BLOCKS 3
 #endif
-// NAME is the kernels' suffix: q4, q3, q2, and tiled_q4, tiled_q2 for experts in unit
-// tiles (load_unit_tiled; the table's words and scales point at the tiles).
+// NAME is the kernels' suffix: q3 for experts in rows (3 bits have no tile layout), and
+// tiled_q4, tiled_q2 for experts in unit tiles (load_unit_tiled; the table's words and
+// scales point at the tiles), which is how 4- and 2-bit experts are held wherever these
+// kernels run.
 #define ROUTED_MMA(B, NAME, TILED)                                                            \
     extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, RMMA_GATE_UP_BLOCKS)       \
         routed_mma_gate_up_##NAME(const unsigned long long* table, const float* logits,        \
@@ -2074,11 +2062,11 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                   int* ids, float* weights, int top_k, const float* x,         \
                                   float* h, int rows, int cols, int in_dim, int early,         \
                                   const float* delta, const float* norm_w, float eps,          \
-                                  int by_logits, unsigned* ready) {                            \
+                                  unsigned* ready) {                                           \
         PDL_LAUNCH();                                                                          \
         routed_mma_gate_up<B, RMMA_GATE_UP_UNITS_OF(TILED), TILED>(                           \
             table, logits, keep, experts, renormalize, ids, weights, top_k, x, h, rows, cols,  \
-            in_dim, early != 0, delta, norm_w, eps, by_logits != 0, ready);                    \
+            in_dim, early != 0, delta, norm_w, eps, ready);                                    \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(RMMA_DOWN_WARPS * WARP)                       \
         routed_mma_down_##NAME(const unsigned long long* table, const int* ids,                \
@@ -2091,9 +2079,7 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
                                                    cols, in_dim, logits, experts, ready);      \
     }
 
-ROUTED_MMA(4, q4, false)
 ROUTED_MMA(3, q3, false)
-ROUTED_MMA(2, q2, false)
 ROUTED_MMA(4, tiled_q4, true)
 ROUTED_MMA(2, tiled_q2, true)
 

@@ -41,7 +41,7 @@ use launch::Launch;
 pub use slots::CudaSlots;
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU8;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
@@ -113,35 +113,29 @@ const RMMA_ROWS: usize = 16;
 const RMMA_WARPS: usize = 8;
 const RMMA_DOWN_WARPS: usize = 16;
 
-/// Which `routed_mma_down_*` kernels ask for shared memory they do not use, so that a
-/// second down block cannot land on an SM: by default (`DYNMOE_CUDA_DOWN_ALONE=auto`)
-/// those whose registers let two blocks share an SM; `1` every one, `0` none.
+/// The `routed_mma_down_*` kernels that ask for shared memory they do not use, so that a
+/// second down block cannot land on an SM: those whose registers let two blocks share
+/// an SM.
 ///
 /// At 2 bits a 16-warp down block takes 64 registers a thread, so two fit an SM's
 /// registers where at 4 bits (76) only one does; two on one SM take twice as long over
 /// the products after their wait, and the layer waits for the last (docs/GPU_NOTES.md).
 /// A padded block asks for half of what an SM holds (each block also takes a reserve of
 /// about 1 KB). Returns each padded kernel's name and bytes (none where the device
-/// grants less). With `auto`, the padded kernels and the gate/up kernels of the same
-/// experts prefer all of the unified L1 and shared memory as shared memory: an SM
-/// changes its split only while idle, so a padded block must find the split it needs
-/// already there, beside gate/up's blocks. Measured on the H200 (12-layer Qwen3-30B-A3B
-/// shape, q4 dense layers, median of three): 2 bits 1 671.9 tok/s padded against 1 637.8,
-/// 4 bits (nothing padded) unchanged. With bf16 dense layers `auto` leaves the blocks
+/// grants less). The padded kernels and the gate/up kernels of the same experts prefer
+/// all of the unified L1 and shared memory as shared memory: an SM changes its split
+/// only while idle, so a padded block must find the split it needs already there,
+/// beside gate/up's blocks. Measured on the H200 (12-layer Qwen3-30B-A3B shape, q4 dense
+/// layers, median of three): 2 bits 1 671.9 tok/s padded against 1 637.8, 4 bits
+/// (nothing padded) unchanged; padding every down kernel cost 4 bits 3%, the carveout on
+/// every kernel 1.3–1.6% (sixteenth round). With bf16 dense layers the blocks go
 /// unpadded at launch ([`Cuda::down_padding`]).
 fn down_alone(
     ctx: &CudaContext,
     f: &HashMap<&'static str, CudaFunction>,
     optin: usize,
-    down_warps: usize,
-    which: DownAlone,
 ) -> Result<Vec<(&'static str, usize)>, CudaError> {
     use cudarc::driver::sys::CUdevice_attribute;
-    let only_shared = match which {
-        DownAlone::None => return Ok(Vec::new()),
-        DownAlone::Shared => true,
-        DownAlone::Every => false,
-    };
     let per_sm = driver(
         ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
     )? as usize;
@@ -151,23 +145,16 @@ fn down_alone(
         if !name.starts_with("routed_mma_down_") {
             continue;
         }
-        if only_shared {
-            let blocks = driver(f[name].occupancy_max_active_blocks_per_multiprocessor(
-                (down_warps * 32) as u32,
-                0,
-                None,
-            ))?;
-            if blocks < 2 {
-                continue;
-            }
-        }
-        if !grant_shared(f, &[name], bytes, optin) {
+        let blocks = driver(f[name].occupancy_max_active_blocks_per_multiprocessor(
+            (RMMA_DOWN_WARPS * 32) as u32,
+            0,
+            None,
+        ))?;
+        if blocks < 2 || !grant_shared(f, &[name], bytes, optin) {
             continue;
         }
-        if only_shared {
-            for n in split_pair(name) {
-                prefer_shared(&f[n.as_str()], 100)?;
-            }
+        for n in split_pair(name) {
+            prefer_shared(&f[n.as_str()], 100)?;
         }
         padded.push((name, bytes));
     }
@@ -181,40 +168,6 @@ fn split_pair(down: &str) -> [String; 2] {
         down.to_string(),
         down.replace("routed_mma_down_", "routed_mma_gate_up_"),
     ]
-}
-
-/// Which routed down kernels [`down_alone`] pads (`DYNMOE_CUDA_DOWN_ALONE`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum DownAlone {
-    /// `0`: none.
-    None,
-    /// `auto`, the default: those whose blocks could share an SM.
-    Shared,
-    /// `1`: every one.
-    Every,
-}
-
-impl DownAlone {
-    const NAME: &'static str = "DYNMOE_CUDA_DOWN_ALONE";
-
-    /// The variable's value, or an error that names it.
-    fn from_env() -> Result<Self, CudaError> {
-        Self::parse(std::env::var(Self::NAME).ok().as_deref())
-    }
-
-    /// The variable's value (`None` where unset), or an error that names it.
-    fn parse(value: Option<&str>) -> Result<Self, CudaError> {
-        match value {
-            Some("0") => Ok(Self::None),
-            None | Some("auto") => Ok(Self::Shared),
-            Some("1") => Ok(Self::Every),
-            Some(value) => Err(CudaError::Setting {
-                name: Self::NAME,
-                value: value.to_string(),
-                expected: "0, 1 or auto",
-            }),
-        }
-    }
 }
 
 /// Asks for `bytes` of dynamic shared memory a block for each kernel of `names`: whether
@@ -231,21 +184,6 @@ fn grant_shared(
         && names
             .iter()
             .all(|n| f[n].set_attribute(attr, bytes as i32).is_ok())
-}
-
-/// With `DYNMOE_CUDA_CARVEOUT=P`: every kernel prefers P% of the unified L1 and shared
-/// memory as shared memory. An SM changes its split only while idle, so a block that
-/// needs more shared memory than its SM's split gives (a padded down block,
-/// [`down_alone`]) waits for the SM to empty; 100 keeps every SM at the most.
-fn prefer_carveout(f: &HashMap<&'static str, CudaFunction>) -> Result<(), CudaError> {
-    let Some(percent) = env_count("DYNMOE_CUDA_CARVEOUT", 0..=100, "a percentage, 0 to 100")?
-    else {
-        return Ok(());
-    };
-    for func in f.values() {
-        prefer_shared(func, percent)?;
-    }
-    Ok(())
 }
 
 /// Has `func` prefer `percent`% of the unified L1 and shared memory as shared memory.
@@ -265,38 +203,6 @@ fn set_carveout(func: &CudaFunction, value: i32) -> Result<(), CudaError> {
     let attr =
         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
     driver(func.set_attribute(attr, value))
-}
-
-/// The count in environment variable `name`, if set: an error that names the variable
-/// and `expected` where it is not a number within `range`.
-fn env_count(
-    name: &'static str,
-    range: std::ops::RangeInclusive<usize>,
-    expected: &'static str,
-) -> Result<Option<usize>, CudaError> {
-    let Ok(value) = std::env::var(name) else {
-        return Ok(None);
-    };
-    match value.parse::<usize>() {
-        Ok(n) if range.contains(&n) => Ok(Some(n)),
-        _ => Err(CudaError::Setting {
-            name,
-            value,
-            expected,
-        }),
-    }
-}
-
-/// Warps of a `routed_mma_down_*` block: `RMMA_DOWN_WARPS` (the kernels' launch bound),
-/// or fewer with `DYNMOE_CUDA_DOWN_WARPS`, to measure whether a smaller block lands
-/// beside more gate/up blocks (docs/GPU_NOTES.md).
-fn down_warps_from_env() -> Result<usize, CudaError> {
-    let warps = env_count(
-        "DYNMOE_CUDA_DOWN_WARPS",
-        1..=RMMA_DOWN_WARPS,
-        "a count of warps from 1 to 16",
-    )?;
-    Ok(warps.unwrap_or(RMMA_DOWN_WARPS))
 }
 
 /// Phases a block of the routed kernels stamps with `PHASES` (the kernels' `PHASE_SLOTS`).
@@ -668,7 +574,7 @@ struct Kernels {
     f: HashMap<&'static str, CudaFunction>,
 }
 
-const KERNEL_NAMES: [&str; 120] = [
+const KERNEL_NAMES: [&str; 116] = [
     "fill",
     "embed",
     "embed_bf16",
@@ -726,12 +632,8 @@ const KERNEL_NAMES: [&str; 120] = [
     "affine_routed_down_q4",
     "affine_routed_down_q3",
     "affine_routed_down_q2",
-    "routed_mma_gate_up_q4",
     "routed_mma_gate_up_q3",
-    "routed_mma_gate_up_q2",
-    "routed_mma_down_q4",
     "routed_mma_down_q3",
-    "routed_mma_down_q2",
     "routed_mma_gate_up_tiled_q4",
     "routed_mma_gate_up_tiled_q2",
     "routed_mma_down_tiled_q4",
@@ -1140,75 +1042,21 @@ pub struct Cuda {
     dense_scratch: Mutex<Option<CudaSlice<f32>>>,
     /// Activations split into two bf16 parts for tensor-core products, grown as needed.
     split_scratch: Mutex<Option<CudaSlice<f32>>>,
-    /// Whether products of many rows (prompts) run on tensor cores: bf16 dense matrices
-    /// through cuBLAS, affine experts through the grouped `expert_mma` kernels. On from
-    /// sm_80 unless `DYNMOE_CUDA_TENSOR_CORES=0`.
+    /// Whether products run on tensor cores: prompts' bf16 dense matrices through cuBLAS
+    /// and affine and VQ experts through the grouped GEMMs, a decode step's affine and VQ
+    /// products through the `mma.sync` kernels (`dense_mma_*`, `routed_mma_*`,
+    /// `routed_vq_*_mma`) rather than the matrix-vector ones. On from sm_80 unless
+    /// `DYNMOE_CUDA_TENSOR_CORES=0`.
     tensor_cores: Switch<bool>,
-    /// Whether a decode step's routed experts run on tensor cores (`routed_mma_*`) rather
-    /// than the matrix-vector kernels (`affine_routed_*`). On from sm_80 unless
-    /// `DYNMOE_CUDA_ROUTED_MMA=0`.
-    routed_mma: Switch<bool>,
-    /// Whether the products that read a decode step's norms (q/k/v, router, LM head) fold
-    /// the residual add and the norm in (the default) or the norm takes a launch of its
-    /// own (`DYNMOE_CUDA_FOLD_NORMS=0`).
-    fold_norms: Switch<bool>,
-    /// Whether one-row products of matrices the launch streams round after round (the LM
-    /// head) read a copy in unit tiles (the default) or the row-major words
-    /// (`DYNMOE_CUDA_HEAD_TILES=0`).
-    head_tiles: Switch<bool>,
-    /// Whether every 4- and 2-bit dense matrix's one-row products read unit tiles (the
-    /// default; their bytes again in device memory), or only the LM head's
-    /// (`DYNMOE_CUDA_DENSE_TILES=0`).
-    dense_tiles: Switch<bool>,
-    /// Whether fully resident 4- and 2-bit experts are held in unit tiles instead of rows
-    /// where every launch that reads them takes tiles (the default; one copy either way),
-    /// or in rows (`DYNMOE_CUDA_EXPERT_TILES=0`).
-    expert_tiles: Switch<bool>,
-    /// Whether resident sets of VQ experts live in device slots (`DYNMOE_CUDA_VQ_SLOTS=0`
-    /// keeps them in host memory).
-    vq_slots: Switch<bool>,
-    /// Whether resident sets of 4- and 2-bit affine experts made from now on hold their
-    /// slots in unit tiles where the tiled kernels take them (the default), or in rows as
-    /// stored (`DYNMOE_CUDA_SLOT_TILES=0`).
-    slot_tiles: Switch<bool>,
-    /// Whether [`Backend::upload_matrix`] keeps bf16-exact matrices in bf16
-    /// (`DYNMOE_CUDA_BF16=0`: always f32, to measure what bf16 saves).
-    bf16_matrices: bool,
-    /// How one-row attention runs (a [`DecodeAttention`] as its `u8`).
-    decode_attention: Switch<DecodeAttention>,
-    /// Keys per block of the grouped decode attention when set, else 0 ([`group_chunk`]).
-    decode_chunk: std::sync::atomic::AtomicUsize,
-    /// Whether a decode step's preamble lets the grouped attention start only after its own
-    /// wait, so that the attention loads its keys and values before its wait
-    /// (`DYNMOE_CUDA_KV_EARLY=0`: both wait at once, to measure one against the other).
-    kv_early: Switch<bool>,
-    /// Whether a decode step's router lets the routed gate/up kernel start only after its
-    /// own wait, so that one stages x and reads the table before its wait
-    /// (`DYNMOE_CUDA_GATE_UP_EARLY=0`: both wait at once).
-    gate_up_early: Switch<bool>,
-    /// Whether a decode step's routed gate/up blocks choose their experts by the router's
-    /// logits, the softmax taken only by the block that writes the route (the default),
-    /// or each by the probabilities (`DYNMOE_CUDA_ROUTE_LOGITS=0`).
-    route_by_logits: Switch<bool>,
-    /// Whether a decode step's routed down blocks load their first words before their
-    /// launch wait, as soon as gate/up has written the route (the default), or after it
-    /// (`DYNMOE_CUDA_DOWN_EARLY=0`).
-    down_early: Switch<bool>,
     /// The flag gate/up raises once the route is written and the count of down blocks
     /// that saw it (the down kernel's early start): both zero between launches.
     down_ready: CudaSlice<u32>,
-    /// Warps of a routed down block on tensor cores ([`down_warps_from_env`]).
-    down_warps: usize,
     /// The routed down kernels on tensor cores whose blocks ask for at least so many
     /// bytes of shared memory, so that two never share an SM ([`down_alone`]).
     down_alone: Vec<(&'static str, usize)>,
-    /// `DYNMOE_CUDA_DOWN_ALONE`, which chose `down_alone`.
-    down_alone_which: DownAlone,
     /// Whether a dense product has run on a one-row bf16 kernel
     /// ([`dense_bf16_matvec`](Cuda::dense_bf16_matvec)); [`Cuda::down_padding`] reads it.
-    bf16_one_row_dense: Switch<bool>,
-    /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
-    prefill_attention: Switch<PrefillAttention>,
+    bf16_one_row_dense: AtomicBool,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
     /// none; the device's per-block limit decides).
     tiled_head_dim: usize,
@@ -1223,88 +1071,6 @@ pub struct Cuda {
     /// With the kernels built with `TIMELINE` (kernels.cu), the name of each kernel
     /// launched since [`timeline_start`](Cuda::timeline_start), in launch order.
     timeline: Option<Mutex<Vec<&'static str>>>,
-}
-
-/// How the CUDA backend attends one query row (a decode step). Every way gives the same
-/// result up to the order of f32 sums; the choice is for measuring one against another.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodeAttention {
-    /// A block per (KV head, chunk of keys) reads each K and V row once for all the query
-    /// heads that share it, then a merge of the chunks (the default). Head widths that are
-    /// not a multiple of 4 take [`PerHead`](Self::PerHead).
-    Grouped,
-    /// A block per (query head, chunk of keys), then the same merge
-    /// (`DYNMOE_CUDA_GROUPED_ATTENTION=0`).
-    PerHead,
-    /// A block per query head walks the whole context, as for many rows
-    /// (`DYNMOE_CUDA_SPLIT_ATTENTION=0`).
-    Whole,
-}
-
-impl DecodeAttention {
-    /// The way the environment asks for, [`Grouped`](Self::Grouped) unless one of the
-    /// variables above turns it off.
-    fn from_env() -> Self {
-        if switched_off("DYNMOE_CUDA_SPLIT_ATTENTION") {
-            DecodeAttention::Whole
-        } else if switched_off("DYNMOE_CUDA_GROUPED_ATTENTION") {
-            DecodeAttention::PerHead
-        } else {
-            DecodeAttention::Grouped
-        }
-    }
-}
-
-impl Way for DecodeAttention {
-    fn to_u8(self) -> u8 {
-        self as u8
-    }
-
-    fn from_u8(v: u8) -> Self {
-        match v {
-            0 => DecodeAttention::Grouped,
-            1 => DecodeAttention::PerHead,
-            _ => DecodeAttention::Whole,
-        }
-    }
-}
-
-/// How the CUDA backend attends several query rows (a prompt, a chunk of one). Both
-/// give the same result up to the order of f32 sums; the choice is for measuring one
-/// against the other.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PrefillAttention {
-    /// A block per (KV head, two tiles of 64 query slots), a slot being a row and a query
-    /// head of the KV head's group; K and V tiles in shared memory serve every slot of a
-    /// tile (the default). Head widths that are not a multiple of 4 take
-    /// [`PerRow`](Self::PerRow).
-    Tiled,
-    /// A block per (query row, head) walks its keys alone
-    /// (`DYNMOE_CUDA_TILED_ATTENTION=0`).
-    PerRow,
-}
-
-impl PrefillAttention {
-    fn from_env() -> Self {
-        if switched_off("DYNMOE_CUDA_TILED_ATTENTION") {
-            PrefillAttention::PerRow
-        } else {
-            PrefillAttention::Tiled
-        }
-    }
-}
-
-impl Way for PrefillAttention {
-    fn to_u8(self) -> u8 {
-        self as u8
-    }
-
-    fn from_u8(v: u8) -> Self {
-        match v {
-            0 => PrefillAttention::Tiled,
-            _ => PrefillAttention::PerRow,
-        }
-    }
 }
 
 /// Whether the environment turns a way of running off (`NAME=0`).
@@ -1685,10 +1451,7 @@ impl Cuda {
             })
             .collect();
         let vq_routed_shared = granted(&vq_kernels);
-        let down_warps = down_warps_from_env()?;
-        let down_alone_which = DownAlone::from_env()?;
-        let down_alone = down_alone(&ctx, &f, optin, down_warps, down_alone_which)?;
-        prefer_carveout(&f)?;
+        let down_alone = down_alone(&ctx, &f, optin)?;
         // A stream of its own: the legacy default stream cannot be recorded into a graph.
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
@@ -1721,34 +1484,11 @@ impl Cuda {
             dense_scratch: Mutex::new(None),
             split_scratch: Mutex::new(None),
             tensor_cores: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_TENSOR_CORES")),
-            routed_mma: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_ROUTED_MMA")),
-            vq_slots: Switch::new(!switched_off("DYNMOE_CUDA_VQ_SLOTS")),
-            // Measured closer to a fully resident run than rows (docs/GPU_NOTES.md), so on
-            // unless switched off.
-            slot_tiles: Switch::new(!switched_off("DYNMOE_CUDA_SLOT_TILES")),
-            // Measured slower in a decode step than the norm's own launch
-            // (docs/GPU_NOTES.md), so off unless asked for.
-            fold_norms: Switch::new(!switched_off("DYNMOE_CUDA_FOLD_NORMS")),
-            head_tiles: Switch::new(!switched_off("DYNMOE_CUDA_HEAD_TILES")),
-            dense_tiles: Switch::new(!switched_off("DYNMOE_CUDA_DENSE_TILES")),
-            // Measured faster in a decode step at 4 and 2 bits (docs/GPU_NOTES.md), and the
-            // tiles replace the rows, so on unless switched off.
-            expert_tiles: Switch::new(!switched_off("DYNMOE_CUDA_EXPERT_TILES")),
-            bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
-            decode_attention: Switch::new(DecodeAttention::from_env()),
-            decode_chunk: std::sync::atomic::AtomicUsize::new(0),
-            kv_early: Switch::new(!switched_off("DYNMOE_CUDA_KV_EARLY")),
-            gate_up_early: Switch::new(!switched_off("DYNMOE_CUDA_GATE_UP_EARLY")),
-            route_by_logits: Switch::new(!switched_off("DYNMOE_CUDA_ROUTE_LOGITS")),
-            down_early: Switch::new(!switched_off("DYNMOE_CUDA_DOWN_EARLY")),
             down_ready,
-            down_warps,
             down_alone,
-            down_alone_which,
-            bf16_one_row_dense: Switch::new(false),
+            bf16_one_row_dense: AtomicBool::new(false),
             programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
             timeline,
-            prefill_attention: Switch::new(PrefillAttention::from_env()),
             tiled_head_dim,
             vq_routed_shared,
             sms,
@@ -1758,12 +1498,6 @@ impl Cuda {
     /// The device's name, as the driver reports it.
     pub fn device_name(&self) -> &str {
         &self.device_name
-    }
-
-    /// Whether bf16-exact dense matrices are kept in bf16 (the default, unless
-    /// `DYNMOE_CUDA_BF16=0`).
-    pub fn bf16_matrices(&self) -> bool {
-        self.bf16_matrices
     }
 
     /// The architecture the kernels were compiled for (`sm_90`, ...).
@@ -1820,33 +1554,9 @@ impl Cuda {
         self.drop_graphs();
     }
 
-    /// How one-row attention runs from now on (the default: [`DecodeAttention::Grouped`],
-    /// or what the environment asks for). Steps already recorded keep the way they were
-    /// recorded with; every way gives the same result.
-    pub fn set_decode_attention(&self, way: DecodeAttention) {
-        self.decode_attention.set(way);
-    }
-
-    /// How one-row attention runs (see [`set_decode_attention`](Self::set_decode_attention)).
-    pub fn decode_attention(&self) -> DecodeAttention {
-        self.decode_attention.get()
-    }
-
-    /// Keys each block of the grouped decode attention takes from now on: `None` follows
-    /// the cache's capacity ([`group_chunk`], the default); a number is rounded to whole
-    /// score steps within the kernel's limits, to measure one split against another.
-    /// Steps already recorded keep theirs.
-    pub fn set_decode_chunk(&self, keys: Option<usize>) {
-        let keys = keys.map_or(0, |k| {
-            (k.div_ceil(ATT_STEP) * ATT_STEP).clamp(ATT_STEP, ATT_CHUNK_MAX)
-        });
-        self.decode_chunk
-            .store(keys, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Whether products of many rows run on tensor cores from now on (the default on
-    /// sm_80 and later); off, they take cuBLAS' f32 GEMM and the experts' one-by-one
-    /// path, to measure one against the other. Ignored before sm_80.
+    /// Whether products run on tensor cores from now on (the default on sm_80 and later);
+    /// off, prompts take cuBLAS' f32 GEMM and the experts' one-by-one path, decode steps
+    /// the matrix-vector kernels, to measure one against the other. Ignored before sm_80.
     pub fn set_tensor_cores(&self, on: bool) {
         self.tensor_cores.set(on && self.has_mma());
     }
@@ -1858,159 +1568,6 @@ impl Cuda {
             .parse::<u32>()
             .unwrap_or(0)
             >= 80
-    }
-
-    /// Whether the routed experts of a decode step (up to [`ROUTED_MAX_ROWS`] rows) run on
-    /// tensor cores from now on (the default on sm_80 and later) or through the
-    /// matrix-vector kernels, to measure one against the other. Steps already recorded
-    /// keep the way they were recorded with; both give the same result up to the order of
-    /// f32 sums. Ignored before sm_80.
-    pub fn set_routed_mma(&self, on: bool) {
-        self.routed_mma.set(on && self.has_mma());
-    }
-
-    /// Whether a decode step's routed experts run on tensor cores (see
-    /// [`set_routed_mma`](Self::set_routed_mma)).
-    pub fn routed_mma(&self) -> bool {
-        self.routed_mma.get()
-    }
-
-    /// Whether resident sets of VQ experts made from now on live in device slots and are
-    /// routed there, as affine ones always are (the default, unless
-    /// `DYNMOE_CUDA_VQ_SLOTS=0`), or stay in host memory and take the host path.
-    pub fn set_vq_slots(&self, on: bool) {
-        self.vq_slots.set(on);
-    }
-
-    /// Whether resident sets of VQ experts live in device slots (see
-    /// [`set_vq_slots`](Self::set_vq_slots)).
-    pub fn vq_slots(&self) -> bool {
-        self.vq_slots.get()
-    }
-
-    /// Whether resident sets of 4- and 2-bit affine experts made from now on hold their
-    /// slots in unit tiles (each record copied in rows to a staging buffer and taken into
-    /// its slot by `affine_tiles_from_rows`, both on the copy stream) where the tiled
-    /// routed kernels and grouped GEMMs take them (the default), or in rows as stored. A
-    /// step that finds the tiled kernels switched off since takes the host path.
-    pub fn set_slot_tiles(&self, on: bool) {
-        self.slot_tiles.set(on);
-    }
-
-    /// Whether resident sets' slots are made in unit tiles (see
-    /// [`set_slot_tiles`](Self::set_slot_tiles)).
-    pub fn slot_tiles(&self) -> bool {
-        self.slot_tiles.get()
-    }
-
-    /// Whether the products that read a decode step's norms fold the residual add and
-    /// the norm in (the default), or a norm kernel runs first, to measure one against the
-    /// other. Steps already recorded keep their way.
-    pub fn set_fold_norms(&self, on: bool) {
-        self.fold_norms.set(on);
-    }
-
-    /// Whether the products that read a decode step's norms fold them in (see
-    /// [`set_fold_norms`](Self::set_fold_norms)).
-    pub fn fold_norms(&self) -> bool {
-        self.fold_norms.get()
-    }
-
-    /// Whether one-row products of every 4- and 2-bit dense matrix (attention's too) read
-    /// a copy in unit tiles (the default), or only the LM head's, to measure one against
-    /// the other. Matrices already on the device keep their way.
-    pub fn set_dense_tiles(&self, on: bool) {
-        self.dense_tiles.set(on);
-    }
-
-    /// Whether one-row products of every 4- and 2-bit dense matrix read tiles (see
-    /// [`set_dense_tiles`](Self::set_dense_tiles)).
-    pub fn dense_tiles(&self) -> bool {
-        self.dense_tiles.get()
-    }
-
-    /// Whether fully resident 4- and 2-bit experts are held in unit tiles (their only
-    /// device copy: decode's routed kernels and the prompt's grouped GEMMs read tiles) or
-    /// in rows, to measure one against the other; see
-    /// [`experts_tiled`](Self::experts_tiled). A block already on the device is copied
-    /// again the other way when next routed.
-    pub fn set_expert_tiles(&self, on: bool) {
-        self.expert_tiles.set(on);
-    }
-
-    /// Whether fully resident 4- and 2-bit experts are held in unit tiles (see
-    /// [`set_expert_tiles`](Self::set_expert_tiles)).
-    pub fn expert_tiles(&self) -> bool {
-        self.expert_tiles.get()
-    }
-
-    /// Whether one-row products of the LM head (and any matrix the launch streams round
-    /// after round) read a copy of it in unit tiles (the default, made with its row-major
-    /// copy) or its row-major words, to measure one against the other. Matrices already
-    /// on the device and steps already recorded keep their way.
-    pub fn set_head_tiles(&self, on: bool) {
-        self.head_tiles.set(on);
-    }
-
-    /// Whether the LM head's one-row products read unit tiles (see
-    /// [`set_head_tiles`](Self::set_head_tiles)).
-    pub fn head_tiles(&self) -> bool {
-        self.head_tiles.get()
-    }
-
-    /// Whether a decode step's grouped attention issues the loads of its keys and values
-    /// before its launch wait, the preamble before it letting it start only once the
-    /// preamble's own wait is over (the default), or both kernels wait at once. Steps
-    /// already recorded keep their way.
-    pub fn set_kv_early(&self, on: bool) {
-        self.kv_early.set(on);
-    }
-
-    /// Whether a decode step's attention loads keys and values early (see
-    /// [`set_kv_early`](Self::set_kv_early)).
-    pub fn kv_early(&self) -> bool {
-        self.kv_early.get()
-    }
-
-    /// Whether a decode step's routed gate/up kernel stages x and copies the expert
-    /// table before its launch wait, the router before it letting it start only once the
-    /// router's own wait is over (the default), or both kernels wait at once. Steps
-    /// already recorded keep their way.
-    pub fn set_gate_up_early(&self, on: bool) {
-        self.gate_up_early.set(on);
-    }
-
-    /// Whether a decode step's routed gate/up kernel starts early (see
-    /// [`set_gate_up_early`](Self::set_gate_up_early)).
-    pub fn gate_up_early(&self) -> bool {
-        self.gate_up_early.get()
-    }
-
-    /// Whether a decode step's routed gate/up blocks choose their experts by the router's
-    /// logits, only the block that writes the route taking the softmax for its weights;
-    /// a tie after rounding the probabilities then falls to the higher logit rather than
-    /// the lower id. Steps already recorded keep their way.
-    pub fn set_route_by_logits(&self, on: bool) {
-        self.route_by_logits.set(on);
-    }
-
-    /// Whether a decode step's routed gate/up blocks route by the logits (see
-    /// [`set_route_by_logits`](Self::set_route_by_logits)).
-    pub fn route_by_logits(&self) -> bool {
-        self.route_by_logits.get()
-    }
-
-    /// Whether a decode step's routed down blocks load their first words before their
-    /// launch wait, on a flag the gate/up kernel raises once it has written the route
-    /// (one row routed by the gate/up blocks themselves). Steps already recorded keep
-    /// their way.
-    pub fn set_down_early(&self, on: bool) {
-        self.down_early.set(on);
-    }
-
-    /// Whether routed down blocks start early (see [`set_down_early`](Self::set_down_early)).
-    pub fn down_early(&self) -> bool {
-        self.down_early.get()
     }
 
     /// Whether the routed gate/up of `rows` rows behind router `gate` (the launch
@@ -2027,8 +1584,7 @@ impl Cuda {
         let RoutedKind::Affine(shape) = r.kind else {
             return false;
         };
-        self.gate_up_early()
-            && rows == 1
+        rows == 1
             && matches!(gate, DeviceMatrix::Bf16(_))
             && one_row_takes(hidden)
             && r.experts <= ROUTE_SHARED_MAX
@@ -2037,29 +1593,17 @@ impl Cuda {
     }
 
     /// Whether a decode step's affine experts of `shape`, `top_k` a row, run on tensor
-    /// cores (`routed_mma_*`): switched on, and their staged units within the shared
+    /// cores (`routed_mma_*`): tensor cores on, and their staged units within the shared
     /// memory a block takes without opting in.
     fn routed_mma_takes(&self, shape: RoutedShape, top_k: usize) -> bool {
         let units = (shape.up_cols / 64).max(top_k * (shape.down_cols / 64));
-        self.routed_mma() && routed_mma_shared(units) <= SHARED_LIMIT
+        self.tensor_cores() && routed_mma_shared(units) <= SHARED_LIMIT
     }
 
-    /// Whether products of many rows run on tensor cores (see
+    /// Whether products run on tensor cores (see
     /// [`set_tensor_cores`](Self::set_tensor_cores)).
     pub fn tensor_cores(&self) -> bool {
         self.tensor_cores.get()
-    }
-
-    /// How attention of several rows runs from now on (the default:
-    /// [`PrefillAttention::Tiled`], or what the environment asks for).
-    pub fn set_prefill_attention(&self, way: PrefillAttention) {
-        self.prefill_attention.set(way);
-    }
-
-    /// How attention of several rows runs (see
-    /// [`set_prefill_attention`](Self::set_prefill_attention)).
-    pub fn prefill_attention(&self) -> PrefillAttention {
-        self.prefill_attention.get()
     }
 
     /// Decode steps recorded as graphs and kept for replay.
@@ -2502,7 +2046,7 @@ impl Cuda {
         );
         let groups = w.cols / GROUP_SIZE;
         let one_row = rows == 1 && routed_mma_shared(groups) <= SHARED_LIMIT;
-        if one_row && self.routed_mma() {
+        if one_row && self.tensor_cores() {
             let o = out.device_ptr_mut(&self.stream).0;
             let tiled = self.tiles_of(w, d).is_some();
             self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim, None, tiled);
@@ -2623,7 +2167,7 @@ impl Cuda {
             return false;
         };
         rows == 1
-            && self.routed_mma()
+            && self.tensor_cores()
             && in_dim <= a.cols
             && dense_mma_shared(a.cols / GROUP_SIZE, false) <= SHARED_LIMIT
             && ws
@@ -2632,8 +2176,8 @@ impl Cuda {
     }
 
     /// Whether `dense_mma_norm` takes the products of one row with `ws` through the
-    /// residual add and norm before them: switched on, `dense_mma` takes them, and the row
-    /// through the norm fits beside its staged units.
+    /// residual add and norm before them: `dense_mma` takes them, and the row through the
+    /// norm fits beside its staged units.
     fn dense_mma_folds_norm(
         &self,
         ws: &[Weight<'_, DeviceMatrix>],
@@ -2643,8 +2187,7 @@ impl Cuda {
         let Some(Weight::Affine(a)) = ws.first() else {
             return false;
         };
-        self.fold_norms()
-            && self.dense_mma_takes(ws, rows, in_dim)
+        self.dense_mma_takes(ws, rows, in_dim)
             && dense_mma_shared(a.cols / GROUP_SIZE, true) <= SHARED_LIMIT
     }
 
@@ -2657,15 +2200,12 @@ impl Cuda {
         }
     }
 
-    /// Whether one-row products of the dense matrix `w` read it in unit tiles: 4 or 2
-    /// bits, and so many rows that the launch's blocks loop over rounds of jobs (the LM
-    /// head), or any such matrix with [`set_dense_tiles`](Self::set_dense_tiles) (both
-    /// switched on by default).
+    /// Whether one-row products of the dense matrix `w` read it in unit tiles: at 4 or 2
+    /// bits, every such matrix's (the LM head's streamed ~16% faster in tiles, and every
+    /// dense matrix in tiles measured +4.8% decode at 4 bits, +3.7% at 2: docs/GPU_NOTES.md,
+    /// thirteenth round), at the cost of the matrix's bytes again in device memory.
     fn tiles_take(&self, w: &AffineView<'_>) -> bool {
-        let tiles = w.rows.div_ceil(RMMA_ROWS);
-        let (parts, blocks) = dense_mma_layout(tiles, w.cols / GROUP_SIZE, self.sms);
-        let rounds = tiles.div_ceil(RMMA_WARPS / parts).div_ceil(blocks);
-        matches!(w.bits, 4 | 2) && (self.head_tiles() && rounds >= 2 || self.dense_tiles())
+        matches!(w.bits, 4 | 2)
     }
 
     /// `d` (the device copy of `w`) in unit tiles, for a one-row product of it alone:
@@ -3021,8 +2561,8 @@ impl Cuda {
 
     /// The device table of a block's experts, built (every expert copied to the device)
     /// the first time the block is routed here, with `top_k` experts a row, and again
-    /// when its experts' layout no longer suits the kernels switched on
-    /// ([`experts_tiled`](Self::experts_tiled)); `None` when its experts are not affine
+    /// when its experts' layout no longer suits the kernels that read it (tensor cores
+    /// switched since: [`experts_tiled`](Self::experts_tiled)); `None` when its experts are not affine
     /// matrices of one shape the routed kernels take.
     fn routed_block<'m>(
         &self,
@@ -3049,12 +2589,12 @@ impl Cuda {
     }
 
     /// Whether a block of experts of `shape` (4 or 2 bits), `top_k` a row, is held in
-    /// unit tiles: unless [`set_expert_tiles`](Self::set_expert_tiles) says rows, where
-    /// every launch that may read it takes tiles — one to [`ROUTED_MAX_ROWS`] rows on the
-    /// tensor-core routed kernels, more through the grouped GEMMs (the other routed
-    /// kernels read rows).
+    /// unit tiles, its only device copy: where every launch that may read it takes tiles
+    /// — one to [`ROUTED_MAX_ROWS`] rows on the tensor-core routed kernels, more through
+    /// the grouped GEMMs (the other routed kernels read rows). Measured +2.5% decode at 4
+    /// bits and, at two units a round, +4.4% at 2 (docs/GPU_NOTES.md, fourteenth round).
     fn experts_tiled(&self, shape: RoutedShape, top_k: usize) -> bool {
-        self.expert_tiles.get() && self.tiled_kernels_take(shape, top_k)
+        self.tiled_kernels_take(shape, top_k)
     }
 
     /// Whether every launch that may read experts of `shape`, `top_k` a row, has a tiled
@@ -3207,10 +2747,9 @@ impl Cuda {
             l.arg(&table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
             l.arg(&ids).arg(&weights).arg(&ki).arg(&x).arg(&g);
             l.arg(&ri).arg(&c).arg(&i).arg(&(early as i32));
-            let by_logits = self.route_by_logits() as i32;
-            l.arg(&delta).arg(&norm_w).arg(&eps).arg(&by_logits);
+            l.arg(&delta).arg(&norm_w).arg(&eps);
             // The flag only where a gate/up block writes the one row's route.
-            let ready = if self.down_early() && logits != 0 && rows == 1 {
+            let ready = if logits != 0 && rows == 1 {
                 self.down_ready.device_ptr(&self.stream).0
             } else {
                 0u64
@@ -3245,7 +2784,7 @@ impl Cuda {
             l.arg(&ri).arg(&c).arg(&i).arg(&logits).arg(&ei).arg(&ready);
             let down = LaunchConfig {
                 grid_dim: (hidden.div_ceil(RMMA_ROWS) as u32, rows as u32, 1),
-                block_dim: ((self.down_warps * 32) as u32, 1, 1),
+                block_dim: ((RMMA_DOWN_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: routed_mma_shared(down_units).max(padding) as u32,
             };
             ok(unsafe { l.launch(down) }, "routed down on tensor cores");
@@ -3367,7 +2906,7 @@ impl Cuda {
         // take a prompt's pairs at rungs the grouped GEMMs do not).
         let decode = rows <= ROUTED_MAX_ROWS;
         let mma = decode
-            && self.routed_mma()
+            && self.tensor_cores()
             && shape.on_tensor_cores()
             && shape.mma_gate_up_shared().max(shape.mma_down_shared(k)) <= self.vq_routed_shared;
         let suffix = format!(
@@ -3630,8 +3169,7 @@ impl Cuda {
         let RoutedKind::Affine(shape) = r.kind else {
             return false;
         };
-        self.fold_norms()
-            && self.routes_gate_up_early(r, gate, rows, hidden)
+        self.routes_gate_up_early(r, gate, rows, hidden)
             && routed_mma_gate_up_shared(shape.up_cols / 64, r.experts, hidden) <= SHARED_LIMIT
     }
 
@@ -3861,22 +3399,17 @@ impl Cuda {
         out_rows: usize,
     ) -> (&'static str, LaunchConfig) {
         let (name, launch) = bf16_matvec(three, rows, cols, out_rows);
-        if name.ends_with("_one") && !self.bf16_one_row_dense.get() {
-            self.bf16_one_row_dense.set(true);
+        if name.ends_with("_one") && !self.bf16_one_row_dense.swap(true, Ordering::Relaxed) {
             self.unpad_down_blocks();
         }
         (name, launch)
     }
 
-    /// With `auto`, once a one-row bf16 dense product has run ([`Cuda::down_padding`]):
-    /// the routed kernels that [`down_alone`] had prefer all shared memory leave the split
-    /// to the driver again, as they would had they never been padded (a
-    /// `DYNMOE_CUDA_CARVEOUT` preference on them goes too). Set on the
-    /// functions, so every later launch and recorded graph takes it.
+    /// Once a one-row bf16 dense product has run ([`Cuda::down_padding`]): the routed
+    /// kernels that [`down_alone`] had prefer all shared memory leave the split to the
+    /// driver again, as they would had they never been padded. Set on the functions, so
+    /// every later launch and recorded graph takes it.
     fn unpad_down_blocks(&self) {
-        if self.down_alone_which != DownAlone::Shared {
-            return;
-        }
         for (down, _) in &self.down_alone {
             for n in split_pair(down) {
                 ok(leave_split_to_driver(self.func(&n)), "a kernel's carveout");
@@ -3885,8 +3418,7 @@ impl Cuda {
     }
 
     /// The shared memory a routed down block of kernel `name` asks for beyond its own
-    /// ([`down_alone`]). With `auto`, none once a dense product has run on a one-row bf16
-    /// kernel: those prefer L1 to shared memory, an SM changes its split only while idle,
+    /// ([`down_alone`]). None once a dense product has run on a one-row bf16 kernel: those prefer L1 to shared memory, an SM changes its split only while idle,
     /// and a padded block then waits for its SM to empty. Measured on the H200 (12-layer
     /// Qwen3-30B-A3B shape, bf16 dense layers, 2 bits): 1 205.6 tok/s padded against
     /// 1 240.1 unpadded; padded with every kernel preferring all shared memory, 1 180.8.
@@ -3894,12 +3426,11 @@ impl Cuda {
     /// pays there. A decode step runs its attention products before its first MoE block,
     /// so the graph it records has the choice made. The preference for shared memory that
     /// the padded kernels were given at load goes at the same time
-    /// ([`Cuda::unpad_down_blocks`]): kept, it left 2 bits 1.8% below
-    /// `DYNMOE_CUDA_DOWN_ALONE=0` there, in one run; given up, level (1 331.4 against
-    /// 1 330.8 tok/s). A bf16 LM head counts as a dense product too, so q4 dense layers
+    /// ([`Cuda::unpad_down_blocks`]): kept, it left 2 bits 1.8% below no padding at all
+    /// there, in one run; given up, level (1 331.4 against 1 330.8 tok/s). A bf16 LM head counts as a dense product too, so q4 dense layers
     /// under a bf16 head run unpadded once it has run.
     fn down_padding(&self, name: &str) -> usize {
-        if self.down_alone_which == DownAlone::Shared && self.bf16_one_row_dense.get() {
+        if self.bf16_one_row_dense.load(Ordering::Relaxed) {
             return 0;
         }
         self.down_alone
@@ -4033,39 +3564,17 @@ impl Cuda {
             "head_dim {} over the attention kernel's 256",
             shape.head_dim
         );
-        let (p0, h, kvh, d) = (
-            0i32,
-            shape.heads as i32,
-            shape.kv_heads as i32,
-            shape.head_dim as i32,
-        );
-        let window = shape.window.map_or(0, |w| w as i32);
-        let pos = step.slice(1..2);
-        if self.decode_attention() != DecodeAttention::Whole {
-            let at = pos.device_ptr(&self.stream).0;
-            self.attention_one_row(q, k_cache, v_cache, shape, at, out, early);
-            return;
-        }
-        let mut l = self.launcher(self.func("attention"));
-        l.arg(q)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(out)
-            .arg(&p0)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&d)
-            .arg(&window)
-            .arg(&pos);
-        ok(unsafe { l.launch(cfg(shape.heads, 128, 0)) }, "attention");
+        let at = step.slice(1..2).device_ptr(&self.stream).0;
+        self.attention_one_row(q, k_cache, v_cache, shape, at, out, early);
     }
 
     /// Attention of one query row (position `pos0`, or the `u32` at device address
     /// `pos_at` when non-zero) with the keys cut into chunks, then merged: one block per
-    /// head would walk the whole context alone. [`DecodeAttention::Grouped`] takes a block
-    /// per (KV head, chunk) where the head width allows, else a block per (head, chunk).
-    /// The chunks follow the cache's capacity, not the position, so a recorded step stays
-    /// valid.
+    /// head would walk the whole context alone. A block per (KV head, chunk) where the head
+    /// width allows (it reads each K and V row once for the heads that share it: 14% faster
+    /// decode than a block per query head, docs/GPU_NOTES.md), else a block per (head,
+    /// chunk). The chunks follow the cache's capacity, not the position, so a recorded step
+    /// stays valid.
     fn attention_one_row(
         &self,
         q: &CudaSlice<f32>,
@@ -4082,14 +3591,10 @@ impl Cuda {
         let tiles = group.div_ceil(ATT_GROUP);
         // The grouped kernel's float4 rows need 16-byte addresses: q and the caches are
         // whole allocations (256-byte aligned), so a head width of 4s gives them.
-        let grouped = group_kernel(shape.head_dim)
-            .filter(|_| self.decode_attention() == DecodeAttention::Grouped);
+        let grouped = group_kernel(shape.head_dim);
         let (chunk, blocks_x, name, threads) = match grouped {
             Some(name) => (
-                match self.decode_chunk.load(std::sync::atomic::Ordering::Relaxed) {
-                    0 => group_chunk(capacity, shape.kv_heads * tiles, self.sms),
-                    keys => keys,
-                },
+                group_chunk(capacity, shape.kv_heads * tiles, self.sms),
                 shape.kv_heads * tiles,
                 name,
                 ATT_THREADS,
@@ -4249,7 +3754,7 @@ impl Backend for Cuda {
 
     fn upload_matrix(&self, data: &[f32], out_dim: usize, in_dim: usize) -> DeviceMatrix {
         debug_assert_eq!(data.len(), out_dim * in_dim);
-        if data.is_empty() || !self.bf16_matrices || !data.iter().all(|&v| is_bf16_exact(v)) {
+        if data.is_empty() || !data.iter().all(|&v| is_bf16_exact(v)) {
             return DeviceMatrix::F32(self.upload(data));
         }
         let bits: Vec<u16> = data.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
@@ -4594,17 +4099,17 @@ impl Backend for Cuda {
         if shape.rows == 0 {
             return;
         }
-        if shape.rows == 1 && self.decode_attention() != DecodeAttention::Whole {
+        if shape.rows == 1 {
             self.attention_one_row(q, k_cache, v_cache, shape, 0, out, false);
             return;
         }
-        if shape.rows > 1 && self.prefill_attention() == PrefillAttention::Tiled {
-            if let Some(name) =
-                tiled_kernel(shape.head_dim).filter(|_| shape.head_dim <= self.tiled_head_dim)
-            {
-                self.attention_tiled(name, q, k_cache, v_cache, shape, out);
-                return;
-            }
+        // Several rows: the tiled kernel where the head width and the shared memory the
+        // device granted allow, else a block per (row, head).
+        if let Some(name) =
+            tiled_kernel(shape.head_dim).filter(|_| shape.head_dim <= self.tiled_head_dim)
+        {
+            self.attention_tiled(name, q, k_cache, v_cache, shape, out);
+            return;
         }
         let (p0, h, kvh, d) = (
             shape.pos0 as i32,
@@ -4613,7 +4118,6 @@ impl Backend for Cuda {
             shape.head_dim as i32,
         );
         let window = shape.window.map_or(0, |w| w as i32);
-        let null = 0u64;
         let mut l = self.launcher(self.func("attention"));
         l.arg(q)
             .arg(k_cache)
@@ -4623,8 +4127,7 @@ impl Backend for Cuda {
             .arg(&h)
             .arg(&kvh)
             .arg(&d)
-            .arg(&window)
-            .arg(&null);
+            .arg(&window);
         ok(
             unsafe { l.launch(cfg(shape.rows * shape.heads, 128, 0)) },
             "attention",
@@ -4777,9 +4280,7 @@ impl Backend for Cuda {
     ) {
         // The grouped kernel loads its keys and values early when the preamble before
         // it is the kernel that lets it start only after its own wait.
-        let late = self.kv_early()
-            && self.decode_attention() == DecodeAttention::Grouped
-            && group_kernel(shape.head_dim).is_some();
+        let late = group_kernel(shape.head_dim).is_some();
         let early =
             self.preamble_at(q, k, v, norm, shape, inv_freq, step, k_cache, v_cache, late) && late;
         self.attention_row_at(q, k_cache, v_cache, shape, step, out, early);
@@ -5026,12 +4527,12 @@ impl Backend for Cuda {
                 let [gate, _, down] = layout.matrices;
                 let mut shape =
                     RoutedShape::of(layout.bits, gate.rows, gate.cols, down.cols, layout.hidden)?;
-                shape.tiled = self.slot_tiles() && self.tiled_kernels_take(shape, top_k);
+                shape.tiled = self.tiled_kernels_take(shape, top_k);
                 RoutedKind::Affine(shape)
             }
             // As in `routed_moe`: the CUDA-core down kernel, which every shape may fall
             // back to, holds a token's top_k rows.
-            RecordFormat::Vq(layout) if self.vq_slots() => {
+            RecordFormat::Vq(layout) => {
                 let shape = VqRoutedShape::of_layout(layout, self.vq_routed_shared)?;
                 if shape.down_shared(top_k) > self.vq_routed_shared {
                     return None;
@@ -5069,9 +4570,10 @@ impl Backend for Cuda {
         if rows == 0 || k == 0 || k > e || e > 4096 {
             return false;
         }
-        // Slots made in tiles, with a tiled kernel switched off since.
-        if matches!(slots.kind, RoutedKind::Affine(s) if s.tiled && !self.tiled_kernels_take(s, k))
-        {
+        // Slots made in tiles where the tiled kernels no longer take them (tensor cores
+        // switched off since), or in rows where they would: the routed kernels on tensor
+        // cores read 4- and 2-bit experts only in tiles.
+        if matches!(slots.kind, RoutedKind::Affine(s) if s.tiled != self.tiled_kernels_take(s, k)) {
             return false;
         }
         let routed = Routed {
@@ -5127,25 +4629,12 @@ impl Backend for Cuda {
 mod tests {
     use super::{
         dense_mma_layout, group_chunk, group_kernel, is_bf16_exact, staged_rows, tiled_kernel,
-        tiled_shared, unit_tiles, vq_book_bytes, vq_suffix, vq_tile, DownAlone, VqRoutedShape,
-        VqTile, ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT, VQR_SHARED_BOOK,
+        tiled_shared, unit_tiles, vq_book_bytes, vq_suffix, vq_tile, VqRoutedShape, VqTile,
+        ATT_CHUNK_MAX, ATT_STEP, SHARED_LIMIT, VQR_SHARED_BOOK,
     };
     use crate::codec::vq::{Rung, LADDER};
     use crate::testing::fresh;
     use half::bf16;
-
-    #[test]
-    fn down_alone_takes_its_three_values_and_names_itself_on_any_other() {
-        assert_eq!(DownAlone::parse(None).unwrap(), DownAlone::Shared);
-        assert_eq!(DownAlone::parse(Some("auto")).unwrap(), DownAlone::Shared);
-        assert_eq!(DownAlone::parse(Some("0")).unwrap(), DownAlone::None);
-        assert_eq!(DownAlone::parse(Some("1")).unwrap(), DownAlone::Every);
-        let err = DownAlone::parse(Some("yes")).unwrap_err().to_string();
-        assert!(
-            err.contains("DYNMOE_CUDA_DOWN_ALONE=yes") && err.contains("0, 1 or auto"),
-            "{err}"
-        );
-    }
 
     #[test]
     fn unit_tiles_give_each_lane_the_words_and_scales_its_rows_hold() {
