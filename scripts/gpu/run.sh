@@ -43,9 +43,8 @@
 #          Nsight Compute's source counters: stall samples by SASS instruction
 #          (<kernel>.sass.csv, <kernel>.details.txt)
 # tune     decode at each of $BITS bits (default 4) with each set in $TUNE (';'-separated
-#          sets of DYNMOE_CUDA_DEFINES constants and DYNMOE_CUDA_* settings, '-' the
-#          source's),
-#          dense layers at $TUNE_DENSE (q4; or bf16), and with nvcc ptxas's registers and
+#          sets of kernel constants NAME=VALUE and DYNMOE_CUDA items such as pdl=0, '-' the
+#          source's), dense layers at $TUNE_DENSE (q4; or bf16), and with nvcc ptxas's registers and
 #          spills of the routed and dense kernels under each (tune_q<bits>[_bf16].log;
 #          TUNE_PTXAS=0 skips ptxas, which takes about half a minute a set); TUNE_REPEATS
 #          rounds over the sets in turn (default 1)
@@ -216,8 +215,8 @@ for step in $steps; do
         }
         {
             variant "without tensor cores (prompts through sgemm and the experts one by one, decode through the matrix-vector kernels)" \
-                DYNMOE_CUDA_TENSOR_CORES=0
-            variant "kernels launched without programmatic dependent launch" DYNMOE_CUDA_PDL=0
+                DYNMOE_CUDA=tensor_cores=0
+            variant "kernels launched without programmatic dependent launch" DYNMOE_CUDA=pdl=0
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128
         } 2>&1 | tee "$OUT/model_variants.log"
@@ -282,8 +281,9 @@ for step in $steps; do
         # TUNE: ';'-separated sets, each measured on the 12-layer model at each of $BITS
         # bits (default 4) with $TUNE_DENSE dense layers and head (q4 by default; bf16
         # leaves them as the checkpoint has them) into tune_q<bits>.log (tune_q<bits>_bf16.log
-        # with bf16). A set is kernel constants (DYNMOE_CUDA_DEFINES) and DYNMOE_* settings
-        # (DYNMOE_CUDA_PDL=0), space-separated; '-' is the source's own choice. With
+        # with bf16). A set is kernel constants (RMMA_GATE_UP_UNITS=2, given to the backend
+        # as DYNMOE_CUDA=define=RMMA_GATE_UP_UNITS=2) and the backend's other DYNMOE_CUDA
+        # items (pdl=0), space-separated; '-' is the source's own choice. With
         # nvcc (and TUNE_PTXAS not 0), ptxas's registers and spills of the routed and dense
         # kernels under each set. Each run's JSON is tune_q<bits>[_bf16]_<n>.json, n the set's
         # place in $TUNE from 1.
@@ -303,11 +303,11 @@ for step in $steps; do
                 n=0
                 for set in "${sets[@]}"; do
                     n=$((n + 1))
-                    defs="" switches=()
+                    defs="" cuda=""
                     for word in $([ "$set" = - ] || echo "$set"); do
                         case $word in
-                        DYNMOE_*) switches+=("$word") ;;
-                        *) defs="${defs:+$defs }$word" ;;
+                        [a-z]*) cuda="${cuda:+$cuda,}$word" ;;
+                        *) defs="${defs:+$defs }$word" cuda="${cuda:+$cuda,}define=$word" ;;
                         esac
                     done
                     json="$OUT/tune_q$bits${suffix}_$n.json"
@@ -321,7 +321,7 @@ for step in $steps; do
                             grep -oE "(entry function '[a-z_0-9]+'|Used [0-9]+ registers|[0-9]+ bytes spill (stores|loads))" |
                             paste -sd' ' | tee -a "$log"
                     fi
-                    env ${switches[@]+"${switches[@]}"} DYNMOE_CUDA_DEFINES="$defs" "$BIN/dynmoe" \
+                    DYNMOE_CUDA="$cuda" "$BIN/dynmoe" \
                         bench decode "$m" --backend cuda --bits "$bits" \
                         ${dense_flags[@]+"${dense_flags[@]}"} --prompt 512 --generate 128 \
                         --json "$json" 2>&1 | tail -1 | tee -a "$log"
@@ -336,7 +336,9 @@ for step in $steps; do
         m="$WORK/qwen3-30b-a3b-l$LAYERS"
         synth_model "$m" || status=1
         for bits in ${BITS:-4}; do
-            DYNMOE_CUDA_DEFINES="TIMELINE=65536 ${TIMELINE_DEFINES:-}" "$BIN/dynmoe" bench decode \
+            cuda=define=TIMELINE=65536
+            for d in ${TIMELINE_DEFINES:-}; do cuda="$cuda,define=$d"; done
+            DYNMOE_CUDA="$cuda" "$BIN/dynmoe" bench decode \
                 "$m" --backend cuda --bits "$bits" --dense-codec q4 --head-codec q4 --prompt 512 \
                 --generate 64 --repeats 1 2>&1 | tee "$OUT/timeline_q$bits.log"
             [ "${PIPESTATUS[0]}" = 0 ] || status=1

@@ -3,7 +3,7 @@
 # backend builds them (NVRTC's PTX for compute_90, then ptxas for sm_90), on a machine
 # without a GPU or a CUDA toolkit: NVRTC and ptxas come from NVIDIA's PyPI wheels, cached
 # in $PTXAS_CACHE (default ~/.cache/dynmoe-ptxas). Arguments are kernel constants, as
-# DYNMOE_CUDA_DEFINES takes them:
+# the backend takes them (DYNMOE_CUDA=define=NAME=VALUE):
 #
 #   bash tools/ptxas-resources/run.sh [DMMA_UNITS=8 ...] | grep dense_mma
 #   bash tools/ptxas-resources/run.sh --check tools/ptxas-resources/spills.txt

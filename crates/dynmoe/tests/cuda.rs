@@ -12,6 +12,7 @@
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
+use dynmoe::backend::cuda::Tuning;
 use dynmoe::backend::{
     AddNorm, AttentionShape, Backend, Cpu, Cuda, DeviceRoute, HeadNorm, MoeInput, RoutedExperts,
     SwiGluGroup, Weight,
@@ -40,6 +41,29 @@ fn gpu() -> Option<&'static Cuda> {
     }
 }
 
+/// The device run without tensor cores (the portable kernels older devices run), once
+/// [`gpu`] has found it.
+fn portable() -> &'static Cuda {
+    static PORTABLE: OnceLock<Cuda> = OnceLock::new();
+    PORTABLE.get_or_init(|| {
+        let g = gpu().expect("checked by the caller");
+        let tuning = Tuning {
+            tensor_cores: false,
+            ..g.tuning().clone()
+        };
+        Cuda::with_tuning(0, tuning).expect("the device was made once")
+    })
+}
+
+/// The device as [`gpu`] runs it (tensor cores where it has them), or [`portable`].
+fn device(tensor_cores: bool) -> &'static Cuda {
+    if tensor_cores {
+        gpu().expect("checked by the caller")
+    } else {
+        portable()
+    }
+}
+
 fn root() -> PathBuf {
     fixtures_root().join("../..")
 }
@@ -65,8 +89,9 @@ fn run<B: Backend>(
     host
 }
 
-/// The same op on the reference and the device; asserts and prints the error.
+/// The same op on the reference and the device `g`; asserts and prints the error.
 fn check(
+    g: &Cuda,
     label: &str,
     inputs: &[&[f32]],
     out_len: usize,
@@ -74,7 +99,6 @@ fn check(
     op_cpu: impl FnOnce(&Cpu, &[Vec<f32>], &mut Vec<f32>),
     op_gpu: impl FnOnce(&Cuda, &[<Cuda as Backend>::Tensor], &mut <Cuda as Backend>::Tensor),
 ) {
-    let g = gpu().expect("checked by the caller");
     let want = run(&Cpu::reference(), inputs, out_len, op_cpu);
     let got = run(g, inputs, out_len, op_gpu);
     let e = rel_err(&got, &want);
@@ -83,10 +107,15 @@ fn check(
 }
 
 /// The same op on both, written once: a macro because the two backends' tensor types
-/// differ and a closure cannot be generic.
+/// differ and a closure cannot be generic. `on g;` first: on device `g` rather than
+/// [`gpu`].
 macro_rules! both {
     ($label:expr, $inputs:expr, $out_len:expr, $tol:expr, |$b:ident, $t:ident, $o:ident| $body:expr) => {
+        both!(on gpu().expect("checked by the caller"); $label, $inputs, $out_len, $tol, |$b, $t, $o| $body)
+    };
+    (on $g:expr; $label:expr, $inputs:expr, $out_len:expr, $tol:expr, |$b:ident, $t:ident, $o:ident| $body:expr) => {
         check(
+            $g,
             $label,
             $inputs,
             $out_len,
@@ -284,13 +313,11 @@ fn bf16_matmul_matches_the_reference() {
     ];
     // More rows run on tensor cores (x split into two bf16 parts) or, with those off,
     // through the widened matrix: both ways are checked.
-    let was = g.tensor_cores();
     let ways = cases
         .iter()
         .flat_map(|&c| [(c, true), (c, false)])
         .filter(|&((rows, _, _), tc)| tc || rows > 4);
     for ((rows, in_dim, out_dim), tensor_cores) in ways {
-        g.set_tensor_cores(tensor_cores);
         let x = fresh(rows * in_dim, 22);
         let w = bf16_values(&fresh(out_dim * in_dim, 23));
         assert!(
@@ -298,6 +325,7 @@ fn bf16_matmul_matches_the_reference() {
             "bf16 values are kept in bf16"
         );
         both!(
+            on device(tensor_cores);
             &format!("matmul bf16 {rows}x{in_dim} -> {out_dim} tensor cores {tensor_cores}"),
             &[&x],
             rows * out_dim,
@@ -312,7 +340,6 @@ fn bf16_matmul_matches_the_reference() {
             )
         );
     }
-    g.set_tensor_cores(was);
     // One value off bf16 keeps the whole matrix in f32.
     let mut w = bf16_values(&fresh(64 * 96, 24));
     w[1000] = f32::from_bits(w[1000].to_bits() | 1);
@@ -744,8 +771,7 @@ fn argmax_over_long_rows_matches_a_plain_loop() {
             g.argmax_rows(&xt, 1, dim, &mut ot, 0);
             true
         });
-        let graphs_on = std::env::var("DYNMOE_CUDA_GRAPHS").map_or(true, |v| v != "0");
-        assert_eq!(replayed, graphs_on, "ran from a recorded graph");
+        assert_eq!(replayed, g.tuning().graphs, "ran from a recorded graph");
         let mut got = [0.0f32];
         g.download(&ot, &mut got);
         println!(
@@ -1027,7 +1053,7 @@ fn affine_products_match_the_reference_at_every_width_and_batch() {
 
 #[test]
 fn dense_affine_products_match_the_reference_every_way() {
-    let Some(g) = gpu() else { return };
+    let Some(_) = gpu() else { return };
     // Dense layers at an affine codec: the LM head and attention shapes of Qwen3-30B-A3B
     // (one row: `dense_mma`, which splits a job of the narrow ones over warps and loops a
     // grid over the head's 9 496 tiles), a ragged 100-row matrix with a padded input, and
@@ -1043,15 +1069,14 @@ fn dense_affine_products_match_the_reference_every_way() {
         (512, 2048, 2048, 300),
         (100, 192, 150, 40),
     ];
-    let cores = g.tensor_cores();
     for bits in [4, 3, 2] {
         for (i, &(rows, cols, in_dim, batch)) in shapes.iter().enumerate() {
             let m = affine(rows, cols, bits, 70 + i as u64);
             let x = fresh(batch * in_dim, 75 + i as u64);
             let w = m.view();
             for tensor_cores in [true, false] {
-                g.set_tensor_cores(tensor_cores && cores);
                 both!(
+                    on device(tensor_cores);
                     &format!(
                         "dense q{bits} {rows}x{cols} (in {in_dim}) rows {batch} mma {tensor_cores}"
                     ),
@@ -1062,7 +1087,8 @@ fn dense_affine_products_match_the_reference_every_way() {
                 );
             }
         }
-        // A layer's q, k and v at the codec in one launch, and a ragged three.
+        // A layer's q, k and v at the codec in one launch (on tensor cores), and a ragged
+        // three; without tensor cores, one product after another.
         for (case, (dims, cols)) in [([4096, 512, 512], 2048), ([37, 5, 21], 128)]
             .into_iter()
             .enumerate()
@@ -1072,28 +1098,30 @@ fn dense_affine_products_match_the_reference_every_way() {
                 .collect();
             let x = fresh(cols, 85 + case as u64);
             let total: usize = dims.iter().sum();
-            both!(
-                &format!("linear3 q{bits} {dims:?} x {cols}"),
-                &[&x],
-                total,
-                1e-5,
-                |b, t, o| {
-                    let (mut q, mut k, mut v) =
-                        (b.alloc(dims[0]), b.alloc(dims[1]), b.alloc(dims[2]));
-                    b.linear3(
-                        &t[0],
-                        [0, 1, 2].map(|j| Weight::Affine(ms[j].view())),
-                        1,
-                        cols,
-                        dims,
-                        [&mut q, &mut k, &mut v],
-                    );
-                    concat(b, &[(&q, dims[0]), (&k, dims[1]), (&v, dims[2])], o)
-                }
-            );
+            for tensor_cores in [true, false] {
+                both!(
+                    on device(tensor_cores);
+                    &format!("linear3 q{bits} {dims:?} x {cols} mma {tensor_cores}"),
+                    &[&x],
+                    total,
+                    1e-5,
+                    |b, t, o| {
+                        let (mut q, mut k, mut v) =
+                            (b.alloc(dims[0]), b.alloc(dims[1]), b.alloc(dims[2]));
+                        b.linear3(
+                            &t[0],
+                            [0, 1, 2].map(|j| Weight::Affine(ms[j].view())),
+                            1,
+                            cols,
+                            dims,
+                            [&mut q, &mut k, &mut v],
+                        );
+                        concat(b, &[(&q, dims[0]), (&k, dims[1]), (&v, dims[2])], o)
+                    }
+                );
+            }
         }
     }
-    g.set_tensor_cores(cores);
 }
 
 /// The [`AddNorm`] of inputs `[x, delta, w]` (`dim` wide), with the add or without;
@@ -1119,13 +1147,12 @@ fn add_norm_case<'t, B: Backend>(
 
 #[test]
 fn residual_norms_folded_into_the_products_match_the_reference() {
-    let Some(g) = gpu() else { return };
+    let Some(_) = gpu() else { return };
     // A decode step's q/k/v (one `dense_mma` launch that adds the residual and norms its
     // input itself) and its LM head, at each codec: Qwen3-30B-A3B's shapes and a ragged
     // three over a padded input; with the residual add and without it (the first
     // layer's norm reads the embedding), and each also through the separate norm
     // (matrix-vector kernels). Outputs: the products, then the sum.
-    let cores = g.tensor_cores();
     let eps = 1e-6;
     for bits in [4, 3, 2] {
         for (case, (dims, cols, in_dim)) in
@@ -1144,12 +1171,13 @@ fn residual_norms_folded_into_the_products_match_the_reference() {
                 fresh(in_dim, salt + 6),
             );
             for (added, tensor_cores) in [(true, true), (false, true), (true, false)] {
-                g.set_tensor_cores(tensor_cores && cores);
+                let g = device(tensor_cores);
                 let label = format!(
                     "q{bits} {dims:?} x {cols} (in {in_dim}) add {added} mma {tensor_cores}"
                 );
                 let total: usize = dims.iter().sum();
                 both!(
+                    on g;
                     &format!("add_rms_norm_linear3 {label}"),
                     &[&x, &d, &w],
                     total + in_dim,
@@ -1175,6 +1203,7 @@ fn residual_norms_folded_into_the_products_match_the_reference() {
                 );
                 let rows = head.rows;
                 both!(
+                    on g;
                     &format!("add_rms_norm_linear head {rows} {label}"),
                     &[&x, &d, &w],
                     rows + in_dim,
@@ -1193,7 +1222,6 @@ fn residual_norms_folded_into_the_products_match_the_reference() {
             }
         }
     }
-    g.set_tensor_cores(cores);
 }
 
 #[test]
@@ -1340,8 +1368,7 @@ fn vq_experts_through_swiglu_groups_match_the_reference() {
 
 #[test]
 fn moe_dispatch_matches_the_reference() {
-    let Some(g) = gpu() else { return };
-    let was = g.tensor_cores();
+    let Some(_) = gpu() else { return };
     // Experts 80 wide (the down input padded to 128) over 256-wide rows, with 1 to 70
     // rows each; a dense group rides along. On tensor cores every affine group runs
     // through the grouped GEMMs (ragged tiles of 32 pairs, 64 outputs); without, the
@@ -1360,7 +1387,6 @@ fn moe_dispatch_matches_the_reference() {
         (3, false),
         (2, false),
     ] {
-        g.set_tensor_cores(tensor_cores);
         let mats: Vec<[Affine; 3]> = (0..counts.len() as u64)
             .map(|e| {
                 [
@@ -1394,6 +1420,7 @@ fn moe_dispatch_matches_the_reference() {
         let dense_rows: Vec<u32> = (0..tokens as u32).step_by(3).collect();
         let dense_scales = fresh(dense_rows.len(), 98);
         both!(
+            on device(tensor_cores);
             &format!("swiglu_groups q{bits} tensor cores {tensor_cores} + dense bf16 {dense_bf16}"),
             &[&x, &base],
             tokens * hidden,
@@ -1429,7 +1456,6 @@ fn moe_dispatch_matches_the_reference() {
             }
         );
     }
-    g.set_tensor_cores(was);
 }
 
 /// The host route of the block: probabilities `[rows, E]` and the output of the chosen
@@ -1796,9 +1822,7 @@ fn moe_routed_on_the_device_matches_the_host_route() {
     // wait) and down's blocks load their words before theirs; a router in f32 does not.
     // Then the same without tensor cores: decode steps through the matrix-vector kernels,
     // the experts in rows, prompts declined for the host path.
-    let was = g.tensor_cores();
-    for tensor_cores in [true, false] {
-        g.set_tensor_cores(tensor_cores && was);
+    for g in [g, portable()] {
         for bits in [4, 3, 2] {
             check_routed(g, 256, 80, 12, Codes::Affine(bits), false);
         }
@@ -1806,7 +1830,6 @@ fn moe_routed_on_the_device_matches_the_host_route() {
         check_routed(g, 128, 32, 260, Codes::Affine(2), true);
         check_routed(g, 2112, 1600, 6, Codes::Affine(3), false);
     }
-    g.set_tensor_cores(was);
 }
 
 #[test]
@@ -1818,18 +1841,15 @@ fn vq_experts_routed_on_the_device_match_the_host_route() {
     // top-8 as Qwen3-30B-A3B routes them, with a tie and past 512 rows (two chunks), over
     // 32-value blocks (down's: prompts through the decode kernels); and that model's own
     // shape (two blocks of 1024 for gate and up, three of 256 for down).
-    // Decode steps run both ways: on tensor cores (but at 2 values a vector and under
-    // 64-value blocks), and on CUDA cores.
-    let was = g.tensor_cores();
-    for tensor_cores in [true, false] {
-        g.set_tensor_cores(tensor_cores && was);
+    // Then without tensor cores: decode steps and prompts on CUDA cores (with them, but at
+    // 2 values a vector and under 64-value blocks, on tensor cores).
+    for g in [g, portable()] {
         for rung in ["1.5", "2", "3", "0.7", "5"] {
             check_routed(g, 256, 80, 12, Codes::Vq(rung), false);
         }
         check_routed(g, 128, 32, 128, Codes::Vq("1.5"), true);
         check_routed(g, 2048, 768, 10, Codes::Vq("1.5"), false);
     }
-    g.set_tensor_cores(was);
 }
 
 #[test]
@@ -2075,8 +2095,16 @@ fn check_resident_sets(
 ) -> usize {
     use dynmoe::residency::{Mode, PolicyParams, ReservoirKind, ResidencyConfig, ResidentCount};
     let mut cpu = model::load_with_codecs(dir, Cpu::fast(), codecs).unwrap();
-    let mut dev = model::load_with_codecs(dir, Cuda::new(0).unwrap(), codecs).unwrap();
-    dev.model.backend().set_tensor_cores(tensor_cores);
+    let backend = if tensor_cores {
+        Cuda::new(0).unwrap()
+    } else {
+        let tuning = Tuning {
+            tensor_cores: false,
+            ..Tuning::from_env().unwrap()
+        };
+        Cuda::with_tuning(0, tuning).unwrap()
+    };
+    let mut dev = model::load_with_codecs(dir, backend, codecs).unwrap();
     let mut device_bytes = 0;
     let e = cpu.model.config.moe.num_experts;
     let layers: Vec<usize> = cpu.model.config.moe_layers().collect();
@@ -2259,30 +2287,37 @@ fn step_advance_and_queued_reads_match_the_cpu() {
 /// the last token handed over; with graphs off it takes the steps one call at a time.
 #[test]
 fn queued_greedy_decode_is_decode_greedy_on_the_device() {
-    let Some(_) = gpu() else { return };
+    let Some(g) = gpu() else { return };
     let converted = TempDir::new("cuda-queued");
     dynmoe::store::base::convert(&fixture("small-moe"), converted.dir(), &mut |_, _| {}).unwrap();
     let eb = ExpertBits {
         default: Some(4),
         ..ExpertBits::default()
     };
-    // A backend of its own: a recording takes in what other tests queue on a shared one.
-    let dev = model::load_with(converted.dir(), Cuda::new(0).unwrap(), &eb).unwrap();
-    let m = &dev.model;
-    let prompt = &dev.tokenizer.encode(&test_text("en")).unwrap()[..16];
-    let (p, n, stop) = (prompt.len(), 32, 7);
-    let GreedyReference {
-        state: mut s,
-        first,
-        tokens: want,
-        probs,
-    } = greedy_reference(m, prompt, n);
-    assert!(
-        m.backend().recorded_steps() > 0,
-        "the step was not recorded"
-    );
+    let mut tokens = Vec::new();
     for graphs in [true, false] {
-        m.backend().set_graphs(graphs);
+        // A backend of its own: a recording takes in what other tests queue on a shared
+        // one.
+        let tuning = Tuning {
+            graphs,
+            ..g.tuning().clone()
+        };
+        let dev =
+            model::load_with(converted.dir(), Cuda::with_tuning(0, tuning).unwrap(), &eb).unwrap();
+        let m = &dev.model;
+        let prompt = &dev.tokenizer.encode(&test_text("en")).unwrap()[..16];
+        let (p, n, stop) = (prompt.len(), 32, 7);
+        let GreedyReference {
+            state: mut s,
+            first,
+            tokens: want,
+            probs,
+        } = greedy_reference(m, prompt, n);
+        assert_eq!(
+            m.backend().recorded_steps() > 0,
+            graphs,
+            "graphs {graphs}: steps recorded"
+        );
         s.pos = p;
         let mut got = Vec::new();
         let k = m
@@ -2325,6 +2360,10 @@ fn queued_greedy_decode_is_decode_greedy_on_the_device() {
             next, want[stop],
             "graphs {graphs}: decode_greedy after the stop"
         );
+        tokens.push(want);
     }
-    m.backend().set_graphs(true);
+    assert_eq!(
+        tokens[0], tokens[1],
+        "the same tokens with graphs and without"
+    );
 }

@@ -21,7 +21,7 @@
 #if __CUDA_ARCH__ >= 900
 #define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #ifdef TIMELINE
-// With TIMELINE defined (DYNMOE_CUDA_DEFINES="TIMELINE=<slots>"), the first thread of
+// With TIMELINE defined (DYNMOE_CUDA=define=TIMELINE=<slots>), the first thread of
 // each kernel's first block stamps the global timer as its wait returns, in launch order
 // (`Cuda::timeline_take`): the gap to the next kernel's stamp is what this kernel adds
 // to the chain, programmatic launch's overlap included. Off, it costs nothing.
@@ -47,7 +47,7 @@ __device__ __forceinline__ void timeline_mark() {
 #define PDL_LAUNCH()
 #define PDL_WAIT()
 #endif
-// With PHASES defined (DYNMOE_CUDA_DEFINES="PHASES=<blocks>"), thread 0 of each of the
+// With PHASES defined (DYNMOE_CUDA=define=PHASES=<blocks>), thread 0 of each of the
 // first <blocks> blocks of the routed gate/up (kernel 0) and down (kernel 1) launches
 // stamps the global timer at each phase of its work, each launch over the one before, so
 // after a decode they hold the last layer's (`Cuda::phase_stamps`): where a launch's
@@ -2033,7 +2033,7 @@ __device__ void routed_mma_down(const unsigned long long* table, const int* ids,
 
 // Units a warp loads at once: gate and up take two matrices a unit; a down warp of a
 // top-8 step of 768-wide experts takes 6. Gate/up blocks an SM is its launch bound. All
-// three are tunable (DYNMOE_CUDA_DEFINES; RMMA_GATE_UP_UNITS for rows and tiles alike):
+// three are tunable (DYNMOE_CUDA=define=...; RMMA_GATE_UP_UNITS for rows and tiles alike):
 // nothing on the host depends on them. Gate/up from rows at one unit a round measured
 // fastest on the H200 (1 303 tok/s against 1 261 at four, in the 12-layer Qwen3-30B-A3B
 // shape; 1 612 against 1 586 at two, a later build), from tiles at two: a tiled unit is
@@ -2128,7 +2128,7 @@ extern "C" __global__ void affine_tiles_from_rows(const unsigned* words,
 // sized for the device streams a 151936-row head without staging x 9 496 times. Every
 // warp's first units go out before PDL_WAIT: no kernel writes weights. Units a warp
 // loads at once and blocks an SM (the launch bound, which the host's grid assumes) are
-// tunable (DYNMOE_CUDA_DEFINES). Four units a round measured fastest on the H200 (decode
+// tunable (DYNMOE_CUDA=define=...). Four units a round measured fastest on the H200 (decode
 // 1 246 tok/s against 1 208 at eight and 1 231 at two, 12-layer Qwen3-30B-A3B shape, q4
 // dense layers and head, on a build that spilled at each), and here ptxas spills nothing
 // at four (24 bytes at eight).
@@ -2677,7 +2677,7 @@ extern "C" __global__ void matvec_bf16_3(const unsigned short* w0, const unsigne
 // warps then takes 8 / parts rows. Rows of whole 8s only (the host sends others to the
 // general kernels).
 #define MV_ONE_COLS 2048
-// Blocks an SM, the one-row kernels' launch bound: tunable (DYNMOE_CUDA_DEFINES). At 5,
+// Blocks an SM, the one-row kernels' launch bound: tunable (DYNMOE_CUDA=define=...). At 5,
 // ptxas holds them to 48 registers and they spill (matvec_bf16_one 24 bytes stored,
 // matvec_bf16_3_one 52); at 4, 64 registers and 8 and 52 bytes. Not yet timed.
 #ifndef MV_ONE_BLOCKS
@@ -4579,7 +4579,7 @@ __device__ void routed_vq_down_mma(const unsigned long long* table, const int* i
     }
 }
 
-// Blocks an SM, the launch bound of these two: tunable (DYNMOE_CUDA_DEFINES). At 2 ptxas
+// Blocks an SM, the launch bound of these two: tunable (DYNMOE_CUDA=define=...). At 2 ptxas
 // holds them to 64 registers and they spill 16-48 bytes (tools/ptxas-resources); at 1 they
 // take up to 128 and spill nothing, and the vq1.5 plan's decode measured 988 tok/s
 // against 905 at 2 (H200, 12-layer Qwen3-30B-A3B shape, bf16 dense layers, one binary).

@@ -36,12 +36,14 @@
 
 mod launch;
 mod slots;
+mod tuning;
 
 use launch::Launch;
 pub use slots::CudaSlots;
+pub use tuning::Tuning;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
@@ -112,6 +114,9 @@ const MV_ONE_COLS: usize = 2048;
 const RMMA_ROWS: usize = 16;
 const RMMA_WARPS: usize = 8;
 const RMMA_DOWN_WARPS: usize = 16;
+/// Blocks a multiprocessor of the one-row dense kernels' launch bound (their default
+/// `DMMA_BLOCKS`).
+const DMMA_BLOCKS: usize = 3;
 
 /// The `routed_mma_down_*` kernels that ask for shared memory they do not use, so that a
 /// second down block cannot land on an SM: those whose registers let two blocks share
@@ -290,15 +295,13 @@ pub enum CudaError {
     /// cuBLAS could not be set up.
     #[error("cuBLAS: {0}")]
     Blas(String),
-    /// An environment setting of the backend has a value it does not take.
-    #[error("{name}={value}: {expected}")]
-    Setting {
-        /// The variable.
-        name: &'static str,
-        /// Its value.
-        value: String,
-        /// What it takes.
-        expected: &'static str,
+    /// `DYNMOE_CUDA` holds an item [`Tuning::parse`] does not take.
+    #[error("DYNMOE_CUDA: `{item}`: {expected}")]
+    Tuning {
+        /// The item.
+        item: String,
+        /// What it should be.
+        expected: String,
     },
 }
 
@@ -693,21 +696,37 @@ const KERNEL_NAMES: [&str; 116] = [
     "vq_expert_mma_down_p16",
 ];
 
-/// PTX of [`SOURCE`] per architecture, compiled once per process. `DYNMOE_CUDA_DEFINES`
-/// (space-separated `NAME=VALUE`) overrides the kernel constants marked tunable in the
-/// source, so that one binary can measure their choices on the GPU.
-fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
-    static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
+/// The kernel constants [`Tuning::defines`] may set: those the source leaves to be
+/// defined first (`#ifndef NAME`) and the instruments it builds only when asked
+/// (`#ifdef NAME`).
+fn tunables() -> Vec<&'static str> {
+    let mut names: Vec<&str> = SOURCE
+        .lines()
+        .filter_map(|l| {
+            let l = l.trim_start();
+            l.strip_prefix("#ifndef ")
+                .or_else(|| l.strip_prefix("#ifdef "))
+        })
+        .map(str::trim)
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    names
+}
+
+/// PTX of [`SOURCE`] per architecture and kernel constants ([`Tuning::defines`]),
+/// compiled once per process.
+fn ptx_for(arch: &str, defines: &[(String, String)]) -> Result<cudarc::nvrtc::Ptx, CudaError> {
+    static CACHE: OnceLock<Mutex<HashMap<Vec<String>, String>>> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
     let mut cache = cache.lock().expect("PTX cache lock");
-    if let Some(src) = cache.get(arch) {
+    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    options.extend(defines.iter().map(|(n, v)| format!("-D{n}={v}")));
+    if let Some(src) = cache.get(&options) {
         return Ok(cudarc::nvrtc::Ptx::from_src(src.clone()));
     }
-    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
-    let defines = std::env::var("DYNMOE_CUDA_DEFINES").unwrap_or_default();
-    options.extend(defines.split_whitespace().map(|d| format!("-D{d}")));
     let opts = CompileOptions {
-        options,
+        options: options.clone(),
         ..CompileOptions::default()
     };
     let ptx = compile_ptx_with_opts(SOURCE, opts).map_err(|e| CudaError::Compile {
@@ -719,7 +738,7 @@ fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
             other => format!("{other:?}"),
         },
     })?;
-    cache.insert(arch.to_string(), ptx.to_src());
+    cache.insert(options, ptx.to_src());
     Ok(ptx)
 }
 
@@ -1027,8 +1046,8 @@ pub struct Cuda {
     /// Recorded decode steps, by key, most recent last; each holds device addresses of
     /// buffers it read, so whatever frees or replaces one of those drops them all.
     graphs: Mutex<Vec<((usize, u64), Recorded)>>,
-    /// Whether [`Backend::replay_step`] records graphs (`DYNMOE_CUDA_GRAPHS=0`: never).
-    use_graphs: Switch<bool>,
+    /// How the backend was asked to run.
+    tuning: Tuning,
     /// Page-locked buffers of [`Backend::read_async`] not in use, at most [`READ_SLOTS`].
     reads: Mutex<Vec<ReadSlot>>,
     /// Partial results of one-row attention split over the keys, grown as needed.
@@ -1042,12 +1061,8 @@ pub struct Cuda {
     dense_scratch: Mutex<Option<CudaSlice<f32>>>,
     /// Activations split into two bf16 parts for tensor-core products, grown as needed.
     split_scratch: Mutex<Option<CudaSlice<f32>>>,
-    /// Whether products run on tensor cores: prompts' bf16 dense matrices through cuBLAS
-    /// and affine and VQ experts through the grouped GEMMs, a decode step's affine and VQ
-    /// products through the `mma.sync` kernels (`dense_mma_*`, `routed_mma_*`,
-    /// `routed_vq_*_mma`) rather than the matrix-vector ones. On from sm_80 unless
-    /// `DYNMOE_CUDA_TENSOR_CORES=0`.
-    tensor_cores: Switch<bool>,
+    /// Whether products run on tensor cores ([`Tuning::tensor_cores`] on sm_80 and later).
+    tensor_cores: bool,
     /// The flag gate/up raises once the route is written and the count of down blocks
     /// that saw it (the down kernel's early start): both zero between launches.
     down_ready: CudaSlice<u32>,
@@ -1066,51 +1081,14 @@ pub struct Cuda {
     /// Streaming multiprocessors of the device: what a launch needs blocks enough to fill.
     sms: usize,
     /// Whether kernels launch with programmatic dependent launch (the `launch` module):
-    /// sm_90 and later, unless `DYNMOE_CUDA_PDL=0`.
+    /// [`Tuning::pdl`] on sm_90 and later.
     programmatic: bool,
+    /// Blocks a multiprocessor of the one-row dense kernels' launch bound (their
+    /// `DMMA_BLOCKS`, which [`Tuning::defines`] may set), which their grids are sized by.
+    dmma_blocks: usize,
     /// With the kernels built with `TIMELINE` (kernels.cu), the name of each kernel
     /// launched since [`timeline_start`](Cuda::timeline_start), in launch order.
     timeline: Option<Mutex<Vec<&'static str>>>,
-}
-
-/// Whether the environment turns a way of running off (`NAME=0`).
-fn switched_off(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| v == "0")
-}
-
-/// A way of running an op that a [`Switch`] holds.
-trait Way: Copy {
-    fn to_u8(self) -> u8;
-    fn from_u8(v: u8) -> Self;
-}
-
-impl Way for bool {
-    fn to_u8(self) -> u8 {
-        self as u8
-    }
-
-    fn from_u8(v: u8) -> Self {
-        v != 0
-    }
-}
-
-/// How an op runs, changeable while the backend lives (to measure one way against
-/// another in one process); read by every call.
-struct Switch<T>(AtomicU8, std::marker::PhantomData<T>);
-
-impl<T: Way> Switch<T> {
-    fn new(way: T) -> Self {
-        Switch(AtomicU8::new(way.to_u8()), std::marker::PhantomData)
-    }
-
-    fn get(&self) -> T {
-        T::from_u8(self.0.load(std::sync::atomic::Ordering::Relaxed))
-    }
-
-    fn set(&self, way: T) {
-        self.0
-            .store(way.to_u8(), std::sync::atomic::Ordering::Relaxed);
-    }
 }
 
 /// Keys per block of the grouped decode attention over a cache of `capacity` positions
@@ -1308,16 +1286,19 @@ fn routed_mma_gate_up_shared(units: usize, experts: usize, normed: usize) -> usi
 
 /// The warps that split a job of the one-row dense kernels (`dense_mma`'s `parts`, a
 /// power of two up to [`RMMA_WARPS`]) and the blocks of the launch, for `tiles` tiles of
-/// [`RMMA_ROWS`] rows of `groups` 64-column groups on `sms` multiprocessors. A job of
-/// one warp keeps the most bytes a warp in flight, so as few parts as give every
-/// multiprocessor two blocks' worth of warps; at most three blocks a multiprocessor
-/// (the kernels' launch bounds), which loop over the remaining jobs.
-fn dense_mma_layout(tiles: usize, groups: usize, sms: usize) -> (usize, usize) {
+/// [`RMMA_ROWS`] rows of `groups` 64-column groups on `sms` multiprocessors that each
+/// hold `per_sm` blocks (the kernels' launch bound, `DMMA_BLOCKS`). A job of one warp
+/// keeps the most bytes a warp in flight, so as few parts as give every multiprocessor
+/// two blocks' worth of warps; at most `per_sm` blocks a multiprocessor, which loop over
+/// the remaining jobs.
+fn dense_mma_layout(tiles: usize, groups: usize, sms: usize, per_sm: usize) -> (usize, usize) {
     let mut parts = 1;
     while parts < RMMA_WARPS && 2 * parts <= groups && tiles * parts < 2 * RMMA_WARPS * sms {
         parts *= 2;
     }
-    let blocks = tiles.div_ceil(RMMA_WARPS / parts).clamp(1, 3 * sms.max(1));
+    let blocks = tiles
+        .div_ceil(RMMA_WARPS / parts)
+        .clamp(1, per_sm * sms.max(1));
     (parts, blocks)
 }
 
@@ -1396,9 +1377,15 @@ fn row_threads(width: usize) -> u32 {
 }
 
 impl Cuda {
-    /// The backend on device `ordinal`: probes for the libraries, makes the context,
-    /// compiles the kernels for the device's compute capability and loads them.
+    /// The backend on device `ordinal`, tuned as `DYNMOE_CUDA` says ([`Tuning::from_env`]).
     pub fn new(ordinal: usize) -> Result<Cuda, CudaError> {
+        Self::with_tuning(ordinal, Tuning::from_env()?)
+    }
+
+    /// The backend on device `ordinal`, run as `tuning` says: probes for the libraries,
+    /// makes the context, compiles the kernels for the device's compute capability (with
+    /// the tuning's constants) and loads them.
+    pub fn with_tuning(ordinal: usize, tuning: Tuning) -> Result<Cuda, CudaError> {
         probe()?;
         let ctx = driver(CudaContext::new(ordinal))?;
         // One stream carries every op in order; per-buffer events would only add work.
@@ -1410,7 +1397,14 @@ impl Cuda {
         let sms = driver(ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         ))? as usize;
-        let ptx = ptx_for(&arch)?;
+        let ptx = ptx_for(&arch, &tuning.defines)?;
+        let dmma_blocks = match tuning.define("DMMA_BLOCKS") {
+            Some(v) => v.parse().map_err(|_| CudaError::Tuning {
+                item: format!("define=DMMA_BLOCKS={v}"),
+                expected: "a count of blocks".into(),
+            })?,
+            None => DMMA_BLOCKS,
+        };
         let module = driver(ctx.load_module(ptx))?;
         let mut f = HashMap::new();
         for name in KERNEL_NAMES {
@@ -1477,17 +1471,18 @@ impl Cuda {
             routed: Mutex::new(HashMap::new()),
             routed_scratch: Mutex::new(None),
             graphs: Mutex::new(Vec::new()),
-            use_graphs: Switch::new(!switched_off("DYNMOE_CUDA_GRAPHS")),
             reads: Mutex::new(Vec::new()),
             attn_scratch: Mutex::new(None),
             argmax_scratch: Mutex::new(None),
             dense_scratch: Mutex::new(None),
             split_scratch: Mutex::new(None),
-            tensor_cores: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_TENSOR_CORES")),
+            tensor_cores: major >= 8 && tuning.tensor_cores,
             down_ready,
             down_alone,
             bf16_one_row_dense: AtomicBool::new(false),
-            programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
+            programmatic: major >= 9 && tuning.pdl,
+            dmma_blocks,
+            tuning,
             timeline,
             tiled_head_dim,
             vq_routed_shared,
@@ -1547,27 +1542,9 @@ impl Cuda {
         (2 * n * 4) as f64 / (ts[7] * 1e-3) / 1e9
     }
 
-    /// Whether decode steps are recorded as CUDA graphs and replayed (the default, unless
-    /// `DYNMOE_CUDA_GRAPHS=0`); switching drops the records.
-    pub fn set_graphs(&self, on: bool) {
-        self.use_graphs.set(on);
-        self.drop_graphs();
-    }
-
-    /// Whether products run on tensor cores from now on (the default on sm_80 and later);
-    /// off, prompts take cuBLAS' f32 GEMM and the experts' one-by-one path, decode steps
-    /// the matrix-vector kernels, to measure one against the other. Ignored before sm_80.
-    pub fn set_tensor_cores(&self, on: bool) {
-        self.tensor_cores.set(on && self.has_mma());
-    }
-
-    /// Whether the device runs `mma.sync` with f16 inputs (sm_80 and later).
-    fn has_mma(&self) -> bool {
-        self.arch
-            .trim_start_matches("sm_")
-            .parse::<u32>()
-            .unwrap_or(0)
-            >= 80
+    /// How the backend was asked to run.
+    pub fn tuning(&self) -> &Tuning {
+        &self.tuning
     }
 
     /// Whether the routed gate/up of `rows` rows behind router `gate` (the launch
@@ -1600,10 +1577,10 @@ impl Cuda {
         self.tensor_cores() && routed_mma_shared(units) <= SHARED_LIMIT
     }
 
-    /// Whether products run on tensor cores (see
-    /// [`set_tensor_cores`](Self::set_tensor_cores)).
+    /// Whether products run on tensor cores: [`Tuning::tensor_cores`] where the device has
+    /// them (sm_80 and later).
     pub fn tensor_cores(&self) -> bool {
-        self.tensor_cores.get()
+        self.tensor_cores
     }
 
     /// Decode steps recorded as graphs and kept for replay.
@@ -1865,7 +1842,7 @@ impl Cuda {
         Launch::new(&self.stream, f, self.programmatic)
     }
 
-    /// Whether the kernels were built with `TIMELINE` (`DYNMOE_CUDA_DEFINES="TIMELINE=N"`),
+    /// Whether the kernels were built with `TIMELINE` (`DYNMOE_CUDA=define=TIMELINE=N`),
     /// so that [`timeline_take`](Self::timeline_take) can time each launch in the chain.
     pub fn timeline_on(&self) -> bool {
         self.timeline.is_some()
@@ -2124,7 +2101,7 @@ impl Cuda {
         debug_assert!((1..=3).contains(&mats.len()));
         let groups = cols / GROUP_SIZE;
         let tiles: usize = mats.iter().map(|m| m.1.div_ceil(RMMA_ROWS)).sum();
-        let (parts, blocks) = dense_mma_layout(tiles, groups, self.sms);
+        let (parts, blocks) = dense_mma_layout(tiles, groups, self.sms, self.dmma_blocks);
         let kernel = match (norm.is_some(), tiled) {
             (true, true) => "dense_mma_norm_tiled",
             (true, false) => "dense_mma_norm",
@@ -2561,8 +2538,8 @@ impl Cuda {
 
     /// The device table of a block's experts, built (every expert copied to the device)
     /// the first time the block is routed here, with `top_k` experts a row, and again
-    /// when its experts' layout no longer suits the kernels that read it (tensor cores
-    /// switched since: [`experts_tiled`](Self::experts_tiled)); `None` when its experts are not affine
+    /// when its experts' layout does not suit the kernels that read a route of another
+    /// `top_k` ([`experts_tiled`](Self::experts_tiled)); `None` when its experts are not affine
     /// matrices of one shape the routed kernels take.
     fn routed_block<'m>(
         &self,
@@ -4391,7 +4368,7 @@ impl Backend for Cuda {
     }
 
     fn replay_step(&self, key: (usize, u64), body: &mut dyn FnMut() -> bool) -> bool {
-        if !self.use_graphs.get() {
+        if !self.tuning.graphs {
             body();
             return false;
         }
@@ -4570,9 +4547,9 @@ impl Backend for Cuda {
         if rows == 0 || k == 0 || k > e || e > 4096 {
             return false;
         }
-        // Slots made in tiles where the tiled kernels no longer take them (tensor cores
-        // switched off since), or in rows where they would: the routed kernels on tensor
-        // cores read 4- and 2-bit experts only in tiles.
+        // Slots made for a route of another top_k, in tiles where the tiled kernels do not
+        // take this one or in rows where they would: the routed kernels on tensor cores
+        // read 4- and 2-bit experts only in tiles.
         if matches!(slots.kind, RoutedKind::Affine(s) if s.tiled != self.tiled_kernels_take(s, k)) {
             return false;
         }
@@ -4788,12 +4765,12 @@ mod tests {
         // Qwen3-30B-A3B on an H200's 132 multiprocessors: the LM head's 9 496 tiles of 16
         // rows take a warp each on a grid of three blocks a multiprocessor, which loops;
         // q/k/v's 320 tiles and the attention output's 128 are split over all 8 warps.
-        assert_eq!(dense_mma_layout(151936 / 16, 32, 132), (1, 396));
-        assert_eq!(dense_mma_layout(320, 32, 132), (8, 320));
-        assert_eq!(dense_mma_layout(128, 64, 132), (8, 128));
+        assert_eq!(dense_mma_layout(151936 / 16, 32, 132, 3), (1, 396));
+        assert_eq!(dense_mma_layout(320, 32, 132, 3), (8, 320));
+        assert_eq!(dense_mma_layout(128, 64, 132, 3), (8, 128));
         // A job never splits into more parts than it has 64-column groups.
-        assert_eq!(dense_mma_layout(3, 2, 132).0, 2);
-        assert_eq!(dense_mma_layout(1, 1, 132), (1, 1));
+        assert_eq!(dense_mma_layout(3, 2, 132, 3).0, 2);
+        assert_eq!(dense_mma_layout(1, 1, 132, 3), (1, 1));
     }
 
     #[test]
