@@ -97,7 +97,7 @@ for step in $steps; do
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         # No kernel may read before its programmatic-launch wait (needs nvcc).
         if command -v nvcc > /dev/null; then
-            bash "$BIN/pdl_order.sh" "$BIN/kernels.cu" 2>&1 | tee -a "$OUT/checks.log"
+            bash "$BIN/pdl_order.sh" "$BIN/program.cu" 2>&1 | tee -a "$OUT/checks.log"
             [ "${PIPESTATUS[0]}" = 0 ] || status=1
         fi
         ;;
@@ -238,7 +238,7 @@ for step in $steps; do
         ;;
     resources)
         echo "== registers, spills and shared memory of every kernel (ptxas)"
-        nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null "$BIN/kernels.cu" \
+        nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null "$BIN/program.cu" \
             > "$OUT/ptxas.log" 2>&1 || status=1
         grep -A1 -E "Compiling entry function '(dense_mma|routed_mma|moe_route)" \
             "$OUT/ptxas.log" | grep -E "entry|registers|spill" | head -40
@@ -316,7 +316,7 @@ for step in $steps; do
                     if command -v nvcc > /dev/null && [ "${TUNE_PTXAS:-1}" != 0 ] && [ "$round" = 1 ]; then
                         # shellcheck disable=SC2046
                         nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null \
-                            $(for d in $defs; do echo "-D$d"; done) "$BIN/kernels.cu" 2>&1 |
+                            $(for d in $defs; do echo "-D$d"; done) "$BIN/program.cu" 2>&1 |
                             grep -A3 -E "entry function '(routed_mma_(gate_up|down)|dense_mma(_norm)?)_(tiled_)?q($bits|4)'" |
                             grep -oE "(entry function '[a-z_0-9]+'|Used [0-9]+ registers|[0-9]+ bytes spill (stores|loads))" |
                             paste -sd' ' | tee -a "$log"

@@ -297,7 +297,7 @@ struct Affine {
 };
 
 // An affine matrix in unit tiles, as the backend uploads one for dense_mma_*tiled_q*
-// (kernels.cu, load_unit_tiled): each unit's lane words, then each unit's scales and
+// (kernels/affine_mma.cu, load_unit_tiled): each unit's lane words, then each unit's scales and
 // biases row by row; rows past the matrix are zeros.
 struct Tiles {
     std::vector<unsigned> words;

@@ -2,7 +2,7 @@
 // a fiber (ucontext), the blocks of a grid run one after another, `__syncthreads`,
 // shuffles and `mma.sync` are barriers among the fibers of a block or a warp, and a spin
 // on a counter lets the other fibers run. Nothing runs in parallel, so atomics are plain updates. It checks what a kernel computes,
-// never how fast: prepare.py rewrites kernels.cu for it (the inline PTX helpers and the
+// never how fast: prepare.py rewrites the kernels for it (the inline PTX helpers and the
 // shared-memory declarations), and check.cpp runs kernels against plain references.
 #pragma once
 
@@ -313,7 +313,7 @@ inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
 }
 inline int __ffs(int v) { return __builtin_ffs(v); }
 
-// The inline-PTX helpers of kernels.cu (prepare.py removes their definitions there).
+// The inline-PTX helpers of the kernels (prepare.py removes their definitions there).
 // IEEE half precision in software, so that any C++17 compiler will do.
 inline float half_bits(unsigned short h) {
     unsigned sign = (h >> 15) & 1u, exp = (h >> 10) & 31u, man = h & 1023u;

@@ -65,8 +65,28 @@ use crate::codec::vq::{rotation, row_bytes, Rung, VqView};
 use crate::residency::RecordFormat;
 use crate::store::vq::VqLayout;
 
-/// The kernels' CUDA C source.
-pub const SOURCE: &str = include_str!("kernels.cu");
+/// The kernel sources by file, in the order `kernels/program.cu` includes them: joined,
+/// they are one NVRTC program ([`source`]).
+pub const SOURCES: [(&str, &str); 11] = [
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("norm.cu", include_str!("kernels/norm.cu")),
+    ("matvec.cu", include_str!("kernels/matvec.cu")),
+    ("affine.cu", include_str!("kernels/affine.cu")),
+    ("affine_mma.cu", include_str!("kernels/affine_mma.cu")),
+    ("expert_gemm.cu", include_str!("kernels/expert_gemm.cu")),
+    ("route.cu", include_str!("kernels/route.cu")),
+    ("routed.cu", include_str!("kernels/routed.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+    ("vq.cu", include_str!("kernels/vq.cu")),
+    ("vq_mma.cu", include_str!("kernels/vq_mma.cu")),
+];
+
+/// The kernels' CUDA C source: [`SOURCES`] one after another, as `kernels/program.cu`
+/// includes them.
+pub fn source() -> &'static str {
+    static SOURCE: OnceLock<String> = OnceLock::new();
+    SOURCE.get_or_init(|| SOURCES.iter().map(|(_, s)| *s).collect())
+}
 
 /// Rows of `x` up to which a dense product runs as the matrix-vector kernel (its
 /// `MV_MAXB`) rather than cuBLAS; also what one VQ matrix-vector launch takes (`VQ_MAXB`).
@@ -484,7 +504,7 @@ struct DeviceTiles {
     sb: CudaSlice<u16>,
 }
 
-/// A 4- or 2-bit affine matrix in unit tiles (kernels.cu, `load_unit_tiled`): for each
+/// A 4- or 2-bit affine matrix in unit tiles (kernels/affine_mma.cu, `load_unit_tiled`): for each
 /// tile of [`RMMA_ROWS`] rows and 64-column group (a unit), its 32 lanes' words one lane
 /// after another, lane 4g + q holding row g's words of its quarter of the unit, then
 /// row g + 8's (two words each at 4 bits, one at 2); then, apart, each unit's scale and
@@ -571,7 +591,7 @@ fn fingerprint(w: &AffineView<'_>) -> [u32; 3] {
     [w.words[0], w.words[n / 2], w.words[n - 1]]
 }
 
-/// The kernels of [`SOURCE`], by name.
+/// The kernels of [`source`], by name.
 struct Kernels {
     _module: Arc<CudaModule>,
     f: HashMap<&'static str, CudaFunction>,
@@ -700,7 +720,7 @@ const KERNEL_NAMES: [&str; 116] = [
 /// defined first (`#ifndef NAME`) and the instruments it builds only when asked
 /// (`#ifdef NAME`).
 fn tunables() -> Vec<&'static str> {
-    let mut names: Vec<&str> = SOURCE
+    let mut names: Vec<&str> = source()
         .lines()
         .filter_map(|l| {
             let l = l.trim_start();
@@ -714,7 +734,7 @@ fn tunables() -> Vec<&'static str> {
     names
 }
 
-/// PTX of [`SOURCE`] per architecture and kernel constants ([`Tuning::defines`]),
+/// PTX of [`source`] per architecture and kernel constants ([`Tuning::defines`]),
 /// compiled once per process.
 fn ptx_for(arch: &str, defines: &[(String, String)]) -> Result<cudarc::nvrtc::Ptx, CudaError> {
     static CACHE: OnceLock<Mutex<HashMap<Vec<String>, String>>> = OnceLock::new();
@@ -729,7 +749,7 @@ fn ptx_for(arch: &str, defines: &[(String, String)]) -> Result<cudarc::nvrtc::Pt
         options: options.clone(),
         ..CompileOptions::default()
     };
-    let ptx = compile_ptx_with_opts(SOURCE, opts).map_err(|e| CudaError::Compile {
+    let ptx = compile_ptx_with_opts(source(), opts).map_err(|e| CudaError::Compile {
         arch: arch.to_string(),
         log: match &e {
             cudarc::nvrtc::CompileError::CompileError { log, .. } => {
@@ -1086,7 +1106,7 @@ pub struct Cuda {
     /// Blocks a multiprocessor of the one-row dense kernels' launch bound (their
     /// `DMMA_BLOCKS`, which [`Tuning::defines`] may set), which their grids are sized by.
     dmma_blocks: usize,
-    /// With the kernels built with `TIMELINE` (kernels.cu), the name of each kernel
+    /// With the kernels built with `TIMELINE` (kernels/common.cuh), the name of each kernel
     /// launched since [`timeline_start`](Cuda::timeline_start), in launch order.
     timeline: Option<Mutex<Vec<&'static str>>>,
 }
@@ -1894,7 +1914,7 @@ impl Cuda {
         Ok(names.into_iter().zip(stamps).collect())
     }
 
-    /// With the kernels built with `PHASES=<blocks>` (kernels.cu's `PHASE`), the last
+    /// With the kernels built with `PHASES=<blocks>` (kernels/common.cuh's `PHASE`), the last
     /// routed gate/up launch's stamps (`[0]`) and the last routed down launch's (`[1]`):
     /// for each of the first <blocks> blocks, the global timer (ns) at each of its
     /// `PHASE_SLOTS` phases, 0 where a block or phase has none. None without the define.
@@ -4897,7 +4917,7 @@ mod tests {
     fn every_kernel_the_source_defines_is_loaded() {
         // The host finds a function only by a name in KERNEL_NAMES, and a name there that
         // the source lacks fails the module's load.
-        let entries = kernel_entries(super::SOURCE);
+        let entries = kernel_entries(super::source());
         assert!(
             entries.iter().any(|e| e == "expert_mma_down_tiled_q2"),
             "macro uses expand: {entries:?}"
@@ -4918,6 +4938,27 @@ mod tests {
             unknown.is_empty(),
             "KERNEL_NAMES the source does not define: {unknown:?}"
         );
+    }
+
+    #[test]
+    fn the_sources_are_what_program_cu_includes_in_its_order() {
+        let includes: Vec<&str> = include_str!("kernels/program.cu")
+            .lines()
+            .filter_map(|l| l.strip_prefix("#include \"")?.strip_suffix('"'))
+            .collect();
+        let names: Vec<&str> = super::SOURCES.iter().map(|(n, _)| *n).collect();
+        assert_eq!(includes, names);
+        // Every kernel file is one of them.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda/kernels");
+        let mut files: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|f| f.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|f| f != "program.cu")
+            .collect();
+        files.sort();
+        let mut names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        names.sort();
+        assert_eq!(files, names);
     }
 
     #[test]
