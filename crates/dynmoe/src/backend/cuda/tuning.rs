@@ -91,7 +91,7 @@ impl Tuning {
                         .split_once('=')
                         .filter(|(n, v)| !n.is_empty() && !v.is_empty())
                         .ok_or_else(|| bad("define takes NAME=VALUE".into()))?;
-                    let tunables = super::tunables();
+                    let tunables = super::program::tunables();
                     if !tunables.contains(&name) {
                         return Err(bad(format!(
                             "{name} is not a constant the kernels let be set ({})",
@@ -149,7 +149,7 @@ mod tests {
     #[test]
     fn the_kernels_let_their_tunable_constants_and_instruments_be_set() {
         assert_eq!(
-            super::super::tunables(),
+            super::super::program::tunables(),
             [
                 "DMMA_BLOCKS",
                 "DMMA_UNITS",
