@@ -30,6 +30,13 @@
 //!
 //! Ops have no error path in [`Backend`]; a failing CUDA call after the backend was
 //! made (out of memory, a kernel fault) panics with the call's error.
+//!
+//! The code is kept one op family a file, as the kernels are (`kernels/*.cu`): each
+//! family's file names its kernels, writes their parameter lists once (launch.rs) and
+//! decides their launches; this file holds the backend's state and a [`Backend`] impl
+//! that hands each op to its family. How it runs is one [`Tuning`], chosen when it is
+//! made; every other choice follows from the device and the shapes, as measured
+//! (docs/GPU_NOTES.md).
 
 mod affine;
 mod affine_mma;
