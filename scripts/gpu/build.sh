@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the executables scripts/gpu/run.sh needs (Linux x86-64, CUDA not required) and
-# copies them, stripped, with run.sh, kernel_times.py, pdl_order.sh and the kernels' source, into the
-# directory given (default .gpu/).
+# copies them, stripped, with run.sh, kernel_times.py, pdl_order.sh and the kernels' sources
+# (program.cu and the files it includes, for nvcc there), into the directory given (default
+# .gpu/).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dest=${1:-.gpu}
@@ -19,5 +20,5 @@ cp "$bench" "$dest/cuda_kernels"
 cp "$cpu_vq" "$dest/vq_kernels"
 strip "$dest/dynmoe" "$dest/cuda-tests" "$dest/cuda_kernels" "$dest/vq_kernels"
 cp scripts/gpu/run.sh scripts/gpu/kernel_times.py scripts/gpu/pdl_order.sh "$dest/"
-cp crates/dynmoe/src/backend/cuda/kernels.cu "$dest/"
+cp crates/dynmoe/src/backend/cuda/kernels/* "$dest/"
 du -sh "$dest"

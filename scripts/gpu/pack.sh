@@ -6,7 +6,7 @@
 #
 #   mkdir -p .gpu && python3 -c 'import lzma,sys; sys.stdout.buffer.write(lzma.open(sys.argv[1]).read())' \
 #       .gpux/gpu.tar.xz | tar x -C .gpu && cp scripts/gpu/*.sh scripts/gpu/*.py \
-#       crates/dynmoe/src/backend/cuda/kernels.cu .gpu/ && BIN=.gpu bash .gpu/run.sh ...
+#       crates/dynmoe/src/backend/cuda/kernels/* .gpu/ && BIN=.gpu bash .gpu/run.sh ...
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash scripts/gpu/build.sh .gpu

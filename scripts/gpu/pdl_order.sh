@@ -11,16 +11,16 @@
 # listed in EARLY. affine_tiles_from_rows runs on the copy stream, launched without
 # programmatic launch, so it has no wait (PLAIN).
 #
-#   bash scripts/gpu/pdl_order.sh [kernels.cu] [arch]
+#   bash scripts/gpu/pdl_order.sh [program.cu] [arch]
 set -euo pipefail
-src=${1:-crates/dynmoe/src/backend/cuda/kernels.cu}
+src=${1:-crates/dynmoe/src/backend/cuda/kernels/program.cu}
 arch=${2:-sm_90}
-EARLY="matvec_bf16_one matvec_bf16_3_one router_route_one matvec_bf16_norm_one_late dense_mma_q4 dense_mma_q3 dense_mma_q2 dense_mma_norm_q4 dense_mma_norm_q3 dense_mma_norm_q2 attention_group_64 attention_group_128 attention_group_256 matvec_bf16_one_late routed_mma_gate_up_q4 routed_mma_gate_up_q3 routed_mma_gate_up_q2 dense_mma_tiled_q4 dense_mma_tiled_q2 dense_mma_norm_tiled_q4 dense_mma_norm_tiled_q2 routed_mma_down_q4 routed_mma_down_q3 routed_mma_down_q2 routed_mma_down_tiled_q4 routed_mma_down_tiled_q2"
+EARLY="matvec_bf16_one matvec_bf16_3_one matvec_bf16_norm_one_late dense_mma_q4 dense_mma_q3 dense_mma_q2 dense_mma_norm_q4 dense_mma_norm_q3 dense_mma_norm_q2 attention_group_64 attention_group_128 attention_group_256 matvec_bf16_one_late routed_mma_gate_up_q3 dense_mma_tiled_q4 dense_mma_tiled_q2 dense_mma_norm_tiled_q4 dense_mma_norm_tiled_q2 routed_mma_down_q3 routed_mma_down_tiled_q4 routed_mma_down_tiled_q2"
 PLAIN="affine_tiles_from_rows"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-cp "$src" "$tmp/kernels.cu"
-nvcc -std=c++17 -arch="$arch" -cubin -o "$tmp/kernels.cubin" "$tmp/kernels.cu"
+# program.cu includes the kernel files beside it.
+nvcc -std=c++17 -arch="$arch" -cubin -o "$tmp/kernels.cubin" "$src"
 cuobjdump -sass "$tmp/kernels.cubin" > "$tmp/kernels.sass"
 # Per function: the first global load, store or atomic before ACQBULK, if any.
 awk -v early="$EARLY $PLAIN" '

@@ -29,8 +29,7 @@
 #          layer's experts resident in device memory, swapping from a RAM reservoir, beside
 #          every expert resident (residency_30b*.json)
 # residency-vq after `model-vq`: the same with that directory's VQ experts, their sets in
-#          device slots (DYNMOE_CUDA_VQ_SLOTS=1), half of each layer's experts resident
-#          (residency_30b_vq.json)
+#          device slots, half of each layer's experts resident (residency_30b_vq.json)
 # big-run  after `big`: that model fully resident, then within $BIG_BUDGET_GB (default 40) GB
 #          of device memory with dynamic residency, the store read from /dev/shm
 #          (residency_235b.json; with BIG_VQ, VQ sets in device slots, residency_235b_vq.json)
@@ -44,8 +43,8 @@
 #          Nsight Compute's source counters: stall samples by SASS instruction
 #          (<kernel>.sass.csv, <kernel>.details.txt)
 # tune     decode at each of $BITS bits (default 4) with each set in $TUNE (';'-separated
-#          sets of DYNMOE_CUDA_DEFINES constants and DYNMOE_* switches, '-' the source's),
-#          dense layers at $TUNE_DENSE (q4; or bf16), and with nvcc ptxas's registers and
+#          sets of kernel constants NAME=VALUE and DYNMOE_CUDA items such as pdl=0, '-' the
+#          source's), dense layers at $TUNE_DENSE (q4; or bf16), and with nvcc ptxas's registers and
 #          spills of the routed and dense kernels under each (tune_q<bits>[_bf16].log;
 #          TUNE_PTXAS=0 skips ptxas, which takes about half a minute a set); TUNE_REPEATS
 #          rounds over the sets in turn (default 1)
@@ -55,13 +54,10 @@
 #          launch's wait returns (timeline_q<bits>.log; $BITS, default 4); with
 #          TIMELINE_DEFINES="PHASES=512" also the last routed gate/up and down launches'
 #          phases block by block (when their blocks waited, routed, staged, summed, wrote)
-# variants after `model`, at 4 bits: decode with one-row attention not split over the
-#          keys, with dense weights in f32 instead of bf16, prompts without tensor cores,
-#          the prompt's attention by the per-row kernel instead of the tiled one, kernels
-#          launched without programmatic dependent launch, a decode step's experts through
-#          the matrix-vector kernels instead of tensor cores, its MoE layers as one launch
-#          instead of three, its experts as slices, and decode after a 16-token prompt
-#          (model_variants.log)
+# variants after `model`, at 4 bits: without tensor cores (prompts through cuBLAS' f32
+#          GEMM and the experts one by one, decode through the matrix-vector kernels),
+#          kernels launched without programmatic dependent launch, and decode after a
+#          16-token prompt (model_variants.log)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -101,7 +97,7 @@ for step in $steps; do
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
         # No kernel may read before its programmatic-launch wait (needs nvcc).
         if command -v nvcc > /dev/null; then
-            bash "$BIN/pdl_order.sh" "$BIN/kernels.cu" 2>&1 | tee -a "$OUT/checks.log"
+            bash "$BIN/pdl_order.sh" "$BIN/program.cu" 2>&1 | tee -a "$OUT/checks.log"
             [ "${PIPESTATUS[0]}" = 0 ] || status=1
         fi
         ;;
@@ -186,7 +182,7 @@ for step in $steps; do
         vq=${VQ:-vq1.5}
         echo "== resident sets of $vq experts in device memory, $LAYERS layers"
         m="$WORK/qwen3-30b-a3b-l$LAYERS-$vq"
-        DYNMOE_CUDA_VQ_SLOTS=1 "$BIN/dynmoe" bench residency "$m" --resident-fraction 0.5 \
+        "$BIN/dynmoe" bench residency "$m" --resident-fraction 0.5 \
             --reservoir ram --swap-interval 32 --max-swaps 4 --swap-margin 0 --loader-threads 4 \
             --prompt 16 --generate 256 --json "$OUT/residency_30b_vq.json" 2>&1 |
             tee "$OUT/residency_30b_vq.log"
@@ -197,7 +193,7 @@ for step in $steps; do
         # A compressed directory runs at its plan; its VQ sets go to device slots.
         stores=(--bits 2) name=residency_235b
         [ -n "$BIG_VQ" ] && stores=() name=residency_235b_vq
-        DYNMOE_CUDA_VQ_SLOTS=1 "$BIN/dynmoe" bench residency "$BIG" ${stores[@]+"${stores[@]}"} \
+        "$BIN/dynmoe" bench residency "$BIG" ${stores[@]+"${stores[@]}"} \
             --device-budget-gb "${BIG_BUDGET_GB:-40}" --reservoir disk --swap-interval 32 \
             --max-swaps 4 --swap-margin 0 --loader-threads 8 --prompt 16 --generate 128 \
             --repeats 2 --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
@@ -218,21 +214,9 @@ for step in $steps; do
                 --prompt 512 --generate 128
         }
         {
-            variant "one block per head walking the whole context" DYNMOE_CUDA_SPLIT_ATTENTION=0
-            variant "one-row attention a block per query head and chunk, not per KV head" \
-                DYNMOE_CUDA_GROUPED_ATTENTION=0
-            variant "dense weights (attention, router, LM head) in f32, not bf16" DYNMOE_CUDA_BF16=0
-            variant "prompts without tensor cores (dense products widened for sgemm, experts one by one)" \
-                DYNMOE_CUDA_TENSOR_CORES=0
-            variant "prompts through the per-row attention kernel, not the tiled one" \
-                DYNMOE_CUDA_TILED_ATTENTION=0
-            variant "kernels launched without programmatic dependent launch" DYNMOE_CUDA_PDL=0
-            variant "decode experts through the matrix-vector kernels, not tensor cores" \
-                DYNMOE_CUDA_ROUTED_MMA=0
-            variant "a decode step's MoE layers as one launch (moe_step), not three" \
-                DYNMOE_CUDA_MOE_STEP=1
-            variant "a decode step's experts as slices (gate, up and down in one launch)" \
-                DYNMOE_CUDA_ROUTED_SLICES=1
+            variant "without tensor cores (prompts through sgemm and the experts one by one, decode through the matrix-vector kernels)" \
+                DYNMOE_CUDA=tensor_cores=0
+            variant "kernels launched without programmatic dependent launch" DYNMOE_CUDA=pdl=0
             echo "-- 16-token prompt"
             "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 --prompt 16 --generate 128
         } 2>&1 | tee "$OUT/model_variants.log"
@@ -254,9 +238,9 @@ for step in $steps; do
         ;;
     resources)
         echo "== registers, spills and shared memory of every kernel (ptxas)"
-        nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null "$BIN/kernels.cu" \
+        nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null "$BIN/program.cu" \
             > "$OUT/ptxas.log" 2>&1 || status=1
-        grep -A1 -E "Compiling entry function '(moe_step|dense_mma|routed_mma|moe_route)" \
+        grep -A1 -E "Compiling entry function '(dense_mma|routed_mma|moe_route)" \
             "$OUT/ptxas.log" | grep -E "entry|registers|spill" | head -40
         ;;
     profile-routed)
@@ -297,8 +281,9 @@ for step in $steps; do
         # TUNE: ';'-separated sets, each measured on the 12-layer model at each of $BITS
         # bits (default 4) with $TUNE_DENSE dense layers and head (q4 by default; bf16
         # leaves them as the checkpoint has them) into tune_q<bits>.log (tune_q<bits>_bf16.log
-        # with bf16). A set is kernel constants (DYNMOE_CUDA_DEFINES) and DYNMOE_* switches
-        # (DYNMOE_CUDA_FOLD_NORMS=0), space-separated; '-' is the source's own choice. With
+        # with bf16). A set is kernel constants (RMMA_GATE_UP_UNITS=2, given to the backend
+        # as DYNMOE_CUDA=define=RMMA_GATE_UP_UNITS=2) and the backend's other DYNMOE_CUDA
+        # items (pdl=0), space-separated; '-' is the source's own choice. With
         # nvcc (and TUNE_PTXAS not 0), ptxas's registers and spills of the routed and dense
         # kernels under each set. Each run's JSON is tune_q<bits>[_bf16]_<n>.json, n the set's
         # place in $TUNE from 1.
@@ -318,11 +303,11 @@ for step in $steps; do
                 n=0
                 for set in "${sets[@]}"; do
                     n=$((n + 1))
-                    defs="" switches=()
+                    defs="" cuda=""
                     for word in $([ "$set" = - ] || echo "$set"); do
                         case $word in
-                        DYNMOE_*) switches+=("$word") ;;
-                        *) defs="${defs:+$defs }$word" ;;
+                        [a-z]*) cuda="${cuda:+$cuda,}$word" ;;
+                        *) defs="${defs:+$defs }$word" cuda="${cuda:+$cuda,}define=$word" ;;
                         esac
                     done
                     json="$OUT/tune_q$bits${suffix}_$n.json"
@@ -331,12 +316,12 @@ for step in $steps; do
                     if command -v nvcc > /dev/null && [ "${TUNE_PTXAS:-1}" != 0 ] && [ "$round" = 1 ]; then
                         # shellcheck disable=SC2046
                         nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -o /dev/null \
-                            $(for d in $defs; do echo "-D$d"; done) "$BIN/kernels.cu" 2>&1 |
+                            $(for d in $defs; do echo "-D$d"; done) "$BIN/program.cu" 2>&1 |
                             grep -A3 -E "entry function '(routed_mma_(gate_up|down)|dense_mma(_norm)?)_(tiled_)?q($bits|4)'" |
                             grep -oE "(entry function '[a-z_0-9]+'|Used [0-9]+ registers|[0-9]+ bytes spill (stores|loads))" |
                             paste -sd' ' | tee -a "$log"
                     fi
-                    env ${switches[@]+"${switches[@]}"} DYNMOE_CUDA_DEFINES="$defs" "$BIN/dynmoe" \
+                    DYNMOE_CUDA="$cuda" "$BIN/dynmoe" \
                         bench decode "$m" --backend cuda --bits "$bits" \
                         ${dense_flags[@]+"${dense_flags[@]}"} --prompt 512 --generate 128 \
                         --json "$json" 2>&1 | tail -1 | tee -a "$log"
@@ -351,7 +336,9 @@ for step in $steps; do
         m="$WORK/qwen3-30b-a3b-l$LAYERS"
         synth_model "$m" || status=1
         for bits in ${BITS:-4}; do
-            DYNMOE_CUDA_DEFINES="TIMELINE=65536 ${TIMELINE_DEFINES:-}" "$BIN/dynmoe" bench decode \
+            cuda=define=TIMELINE=65536
+            for d in ${TIMELINE_DEFINES:-}; do cuda="$cuda,define=$d"; done
+            DYNMOE_CUDA="$cuda" "$BIN/dynmoe" bench decode \
                 "$m" --backend cuda --bits "$bits" --dense-codec q4 --head-codec q4 --prompt 512 \
                 --generate 64 --repeats 1 2>&1 | tee "$OUT/timeline_q$bits.log"
             [ "${PIPESTATUS[0]}" = 0 ] || status=1

@@ -1,8 +1,9 @@
-"""Rewrites the CUDA backend's kernels.cu into C++ that shim.h runs on the CPU.
+"""Rewrites the CUDA backend's kernels into C++ that shim.h runs on the CPU.
 
-    python3 prepare.py kernels.cu kernels_host.cpp
+    python3 prepare.py program.cu kernels_host.cpp
 
-Four rewrites, each failing loudly when the source no longer has what it expects:
+program.cu's includes are read in its place (the program the backend compiles), then
+four rewrites, each failing loudly when the source no longer has what it expects:
 the definitions of the helpers written in inline PTX are dropped (shim.h defines them);
 `extern __shared__ T name[];` becomes a pointer into the block's dynamic shared memory;
 `__shared__` arrays become function statics, one per kernel, which is what the
@@ -10,6 +11,7 @@ threads of a block share when blocks run one after another; and the host's empty
 PDL_WAIT becomes shim::pdl_wait.
 """
 
+import os
 import re
 import sys
 
@@ -28,7 +30,6 @@ PTX_HELPERS = [
     "prefetch_l1",
     "f16_bits",
     "wait_count",
-    "prefetch_l2",
 ]
 
 
@@ -36,7 +37,7 @@ def drop_definition(src: str, name: str) -> str:
     """Removes `__device__ __forceinline__ <type> name(...) { ... }`."""
     m = re.search(r"__device__ __forceinline__ [\w:<> ]+?\b" + name + r"\(", src)
     if not m:
-        sys.exit(f"prepare.py: no definition of {name} in kernels.cu")
+        sys.exit(f"prepare.py: no definition of {name} in the kernels")
     i = src.index("{", m.end())
     depth = 0
     for j in range(i, len(src)):
@@ -50,12 +51,17 @@ def drop_definition(src: str, name: str) -> str:
 
 
 def main() -> None:
-    src = open(sys.argv[1]).read()
+    here = os.path.dirname(sys.argv[1])
+    src = re.sub(
+        r'#include "([^"]+)"\n',
+        lambda m: open(os.path.join(here, m.group(1))).read(),
+        open(sys.argv[1]).read(),
+    )
     for name in PTX_HELPERS:
         src = drop_definition(src, name)
     dynamic = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?(\w+) (\w+)\[\];")
     if not dynamic.search(src):
-        sys.exit("prepare.py: no dynamic shared memory in kernels.cu")
+        sys.exit("prepare.py: no dynamic shared memory in the kernels")
     src = dynamic.sub(
         r"\1* \2 = reinterpret_cast<\1*>(shim::block_shared());", src
     )
@@ -64,7 +70,7 @@ def main() -> None:
     # where a check can stand in for the kernel before it.
     wait = "#define PDL_WAIT()\n#endif"
     if wait not in src:
-        sys.exit("prepare.py: no host definition of PDL_WAIT in kernels.cu")
+        sys.exit("prepare.py: no host definition of PDL_WAIT in the kernels")
     src = src.replace(wait, "#define PDL_WAIT() shim::pdl_wait()\n#endif")
     with open(sys.argv[2], "w") as out:
         out.write('#include "shim.h"\n')

@@ -1,9 +1,8 @@
 // Enough of CUDA to run the backend's kernels on the CPU: each CUDA thread of a block is
-// a fiber (ucontext), the blocks of a grid run one after another (or all at once, for a
-// kernel whose blocks wait on each other), `__syncthreads`, shuffles and `mma.sync` are
-// barriers among the fibers of a block or a warp, and a spin on a counter lets the other
-// fibers run. Nothing runs in parallel, so atomics are plain updates. It checks what a kernel computes,
-// never how fast: prepare.py rewrites kernels.cu for it (the inline PTX helpers and the
+// a fiber (ucontext), the blocks of a grid run one after another, `__syncthreads`,
+// shuffles and `mma.sync` are barriers among the fibers of a block or a warp, and a spin
+// on a counter lets the other fibers run. Nothing runs in parallel, so atomics are plain updates. It checks what a kernel computes,
+// never how fast: prepare.py rewrites the kernels for it (the inline PTX helpers and the
 // shared-memory declarations), and check.cpp runs kernels against plain references.
 #pragma once
 
@@ -224,20 +223,15 @@ inline void pdl_wait() {
 
 // Runs `kernel` over `grid` blocks of `block` threads with `shared` bytes of dynamic
 // shared memory each, poisoned with NaNs so that nothing reads what no thread wrote. The
-// blocks run one after another, unless `resident`: then all at once, as a kernel whose
-// blocks wait on each other (through global counters) needs them, each with shared
-// memory of its own (such a kernel may use no static __shared__ variable: here those
-// are one for all blocks).
-inline void launch(dim3 grid, dim3 block, size_t shared, std::function<void()> kernel,
-                   bool resident = false) {
+// blocks run one after another.
+inline void launch(dim3 grid, dim3 block, size_t shared, std::function<void()> kernel) {
     grid_dim = grid;
     block_dim = block;
     block_threads = block.x * block.y * block.z;
     unsigned blocks = grid.x * grid.y * grid.z;
     body = kernel;
-    unsigned group = resident ? blocks : 1;
-    for (unsigned b = 0; b < blocks; b += group) {
-        unsigned last = std::min(blocks, b + group);
+    for (unsigned b = 0; b < blocks; b++) {
+        unsigned last = b + 1;
         if (predecessor) predecessor->before();
         dynamic_shared.assign(last - b, std::vector<float4>(shared / 16 + 1, float4{NAN, NAN, NAN, NAN}));
         exchange.assign((size_t)(last - b) * block_threads * 16, 0);
@@ -319,7 +313,7 @@ inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
 }
 inline int __ffs(int v) { return __builtin_ffs(v); }
 
-// The inline-PTX helpers of kernels.cu (prepare.py removes their definitions there).
+// The inline-PTX helpers of the kernels (prepare.py removes their definitions there).
 // IEEE half precision in software, so that any C++17 compiler will do.
 inline float half_bits(unsigned short h) {
     unsigned sign = (h >> 15) & 1u, exp = (h >> 10) & 31u, man = h & 1023u;
@@ -375,7 +369,6 @@ inline void copy4_async(unsigned* dst, const unsigned* src) { *dst = *src; }
 inline void wait_count(const unsigned* c, unsigned target) {
     while (*(volatile const unsigned*)c < target) shim::yield(shim::SPIN);
 }
-inline void prefetch_l2(const void*, size_t) {}
 inline void copies_commit() {}
 inline void copies_wait() {}
 

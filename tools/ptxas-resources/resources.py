@@ -1,7 +1,8 @@
-"""Registers and spill bytes of each kernel of kernels.cu: NVRTC (through its C API, with
-the backend's options) makes the PTX, ptxas -v reports.
+"""Registers and spill bytes of each kernel of the CUDA backend: NVRTC (through its C API,
+with the backend's options) makes the PTX of program.cu, its includes read in its place
+as the backend joins them, and ptxas -v reports.
 
-    python3 resources.py CACHE kernels.cu [--check SPILLS] [NAME=VALUE ...]
+    python3 resources.py CACHE program.cu [--check SPILLS] [NAME=VALUE ...]
 
 CACHE holds the unpacked nvidia-cuda-nvrtc and nvidia-cuda-nvcc wheels (run.sh fetches
 them). Prints one line a kernel: name, registers, spill stores / loads in bytes. With
@@ -67,7 +68,13 @@ def main() -> None:
     ptxas = glob.glob(os.path.join(cache, "nvidia", "*", "bin", "ptxas"))
     if not libs or not ptxas:
         sys.exit(f"resources.py: no NVRTC or ptxas under {cache}")
-    ptx = ptx_of(ctypes.CDLL(libs[0]), open(source, "rb").read(), defines)
+    here = os.path.dirname(source)
+    program = re.sub(
+        rb'#include "([^"]+)"\n',
+        lambda m: open(os.path.join(here, m.group(1).decode()), "rb").read(),
+        open(source, "rb").read(),
+    )
+    ptx = ptx_of(ctypes.CDLL(libs[0]), program, defines)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "kernels.ptx")
         with open(path, "wb") as f:

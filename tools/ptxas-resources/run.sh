@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Registers and spills of every kernel in crates/dynmoe/src/backend/cuda/kernels.cu, as the
+# Registers and spills of every kernel in crates/dynmoe/src/backend/cuda/kernels/, as the
 # backend builds them (NVRTC's PTX for compute_90, then ptxas for sm_90), on a machine
 # without a GPU or a CUDA toolkit: NVRTC and ptxas come from NVIDIA's PyPI wheels, cached
 # in $PTXAS_CACHE (default ~/.cache/dynmoe-ptxas). Arguments are kernel constants, as
-# DYNMOE_CUDA_DEFINES takes them:
+# the backend takes them (DYNMOE_CUDA=define=NAME=VALUE):
 #
 #   bash tools/ptxas-resources/run.sh [DMMA_UNITS=8 ...] | grep dense_mma
 #   bash tools/ptxas-resources/run.sh --check tools/ptxas-resources/spills.txt
@@ -37,4 +37,4 @@ if [ ! -x "$cache/nvidia/cu13/bin/ptxas" ] || ! ls "$cache"/nvidia/cu13/lib/libn
 fi
 # NVRTC opens its builtins library by name.
 export LD_LIBRARY_PATH="$cache/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}"
-python3 "$here/resources.py" "$cache" "$here/../../crates/dynmoe/src/backend/cuda/kernels.cu" "$@"
+python3 "$here/resources.py" "$cache" "$here/../../crates/dynmoe/src/backend/cuda/kernels/program.cu" "$@"

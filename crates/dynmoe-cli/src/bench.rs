@@ -485,7 +485,7 @@ struct Case {
     /// `bits`, or at its plan's codec (a VQ expert's codes and block norms).
     decode_bytes_per_token: usize,
     /// Bytes a dense weight takes on the backend: 2 on CUDA, which keeps a bf16
-    /// checkpoint's matrices in bf16 (unless `DYNMOE_CUDA_BF16=0`), 4 on the CPU (f32).
+    /// checkpoint's matrices in bf16, 4 on the CPU (f32).
     dense_bytes_per_weight: usize,
     /// Copy bandwidth over those bytes.
     decode_floor_tok_s: Option<f64>,
@@ -688,10 +688,16 @@ fn decode(a: DecodeArgs) -> Result<()> {
         // A backend per model, so that each precision's device weights go with it.
         let (runs, eager, dense) = match a.backend {
             BackendKind::Cuda => {
-                let m = crate::load(&a.model, cuda_backend()?, &codecs)?;
-                let runs = measure(&m, a.prompt, a.generate, a.repeats)?;
-                let eager = eager_runs(&m, a.prompt, a.generate, a.repeats)?;
-                (runs, eager, dense_bytes(&m))
+                let (runs, dense) = {
+                    let m = crate::load(&a.model, cuda_backend()?, &codecs)?;
+                    (
+                        measure(&m, a.prompt, a.generate, a.repeats)?,
+                        dense_bytes(&m),
+                    )
+                };
+                // Once the first model has freed the device.
+                let eager = eager_runs(&a.model, &codecs, a.prompt, a.generate, a.repeats)?;
+                (runs, eager, dense)
             }
             other => {
                 let m = crate::load(&a.model, other.cpu(), &codecs)?;
@@ -775,25 +781,27 @@ fn decode(a: DecodeArgs) -> Result<()> {
     Ok(())
 }
 
-/// The decode runs again with CUDA graphs off: what recording the step buys.
+/// The decode runs again, the model at `dir` loaded on a backend with CUDA graphs off:
+/// what recording the step buys.
 #[cfg(feature = "cuda")]
 fn eager_runs(
-    m: &LoadedModel<dynmoe::backend::Cuda>,
+    dir: &Path,
+    codecs: &Codecs,
     prompt: usize,
     generate: usize,
     repeats: usize,
 ) -> Result<Option<Runs>> {
-    m.model.backend().set_graphs(false);
-    let runs = measure(m, prompt, generate, repeats);
-    let timeline = runs.is_ok() && m.model.backend().timeline_on();
-    let timeline = if timeline {
-        print_timeline(m, prompt, generate)
-    } else {
-        Ok(())
+    use dynmoe::backend::cuda::Tuning;
+    let tuning = Tuning {
+        graphs: false,
+        ..Tuning::from_env()?
     };
-    m.model.backend().set_graphs(true);
-    timeline?;
-    Ok(Some(runs?))
+    let m = crate::load(dir, dynmoe::backend::Cuda::with_tuning(0, tuning)?, codecs)?;
+    let runs = measure(&m, prompt, generate, repeats)?;
+    if m.model.backend().timeline_on() {
+        print_timeline(&m, prompt, generate)?;
+    }
+    Ok(Some(runs))
 }
 
 /// With the kernels built with `TIMELINE`, one more eager decode, each launch timed from
@@ -912,14 +920,10 @@ fn print_phases(stamps: &[Vec<[u64; dynmoe::backend::cuda::PHASE_SLOTS]>; 2]) {
 }
 
 /// Bytes a dense weight takes on the device. Checkpoints (synthetic ones too) are bf16,
-/// so every dense matrix is bf16-exact and kept at 2 bytes unless that is switched off.
+/// so every dense matrix is bf16-exact and kept at 2 bytes.
 #[cfg(feature = "cuda")]
-fn dense_bytes(m: &LoadedModel<dynmoe::backend::Cuda>) -> usize {
-    if m.model.backend().bf16_matrices() {
-        2
-    } else {
-        4
-    }
+fn dense_bytes(_: &LoadedModel<dynmoe::backend::Cuda>) -> usize {
+    2
 }
 
 /// Without the feature the "CUDA" model is never made (see `cuda_backend`).
@@ -930,12 +934,7 @@ fn dense_bytes<B: Backend>(_: &LoadedModel<B>) -> usize {
 
 /// Without the feature the "CUDA" model is never made (see `cuda_backend`).
 #[cfg(not(feature = "cuda"))]
-fn eager_runs<B: Backend>(
-    _: &LoadedModel<B>,
-    _: usize,
-    _: usize,
-    _: usize,
-) -> Result<Option<Runs>> {
+fn eager_runs(_: &Path, _: &Codecs, _: usize, _: usize, _: usize) -> Result<Option<Runs>> {
     Ok(None)
 }
 

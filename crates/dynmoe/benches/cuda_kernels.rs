@@ -13,7 +13,7 @@
 //!
 //! `cargo bench -p dynmoe --features cuda --bench cuda_kernels`
 
-use dynmoe::backend::cuda::{DecodeAttention, PrefillAttention};
+use dynmoe::backend::cuda::Tuning;
 use dynmoe::backend::{
     attention_preamble_one_by_one, AttentionShape, Backend, Cuda, DeviceRoute, HeadNorm, MoeInput,
     RoutedExperts, SwiGluGroup, Weight,
@@ -132,67 +132,86 @@ fn fresh_bf16(len: usize, salt: u64) -> Vec<f32> {
         .collect()
 }
 
-/// One decode row `x` through a routed MoE block, its probabilities at the start of
-/// `probs`.
-#[allow(clippy::too_many_arguments)]
-fn route_row(
-    g: &Cuda,
-    x: &<Cuda as Backend>::Tensor,
+/// A routed MoE block's inputs on one device: decode rows, a bf16 router and the
+/// probabilities' and output's buffers (`rows` rows of them).
+struct StepInputs {
     hidden: usize,
-    gate: &<Cuda as Backend>::Matrix,
-    routed: &RoutedExperts<'_, <Cuda as Backend>::Matrix>,
-    route: DeviceRoute<'_>,
-    probs: &mut <Cuda as Backend>::Tensor,
-    out: &mut <Cuda as Backend>::Tensor,
-) -> bool {
-    g.routed_moe(
-        MoeInput::Rows(x),
-        1,
-        hidden,
-        gate,
-        routed,
-        route,
-        probs,
-        0,
-        out,
-    )
+    xs: Vec<<Cuda as Backend>::Tensor>,
+    gate: <Cuda as Backend>::Matrix,
+    probs: <Cuda as Backend>::Tensor,
+    out: <Cuda as Backend>::Tensor,
 }
 
-/// One decode token's routed step (`step(t)` routes token `t` of `tokens`) four ways: as
-/// one launch (`moe_step`, graph key `key`), with the experts as slices in one launch
-/// after the router (`key + 1`), as three launches on tensor cores (`key + 2`), then on
-/// CUDA cores (`key + 3`), each launched call by call and then recorded as a graph (as a
-/// decode step runs): a printed line and a row `name_{step,slices,mma,matvec}_{eager,graph}`
-/// of each, `bytes` a token. Experts a way does not take (VQ) run the three-launch way
-/// under its name.
+impl StepInputs {
+    /// `tokens` fresh rows (seeds from `x_salt`) of `hidden` and a router over `experts`
+    /// (seed `gate_salt`) on `d`.
+    fn new(
+        d: &Cuda,
+        [hidden, experts, tokens, rows]: [usize; 4],
+        [gate_salt, x_salt]: [u64; 2],
+    ) -> Self {
+        StepInputs {
+            hidden,
+            xs: (0..tokens)
+                .map(|t| d.upload(&fresh(hidden, x_salt + t as u64)))
+                .collect(),
+            gate: d.upload_matrix(&fresh_bf16(experts * hidden, gate_salt), experts, hidden),
+            probs: d.alloc(rows * experts),
+            out: d.alloc(rows * hidden),
+        }
+    }
+
+    /// Row `t` through `routed` on `d` (which the inputs are on), its probabilities at the
+    /// start of `probs`.
+    fn route(
+        &mut self,
+        d: &Cuda,
+        t: usize,
+        routed: &RoutedExperts<'_, <Cuda as Backend>::Matrix>,
+        route: DeviceRoute<'_>,
+    ) -> bool {
+        d.routed_moe(
+            MoeInput::Rows(&self.xs[t]),
+            1,
+            self.hidden,
+            &self.gate,
+            routed,
+            route,
+            &mut self.probs,
+            0,
+            &mut self.out,
+        )
+    }
+}
+
+/// One decode token's routed step (`routed`, each of `tokens` rows of `inputs` in turn) two
+/// ways: on tensor cores (`devices[0]`, graph key `key`), then on CUDA cores (`devices[1]`,
+/// `key + 1`), each launched call by call and then recorded as a graph (as a decode step
+/// runs): a printed line and a row `name_{mma,matvec}_{eager,graph}` of each, `bytes` a
+/// token.
 #[allow(clippy::too_many_arguments)]
 fn routed_step_rows(
-    g: &Cuda,
+    devices: [&Cuda; 2],
+    inputs: &mut [StepInputs; 2],
     key: u64,
     tokens: usize,
-    mut step: impl FnMut(usize),
+    routed: &RoutedExperts<'_, <Cuda as Backend>::Matrix>,
+    route: DeviceRoute<'_>,
     [label, name]: [&str; 2],
     [inter, hidden]: [usize; 2],
     bytes: usize,
     copy_gb_s: f64,
     rows_out: &mut Vec<Row>,
 ) {
-    let (was, was_step, was_slices) = (g.routed_mma(), g.moe_step(), g.routed_slices());
-    for (i, (mma, one, slices, way)) in [
-        (true, true, false, "step"),
-        (true, false, true, "slices"),
-        (true, false, false, "mma"),
-        (false, false, false, "matvec"),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        g.set_routed_mma(mma);
-        g.set_moe_step(one);
-        g.set_routed_slices(slices);
-        let ms = time_ms(g, || (0..tokens).for_each(&mut step));
+    for (i, way) in ["mma", "matvec"].into_iter().enumerate() {
+        let (d, inputs) = (devices[i], &mut inputs[i]);
+        let mut step = |t: usize| {
+            let done = inputs.route(d, t % tokens, routed, route);
+            assert!(done, "experts of one shape route on the device");
+        };
+        let ms = time_ms(d, || (0..tokens).for_each(&mut step));
         let eager = ms * 1e3 / tokens as f64;
-        let graph = graph_us(g, key + i as u64, |i| step(i % tokens));
+        let graph = graph_us(d, key + i as u64, step);
         for (per_token, launched) in [(eager, "eager"), (graph, "graph")] {
             let row = Row::new(
                 format!("{name}_{way}_{launched}"),
@@ -205,9 +224,6 @@ fn routed_step_rows(
             report(rows_out, &format!("{label} {way} {launched}"), row, "");
         }
     }
-    g.set_routed_mma(was);
-    g.set_moe_step(was_step);
-    g.set_routed_slices(was_slices);
 }
 
 struct HostAffine {
@@ -254,6 +270,12 @@ fn main() {
         }
     };
     println!("{} ({})", g.device_name(), g.arch());
+    // The same device without tensor cores: the portable kernels, measured beside them.
+    let portable = Tuning {
+        tensor_cores: false,
+        ..g.tuning().clone()
+    };
+    let portable = Cuda::with_tuning(0, portable).expect("the device was made once");
 
     // Copy ceiling: 1 GiB read + 1 GiB written per pass.
     let copy_bytes = 2 << 30;
@@ -467,19 +489,15 @@ fn main() {
                 renormalize: true,
                 keep: None,
             };
-            let gate = g.upload_matrix(&fresh_bf16(experts * hidden, 12), experts, hidden);
-            let xs: Vec<_> = (0..tokens)
-                .map(|t| g.upload(&fresh(hidden, 200 + t as u64)))
-                .collect();
-            let mut probs = g.alloc(experts);
+            let mut inputs = [&g, &portable]
+                .map(|d| StepInputs::new(d, [hidden, experts, tokens, 1], [12, 200]));
             routed_step_rows(
-                &g,
+                [&g, &portable],
+                &mut inputs,
                 100 + 4 * bits as u64,
                 tokens,
-                |t| {
-                    let x = &xs[t];
-                    route_row(&g, x, hidden, &gate, &routed, route, &mut probs, &mut out);
-                },
+                &routed,
+                route,
                 [
                     &format!("routed q{bits}"),
                     &format!("moe_routed_on_device_top8_q{bits}"),
@@ -503,9 +521,17 @@ fn main() {
                 ),
                 ("top1", "routed step, top-1", 1, None, bytes / top_k),
             ];
+            let [inputs, _] = &mut inputs;
             let mut logits = g.alloc(experts);
             let us = graph_us(&g, 299 + 4 * bits as u64, |t| {
-                g.matmul(&xs[t % tokens], &gate, 1, hidden, experts, &mut logits)
+                g.matmul(
+                    &inputs.xs[t % tokens],
+                    &inputs.gate,
+                    1,
+                    hidden,
+                    experts,
+                    &mut logits,
+                )
             });
             let row = Row::new(
                 format!("moe_router_q{bits}"),
@@ -528,8 +554,7 @@ fn main() {
                     keep,
                 };
                 let mut step = |t: usize| {
-                    let x = &xs[t % tokens];
-                    route_row(&g, x, hidden, &gate, &routed, route, &mut probs, &mut out);
+                    inputs.route(&g, t % tokens, &routed, route);
                 };
                 step(0);
                 let us = graph_us(&g, 300 + 4 * bits as u64 + i as u64, step);
@@ -558,13 +583,11 @@ fn main() {
                 p[..top_k].iter().for_each(|&e| rows_of[e].push(t as u32));
             }
             let gates = vec![0.125f32; prompt];
-            let xp = g.upload(&fresh(prompt * hidden, 13));
-            let mut outp = g.zeros(prompt * hidden);
             let layer_bytes = bytes / top_k * experts;
             let flops = 2.0 * 3.0 * (prompt * top_k * inter * hidden) as f64;
-            let was = g.tensor_cores();
-            for tensor_cores in [true, false] {
-                g.set_tensor_cores(tensor_cores);
+            for (d, tensor_cores) in [(&g, true), (&portable, false)] {
+                let xp = d.upload(&fresh(prompt * hidden, 13));
+                let mut outp = d.zeros(prompt * hidden);
                 let groups: Vec<SwiGluGroup<'_, _>> = rows_of
                     .iter()
                     .enumerate()
@@ -577,7 +600,7 @@ fn main() {
                         scales: &gates[..r.len()],
                     })
                     .collect();
-                let us = time_ms(&g, || g.swiglu_groups(&xp, hidden, &groups, &mut outp)) * 1e3;
+                let us = time_ms(d, || d.swiglu_groups(&xp, hidden, &groups, &mut outp)) * 1e3;
                 let way = if tensor_cores { "gemm" } else { "1by1" };
                 let kind = if tensor_cores {
                     "tensor_core_gemm"
@@ -596,8 +619,8 @@ fn main() {
                 let note = format!("  {tflops:.1} TFLOP/s");
                 report(&mut rows_out, &format!("moe512 q{bits} {way}"), row, &note);
             }
-            g.set_tensor_cores(was);
             g.clear_weight_cache();
+            portable.clear_weight_cache();
         }
     }
 
@@ -652,21 +675,16 @@ fn main() {
                 renormalize: true,
                 keep: None,
             };
-            let gate = g.upload_matrix(&fresh_bf16(experts * hidden, 14), experts, hidden);
-            let xs: Vec<_> = (0..tokens)
-                .map(|t| g.upload(&fresh(hidden, 300 + t as u64)))
-                .collect();
-            let (mut probs, mut out) = (g.alloc(512 * experts), g.alloc(512 * hidden));
+            let prompt = 512;
+            let mut inputs = [&g, &portable]
+                .map(|d| StepInputs::new(d, [hidden, experts, tokens, prompt], [14, 300]));
             routed_step_rows(
-                &g,
+                [&g, &portable],
+                &mut inputs,
                 200 + 4 * rung.position() as u64,
                 tokens,
-                |t| {
-                    let x = &xs[t];
-                    let done =
-                        route_row(&g, x, hidden, &gate, &routed, route, &mut probs, &mut out);
-                    assert!(done, "VQ experts route on the device");
-                },
+                &routed,
+                route,
                 [
                     &format!("routed {}", rung.name()),
                     &format!("moe_routed_on_device_top8_{}", rung.name()),
@@ -676,19 +694,19 @@ fn main() {
                 copy_gb_s,
                 &mut rows_out,
             );
-            let prompt = 512;
             let xp = g.upload(&fresh(prompt * hidden, 15));
+            let [inputs, _] = &mut inputs;
             let us = time_ms(&g, || {
                 let done = g.routed_moe(
                     MoeInput::Rows(&xp),
                     prompt,
                     hidden,
-                    &gate,
+                    &inputs.gate,
                     &routed,
                     route,
-                    &mut probs,
+                    &mut inputs.probs,
                     0,
-                    &mut out,
+                    &mut inputs.out,
                 );
                 assert!(done, "VQ experts route on the device");
             }) * 1e3;
@@ -710,6 +728,7 @@ fn main() {
                 &note,
             );
             g.clear_weight_cache();
+            portable.clear_weight_cache();
         }
     }
 
@@ -719,13 +738,11 @@ fn main() {
         // widened to f32 for cuBLAS' sgemm.
         {
             let (rows, cols, prompt) = (4096, 2048, 512);
-            let m = g.upload_matrix(&fresh_bf16(rows * cols, 31), rows, cols);
-            let x = g.upload(&fresh(prompt * cols, 32));
-            let mut out = g.alloc(prompt * rows);
-            let was = g.tensor_cores();
-            for tensor_cores in [true, false] {
-                g.set_tensor_cores(tensor_cores);
-                let us = time_ms(&g, || g.matmul(&x, &m, prompt, cols, rows, &mut out)) * 1e3;
+            for (d, tensor_cores) in [(&g, true), (&portable, false)] {
+                let m = d.upload_matrix(&fresh_bf16(rows * cols, 31), rows, cols);
+                let x = d.upload(&fresh(prompt * cols, 32));
+                let mut out = d.alloc(prompt * rows);
+                let us = time_ms(d, || d.matmul(&x, &m, prompt, cols, rows, &mut out)) * 1e3;
                 let tflops = 2.0 * (prompt * rows * cols) as f64 / (us * 1e-6) / 1e12;
                 let way = if tensor_cores { "split" } else { "sgemm" };
                 let bytes = rows * cols * 2;
@@ -745,7 +762,6 @@ fn main() {
                 let note = format!("  {tflops:.1} TFLOP/s");
                 report(&mut rows_out, &format!("bf16 {way}"), row, &note);
             }
-            g.set_tensor_cores(was);
         }
 
         // Dense products of one row at the attention and LM-head shapes (the matrix-vector
@@ -792,9 +808,8 @@ fn main() {
     if want("attention") {
         // Decode attention at Qwen3-30B-A3B's heads (32 query, 4 KV, 128 wide) over a cache of
         // `ctx` positions, the query at the last: the grouped kernel (a block per KV head and
-        // chunk) and the per-head split it replaced, each timed as the other rows are (calls
-        // queued back to back on the stream, launch costs included) and in a recorded graph
-        // (as a decode step runs it).
+        // chunk), timed as the other rows are (calls queued back to back on the stream,
+        // launch costs included) and in a recorded graph (as a decode step runs it).
         for ctx in [16, 640, 4096] {
             let kvw = kv_heads * head_dim;
             let bytes = 2 * ctx * kvw * 4;
@@ -817,68 +832,28 @@ fn main() {
                 head_dim,
                 window: None,
             };
-            let ways = [
-                (DecodeAttention::Grouped, "attn dec", "attention_decode"),
-                (
-                    DecodeAttention::PerHead,
-                    "attn dec/h",
-                    "attention_decode_per_head",
-                ),
-            ];
-            for (way, label, kernel) in ways {
-                g.set_decode_attention(way);
-                let ms = time_ms(&g, || {
-                    for (k, v) in &caches {
-                        g.attention(&q, k, v, shape, &mut out);
-                    }
-                });
-                let queued = ms * 1e3 / copies as f64;
-                let graph = graph_us(&g, 100 + ctx as u64 * 4 + way as u64, |i| {
-                    let (k, v) = &caches[i % copies];
-                    g.attention(&q, k, v, shape, &mut out)
-                });
-                for (label, kernel, per_call) in [
-                    (label.to_string(), kernel.to_string(), queued),
-                    (format!("{label} g"), format!("{kernel}_graph"), graph),
-                ] {
-                    let row = Row::new(kernel, [ctx, kvw, 1], bytes, copies, per_call, copy_gb_s);
-                    report(&mut rows_out, &label, row, "");
+            let ms = time_ms(&g, || {
+                for (k, v) in &caches {
+                    g.attention(&q, k, v, shape, &mut out);
                 }
+            });
+            let queued = ms * 1e3 / copies as f64;
+            let graph = graph_us(&g, 100 + ctx as u64 * 4, |i| {
+                let (k, v) = &caches[i % copies];
+                g.attention(&q, k, v, shape, &mut out)
+            });
+            for (label, kernel, per_call) in [
+                ("attn dec", "attention_decode", queued),
+                ("attn dec g", "attention_decode_graph", graph),
+            ] {
+                let row = Row::new(kernel, [ctx, kvw, 1], bytes, copies, per_call, copy_gb_s);
+                report(&mut rows_out, label, row, "");
             }
-            g.set_decode_attention(DecodeAttention::Grouped);
-            // The grouped kernel with other splits of the keys than its own (group_chunk):
-            // fewer, longer blocks leave less for the merge.
-            for (i, keys) in [16usize, 32, 64, 128, 256].into_iter().enumerate() {
-                if keys >= ctx {
-                    break;
-                }
-                g.set_decode_chunk(Some(keys));
-                let graph = graph_us(&g, 400 + ctx as u64 * 8 + i as u64, |i| {
-                    let (k, v) = &caches[i % copies];
-                    g.attention(&q, k, v, shape, &mut out)
-                });
-                let row = Row::new(
-                    format!("attention_decode_chunk{keys}_graph"),
-                    [ctx, kvw, 1],
-                    bytes,
-                    copies,
-                    graph,
-                    copy_gb_s,
-                );
-                report(
-                    &mut rows_out,
-                    &format!("attn dec g, {keys} keys a block"),
-                    row,
-                    "",
-                );
-            }
-            g.set_decode_chunk(None);
         }
     }
     if want("prefill") {
         // Prefill attention at the same heads: a prompt of `n` rows from position 0, causal,
-        // through the tiled kernel and the per-row kernel it replaced, timed as the rows
-        // above (calls queued back to back, over copies of q and the caches). Bound by
+        // through the tiled kernel, timed as the rows above (calls queued back to back, over copies of q and the caches). Bound by
         // arithmetic, not bytes: the table's last columns are GFLOP/s (4 per visible
         // (row, head, key) and head dimension) and, in the JSON, bytes are q, K, V and out.
         for n in [512, 2048] {
@@ -905,40 +880,23 @@ fn main() {
                 head_dim,
                 window: None,
             };
-            let ways = [
-                (
-                    PrefillAttention::Tiled,
-                    "attn pre",
-                    "attention_prefill_tiled",
-                ),
-                (
-                    PrefillAttention::PerRow,
-                    "attn pre/r",
-                    "attention_prefill_per_row",
-                ),
-            ];
-            for (way, label, kernel) in ways {
-                g.set_prefill_attention(way);
-                let ms = time_ms(&g, || {
-                    for (q, k, v) in &inputs {
-                        g.attention(q, k, v, shape, &mut out);
-                    }
-                });
-                let per_call = ms * 1e3 / copies as f64;
-                let gflop_s = flop / (per_call * 1e-6) / 1e9;
-                println!(
-                    "{label:<10} {n:>6} {kvw:>6} {n:>5} {per_call:>10.2} {gflop_s:>8.0} GFLOP/s"
-                );
-                rows_out.push(Row::new(
-                    kernel,
-                    [n, kvw, n],
-                    bytes,
-                    copies,
-                    per_call,
-                    copy_gb_s,
-                ));
-            }
-            g.set_prefill_attention(PrefillAttention::Tiled);
+            let ms = time_ms(&g, || {
+                for (q, k, v) in &inputs {
+                    g.attention(q, k, v, shape, &mut out);
+                }
+            });
+            let per_call = ms * 1e3 / copies as f64;
+            let gflop_s = flop / (per_call * 1e-6) / 1e9;
+            let label = "attn pre";
+            println!("{label:<10} {n:>6} {kvw:>6} {n:>5} {per_call:>10.2} {gflop_s:>8.0} GFLOP/s");
+            rows_out.push(Row::new(
+                "attention_prefill_tiled",
+                [n, kvw, n],
+                bytes,
+                copies,
+                per_call,
+                copy_gb_s,
+            ));
         }
     }
 

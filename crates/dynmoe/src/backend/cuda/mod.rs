@@ -17,7 +17,7 @@
 //! per product (`vq_rotate`), then a warp per output row looks up each vector's codeword
 //! in the rung's codebook (expanded to all `2^k` codewords in fp16, one device copy per
 //! rung; in shared memory when it fits beside the activations) and scales the block
-//! sums by the norms. Above [`MATVEC_MAX_BATCH`] rows the matrix is decoded in the
+//! sums by the norms. Above a few rows (`MATVEC_MAX_BATCH`) the matrix is decoded in the
 //! rotated domain into a scratch buffer and multiplied by cuBLAS with the rotated rows.
 //! A MoE block's VQ experts are routed on the device like affine ones; at rungs of 4- to
 //! 16-value vectors their products run on tensor cores, each codeword looked up from the
@@ -30,338 +30,71 @@
 //!
 //! Ops have no error path in [`Backend`]; a failing CUDA call after the backend was
 //! made (out of memory, a kernel fault) panics with the call's error.
+//!
+//! The code is kept one op family a file, as the kernels are (`kernels/*.cu`): each
+//! family's file names its kernels, writes their parameter lists once (launch.rs) and
+//! decides their launches; this file holds the backend's state and a [`Backend`] impl
+//! that hands each op to its family. How it runs is one [`Tuning`], chosen when it is
+//! made; every other choice follows from the device and the shapes, as measured
+//! (the GPU rounds in docs/notes/).
 
-// A launch argument passed as `&mut` marks a buffer the kernel writes.
-#![allow(clippy::unnecessary_mut_passed)]
-
+mod affine;
+mod affine_mma;
+mod attention;
+mod expert_gemm;
 mod launch;
+mod matvec;
+mod norm;
+mod program;
+mod route;
+mod routed;
 mod slots;
+mod step;
+mod tuning;
+mod vq;
+mod vq_mma;
 
-use launch::Launch;
+pub use affine::AFFINE_GEMM_ROWS;
+pub use matvec::DeviceMatrix;
+pub use program::{source, SOURCES};
+pub use routed::ROUTED_MAX_ROWS;
 pub use slots::CudaSlots;
+pub use tuning::Tuning;
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU8;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, CudaView,
-    CudaViewMut, DevicePtr, DevicePtrMut, LaunchConfig, PinnedHostSlice,
+    CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+    LaunchConfig,
 };
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-use half::slice::HalfFloatSliceExt;
 
 use super::{
-    attention_preamble_one_by_one, swiglu_groups_one_by_one, AddNorm, AttentionShape, Backend,
-    DeviceRoute, HeadNorm, MoeInput, PendingRead, RoutedExperts, SwiGluGroup, Weight,
+    swiglu_groups_one_by_one, AddNorm, AttentionShape, Backend, DeviceRoute, HeadNorm, MoeInput,
+    PendingRead, RoutedExperts, SwiGluGroup, Weight,
 };
 use crate::codec::affine::kernels::AffineView;
-use crate::codec::affine::lowbit::words_per_row;
-use crate::codec::affine::GROUP_SIZE;
-use crate::codec::vq::{rotation, row_bytes, Rung, VqView};
+use crate::codec::vq::VqView;
 use crate::store::records::RecordFormat;
-use crate::store::vq::VqLayout;
+use affine::{AffineKey, DeviceAffine};
+use launch::{Args, Ptr};
+use matvec::is_bf16_exact;
+use norm::{
+    Add, AddBias, AddRmsNorm, AddRmsNormTo, ClampValues, GatherRows, NormRows, RmsNorm,
+    RmsNormInplace, Rope, ScatterAddRows, SiluMul,
+};
+use program::Kernels;
+use routed::RoutedBlock;
+use step::{ReadSlot, Recorded};
+use vq::{DeviceVq, VqKey};
 
-/// The kernels' CUDA C source.
-pub const SOURCE: &str = include_str!("kernels.cu");
-
-/// Rows of `x` up to which a dense product runs as the matrix-vector kernel (its
-/// `MV_MAXB`) rather than cuBLAS; also what one VQ matrix-vector launch takes (`VQ_MAXB`).
-const MATVEC_MAX_BATCH: usize = 4;
-/// Output rows per VQ matrix-vector block, a warp each (the kernel's `VQ_WARPS`).
-const VQ_WARPS: usize = 8;
-/// Most blocks of a VQ matrix-vector launch that stages the codebook in shared memory:
-/// each block copies the whole book from L2, so the blocks loop over the rows instead
-/// of the grid growing with them (two per SM of an H200).
-const VQ_SHARED_BOOK_BLOCKS: usize = 264;
-/// Bytes of zeros after a VQ matrix's device codes and after its norms: the
-/// matrix-vector kernels read an index as the 3 bytes from its first, the routed ones as
-/// the two aligned 32-bit words from the one it starts in (up to 7 bytes past its last),
-/// and the tensor-core ones copy rows in whole 16-byte chunks (up to 15 bytes past).
-const VQ_CODE_PADDING: usize = 16;
-/// Rows of `x` one affine matrix-vector launch takes (the kernel's `AFF_MAXB`).
-const AFFINE_MAX_BATCH: usize = 4;
-/// Output rows per affine matrix-vector block (the kernel's `AFF_WARPS`).
-const AFFINE_WARPS: usize = 8;
-/// Above this many rows an affine product expands the matrix to f32 and runs one GEMM:
-/// the matrix-vector kernel would read the weights once per 4 rows.
-pub const AFFINE_GEMM_ROWS: usize = 8;
-/// (Row, expert) pairs per block of the grouped expert GEMMs (the kernels' `MMA_BM`).
-const EXPERT_TILE_ROWS: usize = 32;
-/// Output rows per block of the grouped expert GEMMs (the kernels' `MMA_BN`).
-const EXPERT_TILE_OUTPUTS: usize = 64;
-/// A null device pointer: the grouped GEMMs' tile count when the grid is exact.
-const NO_COUNT: u64 = 0;
 /// Dynamic shared memory a block may take without opting in.
 const SHARED_LIMIT: usize = 48 << 10;
-/// u64 words per group in the grouped kernels' table (the kernel's `GROUP_ENTRY`).
-const GROUP_ENTRY: usize = 11;
-/// u64 words per expert in a routed block's table (the kernel's `ROUTED_ENTRY`).
-const ROUTED_ENTRY: usize = 9;
-/// The gate and up pointers of an entry a routed gate/up block copies with `early` (the
-/// kernel's `GATE_UP_POINTERS`).
-const GATE_UP_POINTERS: usize = 6;
-/// Output rows per warp of the routed expert kernels (the kernel's `ROUTED_ROWS`).
-const ROUTED_ROWS: usize = 4;
-/// Columns of a row one warp of the one-row bf16 kernels takes (their `MV_ONE_COLS`).
-const MV_ONE_COLS: usize = 2048;
-/// Output rows of a `routed_mma_*` block (the kernels' `RMMA_ROWS`), and its warps
-/// (`RMMA_WARPS`; `RMMA_DOWN_WARPS` for the down kernel, whose partial sums of one matrix
-/// fill the two-matrix space of `routed_mma_shared`).
-const RMMA_ROWS: usize = 16;
-const RMMA_WARPS: usize = 8;
-const RMMA_DOWN_WARPS: usize = 16;
-
-/// Which `routed_mma_down_*` kernels ask for shared memory they do not use, so that a
-/// second down block cannot land on an SM: by default (`DYNMOE_CUDA_DOWN_ALONE=auto`)
-/// those whose registers let two blocks share an SM; `1` every one, `0` none.
-///
-/// At 2 bits a 16-warp down block takes 64 registers a thread, so two fit an SM's
-/// registers where at 4 bits (76) only one does; two on one SM take twice as long over
-/// the products after their wait, and the layer waits for the last (docs/GPU_NOTES.md).
-/// A padded block asks for half of what an SM holds (each block also takes a reserve of
-/// about 1 KB). Returns each padded kernel's name and bytes (none where the device
-/// grants less). With `auto`, the padded kernels and the gate/up kernels of the same
-/// experts prefer all of the unified L1 and shared memory as shared memory: an SM
-/// changes its split only while idle, so a padded block must find the split it needs
-/// already there, beside gate/up's blocks. Measured on the H200 (12-layer Qwen3-30B-A3B
-/// shape, q4 dense layers, median of three): 2 bits 1 671.9 tok/s padded against 1 637.8,
-/// 4 bits (nothing padded) unchanged. With bf16 dense layers `auto` leaves the blocks
-/// unpadded at launch ([`Cuda::down_padding`]).
-fn down_alone(
-    ctx: &CudaContext,
-    f: &HashMap<&'static str, CudaFunction>,
-    optin: usize,
-    down_warps: usize,
-    which: DownAlone,
-) -> Result<Vec<(&'static str, usize)>, CudaError> {
-    use cudarc::driver::sys::CUdevice_attribute;
-    let only_shared = match which {
-        DownAlone::None => return Ok(Vec::new()),
-        DownAlone::Shared => true,
-        DownAlone::Every => false,
-    };
-    let per_sm = driver(
-        ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
-    )? as usize;
-    let bytes = per_sm / 2;
-    let mut padded = Vec::new();
-    for name in KERNEL_NAMES {
-        if !name.starts_with("routed_mma_down_") {
-            continue;
-        }
-        if only_shared {
-            let blocks = driver(f[name].occupancy_max_active_blocks_per_multiprocessor(
-                (down_warps * 32) as u32,
-                0,
-                None,
-            ))?;
-            if blocks < 2 {
-                continue;
-            }
-        }
-        if !grant_shared(f, &[name], bytes, optin) {
-            continue;
-        }
-        if only_shared {
-            for n in split_pair(name) {
-                prefer_shared(&f[n.as_str()], 100)?;
-            }
-        }
-        padded.push((name, bytes));
-    }
-    Ok(padded)
-}
-
-/// The routed down kernel `down` and the gate/up kernel of the same experts, whose split
-/// of L1 and shared memory [`down_alone`] sets together.
-fn split_pair(down: &str) -> [String; 2] {
-    [
-        down.to_string(),
-        down.replace("routed_mma_down_", "routed_mma_gate_up_"),
-    ]
-}
-
-/// Which routed down kernels [`down_alone`] pads (`DYNMOE_CUDA_DOWN_ALONE`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum DownAlone {
-    /// `0`: none.
-    None,
-    /// `auto`, the default: those whose blocks could share an SM.
-    Shared,
-    /// `1`: every one.
-    Every,
-}
-
-impl DownAlone {
-    const NAME: &'static str = "DYNMOE_CUDA_DOWN_ALONE";
-
-    /// The variable's value, or an error that names it.
-    fn from_env() -> Result<Self, CudaError> {
-        Self::parse(std::env::var(Self::NAME).ok().as_deref())
-    }
-
-    /// The variable's value (`None` where unset), or an error that names it.
-    fn parse(value: Option<&str>) -> Result<Self, CudaError> {
-        match value {
-            Some("0") => Ok(Self::None),
-            None | Some("auto") => Ok(Self::Shared),
-            Some("1") => Ok(Self::Every),
-            Some(value) => Err(CudaError::Setting {
-                name: Self::NAME,
-                value: value.to_string(),
-                expected: "0, 1 or auto",
-            }),
-        }
-    }
-}
-
-/// Asks for `bytes` of dynamic shared memory a block for each kernel of `names`: whether
-/// every one was granted it (never more than the device's opt-in, `optin`).
-fn grant_shared(
-    f: &HashMap<&'static str, CudaFunction>,
-    names: &[&str],
-    bytes: usize,
-    optin: usize,
-) -> bool {
-    let attr =
-        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-    bytes <= optin
-        && names
-            .iter()
-            .all(|n| f[n].set_attribute(attr, bytes as i32).is_ok())
-}
-
-/// With `DYNMOE_CUDA_CARVEOUT=P`: every kernel prefers P% of the unified L1 and shared
-/// memory as shared memory. An SM changes its split only while idle, so a block that
-/// needs more shared memory than its SM's split gives (a padded down block,
-/// [`down_alone`]) waits for the SM to empty; 100 keeps every SM at the most.
-fn prefer_carveout(f: &HashMap<&'static str, CudaFunction>) -> Result<(), CudaError> {
-    let Some(percent) = env_count("DYNMOE_CUDA_CARVEOUT", 0..=100, "a percentage, 0 to 100")?
-    else {
-        return Ok(());
-    };
-    for func in f.values() {
-        prefer_shared(func, percent)?;
-    }
-    Ok(())
-}
-
-/// Has `func` prefer `percent`% of the unified L1 and shared memory as shared memory.
-fn prefer_shared(func: &CudaFunction, percent: usize) -> Result<(), CudaError> {
-    set_carveout(func, percent as i32)
-}
-
-/// Takes back a preference of [`prefer_shared`]: the driver picks `func`'s split again.
-fn leave_split_to_driver(func: &CudaFunction) -> Result<(), CudaError> {
-    set_carveout(
-        func,
-        cudarc::driver::sys::CUshared_carveout::CU_SHAREDMEM_CARVEOUT_DEFAULT as i32,
-    )
-}
-
-fn set_carveout(func: &CudaFunction, value: i32) -> Result<(), CudaError> {
-    let attr =
-        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
-    driver(func.set_attribute(attr, value))
-}
-
-/// The count in environment variable `name`, if set: an error that names the variable
-/// and `expected` where it is not a number within `range`.
-fn env_count(
-    name: &'static str,
-    range: std::ops::RangeInclusive<usize>,
-    expected: &'static str,
-) -> Result<Option<usize>, CudaError> {
-    let Ok(value) = std::env::var(name) else {
-        return Ok(None);
-    };
-    match value.parse::<usize>() {
-        Ok(n) if range.contains(&n) => Ok(Some(n)),
-        _ => Err(CudaError::Setting {
-            name,
-            value,
-            expected,
-        }),
-    }
-}
-
-/// Warps of a `routed_mma_down_*` block: `RMMA_DOWN_WARPS` (the kernels' launch bound),
-/// or fewer with `DYNMOE_CUDA_DOWN_WARPS`, to measure whether a smaller block lands
-/// beside more gate/up blocks (docs/GPU_NOTES.md).
-fn down_warps_from_env() -> Result<usize, CudaError> {
-    let warps = env_count(
-        "DYNMOE_CUDA_DOWN_WARPS",
-        1..=RMMA_DOWN_WARPS,
-        "a count of warps from 1 to 16",
-    )?;
-    Ok(warps.unwrap_or(RMMA_DOWN_WARPS))
-}
 
 /// Phases a block of the routed kernels stamps with `PHASES` (the kernels' `PHASE_SLOTS`).
 pub const PHASE_SLOTS: usize = 8;
-/// Intermediate rows of one routed expert a `routed_slices_*` block takes (the kernels'
-/// `SLICE_ROWS`: one 64-column group of down), and its warps (`SLICE_WARPS`).
-const SLICE_ROWS: usize = 64;
-const SLICE_WARPS: usize = 16;
-/// Shared memory of a staged 64-column unit of a `routed_mma_*` block: its f16 hi and lo
-/// fragments (`RMMA_UNIT` words) and its sum.
-const RMMA_UNIT: usize = 80;
-const RMMA_UNIT_BYTES: usize = RMMA_UNIT * 4 + 4;
-/// Warps of a `routed_vq_*` block, and the output rows each takes at once in gate/up and
-/// in down (the kernels' `VQR_WARPS`, `VQR_GATE_UP_ROWS`, `VQR_DOWN_ROWS`).
-const VQR_WARPS: usize = 16;
-const VQR_GATE_UP_ROWS: usize = 2;
-const VQR_DOWN_ROWS: usize = 1;
-/// 16-row tiles of gate and up a `routed_vq_gate_up_mma_*` block takes (its `VQM_TILES`).
-const VQM_TILES: usize = 2;
-/// Warps of a `vq_expert_mma_*` block, and its output rows in gate/up (64 a matrix,
-/// four warps each) and in down (the kernels' `VQG_WARPS`).
-const VQG_WARPS: usize = 8;
-const VQG_GATE_UP_OUTPUTS: usize = 64;
-const VQG_DOWN_OUTPUTS: usize = 128;
-/// Largest book the routed VQ kernels copy into shared memory (vq1.5's and vq0.7's; the
-/// kernels' `VQR_PREFETCH_BOOK` too).
-const VQR_SHARED_BOOK: usize = 64 << 10;
-/// Widest row a warp normalises alone (the kernels' `NORM_WARP_DIM`); wider rows take a
-/// block each.
-const NORM_WARP_DIM: usize = 512;
-/// Most experts a routed expert kernel routes itself (the kernels' `ROUTE_SHARED_MAX`:
-/// their candidates in static shared memory); more are routed by `moe_route` first.
-const ROUTE_SHARED_MAX: usize = 256;
-/// Threads of an `argmax_rows` block (its `ARGMAX_THREADS`); a block takes a multiple of
-/// four times this many values of a row.
-const ARGMAX_THREADS: usize = 256;
-/// Rows one `argmax_rows` launch takes: its counts sit in the first this many floats of
-/// the scratch buffer.
-const ARGMAX_MAX_ROWS: usize = 1024;
-/// Pairs of a head one thread of `attn_preamble_at` rotates (its `PRE_PAIRS`).
-const PRE_PAIRS: usize = 4;
-/// Most rows the routed matrix-vector kernels take: beyond, each expert's weights would
-/// be read once per row, so more rows take the grouped GEMMs on tensor cores (without
-/// tensor cores, the host path).
-pub const ROUTED_MAX_ROWS: usize = AFFINE_GEMM_ROWS;
-/// Most (row, expert) pairs one routed launch takes (a grid dimension holds 65 535).
-const ROUTED_CHUNK_PAIRS: usize = 4096;
-/// Query heads one block of `attention_group_*` takes (its `ATT_GROUP`).
-const ATT_GROUP: usize = 8;
-/// Threads of an `attention_group_*` block (its `ATT_THREADS`).
-const ATT_THREADS: u32 = 128;
-/// Keys one step of `attention_group_*`'s score pass takes per load (a block's 16 lane
-/// groups): chunks are whole multiples of it.
-const ATT_STEP: usize = 16;
-/// Most keys an `attention_group_*` block takes (its `ATT_CHUNK_MAX`).
-const ATT_CHUNK_MAX: usize = 256;
-/// Threads of an `attention_combine` block (its `COMBINE_THREADS`).
-const COMBINE_THREADS: u32 = 512;
-/// Query slots (a row and a head of a GQA group each) of an `attention_tiled_*` block
-/// (its `PA_BM`).
-const PA_BM: usize = 64;
-/// Keys of one tile an `attention_tiled_*` block stages (its `PA_BN`).
-const PA_BN: usize = 32;
-/// Threads of an `attention_tiled_*` block (its `PA_THREADS`).
-const PA_THREADS: u32 = 256;
 
 /// Why the CUDA backend could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -388,15 +121,13 @@ pub enum CudaError {
     /// cuBLAS could not be set up.
     #[error("cuBLAS: {0}")]
     Blas(String),
-    /// An environment setting of the backend has a value it does not take.
-    #[error("{name}={value}: {expected}")]
-    Setting {
-        /// The variable.
-        name: &'static str,
-        /// Its value.
-        value: String,
-        /// What it takes.
-        expected: &'static str,
+    /// `DYNMOE_CUDA` holds an item [`Tuning::parse`] does not take.
+    #[error("DYNMOE_CUDA: `{item}`: {expected}")]
+    Tuning {
+        /// The item.
+        item: String,
+        /// What it should be.
+        expected: String,
     },
 }
 
@@ -423,706 +154,6 @@ pub fn probe() -> Result<(), CudaError> {
         }
     }
     Ok(())
-}
-
-/// A dense weight matrix (or embedding table) in device memory, as
-/// [`Backend::upload_matrix`] made it.
-pub enum DeviceMatrix {
-    /// Every value was a bf16 (an f32 whose lower 16 bits are zero): their upper 16 bits.
-    Bf16(CudaSlice<u16>),
-    /// Values bf16 would have rounded, kept whole.
-    F32(CudaSlice<f32>),
-}
-
-impl DeviceMatrix {
-    /// Whether the values are held in bf16.
-    pub fn is_bf16(&self) -> bool {
-        matches!(self, DeviceMatrix::Bf16(_))
-    }
-
-    /// Bytes of device memory the values take (what a product reads).
-    pub fn bytes(&self) -> usize {
-        match self {
-            DeviceMatrix::Bf16(v) => v.len() * 2,
-            DeviceMatrix::F32(v) => v.len() * 4,
-        }
-    }
-}
-
-/// Whether `v` converts to bf16 and back unchanged: bf16 is an f32's upper half.
-fn is_bf16_exact(v: f32) -> bool {
-    v.to_bits() & 0xffff == 0
-}
-
-/// A VQ matrix's codes and block norms on the device, as stored.
-struct DeviceVq {
-    /// `rows · row_bytes` bytes of codes, then [`VQ_CODE_PADDING`] zeros.
-    codes: CudaSlice<u8>,
-    /// `[rows, blocks]` fp16 norms, their raw bits, then [`VQ_CODE_PADDING`] bytes of zeros.
-    norms: CudaSlice<u16>,
-    /// The rotation's signs as bits (bit i of word w set where entry 32w + i is −1), for
-    /// the routed kernels.
-    signs: CudaSlice<u32>,
-    /// The rotation seed (one per matrix of a model, so a slot refilled with another
-    /// expert differs here), host code bytes sampled when it was copied (first, middle,
-    /// last) and the norms' first bits: a re-mapped record is never served stale weights.
-    fingerprint: VqFingerprint,
-}
-
-/// The kernels' name suffix for vectors of `p` values.
-fn vq_suffix(p: usize) -> &'static str {
-    match p {
-        2 => "p2",
-        4 => "p4",
-        8 => "p8",
-        16 => "p16",
-        _ => panic!("no VQ kernel for vectors of {p} values (2, 4, 8, 16)"),
-    }
-}
-
-/// How a VQ matrix-vector launch is laid out: activation rows per launch, and whether
-/// the codebook is staged in shared memory beside them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct VqTile {
-    rows: usize,
-    book_shared: bool,
-}
-
-/// The launch layout for `batch` (≤ [`MATVEC_MAX_BATCH`]) activation rows of a matrix in
-/// `rung` whose rotated rows are `width` wide, or `None` when not even one row fits in
-/// shared memory (the product then decodes and runs a GEMM). The rows come first: a book
-/// that does not fit beside them is read from global memory through the caches.
-fn vq_tile(rung: Rung, width: usize, batch: usize) -> Option<VqTile> {
-    let row = width * 4;
-    let rows = (SHARED_LIMIT / row).min(MATVEC_MAX_BATCH).min(batch);
-    (rows > 0).then(|| VqTile {
-        rows,
-        book_shared: vq_book_bytes(rung) + rows * row <= SHARED_LIMIT,
-    })
-}
-
-/// Bytes of a rung's codebook on the device: every codeword in fp16.
-fn vq_book_bytes(rung: Rung) -> usize {
-    rung.codewords() * rung.dim * 2
-}
-
-/// Host address and length of a VQ view's codes: what the weight cache is keyed by.
-type VqKey = (usize, usize);
-
-/// A VQ view's rotation seed and sampled code bytes and norm bits.
-type VqFingerprint = (u64, [u16; 4]);
-
-fn vq_key(w: &VqView<'_>) -> VqKey {
-    (w.codes.as_ptr() as usize, w.codes.len())
-}
-
-fn vq_fingerprint(w: &VqView<'_>) -> VqFingerprint {
-    let c = w.codes;
-    let at = |i: usize| c.get(i).copied().unwrap_or(0) as u16;
-    (
-        w.seed,
-        [
-            at(0),
-            at(c.len() / 2),
-            at(c.len().saturating_sub(1)),
-            w.norms.first().map(|n| n.to_bits()).unwrap_or(0),
-        ],
-    )
-}
-
-/// A device copy of an affine matrix.
-struct DeviceAffine {
-    /// The matrix as stored, row by row; none where it is held only in tiles
-    /// ([`Cuda::set_dense_single`]).
-    rows: Option<AffineRows>,
-    /// Host words sampled when it was copied (first, middle, last).
-    fingerprint: [u32; 3],
-    /// The same matrix in unit tiles ([`unit_tiles`]), made with the device copy where
-    /// one-row products read it so ([`Cuda::tiles_take`]).
-    tiles: Option<DeviceTiles>,
-}
-
-/// An affine matrix on the device as stored: codes row by row, scales and biases.
-struct AffineRows {
-    words: CudaSlice<u32>,
-    scales: CudaSlice<u16>,
-    biases: CudaSlice<u16>,
-}
-
-impl AffineRows {
-    /// The three parts' device addresses, as a routing or group table holds them.
-    fn addresses(&self, stream: &CudaStream) -> [u64; 3] {
-        [
-            self.words.device_ptr(stream).0,
-            self.scales.device_ptr(stream).0,
-            self.biases.device_ptr(stream).0,
-        ]
-    }
-}
-
-impl DeviceAffine {
-    /// The row-major copy, for the kernels that read rows; only matrices that every
-    /// reader takes in tiles lack one.
-    fn rows(&self) -> &AffineRows {
-        self.rows
-            .as_ref()
-            .expect("a matrix held only in tiles reached a row-major kernel")
-    }
-
-    /// Bytes on the device, both copies.
-    fn bytes(&self) -> usize {
-        let rows = self.rows.as_ref().map_or(0, |r| {
-            r.words.len() * 4 + (r.scales.len() + r.biases.len()) * 2
-        });
-        let tiles = self
-            .tiles
-            .as_ref()
-            .map_or(0, |t| t.words.len() * 4 + t.sb.len() * 2);
-        rows + tiles
-    }
-}
-
-/// An affine matrix on the device in unit tiles, as the `*_tiled_q*` kernels read it.
-struct DeviceTiles {
-    words: CudaSlice<u32>,
-    /// Each unit's scales and biases, row by row.
-    sb: CudaSlice<u16>,
-}
-
-/// A 4- or 2-bit affine matrix in unit tiles (kernels.cu, `load_unit_tiled`): for each
-/// tile of [`RMMA_ROWS`] rows and 64-column group (a unit), its 32 lanes' words one lane
-/// after another, lane 4g + q holding row g's words of its quarter of the unit, then
-/// row g + 8's (two words each at 4 bits, one at 2); then, apart, each unit's scale and
-/// bias row by row. Rows past the matrix are zeros. A warp reads a unit as whole cache
-/// lines where the row-major layout spreads it over 16 rows' lines: the LM head, which
-/// the one-row kernel streams round after round, reads ~16% faster
-/// (`tools/gpu-microbench`, bench/results/gpu/weight_stream.log).
-fn unit_tiles(w: &AffineView<'_>) -> (Vec<u32>, Vec<u16>) {
-    assert!(matches!(w.bits, 4 | 2), "unit tiles of 4- and 2-bit words");
-    let groups = w.cols / GROUP_SIZE;
-    let tiles = w.rows.div_ceil(RMMA_ROWS);
-    let row_words = words_per_row(w.cols, w.bits);
-    let per_lane = tile_lane_words(w.bits);
-    let lane_words = per_lane / 2;
-    let per_unit_row = 4 * lane_words;
-    let (word_count, sb_count) = tile_lengths(w.rows, w.cols, w.bits);
-    let mut words = vec![0u32; word_count];
-    let mut sb = vec![0u16; sb_count];
-    for t in 0..tiles {
-        for gi in 0..groups {
-            let unit = t * groups + gi;
-            for lane in 0..32 {
-                let (g, q) = (lane / 4, lane % 4);
-                for half in 0..2 {
-                    let r = t * RMMA_ROWS + g + 8 * half;
-                    if r >= w.rows {
-                        continue;
-                    }
-                    let src = r * row_words + gi * per_unit_row + q * lane_words;
-                    let dst = (unit * 32 + lane) * per_lane + half * lane_words;
-                    words[dst..dst + lane_words].copy_from_slice(&w.words[src..src + lane_words]);
-                }
-            }
-            for r in 0..RMMA_ROWS.min(w.rows.saturating_sub(t * RMMA_ROWS)) {
-                let g = (t * RMMA_ROWS + r) * groups + gi;
-                sb[(unit * RMMA_ROWS + r) * 2] = w.scales[g].to_bits();
-                sb[(unit * RMMA_ROWS + r) * 2 + 1] = w.biases[g].to_bits();
-            }
-        }
-    }
-    (words, sb)
-}
-
-/// The units (16 rows by one 64-column group) of a `rows × cols` matrix in unit tiles.
-fn tile_units(rows: usize, cols: usize) -> usize {
-    rows.div_ceil(RMMA_ROWS) * (cols / GROUP_SIZE)
-}
-
-/// The u32 words and u16 scales-and-biases of a `rows × cols` matrix at `bits` (4 or 2)
-/// in unit tiles ([`unit_tiles`]).
-fn tile_lengths(rows: usize, cols: usize, bits: u32) -> (usize, usize) {
-    let units = tile_units(rows, cols);
-    (units * 32 * tile_lane_words(bits), units * RMMA_ROWS * 2)
-}
-
-/// The words a lane holds of one unit in tiles: a quarter of a 64-column group of each of
-/// its two rows, two words a row at 4 bits and one at 2.
-fn tile_lane_words(bits: u32) -> usize {
-    if bits == 4 {
-        4
-    } else {
-        2
-    }
-}
-
-/// Host addresses and lengths of a view: what the weight cache is keyed by.
-type AffineKey = (usize, usize, usize, usize, u32);
-
-fn affine_key(w: &AffineView<'_>) -> AffineKey {
-    (
-        w.words.as_ptr() as usize,
-        w.words.len(),
-        w.scales.as_ptr() as usize,
-        w.biases.as_ptr() as usize,
-        w.bits,
-    )
-}
-
-fn fingerprint(w: &AffineView<'_>) -> [u32; 3] {
-    let n = w.words.len();
-    if n == 0 {
-        return [0; 3];
-    }
-    [w.words[0], w.words[n / 2], w.words[n - 1]]
-}
-
-/// The kernels of [`SOURCE`], by name.
-struct Kernels {
-    _module: Arc<CudaModule>,
-    f: HashMap<&'static str, CudaFunction>,
-}
-
-const KERNEL_NAMES: [&str; 130] = [
-    "fill",
-    "embed",
-    "embed_bf16",
-    "bf16_to_f32",
-    "split_bf16",
-    "matvec_bf16",
-    "matvec_bf16_3",
-    "matvec_bf16_one",
-    "matvec_bf16_one_late",
-    "router_route_one",
-    "matvec_bf16_norm_one_late",
-    "matvec_bf16_3_one",
-    "rms_norm",
-    "rms_norm_inplace",
-    "add_rms_norm",
-    "add_rms_norm_to",
-    "add_bias",
-    "add",
-    "silu_mul",
-    "clamp_values",
-    "softmax_rows",
-    "rope",
-    "gather_rows",
-    "scatter_add_rows",
-    "attention",
-    "affine_matvec_q4",
-    "affine_matvec_q3",
-    "affine_matvec_q2",
-    "affine_dequant_q4",
-    "affine_dequant_q3",
-    "affine_dequant_q2",
-    "affine_gate_up_q4",
-    "affine_gate_up_q3",
-    "affine_gate_up_q2",
-    "affine_down_q4",
-    "affine_down_q3",
-    "affine_down_q2",
-    "expert_mma_gate_up_q4",
-    "expert_mma_gate_up_q3",
-    "expert_mma_gate_up_q2",
-    "expert_mma_gate_up_tiled_q4",
-    "expert_mma_gate_up_tiled_q2",
-    "expert_mma_down_q4",
-    "expert_mma_down_q3",
-    "expert_mma_down_q2",
-    "expert_mma_down_tiled_q4",
-    "expert_mma_down_tiled_q2",
-    "affine_tiles_from_rows",
-    "copy_f4",
-    "moe_route",
-    "moe_combine",
-    "moe_group_pairs",
-    "affine_routed_gate_up_q4",
-    "affine_routed_gate_up_q3",
-    "affine_routed_gate_up_q2",
-    "affine_routed_down_q4",
-    "affine_routed_down_q3",
-    "affine_routed_down_q2",
-    "routed_mma_gate_up_q4",
-    "routed_mma_gate_up_q3",
-    "routed_mma_gate_up_q2",
-    "routed_mma_down_q4",
-    "routed_mma_down_q3",
-    "routed_mma_down_q2",
-    "routed_mma_gate_up_tiled_q4",
-    "routed_mma_gate_up_tiled_q2",
-    "routed_mma_down_tiled_q4",
-    "routed_mma_down_tiled_q2",
-    "dense_mma_q4",
-    "dense_mma_q3",
-    "dense_mma_q2",
-    "dense_mma_norm_q4",
-    "dense_mma_norm_q3",
-    "dense_mma_norm_q2",
-    "dense_mma_tiled_q4",
-    "dense_mma_tiled_q2",
-    "dense_mma_norm_tiled_q4",
-    "dense_mma_norm_tiled_q2",
-    "moe_step_q4",
-    "moe_step_q3",
-    "moe_step_q2",
-    "routed_slices_q4",
-    "routed_slices_q3",
-    "routed_slices_q2",
-    "write_row_at",
-    "attn_preamble_at",
-    "argmax_rows",
-    "advance_step",
-    "matvec_f32",
-    "attention_split",
-    "attention_group_64",
-    "attention_group_128",
-    "attention_group_256",
-    "attention_step_64",
-    "attention_step_128",
-    "attention_step_256",
-    "attention_combine",
-    "attention_tiled_64",
-    "attention_tiled_128",
-    "attention_tiled_256",
-    "vq_rotate",
-    "vq_matvec_p2",
-    "vq_matvec_p4",
-    "vq_matvec_p8",
-    "vq_matvec_p16",
-    "vq_decode_p2",
-    "vq_decode_p4",
-    "vq_decode_p8",
-    "vq_decode_p16",
-    "routed_vq_gate_up_p2",
-    "routed_vq_gate_up_p4",
-    "routed_vq_gate_up_p8",
-    "routed_vq_gate_up_p16",
-    "routed_vq_down_p2",
-    "routed_vq_down_p4",
-    "routed_vq_down_p8",
-    "routed_vq_down_p16",
-    "routed_vq_rotate",
-    "routed_vq_gate_up_mma_p4",
-    "routed_vq_gate_up_mma_p8",
-    "routed_vq_gate_up_mma_p16",
-    "routed_vq_down_mma_p4",
-    "routed_vq_down_mma_p8",
-    "routed_vq_down_mma_p16",
-    "vq_expert_mma_gate_up_p4",
-    "vq_expert_mma_gate_up_p8",
-    "vq_expert_mma_gate_up_p16",
-    "vq_expert_mma_down_p4",
-    "vq_expert_mma_down_p8",
-    "vq_expert_mma_down_p16",
-];
-
-/// PTX of [`SOURCE`] per architecture, compiled once per process. `DYNMOE_CUDA_DEFINES`
-/// (space-separated `NAME=VALUE`) overrides the kernel constants marked tunable in the
-/// source, so that one binary can measure their choices on the GPU.
-fn ptx_for(arch: &str) -> Result<cudarc::nvrtc::Ptx, CudaError> {
-    static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
-    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-    let mut cache = cache.lock().expect("PTX cache lock");
-    if let Some(src) = cache.get(arch) {
-        return Ok(cudarc::nvrtc::Ptx::from_src(src.clone()));
-    }
-    let mut options = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
-    let defines = std::env::var("DYNMOE_CUDA_DEFINES").unwrap_or_default();
-    options.extend(defines.split_whitespace().map(|d| format!("-D{d}")));
-    let opts = CompileOptions {
-        options,
-        ..CompileOptions::default()
-    };
-    let ptx = compile_ptx_with_opts(SOURCE, opts).map_err(|e| CudaError::Compile {
-        arch: arch.to_string(),
-        log: match &e {
-            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-                log.to_string_lossy().into_owned()
-            }
-            other => format!("{other:?}"),
-        },
-    })?;
-    cache.insert(arch.to_string(), ptx.to_src());
-    Ok(ptx)
-}
-
-/// Host values and their device copy.
-type Constant = (Vec<f32>, Arc<CudaSlice<f32>>);
-
-/// A MoE block's experts on the device, for routing there: every expert's gate, up and
-/// down pointers in one table indexed by expert id.
-struct RoutedBlock {
-    table: CudaSlice<u64>,
-    /// The copies the table points into, kept alive with it.
-    _weights: Vec<Arc<dyn Send + Sync>>,
-    /// What confirms the block's id: it is trusted only while this still matches.
-    check: RoutedCheck,
-    kind: RoutedKind,
-    /// The expert mask last used with the block, and its device copy.
-    keep: Option<(Vec<bool>, CudaSlice<u8>)>,
-}
-
-/// The shapes every expert of a block routed on the device shares.
-#[derive(Debug, Clone, Copy)]
-struct RoutedShape {
-    bits: u32,
-    /// Whether the experts' only device copy is in unit tiles ([`unit_tiles`],
-    /// [`Cuda::experts_tiled`]), which the kernels named `*_tiled_q*` read; otherwise
-    /// rows, as a record stores them.
-    tiled: bool,
-    /// Expert width (rows of gate and up).
-    inter: usize,
-    /// Stored columns of gate and up, and of down.
-    up_cols: usize,
-    down_cols: usize,
-}
-
-impl RoutedShape {
-    /// The shape of `layout`'s records, if the routed kernels take it for a residual
-    /// stream of `hidden`.
-    fn of(
-        bits: u32,
-        inter: usize,
-        up_cols: usize,
-        down_cols: usize,
-        hidden: usize,
-    ) -> Option<Self> {
-        let fits = |cols: usize| routed_shared(cols) <= SHARED_LIMIT;
-        (matches!(bits, 2..=4)
-            && up_cols >= hidden
-            && down_cols >= inter
-            && fits(up_cols)
-            && fits(down_cols))
-        .then_some(RoutedShape {
-            bits,
-            tiled: false,
-            inter,
-            up_cols,
-            down_cols,
-        })
-    }
-
-    /// The suffix of the affine kernels that read these experts: `q4`, or `tiled_q4`.
-    fn kernels(&self) -> String {
-        let bits = bits_suffix(self.bits);
-        if self.tiled {
-            format!("tiled_{bits}")
-        } else {
-            bits.to_string()
-        }
-    }
-}
-
-/// The VQ rung and shapes every expert of a block routed on the device shares: gate and
-/// up are `inter × hidden`, down `hidden × inter`, rotated in blocks of `up_block` and
-/// `down_block` values.
-#[derive(Debug, Clone, Copy)]
-struct VqRoutedShape {
-    rung: Rung,
-    hidden: usize,
-    inter: usize,
-    up_block: usize,
-    down_block: usize,
-}
-
-impl VqRoutedShape {
-    /// The shape of an expert's gate and down, if the routed VQ kernels take it for a
-    /// residual stream of `hidden` with `shared` bytes of shared memory ([`fits`]).
-    ///
-    /// [`fits`]: Self::fits
-    fn of(gate: &VqView<'_>, down: &VqView<'_>, hidden: usize, shared: usize) -> Option<Self> {
-        let shape = VqRoutedShape {
-            rung: gate.rung,
-            hidden,
-            inter: gate.rows,
-            up_block: gate.block,
-            down_block: down.block,
-        };
-        (gate.cols == hidden
-            && down.rows == hidden
-            && down.cols == gate.rows
-            && down.rung == gate.rung
-            && shape.fits(shared))
-        .then_some(shape)
-    }
-
-    /// The shape of a VQ store's records ([`of`](Self::of) for every expert alike).
-    fn of_layout(layout: &VqLayout, shared: usize) -> Option<Self> {
-        let shape = VqRoutedShape {
-            rung: layout.rung,
-            hidden: layout.hidden,
-            inter: layout.intermediate,
-            up_block: rotation::block_size(layout.hidden),
-            down_block: rotation::block_size(layout.intermediate),
-        };
-        shape.fits(shared).then_some(shape)
-    }
-
-    /// Whether the routed kernels take this shape with `shared` bytes of shared memory: a
-    /// warp rotates one block (32 to 1024 values), and a gate/up block holds the row
-    /// rotated twice.
-    fn fits(&self, shared: usize) -> bool {
-        let warp_block = |b: usize| (32..=1024).contains(&b);
-        warp_block(self.up_block) && warp_block(self.down_block) && self.gate_up_shared() <= shared
-    }
-
-    /// Whether the tensor-core kernels (a prompt's grouped GEMMs, a decode step's
-    /// `routed_vq_*_mma`) take these experts: their weight fragments are whole codewords
-    /// of 4, 8 or 16 values, and a norm covers whole 64-column units.
-    fn on_tensor_cores(&self) -> bool {
-        self.rung.dim >= 4 && self.up_block >= 64 && self.down_block >= 64
-    }
-
-    /// Dynamic shared memory of `routed_vq_gate_up_mma_*`, less the book: the row
-    /// rotated for gate and for up as f16 hi and lo halves (with 8 words of padding
-    /// each), the block's rows of each matrix's codes and norms, and each warp's partial
-    /// sums of 16 rows.
-    fn mma_gate_up_shared(&self) -> usize {
-        let rows = VQM_TILES * 16;
-        let staged = staged_rows(rows, row_bytes(self.rung, self.hidden), self.up_blocks());
-        2 * ((self.up_width() + 8) * 4 + staged) + VQR_WARPS * 16 * 4
-    }
-
-    /// Dynamic shared memory of `routed_vq_down_mma_*`, less the book: each of a
-    /// token's `top_k` rows rotated as f16 halves, the block's 16 rows of each pair's
-    /// codes and norms, and the partial sums of 16 rows of each pair's part (the warps
-    /// split a pair's units `VQR_WARPS / top_k` ways).
-    fn mma_down_shared(&self, top_k: usize) -> usize {
-        let parts = (VQR_WARPS / top_k).max(1);
-        let staged = staged_rows(16, row_bytes(self.rung, self.inter), self.down_blocks());
-        top_k * ((self.down_width() + 8) * 4 + staged + parts * 16 * 4)
-    }
-
-    /// Rotation blocks of a gate/up input row and of a down input row.
-    fn up_blocks(&self) -> usize {
-        self.up_width() / self.up_block
-    }
-
-    fn down_blocks(&self) -> usize {
-        self.down_width() / self.down_block
-    }
-
-    /// Rotated widths of a gate/up input row and of a down input row: whole blocks.
-    fn up_width(&self) -> usize {
-        self.hidden.next_multiple_of(self.up_block)
-    }
-
-    fn down_width(&self) -> usize {
-        self.inter.next_multiple_of(self.down_block)
-    }
-
-    /// Dynamic shared memory of the gate/up kernel: the row rotated for gate and for up.
-    fn gate_up_shared(&self) -> usize {
-        2 * self.up_width() * 4
-    }
-
-    /// Dynamic shared memory of the down kernel: each of a token's `top_k` rows of
-    /// SiLU outputs, rotated.
-    fn down_shared(&self, top_k: usize) -> usize {
-        top_k * self.down_width() * 4
-    }
-}
-
-/// The codes of a block routed on the device.
-#[derive(Debug, Clone, Copy)]
-enum RoutedKind {
-    Affine(RoutedShape),
-    Vq(VqRoutedShape),
-}
-
-/// What confirms that a block's id still names the same weights: cache key and sampled
-/// words of the first and last experts' gate projections.
-#[derive(Debug, Clone, PartialEq)]
-enum RoutedCheck {
-    Affine([(AffineKey, [u32; 3]); 2]),
-    Vq([(VqKey, VqFingerprint); 2]),
-}
-
-/// One routed launch sequence: where the expert table and the mask are, and how to route.
-struct Routed<'a> {
-    kind: RoutedKind,
-    /// Device address of the `[E, ROUTED_ENTRY]` pointer table.
-    table: u64,
-    /// Device address of the `[E]` byte mask (0: every expert may be chosen).
-    keep: u64,
-    experts: usize,
-    route: DeviceRoute<'a>,
-    /// Whether the router already took the route (`router_route_one`): the ids and
-    /// weights are in the routed scratch and the probabilities in place of the logits.
-    routed: bool,
-    /// Whether the router was `matvec_bf16_one_late`, so the routed gate/up kernel right
-    /// after it may stage x and read the table before its launch wait.
-    router_late: bool,
-    /// The residual (its device address) and the norm the router folded in
-    /// (`matvec_bf16_norm_one_late`, which is late too): the routed gate/up kernel reads
-    /// its row through them, and nothing writes the normed row.
-    norm: Option<(u64, InputNorm)>,
-}
-
-/// One launch pair of the grouped expert GEMMs ([`Cuda::launch_expert_gemms`]): device
-/// addresses of the group table (GROUP_ENTRY words a group), the (group, first pair)
-/// tiles, their count (or [`NO_COUNT`] when `grid_tiles` is exact), each pair's row and
-/// weight, the input rows, the SiLU outputs `[pairs, inter]` and the rows the down
-/// products add into; and the shapes.
-struct ExpertGemms {
-    /// The kernels' suffix ([`RoutedShape::kernels`]).
-    kernels: String,
-    table: u64,
-    tiles: u64,
-    grid_tiles: usize,
-    tiles_n: u64,
-    pair_rows: u64,
-    pair_weights: u64,
-    x: u64,
-    h: u64,
-    out: u64,
-    hidden: usize,
-    inter: usize,
-    up_cols: usize,
-    down_cols: usize,
-}
-
-/// A prompt's routed pairs grouped by expert on the device ([`Cuda::group_pairs`]):
-/// the route (ids and weights a pair), the group table (GROUP_ENTRY words an expert),
-/// each grouped pair's row, weight and (when asked for) own index, and the (group, first
-/// pair) tiles with their count. Kept until the launches that read them are queued.
-struct PairGroups {
-    ids: CudaSlice<u32>,
-    weights: CudaSlice<u32>,
-    table: CudaSlice<u64>,
-    pair_rows: CudaSlice<u32>,
-    pair_weights: CudaSlice<u32>,
-    pair_ids: Option<CudaSlice<u32>>,
-    tiles: CudaSlice<u32>,
-    tiles_n: CudaSlice<u32>,
-    /// The most tiles there could be, which the GEMM grids are sized for.
-    most_tiles: usize,
-}
-
-/// The residual add and norm a kernel applies to its input row (device addresses of
-/// the kernels' `delta, norm_w, eps, sum` arguments): `delta` or `sum` 0 is not read or
-/// not written.
-#[derive(Debug, Clone, Copy)]
-struct InputNorm {
-    delta: u64,
-    w: u64,
-    eps: f32,
-    sum: u64,
-}
-
-/// What confirms that a block's id still names the same weights.
-fn routed_check(experts: &RoutedExperts<'_, DeviceMatrix>) -> Option<RoutedCheck> {
-    let gate = |e: usize| (experts.weights)(e)[0];
-    match (gate(0), gate(experts.count - 1)) {
-        (Weight::Affine(a), Weight::Affine(b)) => Some(RoutedCheck::Affine([
-            (affine_key(&a), fingerprint(&a)),
-            (affine_key(&b), fingerprint(&b)),
-        ])),
-        (Weight::Vq(a), Weight::Vq(b)) => Some(RoutedCheck::Vq([
-            (vq_key(&a), vq_fingerprint(&a)),
-            (vq_key(&b), vq_fingerprint(&b)),
-        ])),
-        _ => None,
-    }
 }
 
 /// The CUDA backend on one device.
@@ -1152,9 +183,9 @@ pub struct Cuda {
     /// Recorded decode steps, by key, most recent last; each holds device addresses of
     /// buffers it read, so whatever frees or replaces one of those drops them all.
     graphs: Mutex<Vec<((usize, u64), Recorded)>>,
-    /// Whether [`Backend::replay_step`] records graphs (`DYNMOE_CUDA_GRAPHS=0`: never).
-    use_graphs: Switch<bool>,
-    /// Page-locked buffers of [`Backend::read_async`] not in use, at most [`READ_SLOTS`].
+    /// How the backend was asked to run.
+    tuning: Tuning,
+    /// Page-locked buffers of [`Backend::read_async`] not in use, at most `READ_SLOTS`.
     reads: Mutex<Vec<ReadSlot>>,
     /// Partial results of one-row attention split over the keys, grown as needed.
     attn_scratch: Mutex<Option<CudaSlice<f32>>>,
@@ -1167,105 +198,17 @@ pub struct Cuda {
     dense_scratch: Mutex<Option<CudaSlice<f32>>>,
     /// Activations split into two bf16 parts for tensor-core products, grown as needed.
     split_scratch: Mutex<Option<CudaSlice<f32>>>,
-    /// Whether products of many rows (prompts) run on tensor cores: bf16 dense matrices
-    /// through cuBLAS, affine experts through the grouped `expert_mma` kernels. On from
-    /// sm_80 unless `DYNMOE_CUDA_TENSOR_CORES=0`.
-    tensor_cores: Switch<bool>,
-    /// Whether a decode step's routed experts run on tensor cores (`routed_mma_*`) rather
-    /// than the matrix-vector kernels (`affine_routed_*`). On from sm_80 unless
-    /// `DYNMOE_CUDA_ROUTED_MMA=0`.
-    routed_mma: Switch<bool>,
-    /// Whether a decode step's affine MoE layers run as one `moe_step` launch
-    /// (`DYNMOE_CUDA_MOE_STEP=1`) or as the router, gate/up and down launches.
-    moe_step: Switch<bool>,
-    /// Shared memory a `moe_step` block may take (the device's opt-in where it was granted).
-    moe_step_shared: usize,
-    /// The three counters `moe_step`'s phases wait on, zero between launches.
-    moe_sync: Mutex<Option<CudaSlice<u32>>>,
-    /// Whether a decode step's affine experts run as slices, gate, up and down in one
-    /// `routed_slices_*` launch (`DYNMOE_CUDA_ROUTED_SLICES=1`), or as the gate/up and down
-    /// launches.
-    routed_slices: Switch<bool>,
-    /// Shared memory a `routed_slices_*` block may take (the device's opt-in where it was
-    /// granted).
-    slices_shared: usize,
-    /// `routed_slices_*`' partial outputs (`[blocks, hidden]`, grown as needed) and its
-    /// two barrier counters, zero between launches.
-    slice_scratch: Mutex<Option<(CudaSlice<f32>, CudaSlice<u32>)>>,
-    /// Whether a decode step's router also routes (`router_route_one`: its last block takes
-    /// the top-k, `DYNMOE_CUDA_ROUTER_ROUTES=1`) instead of each routed block routing the
-    /// row again (or the route kernel, for VQ experts).
-    router_routes: Switch<bool>,
-    /// `router_route_one`'s count of finished blocks, zero between launches.
-    route_ticket: CudaSlice<u32>,
-    /// Whether the products that read a decode step's norms (q/k/v, router, LM head) fold
-    /// the residual add and the norm in (the default) or the norm takes a launch of its
-    /// own (`DYNMOE_CUDA_FOLD_NORMS=0`).
-    fold_norms: Switch<bool>,
-    /// Whether one-row products of matrices the launch streams round after round (the LM
-    /// head) read a copy in unit tiles (the default) or the row-major words
-    /// (`DYNMOE_CUDA_HEAD_TILES=0`).
-    head_tiles: Switch<bool>,
-    /// Whether every 4- and 2-bit dense matrix's one-row products read unit tiles (the
-    /// default; their bytes again in device memory), or only the LM head's
-    /// (`DYNMOE_CUDA_DENSE_TILES=0`).
-    dense_tiles: Switch<bool>,
-    /// Whether dense matrices that every reader takes in tiles are held only so
-    /// (`DYNMOE_CUDA_DENSE_SINGLE=1`), or in rows beside their tiles.
-    dense_single: Switch<bool>,
-    /// Whether fully resident 4- and 2-bit experts are held in unit tiles instead of rows
-    /// where every launch that reads them takes tiles (the default; one copy either way),
-    /// or in rows (`DYNMOE_CUDA_EXPERT_TILES=0`).
-    expert_tiles: Switch<bool>,
-    /// Whether a decode step's attention blocks do its preamble themselves
-    /// (`attention_step_*`, `DYNMOE_CUDA_STEP_ATTENTION=1`) or the preamble takes a launch
-    /// of its own.
-    step_attention: Switch<bool>,
-    /// Whether resident sets of VQ experts live in device slots (`DYNMOE_CUDA_VQ_SLOTS=0`
-    /// keeps them in host memory).
-    vq_slots: Switch<bool>,
-    /// Whether resident sets of 4- and 2-bit affine experts made from now on hold their
-    /// slots in unit tiles where the tiled kernels take them (the default), or in rows as
-    /// stored (`DYNMOE_CUDA_SLOT_TILES=0`).
-    slot_tiles: Switch<bool>,
-    /// Whether [`Backend::upload_matrix`] keeps bf16-exact matrices in bf16
-    /// (`DYNMOE_CUDA_BF16=0`: always f32, to measure what bf16 saves).
-    bf16_matrices: bool,
-    /// How one-row attention runs (a [`DecodeAttention`] as its `u8`).
-    decode_attention: Switch<DecodeAttention>,
-    /// Keys per block of the grouped decode attention when set, else 0 ([`group_chunk`]).
-    decode_chunk: std::sync::atomic::AtomicUsize,
-    /// Whether a decode step's preamble lets the grouped attention start only after its own
-    /// wait, so that the attention loads its keys and values before its wait
-    /// (`DYNMOE_CUDA_KV_EARLY=0`: both wait at once, to measure one against the other).
-    kv_early: Switch<bool>,
-    /// Whether a decode step's router lets the routed gate/up kernel start only after its
-    /// own wait, so that one stages x and reads the table before its wait
-    /// (`DYNMOE_CUDA_GATE_UP_EARLY=0`: both wait at once).
-    gate_up_early: Switch<bool>,
-    /// Whether a decode step's routed gate/up blocks choose their experts by the router's
-    /// logits, the softmax taken only by the block that writes the route (the default),
-    /// or each by the probabilities (`DYNMOE_CUDA_ROUTE_LOGITS=0`).
-    route_by_logits: Switch<bool>,
-    /// Whether a decode step's routed down blocks load their first words before their
-    /// launch wait, as soon as gate/up has written the route (the default), or after it
-    /// (`DYNMOE_CUDA_DOWN_EARLY=0`).
-    down_early: Switch<bool>,
+    /// Whether products run on tensor cores ([`Tuning::tensor_cores`] on sm_80 and later).
+    tensor_cores: bool,
     /// The flag gate/up raises once the route is written and the count of down blocks
     /// that saw it (the down kernel's early start): both zero between launches.
     down_ready: CudaSlice<u32>,
-    /// Warps of a routed down block on tensor cores ([`down_warps_from_env`]).
-    down_warps: usize,
     /// The routed down kernels on tensor cores whose blocks ask for at least so many
-    /// bytes of shared memory, so that two never share an SM ([`down_alone`]).
-    down_alone: Vec<(&'static str, usize)>,
-    /// `DYNMOE_CUDA_DOWN_ALONE`, which chose `down_alone`.
-    down_alone_which: DownAlone,
+    /// bytes of shared memory, so that two never share an SM (`routed::down_alone`).
+    down_alone: Vec<routed::PaddedDown>,
     /// Whether a dense product has run on a one-row bf16 kernel
     /// ([`dense_bf16_matvec`](Cuda::dense_bf16_matvec)); [`Cuda::down_padding`] reads it.
-    bf16_one_row_dense: Switch<bool>,
-    /// How attention of several rows runs (a [`PrefillAttention`] as its `u8`).
-    prefill_attention: Switch<PrefillAttention>,
+    bf16_one_row_dense: AtomicBool,
     /// The widest head the tiled prefill kernels were given their shared memory for (0:
     /// none; the device's per-block limit decides).
     tiled_head_dim: usize,
@@ -1275,452 +218,14 @@ pub struct Cuda {
     /// Streaming multiprocessors of the device: what a launch needs blocks enough to fill.
     sms: usize,
     /// Whether kernels launch with programmatic dependent launch (the `launch` module):
-    /// sm_90 and later, unless `DYNMOE_CUDA_PDL=0`.
+    /// [`Tuning::pdl`] on sm_90 and later.
     programmatic: bool,
-    /// With the kernels built with `TIMELINE` (kernels.cu), the name of each kernel
+    /// Blocks a multiprocessor of the one-row dense kernels' launch bound (their
+    /// `DMMA_BLOCKS`, which [`Tuning::defines`] may set), which their grids are sized by.
+    dmma_blocks: usize,
+    /// With the kernels built with `TIMELINE` (kernels/common.cuh), the name of each kernel
     /// launched since [`timeline_start`](Cuda::timeline_start), in launch order.
     timeline: Option<Mutex<Vec<&'static str>>>,
-}
-
-/// How the CUDA backend attends one query row (a decode step). Every way gives the same
-/// result up to the order of f32 sums; the choice is for measuring one against another.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodeAttention {
-    /// A block per (KV head, chunk of keys) reads each K and V row once for all the query
-    /// heads that share it, then a merge of the chunks (the default). Head widths that are
-    /// not a multiple of 4 take [`PerHead`](Self::PerHead).
-    Grouped,
-    /// A block per (query head, chunk of keys), then the same merge
-    /// (`DYNMOE_CUDA_GROUPED_ATTENTION=0`).
-    PerHead,
-    /// A block per query head walks the whole context, as for many rows
-    /// (`DYNMOE_CUDA_SPLIT_ATTENTION=0`).
-    Whole,
-}
-
-impl DecodeAttention {
-    /// The way the environment asks for, [`Grouped`](Self::Grouped) unless one of the
-    /// variables above turns it off.
-    fn from_env() -> Self {
-        if switched_off("DYNMOE_CUDA_SPLIT_ATTENTION") {
-            DecodeAttention::Whole
-        } else if switched_off("DYNMOE_CUDA_GROUPED_ATTENTION") {
-            DecodeAttention::PerHead
-        } else {
-            DecodeAttention::Grouped
-        }
-    }
-}
-
-impl Way for DecodeAttention {
-    fn to_u8(self) -> u8 {
-        self as u8
-    }
-
-    fn from_u8(v: u8) -> Self {
-        match v {
-            0 => DecodeAttention::Grouped,
-            1 => DecodeAttention::PerHead,
-            _ => DecodeAttention::Whole,
-        }
-    }
-}
-
-/// How the CUDA backend attends several query rows (a prompt, a chunk of one). Both
-/// give the same result up to the order of f32 sums; the choice is for measuring one
-/// against the other.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PrefillAttention {
-    /// A block per (KV head, two tiles of 64 query slots), a slot being a row and a query
-    /// head of the KV head's group; K and V tiles in shared memory serve every slot of a
-    /// tile (the default). Head widths that are not a multiple of 4 take
-    /// [`PerRow`](Self::PerRow).
-    Tiled,
-    /// A block per (query row, head) walks its keys alone
-    /// (`DYNMOE_CUDA_TILED_ATTENTION=0`).
-    PerRow,
-}
-
-impl PrefillAttention {
-    fn from_env() -> Self {
-        if switched_off("DYNMOE_CUDA_TILED_ATTENTION") {
-            PrefillAttention::PerRow
-        } else {
-            PrefillAttention::Tiled
-        }
-    }
-}
-
-impl Way for PrefillAttention {
-    fn to_u8(self) -> u8 {
-        self as u8
-    }
-
-    fn from_u8(v: u8) -> Self {
-        match v {
-            0 => PrefillAttention::Tiled,
-            _ => PrefillAttention::PerRow,
-        }
-    }
-}
-
-/// Whether the environment turns a way of running off (`NAME=0`).
-fn switched_off(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| v == "0")
-}
-
-/// Whether the environment variable `name` switches a way that is off by default on
-/// (`=1`).
-fn switched_on(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| v == "1")
-}
-
-/// A way of running an op that a [`Switch`] holds.
-trait Way: Copy {
-    fn to_u8(self) -> u8;
-    fn from_u8(v: u8) -> Self;
-}
-
-impl Way for bool {
-    fn to_u8(self) -> u8 {
-        self as u8
-    }
-
-    fn from_u8(v: u8) -> Self {
-        v != 0
-    }
-}
-
-/// How an op runs, changeable while the backend lives (to measure one way against
-/// another in one process); read by every call.
-struct Switch<T>(AtomicU8, std::marker::PhantomData<T>);
-
-impl<T: Way> Switch<T> {
-    fn new(way: T) -> Self {
-        Switch(AtomicU8::new(way.to_u8()), std::marker::PhantomData)
-    }
-
-    fn get(&self) -> T {
-        T::from_u8(self.0.load(std::sync::atomic::Ordering::Relaxed))
-    }
-
-    fn set(&self, way: T) {
-        self.0
-            .store(way.to_u8(), std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-/// Keys per block of the grouped decode attention over a cache of `capacity` positions
-/// with `units` blocks per chunk (KV heads times head tiles) on `sms` multiprocessors:
-/// about two blocks per multiprocessor, so a short context still fills the device and a
-/// long one is not cut finer than that, in whole score steps, at most `ATT_CHUNK_MAX`.
-/// It follows the capacity, not the position, so a recorded step stays valid.
-fn group_chunk(capacity: usize, units: usize, sms: usize) -> usize {
-    let even = (capacity * units) as f64 / (2 * sms.max(1)) as f64;
-    let steps = (even / ATT_STEP as f64).round() as usize;
-    (steps * ATT_STEP).clamp(ATT_STEP, ATT_CHUNK_MAX)
-}
-
-/// Which of a kernel's 64-, 128- and 256-wide builds takes heads of `head_dim` (0, 1 or
-/// 2), if any does: float4 rows up to 256.
-fn head_width_class(head_dim: usize) -> Option<usize> {
-    if head_dim == 0 || !head_dim.is_multiple_of(4) {
-        return None;
-    }
-    match head_dim {
-        1..=64 => Some(0),
-        65..=128 => Some(1),
-        129..=256 => Some(2),
-        _ => None,
-    }
-}
-
-/// The grouped kernel for heads of `head_dim`, if it takes them (float4 rows up to 256).
-fn group_kernel(head_dim: usize) -> Option<&'static str> {
-    head_width_class(head_dim).map(|c| {
-        [
-            "attention_group_64",
-            "attention_group_128",
-            "attention_group_256",
-        ][c]
-    })
-}
-
-/// The grouped kernel that also does a decode step's preamble, for heads of `head_dim`.
-fn step_kernel(head_dim: usize) -> Option<&'static str> {
-    head_width_class(head_dim).map(|c| {
-        [
-            "attention_step_64",
-            "attention_step_128",
-            "attention_step_256",
-        ][c]
-    })
-}
-
-/// What `attention_step_*` reads besides the caches: the q/k/v products' k and v rows,
-/// the per-head norms and RoPE's frequencies. It writes the caches' new row.
-struct OneRowPreamble<'a> {
-    k: &'a CudaSlice<f32>,
-    v: &'a CudaSlice<f32>,
-    norm: Option<HeadNorm<'a, CudaSlice<f32>>>,
-    inv_freq: &'a CudaSlice<f32>,
-}
-
-/// The tiled prefill kernel for heads of `head_dim`, if it takes them (as
-/// [`group_kernel`]).
-fn tiled_kernel(head_dim: usize) -> Option<&'static str> {
-    head_width_class(head_dim).map(|c| {
-        [
-            "attention_tiled_64",
-            "attention_tiled_128",
-            "attention_tiled_256",
-        ][c]
-    })
-}
-
-/// Dynamic shared memory of an `attention_tiled_*` block for heads of `head_dim`: the Q
-/// tile and two K tiles with rows padded by a float4, two V tiles, P
-/// (`[PA_BN][PA_BM + 4]`) and two floats per slot.
-fn tiled_shared(head_dim: usize) -> usize {
-    let f4 = head_dim / 4;
-    ((PA_BM + 2 * PA_BN) * (f4 + 1) + 2 * PA_BN * f4) * 16 + (PA_BN * (PA_BM + 4) + 2 * PA_BM) * 4
-}
-
-/// A recorded step.
-struct Recorded(CudaGraph);
-
-// SAFETY: a graph is only touched under the backend's `graphs` lock, which is the
-// external synchronisation CUDA asks of graph objects used from several threads.
-unsafe impl Send for Recorded {}
-
-/// Recorded steps kept: one per live sequence is what replays; older ones are dropped.
-const MAX_GRAPHS: usize = 8;
-
-/// Read buffers kept for reuse: a decode loop that keeps one step queued ahead has two
-/// reads under way at most; page-locking a buffer costs far more than a step.
-const READ_SLOTS: usize = 3;
-
-/// A page-locked buffer that a copy from the device lands in without a staging copy
-/// (so the copy is asynchronous), and the event recorded after that copy.
-struct ReadSlot {
-    buf: PinnedHostSlice<f32>,
-    done: CudaEvent,
-}
-
-/// A [`Backend::read_async`] under way: its slot, and how many values it copies.
-struct InFlight {
-    slot: Option<ReadSlot>,
-    len: usize,
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        // An unfinished read: its copy may still be writing the buffer about to be freed.
-        if let Some(s) = &self.slot {
-            let _ = s.done.synchronize();
-        }
-    }
-}
-
-fn driver<T>(r: Result<T, cudarc::driver::DriverError>) -> Result<T, CudaError> {
-    r.map_err(|e| CudaError::Driver(format!("{e:?}")))
-}
-
-/// Unwraps a CUDA result inside an op, which has no error path.
-fn ok<T, E: std::fmt::Debug>(r: Result<T, E>, what: &str) -> T {
-    match r {
-        Ok(v) => v,
-        Err(e) => panic!("CUDA {what} failed: {e:?}"),
-    }
-}
-
-/// The three matrices of a group whose weights are all affine.
-fn affine_of<'a>(g: &SwiGluGroup<'a, DeviceMatrix>) -> Option<[AffineView<'a>; 3]> {
-    match (g.gate, g.up, g.down) {
-        (Weight::Affine(a), Weight::Affine(b), Weight::Affine(c)) => Some([a, b, c]),
-        _ => None,
-    }
-}
-
-/// Rows of x a matrix-vector block stages at once for a matrix of `cols` columns, and
-/// the shared memory one row takes.
-fn affine_tile(cols: usize) -> (usize, usize) {
-    let row_bytes = (cols / 32) * 33 * 4;
-    (
-        (SHARED_LIMIT / row_bytes).clamp(1, AFFINE_MAX_BATCH),
-        row_bytes,
-    )
-}
-
-/// Shared memory of a routed expert block: one staged row and a sum per 32 columns.
-fn routed_shared(cols: usize) -> usize {
-    affine_tile(cols).1 + (cols / 32) * 4
-}
-
-/// The bf16 matrix-vector kernel of one matrix or of three for `rows` rows of x, `cols`
-/// wide, and its launch for `out_rows` output rows: the one-row versions (a decode step,
-/// rows of whole 8s) keep each lane's loads in flight at once, a warp per part of a row
-/// ([`one_row_parts`]); the others take a warp per row.
-fn bf16_matvec(
-    three: bool,
-    rows: usize,
-    cols: usize,
-    out_rows: usize,
-) -> (&'static str, LaunchConfig) {
-    let one = rows == 1 && cols.is_multiple_of(8);
-    let rows_per_block = if one { 8 / one_row_parts(cols) } else { 8 };
-    let name = match (three, one) {
-        (false, false) => "matvec_bf16",
-        (false, true) => "matvec_bf16_one",
-        (true, false) => "matvec_bf16_3",
-        (true, true) => "matvec_bf16_3_one",
-    };
-    (name, cfg(out_rows.div_ceil(rows_per_block).max(1), 256, 0))
-}
-
-/// Warps a row of `cols` columns is cut into by the one-row bf16 kernels (their
-/// `mv_one_parts`): a power of two, at most 8, each taking up to [`MV_ONE_COLS`].
-fn one_row_parts(cols: usize) -> usize {
-    let mut parts = 1;
-    while parts < 8 && parts * MV_ONE_COLS < cols {
-        parts *= 2;
-    }
-    parts
-}
-
-/// Whether the one-row bf16 kernels take a row of `cols`: whole 8s, and at most their
-/// parts' reach.
-fn one_row_takes(cols: usize) -> bool {
-    cols.is_multiple_of(8) && one_row_parts(cols) * MV_ONE_COLS >= cols
-}
-
-/// Dynamic shared memory of a `routed_mma_*` block staging `units` 64-column units, with
-/// its partial sums of two matrices per warp.
-fn routed_mma_shared(units: usize) -> usize {
-    const _: () = assert!(RMMA_DOWN_WARPS <= 2 * RMMA_WARPS);
-    units * RMMA_UNIT_BYTES + RMMA_WARPS * 2 * RMMA_ROWS * 4
-}
-
-/// Dynamic shared memory of a `dense_mma_*` block over `groups` groups: the routed
-/// kernels' layout, then with the norm (`dense_mma_norm_*`) each group's scale and the
-/// row through the norm, from the next 16-byte boundary.
-fn dense_mma_shared(groups: usize, norm: bool) -> usize {
-    routed_mma_shared(groups)
-        + if norm {
-            (groups + groups * GROUP_SIZE) * 4 + 16
-        } else {
-            0
-        }
-}
-
-/// Dynamic shared memory of a `routed_mma_gate_up_*` block with `early`: the staged units
-/// and partial sums, then, 8-byte aligned, six pointers for each of `experts`, then with
-/// the norm folded in (`normed` the row's width, else 0) the row through it from the next
-/// 16-byte boundary.
-fn routed_mma_gate_up_shared(units: usize, experts: usize, normed: usize) -> usize {
-    routed_mma_shared(units).next_multiple_of(8)
-        + experts * GATE_UP_POINTERS * 8
-        + if normed > 0 { normed * 4 + 16 } else { 0 }
-}
-
-/// Words from one staged gate/up row of a `routed_slices_*` block to the next (the
-/// kernels' `slice_stride`): the row's words rounded up to 32, then 8 more (4 at 2 bits).
-fn slice_stride(bits: u32, cols: usize) -> usize {
-    words_per_row(cols, bits).next_multiple_of(32) + if bits == 2 { 4 } else { 8 }
-}
-
-/// Dynamic shared memory of a `routed_slices_*` block, as the kernel's `SliceShared`
-/// lays it out: the slice's gate and up rows, x and h staged as units with their sums,
-/// the warps' sums, every expert's table entry, the route's candidates, a reduction
-/// scratch and the route.
-fn slice_shared(bits: u32, up_cols: usize, experts: usize, top_k: usize) -> usize {
-    let pad = |n: usize| n.next_multiple_of(4);
-    let units = up_cols / GROUP_SIZE;
-    let words = 2 * SLICE_ROWS * slice_stride(bits, up_cols)
-        + units * RMMA_UNIT
-        + pad(units)
-        + RMMA_UNIT
-        + SLICE_ROWS
-        + 4
-        + SLICE_WARPS * 2 * RMMA_ROWS
-        + 2 * experts * ROUTED_ENTRY
-        + pad(experts)
-        + 32
-        + 2 * pad(top_k);
-    4 * words
-}
-
-/// Shared memory of a `moe_step` block, as the kernel lays it out: the staged units (x's
-/// `up_cols`, then the top_k h rows' `down_cols`), the warps' sums, the route's candidates
-/// and block 0's probabilities, a reduction scratch, the route.
-fn moe_step_shared(experts: usize, top_k: usize, up_cols: usize, down_cols: usize) -> usize {
-    let units = (up_cols / GROUP_SIZE).max(top_k * (down_cols / GROUP_SIZE));
-    units * (RMMA_UNIT_BYTES - 4)
-        + units.next_multiple_of(4) * 4
-        + RMMA_WARPS * 2 * RMMA_ROWS * 4
-        + experts.next_multiple_of(4) * 4
-        + experts * 4
-        + 32 * 4
-        + 2 * top_k * 4
-}
-
-/// The warps that split a job of the one-row dense kernels (`dense_mma`'s `parts`, a
-/// power of two up to [`RMMA_WARPS`]) and the blocks of the launch, for `tiles` tiles of
-/// [`RMMA_ROWS`] rows of `groups` 64-column groups on `sms` multiprocessors. A job of
-/// one warp keeps the most bytes a warp in flight, so as few parts as give every
-/// multiprocessor two blocks' worth of warps; at most three blocks a multiprocessor
-/// (the kernels' launch bounds), which loop over the remaining jobs.
-fn dense_mma_layout(tiles: usize, groups: usize, sms: usize) -> (usize, usize) {
-    let mut parts = 1;
-    while parts < RMMA_WARPS && 2 * parts <= groups && tiles * parts < 2 * RMMA_WARPS * sms {
-        parts *= 2;
-    }
-    let blocks = tiles.div_ceil(RMMA_WARPS / parts).clamp(1, 3 * sms.max(1));
-    (parts, blocks)
-}
-
-/// Shared memory a `routed_vq_*_mma` block stages `rows` rows of a matrix's codes
-/// (`row_bytes` each) and norms (`blocks` fp16 each) in: each code row in an odd number
-/// of 16-byte chunks, one more than it may touch (the kernels' `vqm_code_stride`), and
-/// the norms in whole chunks from the one holding the first (`staged_bytes`).
-fn staged_rows(rows: usize, row_bytes: usize, blocks: usize) -> usize {
-    let code_stride = 16 * ((row_bytes.div_ceil(16) + 1) | 1);
-    rows * code_stride + (rows * blocks * 2).next_multiple_of(16) + 16
-}
-
-/// The signs of a rotation of `block` values from `seed` as the routed VQ kernels read
-/// them: bit i of word w set where entry 32w + i is −1.
-fn sign_bits(seed: u64, block: usize) -> Vec<u32> {
-    let mut bits = vec![0u32; block.div_ceil(32)];
-    for (i, s) in rotation::signs(seed, block).iter().enumerate() {
-        if *s < 0.0 {
-            bits[i / 32] |= 1 << (i % 32);
-        }
-    }
-    bits
-}
-
-/// Dynamic shared memory of a `vq_expert_mma_*` block of `mats` matrices, less the
-/// book: each matrix's tile of EXPERT_TILE_ROWS inputs staged as f16 hi and lo parts
-/// (rows of 9 16-byte units, the kernels' `VQG_LDU`), and a norm for each warp's rows.
-fn vq_gemm_shared(mats: usize) -> usize {
-    mats * 2 * EXPERT_TILE_ROWS * 9 * 16 + VQG_WARPS * 16 * 4
-}
-
-/// Whether the grouped GEMMs' grid, sized for the most tiles `pairs` pairs over
-/// `experts` experts could need, fits a grid's y extent.
-fn gemm_grid_fits(pairs: usize, experts: usize) -> bool {
-    pairs / EXPERT_TILE_ROWS + experts <= 65_535
-}
-
-/// The kernel-name suffix of affine words of `bits` bits.
-fn bits_suffix(bits: u32) -> &'static str {
-    match bits {
-        4 => "q4",
-        3 => "q3",
-        2 => "q2",
-        b => panic!("no affine kernel for {b}-bit words (2, 3, 4)"),
-    }
 }
 
 fn blocks(n: usize, threads: usize) -> u32 {
@@ -1735,17 +240,9 @@ fn cfg(grid: usize, threads: u32, shared: usize) -> LaunchConfig {
     }
 }
 
-/// The launch of the RMSNorm kernels for `rows` rows of `dim`: a warp per row for narrow
-/// rows (up to 8 a block), else a block per row with a thread per 4 values (at most
-/// 1024; at least 64, so the block sum has whole warps).
-fn norm_cfg(rows: usize, dim: usize) -> LaunchConfig {
-    if dim <= NORM_WARP_DIM {
-        let per_block = rows.min(8);
-        cfg(rows.div_ceil(per_block), (per_block * 32) as u32, 0)
-    } else {
-        let threads = dim.div_ceil(4).next_power_of_two().clamp(64, 1024);
-        cfg(rows, threads as u32, 0)
-    }
+/// A thread per element of `n` (nothing for none).
+fn one_d(n: usize) -> Option<LaunchConfig> {
+    (n > 0).then(|| cfg(blocks(n, 256) as usize, 256, 0))
 }
 
 /// Threads for a kernel that loops over a row of `width`.
@@ -1753,10 +250,32 @@ fn row_threads(width: usize) -> u32 {
     (width.next_power_of_two().clamp(32, 256)) as u32
 }
 
+/// A host array passed to every call of an op and its device copy.
+type Constant = (Vec<f32>, Arc<CudaSlice<f32>>);
+
+fn driver<T>(r: Result<T, cudarc::driver::DriverError>) -> Result<T, CudaError> {
+    r.map_err(|e| CudaError::Driver(format!("{e:?}")))
+}
+
+/// Unwraps a CUDA result inside an op, which has no error path.
+fn ok<T, E: std::fmt::Debug>(r: Result<T, E>, what: &str) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => panic!("CUDA {what} failed: {e:?}"),
+    }
+}
+
 impl Cuda {
-    /// The backend on device `ordinal`: probes for the libraries, makes the context,
-    /// compiles the kernels for the device's compute capability and loads them.
+    /// The backend on device `ordinal`, tuned as `DYNMOE_CUDA` says ([`Tuning::from_env`]).
     pub fn new(ordinal: usize) -> Result<Cuda, CudaError> {
+        Self::with_tuning(ordinal, Tuning::from_env()?)
+    }
+
+    /// The backend on device `ordinal`, run as `tuning` says: probes for the libraries,
+    /// makes the context, compiles the kernels for the device's compute capability (with
+    /// the tuning's constants) and loads them.
+    pub fn with_tuning(ordinal: usize, tuning: Tuning) -> Result<Cuda, CudaError> {
+        use cudarc::driver::sys::CUdevice_attribute;
         probe()?;
         let ctx = driver(CudaContext::new(ordinal))?;
         // One stream carries every op in order; per-buffer events would only add work.
@@ -1765,67 +284,61 @@ impl Cuda {
         let (major, minor) = driver(ctx.compute_capability())?;
         let arch = format!("sm_{major}{minor}");
         let device_name = driver(ctx.name())?;
-        let sms = driver(ctx.attribute(
-            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-        ))? as usize;
-        let ptx = ptx_for(&arch)?;
-        let module = driver(ctx.load_module(ptx))?;
-        let mut f = HashMap::new();
-        for name in KERNEL_NAMES {
-            f.insert(name, driver(module.load_function(name))?);
-        }
+        let sms =
+            driver(ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT))?
+                as usize;
+        let ptx = program::ptx_for(&arch, &tuning.defines)?;
+        let dmma_blocks = match tuning.define("DMMA_BLOCKS") {
+            Some(v) => v.parse().map_err(|_| CudaError::Tuning {
+                item: format!("define=DMMA_BLOCKS={v}"),
+                expected: "a count of blocks".into(),
+            })?,
+            None => affine_mma::DMMA_BLOCKS,
+        };
+        let k = Kernels::load(&ctx, ptx)?;
+        let f = &k.f;
         // The tiled prefill kernels take more than the 48 KB of shared memory a block gets
         // without asking (107 KB at a head of 128); a device that allows less keeps the
         // per-row kernel for those widths.
-        let optin = driver(ctx.attribute(
-            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-        ))? as usize;
+        let optin =
+            driver(ctx.attribute(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            ))? as usize;
         let mut tiled_head_dim = 0;
         for width in [64, 128, 256] {
-            let bytes = tiled_shared(width);
-            let name = tiled_kernel(width).expect("a tiled width");
-            if !grant_shared(&f, &[name], bytes, optin) {
+            let bytes = attention::tiled_shared(width);
+            let name = attention::ATTENTION_TILED.of(width as u32);
+            if !routed::grant_shared(f, &[name], bytes, optin) {
                 break;
             }
             tiled_head_dim = width;
         }
-        // Shared memory each of `names` may take: the device's opt-in where every one of
-        // them was granted it, else what a block gets without asking.
-        let granted = |names: &[&str]| {
-            if grant_shared(&f, names, optin, optin) {
-                optin
-            } else {
-                SHARED_LIMIT
-            }
-        };
         // The routed VQ kernels and the VQ GEMMs copy a book into shared memory beside
-        // their activations; without the opt-in they read it through L1.
-        let vq_kernels: Vec<&str> = KERNEL_NAMES
-            .into_iter()
-            .filter(|n| {
-                ["routed_vq_gate_up", "routed_vq_down", "vq_expert_mma"]
-                    .iter()
-                    .any(|p| n.starts_with(p))
-            })
-            .collect();
-        let vq_routed_shared = granted(&vq_kernels);
-        // moe_step stages a token's h rows beside its route: 62 KB at Qwen3-235B-A22B's
-        // shapes.
-        let moe_step_shared = granted(&["moe_step_q4", "moe_step_q3", "moe_step_q2"]);
-        // routed_slices stages its slice's gate and up rows: 148 KB at Qwen3-30B-A3B's
-        // shapes and 4 bits.
-        let slices_shared = granted(&["routed_slices_q4", "routed_slices_q3", "routed_slices_q2"]);
-        let down_warps = down_warps_from_env()?;
-        let down_alone_which = DownAlone::from_env()?;
-        let down_alone = down_alone(&ctx, &f, optin, down_warps, down_alone_which)?;
-        prefer_carveout(&f)?;
+        // their activations: they may take the device's opt-in where every one of them
+        // was granted it, else what a block gets without asking (and read the book
+        // through L1).
+        let vq_kernels: Vec<&str> = [
+            <vq::RoutedVqGateUp as Args>::KERNELS,
+            <vq::RoutedVqDown as Args>::KERNELS,
+            <vq_mma::RoutedVqGateUpMma as Args>::KERNELS,
+            <vq_mma::RoutedVqDownMma as Args>::KERNELS,
+            <vq_mma::VqExpertMmaGateUp as Args>::KERNELS,
+            <vq_mma::VqExpertMmaDown as Args>::KERNELS,
+        ]
+        .concat();
+        let vq_routed_shared = if routed::grant_shared(f, &vq_kernels, optin, optin) {
+            optin
+        } else {
+            SHARED_LIMIT
+        };
+        let down_alone = routed::down_alone(&ctx, f, optin)?;
         // A stream of its own: the legacy default stream cannot be recorded into a graph.
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
         let copies = driver(ctx.new_stream())?;
-        let route_ticket = driver(stream.alloc_zeros::<u32>(1))?;
         let down_ready = driver(stream.alloc_zeros::<u32>(2))?;
-        let timeline = module
+        let timeline = k
+            .module
             .get_global("timeline_count", &stream)
             .is_ok()
             .then(|| Mutex::new(Vec::new()));
@@ -1834,7 +347,7 @@ impl Cuda {
             stream,
             copies,
             blas,
-            k: Kernels { _module: module, f },
+            k,
             arch,
             device_name,
             affine: Mutex::new(HashMap::new()),
@@ -1845,61 +358,19 @@ impl Cuda {
             routed: Mutex::new(HashMap::new()),
             routed_scratch: Mutex::new(None),
             graphs: Mutex::new(Vec::new()),
-            use_graphs: Switch::new(!switched_off("DYNMOE_CUDA_GRAPHS")),
             reads: Mutex::new(Vec::new()),
             attn_scratch: Mutex::new(None),
             argmax_scratch: Mutex::new(None),
             dense_scratch: Mutex::new(None),
             split_scratch: Mutex::new(None),
-            tensor_cores: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_TENSOR_CORES")),
-            routed_mma: Switch::new(major >= 8 && !switched_off("DYNMOE_CUDA_ROUTED_MMA")),
-            vq_slots: Switch::new(!switched_off("DYNMOE_CUDA_VQ_SLOTS")),
-            // Measured closer to a fully resident run than rows (docs/GPU_NOTES.md), so on
-            // unless switched off.
-            slot_tiles: Switch::new(!switched_off("DYNMOE_CUDA_SLOT_TILES")),
-            // Measured slower in a decode step than the three launches it replaces
-            // (docs/GPU_NOTES.md), so off unless asked for.
-            moe_step: Switch::new(switched_on("DYNMOE_CUDA_MOE_STEP")),
-            moe_step_shared,
-            moe_sync: Mutex::new(None),
-            // Measured slower in a decode step than the gate/up and down launches
-            // (docs/GPU_NOTES.md), so off unless asked for.
-            routed_slices: Switch::new(major >= 8 && switched_on("DYNMOE_CUDA_ROUTED_SLICES")),
-            slices_shared,
-            slice_scratch: Mutex::new(None),
-            // Measured no faster in a decode step, affine or VQ (docs/GPU_NOTES.md), so off
-            // unless asked for.
-            router_routes: Switch::new(switched_on("DYNMOE_CUDA_ROUTER_ROUTES")),
-            route_ticket,
-            // Measured slower in a decode step than the norm's own launch
-            // (docs/GPU_NOTES.md), so off unless asked for.
-            fold_norms: Switch::new(!switched_off("DYNMOE_CUDA_FOLD_NORMS")),
-            head_tiles: Switch::new(!switched_off("DYNMOE_CUDA_HEAD_TILES")),
-            dense_tiles: Switch::new(!switched_off("DYNMOE_CUDA_DENSE_TILES")),
-            // Measured a little slower in a decode step at 4 bits and level at 2
-            // (docs/GPU_NOTES.md), so off unless asked for: it saves memory, not time.
-            dense_single: Switch::new(switched_on("DYNMOE_CUDA_DENSE_SINGLE")),
-            // Measured faster in a decode step at 4 and 2 bits (docs/GPU_NOTES.md), and the
-            // tiles replace the rows, so on unless switched off.
-            expert_tiles: Switch::new(!switched_off("DYNMOE_CUDA_EXPERT_TILES")),
-            // Measured slower in a decode step than the preamble's own launch
-            // (docs/GPU_NOTES.md), so off unless asked for.
-            step_attention: Switch::new(switched_on("DYNMOE_CUDA_STEP_ATTENTION")),
-            bf16_matrices: !switched_off("DYNMOE_CUDA_BF16"),
-            decode_attention: Switch::new(DecodeAttention::from_env()),
-            decode_chunk: std::sync::atomic::AtomicUsize::new(0),
-            kv_early: Switch::new(!switched_off("DYNMOE_CUDA_KV_EARLY")),
-            gate_up_early: Switch::new(!switched_off("DYNMOE_CUDA_GATE_UP_EARLY")),
-            route_by_logits: Switch::new(!switched_off("DYNMOE_CUDA_ROUTE_LOGITS")),
-            down_early: Switch::new(!switched_off("DYNMOE_CUDA_DOWN_EARLY")),
+            tensor_cores: major >= 8 && tuning.tensor_cores,
             down_ready,
-            down_warps,
             down_alone,
-            down_alone_which,
-            bf16_one_row_dense: Switch::new(false),
-            programmatic: major >= 9 && !switched_off("DYNMOE_CUDA_PDL"),
+            bf16_one_row_dense: AtomicBool::new(false),
+            programmatic: major >= 9 && tuning.pdl,
+            dmma_blocks,
+            tuning,
             timeline,
-            prefill_attention: Switch::new(PrefillAttention::from_env()),
             tiled_head_dim,
             vq_routed_shared,
             sms,
@@ -1909,12 +380,6 @@ impl Cuda {
     /// The device's name, as the driver reports it.
     pub fn device_name(&self) -> &str {
         &self.device_name
-    }
-
-    /// Whether bf16-exact dense matrices are kept in bf16 (the default, unless
-    /// `DYNMOE_CUDA_BF16=0`).
-    pub fn bf16_matrices(&self) -> bool {
-        self.bf16_matrices
     }
 
     /// The architecture the kernels were compiled for (`sm_90`, ...).
@@ -1964,330 +429,15 @@ impl Cuda {
         (2 * n * 4) as f64 / (ts[7] * 1e-3) / 1e9
     }
 
-    /// Whether decode steps are recorded as CUDA graphs and replayed (the default, unless
-    /// `DYNMOE_CUDA_GRAPHS=0`); switching drops the records.
-    pub fn set_graphs(&self, on: bool) {
-        self.use_graphs.set(on);
-        self.drop_graphs();
+    /// How the backend was asked to run.
+    pub fn tuning(&self) -> &Tuning {
+        &self.tuning
     }
 
-    /// How one-row attention runs from now on (the default: [`DecodeAttention::Grouped`],
-    /// or what the environment asks for). Steps already recorded keep the way they were
-    /// recorded with; every way gives the same result.
-    pub fn set_decode_attention(&self, way: DecodeAttention) {
-        self.decode_attention.set(way);
-    }
-
-    /// How one-row attention runs (see [`set_decode_attention`](Self::set_decode_attention)).
-    pub fn decode_attention(&self) -> DecodeAttention {
-        self.decode_attention.get()
-    }
-
-    /// Keys each block of the grouped decode attention takes from now on: `None` follows
-    /// the cache's capacity ([`group_chunk`], the default); a number is rounded to whole
-    /// score steps within the kernel's limits, to measure one split against another.
-    /// Steps already recorded keep theirs.
-    pub fn set_decode_chunk(&self, keys: Option<usize>) {
-        let keys = keys.map_or(0, |k| {
-            (k.div_ceil(ATT_STEP) * ATT_STEP).clamp(ATT_STEP, ATT_CHUNK_MAX)
-        });
-        self.decode_chunk
-            .store(keys, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// Whether products of many rows run on tensor cores from now on (the default on
-    /// sm_80 and later); off, they take cuBLAS' f32 GEMM and the experts' one-by-one
-    /// path, to measure one against the other. Ignored before sm_80.
-    pub fn set_tensor_cores(&self, on: bool) {
-        self.tensor_cores.set(on && self.has_mma());
-    }
-
-    /// Whether the device runs `mma.sync` with f16 inputs (sm_80 and later).
-    fn has_mma(&self) -> bool {
-        self.arch
-            .trim_start_matches("sm_")
-            .parse::<u32>()
-            .unwrap_or(0)
-            >= 80
-    }
-
-    /// Whether the routed experts of a decode step (up to [`ROUTED_MAX_ROWS`] rows) run on
-    /// tensor cores from now on (the default on sm_80 and later) or through the
-    /// matrix-vector kernels, to measure one against the other. Steps already recorded
-    /// keep the way they were recorded with; both give the same result up to the order of
-    /// f32 sums. Ignored before sm_80.
-    pub fn set_routed_mma(&self, on: bool) {
-        self.routed_mma.set(on && self.has_mma());
-    }
-
-    /// Whether a decode step's routed experts run on tensor cores (see
-    /// [`set_routed_mma`](Self::set_routed_mma)).
-    pub fn routed_mma(&self) -> bool {
-        self.routed_mma.get()
-    }
-
-    /// Whether resident sets of VQ experts made from now on live in device slots and are
-    /// routed there, as affine ones always are (the default, unless
-    /// `DYNMOE_CUDA_VQ_SLOTS=0`), or stay in host memory and take the host path.
-    pub fn set_vq_slots(&self, on: bool) {
-        self.vq_slots.set(on);
-    }
-
-    /// Whether resident sets of VQ experts live in device slots (see
-    /// [`set_vq_slots`](Self::set_vq_slots)).
-    pub fn vq_slots(&self) -> bool {
-        self.vq_slots.get()
-    }
-
-    /// Whether resident sets of 4- and 2-bit affine experts made from now on hold their
-    /// slots in unit tiles (each record copied in rows to a staging buffer and taken into
-    /// its slot by `affine_tiles_from_rows`, both on the copy stream) where the tiled
-    /// routed kernels and grouped GEMMs take them (the default), or in rows as stored. A
-    /// step that finds the tiled kernels switched off since takes the host path.
-    pub fn set_slot_tiles(&self, on: bool) {
-        self.slot_tiles.set(on);
-    }
-
-    /// Whether resident sets' slots are made in unit tiles (see
-    /// [`set_slot_tiles`](Self::set_slot_tiles)).
-    pub fn slot_tiles(&self) -> bool {
-        self.slot_tiles.get()
-    }
-
-    /// Whether a decode step's MoE layers with affine experts run as one launch from now on
-    /// (`moe_step`: router, route, gate/up and down in phases of one grid) or as three
-    /// (router, gate/up with the route, down: the default, which measured faster in a
-    /// decode step), to measure one against the other. Both give the same result bit for
-    /// bit. Steps already recorded keep their way.
-    pub fn set_moe_step(&self, on: bool) {
-        self.moe_step.set(on);
-    }
-
-    /// Whether a decode step's affine MoE layers run as one launch (see
-    /// [`set_moe_step`](Self::set_moe_step)).
-    pub fn moe_step(&self) -> bool {
-        self.moe_step.get()
-    }
-
-    /// Whether a decode step's affine experts run as slices from now on, each block one
-    /// expert's gate and up rows of a slice and down's matching columns, in one launch
-    /// (sm_80 and later), or as the gate/up and down launches (the default), to measure
-    /// one against the other. Both give the same result up to the order of f32 sums.
-    /// Steps already recorded keep their way.
-    pub fn set_routed_slices(&self, on: bool) {
-        self.routed_slices.set(on && self.has_mma());
-    }
-
-    /// Whether a decode step's affine experts run as slices (see
-    /// [`set_routed_slices`](Self::set_routed_slices)).
-    pub fn routed_slices(&self) -> bool {
-        self.routed_slices.get()
-    }
-
-    /// Whether a decode step's router kernel also takes the route, or each block of the
-    /// routed kernels routes the row again (the default; VQ experts: the route kernel), to
-    /// measure one against the other. Both give the same result bit for bit. Steps already
-    /// recorded keep their way.
-    pub fn set_router_routes(&self, on: bool) {
-        self.router_routes.set(on);
-    }
-
-    /// Whether a decode step's router kernel takes the route (see
-    /// [`set_router_routes`](Self::set_router_routes)).
-    pub fn router_routes(&self) -> bool {
-        self.router_routes.get()
-    }
-
-    /// Whether the products that read a decode step's norms fold the residual add and
-    /// the norm in (the default), or a norm kernel runs first, to measure one against the
-    /// other. Steps already recorded keep their way.
-    pub fn set_fold_norms(&self, on: bool) {
-        self.fold_norms.set(on);
-    }
-
-    /// Whether the products that read a decode step's norms fold them in (see
-    /// [`set_fold_norms`](Self::set_fold_norms)).
-    pub fn fold_norms(&self) -> bool {
-        self.fold_norms.get()
-    }
-
-    /// Whether one-row products of every 4- and 2-bit dense matrix (attention's too) read
-    /// a copy in unit tiles (the default), or only the LM head's, to measure one against
-    /// the other. Matrices already on the device keep their way.
-    pub fn set_dense_tiles(&self, on: bool) {
-        self.dense_tiles.set(on);
-    }
-
-    /// Whether one-row products of every 4- and 2-bit dense matrix read tiles (see
-    /// [`set_dense_tiles`](Self::set_dense_tiles)).
-    pub fn dense_tiles(&self) -> bool {
-        self.dense_tiles.get()
-    }
-
-    /// Whether dense matrices copied to the device from now on, where their one-row
-    /// products take tiles, are held only in tiles (their prompts' products then run as
-    /// the tiled grouped GEMM, whatever the switches say later), or in rows beside them
-    /// (the default). Saves the matrices' bytes once: ~300 MB for the 12-layer
-    /// Qwen3-30B-A3B shape at q4. Needs tensor cores and every dense matrix in tiles
-    /// ([`set_dense_tiles`](Self::set_dense_tiles)), both as the model's matrices are
-    /// first copied: the matrices of one launch must all be held one way.
-    pub fn set_dense_single(&self, on: bool) {
-        self.dense_single.set(on);
-    }
-
-    /// Whether dense matrices are held only in tiles (see
-    /// [`set_dense_single`](Self::set_dense_single)).
-    pub fn dense_single(&self) -> bool {
-        self.dense_single.get()
-    }
-
-    /// Whether fully resident 4- and 2-bit experts are held in unit tiles (their only
-    /// device copy: decode's routed kernels and the prompt's grouped GEMMs read tiles) or
-    /// in rows, to measure one against the other; see
-    /// [`experts_tiled`](Self::experts_tiled). A block already on the device is copied
-    /// again the other way when next routed.
-    pub fn set_expert_tiles(&self, on: bool) {
-        self.expert_tiles.set(on);
-    }
-
-    /// Whether fully resident 4- and 2-bit experts are held in unit tiles (see
-    /// [`set_expert_tiles`](Self::set_expert_tiles)).
-    pub fn expert_tiles(&self) -> bool {
-        self.expert_tiles.get()
-    }
-
-    /// Whether one-row products of the LM head (and any matrix the launch streams round
-    /// after round) read a copy of it in unit tiles (the default, made with its row-major
-    /// copy) or its row-major words, to measure one against the other. Matrices already
-    /// on the device and steps already recorded keep their way.
-    pub fn set_head_tiles(&self, on: bool) {
-        self.head_tiles.set(on);
-    }
-
-    /// Whether the LM head's one-row products read unit tiles (see
-    /// [`set_head_tiles`](Self::set_head_tiles)).
-    pub fn head_tiles(&self) -> bool {
-        self.head_tiles.get()
-    }
-
-    /// Whether a decode step's grouped attention blocks norm and rotate q and k and write
-    /// the caches' new row themselves, or the preamble kernel runs first (the default), to
-    /// measure one against the other. Steps already recorded keep their way.
-    pub fn set_step_attention(&self, on: bool) {
-        self.step_attention.set(on);
-    }
-
-    /// Whether a decode step's attention does its own preamble (see
-    /// [`set_step_attention`](Self::set_step_attention)).
-    pub fn step_attention(&self) -> bool {
-        self.step_attention.get()
-    }
-
-    /// Whether a decode step's grouped attention issues the loads of its keys and values
-    /// before its launch wait, the preamble before it letting it start only once the
-    /// preamble's own wait is over (the default), or both kernels wait at once. Steps
-    /// already recorded keep their way.
-    pub fn set_kv_early(&self, on: bool) {
-        self.kv_early.set(on);
-    }
-
-    /// Whether a decode step's attention loads keys and values early (see
-    /// [`set_kv_early`](Self::set_kv_early)).
-    pub fn kv_early(&self) -> bool {
-        self.kv_early.get()
-    }
-
-    /// Whether a decode step's routed gate/up kernel stages x and copies the expert
-    /// table before its launch wait, the router before it letting it start only once the
-    /// router's own wait is over (the default), or both kernels wait at once. Steps
-    /// already recorded keep their way.
-    pub fn set_gate_up_early(&self, on: bool) {
-        self.gate_up_early.set(on);
-    }
-
-    /// Whether a decode step's routed gate/up kernel starts early (see
-    /// [`set_gate_up_early`](Self::set_gate_up_early)).
-    pub fn gate_up_early(&self) -> bool {
-        self.gate_up_early.get()
-    }
-
-    /// Whether a decode step's routed gate/up blocks choose their experts by the router's
-    /// logits, only the block that writes the route taking the softmax for its weights;
-    /// a tie after rounding the probabilities then falls to the higher logit rather than
-    /// the lower id. Steps already recorded keep their way.
-    pub fn set_route_by_logits(&self, on: bool) {
-        self.route_by_logits.set(on);
-    }
-
-    /// Whether a decode step's routed gate/up blocks route by the logits (see
-    /// [`set_route_by_logits`](Self::set_route_by_logits)).
-    pub fn route_by_logits(&self) -> bool {
-        self.route_by_logits.get()
-    }
-
-    /// Whether a decode step's routed down blocks load their first words before their
-    /// launch wait, on a flag the gate/up kernel raises once it has written the route
-    /// (one row routed by the gate/up blocks themselves). Steps already recorded keep
-    /// their way.
-    pub fn set_down_early(&self, on: bool) {
-        self.down_early.set(on);
-    }
-
-    /// Whether routed down blocks start early (see [`set_down_early`](Self::set_down_early)).
-    pub fn down_early(&self) -> bool {
-        self.down_early.get()
-    }
-
-    /// Whether the routed gate/up of `rows` rows behind router `gate` (the launch
-    /// [`launch_routed`](Self::launch_routed) makes next) takes the early start: one row
-    /// through a bf16 router of the one-row kernel, affine experts on tensor cores that
-    /// route themselves, and the expert table in shared memory beside the staged units.
-    fn routes_gate_up_early(
-        &self,
-        r: &Routed<'_>,
-        gate: &DeviceMatrix,
-        rows: usize,
-        hidden: usize,
-    ) -> bool {
-        let RoutedKind::Affine(shape) = r.kind else {
-            return false;
-        };
-        self.gate_up_early()
-            && rows == 1
-            && matches!(gate, DeviceMatrix::Bf16(_))
-            && one_row_takes(hidden)
-            && !r.routed
-            && !self.router_routes()
-            && r.experts <= ROUTE_SHARED_MAX
-            && self.routed_mma_takes(shape, r.route.top_k)
-            && !self.routed_slices()
-            && routed_mma_gate_up_shared(shape.up_cols / 64, r.experts, 0) <= SHARED_LIMIT
-    }
-
-    /// Whether a decode step's affine experts of `shape`, `top_k` a row, run on tensor
-    /// cores (`routed_mma_*`): switched on, and their staged units within the shared
-    /// memory a block takes without opting in.
-    fn routed_mma_takes(&self, shape: RoutedShape, top_k: usize) -> bool {
-        let units = (shape.up_cols / 64).max(top_k * (shape.down_cols / 64));
-        self.routed_mma() && routed_mma_shared(units) <= SHARED_LIMIT
-    }
-
-    /// Whether products of many rows run on tensor cores (see
-    /// [`set_tensor_cores`](Self::set_tensor_cores)).
+    /// Whether products run on tensor cores: [`Tuning::tensor_cores`] where the device has
+    /// them (sm_80 and later).
     pub fn tensor_cores(&self) -> bool {
-        self.tensor_cores.get()
-    }
-
-    /// How attention of several rows runs from now on (the default:
-    /// [`PrefillAttention::Tiled`], or what the environment asks for).
-    pub fn set_prefill_attention(&self, way: PrefillAttention) {
-        self.prefill_attention.set(way);
-    }
-
-    /// How attention of several rows runs (see
-    /// [`set_prefill_attention`](Self::set_prefill_attention)).
-    pub fn prefill_attention(&self) -> PrefillAttention {
-        self.prefill_attention.get()
+        self.tensor_cores
     }
 
     /// Decode steps recorded as graphs and kept for replay.
@@ -2306,72 +456,6 @@ impl Cuda {
         self.routed.lock().expect("weight cache lock").clear();
         self.affine.lock().expect("weight cache lock").clear();
         self.vq.lock().expect("weight cache lock").clear();
-    }
-
-    /// The device copy of a VQ matrix's codes and norms, made the first time it is seen.
-    fn device_vq(&self, w: &VqView<'_>) -> Arc<DeviceVq> {
-        let key = vq_key(w);
-        let print = vq_fingerprint(w);
-        let mut cache = self.vq.lock().expect("weight cache lock");
-        if let Some(d) = cache.get(&key) {
-            if d.fingerprint == print {
-                return d.clone();
-            }
-        }
-        let n = w.rows * row_bytes(w.rung, w.cols);
-        assert!(
-            w.codes.len() >= n && w.norms.len() >= w.rows * w.blocks(),
-            "VQ matrix of {} x {} at {}: {} code bytes and {} norms are too few",
-            w.rows,
-            w.cols,
-            w.rung.name(),
-            w.codes.len(),
-            w.norms.len()
-        );
-        let mut codes = ok(self.stream.alloc_zeros::<u8>(n + VQ_CODE_PADDING), "alloc");
-        let mut head = codes.slice_mut(..n);
-        ok(self.stream.memcpy_htod(&w.codes[..n], &mut head), "upload");
-        let norms = &w.norms[..w.rows * w.blocks()];
-        let signs = sign_bits(w.seed, w.block);
-        let mut padded_norms = ok(
-            self.stream
-                .alloc_zeros::<u16>(norms.len() + VQ_CODE_PADDING / 2),
-            "alloc",
-        );
-        let mut head = padded_norms.slice_mut(..norms.len());
-        ok(
-            self.stream.memcpy_htod(norms.reinterpret_cast(), &mut head),
-            "upload",
-        );
-        let d = Arc::new(DeviceVq {
-            codes,
-            norms: padded_norms,
-            signs: ok(self.stream.clone_htod(&signs), "upload"),
-            fingerprint: print,
-        });
-        cache.insert(key, d.clone());
-        d
-    }
-
-    /// The device copy of a rung's codebook, every codeword expanded, made once.
-    fn vq_book(&self, rung: Rung) -> Arc<CudaSlice<u16>> {
-        let mut books = self.vq_books.lock().expect("codebook lock");
-        books
-            .entry(rung.position())
-            .or_insert_with(|| {
-                // The embedded codebooks are checked by the test suite; one failing to
-                // load is a broken build, not bad input.
-                let book = rung
-                    .codebook()
-                    .unwrap_or_else(|e| panic!("{}: {e}", rung.name()));
-                let half = book.values_f16();
-                debug_assert_eq!(half.len() * 2, vq_book_bytes(rung));
-                Arc::new(ok(
-                    self.stream.clone_htod(half.reinterpret_cast()),
-                    "upload",
-                ))
-            })
-            .clone()
     }
 
     /// The buffer in `slot`, replaced by one of at least `n` floats when it is smaller.
@@ -2407,124 +491,6 @@ impl Cuda {
         s
     }
 
-    /// `xr[r] = H D x[r]` per block of `block` for `rows` rows of `cols` values: the
-    /// activations in the rotated domain of a VQ matrix with that rotation seed and
-    /// block size (`[rows, blocks · block]`, the ragged tail block zero-padded), as
-    /// [`crate::codec::vq::kernels`] prepares them on the CPU.
-    pub fn vq_rotate<O: DevicePtrMut<f32>>(
-        &self,
-        x: &CudaSlice<f32>,
-        rows: usize,
-        cols: usize,
-        seed: u64,
-        block: usize,
-        xr: &mut O,
-    ) {
-        assert!(
-            block.is_power_of_two() && block <= 1024,
-            "rotation block of {block} values (a power of two, at most 1024)"
-        );
-        if rows == 0 || cols == 0 {
-            return;
-        }
-        let (c, b) = (cols as i32, block as i32);
-        let o = xr.device_ptr_mut(&self.stream).0;
-        let mut l = self.launcher(self.func("vq_rotate"));
-        l.arg(x).arg(&seed).arg(&o).arg(&c).arg(&b);
-        let grid = LaunchConfig {
-            grid_dim: (cols.div_ceil(block) as u32, rows as u32, 1),
-            block_dim: ((block / 2).clamp(32, 512) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        ok(unsafe { l.launch(grid) }, "vq_rotate");
-    }
-
-    /// [`Backend::matmul_vq`] on a device copy: the activations rotated once, then the
-    /// matrix-vector kernel reading the codes for up to [`MATVEC_MAX_BATCH`] rows, or
-    /// the matrix decoded (in the rotated domain) into a scratch buffer and one GEMM.
-    fn vq_product(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &VqView<'_>,
-        d: &DeviceVq,
-        rows: usize,
-        out: &mut CudaSlice<f32>,
-    ) {
-        let (block, row_blocks) = (w.block, w.blocks());
-        let width = row_blocks * block;
-        let mut rotated = self.grown(&self.vq_scratch, rows * width);
-        let xr = rotated.as_mut().expect("grown");
-        self.vq_rotate(x, rows, w.cols, w.seed, block, xr);
-        let book = self.vq_book(w.rung);
-        let suffix = vq_suffix(w.rung.dim);
-        let (r, k, b, nblocks) = (
-            w.rows as i32,
-            w.rung.index_bits as i32,
-            block as i32,
-            row_blocks as i32,
-        );
-        let rb = row_bytes(w.rung, w.cols) as u64;
-        // As the CPU kernels scale a block's sum.
-        let inv_root = 1.0 / (block as f32).sqrt();
-        let tile = vq_tile(w.rung, width, rows);
-        if rows > MATVEC_MAX_BATCH || tile.is_none() {
-            let mut dense = self.grown(&self.dense_scratch, w.rows * width);
-            let dense = dense.as_mut().expect("grown");
-            let vectors = w.rows * width / w.rung.dim;
-            let mut l = self.launcher(self.func(&format!("vq_decode_{suffix}")));
-            l.arg(&d.codes)
-                .arg(&d.norms)
-                .arg(&*book)
-                .arg(&mut *dense)
-                .arg(&r)
-                .arg(&k)
-                .arg(&b)
-                .arg(&nblocks)
-                .arg(&rb)
-                .arg(&inv_root);
-            ok(
-                unsafe { l.launch(cfg(blocks(vectors, 256) as usize, 256, 0)) },
-                "vq decode",
-            );
-            self.gemm_xwt(xr, &*dense, rows, width, width, w.rows, out);
-            return;
-        }
-        let f = self.func(&format!("vq_matvec_{suffix}"));
-        let mut t0 = 0;
-        while t0 < rows {
-            let tile = vq_tile(w.rung, width, rows - t0).expect("fits: checked above");
-            let nb = tile.rows;
-            let xs = xr.slice(t0 * width..(t0 + nb) * width);
-            let mut os = out.slice_mut(t0 * w.rows..(t0 + nb) * w.rows);
-            let (nbi, shared) = (nb as i32, tile.book_shared as i32);
-            let mut l = self.launcher(f);
-            l.arg(&d.codes)
-                .arg(&d.norms)
-                .arg(&*book)
-                .arg(&xs)
-                .arg(&mut os)
-                .arg(&r)
-                .arg(&k)
-                .arg(&b)
-                .arg(&nblocks)
-                .arg(&rb)
-                .arg(&inv_root)
-                .arg(&nbi)
-                .arg(&shared);
-            let mut grid = w.rows.div_ceil(VQ_WARPS);
-            let mut bytes = nb * width * 4;
-            if tile.book_shared {
-                grid = grid.min(VQ_SHARED_BOOK_BLOCKS);
-                bytes += vq_book_bytes(w.rung);
-            }
-            ok(
-                unsafe { l.launch(cfg(grid, (VQ_WARPS * 32) as u32, bytes)) },
-                "vq matvec",
-            );
-            t0 += nb;
-        }
-    }
-
     /// Bytes of affine weights held on the device.
     pub fn weight_cache_bytes(&self) -> usize {
         self.affine
@@ -2533,137 +499,6 @@ impl Cuda {
             .values()
             .map(|a| a.bytes())
             .sum()
-    }
-
-    /// A launch of `f` on the compute stream, programmatic where the device allows.
-    fn launcher<'s>(&'s self, f: &'s CudaFunction) -> Launch<'s> {
-        if let Some(names) = &self.timeline {
-            let name = self
-                .k
-                .f
-                .iter()
-                .find(|(_, g)| g.cu_function() == f.cu_function());
-            let name = name.map_or("(unnamed)", |(n, _)| *n);
-            names.lock().expect("timeline lock").push(name);
-        }
-        Launch::new(&self.stream, f, self.programmatic)
-    }
-
-    /// Whether the kernels were built with `TIMELINE` (`DYNMOE_CUDA_DEFINES="TIMELINE=N"`),
-    /// so that [`timeline_take`](Self::timeline_take) can time each launch in the chain.
-    pub fn timeline_on(&self) -> bool {
-        self.timeline.is_some()
-    }
-
-    /// Starts a timeline: from here each launch's first block stamps the time its wait
-    /// returned. Launch eagerly (graphs off) until [`timeline_take`](Self::timeline_take),
-    /// so that every stamp has its kernel's name.
-    pub fn timeline_start(&self) -> Result<(), CudaError> {
-        let Some(names) = &self.timeline else {
-            return Ok(());
-        };
-        driver(self.stream.synchronize())?;
-        let mut count = driver(self.k._module.get_global("timeline_count", &self.stream))?;
-        // SAFETY: the global is one `unsigned`.
-        let mut count =
-            unsafe { count.transmute_mut::<u32>(1) }.expect("timeline_count is 4 bytes");
-        driver(self.stream.memcpy_htod(&[0u32], &mut count))?;
-        driver(self.stream.synchronize())?;
-        names.lock().expect("timeline lock").clear();
-        Ok(())
-    }
-
-    /// Each launch since [`timeline_start`](Self::timeline_start): its kernel's name and
-    /// the global timer (ns) when its wait returned. Fails if the stamps and the launches
-    /// do not pair up (more launches than slots, or a kernel whose first thread skipped
-    /// its wait).
-    pub fn timeline_take(&self) -> Result<Vec<(&'static str, u64)>, CudaError> {
-        let Some(names) = &self.timeline else {
-            return Ok(Vec::new());
-        };
-        driver(self.stream.synchronize())?;
-        let names = std::mem::take(&mut *names.lock().expect("timeline lock"));
-        let count = driver(self.k._module.get_global("timeline_count", &self.stream))?;
-        // SAFETY: the global is one `unsigned`.
-        let count = unsafe { count.transmute::<u32>(1) }.expect("timeline_count is 4 bytes");
-        let count = driver(self.stream.clone_dtoh(&count))?[0] as usize;
-        let stamps = driver(self.k._module.get_global("timeline_stamps", &self.stream))?;
-        let slots = stamps.len() / 8;
-        // SAFETY: the global is `slots` u64s.
-        let stamps = unsafe { stamps.transmute::<u64>(slots) }.expect("timeline_stamps");
-        let stamps = driver(self.stream.clone_dtoh(&stamps))?;
-        if count != names.len() || count > slots {
-            return Err(CudaError::Driver(format!(
-                "timeline: {count} stamps for {} launches ({slots} slots)",
-                names.len()
-            )));
-        }
-        Ok(names.into_iter().zip(stamps).collect())
-    }
-
-    /// With the kernels built with `PHASES=<blocks>` (kernels.cu's `PHASE`), the last
-    /// routed gate/up launch's stamps (`[0]`) and the last routed down launch's (`[1]`):
-    /// for each of the first <blocks> blocks, the global timer (ns) at each of its
-    /// `PHASE_SLOTS` phases, 0 where a block or phase has none. None without the define.
-    pub fn phase_stamps(&self) -> Result<Option<[Vec<[u64; PHASE_SLOTS]>; 2]>, CudaError> {
-        let Ok(stamps) = self.k._module.get_global("phase_stamps", &self.stream) else {
-            return Ok(None);
-        };
-        driver(self.stream.synchronize())?;
-        let n = stamps.len() / 8;
-        // SAFETY: the global is `n` u64s, [2][blocks][PHASE_SLOTS].
-        let stamps = unsafe { stamps.transmute::<u64>(n) }.expect("phase_stamps");
-        let v = driver(self.stream.clone_dtoh(&stamps))?;
-        let blocks = |k: usize| {
-            v[k * n / 2..(k + 1) * n / 2]
-                .chunks_exact(PHASE_SLOTS)
-                .map(|c| c.try_into().expect("a block's slots"))
-                .collect()
-        };
-        Ok(Some([blocks(0), blocks(1)]))
-    }
-
-    fn func(&self, name: &str) -> &CudaFunction {
-        &self.k.f[name]
-    }
-
-    fn upload_u32(&self, v: &[u32]) -> CudaSlice<u32> {
-        ok(self.stream.clone_htod(v), "upload")
-    }
-
-    /// `x[..n] = v` on the device.
-    pub fn fill(&self, x: &mut CudaSlice<f32>, v: f32, n: usize) {
-        self.fill_at(x.device_ptr_mut(&self.stream).0, v, n);
-    }
-
-    /// [`fill`](Self::fill) of the `n` floats at device address `at`.
-    fn fill_at(&self, at: u64, v: f32, n: usize) {
-        if n == 0 {
-            return;
-        }
-        let n64 = n as i64;
-        let mut l = self.launcher(self.func("fill"));
-        l.arg(&at).arg(&v).arg(&n64);
-        ok(
-            unsafe { l.launch(cfg(blocks(n, 256).min(4096) as usize, 256, 0)) },
-            "fill",
-        );
-    }
-
-    /// `dst[..n] = src[..n]` through the copy kernel (16-byte accesses), the reference
-    /// bandwidth quantized kernels are measured against. `n` must be a multiple of 4.
-    pub fn copy_kernel(&self, src: &CudaSlice<f32>, dst: &mut CudaSlice<f32>, n: usize) {
-        assert!(
-            n.is_multiple_of(4),
-            "copy of {n} floats is not whole float4s"
-        );
-        let n4 = (n / 4) as i64;
-        let mut l = self.launcher(self.func("copy_f4"));
-        l.arg(src).arg(dst).arg(&n4);
-        ok(
-            unsafe { l.launch(cfg(blocks(n / 4, 256).min(132 * 16) as usize, 256, 0)) },
-            "copy",
-        );
     }
 
     /// A device copy of `v`, uploaded the first time these values are seen.
@@ -2677,2034 +512,36 @@ impl Cuda {
         d
     }
 
-    /// The device copy of `w`, made on first use; with `dense` (a dense layer's matrix,
-    /// not an expert's), also in unit tiles where [`tiles_take`](Self::tiles_take) it,
-    /// and only so with [`set_dense_single`](Self::set_dense_single) on tensor cores.
-    fn device_affine(&self, w: &AffineView<'_>, dense: bool) -> Arc<DeviceAffine> {
-        let key = affine_key(w);
-        let print = fingerprint(w);
-        let mut cache = self.affine.lock().expect("weight cache lock");
-        if let Some(d) = cache.get(&key) {
-            // An expert's kernels read rows: a copy held only in tiles is made again.
-            if d.fingerprint == print && (dense || d.rows.is_some()) {
-                return d.clone();
-            }
-        }
-        let tiled = dense && self.tiles_take(w);
-        let groups = w.rows * (w.cols / GROUP_SIZE);
-        let words = &w.words[..w.rows * words_per_row(w.cols, w.bits)];
-        // Without the rows, every product of the matrix runs on tiled kernels, all of them
-        // on tensor cores. Only where every 4- and 2-bit dense matrix takes tiles, so that
-        // the matrices of one launch (q, k, v) are all in tiles.
-        let single = tiled && self.dense_tiles() && self.dense_single() && self.tensor_cores();
-        let d = Arc::new(DeviceAffine {
-            rows: (!single).then(|| AffineRows {
-                words: self.upload_u32(words),
-                scales: ok(
-                    self.stream
-                        .clone_htod(w.scales[..groups].reinterpret_cast()),
-                    "upload",
-                ),
-                biases: ok(
-                    self.stream
-                        .clone_htod(w.biases[..groups].reinterpret_cast()),
-                    "upload",
-                ),
-            }),
-            fingerprint: print,
-            tiles: tiled.then(|| self.upload_tiles(w)),
-        });
-        cache.insert(key, d.clone());
-        d
+    fn upload_u32(&self, v: &[u32]) -> CudaSlice<u32> {
+        ok(self.stream.clone_htod(v), "upload")
     }
 
-    /// [`Backend::matmul_affine`] on a device copy, with the row count deciding between
-    /// the matrix-vector kernel and expand-then-GEMM.
-    fn affine_product(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &AffineView<'_>,
-        d: &DeviceAffine,
-        rows: usize,
-        in_dim: usize,
-        out: &mut CudaSlice<f32>,
-    ) {
+    /// The device address of `b`, for a kernel that reads it.
+    fn ptr<T>(&self, b: &impl DevicePtr<T>) -> Ptr {
+        Ptr(b.device_ptr(&self.stream).0)
+    }
+
+    /// The device address of `b`, for a kernel that writes it.
+    fn ptr_mut<T>(&self, b: &mut impl DevicePtrMut<T>) -> Ptr {
+        Ptr(b.device_ptr_mut(&self.stream).0)
+    }
+
+    /// Queues kernel `name` (one of `A`'s) with `args` on the compute stream,
+    /// programmatic where the device and the tuning allow.
+    fn launch<A: Args>(&self, name: &'static str, cfg: LaunchConfig, args: A) {
         assert!(
-            in_dim <= w.cols && w.cols.is_multiple_of(GROUP_SIZE),
-            "input of {in_dim} columns for a matrix of {}",
-            w.cols
+            A::KERNELS.contains(&name),
+            "{name} does not take these arguments"
         );
-        let groups = w.cols / GROUP_SIZE;
-        // Held only in tiles: one row on the tiled one-row kernel, more (or a row too wide
-        // for its shared memory) as the tiled grouped GEMM, whatever the switches say now.
-        let only_tiles = d.rows.is_none();
-        let one_row = rows == 1 && routed_mma_shared(groups) <= SHARED_LIMIT;
-        if one_row && (self.routed_mma() || only_tiles) {
-            let o = out.device_ptr_mut(&self.stream).0;
-            let tiled = self.tiles_of(w, d).is_some();
-            self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim, None, tiled);
-            return;
+        if let Some(names) = &self.timeline {
+            names.lock().expect("timeline lock").push(name);
         }
-        if only_tiles || rows > AFFINE_GEMM_ROWS && self.tensor_cores() {
-            self.affine_gemm(x, w, d, rows, in_dim, out);
-            return;
-        }
-        let d = d.rows();
-        if rows > AFFINE_GEMM_ROWS {
-            let mut dense = ok(
-                unsafe { self.stream.alloc::<f32>(w.rows * w.cols) },
-                "alloc",
-            );
-            let name = format!("affine_dequant_{}", bits_suffix(w.bits));
-            let (r, c) = (w.rows as i32, w.cols as i32);
-            let chunks = w.rows * w.cols / 32;
-            let mut l = self.launcher(self.func(&name));
-            l.arg(&d.words)
-                .arg(&d.scales)
-                .arg(&d.biases)
-                .arg(&mut dense)
-                .arg(&r)
-                .arg(&c);
-            ok(
-                unsafe { l.launch(cfg(blocks(chunks, 256) as usize, 256, 0)) },
-                "affine dequant",
-            );
-            self.gemm_xwt(x, &dense, rows, in_dim, w.cols, w.rows, out);
-            return;
-        }
-        let name = format!("affine_matvec_{}", bits_suffix(w.bits));
-        let (tile, chunk_bytes) = affine_tile(w.cols);
-        let grid = w.rows.div_ceil(AFFINE_WARPS);
-        let (r, c, i) = (w.rows as i32, w.cols as i32, in_dim as i32);
-        let mut t0 = 0;
-        while t0 < rows {
-            let nb = tile.min(rows - t0);
-            let b = nb as i32;
-            let xs = x.slice(t0 * in_dim..(t0 + nb) * in_dim);
-            let mut os = out.slice_mut(t0 * w.rows..(t0 + nb) * w.rows);
-            let mut l = self.launcher(self.func(&name));
-            l.arg(&d.words)
-                .arg(&d.scales)
-                .arg(&d.biases)
-                .arg(&xs)
-                .arg(&mut os)
-                .arg(&r)
-                .arg(&c)
-                .arg(&i)
-                .arg(&b);
-            ok(
-                unsafe { l.launch(cfg(grid, (AFFINE_WARPS * 32) as u32, nb * chunk_bytes)) },
-                "affine matvec",
-            );
-            t0 += nb;
-        }
-    }
-
-    /// One input row times up to three affine matrices of `cols` columns and the same
-    /// bits (`mats`: device copy, rows, output address) in one `dense_mma` launch, on
-    /// tensor cores. `x` is `in_dim` wide, read as zeros up to `cols`; with `norm`, the
-    /// kernel reads it through that residual add and norm.
-    fn launch_dense_mma(
-        &self,
-        bits: u32,
-        mats: &[(&DeviceAffine, usize, u64)],
-        x: &CudaSlice<f32>,
-        cols: usize,
-        in_dim: usize,
-        norm: Option<&InputNorm>,
-        tiled: bool,
-    ) {
-        debug_assert!((1..=3).contains(&mats.len()));
-        let groups = cols / GROUP_SIZE;
-        let tiles: usize = mats.iter().map(|m| m.1.div_ceil(RMMA_ROWS)).sum();
-        let (parts, blocks) = dense_mma_layout(tiles, groups, self.sms);
-        let kernel = match (norm.is_some(), tiled) {
-            (true, true) => "dense_mma_norm_tiled",
-            (true, false) => "dense_mma_norm",
-            (false, true) => "dense_mma_tiled",
-            (false, false) => "dense_mma",
-        };
-        let shared = dense_mma_shared(groups, norm.is_some());
-        let name = format!("{kernel}_{}", bits_suffix(bits));
-        let mut l = self.launcher(self.func(&name));
-        for i in 0..3 {
-            // Unused slots repeat the first matrix with no rows.
-            let (d, rows, o) = mats.get(i).copied().unwrap_or((mats[0].0, 0, mats[0].2));
-            let r = rows as i32;
-            match d.tiles.as_ref().filter(|_| tiled) {
-                // The tiled kernels read scales and biases from one buffer.
-                Some(t) => l.arg(&t.words).arg(&t.sb).arg(&t.sb),
-                None => {
-                    let r = d.rows();
-                    l.arg(&r.words).arg(&r.scales).arg(&r.biases)
-                }
-            };
-            l.arg(&o).arg(&r);
-        }
-        let (n, c, i, p) = (mats.len() as i32, cols as i32, in_dim as i32, parts as i32);
-        l.arg(&n).arg(x).arg(&c).arg(&i).arg(&p);
-        if let Some(norm) = norm {
-            l.arg(&norm.delta)
-                .arg(&norm.w)
-                .arg(&norm.eps)
-                .arg(&norm.sum);
-        }
-        let launch = cfg(blocks, (RMMA_WARPS * 32) as u32, shared);
-        ok(unsafe { l.launch(launch) }, "dense_mma");
-    }
-
-    /// Whether `dense_mma` takes the products of one row with `ws` in one launch:
-    /// affine matrices of the same bits and columns, `in_dim` within them, on tensor cores.
-    fn dense_mma_takes(&self, ws: &[Weight<'_, DeviceMatrix>], rows: usize, in_dim: usize) -> bool {
-        let Some(Weight::Affine(a)) = ws.first() else {
-            return false;
-        };
-        rows == 1
-            && self.routed_mma()
-            && in_dim <= a.cols
-            && dense_mma_shared(a.cols / GROUP_SIZE, false) <= SHARED_LIMIT
-            && ws
-                .iter()
-                .all(|w| matches!(w, Weight::Affine(b) if b.bits == a.bits && b.cols == a.cols))
-    }
-
-    /// Whether `dense_mma_norm` takes the products of one row with `ws` through the
-    /// residual add and norm before them: switched on, `dense_mma` takes them, and the row
-    /// through the norm fits beside its staged units.
-    fn dense_mma_folds_norm(
-        &self,
-        ws: &[Weight<'_, DeviceMatrix>],
-        rows: usize,
-        in_dim: usize,
-    ) -> bool {
-        let Some(Weight::Affine(a)) = ws.first() else {
-            return false;
-        };
-        self.fold_norms()
-            && self.dense_mma_takes(ws, rows, in_dim)
-            && dense_mma_shared(a.cols / GROUP_SIZE, true) <= SHARED_LIMIT
-    }
-
-    /// `w` in unit tiles on the device.
-    fn upload_tiles(&self, w: &AffineView<'_>) -> DeviceTiles {
-        let (words, sb) = unit_tiles(w);
-        DeviceTiles {
-            words: self.upload_u32(&words),
-            sb: ok(self.stream.clone_htod(&sb), "upload"),
-        }
-    }
-
-    /// Whether one-row products of the dense matrix `w` read it in unit tiles: 4 or 2
-    /// bits, and so many rows that the launch's blocks loop over rounds of jobs (the LM
-    /// head), or any such matrix with [`set_dense_tiles`](Self::set_dense_tiles) (both
-    /// switched on by default).
-    fn tiles_take(&self, w: &AffineView<'_>) -> bool {
-        let tiles = w.rows.div_ceil(RMMA_ROWS);
-        let (parts, blocks) = dense_mma_layout(tiles, w.cols / GROUP_SIZE, self.sms);
-        let rounds = tiles.div_ceil(RMMA_WARPS / parts).div_ceil(blocks);
-        matches!(w.bits, 4 | 2) && (self.head_tiles() && rounds >= 2 || self.dense_tiles())
-    }
-
-    /// `d` (the device copy of `w`) in unit tiles, for a one-row product of it alone:
-    /// always for a matrix held only in tiles, otherwise where
-    /// [`tiles_take`](Self::tiles_take) it and the copy was made with `d` (never
-    /// later: a first use may come while a step is being recorded, where no upload may
-    /// run).
-    fn tiles_of<'d>(&self, w: &AffineView<'_>, d: &'d DeviceAffine) -> Option<&'d DeviceTiles> {
-        d.tiles
-            .as_ref()
-            .filter(|_| d.rows.is_none() || self.tiles_take(w))
-    }
-
-    /// The products [`dense_mma_takes`](Self::dense_mma_takes) took, into `outs`.
-    fn dense_mma_product(
-        &self,
-        x: &CudaSlice<f32>,
-        ws: &[Weight<'_, DeviceMatrix>],
-        in_dim: usize,
-        outs: &[u64],
-        norm: Option<&InputNorm>,
-    ) {
-        let views: Vec<&AffineView<'_>> = ws
-            .iter()
-            .map(|w| match w {
-                Weight::Affine(a) => a,
-                _ => unreachable!("dense_mma_takes checked"),
-            })
-            .collect();
-        let devs: Vec<_> = views.iter().map(|w| self.device_affine(w, true)).collect();
-        let mats: Vec<_> = views
-            .iter()
-            .zip(&devs)
-            .zip(outs)
-            .map(|((w, d), &o)| (&**d, w.rows, o))
-            .collect();
-        // Tiles for all or for none: one kernel reads the launch's matrices; all of them
-        // where one is held only in tiles.
-        let only_tiles = devs.iter().any(|d| d.rows.is_none());
-        let tiled = if only_tiles {
-            assert!(
-                devs.iter().all(|d| d.tiles.is_some()),
-                "matrices held only in tiles share a launch with matrices without tiles"
-            );
-            true
-        } else {
-            views
-                .iter()
-                .zip(&devs)
-                .all(|(w, d)| self.tiles_of(w, d).is_some())
-        };
-        self.launch_dense_mma(views[0].bits, &mats, x, views[0].cols, in_dim, norm, tiled);
-    }
-
-    /// The [`InputNorm`] of `n` for a kernel that folds it in: `sum` gets `x + delta` (with
-    /// a delta); nothing gets the normed row.
-    fn input_norm(&self, n: AddNorm<'_, CudaSlice<f32>>, sum: &mut CudaSlice<f32>) -> InputNorm {
-        let delta = n.delta.map_or(0, |d| d.device_ptr(&self.stream).0);
-        InputNorm {
-            delta,
-            w: n.w.device_ptr(&self.stream).0,
-            eps: n.eps,
-            sum: if delta == 0 {
-                0
-            } else {
-                sum.device_ptr_mut(&self.stream).0
-            },
-        }
-    }
-
-    /// `rows` input rows times an affine matrix on tensor cores: the grouped expert GEMM
-    /// (`expert_mma_down_*`) over one group that holds every row, with unit weights, so a
-    /// prompt's dense products read the codes as the experts' do and keep f32 precision.
-    /// A matrix held only in tiles takes the tiled GEMM (`expert_mma_down_tiled_*`).
-    fn affine_gemm(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &AffineView<'_>,
-        d: &DeviceAffine,
-        rows: usize,
-        in_dim: usize,
-        out: &mut CudaSlice<f32>,
-    ) {
-        let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
-        let mut entry = [0u64; GROUP_ENTRY];
-        let kernels = match (&d.rows, &d.tiles) {
-            (Some(r), _) => {
-                entry[6..9].copy_from_slice(&r.addresses(&self.stream));
-                bits_suffix(w.bits).to_string()
-            }
-            (None, Some(t)) => {
-                let sb = t.sb.device_ptr(&self.stream).0;
-                entry[6..9].copy_from_slice(&[at(&t.words), sb, sb]);
-                format!("tiled_{}", bits_suffix(w.bits))
-            }
-            (None, None) => unreachable!("a device matrix is held in rows, tiles or both"),
-        };
-        entry[10] = rows as u64;
-        let table = ok(self.stream.clone_htod(&entry), "upload");
-        let tiles: Vec<u32> = (0..rows.div_ceil(EXPERT_TILE_ROWS))
-            .flat_map(|t| [0, (t * EXPERT_TILE_ROWS) as u32])
-            .collect();
-        let tiles = self.upload_u32(&tiles);
-        let pair_rows = self.upload_u32(&(0..rows as u32).collect::<Vec<_>>());
-        let ones = self.upload(&vec![1.0f32; rows]);
-        self.fill(out, 0.0, rows * w.rows);
-        let (r, c, i) = (w.rows as i32, w.cols as i32, in_dim as i32);
-        let mut l = self.launcher(self.func(&format!("expert_mma_down_{kernels}")));
-        l.arg(&table)
-            .arg(&tiles)
-            .arg(&0u64)
-            .arg(&pair_rows)
-            .arg(&ones);
-        l.arg(x).arg(out).arg(&r).arg(&c).arg(&i);
-        let launch = LaunchConfig {
-            grid_dim: (
-                w.rows.div_ceil(EXPERT_TILE_OUTPUTS) as u32,
-                rows.div_ceil(EXPERT_TILE_ROWS) as u32,
-                1,
-            ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        ok(unsafe { l.launch(launch) }, "affine GEMM");
-    }
-
-    /// The MoE dispatch of [`Backend::swiglu_groups`] for affine groups sharing one
-    /// shape: one upload of the group table, then either (every group of at most
-    /// [`AFFINE_GEMM_ROWS`] rows, as in a decode step) one matrix-vector launch for every
-    /// gate and up product, one SiLU, one launch for every down product and one scatter,
-    /// or (a prompt, on tensor cores) the grouped GEMMs `expert_mma_gate_up` (SiLU
-    /// inside) and `expert_mma_down` (scatter inside). Without tensor cores groups of
-    /// more rows are left out. Returns the groups it did not take.
-    fn swiglu_grouped<'g, 'a>(
-        &self,
-        x: &CudaSlice<f32>,
-        hidden: usize,
-        groups: &'g [SwiGluGroup<'a, DeviceMatrix>],
-        out: &mut CudaSlice<f32>,
-    ) -> Vec<&'g SwiGluGroup<'a, DeviceMatrix>> {
-        let key = |m: &[AffineView<'_>; 3]| (m[0].bits, m[0].rows, m[0].cols, m[2].rows, m[2].cols);
-        let gemm = self.tensor_cores();
-        let mut shape = None;
-        let (mut take, mut rest) = (Vec::new(), Vec::new());
-        for g in groups.iter().filter(|g| !g.rows.is_empty()) {
-            match affine_of(g) {
-                Some(m)
-                    if (gemm || g.rows.len() <= AFFINE_GEMM_ROWS)
-                        && m[1].rows == m[0].rows
-                        && m[1].cols == m[0].cols
-                        && m[0].cols >= hidden
-                        && m[2].rows == hidden
-                        && m[2].cols >= g.intermediate
-                        && *shape.get_or_insert(key(&m)) == key(&m) =>
-                {
-                    take.push((g, m))
-                }
-                _ => rest.push(g),
-            }
-        }
-        if take.is_empty() {
-            return rest;
-        }
-        let (bits, inter, up_cols, _, down_cols) = shape.expect("set with the first group");
-        let n_groups = take.len();
-        let pairs: usize = take.iter().map(|(g, _)| g.rows.len()).sum();
-        let gemm = gemm && take.iter().any(|(g, _)| g.rows.len() > AFFINE_GEMM_ROWS);
-        // One u64 buffer: the table, then row ids and scales two to a word.
-        let mut table: Vec<u64> = Vec::with_capacity(n_groups * GROUP_ENTRY + pairs);
-        let mut row_ids: Vec<u32> = Vec::with_capacity(pairs);
-        let mut scales: Vec<f32> = Vec::with_capacity(pairs);
-        let mut keep = Vec::with_capacity(n_groups);
-        for (g, m) in &take {
-            for w in m {
-                let d = self.device_affine(w, false);
-                table.extend(d.rows().addresses(&self.stream));
-                keep.push(d);
-            }
-            table.push(row_ids.len() as u64);
-            table.push(g.rows.len() as u64);
-            row_ids.extend_from_slice(g.rows);
-            scales.extend_from_slice(g.scales);
-        }
-        let rows_at = table.len() * 2;
-        let mut words: Vec<u32> = table
-            .iter()
-            .flat_map(|&v| [v as u32, (v >> 32) as u32])
-            .collect();
-        words.extend_from_slice(&row_ids);
-        words.extend(scales.iter().map(|s| s.to_bits()));
-        let tiles_at = words.len();
-        if gemm {
-            // The GEMM's pair tiles: (group, first row) for every EXPERT_TILE_ROWS rows.
-            for (i, (g, _)) in take.iter().enumerate() {
-                for first in (0..g.rows.len()).step_by(EXPERT_TILE_ROWS) {
-                    words.extend([i as u32, first as u32]);
-                }
-            }
-        }
-        let meta = self.upload_u32(&words);
-        let table_v = meta.slice(..rows_at);
-        let rows_v = meta.slice(rows_at..rows_at + pairs);
-        let scales_v = meta.slice(rows_at + pairs..tiles_at);
-        let suffix = bits_suffix(bits);
-        let raw = |n: usize| ok(unsafe { self.stream.alloc::<f32>(n.max(1)) }, "alloc");
-
-        if gemm {
-            let h = raw(pairs * inter);
-            let tiles = (words.len() - tiles_at) / 2;
-            let at = |v: &CudaView<'_, u32>| v.device_ptr(&self.stream).0;
-            // A grid's y extent is at most 65 535 tiles; longer prompts take several.
-            for t0 in (0..tiles).step_by(65_535) {
-                self.launch_expert_gemms(&ExpertGemms {
-                    kernels: suffix.to_string(),
-                    table: at(&table_v),
-                    tiles: at(&meta.slice(tiles_at + 2 * t0..)),
-                    grid_tiles: (tiles - t0).min(65_535),
-                    tiles_n: NO_COUNT,
-                    pair_rows: at(&rows_v),
-                    pair_weights: at(&scales_v),
-                    x: x.device_ptr(&self.stream).0,
-                    h: h.device_ptr(&self.stream).0,
-                    out: out.device_ptr_mut(&self.stream).0,
-                    hidden,
-                    inter,
-                    up_cols,
-                    down_cols,
-                });
-            }
-            drop(keep);
-            return rest;
-        }
-
-        let (mut gate, mut up, mut down) =
-            (raw(pairs * inter), raw(pairs * inter), raw(pairs * hidden));
-        let (tile, row_bytes) = affine_tile(up_cols);
-        let (r, c, i, t) = (inter as i32, up_cols as i32, hidden as i32, tile as i32);
-        let f = self.func(&format!("affine_gate_up_{suffix}"));
-        let mut l = self.launcher(f);
-        l.arg(&table_v)
-            .arg(&rows_v)
-            .arg(x)
-            .arg(&mut gate)
-            .arg(&mut up);
-        l.arg(&r).arg(&c).arg(&i).arg(&t);
-        let grid = LaunchConfig {
-            grid_dim: (inter.div_ceil(AFFINE_WARPS) as u32, n_groups as u32, 2),
-            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: (tile * row_bytes) as u32,
-        };
-        ok(unsafe { l.launch(grid) }, "affine gate/up");
-
-        let n = pairs * inter;
-        let n64 = n as i64;
-        let mut l = self.launcher(self.func("silu_mul"));
-        l.arg(&mut gate).arg(&up).arg(&n64);
-        self.launch_1d(l, n, "silu_mul");
-
-        let (tile, row_bytes) = affine_tile(down_cols);
-        let (r, c, i, t) = (hidden as i32, down_cols as i32, inter as i32, tile as i32);
-        let f = self.func(&format!("affine_down_{suffix}"));
-        let mut l = self.launcher(f);
-        l.arg(&table_v).arg(&gate).arg(&mut down);
-        l.arg(&r).arg(&c).arg(&i).arg(&t);
-        let grid = LaunchConfig {
-            grid_dim: (hidden.div_ceil(AFFINE_WARPS) as u32, n_groups as u32, 1),
-            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: (tile * row_bytes) as u32,
-        };
-        ok(unsafe { l.launch(grid) }, "affine down");
-
-        let w = hidden as i32;
-        let mut l = self.launcher(self.func("scatter_add_rows"));
-        l.arg(&down).arg(&rows_v).arg(&scales_v).arg(out).arg(&w);
-        ok(
-            unsafe { l.launch(cfg(pairs, row_threads(hidden), 0)) },
-            "scatter_add_rows",
-        );
-        drop(keep);
-        rest
-    }
-
-    /// `out[rows, n] = x[rows, k] · w[n, k]ᵀ` for a bf16 `w` on tensor cores: x is split
-    /// into bf16 hi and lo parts (`split_bf16`) and cuBLAS adds `w·hiᵀ` and `w·loᵀ` in
-    /// f32, so x keeps about 16 bits where one bf16 rounding would keep 8; every product
-    /// of a bf16 weight and a bf16 part is exact in f32.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_bf16_split<O: DevicePtrMut<f32>>(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &CudaSlice<u16>,
-        rows: usize,
-        k: usize,
-        n: usize,
-        out: &mut O,
-    ) {
-        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
-        let len = rows * k;
-        // Both parts in one f32 scratch, the lo part 256-byte aligned as cuBLAS prefers.
-        let lo_at = (2 * len).next_multiple_of(256);
-        let mut scratch = self.grown(&self.split_scratch, (lo_at + 2 * len).div_ceil(4));
-        let base = scratch
-            .as_mut()
-            .expect("grown")
-            .device_ptr_mut(&self.stream)
-            .0;
-        let (hi, lo) = (base, base + lo_at as u64);
-        let n64 = len as i64;
-        let mut l = self.launcher(self.func("split_bf16"));
-        l.arg(x).arg(&hi).arg(&lo).arg(&n64);
-        ok(
-            unsafe { l.launch(cfg(blocks(len, 256).min(132 * 16) as usize, 256, 0)) },
-            "split_bf16",
-        );
-        let wp = w.device_ptr(&self.stream).0;
-        let op = out.device_ptr_mut(&self.stream).0;
-        for (part, beta) in [(hi, 0.0f32), (lo, 1.0f32)] {
-            let alpha = 1.0f32;
-            // Column-major, as `gemm_xwt`: outᵀ (n × rows) = w (k × n, transposed) · part (k × rows).
-            let r = unsafe {
-                cudarc::cublas::result::gemm_ex(
-                    *self.blas.handle(),
-                    cublasOperation_t::CUBLAS_OP_T,
-                    cublasOperation_t::CUBLAS_OP_N,
-                    n as i32,
-                    rows as i32,
-                    k as i32,
-                    (&alpha as *const f32).cast(),
-                    wp as *const std::ffi::c_void,
-                    cudaDataType::CUDA_R_16BF,
-                    k as i32,
-                    part as *const std::ffi::c_void,
-                    cudaDataType::CUDA_R_16BF,
-                    k as i32,
-                    (&beta as *const f32).cast(),
-                    op as *mut std::ffi::c_void,
-                    cudaDataType::CUDA_R_32F,
-                    n as i32,
-                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            };
-            ok(r, "cuBLAS bf16 GEMM");
-        }
-    }
-
-    /// `out[rows, n] = x[rows, k] · w[n, :k]ᵀ` with `w` row-major of row stride `ldw`.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_xwt<W: DevicePtr<f32>, O: DevicePtrMut<f32>>(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &W,
-        rows: usize,
-        k: usize,
-        ldw: usize,
-        n: usize,
-        out: &mut O,
-    ) {
-        if rows == 0 || n == 0 {
-            return;
-        }
-        // Column-major view: outᵀ (n × rows) = wᵀᵀ (n × k, from w seen as k × n with
-        // leading dimension ldw, transposed) · xᵀ (k × rows).
-        let g = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: n as i32,
-            n: rows as i32,
-            k: k as i32,
-            alpha: 1.0f32,
-            lda: ldw as i32,
-            ldb: k as i32,
-            beta: 0.0f32,
-            ldc: n as i32,
-        };
-        ok(unsafe { self.blas.gemm(g, w, x, out) }, "cuBLAS sgemm");
-    }
-
-    /// The device table of a block's experts, built (every expert copied to the device)
-    /// the first time the block is routed here, with `top_k` experts a row, and again
-    /// when its experts' layout no longer suits the kernels switched on
-    /// ([`experts_tiled`](Self::experts_tiled)); `None` when its experts are not affine
-    /// matrices of one shape the routed kernels take.
-    fn routed_block<'m>(
-        &self,
-        map: &'m mut HashMap<usize, RoutedBlock>,
-        experts: &RoutedExperts<'_, DeviceMatrix>,
-        hidden: usize,
-        top_k: usize,
-    ) -> Option<&'m mut RoutedBlock> {
-        let check = routed_check(experts)?;
-        let stale = |b: &RoutedBlock| {
-            b.check != check
-                || matches!(b.kind, RoutedKind::Affine(s) if s.tiled != self.experts_tiled(s, top_k))
-        };
-        if map.get(&experts.id).is_some_and(stale) {
-            self.drop_graphs();
-            map.remove(&experts.id);
-        }
-        match map.entry(experts.id) {
-            std::collections::hash_map::Entry::Occupied(o) => Some(o.into_mut()),
-            std::collections::hash_map::Entry::Vacant(v) => {
-                Some(v.insert(self.build_routed(experts, hidden, top_k, check)?))
-            }
-        }
-    }
-
-    /// Whether a block of experts of `shape` (4 or 2 bits), `top_k` a row, is held in
-    /// unit tiles: unless [`set_expert_tiles`](Self::set_expert_tiles) says rows, where
-    /// every launch that may read it takes tiles — one to [`ROUTED_MAX_ROWS`] rows on the
-    /// tensor-core routed kernels, more through the grouped GEMMs (the other routed
-    /// kernels, the slices and the one-launch step read rows).
-    fn experts_tiled(&self, shape: RoutedShape, top_k: usize) -> bool {
-        self.expert_tiles.get() && self.tiled_kernels_take(shape, top_k)
-    }
-
-    /// Whether every launch that may read experts of `shape`, `top_k` a row, has a tiled
-    /// kernel: 4 or 2 bits, the tensor-core routed kernels and the grouped GEMMs.
-    fn tiled_kernels_take(&self, shape: RoutedShape, top_k: usize) -> bool {
-        matches!(shape.bits, 4 | 2) && self.tensor_cores() && self.routed_mma_takes(shape, top_k)
-    }
-
-    /// Copies every expert of a block to the device and tables their pointers: gate, up
-    /// and down in turn, each as its codes, then its scales and biases (affine: in tiles,
-    /// the tiles' scales and biases twice) or its norms and rotation sign bits (VQ).
-    fn build_routed(
-        &self,
-        experts: &RoutedExperts<'_, DeviceMatrix>,
-        hidden: usize,
-        top_k: usize,
-        check: RoutedCheck,
-    ) -> Option<RoutedBlock> {
-        let mut table = Vec::with_capacity(experts.count * ROUTED_ENTRY);
-        let mut weights: Vec<Arc<dyn Send + Sync>> = Vec::with_capacity(experts.count * 3);
-        let kind = match (experts.weights)(0) {
-            [Weight::Affine(g), Weight::Affine(_), Weight::Affine(d)] => {
-                let (bits, inter, up_cols, down_cols) = (g.bits, g.rows, g.cols, d.cols);
-                let mut shape = RoutedShape::of(bits, inter, up_cols, down_cols, hidden)?;
-                shape.tiled = self.experts_tiled(shape, top_k);
-                for e in 0..experts.count {
-                    let [Weight::Affine(g), Weight::Affine(u), Weight::Affine(d)] =
-                        (experts.weights)(e)
-                    else {
-                        return None;
-                    };
-                    let same = |m: &AffineView<'_>, rows: usize, cols: usize| {
-                        m.bits == bits && m.rows == rows && m.cols == cols
-                    };
-                    if !(same(&g, inter, up_cols)
-                        && same(&u, inter, up_cols)
-                        && same(&d, hidden, down_cols))
-                    {
-                        return None;
-                    }
-                    for m in [g, u, d] {
-                        if shape.tiled {
-                            let t = self.upload_tiles(&m);
-                            let sb = t.sb.device_ptr(&self.stream).0;
-                            table.extend([t.words.device_ptr(&self.stream).0, sb, sb]);
-                            weights.push(Arc::new(t));
-                        } else {
-                            let dev = self.device_affine(&m, false);
-                            table.extend(dev.rows().addresses(&self.stream));
-                            weights.push(dev);
-                        }
-                    }
-                }
-                RoutedKind::Affine(shape)
-            }
-            [Weight::Vq(g), Weight::Vq(_), Weight::Vq(d)] => {
-                let shape = VqRoutedShape::of(&g, &d, hidden, self.vq_routed_shared)?;
-                let like = |m: &VqView<'_>, n: &VqView<'_>| {
-                    (m.rung, m.rows, m.cols, m.block) == (n.rung, n.rows, n.cols, n.block)
-                };
-                for e in 0..experts.count {
-                    let [Weight::Vq(eg), Weight::Vq(eu), Weight::Vq(ed)] = (experts.weights)(e)
-                    else {
-                        return None;
-                    };
-                    if !(like(&eg, &g) && like(&eu, &g) && like(&ed, &d)) {
-                        return None;
-                    }
-                    for m in [eg, eu, ed] {
-                        let dev = self.device_vq(&m);
-                        table.push(dev.codes.device_ptr(&self.stream).0);
-                        table.push(dev.norms.device_ptr(&self.stream).0);
-                        table.push(dev.signs.device_ptr(&self.stream).0);
-                        weights.push(dev);
-                    }
-                }
-                RoutedKind::Vq(shape)
-            }
-            _ => return None,
-        };
-        Some(RoutedBlock {
-            table: ok(self.stream.clone_htod(&table), "upload"),
-            _weights: weights,
-            check,
-            kind,
-            keep: None,
-        })
-    }
-
-    /// One decode token's MoE layer as one `moe_step` launch: the router product of `x`
-    /// with the bf16 router `gate`, the route (`probs` receives the probabilities), the
-    /// affine experts through `r.table`, the weighted sum into `out`. Declines (false)
-    /// what the kernel does not take, for the launches it replaces.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_moe_step(
-        &self,
-        r: &Routed<'_>,
-        gate: &DeviceMatrix,
-        x: u64,
-        rows: usize,
-        hidden: usize,
-        probs: u64,
-        out: u64,
-    ) -> bool {
-        let (RoutedKind::Affine(shape), DeviceMatrix::Bf16(router)) = (r.kind, gate) else {
-            return false;
-        };
-        let (e, k) = (r.experts, r.route.top_k);
-        let shared = moe_step_shared(e, k, shape.up_cols, shape.down_cols);
-        if rows != 1
-            || shape.tiled
-            || !(self.moe_step() && self.routed_mma())
-            || e > ROUTE_SHARED_MAX
-            || !hidden.is_multiple_of(8)
-            || shared > self.moe_step_shared
-        {
-            return false;
-        }
-        let name = format!("moe_step_{}", bits_suffix(shape.bits));
-        let f = self.func(&name);
-        let threads = (RMMA_WARPS * 32) as u32;
-        let per_sm = ok(
-            f.occupancy_max_active_blocks_per_multiprocessor(threads, shared, None),
-            "occupancy",
-        ) as usize;
-        if per_sm == 0 {
-            return false;
-        }
-        // Every block resident at once (the phases wait on each other), and no more than
-        // there are tiles of the larger phase.
-        let tiles = (k * shape.inter.div_ceil(RMMA_ROWS)).max(hidden.div_ceil(RMMA_ROWS));
-        let blocks = tiles.min(per_sm * self.sms);
-        let [_, _, h, _, _] = self.routed_scratch_at(k, k, shape.inter, hidden);
-        let sync = {
-            let mut s = self.moe_sync.lock().expect("sync lock");
-            let buf = s.get_or_insert_with(|| ok(self.stream.alloc_zeros::<u32>(4), "alloc"));
-            let at = buf.device_ptr(&self.stream).0;
-            at
-        };
-        let (ei, rn, ki) = (e as i32, r.route.renormalize as i32, k as i32);
-        let (ii, hi, uc, dc) = (
-            shape.inter as i32,
-            hidden as i32,
-            shape.up_cols as i32,
-            shape.down_cols as i32,
-        );
-        let mut l = self.launcher(f);
-        l.arg(router)
-            .arg(&x)
-            .arg(&probs)
-            .arg(&r.keep)
-            .arg(&ei)
-            .arg(&rn)
-            .arg(&ki);
-        l.arg(&r.table).arg(&h).arg(&out).arg(&sync);
-        l.arg(&ii).arg(&hi).arg(&uc).arg(&dc);
-        ok(
-            unsafe { l.launch(cfg(blocks, threads, shared)) },
-            "moe_step",
-        );
-        true
-    }
-
-    /// One decode token's affine experts as one `routed_slices_*` launch: a block per
-    /// (slice of an expert's intermediate rows, routed expert) routes the row of logits at
-    /// `probs` itself (or reads the route the router took, `r.routed`), runs the slice's
-    /// gate, up and down, and the blocks add their partial outputs into `out` after a
-    /// barrier of the grid; `probs` then holds the probabilities. Declines (false) what it
-    /// does not take: more experts than a block routes, a slice too large for the shared
-    /// memory granted, or a grid that could not all be resident at once.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_routed_slices(
-        &self,
-        r: &Routed<'_>,
-        shape: RoutedShape,
-        x: u64,
-        hidden: usize,
-        probs: u64,
-        out: u64,
-    ) -> bool {
-        let (e, k) = (r.experts, r.route.top_k);
-        let shared = slice_shared(shape.bits, shape.up_cols, e, k);
-        if shape.tiled
-            || !(self.routed_slices() && self.routed_mma())
-            || e > ROUTE_SHARED_MAX
-            || shared > self.slices_shared
-            || shape.inter.div_ceil(SLICE_ROWS) > shape.down_cols / GROUP_SIZE
-        {
-            return false;
-        }
-        let f = self.func(&format!("routed_slices_{}", bits_suffix(shape.bits)));
-        let threads = (SLICE_WARPS * 32) as u32;
-        let per_sm = ok(
-            f.occupancy_max_active_blocks_per_multiprocessor(threads, shared, None),
-            "occupancy",
-        ) as usize;
-        let slices = shape.inter.div_ceil(SLICE_ROWS);
-        let blocks = slices * k;
-        // The blocks wait on each other: all of them must be resident at once.
-        if blocks > per_sm * self.sms {
-            return false;
-        }
-        let (parts, sync) = {
-            let mut s = self.slice_scratch.lock().expect("slice scratch lock");
-            if s.as_ref().is_none_or(|(p, _)| p.len() < blocks * hidden) {
-                self.drop_graphs();
-                let parts = ok(
-                    unsafe { self.stream.alloc::<f32>(blocks * hidden) },
-                    "alloc",
-                );
-                let sync = ok(self.stream.alloc_zeros::<u32>(2), "alloc");
-                *s = Some((parts, sync));
-            }
-            let (p, c) = s.as_ref().expect("set above");
-            let at = (p.device_ptr(&self.stream).0, c.device_ptr(&self.stream).0);
-            at
-        };
-        // Routed before (router_route_one): the ids and weights in the routed scratch,
-        // where the router wrote them, and no logits to route.
-        let [ids, weights, ..] = self.routed_scratch_at(k, k, shape.inter, hidden);
-        let logits = if r.routed { 0u64 } else { probs };
-        let (ei, rn, ki) = (e as i32, r.route.renormalize as i32, k as i32);
-        let (ii, uc, hi, dc) = (
-            shape.inter as i32,
-            shape.up_cols as i32,
-            hidden as i32,
-            shape.down_cols as i32,
-        );
-        let mut l = self.launcher(f);
-        l.arg(&r.table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
-        l.arg(&ids).arg(&weights).arg(&ki);
-        l.arg(&x).arg(&parts).arg(&sync).arg(&out);
-        l.arg(&ii).arg(&uc).arg(&hi).arg(&dc);
-        let launch = LaunchConfig {
-            grid_dim: (slices as u32, k as u32, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: shared as u32,
-        };
-        ok(unsafe { l.launch(launch) }, "routed experts as slices");
-        true
-    }
-
-    /// Routes `rows` rows whose router logits are at device address `probs` (turned into
-    /// probabilities there) and runs their experts: the route kernel, the gate/up and down
-    /// launches reading the chosen experts through `r.table`, and the weighted combine into
-    /// `out`. `x`, `probs` and `out` are device addresses of `[rows, …]` buffers.
-    fn launch_routed(
-        &self,
-        r: &Routed<'_>,
-        x: u64,
-        rows: usize,
-        hidden: usize,
-        probs: u64,
-        out: u64,
-    ) {
-        let shape = match r.kind {
-            RoutedKind::Affine(shape) => shape,
-            RoutedKind::Vq(shape) => {
-                return self.launch_routed_vq(r, shape, x, rows, hidden, probs, out);
-            }
-        };
-        if rows > ROUTED_MAX_ROWS
-            && self.tensor_cores()
-            && gemm_grid_fits(rows * r.route.top_k, r.experts)
-        {
-            self.launch_routed_gemm(r, shape, x, rows, hidden, probs, out);
-            return;
-        }
-        if rows == 1 && self.launch_routed_slices(r, shape, x, hidden, probs, out) {
-            return;
-        }
-        let k = r.route.top_k;
-        let (inter, pairs) = (shape.inter, rows * k);
-        let [ids, weights, g, u, d] = self.routed_scratch_at(pairs, k, inter, hidden);
-
-        let ki = k as i32;
-        let suffix = bits_suffix(shape.bits);
-        let up_units = shape.up_cols / 64;
-        let down_units = k * (shape.down_cols / 64);
-        if self.routed_mma_takes(shape, k) {
-            // Up to ROUTE_SHARED_MAX experts each gate/up block routes its row itself, and
-            // the down kernel writes the probabilities; beyond, the route kernel runs
-            // first and `logits` is null.
-            let logits = if r.routed {
-                0u64
-            } else if r.experts <= ROUTE_SHARED_MAX {
-                probs
-            } else {
-                self.launch_route(r, rows, probs, ids, weights);
-                0u64
-            };
-            // Only right after the late router (no route kernel in between).
-            let early = r.router_late && logits != 0;
-            let (ei, rn) = (r.experts as i32, r.route.renormalize as i32);
-            // With the router's fold, gate/up reads the residual through the same norm.
-            let (x, delta, norm_w, eps) = match r.norm {
-                Some((residual, n)) => (residual, n.delta, n.w, n.eps),
-                None => (x, 0, 0, 0.0f32),
-            };
-            debug_assert!(r.norm.is_none() || (early && rows == 1));
-            // Gate and up write silu(gate) ⊙ up per pair into `g`; down adds each row's
-            // pairs, weighted, straight into `out`.
-            let block = ((RMMA_WARPS * 32) as u32, 1, 1);
-            let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
-            // The experts in unit tiles where the block has them.
-            let (table, suffix) = (r.table, shape.kernels());
-            let mut l = self.launcher(self.func(&format!("routed_mma_gate_up_{suffix}")));
-            l.arg(&table).arg(&logits).arg(&r.keep).arg(&ei).arg(&rn);
-            l.arg(&ids).arg(&weights).arg(&ki).arg(&x).arg(&g);
-            l.arg(&ri).arg(&c).arg(&i).arg(&(early as i32));
-            let by_logits = self.route_by_logits() as i32;
-            l.arg(&delta).arg(&norm_w).arg(&eps).arg(&by_logits);
-            // The flag only where a gate/up block writes the one row's route.
-            let ready = if self.down_early() && logits != 0 && rows == 1 {
-                self.down_ready.device_ptr(&self.stream).0
-            } else {
-                0u64
-            };
-            l.arg(&ready);
-            // With the norm, the row through it after the experts' pointers.
-            let shared = if early {
-                routed_mma_gate_up_shared(up_units, r.experts, r.norm.map_or(0, |_| hidden))
-            } else {
-                routed_mma_shared(up_units)
-            };
-            let gate_up = LaunchConfig {
-                grid_dim: (inter.div_ceil(RMMA_ROWS) as u32, pairs as u32, 1),
-                block_dim: block,
-                shared_mem_bytes: shared as u32,
-            };
-            ok(
-                unsafe { l.launch(gate_up) },
-                "routed gate/up on tensor cores",
-            );
-
-            let (ri, c, i) = (hidden as i32, shape.down_cols as i32, inter as i32);
-            let down_name = format!("routed_mma_down_{suffix}");
-            let padding = self.down_padding(&down_name);
-            let mut l = self.launcher(self.func(&down_name));
-            l.arg(&table)
-                .arg(&ids)
-                .arg(&weights)
-                .arg(&ki)
-                .arg(&g)
-                .arg(&out);
-            l.arg(&ri).arg(&c).arg(&i).arg(&logits).arg(&ei).arg(&ready);
-            let down = LaunchConfig {
-                grid_dim: (hidden.div_ceil(RMMA_ROWS) as u32, rows as u32, 1),
-                block_dim: ((self.down_warps * 32) as u32, 1, 1),
-                shared_mem_bytes: routed_mma_shared(down_units).max(padding) as u32,
-            };
-            ok(unsafe { l.launch(down) }, "routed down on tensor cores");
-            return;
-        }
-        // Experts in tiles are held so only where routed_mma_takes them (experts_tiled).
-        assert!(
-            !shape.tiled,
-            "experts in tiles reached the row-major routed kernels"
-        );
-        if !r.routed {
-            self.launch_route(r, rows, probs, ids, weights);
-        }
-        // A block per ROUTED_ROWS rows of each warp and per pair; `projections` in z.
-        let grid = |out_rows: usize, cols: usize, projections: u32| LaunchConfig {
-            grid_dim: (
-                out_rows.div_ceil(AFFINE_WARPS * ROUTED_ROWS) as u32,
-                pairs as u32,
-                projections,
-            ),
-            block_dim: ((AFFINE_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: routed_shared(cols) as u32,
-        };
-        let (ri, c, i) = (inter as i32, shape.up_cols as i32, hidden as i32);
-        let f = self.func(&format!("affine_routed_gate_up_{suffix}"));
-        let mut l = self.launcher(f);
-        l.arg(&r.table).arg(&ids).arg(&ki).arg(&x).arg(&g).arg(&u);
-        l.arg(&ri).arg(&c).arg(&i);
-        let gate_up = grid(inter, shape.up_cols, 2);
-        ok(unsafe { l.launch(gate_up) }, "routed gate/up");
-
-        let (ri, c, i) = (hidden as i32, shape.down_cols as i32, inter as i32);
-        let f = self.func(&format!("affine_routed_down_{suffix}"));
-        let mut l = self.launcher(f);
-        l.arg(&r.table).arg(&ids).arg(&ki).arg(&g).arg(&u).arg(&d);
-        l.arg(&ri).arg(&c).arg(&i);
-        let down = grid(hidden, shape.down_cols, 1);
-        ok(unsafe { l.launch(down) }, "routed down");
-
-        let (w, n) = (hidden as i32, (rows * hidden) as i64);
-        let mut l = self.launcher(self.func("moe_combine"));
-        l.arg(&d).arg(&weights).arg(&out).arg(&ki).arg(&w).arg(&n);
-        self.launch_1d(l, rows * hidden, "moe_combine");
-    }
-
-    /// Device addresses of the intermediates of routing `pairs` pairs (`top_k` a row):
-    /// expert ids, weights, then gate, up and down outputs, carved from one scratch
-    /// buffer, each on 16 bytes for the kernels' float4 loads. The buffer is sized for at
-    /// least the most rows a decode step routes, so that it is not replaced (under a
-    /// recorded step) when a call with more rows follows; a larger call replaces it, which
-    /// the single stream orders after every launch that read the old one.
-    fn routed_scratch_at(
-        &self,
-        pairs: usize,
-        top_k: usize,
-        inter: usize,
-        hidden: usize,
-    ) -> [u64; 5] {
-        let pad = |n: usize| n.next_multiple_of(4);
-        let size = |pairs: usize| 2 * pad(pairs) + 2 * pad(pairs * inter) + pairs * hidden;
-        let mut scratch = self.routed_scratch.lock().expect("scratch lock");
-        if scratch.as_ref().is_none_or(|s| s.len() < size(pairs)) {
-            self.drop_graphs();
-            let n = size(pairs.max(ROUTED_MAX_ROWS * top_k));
-            *scratch = Some(ok(unsafe { self.stream.alloc::<f32>(n) }, "alloc"));
-        }
-        let base = scratch
-            .as_ref()
-            .expect("set above")
-            .device_ptr(&self.stream)
-            .0;
-        let at = |floats: usize| base + 4 * floats as u64;
-        let h = 2 * pad(pairs);
-        [
-            at(0),
-            at(pad(pairs)),
-            at(h),
-            at(h + pad(pairs * inter)),
-            at(h + 2 * pad(pairs * inter)),
-        ]
-    }
-
-    /// [`launch_routed`](Self::launch_routed) for experts at a VQ rung: the route kernel,
-    /// then gate and up with the SiLU into the scratch, then down with each row's pairs
-    /// added, weighted, in order, into `out`. Every matrix has its own rotation seed: in a
-    /// decode step each block rotates the activations it reads itself (a launch fewer);
-    /// for a prompt `routed_vq_rotate` rotates each pair's once, for every block of its
-    /// products to read. A prompt whose codewords make whole tensor-core fragments takes
-    /// the grouped GEMMs instead ([`launch_routed_vq_gemm`](Self::launch_routed_vq_gemm)).
-    /// At most 65 535 pairs (the grid's second dimension): callers go through
-    /// [`launch_routed_chunks`](Self::launch_routed_chunks).
-    #[allow(clippy::too_many_arguments)]
-    fn launch_routed_vq(
-        &self,
-        r: &Routed<'_>,
-        shape: VqRoutedShape,
-        x: u64,
-        rows: usize,
-        hidden: usize,
-        probs: u64,
-        out: u64,
-    ) {
-        let k = r.route.top_k;
-        let (inter, pairs) = (shape.inter, rows * k);
-        if rows > ROUTED_MAX_ROWS
-            && self.tensor_cores()
-            && shape.on_tensor_cores()
-            && gemm_grid_fits(pairs, r.experts)
-        {
-            self.launch_routed_vq_gemm(r, shape, x, rows, hidden, probs, out);
-            return;
-        }
-        let [ids, weights, h, ..] = self.routed_scratch_at(pairs, k, inter, hidden);
-        if !r.routed {
-            self.launch_route(r, rows, probs, ids, weights);
-        }
-        let book = self.vq_book(shape.rung);
-        let (ki, ri, hi) = (k as i32, inter as i32, hidden as i32);
-        let bits = shape.rung.index_bits as i32;
-        let block = ((VQR_WARPS * 32) as u32, 1, 1);
-        // A decode step's products run on tensor cores where the codewords make whole
-        // fragments (`routed_vq_*_mma`), else on CUDA cores (`routed_vq_*`, which also
-        // take a prompt's pairs at rungs the grouped GEMMs do not).
-        let decode = rows <= ROUTED_MAX_ROWS;
-        let mma = decode
-            && self.routed_mma()
-            && shape.on_tensor_cores()
-            && shape.mma_gate_up_shared().max(shape.mma_down_shared(k)) <= self.vq_routed_shared;
-        let suffix = format!(
-            "{}{}",
-            if mma { "mma_" } else { "" },
-            vq_suffix(shape.rung.dim)
-        );
-        // A prompt's pairs rotated: [pairs, 2, up_width] for gate and up, then
-        // [pairs, down_width] for down. Null in a decode step.
-        let mut rotated = (!decode).then(|| self.rotated_pairs(shape, pairs));
-        let (xr, hr) = match rotated.as_mut() {
-            Some(buf) => self.rotated_at(buf, shape, pairs),
-            None => (0u64, 0u64),
-        };
-        if xr != 0 {
-            self.launch_pair_rotation(r, ids, pairs, x, false, xr, hidden, shape.up_block);
-        }
-        // In a decode step the book goes into shared memory beside the activations when
-        // both fit. Not for a prompt: its thousands of blocks would each copy it (at 512
-        // rows that took 14.9 ms a layer against 9.3 through L1).
-        let book_bytes = vq_book_bytes(shape.rung);
-        let with_book = |activations: usize| {
-            let shared = decode
-                && book_bytes <= VQR_SHARED_BOOK
-                && book_bytes + activations <= self.vq_routed_shared;
-            (
-                shared as i32,
-                activations + if shared { book_bytes } else { 0 },
-            )
-        };
-        let (up_rows, up_shared, down_rows, down_shared) = if mma {
-            let (up, down) = (shape.mma_gate_up_shared(), shape.mma_down_shared(k));
-            (VQM_TILES * 16, up, 16, down)
-        } else {
-            let (up, down) = (shape.gate_up_shared(), shape.down_shared(k));
-            (
-                VQR_WARPS * VQR_GATE_UP_ROWS,
-                up,
-                VQR_WARPS * VQR_DOWN_ROWS,
-                down,
-            )
-        };
-        let (b, rb) = (shape.up_block as i32, row_bytes(shape.rung, hidden) as u64);
-        let (book_shared, bytes) = with_book(up_shared);
-        let mut l = self.launcher(self.func(&format!("routed_vq_gate_up_{suffix}")));
-        l.arg(&r.table).arg(&ids).arg(&ki).arg(&x);
-        if !mma {
-            l.arg(&xr);
-        }
-        l.arg(&h);
-        l.arg(&ri).arg(&hi).arg(&*book).arg(&bits).arg(&b).arg(&rb);
-        l.arg(&book_shared);
-        let gate_up = LaunchConfig {
-            grid_dim: (inter.div_ceil(up_rows) as u32, pairs as u32, 1),
-            block_dim: block,
-            shared_mem_bytes: bytes as u32,
-        };
-        ok(unsafe { l.launch(gate_up) }, "routed VQ gate/up");
-
-        if hr != 0 {
-            self.launch_pair_rotation(r, ids, pairs, h, true, hr, inter, shape.down_block);
-        }
-        let (b, rb) = (shape.down_block as i32, row_bytes(shape.rung, inter) as u64);
-        let mut l = self.launcher(self.func(&format!("routed_vq_down_{suffix}")));
-        l.arg(&r.table).arg(&ids).arg(&weights).arg(&ki).arg(&h);
-        if !mma {
-            l.arg(&hr);
-        }
-        l.arg(&out);
-        l.arg(&hi).arg(&ri).arg(&*book).arg(&bits).arg(&b).arg(&rb);
-        let (book_shared, bytes) = with_book(down_shared);
-        l.arg(&book_shared);
-        let down = LaunchConfig {
-            grid_dim: (hidden.div_ceil(down_rows) as u32, rows as u32, 1),
-            block_dim: block,
-            shared_mem_bytes: bytes as u32,
-        };
-        ok(unsafe { l.launch(down) }, "routed VQ down");
-    }
-
-    /// The buffer for a prompt's `pairs` pairs rotated for gate and up, then for down.
-    fn rotated_pairs(
-        &self,
-        shape: VqRoutedShape,
-        pairs: usize,
-    ) -> MutexGuard<'_, Option<CudaSlice<f32>>> {
-        let n = pairs * (2 * shape.up_width() + shape.down_width());
-        self.grown(&self.vq_scratch, n)
-    }
-
-    /// Device addresses of the gate/up inputs (`[pairs, 2, up_width]`) and the down
-    /// inputs (`[pairs, down_width]`) in a [`rotated_pairs`](Self::rotated_pairs) buffer.
-    fn rotated_at(
-        &self,
-        buf: &mut Option<CudaSlice<f32>>,
-        shape: VqRoutedShape,
-        pairs: usize,
-    ) -> (u64, u64) {
-        let at = buf.as_mut().expect("grown").device_ptr_mut(&self.stream).0;
-        (at, at + 4 * (pairs * 2 * shape.up_width()) as u64)
-    }
-
-    /// Rotates each of `pairs` pairs' row of `src` (row pair / top_k, or row pair with
-    /// `by_pair`) with its expert's seeds (`ids` a pair) into `dst`: for gate and up,
-    /// `[pairs, 2, width]`, or with `by_pair` for down, `[pairs, width]`.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_pair_rotation(
-        &self,
-        r: &Routed<'_>,
-        ids: u64,
-        pairs: usize,
-        src: u64,
-        by_pair: bool,
-        dst: u64,
-        cols: usize,
-        block: usize,
-    ) {
-        let mats = if by_pair { 1 } else { 2 };
-        let chunks = mats * cols.div_ceil(block);
-        let (first, by) = if by_pair { (2i32, 1i32) } else { (0, 0) };
-        let (ki, ci, bi, mi) = (r.route.top_k as i32, cols as i32, block as i32, mats as i32);
-        let mut l = self.launcher(self.func("routed_vq_rotate"));
-        l.arg(&r.table)
-            .arg(&ids)
-            .arg(&ki)
-            .arg(&src)
-            .arg(&by)
-            .arg(&dst);
-        l.arg(&ci).arg(&bi).arg(&mi).arg(&first);
-        let launch = LaunchConfig {
-            grid_dim: (chunks.div_ceil(VQR_WARPS) as u32, pairs as u32, 1),
-            block_dim: ((VQR_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        ok(unsafe { l.launch(launch) }, "routed VQ rotation");
-    }
-
-    /// [`launch_routed_vq`](Self::launch_routed_vq) for a prompt, on tensor cores: the
-    /// pairs grouped by expert ([`group_pairs`](Self::group_pairs)), each pair's row
-    /// rotated for gate and up, the grouped gate/up GEMM with the SiLU into `h` (pair
-    /// order), `h` rotated for down, and the grouped down GEMM adding each pair's weighted
-    /// output into its row of `out` (zeroed first).
-    #[allow(clippy::too_many_arguments)]
-    fn launch_routed_vq_gemm(
-        &self,
-        r: &Routed<'_>,
-        shape: VqRoutedShape,
-        x: u64,
-        rows: usize,
-        hidden: usize,
-        probs: u64,
-        out: u64,
-    ) {
-        let inter = shape.inter;
-        let pairs = rows * r.route.top_k;
-        let groups = self.group_pairs(r, rows, probs, true);
-        let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
-        let (ids, pair_ids) = (at(&groups.ids), groups.pair_ids.as_ref().map_or(0, at));
-        let (table, tiles, tiles_n) = (
-            groups.table.device_ptr(&self.stream).0,
-            at(&groups.tiles),
-            at(&groups.tiles_n),
-        );
-        let mut rotated = self.rotated_pairs(shape, pairs);
-        let (xr, hr) = self.rotated_at(&mut rotated, shape, pairs);
-        let h = ok(unsafe { self.stream.alloc::<f32>(pairs * inter) }, "alloc");
-        let h_at = h.device_ptr(&self.stream).0;
-
-        let book = self.vq_book(shape.rung);
-        let book_bytes = vq_book_bytes(shape.rung);
-        let suffix = vq_suffix(shape.rung.dim);
-        let bits = shape.rung.index_bits as i32;
-        // The book goes into shared memory beside the staged tiles when both fit.
-        let with_book = |tiles: usize| {
-            let shared = book_bytes + tiles <= self.vq_routed_shared;
-            (shared as i32, tiles + if shared { book_bytes } else { 0 })
-        };
-        let launch = |outputs: usize, per_block: usize, shared: usize| LaunchConfig {
-            grid_dim: (
-                outputs.div_ceil(per_block) as u32,
-                groups.most_tiles as u32,
-                1,
-            ),
-            block_dim: ((VQG_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: shared as u32,
-        };
-
-        self.launch_pair_rotation(r, ids, pairs, x, false, xr, hidden, shape.up_block);
-        let (ri, wi, bi) = (inter as i32, shape.up_width() as i32, shape.up_block as i32);
-        let rb = row_bytes(shape.rung, hidden) as u64;
-        let (book_shared, bytes) = with_book(vq_gemm_shared(2));
-        let mut l = self.launcher(self.func(&format!("vq_expert_mma_gate_up_{suffix}")));
-        l.arg(&table).arg(&tiles).arg(&tiles_n).arg(&pair_ids);
-        l.arg(&xr).arg(&h_at).arg(&ri).arg(&wi);
-        l.arg(&*book).arg(&bits).arg(&bi).arg(&rb).arg(&book_shared);
-        ok(
-            unsafe { l.launch(launch(inter, VQG_GATE_UP_OUTPUTS, bytes)) },
-            "VQ expert gate/up GEMM",
-        );
-
-        self.launch_pair_rotation(r, ids, pairs, h_at, true, hr, inter, shape.down_block);
-        self.fill_at(out, 0.0, rows * hidden);
-        let (ri, wi, bi) = (
-            hidden as i32,
-            shape.down_width() as i32,
-            shape.down_block as i32,
-        );
-        let rb = row_bytes(shape.rung, inter) as u64;
-        let (book_shared, bytes) = with_book(vq_gemm_shared(1));
-        let (pair_rows, pair_weights) = (at(&groups.pair_rows), at(&groups.pair_weights));
-        let mut l = self.launcher(self.func(&format!("vq_expert_mma_down_{suffix}")));
-        l.arg(&table).arg(&tiles).arg(&tiles_n).arg(&pair_ids);
-        l.arg(&pair_rows).arg(&pair_weights).arg(&hr).arg(&out);
-        l.arg(&ri).arg(&wi);
-        l.arg(&*book).arg(&bits).arg(&bi).arg(&rb).arg(&book_shared);
-        ok(
-            unsafe { l.launch(launch(hidden, VQG_DOWN_OUTPUTS, bytes)) },
-            "VQ expert down GEMM",
-        );
-    }
-
-    /// [`launch_routed`](Self::launch_routed) over `rows` rows in chunks that keep the
-    /// grid (a block row per pair) within bounds; `probs` holds `experts` values a row.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_routed_chunks(
-        &self,
-        r: &Routed<'_>,
-        x: u64,
-        rows: usize,
-        hidden: usize,
-        probs: u64,
-        out: u64,
-    ) {
-        let chunk = (ROUTED_CHUNK_PAIRS / r.route.top_k).max(1);
-        for r0 in (0..rows).step_by(chunk) {
-            let n = chunk.min(rows - r0);
-            let f = |at: u64, width: usize| at + 4 * (r0 * width) as u64;
-            self.launch_routed(
-                r,
-                f(x, hidden),
-                n,
-                hidden,
-                f(probs, r.experts),
-                f(out, hidden),
-            );
-        }
-    }
-
-    /// Whether the router of `r` folds in the norm of its input row and the routed
-    /// gate/up after it reads the row through the same norm (`matvec_bf16_norm_one_late`,
-    /// then the early gate/up): where the gate/up kernel starts early (so the row is whole
-    /// 8s), the whole step is not one launch, and gate/up's shared memory holds the row
-    /// too (then so does the router's).
-    fn router_folds_norm(
-        &self,
-        r: &Routed<'_>,
-        gate: &DeviceMatrix,
-        rows: usize,
-        hidden: usize,
-    ) -> bool {
-        let RoutedKind::Affine(shape) = r.kind else {
-            return false;
-        };
-        self.fold_norms()
-            && !self.moe_step()
-            && self.routes_gate_up_early(r, gate, rows, hidden)
-            && routed_mma_gate_up_shared(shape.up_cols / 64, r.experts, hidden) <= SHARED_LIMIT
-    }
-
-    /// The row a routed block reads for `input` (with the fold, the normed row is not
-    /// written: the router and gate/up read the residual through the norm in `r.norm`);
-    /// otherwise the norm runs here first.
-    fn moe_input<'x, 'r>(
-        &self,
-        input: MoeInput<'x, CudaSlice<f32>>,
-        r: Routed<'r>,
-        rows: usize,
-        hidden: usize,
-        gate: &DeviceMatrix,
-    ) -> (&'x CudaSlice<f32>, Routed<'r>) {
-        match input {
-            MoeInput::Rows(x) => (x, r),
-            MoeInput::AddNorm { n, sum, xn } if self.router_folds_norm(&r, gate, rows, hidden) => {
-                let norm = self.input_norm(n, sum);
-                let residual = n.x.device_ptr(&self.stream).0;
-                (
-                    xn,
-                    Routed {
-                        norm: Some((residual, norm)),
-                        ..r
-                    },
-                )
-            }
-            MoeInput::AddNorm { n, sum, xn } => {
-                self.add_rms_norm_to(n, rows, hidden, sum, xn);
-                (xn, r)
-            }
-        }
-    }
-
-    /// The router's logits of `x` (`rows` rows of `hidden`) into `logits` (the
-    /// probabilities' slot); with `r.norm` (from [`moe_input`](Self::moe_input)), of the
-    /// residual through the norm it folds in. With `router_routes`, a decode step's row
-    /// through a bf16 router also takes its route in the same launch (`router_route_one`),
-    /// into the routed scratch where the routed kernels read it: the returned `Routed`
-    /// says so.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_router<'r>(
-        &self,
-        r: Routed<'r>,
-        gate: &DeviceMatrix,
-        x: &CudaSlice<f32>,
-        rows: usize,
-        hidden: usize,
-        logits: &mut CudaViewMut<'_, f32>,
-    ) -> Routed<'r> {
-        let e = r.experts;
-        if let (Some((residual, n)), DeviceMatrix::Bf16(w)) = (r.norm, gate) {
-            // The row through the norm, staged in shared memory.
-            let (_, launch) = bf16_matvec(false, 1, hidden, e);
-            let launch = LaunchConfig {
-                shared_mem_bytes: (hidden * 4) as u32,
-                ..launch
-            };
-            let (ei, ci) = (e as i32, hidden as i32);
-            let mut l = self.launcher(self.func("matvec_bf16_norm_one_late"));
-            l.arg(w).arg(&residual).arg(&n.delta).arg(&n.w).arg(&n.eps);
-            l.arg(&n.sum).arg(logits).arg(&ei).arg(&ci);
-            ok(unsafe { l.launch(launch) }, "matvec_bf16_norm_one_late");
-            return Routed {
-                router_late: true,
-                ..r
-            };
-        }
-        let DeviceMatrix::Bf16(w) = gate else {
-            self.dense_product(x, gate, rows, hidden, e, logits);
-            return r;
-        };
-        if self.routes_gate_up_early(&r, gate, rows, hidden) {
-            let (_, launch) = bf16_matvec(false, 1, hidden, e);
-            let (ei, ci, one) = (e as i32, hidden as i32, 1i32);
-            let mut l = self.launcher(self.func("matvec_bf16_one_late"));
-            l.arg(w).arg(x).arg(logits).arg(&ei).arg(&ci).arg(&one);
-            ok(unsafe { l.launch(launch) }, "matvec_bf16_one_late");
-            return Routed {
-                router_late: true,
-                ..r
-            };
-        }
-        let k = r.route.top_k;
-        if rows != 1
-            || !self.router_routes()
-            || e > ROUTE_SHARED_MAX
-            || k > e
-            || !one_row_takes(hidden)
-        {
-            self.dense_product(x, gate, rows, hidden, e, logits);
-            return r;
-        }
-        let inter = match r.kind {
-            RoutedKind::Affine(shape) => shape.inter,
-            RoutedKind::Vq(shape) => shape.inter,
-        };
-        // The same carving the routed launch takes next, so the addresses agree.
-        let [ids, weights, ..] = self.routed_scratch_at(k, k, inter, hidden);
-        let (ei, ci, ki, rn) = (
-            e as i32,
-            hidden as i32,
-            k as i32,
-            r.route.renormalize as i32,
-        );
-        let (_, launch) = bf16_matvec(false, 1, hidden, e);
-        let at = logits.device_ptr_mut(&self.stream).0;
-        let mut l = self.launcher(self.func("router_route_one"));
-        l.arg(w).arg(x).arg(&at).arg(&ei).arg(&ci);
-        l.arg(&r.keep).arg(&ki).arg(&rn).arg(&ids).arg(&weights);
-        l.arg(&self.route_ticket);
-        ok(unsafe { l.launch(launch) }, "router_route_one");
-        Routed { routed: true, ..r }
-    }
-
-    /// The route of `rows` rows: router probabilities (in place of the logits at `probs`)
-    /// and each row's top-k expert ids and weights.
-    fn launch_route(&self, r: &Routed<'_>, rows: usize, probs: u64, ids: u64, weights: u64) {
-        let e = r.experts;
-        let (ei, ki, rn) = (e as i32, r.route.top_k as i32, r.route.renormalize as i32);
-        // A block a row, a thread per expert up to 256 of them.
-        let launch = cfg(rows, row_threads(e), e * 4);
-        let mut l = self.launcher(self.func("moe_route"));
-        l.arg(&probs)
-            .arg(&r.keep)
-            .arg(&ids)
-            .arg(&weights)
-            .arg(&ei)
-            .arg(&ki)
-            .arg(&rn);
-        ok(unsafe { l.launch(launch) }, "moe_route");
-    }
-
-    /// [`launch_routed`](Self::launch_routed) for a prompt, on tensor cores and with no
-    /// host round trip: the route and the pairs grouped by expert on the device
-    /// ([`group_pairs`](Self::group_pairs)), then the grouped GEMMs over a grid sized for
-    /// the most tiles there could be (the kernels read the count). `out` is zeroed and the
-    /// down GEMM adds each pair's weighted output into its row.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_routed_gemm(
-        &self,
-        r: &Routed<'_>,
-        shape: RoutedShape,
-        x: u64,
-        rows: usize,
-        hidden: usize,
-        probs: u64,
-        out: u64,
-    ) {
-        let pairs = rows * r.route.top_k;
-        let groups = self.group_pairs(r, rows, probs, false);
-        let h = ok(
-            unsafe { self.stream.alloc::<f32>(pairs * shape.inter) },
-            "alloc",
-        );
-        let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
-        self.fill_at(out, 0.0, rows * hidden);
-        self.launch_expert_gemms(&ExpertGemms {
-            kernels: shape.kernels(),
-            table: groups.table.device_ptr(&self.stream).0,
-            tiles: at(&groups.tiles),
-            grid_tiles: groups.most_tiles,
-            tiles_n: at(&groups.tiles_n),
-            pair_rows: at(&groups.pair_rows),
-            pair_weights: at(&groups.pair_weights),
-            x,
-            h: h.device_ptr(&self.stream).0,
-            out,
-            hidden,
-            inter: shape.inter,
-            up_cols: shape.up_cols,
-            down_cols: shape.down_cols,
-        });
-    }
-
-    /// Routes `rows` rows (`moe_route`) and groups their pairs by expert on the device
-    /// (`moe_group_pairs`), with each grouped pair's own index when `with_ids`.
-    fn group_pairs(&self, r: &Routed<'_>, rows: usize, probs: u64, with_ids: bool) -> PairGroups {
-        let (e, k) = (r.experts, r.route.top_k);
-        let pairs = rows * k;
-        let most_tiles = pairs / EXPERT_TILE_ROWS + e;
-        let words = |n: usize| ok(unsafe { self.stream.alloc::<u32>(n.max(1)) }, "alloc");
-        let g = PairGroups {
-            ids: words(pairs),
-            weights: words(pairs),
-            table: ok(
-                unsafe { self.stream.alloc::<u64>(e * GROUP_ENTRY) },
-                "alloc",
-            ),
-            pair_rows: words(pairs),
-            pair_weights: words(pairs),
-            pair_ids: with_ids.then(|| words(pairs)),
-            tiles: words(2 * most_tiles),
-            tiles_n: words(1),
-            most_tiles,
-        };
-        let at = |b: &CudaSlice<u32>| b.device_ptr(&self.stream).0;
-        self.launch_route(r, rows, probs, at(&g.ids), at(&g.weights));
-        let (pi, ki, ei) = (pairs as i32, k as i32, e as i32);
-        let pair_ids = g.pair_ids.as_ref().map_or(0u64, at);
-        let mut l = self.launcher(self.func("moe_group_pairs"));
-        l.arg(&g.ids).arg(&g.weights).arg(&pi).arg(&ki).arg(&ei);
-        l.arg(&r.table)
-            .arg(&g.table)
-            .arg(&g.pair_rows)
-            .arg(&g.pair_weights)
-            .arg(&pair_ids);
-        l.arg(&g.tiles).arg(&g.tiles_n);
-        ok(
-            unsafe { l.launch(cfg(1, 1024, 3 * 4 * e)) },
-            "moe_group_pairs",
-        );
-        g
-    }
-
-    /// The two grouped expert GEMMs over `g.grid_tiles` pair tiles: gate and up with the
-    /// SiLU into `h`, then down with each pair's weighted output added into its row of
-    /// `out`.
-    fn launch_expert_gemms(&self, g: &ExpertGemms) {
-        let suffix = &g.kernels;
-        let grid = |outputs: usize| LaunchConfig {
-            grid_dim: (
-                outputs.div_ceil(EXPERT_TILE_OUTPUTS) as u32,
-                g.grid_tiles as u32,
-                1,
-            ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (ri, c, i) = (g.inter as i32, g.up_cols as i32, g.hidden as i32);
-        let mut l = self.launcher(self.func(&format!("expert_mma_gate_up_{suffix}")));
-        l.arg(&g.table)
-            .arg(&g.tiles)
-            .arg(&g.tiles_n)
-            .arg(&g.pair_rows)
-            .arg(&g.x)
-            .arg(&g.h);
-        l.arg(&ri).arg(&c).arg(&i);
-        ok(unsafe { l.launch(grid(g.inter)) }, "expert gate/up GEMM");
-        let (ri, c, i) = (g.hidden as i32, g.down_cols as i32, g.inter as i32);
-        let mut l = self.launcher(self.func(&format!("expert_mma_down_{suffix}")));
-        l.arg(&g.table)
-            .arg(&g.tiles)
-            .arg(&g.tiles_n)
-            .arg(&g.pair_rows)
-            .arg(&g.pair_weights);
-        l.arg(&g.h).arg(&g.out);
-        l.arg(&ri).arg(&c).arg(&i);
-        ok(unsafe { l.launch(grid(g.hidden)) }, "expert down GEMM");
-    }
-
-    /// [`bf16_matvec`] for a dense layer's product; a one-row kernel is noted for
-    /// [`down_padding`](Cuda::down_padding).
-    fn dense_bf16_matvec(
-        &self,
-        three: bool,
-        rows: usize,
-        cols: usize,
-        out_rows: usize,
-    ) -> (&'static str, LaunchConfig) {
-        let (name, launch) = bf16_matvec(three, rows, cols, out_rows);
-        if name.ends_with("_one") && !self.bf16_one_row_dense.get() {
-            self.bf16_one_row_dense.set(true);
-            self.unpad_down_blocks();
-        }
-        (name, launch)
-    }
-
-    /// With `auto`, once a one-row bf16 dense product has run ([`Cuda::down_padding`]):
-    /// the routed kernels that [`down_alone`] had prefer all shared memory leave the split
-    /// to the driver again, as they would had they never been padded (a
-    /// `DYNMOE_CUDA_CARVEOUT` preference on them goes too). Set on the
-    /// functions, so every later launch and recorded graph takes it.
-    fn unpad_down_blocks(&self) {
-        if self.down_alone_which != DownAlone::Shared {
-            return;
-        }
-        for (down, _) in &self.down_alone {
-            for n in split_pair(down) {
-                ok(leave_split_to_driver(self.func(&n)), "a kernel's carveout");
-            }
-        }
-    }
-
-    /// The shared memory a routed down block of kernel `name` asks for beyond its own
-    /// ([`down_alone`]). With `auto`, none once a dense product has run on a one-row bf16
-    /// kernel: those prefer L1 to shared memory, an SM changes its split only while idle,
-    /// and a padded block then waits for its SM to empty. Measured on the H200 (12-layer
-    /// Qwen3-30B-A3B shape, bf16 dense layers, 2 bits): 1 205.6 tok/s padded against
-    /// 1 240.1 unpadded; padded with every kernel preferring all shared memory, 1 180.8.
-    /// Dense layers in tiles run on kernels that leave the split alone, and the padding
-    /// pays there. A decode step runs its attention products before its first MoE block,
-    /// so the graph it records has the choice made. The preference for shared memory that
-    /// the padded kernels were given at load goes at the same time
-    /// ([`Cuda::unpad_down_blocks`]): kept, it left 2 bits 1.8% below
-    /// `DYNMOE_CUDA_DOWN_ALONE=0` there, in one run; given up, level (1 331.4 against
-    /// 1 330.8 tok/s). A bf16 LM head counts as a dense product too, so q4 dense layers
-    /// under a bf16 head run unpadded once it has run.
-    fn down_padding(&self, name: &str) -> usize {
-        if self.down_alone_which == DownAlone::Shared && self.bf16_one_row_dense.get() {
-            return 0;
-        }
-        self.down_alone
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map_or(0, |p| p.1)
-    }
-
-    /// [`Backend::matmul`] into any device buffer: the matrix-vector kernel for a few
-    /// rows (cuBLAS' GEMM runs far under bandwidth there, and keeps cuBLAS out of a
-    /// recorded decode step), cuBLAS otherwise, a bf16 matrix widened to f32 first.
-    fn dense_product<O: DevicePtrMut<f32>>(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &DeviceMatrix,
-        rows: usize,
-        in_dim: usize,
-        out_dim: usize,
-        out: &mut O,
-    ) {
-        if rows == 0 || out_dim == 0 {
-            return;
-        }
-        let (r, c, b) = (out_dim as i32, in_dim as i32, rows as i32);
-        let matvec = cfg(out_dim.div_ceil(8), 256, 0);
-        match w {
-            DeviceMatrix::F32(w) if rows <= MATVEC_MAX_BATCH && in_dim.is_multiple_of(4) => {
-                let o = out.device_ptr_mut(&self.stream).0;
-                let mut l = self.launcher(self.func("matvec_f32"));
-                l.arg(w).arg(x).arg(&o).arg(&r).arg(&c).arg(&b);
-                ok(unsafe { l.launch(matvec) }, "matvec_f32");
-            }
-            DeviceMatrix::F32(w) => self.gemm_xwt(x, w, rows, in_dim, in_dim, out_dim, out),
-            // Any width: the kernel falls back to one value per lane off whole 8s.
-            DeviceMatrix::Bf16(w) if rows <= MATVEC_MAX_BATCH => {
-                let o = out.device_ptr_mut(&self.stream).0;
-                let (name, launch) = self.dense_bf16_matvec(false, rows, in_dim, out_dim);
-                let mut l = self.launcher(self.func(name));
-                l.arg(w).arg(x).arg(&o).arg(&r).arg(&c).arg(&b);
-                ok(unsafe { l.launch(launch) }, "matvec_bf16");
-            }
-            DeviceMatrix::Bf16(w) if self.tensor_cores() => {
-                self.gemm_bf16_split(x, w, rows, in_dim, out_dim, out)
-            }
-            DeviceMatrix::Bf16(w) => {
-                let n = out_dim * in_dim;
-                let mut scratch = self.grown(&self.dense_scratch, n);
-                let wide = scratch.as_mut().expect("grown");
-                let n64 = n as i64;
-                let mut l = self.launcher(self.func("bf16_to_f32"));
-                l.arg(w).arg(&mut *wide).arg(&n64);
-                ok(
-                    unsafe { l.launch(cfg(blocks(n, 256).min(132 * 16) as usize, 256, 0)) },
-                    "bf16_to_f32",
-                );
-                self.gemm_xwt(x, &*wide, rows, in_dim, in_dim, out_dim, out);
-            }
-        }
-    }
-
-    /// The preamble of a one-row decode step; with `late`, the kernel lets the next one
-    /// start only after its own wait (see `attn_preamble_at`). False when it went through
-    /// the single ops instead (no kernel of its own, so nothing for `late` to promise).
-    #[allow(clippy::too_many_arguments)]
-    fn preamble_at(
-        &self,
-        q: &mut CudaSlice<f32>,
-        k: &mut CudaSlice<f32>,
-        v: &CudaSlice<f32>,
-        norm: Option<HeadNorm<'_, CudaSlice<f32>>>,
-        shape: AttentionShape,
-        inv_freq: &[f32],
-        step: &CudaSlice<f32>,
-        k_cache: &mut CudaSlice<f32>,
-        v_cache: &mut CudaSlice<f32>,
-        late: bool,
-    ) -> bool {
-        let (heads, kv_heads, d) = (shape.heads, shape.kv_heads, shape.head_dim);
-        let half = d / 2;
-        let threads = half.next_multiple_of(32).clamp(32, 256);
-        // A head the kernel's registers cannot hold (or an odd width, whose last value
-        // RoPE leaves alone) goes through the single ops.
-        if d % 2 != 0 || half > PRE_PAIRS * threads || heads == 0 || kv_heads == 0 {
-            attention_preamble_one_by_one(
-                self, q, k, v, norm, shape, inv_freq, step, k_cache, v_cache,
-            );
-            return false;
-        }
-        let freq = self.constant(inv_freq);
-        let pos = step.slice(1..2);
-        let null = 0u64;
-        let eps = norm.map_or(0.0, |n| n.eps);
-        let (h, kvh, hd) = (heads as i32, kv_heads as i32, d as i32);
-        let mut l = self.launcher(self.func("attn_preamble_at"));
-        l.arg(q).arg(k).arg(v);
-        match &norm {
-            Some(n) => l.arg(n.q).arg(n.k),
-            None => l.arg(&null).arg(&null),
-        };
-        l.arg(&eps)
-            .arg(&pos)
-            .arg(&*freq)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&hd)
-            .arg(&(late as i32));
-        ok(
-            unsafe { l.launch(cfg(heads + 2 * kv_heads, threads as u32, 0)) },
-            "attn_preamble_at",
-        );
-        true
-    }
-
-    /// Attention of a decode step's one row at the position in `step`; `early`: the
-    /// kernel before is the preamble with `late` (see `attention_group`).
-    #[allow(clippy::too_many_arguments)]
-    fn attention_row_at(
-        &self,
-        q: &CudaSlice<f32>,
-        k_cache: &CudaSlice<f32>,
-        v_cache: &CudaSlice<f32>,
-        shape: AttentionShape,
-        step: &CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
-        early: bool,
-    ) {
-        assert!(
-            shape.head_dim <= 256,
-            "head_dim {} over the attention kernel's 256",
-            shape.head_dim
-        );
-        let (p0, h, kvh, d) = (
-            0i32,
-            shape.heads as i32,
-            shape.kv_heads as i32,
-            shape.head_dim as i32,
-        );
-        let window = shape.window.map_or(0, |w| w as i32);
-        let pos = step.slice(1..2);
-        if self.decode_attention() != DecodeAttention::Whole {
-            let at = pos.device_ptr(&self.stream).0;
-            self.attention_one_row(q, k_cache, v_cache, shape, at, out, None, early);
-            return;
-        }
-        let mut l = self.launcher(self.func("attention"));
-        l.arg(q)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(out)
-            .arg(&p0)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&d)
-            .arg(&window)
-            .arg(&pos);
-        ok(unsafe { l.launch(cfg(shape.heads, 128, 0)) }, "attention");
-    }
-
-    /// Attention of one query row (position `pos0`, or the `u32` at device address
-    /// `pos_at` when non-zero) with the keys cut into chunks, then merged: one block per
-    /// head would walk the whole context alone. [`DecodeAttention::Grouped`] takes a block
-    /// per (KV head, chunk) where the head width allows, else a block per (head, chunk).
-    /// The chunks follow the cache's capacity, not the position, so a recorded step stays
-    /// valid.
-    fn attention_one_row(
-        &self,
-        q: &CudaSlice<f32>,
-        k_cache: &CudaSlice<f32>,
-        v_cache: &CudaSlice<f32>,
-        shape: AttentionShape,
-        pos_at: u64,
-        out: &mut CudaSlice<f32>,
-        preamble: Option<OneRowPreamble<'_>>,
-        early: bool,
-    ) {
-        let kvw = shape.kv_heads * shape.head_dim;
-        let capacity = (k_cache.len() / kvw).max(1);
-        let group = shape.heads / shape.kv_heads;
-        let tiles = group.div_ceil(ATT_GROUP);
-        // The grouped kernel's float4 rows need 16-byte addresses: q and the caches are
-        // whole allocations (256-byte aligned), so a head width of 4s gives them.
-        let grouped = group_kernel(shape.head_dim)
-            .filter(|_| self.decode_attention() == DecodeAttention::Grouped);
-        let (chunk, blocks_x, name, threads) = match grouped {
-            Some(name) => (
-                match self.decode_chunk.load(std::sync::atomic::Ordering::Relaxed) {
-                    0 => group_chunk(capacity, shape.kv_heads * tiles, self.sms),
-                    keys => keys,
-                },
-                shape.kv_heads * tiles,
-                name,
-                ATT_THREADS,
-            ),
-            None => (
-                capacity.div_ceil(128).clamp(64, 1024),
-                shape.heads,
-                "attention_split",
-                128,
-            ),
-        };
-        let splits = capacity.div_ceil(chunk);
-        // The merge reads the outputs ([heads, splits, head_dim]) and then (max, sum)
-        // ([heads, splits, 2]) from one buffer.
-        let outputs = shape.heads * splits * shape.head_dim;
-        let mut scratch = self.grown(&self.attn_scratch, outputs + shape.heads * splits * 2);
-        let part = scratch.as_mut().expect("grown");
-        let (mut acc, mut ml) = part.split_at_mut(outputs);
-        let (p0, h, kvh, d) = (
-            shape.pos0 as i32,
-            shape.heads as i32,
-            shape.kv_heads as i32,
-            shape.head_dim as i32,
-        );
-        let window = shape.window.map_or(0, |w| w as i32);
-        let c = chunk as i32;
-        let grid = LaunchConfig {
-            grid_dim: (blocks_x as u32, splits as u32, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // The step kernel takes the grouped kernel's arguments up to the chunk, then the
-        // preamble's; the caller has checked that the grouped kernel takes these heads.
-        // The grouped kernel ends with whether it may load early.
-        let name = match preamble {
-            Some(_) => step_kernel(shape.head_dim).expect("a grouped width"),
-            None => name,
-        };
-        let early = match (&preamble, grouped) {
-            (None, Some(_)) => Some(early as i32),
-            _ => None,
-        };
-        let mut l = self.launcher(self.func(name));
-        l.arg(q)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(&mut acc)
-            .arg(&mut ml)
-            .arg(&p0)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&d)
-            .arg(&window)
-            .arg(&pos_at)
-            .arg(&c);
-        if let Some(pre) = &preamble {
-            let null = 0u64;
-            l.arg(pre.k).arg(pre.v);
-            match &pre.norm {
-                Some(n) => l.arg(n.q).arg(n.k),
-                None => l.arg(&null).arg(&null),
-            };
-            l.arg(&pre.norm.map_or(0.0, |n| n.eps)).arg(pre.inv_freq);
-        }
-        if let Some(e) = &early {
-            l.arg(e);
-        }
-        ok(unsafe { l.launch(grid) }, name);
-        drop(l);
-        let n = splits as i32;
-        let mut l = self.launcher(self.func("attention_combine"));
-        l.arg(&mut acc).arg(&mut ml).arg(out).arg(&n).arg(&d);
-        ok(
-            unsafe { l.launch(cfg(shape.heads, COMBINE_THREADS, 0)) },
-            "attention_combine",
-        );
-    }
-
-    /// Attention of several rows by `attention_tiled_*` (`name`): a block per KV head and
-    /// pair of tiles of 64 query slots, one from each end (see the kernel). q, the caches
-    /// and out are whole allocations (256-byte aligned) and the head width a multiple of 4,
-    /// so their rows are float4s.
-    fn attention_tiled(
-        &self,
-        name: &str,
-        q: &CudaSlice<f32>,
-        k_cache: &CudaSlice<f32>,
-        v_cache: &CudaSlice<f32>,
-        shape: AttentionShape,
-        out: &mut CudaSlice<f32>,
-    ) {
-        let slots = shape.rows * (shape.heads / shape.kv_heads);
-        let grid = slots.div_ceil(PA_BM).div_ceil(2) * shape.kv_heads;
-        let (rows, p0, h, kvh, d) = (
-            shape.rows as i32,
-            shape.pos0 as i32,
-            shape.heads as i32,
-            shape.kv_heads as i32,
-            shape.head_dim as i32,
-        );
-        let window = shape.window.map_or(0, |w| w as i32);
-        let mut l = self.launcher(self.func(name));
-        l.arg(q)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(out)
-            .arg(&rows)
-            .arg(&p0)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&d)
-            .arg(&window);
-        let shared = tiled_shared(shape.head_dim);
-        ok(unsafe { l.launch(cfg(grid, PA_THREADS, shared)) }, name);
-    }
-
-    /// `out[r] = table[ids[r]]` for `n` ids in device memory (`u32` bits, whatever the
-    /// buffer's element type).
-    fn embed_rows<I: DevicePtr<T>, T>(
-        &self,
-        table: &DeviceMatrix,
-        dim: usize,
-        ids: &I,
-        n: usize,
-        out: &mut CudaSlice<f32>,
-    ) {
-        let d = dim as i32;
-        let ids = ids.device_ptr(&self.stream).0;
-        let mut l = match table {
-            DeviceMatrix::Bf16(t) => {
-                let mut l = self.launcher(self.func("embed_bf16"));
-                l.arg(t);
-                l
-            }
-            DeviceMatrix::F32(t) => {
-                let mut l = self.launcher(self.func("embed"));
-                l.arg(t);
-                l
-            }
-        };
-        l.arg(&ids).arg(out).arg(&d);
-        // Up to a thread per value: a decode step's one row is a single block, whose
-        // threads would otherwise each wait on several loads in turn.
-        let threads = dim.next_power_of_two().clamp(32, 1024) as u32;
-        ok(unsafe { l.launch(cfg(n, threads, 0)) }, "embed");
-    }
-
-    /// Launches `l` with a thread per element of `n`.
-    fn launch_1d(&self, mut l: Launch<'_>, n: usize, what: &str) {
-        if n == 0 {
-            return;
-        }
-        ok(
-            unsafe { l.launch(cfg(blocks(n, 256) as usize, 256, 0)) },
-            what,
-        );
+        // SAFETY: `args` is the parameter list the source declares for `name` (checked
+        // against the source by program.rs' tests), and every buffer it points into is
+        // kept by the caller or freed in stream order after the launch.
+        let launched =
+            unsafe { launch::launch(&self.stream, &self.k.f[name], self.programmatic, cfg, &args) };
+        ok(launched, name);
     }
 }
 
@@ -4726,7 +563,7 @@ impl Backend for Cuda {
 
     fn upload_matrix(&self, data: &[f32], out_dim: usize, in_dim: usize) -> DeviceMatrix {
         debug_assert_eq!(data.len(), out_dim * in_dim);
-        if data.is_empty() || !self.bf16_matrices || !data.iter().all(|&v| is_bf16_exact(v)) {
+        if data.is_empty() || !data.iter().all(|&v| is_bf16_exact(v)) {
             return DeviceMatrix::F32(self.upload(data));
         }
         let bits: Vec<u16> = data.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
@@ -4770,13 +607,14 @@ impl Backend for Cuda {
         eps: f32,
         out: &mut CudaSlice<f32>,
     ) {
-        if rows == 0 {
-            return;
-        }
-        let (r, d) = (rows as i32, dim as i32);
-        let mut l = self.launcher(self.func("rms_norm"));
-        l.arg(x).arg(w).arg(out).arg(&r).arg(&d).arg(&eps);
-        ok(unsafe { l.launch(norm_cfg(rows, dim)) }, "rms_norm");
+        let rows = NormRows::new(rows, dim, eps);
+        let args = RmsNorm {
+            x: self.ptr(x),
+            w: self.ptr(w),
+            out: self.ptr_mut(out),
+            rows,
+        };
+        self.launch_norm(norm::RMS_NORM, rows, args);
     }
 
     fn rms_norm_inplace(
@@ -4787,13 +625,9 @@ impl Backend for Cuda {
         dim: usize,
         eps: f32,
     ) {
-        if rows == 0 {
-            return;
-        }
-        let (r, d) = (rows as i32, dim as i32);
-        let mut l = self.launcher(self.func("rms_norm_inplace"));
-        l.arg(x).arg(w).arg(&r).arg(&d).arg(&eps);
-        ok(unsafe { l.launch(norm_cfg(rows, dim)) }, "rms_norm_inplace");
+        let rows = NormRows::new(rows, dim, eps);
+        let (x, w) = (self.ptr_mut(x), self.ptr(w));
+        self.launch_norm(norm::RMS_NORM_INPLACE, rows, RmsNormInplace { x, w, rows });
     }
 
     fn add_rms_norm(
@@ -4806,19 +640,15 @@ impl Backend for Cuda {
         eps: f32,
         out: &mut CudaSlice<f32>,
     ) {
-        if rows == 0 {
-            return;
-        }
-        let (r, d) = (rows as i32, dim as i32);
-        let mut l = self.launcher(self.func("add_rms_norm"));
-        l.arg(x)
-            .arg(delta)
-            .arg(w)
-            .arg(out)
-            .arg(&r)
-            .arg(&d)
-            .arg(&eps);
-        ok(unsafe { l.launch(norm_cfg(rows, dim)) }, "add_rms_norm");
+        let rows = NormRows::new(rows, dim, eps);
+        let args = AddRmsNorm {
+            x: self.ptr_mut(x),
+            delta: self.ptr(delta),
+            w: self.ptr(w),
+            out: self.ptr_mut(out),
+            rows,
+        };
+        self.launch_norm(norm::ADD_RMS_NORM, rows, args);
     }
 
     fn add_rms_norm_to(
@@ -4832,14 +662,16 @@ impl Backend for Cuda {
         let Some(delta) = n.delta else {
             return self.rms_norm(n.x, n.w, rows, dim, n.eps, out);
         };
-        if rows == 0 {
-            return;
-        }
-        let (r, d) = (rows as i32, dim as i32);
-        let mut l = self.launcher(self.func("add_rms_norm_to"));
-        l.arg(n.x).arg(delta).arg(n.w).arg(sum).arg(out);
-        l.arg(&r).arg(&d).arg(&n.eps);
-        ok(unsafe { l.launch(norm_cfg(rows, dim)) }, "add_rms_norm_to");
+        let rows = NormRows::new(rows, dim, n.eps);
+        let args = AddRmsNormTo {
+            x: self.ptr(n.x),
+            delta: self.ptr(delta),
+            w: self.ptr(n.w),
+            sum: self.ptr_mut(sum),
+            out: self.ptr_mut(out),
+            rows,
+        };
+        self.launch_norm(norm::ADD_RMS_NORM_TO, rows, args);
     }
 
     fn add_rms_norm_linear3(
@@ -4858,7 +690,7 @@ impl Backend for Cuda {
             return self.linear3(xn, ws, rows, in_dim, out_dims, outs);
         }
         let norm = self.input_norm(n, sum);
-        let outs = outs.map(|o| o.device_ptr_mut(&self.stream).0);
+        let outs = outs.map(|o| self.ptr_mut(o));
         self.dense_mma_product(n.x, &ws, in_dim, &outs, Some(&norm));
     }
 
@@ -4880,7 +712,7 @@ impl Backend for Cuda {
             return self.linear(xn, w, rows, in_dim, out_dim, out);
         }
         let norm = self.input_norm(n, sum);
-        let out = out.device_ptr_mut(&self.stream).0;
+        let out = self.ptr_mut(out);
         self.dense_mma_product(n.x, &ws, in_dim, &[out], Some(&norm));
     }
 
@@ -4932,26 +764,13 @@ impl Backend for Cuda {
         use Weight::Dense;
         match ws {
             [Dense(Bf16(a)), Dense(Bf16(b)), Dense(Bf16(c))]
-                if (1..=MATVEC_MAX_BATCH).contains(&rows) =>
+                if (1..=matvec::MATVEC_MAX_BATCH).contains(&rows) =>
             {
-                let [o0, o1, o2] = outs;
-                let [r0, r1, r2] = out_dims.map(|d| d as i32);
-                let (cols, batch) = (in_dim as i32, rows as i32);
-                let total: usize = out_dims.iter().sum();
-                let (name, launch) = self.dense_bf16_matvec(true, rows, in_dim, total);
-                let mut l = self.launcher(self.func(name));
-                l.arg(a).arg(b).arg(c).arg(x).arg(o0).arg(o1).arg(o2);
-                l.arg(&r0).arg(&r1).arg(&r2).arg(&cols).arg(&batch);
-                ok(unsafe { l.launch(launch) }, "matvec_bf16_3");
+                self.launch_matvec_bf16_3(x, [a, b, c], rows, in_dim, out_dims, outs);
             }
             ref ws3 if self.dense_mma_takes(ws3, rows, in_dim) => {
-                self.dense_mma_product(
-                    x,
-                    ws3,
-                    in_dim,
-                    &outs.map(|o| o.device_ptr_mut(&self.stream).0),
-                    None,
-                );
+                let outs = outs.map(|o| self.ptr_mut(o));
+                self.dense_mma_product(x, ws3, in_dim, &outs, None);
             }
             _ => {
                 for ((w, d), out) in ws.into_iter().zip(out_dims).zip(outs) {
@@ -4962,46 +781,49 @@ impl Backend for Cuda {
     }
 
     fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>, rows: usize) {
-        let dim = bias.len();
-        let n = rows * dim;
-        let (d, n64) = (dim as i32, n as i64);
-        let mut l = self.launcher(self.func("add_bias"));
-        l.arg(x).arg(bias).arg(&d).arg(&n64);
-        self.launch_1d(l, n, "add_bias");
+        let n = rows * bias.len();
+        let args = AddBias {
+            x: self.ptr_mut(x),
+            bias: self.ptr(bias),
+            dim: bias.len() as i32,
+            n: n as i64,
+        };
+        self.launch_each(norm::ADD_BIAS, n, args);
     }
 
     fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, n: usize) {
-        let n64 = n as i64;
-        let mut l = self.launcher(self.func("add"));
-        l.arg(x).arg(y).arg(&n64);
-        self.launch_1d(l, n, "add");
+        let (x, y) = (self.ptr_mut(x), self.ptr(y));
+        self.launch_each(norm::ADD, n, Add { x, y, n: n as i64 });
     }
 
     fn silu_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>, n: usize) {
-        let n64 = n as i64;
-        let mut l = self.launcher(self.func("silu_mul"));
-        l.arg(gate).arg(up).arg(&n64);
-        self.launch_1d(l, n, "silu_mul");
+        let (gate, up) = (self.ptr_mut(gate), self.ptr(up));
+        self.launch_each(
+            norm::SILU_MUL,
+            n,
+            SiluMul {
+                gate,
+                up,
+                n: n as i64,
+            },
+        );
     }
 
     fn clamp(&self, x: &mut CudaSlice<f32>, limit: f32, n: usize) {
-        let n64 = n as i64;
-        let mut l = self.launcher(self.func("clamp_values"));
-        l.arg(x).arg(&limit).arg(&n64);
-        self.launch_1d(l, n, "clamp_values");
+        let x = self.ptr_mut(x);
+        self.launch_each(
+            norm::CLAMP_VALUES,
+            n,
+            ClampValues {
+                x,
+                limit,
+                n: n as i64,
+            },
+        );
     }
 
     fn softmax_rows(&self, x: &mut CudaSlice<f32>, rows: usize, dim: usize) {
-        if rows == 0 {
-            return;
-        }
-        let d = dim as i32;
-        let mut l = self.launcher(self.func("softmax_rows"));
-        l.arg(x).arg(&d);
-        ok(
-            unsafe { l.launch(cfg(rows, row_threads(dim), 0)) },
-            "softmax_rows",
-        );
+        self.launch_softmax_rows(self.ptr_mut(x), rows, dim);
     }
 
     fn rope(
@@ -5023,19 +845,15 @@ impl Backend for Cuda {
             self.upload_u32(&v)
         });
         let freq = self.constant(inv_freq);
-        let (h, d, p0) = (heads as i32, head_dim as i32, p0 as u32);
-        let null = 0u64;
-        let mut l = self.launcher(self.func("rope"));
-        l.arg(x);
-        match &pos {
-            Some(p) => l.arg(p),
-            None => l.arg(&null),
+        let args = Rope {
+            x: self.ptr_mut(x),
+            positions: pos.as_ref().map_or(Ptr::NULL, |p| self.ptr(p)),
+            pos0: p0 as u32,
+            inv_freq: self.ptr(&*freq),
+            heads: heads as i32,
+            head_dim: head_dim as i32,
         };
-        l.arg(&p0).arg(&*freq).arg(&h).arg(&d);
-        ok(
-            unsafe { l.launch(cfg(positions.len() * heads, row_threads(head_dim / 2), 0)) },
-            "rope",
-        );
+        self.launch_rope(args, positions.len(), heads, head_dim);
     }
 
     fn write_rows(
@@ -5063,49 +881,7 @@ impl Backend for Cuda {
         shape: AttentionShape,
         out: &mut CudaSlice<f32>,
     ) {
-        assert!(
-            shape.head_dim <= 256,
-            "head_dim {} over the attention kernel's 256",
-            shape.head_dim
-        );
-        if shape.rows == 0 {
-            return;
-        }
-        if shape.rows == 1 && self.decode_attention() != DecodeAttention::Whole {
-            self.attention_one_row(q, k_cache, v_cache, shape, 0, out, None, false);
-            return;
-        }
-        if shape.rows > 1 && self.prefill_attention() == PrefillAttention::Tiled {
-            if let Some(name) =
-                tiled_kernel(shape.head_dim).filter(|_| shape.head_dim <= self.tiled_head_dim)
-            {
-                self.attention_tiled(name, q, k_cache, v_cache, shape, out);
-                return;
-            }
-        }
-        let (p0, h, kvh, d) = (
-            shape.pos0 as i32,
-            shape.heads as i32,
-            shape.kv_heads as i32,
-            shape.head_dim as i32,
-        );
-        let window = shape.window.map_or(0, |w| w as i32);
-        let null = 0u64;
-        let mut l = self.launcher(self.func("attention"));
-        l.arg(q)
-            .arg(k_cache)
-            .arg(v_cache)
-            .arg(out)
-            .arg(&p0)
-            .arg(&h)
-            .arg(&kvh)
-            .arg(&d)
-            .arg(&window)
-            .arg(&null);
-        ok(
-            unsafe { l.launch(cfg(shape.rows * shape.heads, 128, 0)) },
-            "attention",
-        );
+        self.launch_attention([q, k_cache, v_cache], shape, out);
     }
 
     fn gather_rows(
@@ -5119,13 +895,13 @@ impl Backend for Cuda {
             return;
         }
         let r = self.upload_u32(rows);
-        let w = width as i32;
-        let mut l = self.launcher(self.func("gather_rows"));
-        l.arg(src).arg(&r).arg(dst).arg(&w);
-        ok(
-            unsafe { l.launch(cfg(rows.len(), row_threads(width), 0)) },
-            "gather_rows",
-        );
+        let args = GatherRows {
+            src: self.ptr(src),
+            rows: self.ptr(&r),
+            dst: self.ptr_mut(dst),
+            width: width as i32,
+        };
+        self.launch_rows(norm::GATHER_ROWS, rows.len(), width, args);
     }
 
     fn scatter_add_rows(
@@ -5141,13 +917,14 @@ impl Backend for Cuda {
         }
         let r = self.upload_u32(rows);
         let s = ok(self.stream.clone_htod(scales), "upload");
-        let w = width as i32;
-        let mut l = self.launcher(self.func("scatter_add_rows"));
-        l.arg(src).arg(&r).arg(&s).arg(dst).arg(&w);
-        ok(
-            unsafe { l.launch(cfg(rows.len(), row_threads(width), 0)) },
-            "scatter_add_rows",
-        );
+        let args = ScatterAddRows {
+            src: self.ptr(src),
+            rows: self.ptr(&r),
+            scales: self.ptr(&s),
+            dst: self.ptr_mut(dst),
+            width: width as i32,
+        };
+        self.launch_rows(norm::SCATTER_ADD_ROWS, rows.len(), width, args);
     }
 
     fn upload_into(&self, data: &[f32], t: &mut CudaSlice<f32>) {
@@ -5184,14 +961,15 @@ impl Backend for Cuda {
         inv_freq: &[f32],
     ) {
         let freq = self.constant(inv_freq);
-        let pos = step.slice(1..2);
-        let (h, d, p0) = (heads as i32, head_dim as i32, 0u32);
-        let mut l = self.launcher(self.func("rope"));
-        l.arg(x).arg(&pos).arg(&p0).arg(&*freq).arg(&h).arg(&d);
-        ok(
-            unsafe { l.launch(cfg(heads, row_threads(head_dim / 2), 0)) },
-            "rope",
-        );
+        let args = Rope {
+            x: self.ptr_mut(x),
+            positions: self.ptr(&step.slice(1..2)),
+            pos0: 0,
+            inv_freq: self.ptr(&*freq),
+            heads: heads as i32,
+            head_dim: head_dim as i32,
+        };
+        self.launch_rope(args, 1, heads, head_dim);
     }
 
     fn write_row_at(
@@ -5201,14 +979,8 @@ impl Backend for Cuda {
         step: &CudaSlice<f32>,
         width: usize,
     ) {
-        let pos = step.slice(1..2);
-        let w = width as i32;
-        let mut l = self.launcher(self.func("write_row_at"));
-        l.arg(src).arg(dst).arg(&pos).arg(&w);
-        ok(
-            unsafe { l.launch(cfg(blocks(width, 256) as usize, 256, 0)) },
-            "write_row_at",
-        );
+        let pos = self.ptr(&step.slice(1..2));
+        self.launch_write_row_at(self.ptr(src), self.ptr_mut(dst), pos, width);
     }
 
     fn attention_preamble_at(
@@ -5236,7 +1008,7 @@ impl Backend for Cuda {
         step: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) {
-        self.attention_row_at(q, k_cache, v_cache, shape, step, out, false);
+        self.attention_row_at([q, k_cache, v_cache], shape, step, out, false);
     }
 
     fn attention_step_at(
@@ -5252,35 +1024,12 @@ impl Backend for Cuda {
         v_cache: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
     ) {
-        // With the switch on, one launch fewer where the grouped kernel takes the heads
-        // (its lane groups norm and rotate a head of up to 256 values); otherwise, and
-        // elsewhere, the preamble, then attention.
-        let fused = self.step_attention()
-            && self.decode_attention() == DecodeAttention::Grouped
-            && step_kernel(shape.head_dim).is_some()
-            && shape.heads > 0
-            && shape.kv_heads > 0;
-        if !fused {
-            // The grouped kernel loads its keys and values early when the preamble before
-            // it is the kernel that lets it start only after its own wait.
-            let late = self.kv_early()
-                && self.decode_attention() == DecodeAttention::Grouped
-                && group_kernel(shape.head_dim).is_some();
-            let early = self
-                .preamble_at(q, k, v, norm, shape, inv_freq, step, k_cache, v_cache, late)
-                && late;
-            self.attention_row_at(q, k_cache, v_cache, shape, step, out, early);
-            return;
-        }
-        let freq = self.constant(inv_freq);
-        let at = step.slice(1..2).device_ptr(&self.stream).0;
-        let preamble = OneRowPreamble {
-            k,
-            v,
-            norm,
-            inv_freq: &freq,
-        };
-        self.attention_one_row(q, k_cache, v_cache, shape, at, out, Some(preamble), false);
+        // The grouped kernel loads its keys and values early when the preamble before
+        // it is the kernel that lets it start only after its own wait.
+        let late = attention::for_heads(&attention::ATTENTION_GROUP, shape.head_dim).is_some();
+        let early =
+            self.preamble_at(q, k, v, norm, shape, inv_freq, step, k_cache, v_cache, late) && late;
+        self.attention_row_at([q, k_cache, v_cache], shape, step, out, early);
     }
 
     fn argmax_rows(
@@ -5291,137 +1040,30 @@ impl Backend for Cuda {
         out: &mut CudaSlice<f32>,
         at: usize,
     ) {
-        if rows == 0 {
-            return;
-        }
-        // Chunks of whole passes of the block (4 values a thread), few enough that the
-        // last block's merge of a row's partials is one short loop.
-        let pass = 4 * ARGMAX_THREADS;
-        let chunk = dim.div_ceil(1024).div_ceil(pass).max(1) * pass;
-        let splits = dim.div_ceil(chunk).max(1);
-        let per_launch = rows.min(ARGMAX_MAX_ROWS);
-        // ARGMAX_MAX_ROWS counts at a fixed place (so a count is never a former partial),
-        // then partial values and indices.
-        let need = ARGMAX_MAX_ROWS + 2 * per_launch * splits;
-        let mut scratch = self.grown_with(&self.argmax_scratch, need, true);
-        let base = scratch.as_mut().expect("grown").device_ptr(&self.stream).0;
-        let (count, part, part_i) = (
-            base,
-            base + 4 * ARGMAX_MAX_ROWS as u64,
-            base + 4 * (ARGMAX_MAX_ROWS + per_launch * splits) as u64,
+        assert!(
+            rows == 0 || (x.len() >= rows * dim && out.len() >= at + rows),
+            "argmax of {rows} rows of {dim} into {} values from {at}",
+            out.len()
         );
-        let (d, c) = (dim as i32, chunk as i32);
-        for r0 in (0..rows).step_by(per_launch) {
-            let n = per_launch.min(rows - r0);
-            let xs = x.slice(r0 * dim..(r0 + n) * dim);
-            let mut o = out.slice_mut(at + r0..at + r0 + n);
-            let mut l = self.launcher(self.func("argmax_rows"));
-            l.arg(&xs)
-                .arg(&mut o)
-                .arg(&d)
-                .arg(&c)
-                .arg(&count)
-                .arg(&part)
-                .arg(&part_i);
-            let grid = LaunchConfig {
-                grid_dim: (splits as u32, n as u32, 1),
-                block_dim: (ARGMAX_THREADS as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            ok(unsafe { l.launch(grid) }, "argmax_rows");
-        }
+        let out = self.ptr_mut(out).floats(at);
+        self.launch_argmax_rows(self.ptr(x), rows, dim, out);
     }
 
     fn advance_step(&self, step: &mut CudaSlice<f32>, chosen: &CudaSlice<f32>, at: usize) {
-        let chosen = chosen.slice(at..at + 1);
-        let mut l = self.launcher(self.func("advance_step"));
-        l.arg(step).arg(&chosen);
-        ok(unsafe { l.launch(cfg(1, 1, 0)) }, "advance_step");
+        let chosen = self.ptr(&chosen.slice(at..at + 1));
+        self.launch_advance_step(self.ptr_mut(step), chosen);
     }
 
     fn read_async(&self, t: &CudaSlice<f32>, len: usize) -> PendingRead {
-        if len == 0 {
-            return PendingRead::ready(Vec::new());
-        }
-        let reused = {
-            let mut free = self.reads.lock().expect("read slots lock");
-            free.iter()
-                .position(|s| s.buf.len() >= len)
-                .map(|i| free.swap_remove(i))
-        };
-        let mut slot = reused.unwrap_or_else(|| ReadSlot {
-            // Flags 0, not cudarc's default write-combined memory, which the host reads
-            // slowly. SAFETY: the buffer's contents are read only where a copy wrote them.
-            buf: ok(
-                unsafe { self.ctx.alloc_pinned_with_flags::<f32>(len, 0) },
-                "pinned alloc",
-            ),
-            done: ok(self.ctx.new_event(None), "event"),
-        });
-        let src = t.slice(..len);
-        ok(self.stream.memcpy_dtoh(&src, &mut slot.buf), "download");
-        // The context tracks no events (see `new`), so cudarc records none after the copy
-        // on the buffer's own; this one is what `finish_read` waits on.
-        ok(slot.done.record(&self.stream), "event record");
-        PendingRead::queued(Box::new(InFlight {
-            slot: Some(slot),
-            len,
-        }))
+        self.queue_read(t, len)
     }
 
     fn finish_read(&self, read: PendingRead) -> Vec<f32> {
-        let handle = match read.into_values() {
-            Ok(values) => return values,
-            Err(h) => h,
-        };
-        let Ok(mut read) = handle.downcast::<InFlight>() else {
-            panic!("cuda: a read that was not started by this backend");
-        };
-        let slot = read.slot.take().expect("a read under way holds its slot");
-        ok(slot.done.synchronize(), "event synchronize");
-        let values = ok(slot.buf.as_slice(), "pinned read")[..read.len].to_vec();
-        let mut free = self.reads.lock().expect("read slots lock");
-        if free.len() < READ_SLOTS {
-            free.push(slot);
-        }
-        values
+        self.take_read(read)
     }
 
     fn replay_step(&self, key: (usize, u64), body: &mut dyn FnMut() -> bool) -> bool {
-        if !self.use_graphs.get() {
-            body();
-            return false;
-        }
-        {
-            let graphs = self.graphs.lock().expect("graphs lock");
-            if let Some((_, g)) = graphs.iter().find(|(k, _)| *k == key) {
-                ok(g.0.launch(), "graph launch");
-                return true;
-            }
-        }
-        let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-        if self.stream.begin_capture(mode).is_err() {
-            body();
-            return false;
-        }
-        let fit = body();
-        let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
-        match (fit, self.stream.end_capture(flags)) {
-            (true, Ok(Some(g))) => {
-                ok(g.launch(), "graph launch");
-                let mut graphs = self.graphs.lock().expect("graphs lock");
-                if graphs.len() == MAX_GRAPHS {
-                    graphs.remove(0);
-                }
-                graphs.push((key, Recorded(g)));
-                true
-            }
-            // Not recorded (or not fit to be): nothing of it ran, so run it as it is.
-            _ => {
-                body();
-                false
-            }
-        }
+        self.replay(key, body)
     }
 
     fn routed_moe(
@@ -5436,81 +1078,8 @@ impl Backend for Cuda {
         probs_at: usize,
         out: &mut CudaSlice<f32>,
     ) -> bool {
-        let (e, k) = (experts.count, route.top_k);
-        if rows == 0 || e == 0 || k == 0 || k > e || e > 4096 {
-            return false;
-        }
-        if route.keep.is_some_and(|m| m.len() != e) {
-            return false;
-        }
-        let mut map = self.routed.lock().expect("routed blocks lock");
-        let Some(block) = self.routed_block(&mut map, experts, hidden, k) else {
-            return false;
-        };
-        match block.kind {
-            // Affine prompts take the grouped GEMMs, on tensor cores; without them each
-            // expert would be read once per row, and the host path's grouped products win.
-            RoutedKind::Affine(_)
-                if rows > ROUTED_MAX_ROWS
-                    && !(self.tensor_cores() && gemm_grid_fits(rows * k, e)) =>
-            {
-                return false
-            }
-            // VQ experts of any number of rows take the routed kernels, each pair reading
-            // its expert: the host path would decode every expert to f32 for a GEMM. The
-            // CUDA-core down kernel, which every shape may fall back to, holds a token's
-            // top_k rows: on an H200 that is 8 rows up to 7 264 wide, not 1 536 as
-            // without the opt-in (Qwen3-Coder-480B's 2 560 needs it).
-            RoutedKind::Vq(shape) if shape.down_shared(k) > self.vq_routed_shared => return false,
-            _ => {}
-        }
-        let keep = match route.keep {
-            None => 0u64,
-            Some(mask) => {
-                if block
-                    .keep
-                    .as_ref()
-                    .is_none_or(|(m, _)| m.as_slice() != mask)
-                {
-                    self.drop_graphs();
-                    let bytes: Vec<u8> = mask.iter().map(|&b| b as u8).collect();
-                    block.keep =
-                        Some((mask.to_vec(), ok(self.stream.clone_htod(&bytes), "upload")));
-                }
-                let (_, dev) = block.keep.as_ref().expect("set above");
-                dev.device_ptr(&self.stream).0
-            }
-        };
-        let kind = block.kind;
-        let table = block.table.device_ptr(&self.stream).0;
-        let routed = Routed {
-            kind,
-            table,
-            keep,
-            experts: e,
-            route,
-            routed: false,
-            router_late: false,
-            norm: None,
-        };
-        let (x, routed) = self.moe_input(x, routed, rows, hidden, gate);
-        let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
-        let probs_ptr = logits.device_ptr_mut(&self.stream).0;
-        let x_ptr = x.device_ptr(&self.stream).0;
-        let out_ptr = out.device_ptr_mut(&self.stream).0;
-        if self.launch_moe_step(&routed, gate, x_ptr, rows, hidden, probs_ptr, out_ptr) {
-            return true;
-        }
-        let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits);
-        match kind {
-            RoutedKind::Affine(_) => {
-                self.launch_routed(&routed, x_ptr, rows, hidden, probs_ptr, out_ptr)
-            }
-            RoutedKind::Vq(_) => {
-                self.launch_routed_chunks(&routed, x_ptr, rows, hidden, probs_ptr, out_ptr)
-            }
-        }
-        true
+        let io = [probs, out];
+        self.launch_routed_moe(x, [rows, hidden], gate, experts, route, io, probs_at)
     }
 
     fn new_slots(
@@ -5520,39 +1089,7 @@ impl Backend for Cuda {
         top_k: usize,
         count: usize,
     ) -> Option<CudaSlots> {
-        if experts == 0 || experts > 4096 || top_k == 0 || top_k > experts {
-            return None;
-        }
-        let kind = match format {
-            RecordFormat::Affine(layout) => {
-                let [gate, _, down] = layout.matrices;
-                let mut shape =
-                    RoutedShape::of(layout.bits, gate.rows, gate.cols, down.cols, layout.hidden)?;
-                shape.tiled = self.slot_tiles() && self.tiled_kernels_take(shape, top_k);
-                RoutedKind::Affine(shape)
-            }
-            // As in `routed_moe`: the CUDA-core down kernel, which every shape may fall
-            // back to, holds a token's top_k rows.
-            RecordFormat::Vq(layout) if self.vq_slots() => {
-                let shape = VqRoutedShape::of_layout(layout, self.vq_routed_shared)?;
-                if shape.down_shared(top_k) > self.vq_routed_shared {
-                    return None;
-                }
-                RoutedKind::Vq(shape)
-            }
-            _ => return None,
-        };
-        let from_rows = matches!(kind, RoutedKind::Affine(s) if s.tiled)
-            .then(|| self.func("affine_tiles_from_rows").clone());
-        Some(CudaSlots::new(
-            &self.stream,
-            &self.copies,
-            kind,
-            format,
-            experts,
-            count,
-            from_rows,
-        ))
+        self.make_slots(format, [experts, top_k, count])
     }
 
     fn routed_moe_slots(
@@ -5567,40 +1104,8 @@ impl Backend for Cuda {
         probs_at: usize,
         out: &mut CudaSlice<f32>,
     ) -> bool {
-        let (e, k) = (slots.experts(), route.top_k);
-        if rows == 0 || k == 0 || k > e || e > 4096 {
-            return false;
-        }
-        // Slots made in tiles, with a tiled kernel switched off since.
-        if matches!(slots.kind, RoutedKind::Affine(s) if s.tiled && !self.tiled_kernels_take(s, k))
-        {
-            return false;
-        }
-        let routed = Routed {
-            kind: slots.kind,
-            table: slots.table_at(),
-            keep: slots.keep_at(),
-            experts: e,
-            route,
-            routed: false,
-            router_late: false,
-            norm: None,
-        };
-        let (x, routed) = self.moe_input(x, routed, rows, hidden, gate);
-        let mut logits = probs.slice_mut(probs_at..probs_at + rows * e);
-        let probs_at = logits.device_ptr_mut(&self.stream).0;
-        let (x_at, out_at) = (
-            x.device_ptr(&self.stream).0,
-            out.device_ptr_mut(&self.stream).0,
-        );
-        if self.launch_moe_step(&routed, gate, x_at, rows, hidden, probs_at, out_at) {
-            return true;
-        }
-        let routed = self.launch_router(routed, gate, x, rows, hidden, &mut logits);
-        // The routed kernels read each chosen expert once per row: fine for a decode step,
-        // and for a prompt the only path that reads device slots.
-        self.launch_routed_chunks(&routed, x_at, rows, hidden, probs_at, out_at);
-        true
+        let io = [probs, out];
+        self.launch_routed_moe_slots(x, [rows, hidden], gate, slots, route, io, probs_at)
     }
 
     fn swiglu_groups(
@@ -5626,406 +1131,5 @@ impl Backend for Cuda {
             })
             .collect();
         swiglu_groups_one_by_one(self, x, hidden, &rest, out);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{
-        dense_mma_layout, group_chunk, group_kernel, is_bf16_exact, moe_step_shared, slice_shared,
-        slice_stride, staged_rows, tiled_kernel, tiled_shared, unit_tiles, vq_book_bytes,
-        vq_suffix, vq_tile, DownAlone, VqRoutedShape, VqTile, ATT_CHUNK_MAX, ATT_STEP,
-        SHARED_LIMIT, VQR_SHARED_BOOK,
-    };
-    use crate::codec::vq::{Rung, LADDER};
-    use crate::testing::fresh;
-    use half::bf16;
-
-    #[test]
-    fn down_alone_takes_its_three_values_and_names_itself_on_any_other() {
-        assert_eq!(DownAlone::parse(None).unwrap(), DownAlone::Shared);
-        assert_eq!(DownAlone::parse(Some("auto")).unwrap(), DownAlone::Shared);
-        assert_eq!(DownAlone::parse(Some("0")).unwrap(), DownAlone::None);
-        assert_eq!(DownAlone::parse(Some("1")).unwrap(), DownAlone::Every);
-        let err = DownAlone::parse(Some("yes")).unwrap_err().to_string();
-        assert!(
-            err.contains("DYNMOE_CUDA_DOWN_ALONE=yes") && err.contains("0, 1 or auto"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn unit_tiles_give_each_lane_the_words_and_scales_its_rows_hold() {
-        use super::words_per_row;
-        use crate::codec::affine::AffineMatrix;
-        // A ragged last tile (37 rows), at both widths the tiled kernels read. Lane
-        // 4g + q of unit (t, gi) holds rows 16t + g and 16t + g + 8 (load_unit_tiled):
-        // at 4 bits words 8gi + 2q and 8gi + 2q + 1 of each, at 2 bits word 4gi + q;
-        // rows past the matrix are zeros.
-        let (rows, cols) = (37, 192);
-        for bits in [4u32, 2] {
-            let m = AffineMatrix::quantize(&fresh(rows * cols, 3), rows, cols, bits).unwrap();
-            let w = m.view();
-            let (words, sb) = unit_tiles(&w);
-            let (groups, row_words) = (cols / 64, words_per_row(cols, bits));
-            let (per_lane, lane_words) = if bits == 4 { (4, 2) } else { (2, 1) };
-            assert_eq!(words.len(), 3 * groups * 32 * per_lane);
-            assert_eq!(sb.len(), 3 * groups * 16 * 2);
-            for t in 0..3 {
-                for gi in 0..groups {
-                    let unit = t * groups + gi;
-                    for lane in 0..32 {
-                        let (g, q) = (lane / 4, lane % 4);
-                        for half in 0..2 {
-                            let r = 16 * t + g + 8 * half;
-                            for j in 0..lane_words {
-                                let got =
-                                    words[(unit * 32 + lane) * per_lane + half * lane_words + j];
-                                let want = if r < rows {
-                                    let k = if bits == 4 {
-                                        gi * 8 + 2 * q + j
-                                    } else {
-                                        gi * 4 + q
-                                    };
-                                    w.words[r * row_words + k]
-                                } else {
-                                    0
-                                };
-                                assert_eq!(got, want, "q{bits} unit {unit} lane {lane} row {r}");
-                            }
-                        }
-                    }
-                    for r in 0..16 {
-                        let row = 16 * t + r;
-                        let (scale, bias) = if row < rows {
-                            let g = row * groups + gi;
-                            (w.scales[g].to_bits(), w.biases[g].to_bits())
-                        } else {
-                            (0, 0)
-                        };
-                        assert_eq!(sb[(unit * 16 + r) * 2], scale);
-                        assert_eq!(sb[(unit * 16 + r) * 2 + 1], bias);
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn every_rung_has_a_vq_kernel_and_a_book_of_whole_16_byte_units() {
-        for rung in LADDER {
-            vq_suffix(rung.dim);
-            // The matrix-vector kernel stages the book in 16-byte copies and puts the
-            // activations right after it, which float4 loads need aligned.
-            assert_eq!(vq_book_bytes(rung) % 16, 0, "{}", rung.name());
-        }
-    }
-
-    #[test]
-    fn vq_launches_put_the_rows_first_and_the_book_beside_them_when_it_fits() {
-        let r = |s: &str| Rung::parse(s).unwrap();
-        let tile = |rows, book_shared| Some(VqTile { rows, book_shared });
-        // vq3's book is 32 KiB: beside one 2048-wide row (8 KiB), not beside four.
-        assert_eq!(vq_tile(r("3"), 2048, 1), tile(1, true));
-        assert_eq!(vq_tile(r("3"), 2048, 4), tile(4, false));
-        assert_eq!(vq_tile(r("3"), 768, 4), tile(4, true));
-        // vq2's 1 MiB book and vq1.5's 64 KiB one never fit.
-        assert_eq!(vq_tile(r("2"), 768, 1), tile(1, false));
-        assert_eq!(vq_tile(r("1.5"), 256, 1), tile(1, false));
-        assert_eq!(vq_tile(r("5"), 2048, 4), tile(4, true));
-        // Rows as wide as 12 288 values still fit one at a time (vq1's 4 KiB book beside
-        // 32 KiB of row, not beside 48); wider ones decode.
-        assert_eq!(vq_tile(r("1"), 8192, 4), tile(1, true));
-        assert_eq!(vq_tile(r("1"), 4096, 4), tile(3, false));
-        assert_eq!(vq_tile(r("1"), 12288, 2), tile(1, false));
-        assert_eq!(vq_tile(r("1"), 12288 + 1024, 1), None);
-        for rung in LADDER {
-            for width in [16, 128, 768, 2048, 4096] {
-                for batch in 1..=4 {
-                    let t = vq_tile(rung, width, batch).unwrap();
-                    let bytes = t.rows * width * 4 + t.book_shared as usize * vq_book_bytes(rung);
-                    assert!(t.rows <= batch && bytes <= SHARED_LIMIT);
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn tensor_core_vq_kernels_take_whole_codewords_and_fit_an_h200_with_the_book() {
-        use crate::codec::vq::rotation::block_size;
-        let shape = |rung: &str, hidden: usize, inter: usize| VqRoutedShape {
-            rung: Rung::parse(rung).unwrap(),
-            hidden,
-            inter,
-            up_block: block_size(hidden),
-            down_block: block_size(inter),
-        };
-        // 2-value vectors, and rotation blocks under 64 (a 32-wide expert), stay on CUDA
-        // cores: a codeword would be part of a fragment, a norm change within a unit.
-        assert!(!shape("5", 2048, 768).on_tensor_cores());
-        assert!(!shape("1.5", 128, 32).on_tensor_cores());
-        for rung in ["0.7", "1.5", "3", "4"] {
-            assert!(shape(rung, 2048, 768).on_tensor_cores(), "{rung}");
-        }
-        // The shared memory the host asks for, book included where the kernels copy it,
-        // fits the 227 KiB an H200 block may opt into, for Qwen3-30B-A3B's and
-        // Qwen3-235B-A22B's experts at top-8. Code rows take an odd number of 16-byte
-        // chunks, one more than they touch: 384-byte rows 400, 24-byte rows 48.
-        assert_eq!(staged_rows(1, 384, 0) - staged_rows(0, 384, 0), 400);
-        assert_eq!(staged_rows(1, 24, 0) - staged_rows(0, 24, 0), 48);
-        let optin = 227 << 10;
-        for (hidden, inter) in [(2048, 768), (4096, 1536)] {
-            for rung in ["1.5", "0.7", "3", "2"] {
-                let s = shape(rung, hidden, inter);
-                let book = vq_book_bytes(s.rung);
-                let book = if book <= VQR_SHARED_BOOK { book } else { 0 };
-                let most = s.mma_gate_up_shared().max(s.mma_down_shared(8));
-                assert!(
-                    most + book <= optin,
-                    "{rung} {hidden}x{inter}: {most} + {book}"
-                );
-            }
-        }
-        // Qwen3-Coder-480B-A35B's experts need the opt-in even on CUDA cores (a token's 8
-        // rotated down inputs are 80 KiB), and take the tensor cores, at some rungs with
-        // the book read through L1 (vq3's 32 KiB do not fit beside 205 KiB).
-        for rung in ["1.5", "0.7", "3", "2"] {
-            let s = shape(rung, 6144, 2560);
-            assert!(s.down_shared(8) > SHARED_LIMIT && s.down_shared(8) <= optin);
-            let most = s.mma_gate_up_shared().max(s.mma_down_shared(8));
-            assert!(most <= optin, "{rung}: {most}");
-        }
-        // Two vq1.5 blocks of the 30B shape share an SM (228 KiB, 1 KiB a block kept).
-        let s = shape("1.5", 2048, 768);
-        let most = s.mma_gate_up_shared().max(s.mma_down_shared(8)) + vq_book_bytes(s.rung);
-        assert!(2 * (most + 1024) <= 228 << 10, "{most}");
-    }
-
-    #[test]
-    fn one_row_dense_products_split_narrow_matrices_and_loop_over_wide_ones() {
-        // Qwen3-30B-A3B on an H200's 132 multiprocessors: the LM head's 9 496 tiles of 16
-        // rows take a warp each on a grid of three blocks a multiprocessor, which loops;
-        // q/k/v's 320 tiles and the attention output's 128 are split over all 8 warps.
-        assert_eq!(dense_mma_layout(151936 / 16, 32, 132), (1, 396));
-        assert_eq!(dense_mma_layout(320, 32, 132), (8, 320));
-        assert_eq!(dense_mma_layout(128, 64, 132), (8, 128));
-        // A job never splits into more parts than it has 64-column groups.
-        assert_eq!(dense_mma_layout(3, 2, 132).0, 2);
-        assert_eq!(dense_mma_layout(1, 1, 132), (1, 1));
-    }
-
-    #[test]
-    fn one_launch_moe_step_fits_its_shapes_in_shared_memory() {
-        // Qwen3-30B-A3B (top-8 of 128, 768 wide): h's 96 units are the most staged, and fit
-        // the 48 KB every block gets; Qwen3-235B-A22B's 192 units (1 536 wide) and
-        // Qwen3-Coder-480B's 320 (2 560 wide) need the opt-in of an H200 (227 KB).
-        let qwen30 = moe_step_shared(128, 8, 2048, 768);
-        assert_eq!(qwen30, 96 * 320 + 96 * 4 + 1024 + 512 + 512 + 128 + 64);
-        assert!(qwen30 <= SHARED_LIMIT);
-        let qwen235 = moe_step_shared(128, 8, 4096, 1536);
-        assert!(qwen235 > SHARED_LIMIT && qwen235 <= 227 << 10);
-        assert!(moe_step_shared(160, 8, 6144, 2560) <= 227 << 10);
-        // The x tile wins when top_k × down groups is smaller.
-        assert_eq!(
-            moe_step_shared(4, 1, 4096, 64) - moe_step_shared(4, 1, 64, 64),
-            63 * 320 + (64 - 4) * 4
-        );
-    }
-
-    #[test]
-    fn routed_slices_stage_their_rows_in_shared_memory_where_they_fit() {
-        // A staged row's words, rounded up to 32, then 8 more (4 at 2 bits): rows g = 0 .. 7
-        // of a tile start in different banks.
-        assert_eq!(slice_stride(4, 2048), 256 + 8);
-        assert_eq!(slice_stride(3, 2048), 192 + 8);
-        assert_eq!(slice_stride(2, 2048), 128 + 4);
-        assert_eq!(slice_stride(3, 2112), 224 + 8);
-        // Qwen3-30B-A3B at 4 bits (top-8 of 128, 2 048 wide): gate's and up's 64 rows, x's 32
-        // units, h's one, the warps' sums, every expert's table entry, the candidates, a
-        // scratch and the route, in words; within an H200's opt-in (227 KB) at every width.
-        let qwen30 = slice_shared(4, 2048, 128, 8);
-        assert_eq!(
-            qwen30,
-            4 * (2 * 64 * 264
-                + 32 * 80
-                + 32
-                + 80
-                + 64
-                + 4
-                + 16 * 2 * 16
-                + 2 * 128 * 9
-                + 128
-                + 32
-                + 16)
-        );
-        for bits in [4, 3, 2] {
-            assert!(slice_shared(bits, 2048, 128, 8) <= 227 << 10);
-        }
-        // Qwen3-235B-A22B's 4 096-wide rows do not fit at 4 bits: its experts take the
-        // gate/up and down launches.
-        assert!(slice_shared(4, 4096, 128, 8) > 227 << 10);
-    }
-
-    #[test]
-    fn grouped_attention_chunks_fill_the_device_in_whole_steps() {
-        // Qwen3-30B-A3B on an H200: 4 KV heads of 8 query heads, 132 multiprocessors.
-        assert_eq!(group_chunk(640, 4, 132), 16);
-        assert_eq!(group_chunk(4096, 4, 132), 64);
-        assert_eq!(group_chunk(16, 4, 132), 16);
-        assert_eq!(group_chunk(1 << 20, 4, 132), ATT_CHUNK_MAX);
-        for sms in [1, 78, 132] {
-            for units in [1, 2, 4, 8, 16, 64] {
-                for capacity in (1..5000).step_by(7).chain([1 << 16, 1 << 20]) {
-                    let chunk = group_chunk(capacity, units, sms);
-                    assert!(chunk.is_multiple_of(ATT_STEP) && chunk <= ATT_CHUNK_MAX);
-                    // Fewer blocks than multiprocessors only when no chunk could be smaller.
-                    let blocks = units * capacity.div_ceil(chunk);
-                    assert!(
-                        blocks >= sms || chunk == ATT_STEP,
-                        "{capacity} keys, {units} units, {sms} SMs: {blocks} blocks of {chunk}"
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn grouped_attention_takes_head_widths_of_whole_float4s_up_to_256() {
-        assert_eq!(group_kernel(64), Some("attention_group_64"));
-        assert_eq!(group_kernel(4), Some("attention_group_64"));
-        assert_eq!(group_kernel(96), Some("attention_group_128"));
-        assert_eq!(group_kernel(128), Some("attention_group_128"));
-        assert_eq!(group_kernel(132), Some("attention_group_256"));
-        assert_eq!(group_kernel(256), Some("attention_group_256"));
-        for d in [0, 2, 66, 130, 260] {
-            assert_eq!(group_kernel(d), None, "{d}");
-        }
-    }
-
-    #[test]
-    fn tiled_attention_takes_the_grouped_widths_within_the_shared_memory_of_an_h200() {
-        for d in [4, 36, 64, 96, 128, 200, 256] {
-            let grouped = group_kernel(d).unwrap();
-            assert_eq!(
-                tiled_kernel(d).unwrap(),
-                grouped.replace("group", "tiled"),
-                "{d}"
-            );
-        }
-        for d in [0, 2, 66, 130, 260] {
-            assert_eq!(tiled_kernel(d), None, "{d}");
-        }
-        // 128 wide: two blocks an SM (228 KB, 1 KB reserved a block); 256: one, within
-        // the 227 KB a block may opt in to.
-        assert_eq!(tiled_shared(128), 109_568);
-        assert!(2 * (tiled_shared(128) + 1024) <= 228 << 10);
-        assert_eq!(tiled_shared(256), 207_872);
-        assert!(tiled_shared(256) <= 227 << 10);
-        assert!(
-            tiled_shared(64) > SHARED_LIMIT,
-            "every width asks for its shared memory"
-        );
-    }
-
-    /// The names `__global__` entries take in `source`: a literal name as written, a
-    /// macro's (`expert_mma_gate_up_##NAME`) once per top-level use of the macro, with
-    /// each `##PARAM` replaced by that use's argument.
-    fn kernel_entries(source: &str) -> Vec<String> {
-        let name_after = |part: &str| {
-            let mut rest = part.trim_start();
-            if let Some(bounds) = rest.strip_prefix("__launch_bounds__") {
-                // A macro's definition may go on past a line's backslash.
-                rest = bounds
-                    .split_once(')')
-                    .map_or("", |(_, r)| r)
-                    .trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
-            }
-            let end = rest
-                .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == '#'))
-                .unwrap_or(rest.len());
-            rest[..end].to_string()
-        };
-        let mut names = Vec::new();
-        let mut at = 0;
-        while let Some(found) = source[at..].find("__global__ void") {
-            let start = at + found;
-            at = start + "__global__ void".len();
-            let name = name_after(&source[at..]);
-            if !name.contains("##") {
-                names.push(name);
-                continue;
-            }
-            // The macro that holds this entry: the last `#define M(params)` before it.
-            let define = source[..start]
-                .rfind("#define ")
-                .expect("a macro entry's #define");
-            let head = &source[define + "#define ".len()..];
-            let (macro_name, rest) = head.split_once('(').expect("a macro with parameters");
-            let params: Vec<&str> = rest
-                .split_once(')')
-                .expect("a parameter list")
-                .0
-                .split(',')
-                .map(str::trim)
-                .collect();
-            let uses = source.lines().filter_map(|line| {
-                line.strip_prefix(macro_name)?
-                    .strip_prefix('(')?
-                    .split_once(')')
-                    .map(|(args, _)| args)
-            });
-            for args in uses {
-                let args: Vec<&str> = args.split(',').map(str::trim).collect();
-                let mut expanded = name.clone();
-                for (param, arg) in params.iter().zip(&args) {
-                    expanded = expanded.replace(&format!("##{param}"), arg);
-                }
-                names.push(expanded);
-            }
-        }
-        names
-    }
-
-    #[test]
-    fn every_kernel_the_source_defines_is_loaded() {
-        // The host finds a function only by a name in KERNEL_NAMES, and a name there that
-        // the source lacks fails the module's load.
-        let entries = kernel_entries(super::SOURCE);
-        assert!(
-            entries.iter().any(|e| e == "expert_mma_down_tiled_q2"),
-            "macro uses expand: {entries:?}"
-        );
-        let missing: Vec<_> = entries
-            .iter()
-            .filter(|e| !super::KERNEL_NAMES.contains(&e.as_str()))
-            .collect();
-        assert!(
-            missing.is_empty(),
-            "kernels not in KERNEL_NAMES: {missing:?}"
-        );
-        let unknown: Vec<_> = super::KERNEL_NAMES
-            .iter()
-            .filter(|k| !entries.iter().any(|e| e == *k))
-            .collect();
-        assert!(
-            unknown.is_empty(),
-            "KERNEL_NAMES the source does not define: {unknown:?}"
-        );
-    }
-
-    #[test]
-    fn bf16_exactness_is_a_round_trip() {
-        let mut values = fresh(4096, 1);
-        values.extend(values.clone().iter().map(|&v| bf16::from_f32(v).to_f32()));
-        values.extend([0.0, -0.0, 1.0, f32::INFINITY, f32::MIN_POSITIVE, 1e-40]);
-        for v in values {
-            let round_trip = bf16::from_f32(v).to_f32().to_bits() == v.to_bits();
-            assert_eq!(
-                is_bf16_exact(v),
-                round_trip,
-                "{v:e} ({:#010x})",
-                v.to_bits()
-            );
-        }
     }
 }

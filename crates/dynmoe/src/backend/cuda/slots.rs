@@ -1,4 +1,5 @@
-//! A resident set's expert slots in device memory (DESIGN.md §7 on the GPU).
+//! A resident set's expert slots in device memory (the resident set of
+//! docs/ARCHITECTURE.md, on the GPU).
 //!
 //! One allocation holds every slot of a MoE layer, each one expert record as stored
 //! (affine or VQ), so that a swap is one copy of the record's bytes. The routed kernels
@@ -12,21 +13,24 @@
 //! kernels read them from the table, and a record carries only their seeds. They are
 //! made on the host when the record is loaded and copied beside it.
 //!
-//! Affine slots hold their 4- and 2-bit experts in unit tiles by default, as the tiled
-//! routed kernels read them ([`Cuda::set_slot_tiles`](super::Cuda::set_slot_tiles)): a
-//! record is copied as stored into one staging buffer and `affine_tiles_from_rows` takes
-//! each matrix into the slot, both on the copy stream, whose order keeps the next copy
-//! off the staging buffer until the kernel has read it.
+//! Affine slots hold their 4- and 2-bit experts in unit tiles where the tensor-core
+//! routed kernels take them, as those read them: a record is copied as stored into one
+//! staging buffer and `affine_tiles_from_rows` takes each matrix into the slot, both on
+//! the copy stream, whose order keeps the next copy off the staging buffer until the
+//! kernel has read it.
 
 use std::sync::Arc;
 
 use cudarc::driver::sys;
 use cudarc::driver::{
     CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice,
-    PushKernelArg,
 };
 
-use super::{ok, sign_bits, tile_lengths, tile_units, RoutedKind, ROUTED_ENTRY, VQ_CODE_PADDING};
+use super::affine::{tile_lengths, tile_units, ROUTED_ENTRY};
+use super::launch::{self, Ptr};
+use super::ok;
+use super::routed::{AffineTilesFromRows, RoutedKind};
+use super::vq::{sign_bits, VQ_CODE_PADDING};
 use crate::backend::ExpertSlots;
 use crate::store::records::words_as_bytes;
 use crate::store::records::RecordFormat;
@@ -192,13 +196,13 @@ impl CudaSlots {
     }
 
     /// Device address of the routing table.
-    pub(super) fn table_at(&self) -> u64 {
-        self.table.device_ptr(&self.stream).0
+    pub(super) fn table_at(&self) -> Ptr {
+        Ptr(self.table.device_ptr(&self.stream).0)
     }
 
     /// Device address of the mask.
-    pub(super) fn keep_at(&self) -> u64 {
-        self.keep.device_ptr(&self.stream).0
+    pub(super) fn keep_at(&self) -> Ptr {
+        Ptr(self.keep.device_ptr(&self.stream).0)
     }
 
     /// Experts routed over.
@@ -228,22 +232,30 @@ impl CudaSlots {
                 staging + m.scales.offset as u64,
                 staging + m.biases.offset as u64,
             );
-            let (tile_words, sb) = (base + part.words as u64, base + part.sb as u64);
-            let (rows, cols, bits) = (m.rows as i32, m.cols as i32, layout.bits as i32);
+            let args = AffineTilesFromRows {
+                words: Ptr(words),
+                scales: Ptr(scales),
+                biases: Ptr(biases),
+                rows: m.rows as i32,
+                cols: m.cols as i32,
+                bits: layout.bits as i32,
+                tile_words: Ptr(base + part.words as u64),
+                sb: Ptr(base + part.sb as u64),
+            };
             // A thread per lane of each unit.
             let threads = tile_units(m.rows, m.cols) * 32;
-            let mut l = self.copies.launch_builder(&tiled.from_rows);
-            l.arg(&words).arg(&scales).arg(&biases);
-            l.arg(&rows).arg(&cols).arg(&bits);
-            l.arg(&tile_words).arg(&sb);
-            let launch = LaunchConfig {
+            let cfg = LaunchConfig {
                 grid_dim: (threads.div_ceil(256).min(4096) as u32, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: the staging buffer holds a whole record of `layout`, and the slot
-            // `tiled_parts`' bytes (within the stride); the arguments match the kernel's.
-            ok(unsafe { l.launch(launch) }, "a record into tiles");
+            // `tiled_parts`' bytes (within the stride); the arguments are the kernel's
+            // (`affine_tiles_from_rows`, the one `from_rows` was loaded as). Not
+            // programmatic: the copy stream's kernels wait for the copies before them.
+            let launched =
+                unsafe { launch::launch(&self.copies, &tiled.from_rows, false, cfg, &args) };
+            ok(launched, "a record into tiles");
         }
     }
 }
@@ -413,7 +425,7 @@ impl Drop for CudaSlots {
 #[cfg(test)]
 mod tests {
     use super::{record_signs, sign_words, slot_entry, tiled_entry, tiled_parts};
-    use crate::backend::cuda::tile_lengths;
+    use crate::backend::cuda::affine::tile_lengths;
     use crate::codec::vq::{rotation, Rung, VqMatrix};
     use crate::store::records::RecordFormat;
     use crate::store::vq::{pack_record, VqLayout};
