@@ -58,6 +58,10 @@
 #          GEMM and the experts one by one, decode through the matrix-vector kernels),
 #          kernels launched without programmatic dependent launch, and decode after a
 #          16-token prompt (model_variants.log)
+# compare  after `model`: the same decode and prefill benchmark and a greedy generation with
+#          $BEFORE (another build's dynmoe) and this one, ROUNDS (default 2) rounds in turn,
+#          4 and 2 bits with q4 dense layers and head: each ratio and whether the tokens
+#          are the same (compare.log, compare_*.json)
 set -uo pipefail
 BIN=${BIN:-.gpu}
 OUT=${OUT:-gpu-results}
@@ -126,6 +130,50 @@ for step in $steps; do
         "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4,3,2 ${dense[@]+"${dense[@]}"} \
             --prompt 512 --generate 128 --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        ;;
+    compare)
+        echo "== $BEFORE against $BIN/dynmoe, $LAYERS layers"
+        m="$WORK/qwen3-30b-a3b-l$LAYERS"
+        synth_model "$m" || status=1
+        q4=(--dense-codec q4 --head-codec q4)
+        for round in $(seq "${ROUNDS:-2}"); do
+            for which in before after; do
+                bin=$BIN/dynmoe
+                [ "$which" = before ] && bin=$BEFORE
+                "$bin" bench decode "$m" --backend cuda --bits 4,2 "${q4[@]}" --prompt 512 \
+                    --generate 128 --json "$OUT/compare_${which}_$round.json" || status=1
+            done
+        done
+        for which in before after; do
+            bin=$BIN/dynmoe
+            [ "$which" = before ] && bin=$BEFORE
+            for bits in 4 2; do
+                "$bin" run --model "$m" --backend cuda --expert-bits "$bits" "${q4[@]}" \
+                    --prompt "Call me Ishmael" -n 64 --json > "$OUT/compare_tokens_${which}_$bits.json" ||
+                    status=1
+            done
+        done
+        python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/compare.log"
+import glob, json, statistics, sys
+out = sys.argv[1]
+runs = {}
+for f in sorted(glob.glob(f"{out}/compare_*_[0-9]*.json")):
+    which = f.split("compare_")[1].split("_")[0]
+    for c in json.load(open(f))["cases"]:
+        runs.setdefault((which, c["bits"]), []).append(c)
+print(f"{'bits':>4} {'':>7} {'prefill':>9} {'decode':>8} {'sync':>8}")
+for bits in (4, 2):
+    med = {}
+    for which in ("before", "after"):
+        cs = runs.get((which, bits), [])
+        med[which] = [statistics.median(c[k] for c in cs) if cs else float("nan")
+                      for k in ("prefill_tok_s", "decode_tok_s", "decode_sync_tok_s")]
+        print(f"{bits:>4} {which:>7} " + " ".join(f"{v:>8.1f}" for v in med[which]))
+    print(f"{bits:>4} {'ratio':>7} " + " ".join(f"{a / b:>8.3f}" for a, b in zip(med["after"], med["before"])))
+for bits in (4, 2):
+    t = [json.load(open(f"{out}/compare_tokens_{w}_{bits}.json"))["tokens"] for w in ("before", "after")]
+    print(f"greedy tokens at {bits} bits: {'identical' if t[0] == t[1] else 'DIFFERENT'} ({len(t[0])} tokens)")
+PY
         ;;
     model-vq)
         vq=${VQ:-vq1.5}

@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args, Subcommand, ValueEnum};
 
 use crate::{cuda_backend, BackendKind, DenseCodecArgs};
+use dynmoe::backend::sample::Sampling;
 use dynmoe::backend::Backend;
 use dynmoe::checkpoint::Config;
 use dynmoe::codec::vq::Rung;
@@ -257,6 +258,11 @@ pub struct DecodeArgs {
     /// The dense layers and LM head of every setting measured (a converted directory's).
     #[command(flatten)]
     dense: DenseCodecArgs,
+    /// Also measure aggregate decode with this many sequences at once (comma-separated,
+    /// e.g. 1,4,8,16,32,64): each a 128-token prompt, then 128 tokens each, greedy, all
+    /// the sequences decoded together.
+    #[arg(long, value_delimiter = ',')]
+    batch: Vec<usize>,
     /// Also write the report here as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -475,6 +481,12 @@ struct Case {
     /// Decode through `Model::forward`, the logits read back and the argmax taken on the
     /// host every step.
     decode_logits_tok_s: f64,
+    /// Decode sampling at temperature 0.8 and top-p 0.95 (seed 1), through the same
+    /// `Model::decode` as greedy.
+    decode_sampled_tok_s: f64,
+    decode_sampled_runs_tok_s: Vec<f64>,
+    /// Aggregate decode tokens per second with several sequences at once (`--batch`).
+    batches: Vec<BatchCase>,
     /// Whether the decode paths (queued, token by token, through the logits) chose the
     /// same tokens in every run.
     decode_paths_agree: bool,
@@ -491,6 +503,16 @@ struct Case {
     decode_floor_tok_s: Option<f64>,
     llama_cpp_decode_tok_s: Option<f64>,
     llama_cpp_prefill_tok_s: Option<f64>,
+}
+
+/// Several sequences decoded at once.
+#[derive(Serialize)]
+struct BatchCase {
+    /// Sequences.
+    batch: usize,
+    /// Tokens per second of all the sequences together, median of the runs.
+    decode_tok_s: f64,
+    decode_runs_tok_s: Vec<f64>,
 }
 
 #[derive(Serialize)]
@@ -562,8 +584,19 @@ struct Runs {
     sync: Vec<f64>,
     /// Through `Model::forward` and a host argmax.
     logits: Vec<f64>,
+    /// Through `Model::decode`, sampling.
+    sampled: Vec<f64>,
     agree: bool,
 }
+
+/// The sampling `bench decode` measures: what llama.cpp's and most servers' defaults are
+/// near.
+const BENCH_SAMPLING: Sampling = Sampling {
+    temperature: 0.8,
+    top_p: 0.95,
+    seed: 1,
+    ..Sampling::GREEDY
+};
 
 /// `prompt` token ids drawn at random (seed 1) from the model's vocabulary: the same
 /// prompt for every run and every precision.
@@ -631,15 +664,75 @@ fn measure<B: Backend>(
             tokens[2].push(next);
         }
         let through_logits = t.elapsed().as_secs_f64();
+        state.pos = prompt;
+        let opts = DecodeOptions {
+            max_tokens: generate,
+            sampling: BENCH_SAMPLING,
+        };
+        let t = Instant::now();
+        m.model.decode(
+            &mut [Decoding::new(&mut state, first, opts)],
+            &mut |_, _| true,
+        )?;
+        let sampled = t.elapsed().as_secs_f64();
         runs.agree &= tokens[0] == tokens[1] && tokens[1] == tokens[2];
         if run > 0 {
             runs.prefill.push(prompt as f64 / prefill);
             runs.greedy.push(generate as f64 / greedy);
             runs.sync.push(generate as f64 / sync);
             runs.logits.push(generate as f64 / through_logits);
+            runs.sampled.push(generate as f64 / sampled);
         }
     }
     Ok(runs)
+}
+
+/// Aggregate decode tokens per second of `b` sequences at once, for each `b` of
+/// `batches`, over `repeats` runs after a warm-up: each sequence a 128-token random prompt
+/// (prefilled alone), then 128 greedy tokens each, every sequence in every step's pass.
+fn measure_batches<B: Backend>(
+    m: &LoadedModel<B>,
+    batches: &[usize],
+    repeats: usize,
+) -> Result<Vec<BatchCase>> {
+    const PROMPT: usize = 128;
+    const GENERATE: usize = 128;
+    let ids = random_prompt(m, PROMPT);
+    let mut out = Vec::new();
+    for &b in batches {
+        if b == 0 {
+            bail!("--batch sizes must be positive");
+        }
+        let mut states: Vec<_> = (0..b)
+            .map(|_| m.model.new_state(PROMPT + GENERATE))
+            .collect();
+        let mut runs = Vec::new();
+        for run in 0..=repeats {
+            let mut firsts = Vec::new();
+            for s in &mut states {
+                s.clear();
+                firsts.push(argmax(&m.model.forward(s, &ids, PROMPT - 1)?));
+            }
+            let mut seqs: Vec<Decoding<'_, B>> = states
+                .iter_mut()
+                .zip(&firsts)
+                .map(|(s, &f)| Decoding::new(s, f, DecodeOptions::greedy(GENERATE)))
+                .collect();
+            let t = Instant::now();
+            let done = m.model.decode(&mut seqs, &mut |_, _| true)?;
+            let seconds = t.elapsed().as_secs_f64();
+            if run > 0 {
+                runs.push(done.iter().sum::<usize>() as f64 / seconds);
+            }
+        }
+        println!("  {b:>3} sequences at once: {:.1} tok/s", median(&runs));
+        out.push(BatchCase {
+            batch: b,
+            decode_tok_s: median(&runs),
+            decode_runs_tok_s: runs,
+        });
+    }
+    Ok(out)
 }
 
 pub(crate) fn median(v: &[f64]) -> f64 {
@@ -670,10 +763,11 @@ fn decode(a: DecodeArgs) -> Result<()> {
         codecs.head
     );
     println!(
-        "{:>6} {:>12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>13} {:>14}",
+        "{:>6} {:>12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>13} {:>14}",
         "bits",
         "prefill t/s",
         "decode t/s",
+        "sampled t/s",
         "sync t/s",
         "eager t/s",
         "logits t/s",
@@ -686,22 +780,24 @@ fn decode(a: DecodeArgs) -> Result<()> {
     for setting in &settings {
         let codecs = setting.codecs(&a.dense);
         // A backend per model, so that each precision's device weights go with it.
-        let (runs, eager, dense) = match a.backend {
+        let (runs, batches, eager, dense) = match a.backend {
             BackendKind::Cuda => {
-                let (runs, dense) = {
+                let (runs, batches, dense) = {
                     let m = crate::load(&a.model, cuda_backend()?, &codecs)?;
                     (
                         measure(&m, a.prompt, a.generate, a.repeats)?,
+                        measure_batches(&m, &a.batch, a.repeats)?,
                         dense_bytes(&m),
                     )
                 };
                 // Once the first model has freed the device.
                 let eager = eager_runs(&a.model, &codecs, a.prompt, a.generate, a.repeats)?;
-                (runs, eager, dense)
+                (runs, batches, eager, dense)
             }
             other => {
                 let m = crate::load(&a.model, other.cpu(), &codecs)?;
-                (measure(&m, a.prompt, a.generate, a.repeats)?, None, 4)
+                let runs = measure(&m, a.prompt, a.generate, a.repeats)?;
+                (runs, measure_batches(&m, &a.batch, a.repeats)?, None, 4)
             }
         };
         let agree = runs.agree && eager.as_ref().is_none_or(|e| e.agree);
@@ -733,6 +829,9 @@ fn decode(a: DecodeArgs) -> Result<()> {
             decode_sync_runs_tok_s: runs.sync,
             decode_eager_tok_s: eager.map(|e| median(&e.greedy)),
             decode_logits_tok_s: median(&runs.logits),
+            decode_sampled_tok_s: median(&runs.sampled),
+            decode_sampled_runs_tok_s: runs.sampled,
+            batches,
             decode_paths_agree: agree,
             decode_bytes_per_token: bytes,
             dense_bytes_per_weight: dense,
@@ -746,9 +845,10 @@ fn decode(a: DecodeArgs) -> Result<()> {
             eprintln!("warning: greedy decode at {label} differs between the decode paths");
         }
         println!(
-            "{label:>6} {:>12.0} {:>11.1} {:>11.1} {:>11} {:>11.1} {:>11} {:>11.1} {:>13} {:>14}",
+            "{label:>6} {:>12.0} {:>11.1} {:>11.1} {:>11.1} {:>11} {:>11.1} {:>11} {:>11.1} {:>13} {:>14}",
             case.prefill_tok_s,
             case.decode_tok_s,
+            case.decode_sampled_tok_s,
             case.decode_sync_tok_s,
             case.decode_eager_tok_s
                 .map_or("-".to_string(), |v| format!("{v:.1}")),
