@@ -371,7 +371,10 @@ impl<B: Backend> Model<B> {
         mut sets: Option<&mut Step<'_, B>>,
     ) -> (bool, Vec<(usize, Vec<f32>)>) {
         let mut host_probs = Vec::new();
-        let recorded = if bufs.fit {
+        // A step that picks its token on the host holds a copy back, which no record may.
+        let s = pick.sampling;
+        let device_pick = (s.is_greedy() && !s.penalizes()) || self.backend.samples_on_device();
+        let recorded = if bufs.fit && device_pick {
             self.backend.replay_step(key, &mut || {
                 let pick = Pick {
                     sampling: pick.sampling,
@@ -388,9 +391,9 @@ impl<B: Backend> Model<B> {
     }
 
     /// The ops of one step: the pass over the layers, the final norm and the LM head, the
-    /// token picked, and the step values moved on for the next step. Returns whether it
-    /// queued nothing but backend work; MoE layers the backend cannot route run on the
-    /// host, their probabilities pushed to `host_probs`.
+    /// token picked, and the step values moved on for the next step. Returns whether its
+    /// layers queued nothing but backend work; MoE layers the backend cannot route run on
+    /// the host, their probabilities pushed to `host_probs`.
     fn step_body(
         &self,
         bufs: &mut StepBuffers<B>,
@@ -450,7 +453,7 @@ impl<B: Backend> Model<B> {
         // So that the record replays again with no upload between (`decode_queued`);
         // `step` uploads each step's values over it.
         b.advance_step(&mut bufs.step, &bufs.probs, l * e);
-        fit && (plain || b.samples_on_device())
+        fit
     }
 
     /// The queued steps of [`decode`](Self::decode): up to `n` tokens after `first`, `n`
