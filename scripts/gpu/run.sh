@@ -157,10 +157,10 @@ for step in $steps; do
 import glob, json, statistics, sys
 out = sys.argv[1]
 runs = {}
-for f in sorted(glob.glob(f"{out}/compare_*_[0-9]*.json")):
-    which = f.split("compare_")[1].split("_")[0]
-    for c in json.load(open(f))["cases"]:
-        runs.setdefault((which, c["bits"]), []).append(c)
+for which in ("before", "after"):
+    for f in sorted(glob.glob(f"{out}/compare_{which}_[0-9]*.json")):
+        for c in json.load(open(f))["cases"]:
+            runs.setdefault((which, c["bits"]), []).append(c)
 print(f"{'bits':>4} {'':>7} {'prefill':>9} {'decode':>8} {'sync':>8}")
 for bits in (4, 2):
     med = {}
