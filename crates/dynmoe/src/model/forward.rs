@@ -265,6 +265,41 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Before a call runs from mapped expert stores: each store's file unchanged since it
+    /// was mapped (a file truncated or copied over in place is an error, not SIGBUS or
+    /// garbage), and each layer run from an affine store checked against its records'
+    /// checksums, once, the first time (docs/FORMAT.md, §7).
+    pub fn check_stores(&self) -> Result<(), Error> {
+        let mut seen: Vec<usize> = Vec::new();
+        let mut first = |ptr: usize| {
+            let new = !seen.contains(&ptr);
+            if new {
+                seen.push(ptr);
+            }
+            new
+        };
+        for layer in &self.layers {
+            let Ffn::Moe(moe) = &layer.mlp else {
+                continue;
+            };
+            match &moe.experts {
+                Experts::Stored { store, layer } => {
+                    if first(Arc::as_ptr(store) as usize) {
+                        store.check_unchanged()?;
+                    }
+                    store.verify_layer(*layer)?;
+                }
+                Experts::Vq(VqExperts::Stored { store, .. }) => {
+                    if first(Arc::as_ptr(store) as usize) {
+                        store.check_unchanged()?;
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     /// Runs `tokens` at positions `state.pos ..`, appends them to the cache, and returns
     /// the logits of tokens `logits_from ..` as `[(n - logits_from), V]`.
     pub fn forward(
@@ -306,6 +341,7 @@ impl<B: Backend> Model<B> {
                 capacity: state.capacity,
             });
         }
+        self.check_stores()?;
         let h = c.hidden_size;
         let positions: Vec<usize> = (state.pos..state.pos + n).collect();
         let mut acts = Activations::new(b, c, n, false);

@@ -32,6 +32,70 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     }
 }
 
+/// What a mapped file was when it was mapped: its identity, size and change time. A
+/// writer of dynmoe never changes a committed file in place (it renames a new one over
+/// it, which leaves a mapping intact); anything else that does (`cp` over it, `truncate`)
+/// changes these, and a reader that compares them before reading the mapping again stops
+/// with [`Error::Changed`] instead of reading garbage or dying of SIGBUS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileStamp {
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl FileStamp {
+    /// The stamp of the open `file` (`path` names it in errors).
+    pub fn of(file: &File, path: &Path) -> Result<FileStamp, Error> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file.metadata().map_err(io(path))?;
+        Ok(FileStamp {
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
+    }
+
+    /// [`Error::Changed`] if `file` is no longer what this stamp recorded.
+    pub fn check(&self, file: &File, path: &Path) -> Result<(), Error> {
+        let now = FileStamp::of(file, path)?;
+        if now == *self {
+            return Ok(());
+        }
+        let what = if now.len != self.len {
+            format!("{} bytes when opened, {} now", self.len, now.len)
+        } else {
+            "rewritten in place since it was opened".to_string()
+        };
+        Err(Error::Changed {
+            path: path.to_path_buf(),
+            what,
+        })
+    }
+}
+
+/// Opens `path` for reading if it is a regular file: a FIFO or device would block a
+/// reader or give it anything, so it is refused with [`Error::NotRegular`] before it is
+/// opened (opening a FIFO for reading blocks until a writer appears). A missing file is
+/// [`Error::Missing`].
+pub fn open_regular(path: &Path) -> Result<File, Error> {
+    let meta = std::fs::metadata(path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => Error::Missing {
+            path: path.to_path_buf(),
+        },
+        _ => Error::Io {
+            path: path.to_path_buf(),
+            source,
+        },
+    })?;
+    if !meta.is_file() {
+        return Err(Error::NotRegular {
+            path: path.to_path_buf(),
+        });
+    }
+    File::open(path).map_err(io(path))
+}
+
 /// A temporary name beside `path`, unique within this process and across processes.
 fn temp_path(path: &Path) -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);

@@ -177,6 +177,39 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A record whose bytes do not match the checksum its manifest gives it: damaged
+    /// on disk or overwritten.
+    #[error("{path}: record {record} (layer {layer}, expert {expert}) is damaged: checksum {found}, the manifest says {expected}")]
+    Damaged {
+        /// The data file.
+        path: PathBuf,
+        /// The record's index in the file.
+        record: usize,
+        /// Its MoE layer.
+        layer: usize,
+        /// Its expert.
+        expert: usize,
+        /// The checksum of the bytes on disk.
+        found: String,
+        /// The checksum the manifest gives.
+        expected: String,
+    },
+    /// A mapped data file changed in place under the running process (truncated,
+    /// copied over): its records can no longer be trusted, or even read.
+    #[error("{path}: changed while in use ({what}); stopped rather than read it")]
+    Changed {
+        /// The data file.
+        path: PathBuf,
+        /// What changed.
+        what: String,
+    },
+    /// A path that should be a regular file is something else (a FIFO, a device, a
+    /// directory), which reading would hang on or misread.
+    #[error("{path}: not a regular file")]
+    NotRegular {
+        /// The path.
+        path: PathBuf,
+    },
     /// A precision no store holds.
     #[error("{bits}-bit stores are not supported (supported: 2, 3 and 4)")]
     UnsupportedBits {
@@ -232,15 +265,15 @@ pub(crate) fn read_manifest_value(path: &Path) -> Result<serde_json::Value, Erro
 
 /// The bytes of the file at `path`; a missing file is [`Error::Missing`].
 pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, Error> {
-    std::fs::read(path).map_err(|source| match source.kind() {
-        std::io::ErrorKind::NotFound => Error::Missing {
-            path: path.to_path_buf(),
-        },
-        _ => Error::Io {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    atomic::open_regular(path)?
+        .read_to_end(&mut bytes)
+        .map_err(|source| Error::Io {
             path: path.to_path_buf(),
             source,
-        },
-    })
+        })?;
+    Ok(bytes)
 }
 
 /// A manifest read by [`read_manifest_value`], as `T`.

@@ -566,6 +566,8 @@ pub struct VqStore {
     manifest: VqManifest,
     layout: VqLayout,
     mmap: Mmap,
+    file: std::fs::File,
+    stamp: atomic::FileStamp,
 }
 
 impl VqStore {
@@ -668,7 +670,21 @@ impl VqStore {
                     }]
                 })
                 .collect(),
+            checksums: Some(
+                (0..self.manifest.experts_per_layer)
+                    .map(|e| {
+                        let index = self.record_index(layer, e).expect("held above");
+                        self.checksum(index).to_string()
+                    })
+                    .collect(),
+            ),
         }
+    }
+
+    /// [`Error::Changed`] if the data file was changed in place since it was mapped
+    /// (see `ExpertStore::check_unchanged`).
+    pub fn check_unchanged(&self) -> Result<(), Error> {
+        self.stamp.check(&self.file, &self.path)
     }
 
     /// The checksum the manifest gives record `index`.
@@ -730,10 +746,8 @@ fn open_checked(dir: &Path, rung: Rung, want: &Expected) -> Result<VqStore, Erro
         path: path.clone(),
         source,
     };
-    let file = std::fs::File::open(&path).map_err(|source| match source.kind() {
-        std::io::ErrorKind::NotFound => Error::Missing { path: path.clone() },
-        _ => io(source),
-    })?;
+    let file = atomic::open_regular(&path)?;
+    let stamp = atomic::FileStamp::of(&file, &path)?;
     let found = file.metadata().map_err(io)?.len();
     if found != manifest.file_size {
         return Err(Error::Size {
@@ -756,6 +770,8 @@ fn open_checked(dir: &Path, rung: Rung, want: &Expected) -> Result<VqStore, Erro
         manifest,
         layout,
         mmap,
+        file,
+        stamp,
     };
     let count = store.manifest.record_count as usize;
     let picks: Vec<usize> = if store.manifest.file_size <= FULL_CHECK_BYTES {
@@ -984,10 +1000,8 @@ fn build(
 }
 
 /// FNV-1a 64 of a whole record, padding included: what the manifest's
-/// `layers[i].checksums` hold.
-pub fn record_checksum(record: &[u8]) -> String {
-    Fnv64::default().bytes(record).hex()
-}
+/// `layers[i].checksums` hold (the affine stores' checksums are the same function).
+pub use super::manifest::record_checksum;
 
 /// The data file of a store being written by [`write_store`]: whole records appended
 /// layer by layer (ascending), each layer's experts in order, with their checksums.

@@ -56,6 +56,7 @@ impl<B: Backend> Model<B> {
         opts: DecodeOptions,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize, Error> {
+        self.check_stores()?;
         let n = opts.max_tokens;
         let mut done = 0;
         let mut token = first;
