@@ -145,3 +145,36 @@ fn store_changed_under_a_running_model_is_an_error_not_garbage_or_sigbus() {
         "{err}"
     );
 }
+
+/// What checking records costs a load (`cargo test -p dynmoe --test integrity --
+/// --ignored --nocapture`): small-moe's 4-bit and 2-bit stores opened, then the first
+/// `check_stores` (every layer's records hashed, once) and a later one (the file stamps
+/// only). docs/notes/hardening-2026-12-04.md records the numbers.
+#[test]
+#[ignore]
+fn load_time_with_record_checksums() {
+    let out = converted("small-moe");
+    lowbit::ensure(out.dir(), 2).unwrap();
+    for b in [4, 2] {
+        let t = std::time::Instant::now();
+        let m = model::load_with(out.dir(), Cpu::fast(), &bits(b)).unwrap();
+        let load = t.elapsed();
+        let t = std::time::Instant::now();
+        m.model.check_stores().unwrap();
+        let first = t.elapsed();
+        let t = std::time::Instant::now();
+        m.model.check_stores().unwrap();
+        let later = t.elapsed();
+        let bytes = std::fs::metadata(out.path(&dynmoe::store::data_file_name(b)))
+            .unwrap()
+            .len();
+        println!(
+            "{b}-bit: load {:.1} ms, first check {:.2} ms ({:.0} MB, {:.2} GB/s), later check {:.1} us",
+            load.as_secs_f64() * 1e3,
+            first.as_secs_f64() * 1e3,
+            bytes as f64 / 1e6,
+            bytes as f64 / first.as_secs_f64() / 1e9,
+            later.as_secs_f64() * 1e6
+        );
+    }
+}
