@@ -12,7 +12,7 @@ mod decode;
 pub use decode::DecodeOptions;
 
 use crate::checkpoint::config::{Config, QkNorm};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{first_non_finite, Checkpoint};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -409,6 +409,11 @@ impl<B: Backend> Model<B> {
             let mut logits = b.alloc(m * c.vocab_size);
             b.linear(head_in, self.head(), m, h, c.vocab_size, &mut logits);
             b.download(&logits, &mut out);
+            if let Some(i) = first_non_finite(&out) {
+                return Err(Error::NonFiniteLogits {
+                    position: state.pos - n + logits_from + i / c.vocab_size,
+                });
+            }
         }
         // After the logits, which waited for the device: a copy, not a wait.
         self.read_router_probs(state, probs.as_ref(), &routed, n);

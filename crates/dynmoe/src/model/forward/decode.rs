@@ -4,7 +4,7 @@
 //! next token is known, and a backend that records a step (a CUDA graph) replays it.
 
 use super::{finish_sets, Activations, Model, MoeRun, Pass, State};
-use crate::backend::{AddNorm, Backend, PendingRead};
+use crate::backend::{AddNorm, Backend, PendingRead, NOT_A_TOKEN};
 use crate::model::{argmax, Error};
 use crate::residency::Step;
 
@@ -70,6 +70,11 @@ impl<B: Backend> Model<B> {
                 let q = self.decode_queued(state, token, room, on_token, false);
                 done += q.delivered;
                 token = q.last;
+                if token == NOT_A_TOKEN {
+                    return Err(Error::NonFiniteLogits {
+                        position: state.pos - 1,
+                    });
+                }
                 if q.stopped {
                     break;
                 }
@@ -77,6 +82,11 @@ impl<B: Backend> Model<B> {
                 continue;
             }
             token = self.step(state, token)?;
+            if token == NOT_A_TOKEN {
+                return Err(Error::NonFiniteLogits {
+                    position: state.pos - 1,
+                });
+            }
             done += 1;
             if !on_token(token) {
                 break;
@@ -104,6 +114,7 @@ impl<B: Backend> Model<B> {
             });
         }
         if self.residency.as_ref().is_some_and(|r| !r.all_on_device()) {
+            // `forward` refuses logits that are not finite.
             let logits = self.forward(state, &[token], 0)?;
             return Ok(argmax(&logits));
         }
@@ -245,7 +256,8 @@ impl<B: Backend> Model<B> {
             *pos += 1;
             out.delivered += 1;
             out.last = self.step_results(&host, &bufs.routed, host_probs, router_probs);
-            if !on_token(out.last) {
+            // No token: the caller reports it; nothing more is handed over.
+            if out.last == NOT_A_TOKEN || !on_token(out.last) {
                 out.stopped = true;
                 break;
             }
