@@ -48,12 +48,21 @@ impl Tokenizer {
     }
 
     fn apply_config(&mut self, path: &Path) -> Result<(), Error> {
+        let text = super::read_regular(path)?;
+        self.apply_config_json(&text, path)
+    }
+
+    /// Takes the special tokens and chat template of a `tokenizer_config.json` whose
+    /// bytes are `text` (`path` names it in errors), replacing what an earlier one set.
+    pub fn apply_config_json(&mut self, text: &[u8], path: &Path) -> Result<(), Error> {
+        self.bos = None;
+        self.eos.clear();
+        self.chat_template = None;
         let bad = |reason: String| Error::Tokenizer {
             path: path.to_path_buf(),
             reason,
         };
-        let text = super::read_regular(path)?;
-        let cfg: Value = serde_json::from_slice(&text).map_err(|e| Error::Json {
+        let cfg: Value = serde_json::from_slice(text).map_err(|e| Error::Json {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
