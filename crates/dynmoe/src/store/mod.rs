@@ -62,6 +62,7 @@ mod synth_vq;
 mod tensors;
 pub mod vq;
 pub mod vq_encode;
+mod vq_write;
 
 use std::path::{Path, PathBuf};
 
