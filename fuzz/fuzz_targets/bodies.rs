@@ -12,9 +12,12 @@ use dynmoe::store::journal::Journal;
 use dynmoe::store::plan::Plan;
 use dynmoe::store::{lowbit, vq::VqManifest, ExpertStore, Manifest};
 
+/// What a target does with one input.
+pub type Target = fn(&[u8]);
+
 /// The targets, by name: what tools/fuzz/run.sh and the corpus directories are called.
 #[allow(dead_code)]
-pub const TARGETS: [(&str, fn(&[u8])); 6] = [
+pub const TARGETS: [(&str, Target); 6] = [
     ("checkpoint", checkpoint),
     ("config", config),
     ("chat", chat),

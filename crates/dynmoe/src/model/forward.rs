@@ -289,10 +289,10 @@ impl<B: Backend> Model<B> {
                     }
                     store.verify_layer(*layer)?;
                 }
-                Experts::Vq(VqExperts::Stored { store, .. }) => {
-                    if first(Arc::as_ptr(store) as usize) {
-                        store.check_unchanged()?;
-                    }
+                Experts::Vq(VqExperts::Stored { store, .. })
+                    if first(Arc::as_ptr(store) as usize) =>
+                {
+                    store.check_unchanged()?;
                 }
                 _ => {}
             }

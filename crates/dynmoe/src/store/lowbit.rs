@@ -681,6 +681,9 @@ pub(crate) fn derived_manifest(
     }
 }
 
+/// A record's bytes and its checksum.
+type Summed = (Vec<u8>, String);
+
 /// Packs records `range` of the base store into every target layout, each with its
 /// checksum: one task per record, so each source record is read once however many
 /// targets there are. A base record that fails its checksum stops the build: nothing is
@@ -690,7 +693,7 @@ fn pack_records(
     range: std::ops::Range<usize>,
     layouts: &[Layout],
     packing: Packing,
-) -> Result<Vec<Vec<(Vec<u8>, String)>>, Error> {
+) -> Result<Vec<Vec<Summed>>, Error> {
     range
         .into_par_iter()
         .map(|i| {
