@@ -13,15 +13,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{fixture, root};
 use dynmoe::testing::TempDir;
 use serde_json::Value;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 fn tiny() -> PathBuf {
-    root().join("fixtures/models/tiny-moe")
+    fixture("tiny-moe")
 }
 
 fn command(args: &[String]) -> Command {

@@ -7,28 +7,15 @@ use std::fs::OpenOptions;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 
+mod common;
+
+use common::{dynmoe, fixture, root};
 use dynmoe::store::Layout;
 use dynmoe::testing::TempDir;
 use serde_json::Value;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn fixture(name: &str) -> PathBuf {
-    root().join("fixtures/models").join(name)
-}
-
-fn dynmoe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dynmoe"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("the binary runs")
-}
 
 fn ok(args: &[&str]) -> String {
     let out = dynmoe(args);

@@ -102,48 +102,42 @@ fn damage_outside_the_spot_check_is_found_by_loading_ensure_and_verify() {
     assert!(logits.iter().all(|v| v.is_finite()));
 }
 
+/// The model in `dir` at `b` bits, after a first forward call.
+fn running(dir: &Path, b: u32) -> (model::LoadedModel<Cpu>, model::State<Cpu>) {
+    let m = model::load_with(dir, Cpu::fast(), &bits(b)).unwrap();
+    let mut state = m.model.new_state(16);
+    m.model.forward(&mut state, &[1, 2], 0).unwrap();
+    (m, state)
+}
+
+/// A forward call of `m` refused, naming `file` as changed.
+fn refused_as_changed(m: &model::LoadedModel<Cpu>, state: &mut model::State<Cpu>, file: &str) {
+    let err = m.model.forward(state, &[3], 0).unwrap_err().to_string();
+    assert!(err.contains(file) && err.contains("changed"), "{err}");
+}
+
 #[test]
 fn store_changed_under_a_running_model_is_an_error_not_garbage_or_sigbus() {
     let out = converted("tiny-moe");
     lowbit::ensure(out.dir(), 2).unwrap();
     let path = out.path("experts2.bin");
-    let m = model::load_with(out.dir(), Cpu::fast(), &bits(2)).unwrap();
-    let mut state = m.model.new_state(16);
-    m.model.forward(&mut state, &[1, 2], 0).unwrap();
+    let (m, mut state) = running(out.dir(), 2);
 
     // `cp other experts2.bin`: the same file rewritten in place.
     let mut bytes = std::fs::read(&path).unwrap();
     bytes.iter_mut().for_each(|b| *b = b.wrapping_add(1));
     std::fs::write(&path, &bytes).unwrap();
-    let err = m
-        .model
-        .forward(&mut state, &[3], 0)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("experts2.bin") && err.contains("changed"),
-        "{err}"
-    );
+    refused_as_changed(&m, &mut state, "experts2.bin");
 
     // `truncate -s 0`: reading the mapping now would be SIGBUS.
-    let m = model::load_with(out.dir(), Cpu::fast(), &bits(4)).unwrap();
-    let mut state = m.model.new_state(16);
-    m.model.forward(&mut state, &[1, 2], 0).unwrap();
+    let (m, mut state) = running(out.dir(), 4);
     OpenOptions::new()
         .write(true)
         .open(out.path("experts.bin"))
         .unwrap()
         .set_len(0)
         .unwrap();
-    let err = m
-        .model
-        .forward(&mut state, &[3], 0)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("experts.bin") && err.contains("changed"),
-        "{err}"
-    );
+    refused_as_changed(&m, &mut state, "experts.bin");
 }
 
 /// What checking records costs a load (`cargo test -p dynmoe --test integrity --

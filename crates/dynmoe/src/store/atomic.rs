@@ -74,26 +74,22 @@ impl FileStamp {
     }
 }
 
-/// Opens `path` for reading if it is a regular file: a FIFO or device would block a
-/// reader or give it anything, so it is refused with [`Error::NotRegular`] before it is
-/// opened (opening a FIFO for reading blocks until a writer appears). A missing file is
-/// [`Error::Missing`].
+/// Opens `path` for reading if it is a regular file (`checkpoint::open_regular`): a FIFO
+/// or device is [`Error::NotRegular`], a missing file [`Error::Missing`].
 pub fn open_regular(path: &Path) -> Result<File, Error> {
-    let meta = std::fs::metadata(path).map_err(|source| match source.kind() {
-        std::io::ErrorKind::NotFound => Error::Missing {
-            path: path.to_path_buf(),
+    crate::checkpoint::open_regular(path).map_err(regular_error)
+}
+
+/// A reading error of `checkpoint::open_regular` or `read_regular` as the store names it.
+pub(crate) fn regular_error(e: crate::checkpoint::Error) -> Error {
+    match e {
+        crate::checkpoint::Error::NotRegular { path } => Error::NotRegular { path },
+        crate::checkpoint::Error::Io { path, source } => match source.kind() {
+            std::io::ErrorKind::NotFound => Error::Missing { path },
+            _ => Error::Io { path, source },
         },
-        _ => Error::Io {
-            path: path.to_path_buf(),
-            source,
-        },
-    })?;
-    if !meta.is_file() {
-        return Err(Error::NotRegular {
-            path: path.to_path_buf(),
-        });
+        e => e.into(),
     }
-    File::open(path).map_err(io(path))
 }
 
 /// A temporary name beside `path`, unique within this process and across processes.

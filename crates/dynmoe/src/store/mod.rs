@@ -264,17 +264,10 @@ pub(crate) fn read_manifest_value(path: &Path) -> Result<serde_json::Value, Erro
     })
 }
 
-/// The bytes of the file at `path`; a missing file is [`Error::Missing`].
+/// The bytes of the regular file at `path`; a missing file is [`Error::Missing`], a FIFO
+/// or device [`Error::NotRegular`].
 pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, Error> {
-    use std::io::Read;
-    let mut bytes = Vec::new();
-    atomic::open_regular(path)?
-        .read_to_end(&mut bytes)
-        .map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-    Ok(bytes)
+    crate::checkpoint::read_regular(path).map_err(atomic::regular_error)
 }
 
 /// A manifest read by [`read_manifest_value`], as `T`.
