@@ -140,6 +140,23 @@ fn store_changed_under_a_running_model_is_an_error_not_garbage_or_sigbus() {
     refused_as_changed(&m, &mut state, "experts.bin");
 }
 
+#[test]
+fn store_replaced_by_a_writer_under_a_running_model_is_not_a_change() {
+    // A writer renames a new file over the old one: the mapping keeps the old file, whose
+    // change time moves as it loses its name; that is no reason to stop.
+    let out = converted("tiny-moe");
+    lowbit::ensure(out.dir(), 2).unwrap();
+    let (m, mut state) = running(out.dir(), 2);
+    let mut policy = lowbit::Policy {
+        force: true,
+        progress: &mut |_, _| {},
+        notice: &mut |_| {},
+    };
+    let rebuilt = lowbit::ensure_with_policy(out.dir(), &[2], &mut policy).unwrap();
+    assert!(rebuilt[0].built);
+    m.model.forward(&mut state, &[3], 0).unwrap();
+}
+
 /// What checking records costs a load (`cargo test -p dynmoe --test integrity --
 /// --ignored --nocapture`): small-moe's 4-bit and 2-bit stores opened, then the first
 /// `check_stores` (every layer's records hashed, once) and a later one (the file stamps

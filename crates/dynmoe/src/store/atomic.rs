@@ -32,16 +32,16 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     }
 }
 
-/// What a mapped file was when it was mapped: its identity, size and change time. A
-/// writer of dynmoe never changes a committed file in place (it renames a new one over
-/// it, which leaves a mapping intact); anything else that does (`cp` over it, `truncate`)
-/// changes these, and a reader that compares them before reading the mapping again stops
-/// with [`Error::Changed`] instead of reading garbage or dying of SIGBUS.
+/// What a mapped file was when it was mapped: its size and modification time. A writer
+/// of dynmoe never changes a committed file in place (it renames a new one over it, which
+/// leaves a mapping intact, and changes only the old file's change time, not these);
+/// anything else that does (`cp` over it, `truncate`) changes them, and a reader that
+/// compares them before reading the mapping again stops with [`Error::Changed`] instead
+/// of reading garbage or dying of SIGBUS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FileStamp {
     len: u64,
     mtime: (i64, i64),
-    ctime: (i64, i64),
 }
 
 impl FileStamp {
@@ -52,7 +52,6 @@ impl FileStamp {
         Ok(FileStamp {
             len: m.len(),
             mtime: (m.mtime(), m.mtime_nsec()),
-            ctime: (m.ctime(), m.ctime_nsec()),
         })
     }
 
