@@ -24,7 +24,7 @@
 //! use std::collections::BTreeMap;
 //! use std::path::Path;
 //! use dynmoe::codec::vq::Rung;
-//! use dynmoe::model::{Checkpoint, Config};
+//! use dynmoe::checkpoint::{Checkpoint, Config};
 //! use dynmoe::store::vq;
 //! let dir = Path::new("Qwen3-30B-A3B");
 //! let config = Config::from_file(&dir.join("config.json"))?;
