@@ -267,8 +267,8 @@ impl<B: Backend> Model<B> {
 
     /// Before a call runs from mapped expert stores: each store's file unchanged since it
     /// was mapped (a file truncated or copied over in place is an error, not SIGBUS or
-    /// garbage), and each layer run from an affine store checked against its records'
-    /// checksums, once, the first time (docs/FORMAT.md, §7).
+    /// garbage), and each layer run from an expert store checked against its records'
+    /// checksums, once, the first time (docs/FORMAT.md, §7 and §13.3).
     pub fn check_stores(&self) -> Result<(), Error> {
         let mut seen: Vec<usize> = Vec::new();
         let mut first = |ptr: usize| {
@@ -289,10 +289,11 @@ impl<B: Backend> Model<B> {
                     }
                     store.verify_layer(*layer)?;
                 }
-                Experts::Vq(VqExperts::Stored { store, .. })
-                    if first(Arc::as_ptr(store) as usize) =>
-                {
-                    store.check_unchanged()?;
+                Experts::Vq(VqExperts::Stored { store, layer }) => {
+                    if first(Arc::as_ptr(store) as usize) {
+                        store.check_unchanged()?;
+                    }
+                    store.verify_layer(*layer)?;
                 }
                 _ => {}
             }

@@ -38,6 +38,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -567,6 +568,8 @@ pub struct VqStore {
     mmap: Mmap,
     file: std::fs::File,
     stamp: atomic::FileStamp,
+    /// Per layer entry, whether all its records passed their checksums and headers.
+    verified: Vec<AtomicBool>,
 }
 
 impl VqStore {
@@ -681,6 +684,37 @@ impl VqStore {
         }
     }
 
+    /// Checks every record of decoder layer `layer` (checksum and header) the first time
+    /// it is asked, in parallel; at once for a store small enough to have been checked
+    /// whole when opened. The error names the first bad record.
+    ///
+    /// # Panics
+    /// If the store does not hold the layer.
+    pub fn verify_layer(&self, layer: usize) -> Result<(), Error> {
+        let pos = self
+            .manifest
+            .layers
+            .binary_search_by_key(&layer, |l| l.layer)
+            .unwrap_or_else(|_| panic!("{}: no layer {layer}", self.path.display()));
+        if self.verified[pos].load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let manifest_path = self
+            .path
+            .with_file_name(manifest_file_name(self.layout.rung));
+        let per_layer = self.manifest.experts_per_layer;
+        let first = pos * per_layer;
+        let bad = (first..first + per_layer)
+            .into_par_iter()
+            .filter(|&i| self.verify(&manifest_path, i).is_err())
+            .min();
+        if let Some(i) = bad {
+            return self.verify(&manifest_path, i);
+        }
+        self.verified[pos].store(true, Ordering::Release);
+        Ok(())
+    }
+
     /// [`Error::Changed`] if the data file was changed in place since it was mapped
     /// (see `ExpertStore::check_unchanged`).
     pub fn check_unchanged(&self) -> Result<(), Error> {
@@ -772,9 +806,13 @@ fn open_checked(dir: &Path, rung: Rung, want: &Expected) -> Result<VqStore, Erro
         mmap,
         file,
         stamp,
+        verified: Vec::new(),
     };
     let count = store.manifest.record_count as usize;
-    let picks: Vec<usize> = if store.manifest.file_size <= FULL_CHECK_BYTES {
+    // A small store is checked whole now; a larger one spot-checked, and each layer in
+    // full when a model first runs it (`verify_layer`).
+    let whole = store.manifest.file_size <= FULL_CHECK_BYTES;
+    let picks: Vec<usize> = if whole {
         (0..count).collect()
     } else {
         lowbit::spot_check_records(count, layout.record_size, layout.record_size)
@@ -782,6 +820,9 @@ fn open_checked(dir: &Path, rung: Rung, want: &Expected) -> Result<VqStore, Erro
     for i in picks {
         store.verify(&manifest_path, i)?;
     }
+    let layers = store.manifest.layers.len();
+    let mut store = store;
+    store.verified = (0..layers).map(|_| AtomicBool::new(whole)).collect();
     if store.manifest.source.kind == super::synth::SOURCE_KIND {
         // Random records: the manifest claims a generator and seed made them; a few are
         // made again to hold it to that.
@@ -1062,5 +1103,42 @@ mod tests {
             );
         }
         assert!(RecordHeader::read(&rec[1..]).is_none());
+    }
+
+    /// A store too large to check whole at open has each layer checked the first time a
+    /// model runs it: damage in a record the spot check did not read is found then.
+    #[test]
+    fn a_layer_is_checked_whole_on_first_use() {
+        use std::os::unix::fs::FileExt;
+        let copy = crate::testing::fixture_copy("tiny-moe");
+        let dir = copy.dir();
+        let config = Config::from_file(&dir.join("config.json")).unwrap();
+        let ckpt = Checkpoint::open(dir).unwrap();
+        let rung = Rung::parse("vq2").unwrap();
+        let rungs = config.moe_layers().map(|l| (l, rung)).collect();
+        ensure(dir, &config, &ckpt, &rungs, &mut |_, _| {}).unwrap();
+        let store = VqStore::open(dir, rung).unwrap();
+        // As a store above FULL_CHECK_BYTES is left after its spot check.
+        store
+            .verified
+            .iter()
+            .for_each(|v| v.store(false, Ordering::Relaxed));
+        let at = store
+            .layout
+            .record_offset(store.record_index(1, 3).unwrap())
+            + 100;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&store.path)
+            .unwrap();
+        let mut byte = [0u8];
+        std::fs::File::open(&store.path)
+            .unwrap()
+            .read_exact_at(&mut byte, at)
+            .unwrap();
+        file.write_all_at(&[byte[0] ^ 0x40], at).unwrap();
+        store.verify_layer(0).unwrap();
+        let err = store.verify_layer(1).unwrap_err().to_string();
+        assert!(err.contains("record 11 (layer 1, expert 3)"), "{err}");
     }
 }
