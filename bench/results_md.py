@@ -448,6 +448,25 @@ def serve_load():
                "--requests 2000`"))
 
 
+# -- robustness ---------------------------------------------------------------------
+
+def fuzz():
+    d = load("fuzz.json")
+    rows = [[f"`{t['target']}`", t["what"], num(t["seconds"]), num(t["executions"]),
+             num(t["executions_per_second"]), num(t["new_corpus_inputs"]), t["result"]]
+            for t in d["targets"]]
+    return section(
+        "Fuzzing the readers",
+        para(f"""Each cargo-fuzz (libFuzzer, AddressSanitizer) target of `fuzz/` run for the
+             time given, one after another, from the committed seed corpus, on
+             {d['machine']} ({d['date']}); inputs it kept are not committed. `cargo test`
+             replays the committed corpus through the same functions."""),
+        table(["target", "what it reads", "seconds", "executions", "per second",
+               "inputs kept", "result"], rows, left=2),
+        para(d["note"]),
+        source(["fuzz.json"], f"`{d['command']}`"))
+
+
 # -- GPU ----------------------------------------------------------------------------
 
 MODEL_SPEED = [
@@ -605,6 +624,7 @@ PARTS = [
     ("Speed on the CPU, and the codecs", [cpu_forward, codecs, vq_kernels, expert_kernels,
                                          serve_load]),
     ("The GPU", [model_speed, residency_gpu, cuda_kernels]),
+    ("Robustness", [fuzz]),
 ]
 
 

@@ -150,6 +150,11 @@ pub(crate) struct ModelArgs {
     codec_layer: Vec<(usize, Codec)>,
     #[command(flatten)]
     dense: DenseCodecArgs,
+    /// Load weights without checking that every one is a finite number (the check is a
+    /// parallel scan as the checkpoint is read; NaN or infinite weights are refused by
+    /// default, naming the tensor).
+    #[arg(long)]
+    no_check_weights: bool,
 }
 
 /// The codecs of the dense linear layers and of an untied LM head.
@@ -355,6 +360,15 @@ struct InspectArgs {
 
 fn main() {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Serve(_)) {
+        // Rust ignores SIGPIPE, so a print to a closed pipe (`dynmoe run ... | head -c1`)
+        // would panic. A command that only prints ends quietly instead, as `cat` does;
+        // the server keeps ignoring it and sees closed connections as errors.
+        // SAFETY: setting a signal's disposition to its default, before any thread runs.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let result = match cli.command {
         Command::Run(a) => cmd_run(a),
         Command::Chat(a) => serve::chat(a),
@@ -441,6 +455,12 @@ fn run_on<B: Backend>(mut m: LoadedModel<B>, a: &RunArgs, sampling: Sampling) ->
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         println!();
+        if g.stopped_at_context {
+            eprintln!(
+                "[stopped at the model's context of {} tokens (max_position_embeddings)]",
+                m.model.config.max_position_embeddings
+            );
+        }
         eprintln!(
             "[{} prompt tokens at {:.1} tok/s, {} generated at {:.1} tok/s]",
             g.prompt_tokens,

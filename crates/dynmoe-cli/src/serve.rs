@@ -67,6 +67,12 @@ fn serve_on<B: Backend + 'static>(mut m: LoadedModel<B>, a: &ServeArgs) -> Resul
         None => dir_name(&a.model.model),
     };
     let mut opts = ServeOptions::for_model(&m, &name);
+    let max = m.model.config.max_position_embeddings;
+    if let Some(ctx) = a.ctx.filter(|&c| c > max) {
+        anyhow::bail!(
+            "--ctx {ctx} is longer than the model's context (max_position_embeddings {max} in config.json)"
+        );
+    }
     opts.context = a.ctx.unwrap_or(opts.context);
     opts.default_max_tokens = a.default_max_tokens;
     opts.max_body_bytes = a.max_body_bytes;
@@ -154,7 +160,7 @@ fn chat_on<B: Backend>(mut m: LoadedModel<B>, a: &ChatArgs, sampling: Sampling) 
         history.push(Message::new("user", line));
         // Forget the oldest exchanges until the prompt and a full reply fit.
         let ids = loop {
-            let ids = m.tokenizer.encode(&template.render(&history)?)?;
+            let ids = template.encode(&m.tokenizer, &history)?;
             if ids.len() + a.max_tokens <= ctx {
                 break Some(ids);
             }

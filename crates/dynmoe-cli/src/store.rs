@@ -27,6 +27,22 @@ pub struct ConvertArgs {
 pub enum StoreCommand {
     /// Build the low-bit expert stores that are missing, stale or damaged; keep the rest.
     Ensure(EnsureArgs),
+    /// Read every record of the expert stores and check it against its checksum; exits
+    /// non-zero naming the first damaged file and record.
+    Verify(VerifyArgs),
+}
+
+#[derive(Args)]
+pub struct VerifyArgs {
+    /// Converted model directory.
+    #[arg(long, short)]
+    model: PathBuf,
+    /// Precisions, comma-separated (4, 3, 2); default: every store in the directory.
+    #[arg(long, value_delimiter = ',')]
+    bits: Vec<u32>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -81,7 +97,27 @@ struct EnsureReport {
 pub fn store(c: StoreCommand) -> Result<()> {
     match c {
         StoreCommand::Ensure(a) => ensure(a),
+        StoreCommand::Verify(a) => verify(a),
     }
+}
+
+fn verify(a: VerifyArgs) -> Result<()> {
+    let stores = lowbit::verify(&a.model, &a.bits)
+        .with_context(|| format!("verifying the expert stores in {}", a.model.display()))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&stores)?);
+        return Ok(());
+    }
+    for s in &stores {
+        println!(
+            "{}-bit ok     {} ({} records, {})",
+            s.bits,
+            s.path.display(),
+            s.records,
+            size(s.bytes)
+        );
+    }
+    Ok(())
 }
 
 fn ensure(a: EnsureArgs) -> Result<()> {

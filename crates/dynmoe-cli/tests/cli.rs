@@ -1,29 +1,19 @@
 //! The `dynmoe` binary as a user runs it: JSON output fields, exit codes, errors that
 //! name what is wrong, and `convert` / `store ensure` on a fixture.
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod common;
+
+use common::{dynmoe, root};
 use dynmoe::testing::TempDir;
 use serde_json::Value;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 fn tiny() -> String {
     root()
         .join("fixtures/models/tiny-moe")
         .display()
         .to_string()
-}
-
-fn dynmoe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_dynmoe"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("the binary runs")
 }
 
 fn json_of(args: &[&str]) -> Value {

@@ -233,7 +233,7 @@ fn converted_directory_is_self_contained() {
     let manifest: serde_json::Value =
         serde_json::from_slice(&read(&out.path("experts.json"))).unwrap();
     assert_eq!(manifest["format"], "dynmoe-expert-store");
-    assert_eq!(manifest["version"], 2);
+    assert_eq!(manifest["version"], 3);
     assert_eq!(manifest["bits"], 4);
     assert_eq!(manifest["source"]["kind"], "checkpoint");
     assert_eq!(manifest["model"]["model_type"], "qwen2_moe");
@@ -378,7 +378,7 @@ fn older_layout_store_is_detected_and_rebuilt() {
     let manifest = read(&out.path("experts2.json"));
     let claim = String::from_utf8(manifest)
         .unwrap()
-        .replace("\"version\": 1", "\"version\": 2");
+        .replace("\"version\": 1", "\"version\": 3");
     std::fs::write(out.path("experts2.json"), claim).unwrap();
     let err = lowbit::check(out.dir(), 2).unwrap_err().to_string();
     assert!(
@@ -448,11 +448,16 @@ fn corrupt_manifests_are_detected_and_rebuilt() {
     let record_size = Layout::new(2, 64, 64).unwrap().record_size;
     let damaged = [
         (good[..good.len() / 2].to_string(), "malformed"),
-        (good.replace("\"version\": 2", "\"version\": 3"), "version"),
+        (good.replace("\"version\": 3", "\"version\": 4"), "version"),
         (
-            good.replace("\"version\": 2", "\"version\": 1"),
+            good.replace("\"version\": 3", "\"version\": 1"),
             "older layout",
         ),
+        (
+            good.replace("\"version\": 3", "\"version\": 2"),
+            "record checksums",
+        ),
+        (good.replacen("\"fnv1a64:", "\"fnv1a64:0", 1), "damaged"),
         (
             good.replace(
                 &format!("\"record_size\": {record_size}"),
@@ -515,7 +520,7 @@ fn reader_refuses_unusable_stores_and_views_usable_ones() {
     flip_byte(&out.path("experts2.bin"), 100);
     let err = ExpertStore::open(out.dir(), 2).err().unwrap().to_string();
     assert!(
-        err.contains("experts2.bin") && err.contains("not usable"),
+        err.contains("experts2.bin") && err.contains("damaged"),
         "{err}"
     );
     lowbit::ensure(out.dir(), 2).unwrap();

@@ -216,9 +216,10 @@ fn an_interrupted_write_is_not_trusted() {
 }
 
 /// The spot check of `lowbit` (the first, the last and evenly spread records between,
-/// compared byte for byte with a re-pack of `experts.bin` or with records made again
-/// from the generator) catches a flipped byte in those records. Records between the
-/// picks are not read: the stores carry no checksum.
+/// checked against their checksums and compared byte for byte with a re-pack of
+/// `experts.bin` or with records made again from the generator) catches a flipped byte in
+/// those records. Records between the picks are caught by their checksums when they are
+/// used (tests/integrity.rs).
 #[test]
 fn a_flipped_byte_in_a_checked_record_is_caught() {
     let out = TempDir::new("synth-flip");
@@ -230,11 +231,14 @@ fn a_flipped_byte_in_a_checked_record_is_caught() {
         .layout()
         .record_size as u64;
 
-    // The last 2-bit record: fails the re-pack from experts.bin, and is rebuilt from it
-    // to the bytes synth wrote.
+    // The last 2-bit record: fails its checksum, and is rebuilt from experts.bin to the
+    // bytes synth wrote.
     flip_byte(&out.path("experts2.bin"), size - record + 100);
     let err = lowbit::check(out.dir(), 2).unwrap_err().to_string();
-    assert!(err.contains("re-pack"), "{err}");
+    assert!(
+        err.contains("record 15") && err.contains("damaged"),
+        "{err}"
+    );
     assert!(lowbit::ensure_many(out.dir(), &[2]).unwrap()[0].built);
     assert_eq!(read(&out.path("experts2.bin")), original);
 

@@ -21,6 +21,10 @@ use crate::codec::affine::kernels::AffineView;
 use crate::codec::vq::VqView;
 use sample::Sampling;
 
+/// What [`Backend::argmax_rows`] writes for a row of logits that is not all finite: no
+/// token (above every vocabulary), which the decode loop reports as an error.
+pub const NOT_A_TOKEN: u32 = u32::MAX;
+
 /// A compute backend.
 pub trait Backend: Send + Sync {
     /// A buffer of f32 values owned by the backend.
@@ -439,7 +443,8 @@ pub trait Backend: Send + Sync {
     }
 
     /// The index of each of the first `rows` rows' largest value (the lowest on ties),
-    /// stored as `u32` bits in `out[at + r]`; the other values of `out` are kept.
+    /// stored as `u32` bits in `out[at + r]`; the other values of `out` are kept. A row
+    /// holding a NaN or an infinity has no largest value: its index is [`NOT_A_TOKEN`].
     fn argmax_rows(
         &self,
         x: &Self::Tensor,
@@ -460,7 +465,12 @@ pub trait Backend: Send + Sync {
                     best = i;
                 }
             }
-            o[at + r] = f32::from_bits(best as u32);
+            let best = if row.iter().all(|v| v.is_finite()) {
+                best as u32
+            } else {
+                NOT_A_TOKEN
+            };
+            o[at + r] = f32::from_bits(best);
         }
         self.upload_into(&o, out);
     }

@@ -156,8 +156,13 @@ pub fn counts(tokens: &[u32], vocab: usize) -> Vec<u32> {
 }
 
 /// The token picked from `logits` for the token at `position` of a sequence that holds
-/// each token `counts[t]` times (`counts` may be empty when no penalty applies).
+/// each token `counts[t]` times (`counts` may be empty when no penalty applies);
+/// [`NOT_A_TOKEN`](super::NOT_A_TOKEN) when a logit is not finite.
 pub fn sample(logits: &[f32], counts: &[u32], s: &Sampling, position: u64) -> u32 {
+    // A row that is not all finite has no token to give; the decode loop reports it.
+    if !logits.iter().all(|l| l.is_finite()) {
+        return super::NOT_A_TOKEN;
+    }
     let count = |t: usize| counts.get(t).copied().unwrap_or(0);
     let logit = |t: usize| penalized(logits[t], count(t), s);
     if s.is_greedy() {

@@ -235,6 +235,7 @@ mod tests {
                     intermediate: inter,
                 },
                 experts: Vec::new(),
+                checksums: None,
             }),
         };
         let x = fresh(rows * h, 2);

@@ -166,9 +166,10 @@ impl Config {
 
     /// Reads and resolves `config.json`.
     pub fn from_file(path: &Path) -> Result<Config, Error> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        let bytes = super::read_regular(path)?;
+        let text = String::from_utf8(bytes).map_err(|e| Error::Json {
             path: path.to_path_buf(),
-            source,
+            reason: format!("not UTF-8: {e}"),
         })?;
         Config::from_json(&text, path)
     }
@@ -188,6 +189,22 @@ impl Config {
                 },
             })?;
         raw.resolve(path)
+    }
+}
+
+/// The largest value a size field of `config.json` may have: well above every published
+/// model (Qwen3-Coder-480B: 62 layers, 6144 wide, 160 experts, vocabulary 151 936,
+/// 262 144 positions), small enough that nothing sized from it fails to allocate before
+/// the checkpoint's own shapes are checked against it.
+fn max_size(field: &str) -> usize {
+    match field {
+        "num_hidden_layers" => 4096,
+        "num_attention_heads" | "num_key_value_heads" | "head_dim" => 4096,
+        "num_experts" | "num_experts_per_tok" => 1 << 16,
+        "vocab_size" => 1 << 24,
+        "max_position_embeddings" => 1 << 24,
+        // hidden_size and the MLP widths.
+        _ => 1 << 20,
     }
 }
 
@@ -308,10 +325,19 @@ impl RawConfig {
         };
         let d = defaults(arch);
 
+        // Sizes are bounded before anything is allocated from them: a mistyped size
+        // is an error naming the field, not a failed allocation that aborts.
         let positive = |value: Option<usize>, field: &str| -> Result<usize, Error> {
             match value {
                 None => Err(missing(field)),
                 Some(0) => Err(invalid(field, "must be positive".into())),
+                Some(v) if v > max_size(field) => Err(invalid(
+                    field,
+                    format!(
+                        "{v} is beyond what any model has (at most {})",
+                        max_size(field)
+                    ),
+                )),
                 Some(v) => Ok(v),
             }
         };
@@ -395,23 +421,46 @@ impl RawConfig {
             .or(self.torch_dtype.clone())
             .unwrap_or_else(|| "bfloat16".to_string());
 
+        // A token id is a u32 below the vocabulary: 2^32 + 3 is an error, not token 3.
+        let token_id = |v: &Value| -> Result<u32, Error> {
+            v.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .filter(|&id| (id as usize) < vocab_size)
+                .ok_or_else(|| {
+                    invalid(
+                        "eos_token_id",
+                        format!("{v} is not a token id below vocab_size = {vocab_size}"),
+                    )
+                })
+        };
         let eos_token_ids = match &self.eos_token_id {
             None | Some(Value::Null) => Vec::new(),
-            Some(Value::Number(n)) => vec![n
-                .as_u64()
-                .ok_or_else(|| invalid("eos_token_id", format!("{n} is not a token id")))?
-                as u32],
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|v| {
-                    v.as_u64()
-                        .map(|n| n as u32)
-                        .ok_or_else(|| invalid("eos_token_id", format!("{v} is not a token id")))
-                })
-                .collect::<Result<_, _>>()?,
+            Some(n @ Value::Number(_)) => vec![token_id(n)?],
+            Some(Value::Array(items)) => items.iter().map(token_id).collect::<Result<_, _>>()?,
             Some(other) => {
                 return Err(invalid("eos_token_id", format!("unexpected value {other}")))
             }
+        };
+        let rms_norm_eps = self.rms_norm_eps.unwrap_or(d.rms_norm_eps);
+        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0 && (rms_norm_eps as f32) > 0.0) {
+            return Err(invalid(
+                "rms_norm_eps",
+                format!("{rms_norm_eps} is not a positive finite number"),
+            ));
+        }
+        let rms_norm_eps = rms_norm_eps as f32;
+        let max_position_embeddings = match self.max_position_embeddings {
+            None => 4096,
+            Some(n) => positive(Some(n), "max_position_embeddings")?,
+        };
+        let clip_qkv = match self.clip_qkv {
+            Some(c) if !(c.is_finite() && c > 0.0) => {
+                return Err(invalid(
+                    "clip_qkv",
+                    format!("{c} is not a positive finite number"),
+                ))
+            }
+            c => c.map(|c| c as f32),
         };
 
         let attention_bias = self.attention_bias.unwrap_or(false);
@@ -427,9 +476,9 @@ impl RawConfig {
             num_heads,
             num_kv_heads,
             head_dim,
-            rms_norm_eps: self.rms_norm_eps.unwrap_or(d.rms_norm_eps) as f32,
+            rms_norm_eps,
             rope,
-            max_position_embeddings: self.max_position_embeddings.unwrap_or(4096),
+            max_position_embeddings,
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             qkv_bias,
             o_bias: arch != Arch::Qwen2Moe && attention_bias,
@@ -439,7 +488,7 @@ impl RawConfig {
                 _ => QkNorm::None,
             },
             clip_qkv: match arch {
-                Arch::Olmoe => self.clip_qkv.map(|c| c as f32),
+                Arch::Olmoe => clip_qkv,
                 _ => None,
             },
             layers,
@@ -490,6 +539,12 @@ impl RawConfig {
                         .get("factor")
                         .and_then(Value::as_f64)
                         .ok_or_else(|| invalid(field, "linear scaling without a factor".into()))?;
+                    if !(linear_factor.is_finite() && linear_factor > 0.0) {
+                        return Err(invalid(
+                            field,
+                            format!("factor {linear_factor} is not a positive finite number"),
+                        ));
+                    }
                 }
                 other => {
                     return Err(invalid(
@@ -499,8 +554,11 @@ impl RawConfig {
                 }
             }
         }
-        if theta.is_nan() || theta <= 0.0 {
-            return Err(invalid("rope_theta", format!("{theta} is not positive")));
+        if !(theta.is_finite() && theta > 0.0 && (theta as f32).is_finite()) {
+            return Err(invalid(
+                "rope_theta",
+                format!("{theta} is not positive and finite"),
+            ));
         }
         Ok(RopeConfig {
             theta: theta as f32,

@@ -13,7 +13,7 @@ pub mod tokenizer;
 use std::path::PathBuf;
 
 pub use config::{Arch, Config};
-pub use shards::{float_size, widen, Checkpoint, RawTensor, TensorInfo};
+pub use shards::{first_non_finite, float_size, widen, Checkpoint, RawTensor, TensorInfo};
 pub use tokenizer::Tokenizer;
 
 /// Everything that can go wrong reading a checkpoint directory: its config, its
@@ -21,6 +21,25 @@ pub use tokenizer::Tokenizer;
 /// involved.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// A path that must be a regular file is a FIFO, a device or a directory: reading
+    /// it would hang or read anything.
+    #[error("{path}: not a regular file")]
+    NotRegular {
+        /// The path.
+        path: PathBuf,
+    },
+    /// A weight that is NaN or infinite: a model with one gives NaN logits.
+    #[error("{path}: tensor {tensor}: element {index} is {value}, not a finite number (damaged weights; `--no-check-weights` loads them anyway)")]
+    NotFinite {
+        /// The shard.
+        path: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// The element's index, row-major.
+        index: usize,
+        /// Its value.
+        value: f32,
+    },
     /// A file could not be read.
     #[error("{path}: {source}")]
     Io {
@@ -115,4 +134,48 @@ pub enum Error {
         /// What went wrong.
         reason: String,
     },
+}
+
+/// Opens `path` for reading if it is a regular file; a FIFO (whose opening blocks until a
+/// writer comes), a device or a directory is [`Error::NotRegular`]. Errors of the file
+/// system keep their kind (a missing file is `NotFound`).
+pub fn open_regular(path: &std::path::Path) -> Result<std::fs::File, Error> {
+    let io = |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    if !std::fs::metadata(path).map_err(io)?.is_file() {
+        return Err(Error::NotRegular {
+            path: path.to_path_buf(),
+        });
+    }
+    std::fs::File::open(path).map_err(io)
+}
+
+/// The bytes of the regular file `path` ([`open_regular`]).
+pub fn read_regular(path: &std::path::Path) -> Result<Vec<u8>, Error> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    open_regular(path)?
+        .read_to_end(&mut bytes)
+        .map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    Ok(bytes)
+}
+
+static FINITE_CHECK: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether weights read from a checkpoint are checked to be finite as they are widened to
+/// f32 (on by default; [`Error::NotFinite`] names the first bad one). The scan runs on
+/// every core and costs a fraction of the widening; turning it off (`--no-check-weights`)
+/// is for loading a checkpoint known to hold non-finite values on purpose.
+pub fn set_finite_check(on: bool) {
+    FINITE_CHECK.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_finite_check`] left the check on.
+pub fn finite_check() -> bool {
+    FINITE_CHECK.load(std::sync::atomic::Ordering::Relaxed)
 }

@@ -6,7 +6,6 @@
 //! read, and every error names the file and the tensor.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -191,6 +190,21 @@ pub struct RawTensor<'a> {
     pub bytes: &'a [u8],
 }
 
+/// The index of the first NaN or infinite value of `values`, scanned in parallel.
+pub fn first_non_finite(values: &[f32]) -> Option<usize> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 16;
+    values
+        .par_chunks(CHUNK)
+        .enumerate()
+        .find_map_first(|(c, chunk)| {
+            chunk
+                .iter()
+                .position(|v| !v.is_finite())
+                .map(|i| c * CHUNK + i)
+        })
+}
+
 /// Bytes per element of a dtype dynmoe reads as f32, or `None`.
 pub fn float_size(dtype: Dtype) -> Option<usize> {
     match dtype {
@@ -242,6 +256,16 @@ impl RawTensor<'_> {
             &self.bytes[start * size..(start + n) * size],
             &mut out,
         );
+        if super::finite_check() {
+            if let Some(i) = first_non_finite(&out) {
+                return Err(Error::NotFinite {
+                    path: self.path.to_path_buf(),
+                    tensor: name.to_string(),
+                    index: start + i,
+                    value: out[i],
+                });
+            }
+        }
         Ok(out)
     }
 
@@ -262,11 +286,8 @@ struct Index {
 
 /// The shard files an index names, in first-mention order, each once.
 fn read_index(path: &Path) -> Result<Vec<String>, Error> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let index: Index = serde_json::from_str(&text).map_err(|e| Error::Json {
+    let text = super::read_regular(path)?;
+    let index: Index = serde_json::from_slice(&text).map_err(|e| Error::Json {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })?;
@@ -283,10 +304,7 @@ fn read_index(path: &Path) -> Result<Vec<String>, Error> {
 }
 
 fn open_shard(path: &Path) -> Result<Shard, Error> {
-    let file = File::open(path).map_err(|source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let file = super::open_regular(path)?;
     // SAFETY: the map is read-only; a checkpoint changed underneath a running process is
     // outside what any reader of memory-mapped weights can defend against.
     let mmap = unsafe { Mmap::map(&file) }.map_err(|source| Error::Io {

@@ -3,6 +3,7 @@
 //! generation, and the chat template.
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use serde_json::Value;
 
@@ -11,6 +12,8 @@ use super::Error;
 /// A model's tokenizer and its special-token conventions.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer with special tokens read as plain text, made on first use.
+    plain: OnceLock<tokenizers::Tokenizer>,
     path: PathBuf,
     /// Prepended to every encoded text, when the tokenizer config asks for it.
     pub bos: Option<u32>,
@@ -24,12 +27,14 @@ impl Tokenizer {
     /// Loads `tokenizer.json` and, if present, `tokenizer_config.json` from `dir`.
     pub fn from_dir(dir: &Path) -> Result<Tokenizer, Error> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| Error::Tokenizer {
+        let bytes = super::read_regular(&path)?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
             path: path.clone(),
             reason: e.to_string(),
         })?;
         let mut tok = Tokenizer {
             inner,
+            plain: OnceLock::new(),
             path,
             bos: None,
             eos: Vec::new(),
@@ -43,15 +48,21 @@ impl Tokenizer {
     }
 
     fn apply_config(&mut self, path: &Path) -> Result<(), Error> {
+        let text = super::read_regular(path)?;
+        self.apply_config_json(&text, path)
+    }
+
+    /// Takes the special tokens and chat template of a `tokenizer_config.json` whose
+    /// bytes are `text` (`path` names it in errors), replacing what an earlier one set.
+    pub fn apply_config_json(&mut self, text: &[u8], path: &Path) -> Result<(), Error> {
+        self.bos = None;
+        self.eos.clear();
+        self.chat_template = None;
         let bad = |reason: String| Error::Tokenizer {
             path: path.to_path_buf(),
             reason,
         };
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let cfg: Value = serde_json::from_str(&text).map_err(|e| Error::Json {
+        let cfg: Value = serde_json::from_slice(text).map_err(|e| Error::Json {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
@@ -106,6 +117,45 @@ impl Tokenizer {
         ids.extend(self.bos);
         ids.extend_from_slice(enc.get_ids());
         Ok(ids)
+    }
+
+    /// Token ids of `text` without the BOS token; special tokens written in it are
+    /// those tokens (what a chat template's own markers are).
+    pub fn encode_special(&self, text: &str) -> Result<Vec<u32>, Error> {
+        self.ids(&self.inner, text)
+    }
+
+    /// Token ids of `text` without the BOS token, special tokens written in it read as
+    /// plain text: what a user's message is, so that it cannot forge a control token.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>, Error> {
+        let plain = self.plain.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        self.ids(plain, text)
+    }
+
+    fn ids(&self, t: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>, Error> {
+        t.encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| Error::Tokenizer {
+                path: self.path.clone(),
+                reason: e.to_string(),
+            })
+    }
+
+    /// The text of every special token of the vocabulary (`<|im_start|>`, ...).
+    pub fn special_tokens(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_values()
+            .filter(|t| t.special && !t.content.is_empty())
+            .map(|t| t.content)
+            .collect();
+        v.sort();
+        v
     }
 
     /// The id of a token written exactly as `text` (special tokens included).

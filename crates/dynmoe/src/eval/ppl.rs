@@ -71,6 +71,14 @@ pub enum PplError {
     /// The chunk length is unusable.
     #[error("ctx {0} is too small: it must be at least 4 and even")]
     BadCtx(usize),
+    /// The chunk length is longer than the model's context.
+    #[error("ctx {ctx} is longer than the model's context (max_position_embeddings {max} in config.json)")]
+    CtxBeyondModel {
+        /// Requested chunk length.
+        ctx: usize,
+        /// The model's context.
+        max: usize,
+    },
 }
 
 impl From<crate::checkpoint::Error> for PplError {
@@ -105,6 +113,10 @@ pub fn perplexity_tokens<B: Backend>(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<PplReport, PplError> {
     let ctx = opts.ctx;
+    let max = m.model.config.max_position_embeddings;
+    if ctx > max {
+        return Err(PplError::CtxBeyondModel { ctx, max });
+    }
     let chunks = chunk_count(tokens.len(), opts)?;
     let first = ctx / 2;
     let vocab = m.model.config.vocab_size;

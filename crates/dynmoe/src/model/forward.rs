@@ -12,7 +12,7 @@ mod decode;
 pub use decode::{DecodeOptions, Decoding};
 
 use crate::checkpoint::config::{Config, QkNorm};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{first_non_finite, Checkpoint};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -273,6 +273,42 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Before a call runs from mapped expert stores: each store's file unchanged since it
+    /// was mapped (a file truncated or copied over in place is an error, not SIGBUS or
+    /// garbage), and each layer run from an expert store checked against its records'
+    /// checksums, once, the first time (docs/FORMAT.md, §7 and §13.3).
+    pub fn check_stores(&self) -> Result<(), Error> {
+        let mut seen: Vec<usize> = Vec::new();
+        let mut first = |ptr: usize| {
+            let new = !seen.contains(&ptr);
+            if new {
+                seen.push(ptr);
+            }
+            new
+        };
+        for layer in &self.layers {
+            let Ffn::Moe(moe) = &layer.mlp else {
+                continue;
+            };
+            match &moe.experts {
+                Experts::Stored { store, layer } => {
+                    if first(Arc::as_ptr(store) as usize) {
+                        store.check_unchanged()?;
+                    }
+                    store.verify_layer(*layer)?;
+                }
+                Experts::Vq(VqExperts::Stored { store, layer }) => {
+                    if first(Arc::as_ptr(store) as usize) {
+                        store.check_unchanged()?;
+                    }
+                    store.verify_layer(*layer)?;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     /// Runs `tokens` at positions `state.pos ..`, appends them to the cache, and returns
     /// the logits of tokens `logits_from ..` as `[(n - logits_from), V]`.
     pub fn forward(
@@ -314,6 +350,7 @@ impl<B: Backend> Model<B> {
                 capacity: state.capacity,
             });
         }
+        self.check_stores()?;
         let h = c.hidden_size;
         let positions: Vec<usize> = (state.pos..state.pos + n).collect();
         let mut acts = Activations::new(b, c, n, false);
@@ -380,6 +417,11 @@ impl<B: Backend> Model<B> {
             let mut logits = b.alloc(m * c.vocab_size);
             b.linear(head_in, self.head(), m, h, c.vocab_size, &mut logits);
             b.download(&logits, &mut out);
+            if let Some(i) = first_non_finite(&out) {
+                return Err(Error::NonFiniteLogits {
+                    position: state.pos - n + logits_from + i / c.vocab_size,
+                });
+            }
         }
         // After the logits, which waited for the device: a copy, not a wait.
         self.read_router_probs(state, probs.as_ref(), &routed, n);

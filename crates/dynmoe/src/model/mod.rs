@@ -79,6 +79,13 @@ pub enum Error {
         /// What was asked.
         bits: u32,
     },
+    /// The model produced NaN or infinite logits: damaged or out-of-range weights, or a
+    /// configuration that divides by zero. Never turned into a token.
+    #[error("the logits at position {position} are not finite numbers (NaN or infinity): the weights or the configuration are damaged")]
+    NonFiniteLogits {
+        /// The position whose logits they are.
+        position: usize,
+    },
     /// More tokens than the state's KV cache holds.
     #[error("context overflow: {needed} positions needed, the KV cache holds {capacity}")]
     ContextOverflow {

@@ -264,6 +264,14 @@ impl<B: Backend> Loader<'_, B> {
                     }]
                 })
                 .collect(),
+            checksums: Some(
+                (0..c.moe.num_experts)
+                    .map(|e| {
+                        let index = store.record_index(layer, e).expect("checked above");
+                        store.checksum(index).to_string()
+                    })
+                    .collect(),
+            ),
         };
         Ok((
             Experts::Stored {
@@ -306,6 +314,7 @@ impl<B: Backend> Loader<'_, B> {
                 intermediate: shape.intermediate,
             },
             experts,
+            checksums: None,
         })
     }
 

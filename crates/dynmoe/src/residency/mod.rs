@@ -48,6 +48,23 @@ pub enum Error {
         /// What the OS said.
         source: std::io::Error,
     },
+    /// A record read from a store does not match the checksum its manifest gives it:
+    /// the file was damaged or replaced in place while in use.
+    #[error("{path}: the record of layer {layer} expert {expert} at byte {offset} is damaged or was replaced: checksum {found}, the manifest says {expected}")]
+    Damaged {
+        /// The data file.
+        path: PathBuf,
+        /// Decoder layer.
+        layer: usize,
+        /// Expert.
+        expert: usize,
+        /// Where the record starts in the file.
+        offset: u64,
+        /// The checksum of the bytes read.
+        found: String,
+        /// The manifest's.
+        expected: String,
+    },
 }
 
 /// Whether the resident set follows the text.

@@ -36,6 +36,8 @@ pub enum ReservoirKind {
 
 struct LayerReservoir {
     format: RecordFormat,
+    /// Per expert, the checksum its record must have (records of expert stores).
+    checksums: Option<Vec<String>>,
     /// Per expert, runs as (file index, offset, length).
     runs: Vec<Vec<(usize, u64, usize)>>,
     /// Per expert, the record's bytes (RAM reservoir).
@@ -125,6 +127,7 @@ impl Reservoir {
                 layer,
                 LayerReservoir {
                     format: src.format,
+                    checksums: src.checksums.clone(),
                     runs,
                     ram: Vec::new(),
                 },
@@ -168,12 +171,37 @@ impl Reservoir {
             .sum()
     }
 
-    /// A record's bytes as stored, read from its files.
+    /// A record's bytes as stored, read from its files and checked against its
+    /// checksum.
     fn read_raw(&self, layer: usize, e: usize) -> Result<Vec<u8>, Error> {
         let l = &self.layers[&layer];
         let mut out = vec![0u8; l.format.record_bytes()];
         self.pread(&l.runs[e], &mut out)?;
+        self.verify(layer, e, &out)?;
         Ok(out)
+    }
+
+    /// Whether `bytes`, just read for expert `e` of `layer`, are the record its store's
+    /// manifest summed: a file damaged or replaced in place since is an error, never
+    /// weights. Records from a checkpoint carry no checksum and pass.
+    fn verify(&self, layer: usize, e: usize, bytes: &[u8]) -> Result<(), Error> {
+        let l = &self.layers[&layer];
+        let Some(sums) = &l.checksums else {
+            return Ok(());
+        };
+        let found = crate::store::manifest::record_checksum(bytes);
+        if found == sums[e] {
+            return Ok(());
+        }
+        let (f, offset, _) = l.runs[e][0];
+        Err(Error::Damaged {
+            path: self.paths[f].clone(),
+            layer,
+            expert: e,
+            offset,
+            found,
+            expected: sums[e].clone(),
+        })
     }
 
     fn pread(&self, runs: &[(usize, u64, usize)], out: &mut [u8]) -> Result<(), Error> {
@@ -207,9 +235,11 @@ impl Reservoir {
             (RecordFormat::Affine(_) | RecordFormat::Vq(_), Buffer::Words(w)) => {
                 let dst = &mut words_as_bytes_mut(w)[..n];
                 if ram {
+                    // Checked when it was read into RAM.
                     dst.copy_from_slice(&l.ram[e]);
                 } else {
                     self.pread(&l.runs[e], dst)?;
+                    self.verify(layer, e, dst)?;
                 }
             }
             (RecordFormat::Dense { dtype, .. }, Buffer::F32(f)) => {

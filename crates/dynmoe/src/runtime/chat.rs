@@ -18,6 +18,11 @@ pub const CHATML: &str = "{%- for message in messages %}{{- '<|im_start|>' + mes
 /// Phi); those the vocabulary has stop generation alongside the EOS tokens.
 const END_OF_TURN: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end|>"];
 
+/// Marks where a special token stood inside a message's content while the template
+/// renders (see [`ChatTemplate::encode`]): the last private-use character of Unicode,
+/// which no tokenizer gives a meaning and which is replaced in content by U+FFFD.
+const MARK: char = '\u{10FFFD}';
+
 /// One turn of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
@@ -118,6 +123,69 @@ impl ChatTemplate {
             eos_token => self.eos_token,
         })
         .map_err(|e| self.error(e))
+    }
+
+    /// The prompt for `messages` as token ids: the template's own text with its
+    /// special tokens (`<|im_start|>`, ...) as those tokens, and every special token
+    /// written inside a message's content as plain text, so that a user cannot forge a
+    /// role or end a turn. Content without special tokens encodes exactly as the
+    /// rendered prompt does through [`Tokenizer::encode`].
+    pub fn encode(&self, tok: &Tokenizer, messages: &[Message]) -> Result<Vec<u32>, TemplateError> {
+        let specials = tok.special_tokens();
+        // Each special token inside content becomes a marker no text holds: a
+        // private-use character, the token's index as private-use characters, and the
+        // first again. Templates that strip or case-map content leave them as they are.
+        let marker = |i: usize| {
+            format!(
+                "{MARK}{}{MARK}",
+                char::from_u32(0x10_0000 + i as u32).unwrap_or(MARK)
+            )
+        };
+        let masked: Vec<Message> = messages
+            .iter()
+            .map(|m| {
+                let mut content = m.content.replace(MARK, "\u{FFFD}");
+                for (i, s) in specials.iter().enumerate() {
+                    if content.contains(s.as_str()) {
+                        content = content.replace(s.as_str(), &marker(i));
+                    }
+                }
+                Message {
+                    role: m.role.clone(),
+                    content,
+                }
+            })
+            .collect();
+        let text = self.render(&masked)?;
+        let encoding = |e: crate::checkpoint::Error| TemplateError {
+            origin: self.origin,
+            reason: format!("encoding the prompt: {e}"),
+        };
+        let mut ids: Vec<u32> = tok.bos.into_iter().collect();
+        let mut rest = text.as_str();
+        while let Some(at) = rest.find(MARK) {
+            ids.extend(tok.encode_special(&rest[..at]).map_err(encoding)?);
+            let after = &rest[at + MARK.len_utf8()..];
+            let mut chars = after.chars();
+            let (index, close) = (chars.next(), chars.next());
+            match (index, close) {
+                (Some(c), Some(MARK)) if (c as usize) >= 0x10_0000 => {
+                    let s = &specials[c as usize - 0x10_0000];
+                    ids.extend(tok.encode_plain(s).map_err(encoding)?);
+                    rest = chars.as_str();
+                }
+                // A template that split a marker: what is left is plain text.
+                _ => {
+                    ids.extend(
+                        tok.encode_plain(&rest[at..at + MARK.len_utf8()])
+                            .map_err(encoding)?,
+                    );
+                    rest = after;
+                }
+            }
+        }
+        ids.extend(tok.encode_special(rest).map_err(encoding)?);
+        Ok(ids)
     }
 
     fn error(&self, e: minijinja::Error) -> TemplateError {

@@ -23,6 +23,9 @@ pub struct Generation {
     pub decode_tokens_per_second: f64,
     /// Whether generation stopped at an end-of-sequence token.
     pub stopped_at_eos: bool,
+    /// Whether generation stopped because the prompt and the reply filled the model's
+    /// context (`max_position_embeddings`) before `max_tokens` were generated.
+    pub stopped_at_context: bool,
 }
 
 /// Generates up to `max_tokens` tokens after `prompt`, stopping at the model's
@@ -65,6 +68,17 @@ pub fn generate_ids<B: Backend>(
     if let Err(why) = sampling.check() {
         return Err(Error::Config(format!("sampling: {why}")));
     }
+    // Never past the model's context: positions beyond it were never trained.
+    let context = m.model.config.max_position_embeddings;
+    if ids.len() > context {
+        return Err(Error::ContextOverflow {
+            needed: ids.len(),
+            capacity: context,
+        });
+    }
+    let room = context - ids.len();
+    let stopped_at_context = max_tokens > room;
+    let max_tokens = max_tokens.min(room);
     let mut state = m.model.new_state(ids.len() + max_tokens);
     let vocab = m.model.config.vocab_size;
 
@@ -125,6 +139,7 @@ pub fn generate_ids<B: Backend>(
         prompt_tokens: ids.len(),
         prefill_tokens_per_second: ids.len() as f64 / prefill.max(1e-9),
         decode_tokens_per_second: out.tokens().len() as f64 / decode.max(1e-9),
+        stopped_at_context: stopped_at_context && !stopped_at_eos,
         tokens: out.tokens().to_vec(),
         stopped_at_eos,
     })

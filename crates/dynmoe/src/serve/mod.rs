@@ -76,6 +76,13 @@ impl ServeOptions {
 }
 
 /// What every handler shares.
+/// What a request asks to continue: a completion's text, or a chat's messages (rendered
+/// by the template, their content never read as control tokens).
+enum Prompt<'a> {
+    Text(&'a str),
+    Chat(&'a [crate::runtime::chat::Message]),
+}
+
 struct App<B: Backend> {
     model: Arc<LoadedModel<B>>,
     engine: Engine,
@@ -134,7 +141,7 @@ impl<B: Backend + 'static> App<B> {
     /// Tokenizes `text` and checks it and `max_tokens` against the context.
     fn request(
         &self,
-        text: &str,
+        prompt: Prompt<'_>,
         params: &Params,
         stop_tokens: &[u32],
         prompt_param: &str,
@@ -154,11 +161,16 @@ impl<B: Backend + 'static> App<B> {
                 });
             }
         }
-        let ids = self
-            .model
-            .tokenizer
-            .encode(text)
-            .map_err(|e| ApiError::invalid(prompt_param, e.to_string()))?;
+        let tok = &self.model.tokenizer;
+        let ids = match prompt {
+            Prompt::Text(text) => tok.encode(text).map_err(|e| e.to_string()),
+            // The template's control tokens as tokens, the messages' text as text.
+            Prompt::Chat(messages) => self
+                .template
+                .encode(tok, messages)
+                .map_err(|e| e.to_string()),
+        }
+        .map_err(|e| ApiError::invalid(prompt_param, e))?;
         if ids.is_empty() {
             return Err(ApiError::invalid(
                 prompt_param,
@@ -298,7 +310,7 @@ async fn completions<B: Backend + 'static>(
     let started = || -> Result<(Reply, Params, UnboundedReceiver<Event>), ApiError> {
         let body = body_of(body)?;
         let (prompt, params) = api::parse_completion(&body, app.fresh_seed())?;
-        let req = app.request(&prompt, &params, &app.stop, "prompt")?;
+        let req = app.request(Prompt::Text(&prompt), &params, &app.stop, "prompt")?;
         Ok((Reply::new(&app, false), params, app.submit(req)?))
     };
     match started() {
@@ -314,11 +326,7 @@ async fn chat_completions<B: Backend + 'static>(
     let started = || -> Result<(Reply, Params, UnboundedReceiver<Event>), ApiError> {
         let body = body_of(body)?;
         let (messages, params) = api::parse_chat(&body, app.fresh_seed())?;
-        let prompt = app
-            .template
-            .render(&messages)
-            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-        let req = app.request(&prompt, &params, &app.chat_stop, "messages")?;
+        let req = app.request(Prompt::Chat(&messages), &params, &app.chat_stop, "messages")?;
         Ok((Reply::new(&app, true), params, app.submit(req)?))
     };
     match started() {

@@ -32,6 +32,65 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     }
 }
 
+/// What a mapped file was when it was mapped: its size and modification time. A writer
+/// of dynmoe never changes a committed file in place (it renames a new one over it, which
+/// leaves a mapping intact, and changes only the old file's change time, not these);
+/// anything else that does (`cp` over it, `truncate`) changes them, and a reader that
+/// compares them before reading the mapping again stops with [`Error::Changed`] instead
+/// of reading garbage or dying of SIGBUS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileStamp {
+    len: u64,
+    mtime: (i64, i64),
+}
+
+impl FileStamp {
+    /// The stamp of the open `file` (`path` names it in errors).
+    pub fn of(file: &File, path: &Path) -> Result<FileStamp, Error> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file.metadata().map_err(io(path))?;
+        Ok(FileStamp {
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+        })
+    }
+
+    /// [`Error::Changed`] if `file` is no longer what this stamp recorded.
+    pub fn check(&self, file: &File, path: &Path) -> Result<(), Error> {
+        let now = FileStamp::of(file, path)?;
+        if now == *self {
+            return Ok(());
+        }
+        let what = if now.len != self.len {
+            format!("{} bytes when opened, {} now", self.len, now.len)
+        } else {
+            "rewritten in place since it was opened".to_string()
+        };
+        Err(Error::Changed {
+            path: path.to_path_buf(),
+            what,
+        })
+    }
+}
+
+/// Opens `path` for reading if it is a regular file (`checkpoint::open_regular`): a FIFO
+/// or device is [`Error::NotRegular`], a missing file [`Error::Missing`].
+pub fn open_regular(path: &Path) -> Result<File, Error> {
+    crate::checkpoint::open_regular(path).map_err(regular_error)
+}
+
+/// A reading error of `checkpoint::open_regular` or `read_regular` as the store names it.
+pub(crate) fn regular_error(e: crate::checkpoint::Error) -> Error {
+    match e {
+        crate::checkpoint::Error::NotRegular { path } => Error::NotRegular { path },
+        crate::checkpoint::Error::Io { path, source } => match source.kind() {
+            std::io::ErrorKind::NotFound => Error::Missing { path },
+            _ => Error::Io { path, source },
+        },
+        e => e.into(),
+    }
+}
+
 /// A temporary name beside `path`, unique within this process and across processes.
 fn temp_path(path: &Path) -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);

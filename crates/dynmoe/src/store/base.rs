@@ -13,7 +13,9 @@ use serde::Serialize;
 
 use super::atomic::{self, create_output};
 use super::layout::{put_bf16s, put_u32s, Layout, Proj};
-use super::manifest::{Created, Fnv64, Manifest, ModelInfo, Source, SCALE_DTYPE, VERSION};
+use super::manifest::{
+    record_checksum, Created, Fnv64, Manifest, ModelInfo, Source, SCALE_DTYPE, VERSION,
+};
 use super::tensors::{self, Experts};
 use super::{manifest_file_name, Error, BASE_FILE, DENSE_FILE};
 use crate::checkpoint::{Checkpoint, Config};
@@ -87,9 +89,9 @@ pub fn convert(
         write_dense(&ckpt, &experts.tensor_names(), &out_dir.join(DENSE_FILE))?;
     let copied = copy_side_files(model_dir, out_dir)?;
     let data_path = out_dir.join(BASE_FILE);
-    write_records(&ckpt, &experts, &layout, &data_path, progress)?;
+    let checksums = write_records(&ckpt, &experts, &layout, &data_path, progress)?;
 
-    let manifest = base_manifest(&config, model_dir, &ckpt, &experts, &layout)?;
+    let manifest = base_manifest(&config, model_dir, &ckpt, &experts, &layout, checksums)?;
     atomic::write_file(&manifest_path, &manifest.to_bytes())?;
     Ok(ConvertReport {
         out_dir: out_dir.to_path_buf(),
@@ -127,6 +129,7 @@ fn base_manifest(
     tensors: &Checkpoint,
     experts: &Experts,
     layout: &Layout,
+    checksums: Vec<String>,
 ) -> Result<Manifest, Error> {
     let (checkpoint, files) = tensors::fingerprint(tensors, &model_dir.join("config.json"))?;
     let created = Created::now("routed experts of the checkpoint quantized to MLX affine 4-bit");
@@ -155,6 +158,7 @@ fn base_manifest(
         record_size: layout.record_size as u64,
         record_count: count as u64,
         file_size: layout.file_size(count),
+        checksums,
         fingerprint,
         model: ModelInfo {
             model_type: config.arch.model_type().to_string(),
@@ -177,16 +181,16 @@ fn dir_name(dir: &Path) -> String {
         .unwrap_or_default()
 }
 
-/// Quantizes every expert and writes the records in order. Records are quantized a
-/// batch at a time in parallel, so memory holds a few records per thread, not the
-/// model.
+/// Quantizes every expert and writes the records in order; returns their checksums.
+/// Records are quantized (and summed) a batch at a time in parallel, so memory holds a
+/// few records per thread, not the model.
 fn write_records(
     tensors: &Checkpoint,
     experts: &Experts,
     layout: &Layout,
     path: &Path,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<(), Error> {
+) -> Result<Vec<String>, Error> {
     let total = experts.count();
     let batch = 2 * rayon::current_num_threads().max(1);
     let io = |source| Error::Io {
@@ -195,19 +199,26 @@ fn write_records(
     };
     create_output(path, |file| {
         let mut out = BufWriter::with_capacity(4 << 20, file);
+        let mut checksums = Vec::with_capacity(total);
         progress(0, total);
         for first in (0..total).step_by(batch) {
             let last = (first + batch).min(total);
             let records = (first..last)
                 .into_par_iter()
-                .map(|i| quantize_record(tensors, experts, layout, i))
+                .map(|i| {
+                    let record = quantize_record(tensors, experts, layout, i)?;
+                    let sum = record_checksum(&record);
+                    Ok((record, sum))
+                })
                 .collect::<Result<Vec<_>, Error>>()?;
-            for record in &records {
-                out.write_all(record).map_err(io)?;
+            for (record, sum) in records {
+                out.write_all(&record).map_err(io)?;
+                checksums.push(sum);
             }
             progress(last, total);
         }
-        out.flush().map_err(io)
+        out.flush().map_err(io)?;
+        Ok(checksums)
     })
 }
 

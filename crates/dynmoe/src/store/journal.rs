@@ -38,8 +38,11 @@ impl Journal {
         context: &str,
     ) -> std::io::Result<(Journal, Vec<T>)> {
         let mut entries = Vec::new();
-        match std::fs::read_to_string(path) {
-            Ok(text) => {
+        // Bytes, not text: a write torn inside a multi-byte character must not make the
+        // whole journal unreadable.
+        match std::fs::read(path) {
+            Ok(bytes) => {
+                let text = String::from_utf8_lossy(&bytes);
                 entries.extend(
                     text.lines()
                         .filter_map(|l| serde_json::from_str::<Line<T>>(l).ok())

@@ -25,7 +25,7 @@ use serde::Serialize;
 use super::atomic::{self, TempOutput};
 use super::layout::{get_u32s, put_u32s, Layout};
 use super::manifest::{
-    Created, Fnv64, Manifest, Source, SourceFile, VERSION, VERSION_SEQUENTIAL_Q2,
+    record_checksum, Created, Fnv64, Manifest, Source, SourceFile, VERSION, VERSION_SEQUENTIAL_Q2,
 };
 use super::{data_file_name, manifest_file_name, synth, Error, BASE_FILE};
 use crate::codec::affine::lowbit;
@@ -81,6 +81,11 @@ pub(crate) struct Checked {
     pub layout: Layout,
     /// Its bytes.
     pub mmap: Mmap,
+    /// The open data file, and what it was when mapped: a file changed in place later
+    /// (truncated, copied over) is told apart by [`atomic::FileStamp`].
+    pub file: std::fs::File,
+    /// The data file's size and times when it was mapped.
+    pub stamp: atomic::FileStamp,
 }
 
 impl Checked {
@@ -88,6 +93,30 @@ impl Checked {
     pub fn record(&self, index: usize) -> &[u8] {
         let start = self.layout.record_offset(index) as usize;
         &self.mmap[start..start + self.layout.record_size]
+    }
+
+    /// Whether record `index` matches its checksum in the manifest; an error naming the
+    /// data file, the record and both checksums if not.
+    pub fn verify(&self, index: usize) -> Result<(), Error> {
+        verify_record(&self.path, &self.manifest, index, self.record(index))
+    }
+
+    /// Every record of `range` checked against its checksum, in parallel; the error is
+    /// the first failing record's.
+    pub fn verify_range(&self, range: std::ops::Range<usize>) -> Result<(), Error> {
+        let bad = range
+            .into_par_iter()
+            .filter(|&i| self.verify(i).is_err())
+            .min();
+        match bad {
+            Some(i) => self.verify(i),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Checked::verify_range`] over every record.
+    pub fn verify_all(&self) -> Result<(), Error> {
+        self.verify_range(0..self.count())
     }
 
     fn count(&self) -> usize {
@@ -118,15 +147,7 @@ fn open_checked(p: &Paths, bits: u32) -> Result<Checked, Error> {
             ),
         ));
     }
-    let file = std::fs::File::open(&p.data).map_err(|source| match source.kind() {
-        std::io::ErrorKind::NotFound => Error::Missing {
-            path: p.data.clone(),
-        },
-        _ => Error::Io {
-            path: p.data.clone(),
-            source,
-        },
-    })?;
+    let file = atomic::open_regular(&p.data)?;
     let found = file
         .metadata()
         .map_err(|source| Error::Io {
@@ -141,8 +162,11 @@ fn open_checked(p: &Paths, bits: u32) -> Result<Checked, Error> {
             found,
         });
     }
+    let stamp = atomic::FileStamp::of(&file, &p.data)?;
     // SAFETY: read-only map. Writers never modify a committed file in place: they write
-    // a new file and rename it over the old one, which leaves this mapping intact.
+    // a new file and rename it over the old one, which leaves this mapping intact. A
+    // file changed in place by anything else is caught by its stamp before the records
+    // are read again (`ExpertStore::check_unchanged`).
     let mmap = unsafe { Mmap::map(&file) }.map_err(|source| Error::Io {
         path: p.data.clone(),
         source,
@@ -152,6 +176,31 @@ fn open_checked(p: &Paths, bits: u32) -> Result<Checked, Error> {
         manifest,
         layout,
         mmap,
+        file,
+        stamp,
+    })
+}
+
+/// Record `index` of the store at `path` (`bytes`) against its checksum in `manifest`.
+pub(crate) fn verify_record(
+    path: &Path,
+    manifest: &Manifest,
+    index: usize,
+    bytes: &[u8],
+) -> Result<(), Error> {
+    let found = record_checksum(bytes);
+    let expected = &manifest.checksums[index];
+    if &found == expected {
+        return Ok(());
+    }
+    let per_layer = manifest.experts_per_layer;
+    Err(Error::Damaged {
+        path: path.to_path_buf(),
+        record: index,
+        layer: manifest.layers[index / per_layer],
+        expert: index % per_layer,
+        found,
+        expected: expected.clone(),
     })
 }
 
@@ -206,6 +255,15 @@ pub(crate) fn open_usable(dir: &Path, bits: u32) -> Result<Checked, Error> {
     }
     let base = open_base(dir)?;
     is_usable(dir, &base, bits)
+}
+
+/// [`open_usable`], and every record of the store checked against its checksum: what
+/// `store ensure` and `store verify` hold a store to. Loading checks a layer's records
+/// when the model first runs them instead (`ExpertStore::verify_layer`).
+pub(crate) fn open_verified(dir: &Path, bits: u32) -> Result<Checked, Error> {
+    let store = open_usable(dir, bits)?;
+    store.verify_all()?;
+    Ok(store)
 }
 
 /// What [`ensure_with_policy`] did for one precision.
@@ -285,7 +343,7 @@ pub fn ensure_with_policy(
     if !policy.force {
         let kept: Option<Vec<Ensured>> = targets
             .iter()
-            .map(|&b| open_usable(dir, b).ok().map(|c| kept(&c, b, start)))
+            .map(|&b| open_verified(dir, b).ok().map(|c| kept(&c, b, start)))
             .collect();
         if let Some(kept) = kept {
             return Ok(kept);
@@ -305,6 +363,53 @@ pub fn ensure_with_policy(
     let _lock = atomic::lock_exclusive(dir)?;
     atomic::remove_stale_temps(dir)?;
     ensure_selected(dir, &targets, policy, start)
+}
+
+/// A store [`verify`] read through.
+#[derive(Debug, Clone, Serialize)]
+pub struct Verified {
+    /// Bits per code.
+    pub bits: u32,
+    /// The data file.
+    pub path: PathBuf,
+    /// Records checked against their checksums: all of them.
+    pub records: usize,
+    /// Size of the data file.
+    pub bytes: u64,
+}
+
+/// Checks the affine stores of `dir` at `bits` (every precision whose manifest is there
+/// when `bits` is empty) in full: manifest, size, the spot check against `experts.bin`
+/// or the generator, and every record against its checksum. Read-only; takes the shared
+/// lock. The first store that fails is the error, naming its file and record.
+pub fn verify(dir: &Path, bits: &[u32]) -> Result<Vec<Verified>, Error> {
+    let bits: Vec<u32> = if bits.is_empty() {
+        super::layout::SUPPORTED_BITS
+            .iter()
+            .rev()
+            .copied()
+            .filter(|&b| dir.join(manifest_file_name(b)).exists())
+            .collect()
+    } else {
+        bits.to_vec()
+    };
+    if bits.is_empty() {
+        return Err(Error::MissingBase {
+            path: dir.join(manifest_file_name(4)),
+        });
+    }
+    let _lock = atomic::lock_shared(dir)?;
+    bits.iter()
+        .map(|&b| {
+            let store = open_verified(dir, b)?;
+            Ok(Verified {
+                bits: b,
+                path: store.path.clone(),
+                records: store.count(),
+                bytes: store.manifest.file_size,
+            })
+        })
+        .collect()
 }
 
 fn kept(c: &Checked, bits: u32, start: Instant) -> Ensured {
@@ -332,9 +437,11 @@ fn ensure_selected(
     let mut build_list = Vec::new();
     for &bits in targets {
         if bits == 4 {
+            // Checked, never built here: a damaged base store is an error.
+            base.verify_all()?;
             continue;
         }
-        let reason = match is_usable(dir, &base, bits) {
+        let reason = match is_usable(dir, &base, bits).and_then(|s| s.verify_all()) {
             Ok(_) if !policy.force => continue,
             Ok(_) => "rebuild requested".to_string(),
             Err(e) => e.to_string(),
@@ -413,7 +520,7 @@ pub(crate) fn is_usable(dir: &Path, base: &Checked, bits: u32) -> Result<Checked
             "built from another {BASE_FILE} (its manifest's source differs)"
         )));
     }
-    spot_check(base, &store).map_err(unusable)?;
+    spot_check(base, &store)?;
     Ok(store)
 }
 
@@ -445,14 +552,17 @@ pub fn spot_check_records(count: usize, source_record: usize, stored_record: usi
 }
 
 /// Re-packs a handful of records spread through the file and compares them with what
-/// is stored, byte for byte (padding included).
-fn spot_check(base: &Checked, store: &Checked) -> Result<(), String> {
+/// is stored, byte for byte (padding included). Each base record compared is checked
+/// against its checksum first, and each stored one too.
+fn spot_check(base: &Checked, store: &Checked) -> Result<(), Error> {
     let picks = spot_check_records(
         store.count(),
         base.layout.record_size,
         store.layout.record_size,
     );
     for i in picks {
+        base.verify(i)?;
+        store.verify(i)?;
         let expected = pack_record(
             base.record(i),
             &base.layout,
@@ -462,11 +572,14 @@ fn spot_check(base: &Checked, store: &Checked) -> Result<(), String> {
         let stored = store.record(i);
         if let Some(at) = expected.iter().zip(stored).position(|(a, b)| a != b) {
             let per_layer = store.manifest.experts_per_layer;
-            return Err(format!(
-                "record {i} (layer {}, expert {}) differs from a re-pack of {BASE_FILE} at byte {at} of the record: an older layout or damage",
-                store.manifest.layers[i / per_layer],
-                i % per_layer
-            ));
+            return Err(Error::Unusable {
+                path: store.path.clone(),
+                reason: format!(
+                    "record {i} (layer {}, expert {}) differs from a re-pack of {BASE_FILE} at byte {at} of the record: an older layout or damage",
+                    store.manifest.layers[i / per_layer],
+                    i % per_layer
+                ),
+            });
         }
     }
     Ok(())
@@ -495,20 +608,26 @@ fn build(
         .collect::<Result<Vec<_>, _>>()?;
     let total = base.count();
     let batch = 2 * rayon::current_num_threads().max(1);
+    let mut checksums = vec![Vec::with_capacity(total); targets.len()];
     progress(0, total);
     for first in (0..total).step_by(batch) {
         let last = (first + batch).min(total);
-        let packed = pack_records(base, first..last, &layouts, packing);
+        let packed = pack_records(base, first..last, &layouts, packing)?;
         for record in packed {
-            for (out, bytes) in outs.iter_mut().zip(record) {
+            for (k, (out, (bytes, sum))) in outs.iter_mut().zip(record).enumerate() {
                 write(out, &bytes)?;
+                checksums[k].push(sum);
             }
         }
         progress(last, total);
     }
-    for (out, (&bits, layout)) in outs.into_iter().zip(targets.iter().zip(&layouts)) {
+    for ((out, sums), (&bits, layout)) in outs
+        .into_iter()
+        .zip(checksums)
+        .zip(targets.iter().zip(&layouts))
+    {
         atomic::commit_buffered(out)?;
-        let manifest = derived_manifest(&base.manifest, layout, packing);
+        let manifest = derived_manifest(&base.manifest, layout, packing, sums);
         atomic::write_file(&paths(dir, bits).manifest, &manifest.to_bytes())?;
     }
     Ok(())
@@ -526,8 +645,14 @@ fn write(out: &mut BufWriter<TempOutput>, bytes: &[u8]) -> Result<(), Error> {
     })
 }
 
-/// The manifest of a store derived from `base` with this layout and packing.
-pub(crate) fn derived_manifest(base: &Manifest, layout: &Layout, packing: Packing) -> Manifest {
+/// The manifest of a store derived from `base` with this layout and packing, whose
+/// records have `checksums`.
+pub(crate) fn derived_manifest(
+    base: &Manifest,
+    layout: &Layout,
+    packing: Packing,
+    checksums: Vec<String>,
+) -> Manifest {
     let bits = layout.bits;
     let version = packing.version();
     let note = match packing {
@@ -544,6 +669,7 @@ pub(crate) fn derived_manifest(base: &Manifest, layout: &Layout, packing: Packin
         bits,
         record_size: layout.record_size as u64,
         file_size: layout.file_size(base.record_count as usize),
+        checksums,
         fingerprint: Fnv64::default()
             .field(base.fingerprint.as_bytes())
             .u64(bits as u64)
@@ -555,17 +681,31 @@ pub(crate) fn derived_manifest(base: &Manifest, layout: &Layout, packing: Packin
     }
 }
 
-/// Packs records `range` of the base store into every target layout: one task per
-/// record, so each source record is read once however many targets there are.
+/// A record's bytes and its checksum.
+type Summed = (Vec<u8>, String);
+
+/// Packs records `range` of the base store into every target layout, each with its
+/// checksum: one task per record, so each source record is read once however many
+/// targets there are. A base record that fails its checksum stops the build: nothing is
+/// derived from damaged records.
 fn pack_records(
     base: &Checked,
     range: std::ops::Range<usize>,
     layouts: &[Layout],
     packing: Packing,
-) -> Vec<Vec<Vec<u8>>> {
+) -> Result<Vec<Vec<Summed>>, Error> {
     range
         .into_par_iter()
-        .map(|i| pack_into(base.record(i), &base.layout, layouts, packing))
+        .map(|i| {
+            base.verify(i)?;
+            Ok(pack_into(base.record(i), &base.layout, layouts, packing)
+                .into_iter()
+                .map(|r| {
+                    let sum = record_checksum(&r);
+                    (r, sum)
+                })
+                .collect())
+        })
         .collect()
 }
 

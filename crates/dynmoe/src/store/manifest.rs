@@ -19,9 +19,15 @@ use crate::codec::affine::GROUP_SIZE;
 /// The `format` field of every manifest.
 pub const FORMAT: &str = "dynmoe-expert-store";
 
-/// The current layout version: 2- and 3-bit codes laid out so that one masked cast
-/// yields four codes consecutive in the deinterleaved input (see `docs/FORMAT.md`).
-pub const VERSION: u32 = 2;
+/// The current version: the records of version 2 ([`VERSION_UNCHECKED`]) and a
+/// checksum of every record in the manifest (see `docs/FORMAT.md`).
+pub const VERSION: u32 = 3;
+
+/// The records of the current layout (2- and 3-bit codes laid out so that one masked
+/// cast yields four codes consecutive in the deinterleaved input) without checksums: a
+/// damaged record could not be told from a good one, so such a store is rebuilt (2 and
+/// 3 bits) or converted again (4 bits).
+pub const VERSION_UNCHECKED: u32 = 2;
 
 /// The older layout, whose 2-bit codes sit one after another in input order. Kernels
 /// for the current layout would read such a store as noise, so it is always rebuilt.
@@ -61,6 +67,9 @@ pub struct Manifest {
     pub record_count: u64,
     /// Size of the data file: `record_count × record_size`.
     pub file_size: u64,
+    /// Per record, in record order, its [`record_checksum`]: FNV-1a 64 over the whole
+    /// record, padding included.
+    pub checksums: Vec<String>,
     /// Identity of this store's contents; derived stores name it as their source.
     pub fingerprint: String,
     /// The model the experts belong to.
@@ -235,6 +244,15 @@ impl Manifest {
         if !self.layers.windows(2).all(|w| w[0] < w[1]) {
             return bad("layers", "must be strictly ascending".to_string());
         }
+        if self.checksums.len() as u64 != count {
+            return bad(
+                "checksums",
+                format!(
+                    "has {} entries, one per record needs {count}",
+                    self.checksums.len()
+                ),
+            );
+        }
         Ok(layout)
     }
 
@@ -252,9 +270,19 @@ impl Manifest {
 fn version_reason(version: u64) -> String {
     match version {
         1 => "is 1: the older layout, with 2-bit codes one at a time in input order".to_string(),
+        2 => "is 2: written before stores carried record checksums (`dynmoe store ensure` \
+              rebuilds a 2- or 3-bit store; convert the checkpoint again for experts.bin)"
+            .to_string(),
         v if v > VERSION as u64 => format!("is {v}, newer than this build reads ({VERSION})"),
         v => format!("is {v}, expected {VERSION}"),
     }
+}
+
+/// The checksum of a whole record, padding included, as manifests write it: FNV-1a 64
+/// over its bytes (`fnv1a64:` and 16 hex digits). The affine stores' `checksums` and the
+/// VQ stores' `layers[i].checksums` hold these.
+pub fn record_checksum(record: &[u8]) -> String {
+    Fnv64::default().bytes(record).hex()
 }
 
 /// FNV-1a, 64 bits: a small, well-defined hash for change detection (never for

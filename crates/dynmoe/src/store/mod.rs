@@ -62,6 +62,7 @@ mod synth_vq;
 mod tensors;
 pub mod vq;
 pub mod vq_encode;
+mod vq_write;
 
 use std::path::{Path, PathBuf};
 
@@ -177,6 +178,39 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A record whose bytes do not match the checksum its manifest gives it: damaged
+    /// on disk or overwritten.
+    #[error("{path}: record {record} (layer {layer}, expert {expert}) is damaged: checksum {found}, the manifest says {expected}")]
+    Damaged {
+        /// The data file.
+        path: PathBuf,
+        /// The record's index in the file.
+        record: usize,
+        /// Its MoE layer.
+        layer: usize,
+        /// Its expert.
+        expert: usize,
+        /// The checksum of the bytes on disk.
+        found: String,
+        /// The checksum the manifest gives.
+        expected: String,
+    },
+    /// A mapped data file changed in place under the running process (truncated,
+    /// copied over): its records can no longer be trusted, or even read.
+    #[error("{path}: changed while in use ({what}); stopped rather than read it")]
+    Changed {
+        /// The data file.
+        path: PathBuf,
+        /// What changed.
+        what: String,
+    },
+    /// A path that should be a regular file is something else (a FIFO, a device, a
+    /// directory), which reading would hang on or misread.
+    #[error("{path}: not a regular file")]
+    NotRegular {
+        /// The path.
+        path: PathBuf,
+    },
     /// A precision no store holds.
     #[error("{bits}-bit stores are not supported (supported: 2, 3 and 4)")]
     UnsupportedBits {
@@ -230,17 +264,10 @@ pub(crate) fn read_manifest_value(path: &Path) -> Result<serde_json::Value, Erro
     })
 }
 
-/// The bytes of the file at `path`; a missing file is [`Error::Missing`].
+/// The bytes of the regular file at `path`; a missing file is [`Error::Missing`], a FIFO
+/// or device [`Error::NotRegular`].
 pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, Error> {
-    std::fs::read(path).map_err(|source| match source.kind() {
-        std::io::ErrorKind::NotFound => Error::Missing {
-            path: path.to_path_buf(),
-        },
-        _ => Error::Io {
-            path: path.to_path_buf(),
-            source,
-        },
-    })
+    crate::checkpoint::read_regular(path).map_err(atomic::regular_error)
 }
 
 /// A manifest read by [`read_manifest_value`], as `T`.

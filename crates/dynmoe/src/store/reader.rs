@@ -2,9 +2,11 @@
 //! [`AffineView`]s straight over the mapped file, no copies.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use half::bf16;
 use memmap2::Mmap;
+use rayon::prelude::*;
 
 use super::atomic;
 use super::layout::{Layout, MatrixLayout, ALIGN};
@@ -19,11 +21,20 @@ use crate::codec::affine::kernels::AffineView;
 compile_error!("expert stores are read in place and are little-endian");
 
 /// An opened store: a usable `experts.bin`, `experts2.bin` or `experts3.bin`, mapped.
+///
+/// Opening checks the manifest, the size and a spot check of records; each MoE layer's
+/// records are checked against their checksums once, when the layer is first run from
+/// the mapping ([`ExpertStore::verify_layer`]), not on every token.
 pub struct ExpertStore {
     path: PathBuf,
     manifest: Manifest,
     layout: Layout,
     mmap: Mmap,
+    file: std::fs::File,
+    stamp: atomic::FileStamp,
+    /// Per MoE layer (by position in `layers`), whether its records passed their
+    /// checksums.
+    verified: Vec<AtomicBool>,
 }
 
 /// One expert's projections, viewed in place.
@@ -52,6 +63,8 @@ impl ExpertStore {
             manifest,
             layout,
             mmap,
+            file,
+            stamp,
         } = lowbit::open_usable(dir, bits)?;
         if !(mmap.as_ptr() as usize).is_multiple_of(ALIGN) {
             return Err(Error::Unusable {
@@ -59,12 +72,65 @@ impl ExpertStore {
                 reason: format!("mapped at an address not aligned to {ALIGN} bytes"),
             });
         }
+        let verified = manifest
+            .layers
+            .iter()
+            .map(|_| AtomicBool::new(false))
+            .collect();
         Ok(ExpertStore {
             path,
             manifest,
             layout,
             mmap,
+            file,
+            stamp,
+            verified,
         })
+    }
+
+    /// Checks every record of MoE layer `layer` against its checksum, in parallel, the
+    /// first time it is asked; later calls return at once. An error names the data file
+    /// and the first damaged record.
+    ///
+    /// # Panics
+    /// If `layer` is not a MoE layer of the store.
+    pub fn verify_layer(&self, layer: usize) -> Result<(), Error> {
+        let pos = self
+            .manifest
+            .layers
+            .binary_search(&layer)
+            .unwrap_or_else(|_| panic!("{}: no layer {layer}", self.path.display()));
+        if self.verified[pos].load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let per_layer = self.manifest.experts_per_layer;
+        let first = pos * per_layer;
+        let bad = (first..first + per_layer)
+            .into_par_iter()
+            .filter(|&i| self.verify_record(i).is_err())
+            .min();
+        if let Some(i) = bad {
+            return self.verify_record(i);
+        }
+        self.verified[pos].store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Checks record `index` against its checksum.
+    pub fn verify_record(&self, index: usize) -> Result<(), Error> {
+        lowbit::verify_record(&self.path, &self.manifest, index, self.record_bytes(index))
+    }
+
+    /// The checksum the manifest gives record `index`.
+    pub fn checksum(&self, index: usize) -> &str {
+        &self.manifest.checksums[index]
+    }
+
+    /// [`Error::Changed`] if the data file was changed in place (truncated, copied
+    /// over) since it was mapped: a mapping of such a file reads garbage, or dies of
+    /// SIGBUS past a truncation, so callers check before running from it.
+    pub fn check_unchanged(&self) -> Result<(), Error> {
+        self.stamp.check(&self.file, &self.path)
     }
 
     /// Bits per code.

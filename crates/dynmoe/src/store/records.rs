@@ -100,4 +100,8 @@ pub struct LayerSource {
     pub format: RecordFormat,
     /// Per expert, the runs in record order.
     pub experts: Vec<Vec<Extent>>,
+    /// Per expert, the checksum of its record (`store::manifest::record_checksum`) where
+    /// its store's manifest gives one: a reservoir checks each record it reads against
+    /// it. `None` for a checkpoint layer.
+    pub checksums: Option<Vec<String>>,
 }

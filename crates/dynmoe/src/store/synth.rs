@@ -55,7 +55,8 @@ use super::atomic::{self, TempOutput};
 use super::layout::{Layout, SUPPORTED_BITS};
 use super::lowbit::{self, Checked, Packing};
 use super::manifest::{
-    Created, Fnv64, Generator, Manifest, ModelInfo, Source, FORMAT, SCALE_DTYPE, VERSION,
+    record_checksum, Created, Fnv64, Generator, Manifest, ModelInfo, Source, FORMAT, SCALE_DTYPE,
+    VERSION,
 };
 use super::{data_file_name, manifest_file_name, Error, BASE_FILE, PAGE};
 use crate::codec::affine::GROUP_SIZE;
@@ -357,15 +358,25 @@ pub fn write_stores(
         .collect::<Result<Vec<_>, _>>()?;
 
     let total = spec.count();
+    let mut checksums = vec![Vec::with_capacity(total); layouts.len()];
     make_records(
         spec,
-        |layer, expert| records(&q4, &layouts, spec.seed, layer, expert),
+        |layer, expert| {
+            records(&q4, &layouts, spec.seed, layer, expert)
+                .into_iter()
+                .map(|r| {
+                    let sum = record_checksum(&r);
+                    (r, sum)
+                })
+                .collect::<Vec<_>>()
+        },
         |_, record| {
-            for (out, bytes) in outs.iter_mut().zip(record) {
+            for (k, (out, (bytes, sum))) in outs.iter_mut().zip(record).enumerate() {
                 out.write_all(&bytes).map_err(|source| Error::Io {
                     path: out.get_ref().path().to_path_buf(),
                     source,
                 })?;
+                checksums[k].push(sum);
             }
             Ok(())
         },
@@ -383,11 +394,16 @@ pub fn write_stores(
         });
     }
     let base = base_manifest(spec, &q4);
-    for layout in &layouts {
+    for (layout, sums) in layouts.iter().zip(checksums) {
         let manifest = match layout.bits {
-            4 => base.clone(),
-            _ if targets.contains(&4) => lowbit::derived_manifest(&base, layout, Packing::Current),
-            bits => standalone_manifest(&base, layout, bits),
+            4 => Manifest {
+                checksums: sums,
+                ..base.clone()
+            },
+            _ if targets.contains(&4) => {
+                lowbit::derived_manifest(&base, layout, Packing::Current, sums)
+            }
+            bits => standalone_manifest(&base, layout, bits, sums),
         };
         atomic::write_file(
             &dir.join(manifest_file_name(layout.bits)),
@@ -397,7 +413,8 @@ pub fn write_stores(
     Ok(written)
 }
 
-/// The manifest of a 4-bit store of `spec`'s random records.
+/// The manifest of a 4-bit store of `spec`'s random records, without checksums (the
+/// caller adds them).
 fn base_manifest(spec: &Spec, layout: &Layout) -> Manifest {
     let source = spec.source();
     let count = spec.count();
@@ -416,6 +433,7 @@ fn base_manifest(spec: &Spec, layout: &Layout) -> Manifest {
         record_size: layout.record_size as u64,
         record_count: count as u64,
         file_size: layout.file_size(count),
+        checksums: Vec::new(),
         fingerprint: store_fingerprint(&source, 4),
         model: spec.model.clone(),
         created: Created::now(&format!(
@@ -428,7 +446,12 @@ fn base_manifest(spec: &Spec, layout: &Layout) -> Manifest {
 
 /// The manifest of a low-bit store written without its 4-bit store: its source is the
 /// generator, not `experts.bin`.
-fn standalone_manifest(base: &Manifest, layout: &Layout, bits: u32) -> Manifest {
+fn standalone_manifest(
+    base: &Manifest,
+    layout: &Layout,
+    bits: u32,
+    checksums: Vec<String>,
+) -> Manifest {
     let seed = base.source.generator.as_ref().map_or(0, |g| g.seed);
     Manifest {
         fingerprint: store_fingerprint(&base.source, bits),
@@ -437,7 +460,7 @@ fn standalone_manifest(base: &Manifest, layout: &Layout, bits: u32) -> Manifest 
             "synthetic: random 4-bit records ({GENERATOR}, seed {seed}) re-packed to {bits} bits; \
              the 4-bit store was not written"
         )),
-        ..lowbit::derived_manifest(base, layout, Packing::Current)
+        ..lowbit::derived_manifest(base, layout, Packing::Current, checksums)
     }
 }
 

@@ -24,7 +24,7 @@
 //! use std::collections::BTreeMap;
 //! use std::path::Path;
 //! use dynmoe::codec::vq::Rung;
-//! use dynmoe::model::{Checkpoint, Config};
+//! use dynmoe::checkpoint::{Checkpoint, Config};
 //! use dynmoe::store::vq;
 //! let dir = Path::new("Qwen3-30B-A3B");
 //! let config = Config::from_file(&dir.join("config.json"))?;
@@ -37,8 +37,8 @@
 //! ```
 
 use std::collections::BTreeMap;
-use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -47,7 +47,7 @@ use memmap2::Mmap;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use super::atomic::{self, TempOutput};
+use super::atomic;
 use super::layout::{round_up, Part, ALIGN, PAGE};
 use super::manifest::{Created, Fnv64, ModelInfo, Source};
 use super::{lowbit, tensors, Error};
@@ -566,6 +566,10 @@ pub struct VqStore {
     manifest: VqManifest,
     layout: VqLayout,
     mmap: Mmap,
+    file: std::fs::File,
+    stamp: atomic::FileStamp,
+    /// Per layer entry, whether all its records passed their checksums and headers.
+    verified: Vec<AtomicBool>,
 }
 
 impl VqStore {
@@ -654,21 +658,67 @@ impl VqStore {
     /// # Panics
     /// If the store does not hold the layer.
     pub fn layer_source(&self, layer: usize) -> LayerSource {
+        let index = |e| {
+            self.record_index(layer, e)
+                .unwrap_or_else(|| panic!("{}: no layer {layer}", self.path.display()))
+        };
+        let experts = 0..self.manifest.experts_per_layer;
         LayerSource {
             format: RecordFormat::Vq(self.layout),
-            experts: (0..self.manifest.experts_per_layer)
+            experts: (experts.clone())
                 .map(|e| {
-                    let index = self
-                        .record_index(layer, e)
-                        .unwrap_or_else(|| panic!("{}: no layer {layer}", self.path.display()));
+                    let (offset, len) =
+                        (self.layout.record_offset(index(e)), self.layout.record_size);
                     vec![Extent {
                         file: self.path.clone(),
-                        offset: self.layout.record_offset(index),
-                        len: self.layout.record_size,
+                        offset,
+                        len,
                     }]
                 })
                 .collect(),
+            checksums: Some(
+                experts
+                    .map(|e| self.checksum(index(e)).to_string())
+                    .collect(),
+            ),
         }
+    }
+
+    /// Checks every record of decoder layer `layer` (checksum and header) the first time
+    /// it is asked, in parallel; at once for a store small enough to have been checked
+    /// whole when opened. The error names the first bad record.
+    ///
+    /// # Panics
+    /// If the store does not hold the layer.
+    pub fn verify_layer(&self, layer: usize) -> Result<(), Error> {
+        let pos = self
+            .manifest
+            .layers
+            .binary_search_by_key(&layer, |l| l.layer)
+            .unwrap_or_else(|_| panic!("{}: no layer {layer}", self.path.display()));
+        if self.verified[pos].load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let manifest_path = self
+            .path
+            .with_file_name(manifest_file_name(self.layout.rung));
+        let per_layer = self.manifest.experts_per_layer;
+        let first = pos * per_layer;
+        let bad = (first..first + per_layer)
+            .into_par_iter()
+            .filter(|&i| self.verify(&manifest_path, i).is_err())
+            .min();
+        if let Some(i) = bad {
+            return self.verify(&manifest_path, i);
+        }
+        self.verified[pos].store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// [`Error::Changed`] if the data file was changed in place since it was mapped
+    /// (see `ExpertStore::check_unchanged`).
+    pub fn check_unchanged(&self) -> Result<(), Error> {
+        self.stamp.check(&self.file, &self.path)
     }
 
     /// The checksum the manifest gives record `index`.
@@ -730,10 +780,8 @@ fn open_checked(dir: &Path, rung: Rung, want: &Expected) -> Result<VqStore, Erro
         path: path.clone(),
         source,
     };
-    let file = std::fs::File::open(&path).map_err(|source| match source.kind() {
-        std::io::ErrorKind::NotFound => Error::Missing { path: path.clone() },
-        _ => io(source),
-    })?;
+    let file = atomic::open_regular(&path)?;
+    let stamp = atomic::FileStamp::of(&file, &path)?;
     let found = file.metadata().map_err(io)?.len();
     if found != manifest.file_size {
         return Err(Error::Size {
@@ -756,9 +804,15 @@ fn open_checked(dir: &Path, rung: Rung, want: &Expected) -> Result<VqStore, Erro
         manifest,
         layout,
         mmap,
+        file,
+        stamp,
+        verified: Vec::new(),
     };
     let count = store.manifest.record_count as usize;
-    let picks: Vec<usize> = if store.manifest.file_size <= FULL_CHECK_BYTES {
+    // A small store is checked whole now; a larger one spot-checked, and each layer in
+    // full when a model first runs it (`verify_layer`).
+    let whole = store.manifest.file_size <= FULL_CHECK_BYTES;
+    let picks: Vec<usize> = if whole {
         (0..count).collect()
     } else {
         lowbit::spot_check_records(count, layout.record_size, layout.record_size)
@@ -766,6 +820,9 @@ fn open_checked(dir: &Path, rung: Rung, want: &Expected) -> Result<VqStore, Erro
     for i in picks {
         store.verify(&manifest_path, i)?;
     }
+    let layers = store.manifest.layers.len();
+    let mut store = store;
+    store.verified = (0..layers).map(|_| AtomicBool::new(whole)).collect();
     if store.manifest.source.kind == super::synth::SOURCE_KIND {
         // Random records: the manifest claims a generator and seed made them; a few are
         // made again to hold it to that.
@@ -984,155 +1041,10 @@ fn build(
 }
 
 /// FNV-1a 64 of a whole record, padding included: what the manifest's
-/// `layers[i].checksums` hold.
-pub fn record_checksum(record: &[u8]) -> String {
-    Fnv64::default().bytes(record).hex()
-}
+/// `layers[i].checksums` hold (the affine stores' checksums are the same function).
+pub use super::manifest::record_checksum;
 
-/// The data file of a store being written by [`write_store`]: whole records appended
-/// layer by layer (ascending), each layer's experts in order, with their checksums.
-pub(crate) struct RecordSink {
-    out: BufWriter<TempOutput>,
-    layout: VqLayout,
-    experts: usize,
-    entries: Vec<VqLayerEntry>,
-}
-
-impl RecordSink {
-    /// Appends the record of the next expert of decoder layer `layer`, whose checksum
-    /// ([`record_checksum`]) is `checksum`: computed by the caller, where records are
-    /// made in parallel.
-    pub(crate) fn push(
-        &mut self,
-        layer: usize,
-        record: &[u8],
-        checksum: String,
-    ) -> Result<(), Error> {
-        let path = self.out.get_ref().path();
-        if record.len() != self.layout.record_size {
-            return Err(Error::Unusable {
-                path: path.to_path_buf(),
-                reason: format!(
-                    "a record of {} bytes, the layout's are {}",
-                    record.len(),
-                    self.layout.record_size
-                ),
-            });
-        }
-        let open = self
-            .entries
-            .last()
-            .is_some_and(|e| e.checksums.len() < self.experts);
-        match self.entries.last() {
-            Some(e) if open && e.layer != layer => {
-                return Err(Error::BadShape {
-                    reason: format!(
-                        "{}: layer {layer} begins after {} of layer {}'s {} experts",
-                        path.display(),
-                        e.checksums.len(),
-                        e.layer,
-                        self.experts
-                    ),
-                })
-            }
-            Some(e) if !open && e.layer >= layer => {
-                return Err(Error::BadShape {
-                    reason: format!(
-                        "{}: layer {layer} after layer {}: layers must ascend",
-                        path.display(),
-                        e.layer
-                    ),
-                })
-            }
-            _ if open => {}
-            _ => self.entries.push(VqLayerEntry {
-                layer,
-                offset: self.layout.record_offset(self.entries.len() * self.experts),
-                checksums: Vec::with_capacity(self.experts),
-            }),
-        }
-        if let Err(source) = self.out.write_all(record) {
-            let path = self.out.get_ref().path().to_path_buf();
-            return Err(Error::Io { path, source });
-        }
-        self.entries
-            .last_mut()
-            .expect("an entry was opened above")
-            .checksums
-            .push(checksum);
-        Ok(())
-    }
-}
-
-/// Writes `rung`'s store (`layout.rung`) into `dir` from the records `fill` appends,
-/// the way every VQ store is written: the manifest removed first (its removal flushed),
-/// the data file written to a temporary name, flushed and renamed, then the manifest,
-/// naming `model`, `source` and the note `fill` returns. A crash leaves at worst a data
-/// file without a manifest, which is never used. Call under the directory's exclusive
-/// lock. Returns the manifest written.
-pub(crate) fn write_store(
-    dir: &Path,
-    layout: &VqLayout,
-    experts: usize,
-    model: ModelInfo,
-    source: Source,
-    fill: impl FnOnce(&mut RecordSink) -> Result<String, Error>,
-) -> Result<VqManifest, Error> {
-    let rung = layout.rung;
-    let manifest_path = dir.join(manifest_file_name(rung));
-    let path = dir.join(data_file_name(rung));
-    let codebook = codebook_id(rung).map_err(|reason| Error::Unusable {
-        path: path.clone(),
-        reason,
-    })?;
-    atomic::remove_committed(&manifest_path)?;
-    let mut sink = RecordSink {
-        out: BufWriter::with_capacity(4 << 20, TempOutput::create(&path)?),
-        layout: *layout,
-        experts,
-        entries: Vec::new(),
-    };
-    let note = fill(&mut sink)?;
-    let RecordSink { out, entries, .. } = sink;
-    if entries.is_empty() || entries.iter().any(|e| e.checksums.len() != experts) {
-        return Err(Error::BadShape {
-            reason: format!(
-                "{}: every layer needs its {experts} experts; written: {:?}",
-                path.display(),
-                entries
-                    .iter()
-                    .map(|e| (e.layer, e.checksums.len()))
-                    .collect::<Vec<_>>()
-            ),
-        });
-    }
-    atomic::commit_buffered(out)?;
-    let total = entries.len() * experts;
-    let manifest = VqManifest {
-        format: FORMAT.to_string(),
-        version: VERSION,
-        file: data_file_name(rung),
-        rung: rung.name(),
-        dim: rung.dim,
-        index_bits: rung.index_bits,
-        codebook,
-        page: PAGE,
-        header: HEADER,
-        hidden: layout.hidden,
-        intermediate: layout.intermediate,
-        experts_per_layer: experts,
-        seed: SEED_RULE.to_string(),
-        record_size: layout.record_size as u64,
-        record_count: total as u64,
-        file_size: layout.file_size(total),
-        layers: entries,
-        model,
-        source,
-        created: Created::now(&note),
-    };
-    atomic::write_file(&manifest_path, &manifest.to_bytes())?;
-    Ok(manifest)
-}
+pub(crate) use super::vq_write::write_store;
 
 #[cfg(test)]
 mod tests {
@@ -1191,5 +1103,42 @@ mod tests {
             );
         }
         assert!(RecordHeader::read(&rec[1..]).is_none());
+    }
+
+    /// A store too large to check whole at open has each layer checked the first time a
+    /// model runs it: damage in a record the spot check did not read is found then.
+    #[test]
+    fn a_layer_is_checked_whole_on_first_use() {
+        use std::os::unix::fs::FileExt;
+        let copy = crate::testing::fixture_copy("tiny-moe");
+        let dir = copy.dir();
+        let config = Config::from_file(&dir.join("config.json")).unwrap();
+        let ckpt = Checkpoint::open(dir).unwrap();
+        let rung = Rung::parse("vq2").unwrap();
+        let rungs = config.moe_layers().map(|l| (l, rung)).collect();
+        ensure(dir, &config, &ckpt, &rungs, &mut |_, _| {}).unwrap();
+        let store = VqStore::open(dir, rung).unwrap();
+        // As a store above FULL_CHECK_BYTES is left after its spot check.
+        store
+            .verified
+            .iter()
+            .for_each(|v| v.store(false, Ordering::Relaxed));
+        let at = store
+            .layout
+            .record_offset(store.record_index(1, 3).unwrap())
+            + 100;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&store.path)
+            .unwrap();
+        let mut byte = [0u8];
+        std::fs::File::open(&store.path)
+            .unwrap()
+            .read_exact_at(&mut byte, at)
+            .unwrap();
+        file.write_all_at(&[byte[0] ^ 0x40], at).unwrap();
+        store.verify_layer(0).unwrap();
+        let err = store.verify_layer(1).unwrap_err().to_string();
+        assert!(err.contains("record 11 (layer 1, expert 3)"), "{err}");
     }
 }

@@ -5,7 +5,7 @@
 
 use super::{finish_sets, Activations, Caches, Model, MoeRun, Pass, State};
 use crate::backend::sample::{self, Sampling};
-use crate::backend::{AddNorm, Backend, PendingRead};
+use crate::backend::{AddNorm, Backend, PendingRead, NOT_A_TOKEN};
 use crate::model::{argmax, Error};
 use crate::residency::Step;
 
@@ -124,6 +124,7 @@ impl<B: Backend> Model<B> {
         opts: DecodeOptions,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<usize, Error> {
+        self.check_stores()?;
         self.ready_counts(state, first, &opts.sampling);
         let n = opts.max_tokens;
         let mut done = 0;
@@ -138,6 +139,11 @@ impl<B: Backend> Model<B> {
                 let q = self.decode_queued(state, token, room, &opts.sampling, on_token, false);
                 done += q.delivered;
                 token = q.last;
+                if token == NOT_A_TOKEN {
+                    return Err(Error::NonFiniteLogits {
+                        position: state.pos - 1,
+                    });
+                }
                 if q.stopped {
                     break;
                 }
@@ -145,6 +151,11 @@ impl<B: Backend> Model<B> {
                 continue;
             }
             token = self.step(state, token, &opts.sampling)?;
+            if token == NOT_A_TOKEN {
+                return Err(Error::NonFiniteLogits {
+                    position: state.pos - 1,
+                });
+            }
             done += 1;
             if !on_token(token) {
                 break;
@@ -193,6 +204,10 @@ impl<B: Backend> Model<B> {
                 .map(|(_, s)| &mut *s.state)
                 .collect();
             let picked = self.rows_step(&mut states, &tokens, &sampling)?;
+            if let Some(j) = picked.iter().position(|&t| t == NOT_A_TOKEN) {
+                let position = seqs[rows[j]].state.pos - 1;
+                return Err(Error::NonFiniteLogits { position });
+            }
             for (&i, &t) in rows.iter().zip(&picked) {
                 done[i] += 1;
                 fed[i] = t;
@@ -321,6 +336,7 @@ impl<B: Backend> Model<B> {
             });
         }
         if self.residency.as_ref().is_some_and(|r| !r.all_on_device()) {
+            // `forward` refuses logits that are not finite.
             let position = state.pos as u64 + 1;
             let logits = self.forward(state, &[token], 0)?;
             let next = match s.is_greedy() && !s.penalizes() {
@@ -514,7 +530,8 @@ impl<B: Backend> Model<B> {
             *pos += 1;
             out.delivered += 1;
             out.last = self.step_results(&host, &bufs.routed, host_probs, router_probs);
-            if !on_token(out.last) {
+            // No token: the caller reports it; nothing more is handed over.
+            if out.last == NOT_A_TOKEN || !on_token(out.last) {
                 out.stopped = true;
                 break;
             }
