@@ -1058,10 +1058,128 @@ double check_advance(int dim) {
     return ok ? 0.0 : INFINITY;
 }
 
+// ---- Picking the token: the sampler's kernels against backend::sample ----
+
+// The cases' inputs, as backend::sample's tests make them: SplitMix64's finalizer of
+// seed + t · φ.
+uint64_t case_bits(uint64_t seed, uint64_t t) {
+    uint64_t z = seed + t * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+float float_of(unsigned bits) {
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// Runs the chain the backend launches (backend/cuda/sample.rs) on each case of
+// sample_cases.txt, which backend::sample's tests write with the token the host sampler
+// picks, and counts the cases whose token differs. The settle kernel gets the shared
+// memory the backend grants it.
+double check_sample(const std::string& path) {
+    FILE* f = std::fopen(path.c_str(), "r");
+    if (!f) {
+        std::printf("sample: %s missing\n", path.c_str());
+        return INFINITY;
+    }
+    char line[512];
+    int cases = 0, wrong = 0;
+    while (std::fgets(line, sizeof line, f)) {
+        if (line[0] == '#') continue;
+        int vocab, top_k, penalized;
+        unsigned tp, mp, rp, pp, fp, tt, spread_bits, want;
+        unsigned long long seed, position, k;
+        if (std::sscanf(line, "%d %d %x %x %x %x %x %x %llu %llu %llu %x %d %u", &vocab, &top_k,
+                        &tp, &mp, &rp, &pp, &fp, &tt, &seed, &position, &k, &spread_bits,
+                        &penalized, &want) != 14) {
+            std::printf("sample: a malformed case: %s", line);
+            return INFINITY;
+        }
+        float top_p = float_of(tp), min_p = float_of(mp), temp = float_of(tt);
+        float spread = float_of(spread_bits);
+        std::vector<float> logits(vocab), counts;
+        for (int t = 0; t < vocab; t++)
+            logits[t] = t % 17 == 3 ? 1.0f
+                                    : ((float)(case_bits(k, t) >> 40) / 16777216.0f - 0.5f) * spread;
+        if (penalized) {
+            counts.resize(vocab);
+            for (int t = 0; t < vocab; t++)
+                counts[t] = case_bits(k ^ 0xC0FFEE00ull, t) % 8 == 0 ? 2.0f : 0.0f;
+        }
+        const int sms = 132;
+        int blocks = std::clamp((vocab + 4 * SAMPLE_THREADS - 1) / (4 * SAMPLE_THREADS), 1, 2 * sms);
+        int chunk = (vocab + blocks - 1) / blocks;
+        std::vector<float> s(vocab, NAN), bmax(blocks, NAN), list_s(SAMPLE_SORT_MAX, NAN),
+            part(blocks, NAN);
+        std::vector<int> list_id(SAMPLE_SORT_MAX, -1), part_i(blocks, -1);
+        std::vector<unsigned> hist_count(SAMPLE_BINS, 0), count(1, 0), out(1, 0xdeadbeefu);
+        std::vector<unsigned long long> hist_mass(SAMPLE_BINS, 0);
+        SampleCut cut{};
+        unsigned step[2] = {0u, (unsigned)(position - 1)};
+        const float* cp = penalized ? counts.data() : nullptr;
+        shim::launch({(unsigned)blocks, 1, 1}, {SAMPLE_THREADS, 1, 1}, 0, [&] {
+            sample_scale(logits.data(), cp, s.data(), bmax.data(), vocab, chunk, temp,
+                         float_of(rp), float_of(pp), float_of(fp));
+        });
+        if (temp <= 0.0f) {
+            int pass = 4 * ARGMAX_THREADS;
+            int achunk = std::max(1, ((vocab + 1023) / 1024 + pass - 1) / pass) * pass;
+            int splits = (vocab + achunk - 1) / achunk;
+            std::vector<float> apart(splits, NAN);
+            std::vector<int> apart_i(splits, -1);
+            shim::launch({(unsigned)splits, 1, 1}, {ARGMAX_THREADS, 1, 1}, 0, [&] {
+                argmax_rows(s.data(), out.data(), vocab, achunk, count.data(), apart.data(),
+                            apart_i.data());
+            });
+        } else {
+            bool cuts = top_k > 0 || top_p < 1.0f;
+            if (cuts) {
+                shim::launch({(unsigned)blocks, 1, 1}, {SAMPLE_THREADS, 1, 1}, SAMPLE_HIST_SHARED, [&] {
+                    sample_hist(s.data(), bmax.data(), hist_count.data(), hist_mass.data(), vocab,
+                                chunk, min_p);
+                });
+                shim::launch({1, 1, 1}, {1024, 1, 1}, 0, [&] {
+                    sample_cut(hist_count.data(), hist_mass.data(), &cut, top_k, top_p);
+                });
+                shim::launch({(unsigned)blocks, 1, 1}, {SAMPLE_THREADS, 1, 1}, 0, [&] {
+                    sample_gather(s.data(), bmax.data(), &cut, list_s.data(), list_id.data(),
+                                  vocab, chunk, min_p);
+                });
+                shim::launch({1, 1, 1}, {1024, 1, 1}, 8 * SAMPLE_SORT_MAX, [&] {
+                    sample_settle(bmax.data(), blocks, hist_mass.data(), &cut, list_s.data(),
+                                  list_id.data(), top_k, top_p);
+                });
+            }
+            shim::launch({(unsigned)blocks, 1, 1}, {SAMPLE_THREADS, 1, 1}, 0, [&] {
+                sample_draw(s.data(), bmax.data(), cuts ? &cut : nullptr, step, out.data(), 0, 0,
+                            vocab, chunk, min_p, (unsigned)seed, (unsigned)(seed >> 32),
+                            count.data(), part.data(), part_i.data(),
+                            cuts ? hist_count.data() : nullptr, cuts ? hist_mass.data() : nullptr);
+            });
+        }
+        bool clean = count[0] == 0 &&
+                     std::all_of(hist_count.begin(), hist_count.end(), [](unsigned c) { return c == 0; });
+        cases++;
+        if (out[0] != want || !clean) {
+            wrong++;
+            std::printf("sample case %d (vocab %d, top-k %d, top-p %g, min-p %g, T %g): token %u, "
+                        "the host picks %u%s\n",
+                        cases, vocab, top_k, top_p, min_p, temp, out[0], want,
+                        clean ? "" : "; scratch not left at zero");
+        }
+    }
+    std::fclose(f);
+    std::printf("sample: %d of %d cases pick the host's token\n", cases - wrong, cases);
+    return wrong == 0 && cases > 0 ? 0.0 : INFINITY;
+}
+
 }  // namespace
 
 // With an argument, only the checks whose family it names (dense, route, affine, gemm,
-// attention, decode, routed).
+// attention, decode, sample, routed).
 int main(int argc, char** argv) {
     auto wanted = [&](const char* family) { return argc < 2 || std::string(argv[1]) == family; };
     struct Rung {
@@ -1167,6 +1285,11 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_attention_step(24, 2, 64, 17, 48, 0, 16, true, true));
         worst = std::max(worst, check_attention_step(4, 2, 256, 5, 20, 0, 16, true, true));
         worst = std::max(worst, check_attention_step(4, 1, 96, 0, 16, 0, 16, false, true));
+    }
+    // The token a step picks by sampling settings: backend::sample's own cases.
+    if (wanted("sample")) {
+        std::string exe = argv[0];
+        worst = std::max(worst, check_sample(exe.substr(0, exe.rfind('/') + 1) + "sample_cases.txt"));
     }
     // The token a step chose carried into the next: one block, several.
     if (wanted("decode")) {

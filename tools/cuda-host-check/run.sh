@@ -8,7 +8,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python3 "$here/prepare.py" "$here/../../crates/dynmoe/src/backend/cuda/kernels/program.cu" \
     "$work/kernels_host.cpp"
-cp "$here/shim.h" "$here/check.cpp" "$work/"
+cp "$here/shim.h" "$here/check.cpp" "$here/sample_cases.txt" "$work/"
 # The kernels' own code is written for nvcc; its warnings here say nothing about it.
 "${CXX:-g++}" -std=c++17 -O2 -w ${CXXFLAGS:-} -I"$work" -o "$work/check" "$work/check.cpp"
 "$work/check" "$@"

@@ -292,6 +292,11 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
     *p = old + v;
     return old;
 }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    unsigned long long old = *p;
+    *p = old + v;
+    return old;
+}
 inline unsigned atomicExch(unsigned* p, unsigned v) {
     unsigned old = *p;
     *p = v;
@@ -312,6 +317,12 @@ inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
     return (unsigned)(v >> (shift & 31));
 }
 inline int __ffs(int v) { return __builtin_ffs(v); }
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
+inline unsigned __float_as_uint(float f) {
+    unsigned v;
+    std::memcpy(&v, &f, 4);
+    return v;
+}
 
 // The inline-PTX helpers of the kernels (prepare.py removes their definitions there).
 // IEEE half precision in software, so that any C++17 compiler will do.

@@ -471,3 +471,145 @@ fn queued_decode_is_decode_token_by_token_on_the_device() {
         "the same tokens with graphs and without"
     );
 }
+
+/// Sampled decode with the token picked on the device (recorded and queued where graphs
+/// are on) against the CPU's host sampler on the same model: the same tokens, at settings
+/// of every kind the device chain takes (a draw alone, min-p, top-k, top-p, penalties,
+/// greedy with penalties). The device is a backend of its own, so its steps record.
+#[test]
+fn sampled_decode_on_the_device_picks_the_cpus_tokens() {
+    let Some(g) = gpu() else { return };
+    if !g.samples_on_device() {
+        println!("skipped: the sampler's kernels were not granted their shared memory");
+        return;
+    }
+    let converted = TempDir::new("cuda-sampled");
+    dynmoe::store::base::convert(&fixture("small-moe"), converted.dir(), &mut |_, _| {}).unwrap();
+    let eb = ExpertBits {
+        default: Some(4),
+        ..ExpertBits::default()
+    };
+    let dev = model::load_with(
+        converted.dir(),
+        Cuda::with_tuning(0, g.tuning().clone()).unwrap(),
+        &eb,
+    )
+    .unwrap();
+    let cpu = model::load_with(converted.dir(), Cpu::fast(), &eb).unwrap();
+    let prompt = &dev.tokenizer.encode(&test_text("en")).unwrap()[..16];
+    let n = 24;
+    let base = Sampling {
+        temperature: 0.8,
+        seed: 11,
+        ..Sampling::GREEDY
+    };
+    let settings = [
+        base,
+        Sampling { min_p: 0.1, ..base },
+        Sampling { top_k: 20, ..base },
+        Sampling { top_p: 0.9, ..base },
+        Sampling {
+            top_k: 40,
+            top_p: 0.8,
+            repetition_penalty: 1.3,
+            presence_penalty: 0.4,
+            frequency_penalty: 0.2,
+            ..base
+        },
+        Sampling {
+            temperature: 0.0,
+            repetition_penalty: 1.5,
+            ..Sampling::GREEDY
+        },
+    ];
+    fn run<B: dynmoe::backend::Backend>(
+        m: &model::Model<B>,
+        prompt: &[u32],
+        n: usize,
+        s: Sampling,
+    ) -> Vec<u32> {
+        let mut st = m.new_state(prompt.len() + n + 1);
+        let l = m.forward(&mut st, prompt, prompt.len() - 1).unwrap();
+        let counts = dynmoe::backend::sample::counts(prompt, m.config.vocab_size);
+        let first = dynmoe::backend::sample::sample(&l, &counts, &s, st.pos as u64);
+        let mut got = vec![first];
+        let opts = DecodeOptions {
+            max_tokens: n,
+            sampling: s,
+        };
+        m.decode(&mut [Decoding::new(&mut st, first, opts)], &mut |_, t| {
+            got.push(t);
+            true
+        })
+        .unwrap();
+        got
+    }
+    for s in settings {
+        let want = run(&cpu.model, prompt, n, s);
+        let got = run(&dev.model, prompt, n, s);
+        println!("sampled {s:?}: equal {}", got == want);
+        assert_eq!(got, want, "{s:?}");
+    }
+    assert!(
+        dev.model.backend().recorded_steps() > 0,
+        "no sampled step was recorded"
+    );
+}
+
+/// Several sequences decoded together on the device against each decoded alone there.
+#[test]
+fn sequences_decoded_together_on_the_device_are_each_decoded_alone() {
+    let Some(g) = gpu() else { return };
+    let converted = TempDir::new("cuda-rows");
+    dynmoe::store::base::convert(&fixture("small-moe"), converted.dir(), &mut |_, _| {}).unwrap();
+    let eb = ExpertBits {
+        default: Some(4),
+        ..ExpertBits::default()
+    };
+    let dev = model::load_with(
+        converted.dir(),
+        Cuda::with_tuning(0, g.tuning().clone()).unwrap(),
+        &eb,
+    )
+    .unwrap();
+    let m = &dev.model;
+    let ids = dev.tokenizer.encode(&test_text("en")).unwrap();
+    let prompts: Vec<&[u32]> = vec![&ids[..16], &ids[20..29], &ids[40..72]];
+    let n = 16;
+    let prefill = |p: &[u32]| {
+        let mut s = m.new_state(p.len() + n);
+        m.forward(&mut s, &p[..p.len() - 1], 0).unwrap();
+        s
+    };
+    let mut want = Vec::new();
+    for p in &prompts {
+        let mut s = prefill(p);
+        let mut got = Vec::new();
+        let first = p[p.len() - 1];
+        m.decode(
+            &mut [Decoding::new(&mut s, first, DecodeOptions::greedy(n))],
+            &mut |_, t| {
+                got.push(t);
+                true
+            },
+        )
+        .unwrap();
+        want.push(got);
+    }
+    let mut states: Vec<_> = prompts.iter().map(|p| prefill(p)).collect();
+    let mut got = vec![Vec::new(); prompts.len()];
+    let mut seqs: Vec<Decoding<'_, _>> = states
+        .iter_mut()
+        .zip(&prompts)
+        .map(|(s, p)| Decoding::new(s, p[p.len() - 1], DecodeOptions::greedy(n)))
+        .collect();
+    m.decode(&mut seqs, &mut |i, t| {
+        got[i].push(t);
+        true
+    })
+    .unwrap();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        println!("rows: sequence {i} equal {}", g == w);
+        assert_eq!(g, w, "sequence {i}");
+    }
+}

@@ -48,6 +48,7 @@ mod norm;
 mod program;
 mod route;
 mod routed;
+mod sample;
 mod slots;
 mod step;
 mod tuning;
@@ -72,8 +73,8 @@ use cudarc::driver::{
 };
 
 use super::{
-    swiglu_groups_one_by_one, AddNorm, AttentionShape, Backend, DeviceRoute, HeadNorm, MoeInput,
-    PendingRead, RoutedExperts, SwiGluGroup, Weight,
+    sample::Sampling, swiglu_groups_one_by_one, AddNorm, AttentionShape, Backend, DeviceRoute,
+    HeadNorm, MoeInput, PendingRead, RoutedExperts, SwiGluGroup, Weight,
 };
 use crate::codec::affine::kernels::AffineView;
 use crate::codec::vq::VqView;
@@ -198,6 +199,12 @@ pub struct Cuda {
     dense_scratch: Mutex<Option<CudaSlice<f32>>>,
     /// Activations split into two bf16 parts for tensor-core products, grown as needed.
     split_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// The sampler's scaled logits, histogram, cut and partials (`sample::Layout`), grown
+    /// as needed; its histogram and counts zero between launches.
+    sample_scratch: Mutex<Option<CudaSlice<f32>>>,
+    /// Whether the sampler's kernels were granted their shared memory, so that a step
+    /// picks its token on the device whatever the settings.
+    samples: bool,
     /// Whether products run on tensor cores ([`Tuning::tensor_cores`] on sm_80 and later).
     tensor_cores: bool,
     /// The flag gate/up raises once the route is written and the count of down blocks
@@ -332,6 +339,12 @@ impl Cuda {
             SHARED_LIMIT
         };
         let down_alone = routed::down_alone(&ctx, f, optin)?;
+        let samples = routed::grant_shared(
+            f,
+            &[sample::SAMPLE_HIST, sample::SAMPLE_SETTLE],
+            sample::SETTLE_SHARED,
+            optin,
+        );
         // A stream of its own: the legacy default stream cannot be recorded into a graph.
         let stream = driver(ctx.new_stream())?;
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
@@ -363,6 +376,8 @@ impl Cuda {
             argmax_scratch: Mutex::new(None),
             dense_scratch: Mutex::new(None),
             split_scratch: Mutex::new(None),
+            sample_scratch: Mutex::new(None),
+            samples,
             tensor_cores: major >= 8 && tuning.tensor_cores,
             down_ready,
             down_alone,
@@ -1047,6 +1062,41 @@ impl Backend for Cuda {
         );
         let out = self.ptr_mut(out).floats(at);
         self.launch_argmax_rows(self.ptr(x), rows, dim, out);
+    }
+
+    fn sample_at(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        s: &Sampling,
+        counts: Option<&CudaSlice<f32>>,
+        step: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        at: usize,
+    ) {
+        assert!(
+            logits.len() >= vocab && out.len() > at && counts.is_none_or(|c| c.len() >= vocab),
+            "sampling {vocab} logits into {} values at {at}",
+            out.len()
+        );
+        let counts = counts.map_or(Ptr::NULL, |c| self.ptr(c));
+        let out = self.ptr_mut(out).floats(at);
+        self.launch_sample(self.ptr(logits), vocab, s, counts, self.ptr(step), out);
+    }
+
+    fn samples_on_device(&self) -> bool {
+        self.samples
+    }
+
+    fn count_token(
+        &self,
+        counts: &mut CudaSlice<f32>,
+        vocab: usize,
+        chosen: &CudaSlice<f32>,
+        at: usize,
+    ) {
+        let chosen = self.ptr(&chosen.slice(at..at + 1));
+        self.launch_count_token(self.ptr_mut(counts), vocab, chosen);
     }
 
     fn advance_step(&self, step: &mut CudaSlice<f32>, chosen: &CudaSlice<f32>, at: usize) {

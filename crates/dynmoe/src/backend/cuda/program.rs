@@ -20,13 +20,13 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 
 use super::launch::{signature, Signature};
 use super::{
-    affine, affine_mma, attention, driver, expert_gemm, matvec, norm, route, routed, vq, vq_mma,
-    CudaError,
+    affine, affine_mma, attention, driver, expert_gemm, matvec, norm, route, routed, sample, vq,
+    vq_mma, CudaError,
 };
 
 /// The kernel sources by file, in the order `kernels/program.cu` includes them: joined,
 /// they are one NVRTC program ([`source`]).
-pub const SOURCES: [(&str, &str); 11] = [
+pub const SOURCES: [(&str, &str); 12] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("matvec.cu", include_str!("kernels/matvec.cu")),
@@ -38,6 +38,7 @@ pub const SOURCES: [(&str, &str); 11] = [
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("vq.cu", include_str!("kernels/vq.cu")),
     ("vq_mma.cu", include_str!("kernels/vq_mma.cu")),
+    ("sample.cu", include_str!("kernels/sample.cu")),
 ];
 
 /// The kernels' CUDA C source: [`SOURCES`] one after another, as `kernels/program.cu`
@@ -104,6 +105,13 @@ pub(super) const SIGNATURES: &[Signature] = &[
     signature::<vq_mma::VqExpertMmaDown>(),
     signature::<vq_mma::RoutedVqGateUpMma>(),
     signature::<vq_mma::RoutedVqDownMma>(),
+    signature::<sample::SampleScale>(),
+    signature::<sample::SampleHist>(),
+    signature::<sample::SampleCut>(),
+    signature::<sample::SampleGather>(),
+    signature::<sample::SampleSettle>(),
+    signature::<sample::SampleDraw>(),
+    signature::<sample::CountToken>(),
 ];
 
 /// Every kernel of [`SIGNATURES`].
@@ -584,6 +592,10 @@ mod tests {
             ("VQG_LDU", vq_mma::VQG_LDU),
             ("VQM_TILES", vq_mma::VQM_TILES),
             ("PHASE_SLOTS", PHASE_SLOTS),
+            ("SAMPLE_BINS", crate::backend::sample::BINS),
+            ("SAMPLE_SORT_MAX", crate::backend::sample::BIN_SORT_MAX),
+            ("SAMPLE_THREADS", sample::SAMPLE_THREADS),
+            ("SAMPLE_HIST_SHARED", 12 * crate::backend::sample::BINS),
         ];
         for &(name, host) in mirrored {
             assert_eq!(define(name), host as i64, "#define {name}");

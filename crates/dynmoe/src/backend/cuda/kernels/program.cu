@@ -15,3 +15,4 @@
 #include "attention.cu"
 #include "vq.cu"
 #include "vq_mma.cu"
+#include "sample.cu"
