@@ -3,7 +3,8 @@
 /// Loads the model the arguments name on their backend and evaluates `$body` with it
 /// bound to `$m`: the body is generic code instantiated once per backend type.
 macro_rules! with_model {
-    ($args:expr, |$m:pat_param| $body:expr) => {
+    ($args:expr, |$m:pat_param| $body:expr) => {{
+        dynmoe::checkpoint::set_finite_check(!$args.no_check_weights);
         match $args.backend {
             BackendKind::Cuda => {
                 let $m = load(&$args.model, cuda_backend()?, &$args.expert_codecs())?;
@@ -14,7 +15,7 @@ macro_rules! with_model {
                 $body
             }
         }
-    };
+    }};
 }
 
 mod bench;
