@@ -13,6 +13,7 @@
 //! host mirrors from the sources' `#define`s agree.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
@@ -23,6 +24,8 @@ use super::{
     affine, affine_mma, attention, driver, expert_gemm, matvec, norm, route, routed, sample, vq,
     vq_mma, CudaError,
 };
+use crate::codec::vq::codebook::fnv1a;
+use crate::store::atomic;
 
 /// The kernel sources by file, in the order `kernels/program.cu` includes them: joined,
 /// they are one NVRTC program ([`source`]).
@@ -214,7 +217,11 @@ pub(super) fn tunables() -> Vec<&'static str> {
 }
 
 /// PTX of [`source`] per architecture and kernel constants
-/// ([`Tuning::defines`](super::Tuning::defines)), compiled once per process.
+/// ([`Tuning::defines`](super::Tuning::defines)): compiled once per process, and kept
+/// between runs in the kernel cache ([`cache_dir`]), so that only a program's first run
+/// on a machine waits for NVRTC. (The driver keeps its own cache of the machine code it
+/// makes from PTX, keyed by the PTX's text, so an unchanged PTX loads without that step
+/// as well.)
 pub(super) fn ptx_for(arch: &str, defines: &[(String, String)]) -> Result<Ptx, CudaError> {
     static CACHE: OnceLock<Mutex<HashMap<Vec<String>, String>>> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
@@ -223,6 +230,12 @@ pub(super) fn ptx_for(arch: &str, defines: &[(String, String)]) -> Result<Ptx, C
     options.extend(defines.iter().map(|(n, v)| format!("-D{n}={v}")));
     if let Some(src) = cache.get(&options) {
         return Ok(Ptx::from_src(src.clone()));
+    }
+    let kept = CachedPtx::new(arch, &options, &nvrtc_version());
+    let dir = cache_dir();
+    if let Some(ptx) = dir.as_deref().and_then(|d| kept.read(d)) {
+        cache.insert(options, ptx.clone());
+        return Ok(Ptx::from_src(ptx));
     }
     let opts = CompileOptions {
         options: options.clone(),
@@ -237,8 +250,82 @@ pub(super) fn ptx_for(arch: &str, defines: &[(String, String)]) -> Result<Ptx, C
             other => format!("{other:?}"),
         },
     })?;
-    cache.insert(options, ptx.to_src());
+    let text = ptx.to_src();
+    if let Some(dir) = dir {
+        // A cache that cannot be written (a read-only home) only costs the next run the
+        // compile again.
+        let _ = kept.write(&dir, &text);
+    }
+    cache.insert(options, text);
     Ok(ptx)
+}
+
+/// Where compiled kernels are kept between runs: `$XDG_CACHE_HOME/dynmoe/kernels`, else
+/// `$HOME/.cache/dynmoe/kernels`; none when neither is set.
+fn cache_dir() -> Option<PathBuf> {
+    let base = match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+        Some(x) => PathBuf::from(x),
+        None => PathBuf::from(std::env::var_os("HOME").filter(|v| !v.is_empty())?).join(".cache"),
+    };
+    Some(base.join("dynmoe").join("kernels"))
+}
+
+/// NVRTC's version, `major.minor`: PTX is kept per compiler, as a newer one's may not
+/// load under an older driver.
+fn nvrtc_version() -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-parameters the call writes.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    match r {
+        cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS => format!("{major}.{minor}"),
+        _ => "unknown".into(),
+    }
+}
+
+/// One program's entry in the kernel cache: a file named by a hash of everything its PTX
+/// follows from (the source, the compile options, the compiler), whose first line states
+/// all of that and the PTX's own hash, checked when it is read. An entry that does not
+/// match, damaged or cut short, is compiled again and overwritten; entries are written
+/// through a temporary file and renamed, so a crash leaves none half-written.
+struct CachedPtx {
+    /// The first line, less the PTX's hash.
+    key: String,
+    file: String,
+}
+
+impl CachedPtx {
+    fn new(arch: &str, options: &[String], nvrtc: &str) -> CachedPtx {
+        Self::of(arch, options, nvrtc, source())
+    }
+
+    fn of(arch: &str, options: &[String], nvrtc: &str, source: &str) -> CachedPtx {
+        let key = format!(
+            "// dynmoe kernels: nvrtc {nvrtc}; source fnv1a64:{:016x} of {} bytes; options {}",
+            fnv1a(source.as_bytes()),
+            source.len(),
+            options.join(" ")
+        );
+        let file = format!("{arch}-{:016x}.ptx", fnv1a(key.as_bytes()));
+        CachedPtx { key, file }
+    }
+
+    /// The PTX kept in `dir`, if this entry is there whole.
+    fn read(&self, dir: &Path) -> Option<String> {
+        let text = std::fs::read_to_string(dir.join(&self.file)).ok()?;
+        let (first, ptx) = text.split_once('\n')?;
+        let hash = first.strip_prefix(self.key.as_str())?;
+        (hash == format!("; ptx fnv1a64:{:016x}", fnv1a(ptx.as_bytes())) && !ptx.is_empty())
+            .then(|| ptx.to_string())
+    }
+
+    fn write(&self, dir: &Path, ptx: &str) -> Result<(), crate::store::Error> {
+        std::fs::create_dir_all(dir).map_err(|e| crate::store::Error::Io {
+            path: dir.to_path_buf(),
+            source: e,
+        })?;
+        let first = format!("{}; ptx fnv1a64:{:016x}\n", self.key, fnv1a(ptx.as_bytes()));
+        atomic::write_file(&dir.join(&self.file), (first + ptx).as_bytes())
+    }
 }
 
 /// The kernels of [`source`], loaded by the names of [`SIGNATURES`].
@@ -595,7 +682,7 @@ mod tests {
             ("SAMPLE_BINS", crate::backend::sample::BINS),
             ("SAMPLE_SORT_MAX", crate::backend::sample::BIN_SORT_MAX),
             ("SAMPLE_THREADS", sample::SAMPLE_THREADS),
-            ("SAMPLE_HIST_SHARED", 12 * crate::backend::sample::BINS),
+            ("SAMPLE_HIST_SHARED", sample::HIST_SHARED),
         ];
         for &(name, host) in mirrored {
             assert_eq!(define(name), host as i64, "#define {name}");
@@ -626,5 +713,48 @@ mod tests {
         let mut names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
         names.sort();
         assert_eq!(files, names);
+    }
+
+    #[test]
+    fn a_kept_ptx_reads_back_and_a_damaged_or_different_one_does_not() {
+        use super::CachedPtx;
+        let tmp = crate::testing::TempDir::new("kernel-cache");
+        let opts = vec!["--gpu-architecture=sm_90".to_string(), "-DA=1".into()];
+        let entry = CachedPtx::of("sm_90", &opts, "13.0", "kernel source");
+        assert_eq!(entry.read(tmp.dir()), None, "nothing kept yet");
+        let ptx = ".version 8.0\n.target sm_90\n// body\n";
+        entry.write(tmp.dir(), ptx).unwrap();
+        assert_eq!(entry.read(tmp.dir()).as_deref(), Some(ptx));
+
+        // Another source, options or compiler is another entry (another file, and a first
+        // line that would not match even under the same name).
+        for other in [
+            CachedPtx::of("sm_90", &opts, "13.0", "kernel sourcf"),
+            CachedPtx::of("sm_90", &opts[..1], "13.0", "kernel source"),
+            CachedPtx::of("sm_90", &opts, "12.8", "kernel source"),
+        ] {
+            assert_ne!(other.file, entry.file);
+            let renamed = CachedPtx {
+                key: other.key.clone(),
+                file: entry.file.clone(),
+            };
+            assert_eq!(renamed.read(tmp.dir()), None);
+        }
+
+        // Damage anywhere in the PTX, or a file cut short, is not read as PTX.
+        let path = tmp.dir().join(&entry.file);
+        let whole = std::fs::read(&path).unwrap();
+        let mut flipped = whole.clone();
+        let last = flipped.len() - 3;
+        flipped[last] ^= 1;
+        std::fs::write(&path, &flipped).unwrap();
+        assert_eq!(entry.read(tmp.dir()), None);
+        std::fs::write(&path, &whole[..whole.len() - 5]).unwrap();
+        assert_eq!(entry.read(tmp.dir()), None);
+        std::fs::write(&path, b"").unwrap();
+        assert_eq!(entry.read(tmp.dir()), None);
+        // Written again, it reads back.
+        entry.write(tmp.dir(), ptx).unwrap();
+        assert_eq!(entry.read(tmp.dir()).as_deref(), Some(ptx));
     }
 }

@@ -141,8 +141,12 @@ impl Layout {
 }
 
 /// Shared memory `sample_settle` sorts in: a key a candidate, up to [`BIN_SORT_MAX`]; more
-/// than `sample_hist`'s histogram (`SAMPLE_HIST_SHARED`), which the same grant covers.
+/// than `sample_hist`'s histogram, which the same grant covers.
 pub(super) const SETTLE_SHARED: usize = 8 * BIN_SORT_MAX;
+
+/// Shared memory of `sample_hist`'s block histogram (the kernels' `SAMPLE_HIST_SHARED`):
+/// a bin's integer weight (8 bytes) and count (4).
+pub(super) const HIST_SHARED: usize = 12 * BINS;
 
 impl Cuda {
     /// The token `s` picks from `logits` (`[vocab]`) into `out` (as bits), the draw's
@@ -193,7 +197,7 @@ impl Cuda {
         if cuts {
             self.launch(
                 SAMPLE_HIST,
-                grid(blocks, SAMPLE_THREADS, 0),
+                grid(blocks, SAMPLE_THREADS, HIST_SHARED),
                 SampleHist {
                     s: at(l.s),
                     bmax: at(l.bmax),

@@ -46,9 +46,12 @@ pub(super) struct StepBuffers<B: Backend> {
     logits: B::Tensor,
     /// MoE layers the last run of the step routed on the backend.
     routed: Vec<usize>,
-    /// Whether the last run queued nothing but backend work (every MoE layer routed on
-    /// the backend, no dense feed-forward layer): then it may be recorded.
-    fit: bool,
+    /// The record key of the last run that ran op by op and queued nothing but backend
+    /// work (every MoE layer routed on the backend, no dense feed-forward layer): a step
+    /// under that key may be recorded. A key is recorded only after a run op by op under
+    /// it, as that run is what sizes the backend's scratch buffers, which cannot grow
+    /// while a record is being taken.
+    fit: Option<u64>,
 }
 
 /// A sequence [`Model::decode`] advances: its state, the token at `state.pos` it feeds
@@ -131,7 +134,8 @@ impl<B: Backend> Model<B> {
         let mut token = first;
         let mut queue = self.residency.is_none();
         while done < n {
-            let fit = state.step.as_ref().is_some_and(|s| s.fit);
+            let key = self.epoch ^ step_key(&opts.sampling, state.counts.is_some());
+            let fit = state.step.as_ref().is_some_and(|s| s.fit == Some(key));
             let room = state.capacity.saturating_sub(state.pos).min(n - done);
             // One step left gains nothing from queueing; one past the cache is left to
             // `step`'s error.
@@ -390,7 +394,7 @@ impl<B: Backend> Model<B> {
         // A step that picks its token on the host holds a copy back, which no record may.
         let s = pick.sampling;
         let device_pick = (s.is_greedy() && !s.penalizes()) || self.backend.samples_on_device();
-        let recorded = if bufs.fit && device_pick {
+        let recorded = if bufs.fit == Some(key.1) && device_pick {
             self.backend.replay_step(key, &mut || {
                 let pick = Pick {
                     sampling: pick.sampling,
@@ -400,7 +404,8 @@ impl<B: Backend> Model<B> {
                 self.step_body(bufs, k_cache, v_cache, pick, &mut host_probs, sets)
             })
         } else {
-            bufs.fit = self.step_body(bufs, k_cache, v_cache, pick, &mut host_probs, sets);
+            let fit = self.step_body(bufs, k_cache, v_cache, pick, &mut host_probs, sets);
+            bufs.fit = fit.then_some(key.1);
             false
         };
         (recorded, host_probs)
@@ -613,7 +618,7 @@ impl<B: Backend> Model<B> {
             probs: b.alloc(self.layers.len() * c.moe.num_experts + 1),
             logits: b.alloc(c.vocab_size),
             routed: Vec::new(),
-            fit: false,
+            fit: None,
         }
     }
 }
