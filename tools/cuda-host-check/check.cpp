@@ -1089,12 +1089,12 @@ double check_sample(const std::string& path) {
     int cases = 0, wrong = 0;
     while (std::fgets(line, sizeof line, f)) {
         if (line[0] == '#') continue;
-        int vocab, top_k, penalized;
+        int vocab, top_k, penalized, spoil;
         unsigned tp, mp, rp, pp, fp, tt, spread_bits, want;
         unsigned long long seed, position, k;
-        if (std::sscanf(line, "%d %d %x %x %x %x %x %x %llu %llu %llu %x %d %u", &vocab, &top_k,
-                        &tp, &mp, &rp, &pp, &fp, &tt, &seed, &position, &k, &spread_bits,
-                        &penalized, &want) != 14) {
+        if (std::sscanf(line, "%d %d %x %x %x %x %x %x %llu %llu %llu %x %d %d %u", &vocab,
+                        &top_k, &tp, &mp, &rp, &pp, &fp, &tt, &seed, &position, &k, &spread_bits,
+                        &penalized, &spoil, &want) != 15) {
             std::printf("sample: a malformed case: %s", line);
             return INFINITY;
         }
@@ -1104,6 +1104,9 @@ double check_sample(const std::string& path) {
         for (int t = 0; t < vocab; t++)
             logits[t] = t % 17 == 3 ? 1.0f
                                     : ((float)(case_bits(k, t) >> 40) / 16777216.0f - 0.5f) * spread;
+        if (spoil == 1) logits[vocab / 3] = NAN;
+        if (spoil == 2) logits[vocab / 2] = INFINITY;
+        if (spoil == 3) logits[5] = -INFINITY;
         if (penalized) {
             counts.resize(vocab);
             for (int t = 0; t < vocab; t++)

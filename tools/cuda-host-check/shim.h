@@ -268,6 +268,20 @@ T from_lane(T v, unsigned src) {
 #define gridDim (shim::grid_dim)
 
 inline void __syncthreads() { shim::yield(shim::BLOCK_BARRIER); }
+// Blocks run one after another, so one word serves every block; the barriers around the
+// read keep a thread that runs ahead from clearing or setting it before all have read.
+namespace shim {
+inline int block_or = 0;
+}
+inline int __syncthreads_or(int p) {
+    if (p) shim::block_or = 1;
+    __syncthreads();
+    int any = shim::block_or;
+    __syncthreads();
+    if (threadIdx.x == 0) shim::block_or = 0;
+    __syncthreads();
+    return any;
+}
 inline void __syncwarp(unsigned = 0xffffffffu) { shim::yield(shim::WARP_BARRIER); }
 inline void __threadfence() {}
 template <typename T>

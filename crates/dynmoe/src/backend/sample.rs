@@ -529,7 +529,8 @@ mod tests {
         let mut out = String::from(
             "# backend::sample cases, one a line: vocab top_k top_p min_p repetition presence \
              frequency temperature (f32 bits) seed position logits-seed spread (bits) \
-             penalized token\n",
+             penalized spoilt token; spoilt 1 puts a NaN at vocab/3, 2 +inf at vocab/2, 3 -inf \
+             at 5\n",
         );
         let settings = [
             (0.0, 0, 1.0, 0.0, 1.3, 0.2, 0.1),
@@ -541,40 +542,51 @@ mod tests {
             (1.0, 3000, 0.8, 0.0, 1.0, 0.0, 0.0),
             (0.6, 0, 0.5, 0.0, 1.0, 0.0, 0.0),
         ];
+        // Peaked, middling and flat rows; the flat ones too crowded to sort. Then a few
+        // rows holding a value that is not finite, which have no token.
+        let rows = [(1000, 1.0f32), (8192, 8.0), (20_000, 30.0), (20_000, 1e-4)];
+        let clean = settings.iter().flat_map(|s| rows.map(|r| (*s, r, 0)));
+        let spoilt = [(0, 1), (1, 1), (3, 2), (5, 3), (6, 1)]
+            .map(|(i, how)| (settings[i], (8192, 8.0), how));
         let mut k = 0u64;
-        for &(temp, top_k, top_p, min_p, rep, pres, freq) in &settings {
-            // Peaked, middling and flat rows; the flat ones too crowded to sort.
-            for (vocab, spread) in [(1000, 1.0f32), (8192, 8.0), (20_000, 30.0), (20_000, 1e-4)] {
-                k += 1;
-                let s = Sampling {
-                    temperature: temp,
-                    top_k,
-                    top_p,
-                    min_p,
-                    repetition_penalty: rep,
-                    presence_penalty: pres,
-                    frequency_penalty: freq,
-                    seed: case_bits(k, 1),
-                };
-                let position = case_bits(k, 2) % 100_000;
-                let logits = case_logits(k, vocab, spread);
-                let penalized = s.penalizes();
-                let counts = if penalized {
-                    case_counts(k, vocab)
-                } else {
-                    Vec::new()
-                };
-                let token = sample(&logits, &counts, &s, position);
-                let bits =
-                    [top_p, min_p, rep, pres, freq, temp].map(|x| format!("{:08x}", x.to_bits()));
-                out += &format!(
-                    "{vocab} {top_k} {} {} {position} {k} {:08x} {} {token}\n",
-                    bits.join(" "),
-                    s.seed,
-                    spread.to_bits(),
-                    u8::from(penalized)
-                );
+        for ((temp, top_k, top_p, min_p, rep, pres, freq), (vocab, spread), spoil) in
+            clean.chain(spoilt)
+        {
+            k += 1;
+            let s = Sampling {
+                temperature: temp,
+                top_k,
+                top_p,
+                min_p,
+                repetition_penalty: rep,
+                presence_penalty: pres,
+                frequency_penalty: freq,
+                seed: case_bits(k, 1),
+            };
+            let position = case_bits(k, 2) % 100_000;
+            let mut logits = case_logits(k, vocab, spread);
+            match spoil {
+                1 => logits[vocab / 3] = f32::NAN,
+                2 => logits[vocab / 2] = f32::INFINITY,
+                3 => logits[5] = f32::NEG_INFINITY,
+                _ => {}
             }
+            let penalized = s.penalizes();
+            let counts = if penalized {
+                case_counts(k, vocab)
+            } else {
+                Vec::new()
+            };
+            let token = sample(&logits, &counts, &s, position);
+            let bits =
+                [top_p, min_p, rep, pres, freq, temp].map(|x| format!("{:08x}", x.to_bits()));
+            out += &format!(
+                "{vocab} {top_k} {} {} {position} {k} {:08x} {} {spoil} {token}\n",
+                bits.join(" "),
+                s.seed,
+                spread.to_bits(),
+                u8::from(penalized)
+            );
         }
         out
     }

@@ -2,6 +2,7 @@
 //! keys, and a decode step's preamble and attention at the position on the device.
 
 use super::*;
+use dynmoe::backend::NOT_A_TOKEN;
 
 #[test]
 fn attention_matches_the_reference() {
@@ -105,6 +106,32 @@ fn check_prefill(g: &Cuda, shape: AttentionShape, spare: usize, seed: u64) {
     );
     println!("check {label:<44} rel_err {e:.2e}");
     assert!(e < 1e-5, "{label}: rel err {e:.2e} over 1e-5");
+}
+
+#[test]
+fn a_step_handed_no_token_embeds_nan_not_a_read_past_the_table() {
+    let Some(g) = gpu() else { return };
+    // A queued decode step runs on whatever the step before it picked, before the host
+    // has seen it: after logits that were not finite, that is NOT_A_TOKEN, which must give
+    // NaN (and so NOT_A_TOKEN again), never a read outside the table.
+    let (vocab, dim) = (1000, 96);
+    let table = fresh(vocab * dim, 610);
+    // Values bf16 holds exactly are uploaded as a bf16 table.
+    for (bf16, values) in [(false, table.clone()), (true, bf16_values(&table))] {
+        let m = g.upload_matrix(&values, vocab, dim);
+        for id in [NOT_A_TOKEN, vocab as u32] {
+            let step = g.upload(&[f32::from_bits(id), f32::from_bits(3)]);
+            let mut out = g.upload(&fresh(dim, 611));
+            g.embed_at(&m, dim, &step, &mut out);
+            let mut got = vec![0.0f32; dim];
+            g.download(&out, &mut got);
+            println!(
+                "check embed_at id {id} (bf16 {bf16}): all NaN {}",
+                got.iter().all(|v| v.is_nan())
+            );
+            assert!(got.iter().all(|v| v.is_nan()), "id {id}, bf16 {bf16}");
+        }
+    }
 }
 
 #[test]

@@ -306,19 +306,22 @@ fn norms_and_the_fused_residual_norm_match_the_reference() {
     }
 }
 
-/// The device's argmax rule: the largest value of each row, ties to the lower index, NaN
-/// never chosen, 0 for a row of NaN only.
+/// `Backend::argmax_rows`' rule: the largest value of each row, ties to the lower index;
+/// `NOT_A_TOKEN` for a row that holds a NaN or an infinity.
 fn argmax_plain(x: &[f32], rows: usize, dim: usize) -> Vec<u32> {
     (0..rows)
         .map(|r| {
             let row = &x[r * dim..(r + 1) * dim];
-            let mut best: Option<usize> = None;
+            if !row.iter().all(|v| v.is_finite()) {
+                return dynmoe::backend::NOT_A_TOKEN;
+            }
+            let mut best = 0;
             for (i, &v) in row.iter().enumerate() {
-                if !v.is_nan() && best.is_none_or(|b| v > row[b]) {
-                    best = Some(i);
+                if v > row[best] {
+                    best = i;
                 }
             }
-            best.unwrap_or(0) as u32
+            best as u32
         })
         .collect()
 }
@@ -340,26 +343,18 @@ fn argmax_over_long_rows_matches_a_plain_loop() {
     ];
     for (case, &(rows, dim)) in cases.iter().enumerate() {
         let mut x = fresh(rows * dim, 700 + case as u64);
-        // Row 0: a tie between two blocks (the lower wins), NaN beside them.
+        // Row 0: a tie between two blocks (the lower wins).
         let (a, b) = (dim / 3, dim - 1);
         x[a] = 50.0;
         x[b] = 50.0;
-        if a > 0 {
-            x[a - 1] = f32::NAN;
-        }
         if rows > 1 {
-            // Row 1: only NaN and -inf, the first -inf past the first block.
-            for v in &mut x[dim..2 * dim] {
-                *v = f32::NAN;
-            }
+            // Row 1: one infinity in a middle block, below the row's largest value.
             x[dim + dim / 2] = f32::NEG_INFINITY;
-            x[dim + dim - 1] = f32::NEG_INFINITY;
+            x[dim] = 60.0;
         }
         if rows > 2 {
-            // Row 2: NaN only.
-            for v in &mut x[2 * dim..3 * dim] {
-                *v = f32::NAN;
-            }
+            // Row 2: one NaN, in the last block.
+            x[3 * dim - 1] = f32::NAN;
         }
         let want = argmax_plain(&x, rows, dim);
         let at = 2;

@@ -20,8 +20,9 @@ kernel_args! {
 pub(super) const EMBED: &str = "embed";
 pub(super) const EMBED_BF16: &str = "embed_bf16";
 kernel_args! {
-    /// `out[r] = table[ids[r]]`, a block a row; `embed_bf16` from a table of bf16 bits.
-    Embed for &[EMBED, EMBED_BF16] => { table: Ptr, ids: Ptr, out: Ptr, dim: i32 }
+    /// `out[r] = table[ids[r]]`, a block a row, NaN for an id of `rows` or more;
+    /// `embed_bf16` from a table of bf16 bits.
+    Embed for &[EMBED, EMBED_BF16] => { table: Ptr, ids: Ptr, out: Ptr, dim: i32, rows: u32 }
 }
 
 pub(super) const BF16_TO_F32: &str = "bf16_to_f32";
@@ -203,15 +204,16 @@ impl Cuda {
         n: usize,
         out: &mut CudaSlice<f32>,
     ) {
-        let (name, table) = match table {
-            DeviceMatrix::Bf16(t) => (EMBED_BF16, self.ptr(t)),
-            DeviceMatrix::F32(t) => (EMBED, self.ptr(t)),
+        let (name, table, len) = match table {
+            DeviceMatrix::Bf16(t) => (EMBED_BF16, self.ptr(t), t.len()),
+            DeviceMatrix::F32(t) => (EMBED, self.ptr(t), t.len()),
         };
         let args = Embed {
             table,
             ids: self.ptr(ids),
             out: self.ptr_mut(out),
             dim: dim as i32,
+            rows: (len / dim.max(1)).min(u32::MAX as usize) as u32,
         };
         // Up to a thread per value: a decode step's one row is a single block, whose
         // threads would otherwise each wait on several loads in turn.

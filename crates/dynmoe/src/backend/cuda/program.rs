@@ -635,7 +635,10 @@ mod tests {
             *at += 1;
             return v;
         }
-        tok.parse()
+        // An unsigned literal's `u` changes its type, not its value.
+        let digits = tok.strip_suffix('u').unwrap_or(tok);
+        digits
+            .parse()
             .unwrap_or_else(|_| panic!("`{tok}` in a #define"))
     }
 
@@ -683,6 +686,7 @@ mod tests {
             ("SAMPLE_SORT_MAX", crate::backend::sample::BIN_SORT_MAX),
             ("SAMPLE_THREADS", sample::SAMPLE_THREADS),
             ("SAMPLE_HIST_SHARED", sample::HIST_SHARED),
+            ("NOT_A_TOKEN", crate::backend::NOT_A_TOKEN as usize),
         ];
         for &(name, host) in mirrored {
             assert_eq!(define(name), host as i64, "#define {name}");

@@ -6,6 +6,10 @@
 #define WARP 32
 // NVRTC compiles without the C headers that define INFINITY.
 #define NEG_INF __int_as_float(0xff800000)
+// backend::NOT_A_TOKEN: the token of a row of logits that holds a NaN or an infinity.
+#define NOT_A_TOKEN 4294967295u
+// A block's partial index that says its slice of the row was not all finite.
+#define ROW_NOT_FINITE (-2)
 
 // Programmatic dependent launch (sm_90 and later): every kernel lets the next one on its
 // stream be scheduled at once, then waits until the previous one has finished and its

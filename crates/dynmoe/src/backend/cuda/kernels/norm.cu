@@ -9,20 +9,34 @@ extern "C" __global__ void fill(float* x, float v, long long n) {
     for (; i < n; i += stride) x[i] = v;
 }
 
-// Grid: one block per row.
-extern "C" __global__ void embed(const float* table, const unsigned* ids, float* out, int dim) {
+// Grid: one block per row. An id past the table's `rows` (NOT_A_TOKEN, which a queued
+// decode step can be handed by the step before it when that one's logits were not finite)
+// gives a row of NaN, which the step's pick answers with NOT_A_TOKEN again, rather than a
+// read outside the table.
+extern "C" __global__ void embed(const float* table, const unsigned* ids, float* out, int dim,
+                                 unsigned rows) {
     PDL_ENTRY();
-    const float* src = table + (size_t)ids[blockIdx.x] * dim;
+    unsigned id = ids[blockIdx.x];
     float* dst = out + (size_t)blockIdx.x * dim;
+    if (id >= rows) {
+        for (int d = threadIdx.x; d < dim; d += blockDim.x) dst[d] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const float* src = table + (size_t)id * dim;
     for (int d = threadIdx.x; d < dim; d += blockDim.x) dst[d] = src[d];
 }
 
 // The same from a table of bf16 values (their raw 16 bits).
 extern "C" __global__ void embed_bf16(const unsigned short* table, const unsigned* ids, float* out,
-                                      int dim) {
+                                      int dim, unsigned rows) {
     PDL_ENTRY();
-    const unsigned short* src = table + (size_t)ids[blockIdx.x] * dim;
+    unsigned id = ids[blockIdx.x];
     float* dst = out + (size_t)blockIdx.x * dim;
+    if (id >= rows) {
+        for (int d = threadIdx.x; d < dim; d += blockDim.x) dst[d] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const unsigned short* src = table + (size_t)id * dim;
     for (int d = threadIdx.x; d < dim; d += blockDim.x) dst[d] = bf16_bits(src[d]);
 }
 

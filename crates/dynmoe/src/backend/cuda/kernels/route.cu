@@ -169,6 +169,7 @@ extern "C" __global__ void argmax_rows(const float* x, unsigned* out, int dim, i
     int lo = s * chunk, hi = min(dim, lo + chunk);
     float v = NEG_INF;
     int i = 0x7fffffff;
+    bool finite = true;
     // Ascending indices per thread, so a strict > keeps the lower index of a tie; four
     // loads issued before their compares.
     for (int d0 = lo + threadIdx.x; d0 < hi; d0 += 4 * ARGMAX_THREADS) {
@@ -182,13 +183,17 @@ extern "C" __global__ void argmax_rows(const float* x, unsigned* out, int dim, i
         for (int u = 0; u < 4; u++) {
             int d = d0 + u * ARGMAX_THREADS;
             if (d < hi && (a[u] > v || (a[u] == v && d < i))) { v = a[u]; i = d; }
+            if (d < hi && !isfinite(a[u])) finite = false;
         }
     }
+    // A row with a NaN or an infinity has no largest value (Backend::argmax_rows): the
+    // block marks its partial, and the row's token is NOT_A_TOKEN.
+    bool spoilt = __syncthreads_or(!finite);
     block_argmax(v, i, sv, si);
     size_t at = (size_t)r * splits;
     if (threadIdx.x == 0) {
         part[at + s] = v;
-        part_i[at + s] = i;
+        part_i[at + s] = spoilt ? ROW_NOT_FINITE : i;
         // The partial is visible to every block before the count says it is there.
         __threadfence();
         last = atomicAdd(&count[r], 1u) == (unsigned)(splits - 1);
@@ -198,15 +203,18 @@ extern "C" __global__ void argmax_rows(const float* x, unsigned* out, int dim, i
     __threadfence();
     v = NEG_INF;
     i = 0x7fffffff;
+    finite = true;
     for (int k = threadIdx.x; k < splits; k += blockDim.x) {
         // Past L1, which may hold nothing of another block's writes but must not be trusted.
         float pv = __ldcg(part + at + k);
         int pi = __ldcg(part_i + at + k);
+        if (pi == ROW_NOT_FINITE) finite = false;
         if (pv > v || (pv == v && pi < i)) { v = pv; i = pi; }
     }
+    spoilt = __syncthreads_or(!finite);
     block_argmax(v, i, sv, si);
     if (threadIdx.x == 0) {
-        out[r] = (unsigned)(i == 0x7fffffff ? 0 : i);
+        out[r] = spoilt ? NOT_A_TOKEN : (unsigned)(i == 0x7fffffff ? 0 : i);
         count[r] = 0;
     }
 }

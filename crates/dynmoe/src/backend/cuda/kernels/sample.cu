@@ -85,7 +85,8 @@ __device__ float sample_gumbel(unsigned seed_lo, unsigned seed_hi, unsigned long
 
 // s = penalized(logit) / temperature over one block's slice of each row (blockIdx.y), and
 // the slice's maximum. `counts` may be null (no penalty); greedy (temperature <= 0)
-// divides by nothing.
+// divides by nothing. A logit that is not finite becomes a NaN in s, which the kernel that
+// picks the token (argmax_rows or sample_draw) answers with NOT_A_TOKEN, as the host does.
 extern "C" __global__ void sample_scale(const float* logits, const float* counts, float* s,
                                         float* bmax, int vocab, int chunk, float temperature,
                                         float rep, float pres, float freq) {
@@ -99,6 +100,7 @@ extern "C" __global__ void sample_scale(const float* logits, const float* counts
     for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         float v = c ? sample_penalized(l[i], c[i], rep, pres, freq) : l[i];
         if (temperature > 0.0f) v = v / temperature;
+        if (!isfinite(l[i])) v = __int_as_float(0x7fc00000);
         out[i] = v;
         m = fmaxf(m, v);
     }
@@ -405,8 +407,10 @@ extern "C" __global__ void sample_draw(const float* s, const float* bmax, const 
     const float* row = s + (size_t)r * vocab;
     float v = NEG_INF;
     int i = 0x7fffffff;
+    bool finite = true;
     for (int d = lo + threadIdx.x; d < hi; d += blockDim.x) {
         float x = row[d];
+        if (isnan(x)) finite = false;
         if (min_p > 0.0f && !(expf(x - m) >= min_p)) continue;
         if (mode == CUT_EXACT && !(x > tau_s || (x == tau_s && d <= tau_id))) continue;
         if (mode == CUT_BINS && sample_bin(x, m) > tau_bin) continue;
@@ -416,11 +420,12 @@ extern "C" __global__ void sample_draw(const float* s, const float* bmax, const 
             i = d;
         }
     }
+    bool spoilt = __syncthreads_or(!finite);
     block_argmax(v, i, sv, si);
     size_t base = (size_t)r * blocks;
     if (threadIdx.x == 0) {
         part[base + blockIdx.x] = v;
-        part_i[base + blockIdx.x] = i;
+        part_i[base + blockIdx.x] = spoilt ? ROW_NOT_FINITE : i;
         __threadfence();
         last = atomicAdd(&count[r], 1u) == (unsigned)(blocks - 1);
     }
@@ -429,17 +434,20 @@ extern "C" __global__ void sample_draw(const float* s, const float* bmax, const 
     __threadfence();
     v = NEG_INF;
     i = 0x7fffffff;
+    finite = true;
     for (int k = threadIdx.x; k < blocks; k += blockDim.x) {
         float pv = __ldcg(part + base + k);
         int pi = __ldcg(part_i + base + k);
+        if (pi == ROW_NOT_FINITE) finite = false;
         if (pv > v || (pv == v && pi < i)) {
             v = pv;
             i = pi;
         }
     }
+    spoilt = __syncthreads_or(!finite);
     block_argmax(v, i, sv, si);
     if (threadIdx.x == 0) {
-        out[(size_t)r * out_stride + at] = (unsigned)i;
+        out[(size_t)r * out_stride + at] = spoilt ? NOT_A_TOKEN : (unsigned)i;
         count[r] = 0;
     }
     if (hist_count) {
