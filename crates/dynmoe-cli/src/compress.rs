@@ -82,12 +82,14 @@ pub fn compress(a: CompressArgs) -> Result<()> {
         dense_codec: a.dense_codec.unwrap_or(Codec::Bf16),
     };
     let quiet = a.json;
-    let plan = compress::compress(&a.model, &texts, &a.out, &opts, &|msg| {
+    let progress = |msg: &str| {
         if !quiet {
             eprintln!("{msg}");
         }
-    })
-    .with_context(|| format!("compressing {}", a.model.display()))?;
+    };
+    let notice = |msg: &str| eprintln!("{msg}");
+    let plan = compress::compress(&a.model, &texts, &a.out, &opts, &progress, &notice)
+        .with_context(|| format!("compressing {}", a.model.display()))?;
     if !a.plan_only {
         if !quiet {
             eprintln!("writing the compressed model");

@@ -370,7 +370,15 @@ pub fn quality(a: QualityArgs) -> Result<()> {
     );
     let (journal, rows) = Journal::open::<Measured>(&path, &context)
         .with_context(|| format!("opening {}", path.display()))?;
+    if rows.skipped.untrusted() > 0 {
+        eprintln!(
+            "{}: {} damaged or unchecked row(s) not trusted; measuring them again",
+            path.display(),
+            rows.skipped.untrusted()
+        );
+    }
     let done = rows
+        .entries
         .into_iter()
         .map(|mut m| {
             summarize(&mut m.row);
@@ -414,10 +422,9 @@ pub fn quality(a: QualityArgs) -> Result<()> {
                 ctx: 512,
                 dense_codec: dynmoe::codec::Codec::Bf16,
             };
-            let plan = compress::compress(&dir, &calib, &out, &opts, &|msg| {
-                eprintln!("[ISP {bits} b, {rounds} round(s)] {msg}")
-            })
-            .with_context(|| format!("compressing to {bits} bits"))?;
+            let say = |msg: &str| eprintln!("[ISP {bits} b, {rounds} round(s)] {msg}");
+            let plan = compress::compress(&dir, &calib, &out, &opts, &say, &say)
+                .with_context(|| format!("compressing to {bits} bits"))?;
             plans.push((rounds, plan));
         }
         for (rounds, plan) in &plans {
