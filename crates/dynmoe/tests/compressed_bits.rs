@@ -46,17 +46,23 @@ fn group(name: &str) -> Group {
 
 #[test]
 fn each_group_reports_its_bytes_times_8_over_its_parameters() {
+    // Dense layers coded at load (kept bf16 in the directory), and coded in their own file.
+    check("q4", 2.0);
+    check("vq1.5", 4.0);
+}
+
+fn check(dense_codec: &str, bits: f64) {
     let out = TempDir::new("compressed-bits");
     let src = fixture("tiny-moe");
     let calib = std::fs::read_to_string("../../data/corpus/code/calib.txt").unwrap();
     let opts = CompressOptions {
-        bits: 2.0,
+        bits,
         scope: BudgetScope::Experts,
         rounds: 1,
         anneal: Vec::new(),
         chunks: 1,
         ctx: 128,
-        dense_codec: "q4".parse::<Codec>().unwrap(),
+        dense_codec: dense_codec.parse::<Codec>().unwrap(),
     };
     let calib = [("code".to_string(), calib)];
     let plan = compress(&src, &calib, out.dir(), &opts, &|_| {}, &|_| {}).unwrap();
@@ -82,13 +88,60 @@ fn each_group_reports_its_bytes_times_8_over_its_parameters() {
             .product();
         let o = &t["data_offsets"];
         let disk = o[1].as_u64().unwrap() - o[0].as_u64().unwrap();
-        assert!(!name.contains(".experts."), "every layer is coded: {name}");
+        // A layer left bf16 keeps its experts here; the resident ones are its share.
+        let plan_layer = |name: &str| {
+            let l: u64 = name.split('.').nth(2).unwrap().parse().unwrap();
+            plan.layers.iter().find(|p| p.layer as u64 == l).unwrap()
+        };
         // q4: a 4-bit code per weight and a bf16 scale and bias per 64, 4.5 bits.
+        let matrix = t["shape"].as_array().unwrap().len() == 2;
         let resident = match group(name) {
-            Group::Attention if t["shape"].as_array().unwrap().len() == 2 => params * 9 / 16,
+            Group::Attention if matrix && dense_codec == "q4" => params * 9 / 16,
+            Group::Attention if matrix => panic!("{name}: a coded weight left in bf16"),
+            Group::RoutedExperts => {
+                let l = plan_layer(name);
+                disk * l.resident as u64 / l.experts as u64
+            }
             _ => disk,
         };
         add(group(name), params, resident, disk);
+    }
+    let source = header(&src.join("model.safetensors"));
+    let params_of = |t: &Value| -> u64 {
+        t["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .product()
+    };
+    let mut codebooks = 0;
+    let codebook = |rung: &str| {
+        let r = dynmoe::codec::vq::Rung::parse(rung).unwrap();
+        (1u64 << r.index_bits) * r.dim as u64 * 2
+    };
+    if dense_codec.starts_with("vq") {
+        codebooks += codebook(dense_codec);
+        let coded = header(&out.path(&format!("dense-{dense_codec}.safetensors")));
+        let mut weights = 0;
+        for (name, t) in coded.as_object().unwrap() {
+            let o = &t["data_offsets"];
+            let Some(weight) = name
+                .strip_suffix(".vq_codes")
+                .or(name.strip_suffix(".vq_norms"))
+            else {
+                continue;
+            };
+            let bytes = o[1].as_u64().unwrap() - o[0].as_u64().unwrap();
+            let params = if name.ends_with(".vq_codes") {
+                weights += 1;
+                params_of(&source[weight])
+            } else {
+                0
+            };
+            add(group(weight), params, bytes, bytes);
+        }
+        assert!(weights > 0);
     }
     let config = json(&src.join("config.json"));
     let (h, inter) = (
@@ -97,11 +150,13 @@ fn each_group_reports_its_bytes_times_8_over_its_parameters() {
     );
     let plan_json = json(&out.path("plan.json"));
     let manifest = json(&out.path("compressed.json"));
-    let mut codebooks = 0;
     for rung in manifest["stores"].as_object().unwrap().keys() {
         let m = json(&out.path(&format!("experts-{rung}.json")));
         let record = m["record_size"].as_u64().unwrap();
-        codebooks += (1u64 << m["index_bits"].as_u64().unwrap()) * m["dim"].as_u64().unwrap() * 2;
+        if rung != dense_codec {
+            codebooks +=
+                (1u64 << m["index_bits"].as_u64().unwrap()) * m["dim"].as_u64().unwrap() * 2;
+        }
         let file = std::fs::metadata(out.path(&format!("experts-{rung}.bin")))
             .unwrap()
             .len();
@@ -137,20 +192,12 @@ fn each_group_reports_its_bytes_times_8_over_its_parameters() {
         (params, resident, disk) = (params + p, resident + r, disk + d);
     }
     // Every parameter of the checkpoint is counted once.
-    let source = header(&src.join("model.safetensors"));
     let source_params: u64 = source
         .as_object()
         .unwrap()
         .iter()
         .filter(|(n, _)| *n != "__metadata__")
-        .map(|(_, t)| {
-            t["shape"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|d| d.as_u64().unwrap())
-                .product::<u64>()
-        })
+        .map(|(_, t)| params_of(t))
         .sum();
     assert_eq!(params, source_params);
     assert_eq!(got.total.params, params);
