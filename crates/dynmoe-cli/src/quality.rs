@@ -37,6 +37,7 @@ use dynmoe::model::{self, ExpertBits, LoadedModel};
 use dynmoe::residency::{Mode, ResidencyConfig};
 use dynmoe::runtime::residency::follow_plan;
 use dynmoe::store::journal::Journal;
+use dynmoe::store::manifest::Fnv64;
 use dynmoe::store::plan::Plan;
 use dynmoe::store::{vq_encode::encode_experts_by_projection, vq_encode::VqExperts};
 
@@ -360,11 +361,17 @@ pub fn quality(a: QualityArgs) -> Result<()> {
     drop(reference);
     std::fs::create_dir_all(&a.work).with_context(|| format!("creating {}", a.work.display()))?;
     let path = a.work.join("rows.jsonl");
-    // Rows are reused only under the same model, texts and chunking.
+    // Rows are reused only under the same model, texts and chunking, each known by its
+    // contents: a file changed under the same name is measured again.
+    let hash = |t: &str| Fnv64::default().bytes(t.as_bytes()).hex();
     let context = format!(
-        "{} texts={:?} eval_chunks={} calib_chunks={}",
-        dir.display(),
-        texts.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+        "checkpoint {} texts={:?} calib={:?} eval_chunks={} calib_chunks={}",
+        dynmoe::store::content_fingerprint(&ckpt, &dir)?,
+        texts
+            .iter()
+            .map(|(n, t)| format!("{n}={}", hash(t)))
+            .collect::<Vec<_>>(),
+        calib.iter().map(|(_, t)| hash(t)).collect::<Vec<_>>(),
         a.eval_chunks,
         a.calib_chunks
     );
