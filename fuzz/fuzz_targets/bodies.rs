@@ -183,6 +183,7 @@ pub fn journal(data: &[u8]) {
     let path = dir.join("probes.jsonl");
     std::fs::write(&path, data).unwrap();
     let (journal, before) = Journal::open::<Probe>(&path, "ctx").unwrap();
+    let before = before.entries;
     let probe = Probe {
         key: "q4:0".into(),
         loss: 1.5,
@@ -190,5 +191,9 @@ pub fn journal(data: &[u8]) {
     journal.append(&probe).unwrap();
     drop(journal);
     let (_, after) = Journal::open::<Probe>(&path, "ctx").unwrap();
-    assert_eq!(after.len(), before.len() + 1, "the appended line was lost");
+    assert_eq!(
+        after.entries.len(),
+        before.len() + 1,
+        "the appended line was lost"
+    );
 }

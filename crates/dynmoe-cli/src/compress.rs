@@ -82,12 +82,14 @@ pub fn compress(a: CompressArgs) -> Result<()> {
         dense_codec: a.dense_codec.unwrap_or(Codec::Bf16),
     };
     let quiet = a.json;
-    let plan = compress::compress(&a.model, &texts, &a.out, &opts, &|msg| {
+    let progress = |msg: &str| {
         if !quiet {
             eprintln!("{msg}");
         }
-    })
-    .with_context(|| format!("compressing {}", a.model.display()))?;
+    };
+    let notice = |msg: &str| eprintln!("{msg}");
+    let plan = compress::compress(&a.model, &texts, &a.out, &opts, &progress, &notice)
+        .with_context(|| format!("compressing {}", a.model.display()))?;
     if !a.plan_only {
         if !quiet {
             eprintln!("writing the compressed model");
@@ -99,8 +101,22 @@ pub fn compress(a: CompressArgs) -> Result<()> {
         .with_context(|| format!("writing the compressed model to {}", a.out.display()))?;
         bar.finish_and_clear();
     }
+    // The plan's own bits are over its budget's scope; what the written directory takes
+    // over the whole model is read back from it.
+    let model_bits = if a.plan_only {
+        None
+    } else {
+        Some(
+            dynmoe::eval::compressed_bits::compressed_bits(&a.out)
+                .with_context(|| format!("reading back {}", a.out.display()))?,
+        )
+    };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&plan)?);
+        let mut v = serde_json::to_value(&plan)?;
+        if let Some(bits) = &model_bits {
+            v["model_bits"] = serde_json::to_value(bits)?;
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     println!(
@@ -127,5 +143,11 @@ pub fn compress(a: CompressArgs) -> Result<()> {
         if a.plan_only { "plan" } else { "model" },
         a.out.display()
     );
+    if let Some(b) = model_bits {
+        println!(
+            "whole model: {:.3} bits per weight resident, {:.3} on disk ({} codebook bytes apart)",
+            b.total.resident_bits, b.total.disk_bits, b.codebook_bytes
+        );
+    }
     Ok(())
 }

@@ -570,6 +570,9 @@ fn cmd_inspect(a: InspectArgs) -> Result<()> {
             a.resident_fraction
         );
     }
+    if dynmoe::store::compressed::is_compressed(&a.dir) {
+        return inspect_compressed(&a, &inv);
+    }
     let config = dynmoe::checkpoint::Config::from_file(&a.dir.join("config.json"))?;
     let ckpt = dynmoe::checkpoint::Checkpoint::open(&a.dir)?;
     let e = config.moe.num_experts;
@@ -652,6 +655,46 @@ fn cmd_inspect(a: InspectArgs) -> Result<()> {
         priced.resident_bits_per_weight,
         priced.reservoir_bytes,
         priced.stored_bits_per_weight
+    );
+    Ok(())
+}
+
+/// A compressed directory is reported as it is stored, not priced under the codec flags
+/// (which would count its bf16 leftovers as the whole model).
+fn inspect_compressed(a: &InspectArgs, inv: &inspect::Inventory) -> Result<()> {
+    let report = dynmoe::eval::compressed_bits::compressed_bits(&a.dir)
+        .with_context(|| format!("reading the compressed model {}", a.dir.display()))?;
+    if a.json {
+        let mut v = serde_json::to_value(inv)?;
+        v["bits"] = serde_json::to_value(&report)?;
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "{}: compressed, {} layers ({} MoE), {} experts per layer, top-{}",
+        inv.arch, inv.layers, inv.moe_layers, inv.experts_per_layer, inv.top_k
+    );
+    println!(
+        "{:<24} {:>14} {:>14} {:>10} {:>14} {:>10}",
+        "group", "parameters", "resident B", "bits", "disk B", "bits"
+    );
+    let row = |name: &str, g: &dynmoe::eval::compressed_bits::GroupBits| {
+        println!(
+            "{:<24} {:>14} {:>14} {:>10.3} {:>14} {:>10.3}",
+            name, g.params, g.resident_bytes, g.resident_bits, g.disk_bytes, g.disk_bits
+        )
+    };
+    for (group, g) in &report.groups {
+        let name = serde_json::to_value(group)?
+            .as_str()
+            .unwrap_or("?")
+            .to_string();
+        row(&name, g);
+    }
+    row("whole model", &report.total);
+    println!(
+        "{:<24} {:>14} {:>14}   (resident once each, not in the model's bits)",
+        "codebooks", "", report.codebook_bytes
     );
     Ok(())
 }

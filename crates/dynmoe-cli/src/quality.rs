@@ -37,6 +37,7 @@ use dynmoe::model::{self, ExpertBits, LoadedModel};
 use dynmoe::residency::{Mode, ResidencyConfig};
 use dynmoe::runtime::residency::follow_plan;
 use dynmoe::store::journal::Journal;
+use dynmoe::store::manifest::Fnv64;
 use dynmoe::store::plan::Plan;
 use dynmoe::store::{vq_encode::encode_experts_by_projection, vq_encode::VqExperts};
 
@@ -360,17 +361,31 @@ pub fn quality(a: QualityArgs) -> Result<()> {
     drop(reference);
     std::fs::create_dir_all(&a.work).with_context(|| format!("creating {}", a.work.display()))?;
     let path = a.work.join("rows.jsonl");
-    // Rows are reused only under the same model, texts and chunking.
+    // Rows are reused only under the same model, texts and chunking, each known by its
+    // contents: a file changed under the same name is measured again.
+    let hash = |t: &str| Fnv64::default().bytes(t.as_bytes()).hex();
     let context = format!(
-        "{} texts={:?} eval_chunks={} calib_chunks={}",
-        dir.display(),
-        texts.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+        "checkpoint {} texts={:?} calib={:?} eval_chunks={} calib_chunks={}",
+        dynmoe::store::content_fingerprint(&ckpt, &dir)?,
+        texts
+            .iter()
+            .map(|(n, t)| format!("{n}={}", hash(t)))
+            .collect::<Vec<_>>(),
+        calib.iter().map(|(_, t)| hash(t)).collect::<Vec<_>>(),
         a.eval_chunks,
         a.calib_chunks
     );
     let (journal, rows) = Journal::open::<Measured>(&path, &context)
         .with_context(|| format!("opening {}", path.display()))?;
+    if rows.skipped.untrusted() > 0 {
+        eprintln!(
+            "{}: {} damaged or unchecked row(s) not trusted; measuring them again",
+            path.display(),
+            rows.skipped.untrusted()
+        );
+    }
     let done = rows
+        .entries
         .into_iter()
         .map(|mut m| {
             summarize(&mut m.row);
@@ -414,10 +429,9 @@ pub fn quality(a: QualityArgs) -> Result<()> {
                 ctx: 512,
                 dense_codec: dynmoe::codec::Codec::Bf16,
             };
-            let plan = compress::compress(&dir, &calib, &out, &opts, &|msg| {
-                eprintln!("[ISP {bits} b, {rounds} round(s)] {msg}")
-            })
-            .with_context(|| format!("compressing to {bits} bits"))?;
+            let say = |msg: &str| eprintln!("[ISP {bits} b, {rounds} round(s)] {msg}");
+            let plan = compress::compress(&dir, &calib, &out, &opts, &say, &say)
+                .with_context(|| format!("compressing to {bits} bits"))?;
             plans.push((rounds, plan));
         }
         for (rounds, plan) in &plans {

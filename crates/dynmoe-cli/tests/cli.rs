@@ -880,3 +880,30 @@ fn bench_residency_runs_a_compressed_directory_at_its_plan() {
     assert_eq!(r["residency"]["loads_failed"], 0);
     assert!(r["full_tok_s"].as_f64().unwrap() > 0.0 && r["resident_tok_s"].as_f64().unwrap() > 0.0);
 }
+
+/// `inspect` on a compressed directory reports the bytes it holds, not the checkpoint's
+/// precision: its routed experts at vq1.5 bring the whole model under 16 bits, and the
+/// parameters are the inventory's.
+#[test]
+fn inspect_reports_a_compressed_directory_as_stored() {
+    let (dir, _) = tiny_vq_model("cli-inspect-compressed");
+    let dir = dir.dir().display().to_string();
+    let r = json_of(&["inspect", &dir, "--json"]);
+    let bits = &r["bits"];
+    assert_eq!(bits["total"]["params"], r["params_total"]);
+    let experts = &bits["groups"]["routed_experts"];
+    assert_eq!(experts["params"], r["params_by_kind"]["routed_experts"]);
+    assert!(
+        experts["resident_bits"].as_f64().unwrap() < 4.0,
+        "{experts}"
+    );
+    let total = bits["total"]["resident_bits"].as_f64().unwrap();
+    assert!(total < 16.0, "{total}");
+    assert!(bits["codebook_bytes"].as_u64().unwrap() > 0);
+    let text = dynmoe(&["inspect", &dir]);
+    let out = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        out.contains("whole model") && out.contains("codebooks"),
+        "{out}"
+    );
+}

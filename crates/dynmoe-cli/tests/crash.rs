@@ -368,7 +368,7 @@ fn compress_work(n: usize) {
                 ])
             },
             // The probe journal keeps a line per probe run: an interrupted run may have
-            // written a torn line, ended and ignored on the rerun, and probes again.
+            // written a torn line, cut off on the rerun, and probes again.
             skip: &["probes.jsonl"],
             ppl: &[],
         },

@@ -36,7 +36,15 @@ fn compressed_tiny_with(dense_codec: Codec) -> (TempDir, Plan) {
         ctx: 512,
         dense_codec,
     };
-    let plan = compress(&src, &[("code".into(), calib)], out.dir(), &opts, &|_| {}).unwrap();
+    let plan = compress(
+        &src,
+        &[("code".into(), calib)],
+        out.dir(),
+        &opts,
+        &|_| {},
+        &|_| {},
+    )
+    .unwrap();
     compressed::write(&src, out.dir(), &plan, &mut |_, _| {}).unwrap();
     (out, plan)
 }
@@ -264,7 +272,15 @@ fn a_model_scope_plan_prices_its_coded_dense_layers() {
         ctx: 512,
         dense_codec,
     };
-    let plan = compress(&src, &[("en".into(), calib)], out.dir(), &opts, &|_| {}).unwrap();
+    let plan = compress(
+        &src,
+        &[("en".into(), calib)],
+        out.dir(),
+        &opts,
+        &|_| {},
+        &|_| {},
+    )
+    .unwrap();
     assert_eq!(plan.dense_codec, dense_codec);
     assert!(plan.resident_bytes <= plan.budget_bytes);
     let config = dynmoe::checkpoint::Config::from_file(&src.join("config.json")).unwrap();

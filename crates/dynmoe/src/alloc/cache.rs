@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::isp::{Prober, Setting};
-use crate::store::journal::Journal;
+use crate::store::journal::{Journal, Skipped};
 
 /// One journal entry (besides its context: model, calibration text).
 #[derive(Debug, Serialize, Deserialize)]
@@ -36,6 +36,7 @@ pub struct CachedProber<P> {
     journal: Journal,
     known: Mutex<HashMap<String, f64>>,
     hits: std::sync::atomic::AtomicUsize,
+    skipped: Skipped,
 }
 
 /// Why the journal could not be used.
@@ -57,14 +58,15 @@ pub enum CacheError<E> {
 impl<P: Prober> CachedProber<P> {
     /// Opens (or creates) the journal at `path`. Only lines recorded under the same
     /// `context` are reused, so a journal left by another model or calibration text is
-    /// never trusted.
+    /// never trusted; [`CachedProber::skipped`] says what was left out.
     pub fn open(inner: P, path: &Path, context: &str) -> Result<Self, CacheError<P::Error>> {
-        let (journal, entries) =
+        let (journal, reopened) =
             Journal::open::<Entry>(path, context).map_err(|source| CacheError::Io {
                 path: path.to_path_buf(),
                 source,
             })?;
-        let known = entries
+        let known = reopened
+            .entries
             .into_iter()
             .filter(|e| e.loss.is_finite())
             .map(|e| (e.key, e.loss))
@@ -74,7 +76,13 @@ impl<P: Prober> CachedProber<P> {
             journal,
             known: Mutex::new(known),
             hits: Default::default(),
+            skipped: reopened.skipped,
         })
+    }
+
+    /// The journal's lines that were not reused: of other contexts, or untrusted.
+    pub fn skipped(&self) -> &Skipped {
+        &self.skipped
     }
 
     /// Probes answered from the journal so far.
@@ -170,10 +178,11 @@ mod tests {
         );
         drop(again);
 
-        // Another context trusts nothing; the journal still parses line by line.
+        // Another context trusts nothing, and says so; the journal still parses line by line.
         let other = CachedProber::open(Counting(AtomicUsize::new(0)), &path, "model-b").unwrap();
         other.loss(&config(0)).unwrap();
         assert_eq!(other.hits(), 0);
+        assert_eq!(other.skipped().other_contexts["model-a"], 4);
         let lines = std::fs::read_to_string(&path).unwrap();
         assert_eq!(
             lines

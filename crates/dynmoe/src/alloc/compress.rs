@@ -21,6 +21,8 @@ use crate::codec::{Codec, CodecError};
 use crate::eval::bits::{account, Assignment};
 use crate::eval::ppl::{PplError, PplOptions};
 use crate::model::Error;
+use crate::store::journal::Skipped;
+use crate::store::manifest::Fnv64;
 use crate::store::plan::{LayerPlan, Plan, PlanError, FORMAT, PLAN_FILE, VERSION};
 
 /// What the budget is a share of.
@@ -102,13 +104,16 @@ pub fn gaussian_distortion(codec: Codec) -> Result<f64, CodecError> {
 }
 
 /// Runs ISP on the checkpoint at `model` with the calibration `texts` (name, text) and
-/// writes `out/plan.json` (and the probe journal `out/probes.jsonl`).
+/// writes `out/plan.json` (and the probe journal `out/probes.jsonl`). `progress` hears
+/// what is being done; `notice` what a user should know whether or not they follow
+/// progress (journalled probes that are not reused, and why).
 pub fn compress(
     model: &Path,
     texts: &[(String, String)],
     out: &Path,
     opts: &CompressOptions,
     progress: &(dyn Fn(&str) + Sync),
+    notice: &(dyn Fn(&str) + Sync),
 ) -> Result<Plan, CompressError> {
     crate::store::dense_vq::rung_of(opts.dense_codec).map_err(CompressError::Plan)?;
     std::fs::create_dir_all(out).map_err(|source| {
@@ -200,18 +205,21 @@ pub fn compress(
         .filter_map(|name| codecs.iter().position(|c| c.to_string() == *name))
         .collect();
 
-    // Probes under another dense codec measure another model: the codec is part of
-    // the context (bf16 keeps the context earlier journals were written under).
+    // Probes are keyed by what they measure, not by where it lies: the checkpoint's
+    // bytes, each calibration text's bytes, and the settings. A file changed under the
+    // same name is probed again. The dense codec is part of the key too (bf16 adds
+    // nothing, as before it was a setting).
+    progress("hashing the checkpoint and the calibration texts");
     let dense_context = match opts.dense_codec {
         Codec::Bf16 => String::new(),
         c => format!(" | dense {c}"),
     };
     let context = format!(
-        "{} | {} | ctx {} chunks {} | {:?}{dense_context}",
-        model.display(),
+        "checkpoint {} | calib {} | ctx {} chunks {} | {:?}{dense_context}",
+        crate::store::content_fingerprint(&ckpt, model).map_err(Error::from)?,
         texts
             .iter()
-            .map(|(n, _)| n.as_str())
+            .map(|(_, t)| Fnv64::default().bytes(t.as_bytes()).hex())
             .collect::<Vec<_>>()
             .join(","),
         opts.ctx,
@@ -225,6 +233,9 @@ pub fn compress(
         }
         CacheError::Probe(p) => CompressError::Probe(p.to_string()),
     })?;
+    for line in journal_notices(&journal, &context, cached.skipped()) {
+        notice(&line);
+    }
 
     // Codebooks are resident once per rung in use: allocate, add those the plan uses to
     // the fixed bytes, and allocate again until they fit.
@@ -313,6 +324,7 @@ pub fn compress(
             "scope": opts.scope,
             "codebook_bytes": codebook_bytes,
             "probes_from_journal": cached.hits(),
+            "journal_lines_not_trusted": cached.skipped().untrusted() + cached.skipped().other_contexts.values().sum::<usize>(),
             "codecs": options,
             "candidates": codecs.iter().zip(&allowed).filter(|(_, &a)| a).map(|(c, _)| c.to_string()).collect::<Vec<_>>(),
             "removals": removals,
@@ -327,6 +339,40 @@ pub fn compress(
     }
     plan.save(&out.join(PLAN_FILE))?;
     Ok(plan)
+}
+
+/// What a user is told about journalled probes that are not reused.
+fn journal_notices(path: &Path, context: &str, skipped: &Skipped) -> Vec<String> {
+    let name = path.display();
+    let mut out = Vec::new();
+    let other: usize = skipped.other_contexts.values().sum();
+    if other > 0 {
+        out.push(format!(
+            "{name}: {other} probes were recorded under another key (the checkpoint's \
+             contents, a calibration text's contents or the settings differ) and are not \
+             trusted; probing again"
+        ));
+        for (key, n) in &skipped.other_contexts {
+            out.push(format!("  {n} under: {key}"));
+        }
+        out.push(format!("  key now: {context}"));
+    }
+    if !skipped.damaged.is_empty() {
+        let lines: Vec<String> = skipped.damaged.iter().map(|n| n.to_string()).collect();
+        out.push(format!(
+            "{name}: line(s) {} damaged (not JSON, or a checksum that does not match the \
+             line); not trusted, probing again",
+            lines.join(", ")
+        ));
+    }
+    if skipped.unchecked > 0 {
+        out.push(format!(
+            "{name}: {} line(s) carry no checksum (written by an older dynmoe); not trusted, \
+             probing again",
+            skipped.unchecked
+        ));
+    }
+    out
 }
 
 /// The codecs a plan uses: its layers' and the dense layers' (each VQ rung's codebook

@@ -161,6 +161,11 @@ impl Checkpoint {
         })
     }
 
+    /// Each shard's path and its whole file as mapped: header and every tensor's bytes.
+    pub fn shard_bytes(&self) -> impl Iterator<Item = (&Path, &[u8])> {
+        self.shards.iter().map(|s| (s.path.as_path(), &s.mmap[..]))
+    }
+
     fn shard_of(&self, name: &str) -> Result<&Shard, Error> {
         self.index
             .get(name)

@@ -69,6 +69,7 @@ use std::path::{Path, PathBuf};
 pub use layout::{Layout, Proj, PAGE};
 pub use manifest::Manifest;
 pub use reader::{ExpertRecord, ExpertStore};
+pub use tensors::content_fingerprint;
 
 /// The 4-bit base store.
 pub const BASE_FILE: &str = "experts.bin";
