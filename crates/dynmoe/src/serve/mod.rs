@@ -745,6 +745,3 @@ pub fn spawn<B: Backend + 'static>(
             .unwrap_or_else(|| std::io::Error::other("the server stopped before binding").into())),
     }
 }
-
-#[cfg(test)]
-mod tests;

@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{spawn, Running, ServeOptions};
-use crate::backend::Cpu;
-use crate::model::{self, LoadedModel};
-use crate::testing::fixture;
+use dynmoe::backend::Cpu;
+use dynmoe::model::{self, LoadedModel};
+use dynmoe::serve::{spawn, Running, ServeOptions};
+use dynmoe::testing::fixture;
 
 fn load() -> LoadedModel<Cpu> {
     model::load(&fixture("tiny-moe"), Cpu::fast()).expect("tiny-moe loads")
