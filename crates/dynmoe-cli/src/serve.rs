@@ -148,8 +148,9 @@ fn serve_on<B: Backend + 'static>(
 /// connection (a health check's among them) would wait instead of being told to retry.
 #[cfg(unix)]
 fn fit_connections(wanted: usize) -> usize {
-    // The listener, stdio, model files and a margin.
-    const SPARE: u64 = 64;
+    // The listener, stdio, model files, the connections served past the limit (which
+    // answer /health) and a margin.
+    const SPARE: u64 = 32 + serve::OVERFLOW_CONNECTIONS as u64;
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,

@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use dynmoe::backend::Cpu;
 use dynmoe::model::{self, LoadedModel};
-use dynmoe::serve::{spawn, Running, ServeOptions};
+use dynmoe::serve::{spawn, Running, ServeOptions, OVERFLOW_CONNECTIONS};
 use dynmoe::testing::fixture;
 
 fn load() -> LoadedModel<Cpu> {
@@ -107,7 +107,7 @@ fn an_idle_connection_is_closed_after_the_header_timeout() {
 }
 
 #[test]
-fn connections_beyond_the_limit_get_503_while_an_open_one_still_answers() {
+fn connections_beyond_the_limit_get_503_while_health_still_answers() {
     let s = server_with(|o| {
         o.http.max_connections = 3;
         o.http.header_timeout = Duration::from_secs(30);
@@ -116,6 +116,18 @@ fn connections_beyond_the_limit_get_503_while_an_open_one_still_answers() {
     request(&mut first, "GET", "/health", "", "");
     assert_eq!(read_response(&mut first).0, 200);
     let idle: Vec<TcpStream> = (0..2).map(|_| connect(&s)).collect();
+    // Past the limit a connection gets one request: /health is answered, the API is
+    // not, and the connection is closed after it.
+    let (status, head, _) = call(&s, "GET", "/health", "", "");
+    assert_eq!(status, 200, "{head}");
+    let completion = r#"{"prompt": "hi", "max_tokens": 1}"#;
+    let (status, head, v) = call(&s, "POST", "/v1/completions", "", completion);
+    assert_eq!(status, 503, "{head}");
+    assert_eq!(v["error"]["code"], "busy", "{v}");
+    assert!(head.contains("retry-after: 1"), "{head}");
+    // Past those few more, connections are told so without being read.
+    let held: Vec<TcpStream> = (0..OVERFLOW_CONNECTIONS).map(|_| connect(&s)).collect();
+    std::thread::sleep(Duration::from_millis(100));
     let mut over = connect(&s);
     let (status, head, body) = read_response(&mut over);
     assert_eq!(status, 503, "{head}{body}");
@@ -128,13 +140,9 @@ fn connections_beyond_the_limit_get_503_while_an_open_one_still_answers() {
     assert!(started.elapsed() < Duration::from_millis(500));
     // Closing connections gives their places back.
     drop(idle);
+    drop(held);
     let deadline = Instant::now() + Duration::from_secs(3);
-    loop {
-        let mut c = connect(&s);
-        request(&mut c, "GET", "/health", "", "");
-        if read_response(&mut c).0 == 200 {
-            break;
-        }
+    while call(&s, "POST", "/v1/completions", "", completion).0 != 200 {
         assert!(Instant::now() < deadline, "the places were not given back");
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -55,37 +55,53 @@ impl Default for HttpOptions {
     }
 }
 
-/// What an over-the-limit connection is told before it is closed.
-fn busy() -> String {
-    let body = ApiError {
+/// What a connection over the limit is told.
+pub(super) fn busy_error() -> ApiError {
+    ApiError {
         status: 503,
         message: "too many open connections; retry shortly".into(),
         kind: "server_error",
         param: None,
         code: Some("busy"),
     }
-    .body()
-    .to_string();
+}
+
+/// [`busy_error`] as a whole HTTP response, for connections that are not read.
+fn busy() -> String {
+    let body = busy_error().body().to_string();
     format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     )
 }
 
+/// Connections served beyond the limit, one request each, by `busy`: enough that a
+/// health check or a supervisor still gets through while clients hold every place.
+pub const OVERFLOW_CONNECTIONS: usize = 32;
+
 /// Serves `router` on `listener` until `shutdown` resolves, then lets requests in
-/// flight finish for at most the shutdown deadline.
+/// flight finish for at most the shutdown deadline. Past the connection limit, a few
+/// more connections get one request each from `busy`, which answers `/health` and
+/// refuses the rest; past those, connections are refused without being read.
 pub(super) async fn serve(
     listener: TcpListener,
     router: Router,
+    busy: Router,
     opts: &HttpOptions,
     shutdown: impl Future<Output = ()>,
 ) {
     let permits = Arc::new(Semaphore::new(opts.max_connections.max(1)));
+    let overflow = Arc::new(Semaphore::new(OVERFLOW_CONNECTIONS));
     let graceful = GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(opts.header_timeout)
         .keep_alive(true);
+    let mut brief = hyper::server::conn::http1::Builder::new();
+    brief
+        .timer(TokioTimer::new())
+        .header_read_timeout(opts.header_timeout.min(Duration::from_secs(2)))
+        .keep_alive(false);
     tokio::pin!(shutdown);
     loop {
         let stream = tokio::select! {
@@ -100,15 +116,19 @@ pub(super) async fn serve(
                 }
             },
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
-            tokio::spawn(refuse(stream));
-            continue;
+        let (permit, builder, service) = match permits.clone().try_acquire_owned() {
+            Ok(p) => (p, &http, router.clone()),
+            Err(_) => match overflow.clone().try_acquire_owned() {
+                Ok(p) => (p, &brief, busy.clone()),
+                Err(_) => {
+                    tokio::spawn(refuse(stream));
+                    continue;
+                }
+            },
         };
         let _ = stream.set_nodelay(true);
-        let conn = http.serve_connection(
-            TokioIo::new(stream),
-            TowerToHyperService::new(router.clone()),
-        );
+        let conn =
+            builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(service));
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             let _ = conn.await;

@@ -23,7 +23,7 @@ pub mod engine;
 mod http;
 pub mod metrics;
 
-pub use http::HttpOptions;
+pub use http::{HttpOptions, OVERFLOW_CONNECTIONS};
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -582,6 +582,17 @@ fn router<B: Backend + 'static>(app: Arc<App<B>>) -> Router {
     http::layers(router, &http)
 }
 
+/// What connections beyond the limit are served: `/health`, and 503 for the rest.
+fn busy_router() -> Router {
+    let busy = || async {
+        let mut resp = error_response(http::busy_error());
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        resp
+    };
+    Router::new().route("/health", get(health)).fallback(busy)
+}
+
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -641,7 +652,7 @@ where
         let listener = bind(addr).await?;
         let shutdown = shutdown();
         ready(listener.local_addr()?);
-        http::serve(listener, router(app), &http, shutdown).await;
+        http::serve(listener, router(app), busy_router(), &http, shutdown).await;
         Ok(())
     });
     // Connections past the shutdown deadline are dropped here, cancelling their
