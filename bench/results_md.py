@@ -640,7 +640,9 @@ def serve_soak():
         table(["requests", "seconds", "5xx", "panic", "/health probes", "failed",
                "/health p50 / p99 / max", "server RSS warm → end", "result"], summary,
               left=0),
-        source(["serve_soak.json"], "`python3 bench/serve_soak.py --requests 10000` (a "
+        para("The server's RSS in MiB through the run, from its start: "
+             + ", ".join(f"{k / 1024:.1f}" for k in r["samples"]) + "."),
+        source(["serve_soak.json"], "`python3 bench/serve_soak.py --requests 20000` (a "
                "release build)"))
 
 

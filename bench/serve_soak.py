@@ -340,7 +340,9 @@ def main():
             "max_ms": round(health_sorted[-1], 2),
         },
         "rss_kib": {"warm": rss_warm, "end": rss_end, "max": rss_max,
-                    "growth_pct": round(100.0 * (rss_end - rss_warm) / rss_warm, 1)},
+                    "growth_pct": round(100.0 * (rss_end - rss_warm) / rss_warm, 1),
+                    # Twenty samples across the run, to tell a plateau from a climb.
+                    "samples": [kib for _, kib in memory][::max(1, len(memory) // 20)]},
     }
     result["pass"] = (fives == 0 and not panicked and not health_fail
                       and health_sorted[-1] < HEALTH_LIMIT_MS
@@ -362,6 +364,8 @@ def main():
     r = result["rss_kib"]
     print(f"{'RSS warm / end / max MiB':<32}{r['warm'] / 1024:.1f} / {r['end'] / 1024:.1f} / "
           f"{r['max'] / 1024:.1f} ({r['growth_pct']:+.1f}%)")
+    print(f"{'RSS across the run, MiB':<32}"
+          + " ".join(f"{k / 1024:.1f}" for k in r["samples"]))
     print(f"{'pass':<32}{result['pass']}")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
