@@ -2,10 +2,11 @@
 //! (streamed as server-sent events or not), `GET /v1/models`, `GET /health` and
 //! `GET /metrics` (Prometheus text).
 //!
-//! Handlers only parse, tokenize and check a request against the context; the
-//! [`engine`] generates, one scheduler thread over one shared model for every
-//! request. A bad request is answered with an OpenAI error object and a 4xx status;
-//! a full queue with 429 and `Retry-After`.
+//! Handlers read the body, then parse, render and tokenize it on a prepare thread and
+//! check it against the context; the [`engine`] generates, one scheduler thread over
+//! one shared model for every request. Connections, their limits and timeouts, the API
+//! key and CORS are `http`'s. A bad request is answered with an OpenAI error object and
+//! a 4xx status; a full queue with 429 and `Retry-After`.
 //!
 //! ```no_run
 //! use std::sync::Arc;
