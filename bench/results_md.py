@@ -658,6 +658,36 @@ def cuda_kernels():
                "cuda_kernels` (on the GPU machine: `bash scripts/gpu/run.sh kernels`)"))
 
 
+def serve_soak():
+    d = load("serve_soak.json")
+    kinds = sorted(d["by_kind"].items(), key=lambda kv: -kv[1])
+    rows = [[f"`{k}`", num(n), num(d["failures_by_kind"].get(k, 0))] for k, n in kinds]
+    h, r = d["health"], d["rss_kib"]
+    summary = [[num(d["requests"]), num(d["seconds"], 1), d["responses_5xx"],
+                "yes" if d["server_panicked"] else "no", num(h["probes"]), h["failed"],
+                f"{h['p50_ms']:.2f} / {h['p99_ms']:.2f} / {h['max_ms']:.2f} ms",
+                f"{num(r['warm'])} → {num(r['end'])} KiB ({r['growth_pct']:+.1f}%)",
+                "pass" if d["pass"] else "FAIL"]]
+    return section(
+        "Soaking the server",
+        para(f"""`dynmoe serve` on loopback, the tiny fixture, `--max-seqs {d['max_seqs']}`,
+             header and body timeouts of {d['header_timeout_s']:g} s, {d['clients']} client
+             threads sending a seeded mix of good requests, bad bodies, unknown paths, slow
+             and idle connections, stalled bodies and clients that leave mid-stream, while
+             a probe times `/health` every 50 ms on a fresh connection. A kind's requests
+             are unexpected when answered otherwise than it should be (a good request with
+             anything but 200 or 429, a bad one without a 4xx error object, a slow or idle
+             connection left open past the timeout)."""),
+        table(["kind", "requests", "unexpected"], rows),
+        table(["requests", "seconds", "5xx", "panic", "/health probes", "failed",
+               "/health p50 / p99 / max", "server RSS warm → end", "result"], summary,
+              left=0),
+        para("The server's RSS in MiB through the run, from its start: "
+             + ", ".join(f"{k / 1024:.1f}" for k in r["samples"]) + "."),
+        source(["serve_soak.json"], "`python3 bench/serve_soak.py --requests 20000` (a "
+               "release build)"))
+
+
 # -- the document -------------------------------------------------------------------
 
 PARTS = [
@@ -666,7 +696,7 @@ PARTS = [
     ("Speed on the CPU, and the codecs", [cpu_forward, codecs, vq_kernels, expert_kernels,
                                          serve_load]),
     ("The GPU", [model_speed, decode_sampled_batched, residency_gpu, cuda_kernels]),
-    ("Robustness", [fuzz]),
+    ("Robustness", [fuzz, serve_soak]),
 ]
 
 

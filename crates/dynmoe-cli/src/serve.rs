@@ -9,7 +9,7 @@ use clap::Args;
 use dynmoe::runtime::chat::{self, ChatTemplate, Message};
 use dynmoe::runtime::generate::generate_ids;
 use dynmoe::serve::engine::EngineOptions;
-use dynmoe::serve::{self, ServeOptions};
+use dynmoe::serve::{self, HttpOptions, ServeOptions};
 
 use dynmoe::backend::sample::Sampling;
 use dynmoe::backend::Backend;
@@ -48,19 +48,69 @@ pub struct ServeArgs {
     /// Request bodies larger than this are refused with 413.
     #[arg(long, default_value_t = 1 << 20)]
     max_body_bytes: usize,
+    /// Seconds a connection may take to send a request's headers, counted from
+    /// when it opens or from its last reply; idle connections are closed after it.
+    #[arg(long, default_value_t = 10.0)]
+    header_timeout: f64,
+    /// Seconds a request's body may take to arrive; slower ones get 408.
+    #[arg(long, default_value_t = 30.0)]
+    body_timeout: f64,
+    /// Open connections at most; more get 503 and are closed.
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
+    /// Seconds replies in progress get to finish after Ctrl-C or SIGTERM.
+    #[arg(long, default_value_t = 10.0)]
+    shutdown_timeout: f64,
+    /// Require `Authorization: Bearer <KEY>` on every endpoint but /health.
+    /// Also read from DYNMOE_API_KEY, which keeps the key out of the process list.
+    #[arg(long, env = "DYNMOE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// An origin a browser page may call the API from (repeat for more; `*` for
+    /// any). Without one, no CORS headers are sent.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
     /// One resident set, shared by every request served.
     #[command(flatten)]
     residency: ResidencyArgs,
+}
+
+fn seconds(flag: &str, s: f64) -> Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .with_context(|| format!("--{flag} must be a positive number of seconds, not {s}"))
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
     if a.max_seqs == 0 {
         anyhow::bail!("--max-seqs must be at least 1");
     }
-    with_model!(a.model, |m| serve_on(m, &a))
+    let http = http_options(&a)?;
+    with_model!(a.model, |m| serve_on(m, &a, http))
 }
 
-fn serve_on<B: Backend + 'static>(mut m: LoadedModel<B>, a: &ServeArgs) -> Result<()> {
+fn http_options(a: &ServeArgs) -> Result<HttpOptions> {
+    if a.max_connections == 0 {
+        anyhow::bail!("--max-connections must be at least 1");
+    }
+    if a.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        anyhow::bail!("--api-key must not be empty");
+    }
+    Ok(HttpOptions {
+        header_timeout: seconds("header-timeout", a.header_timeout)?,
+        body_timeout: seconds("body-timeout", a.body_timeout)?,
+        max_connections: a.max_connections,
+        shutdown_deadline: seconds("shutdown-timeout", a.shutdown_timeout)?,
+        api_key: a.api_key.clone(),
+        cors_origins: a.cors_origins.clone(),
+    })
+}
+
+fn serve_on<B: Backend + 'static>(
+    mut m: LoadedModel<B>,
+    a: &ServeArgs,
+    http: HttpOptions,
+) -> Result<()> {
     a.residency.install(&mut m)?;
     let name = match a.name.clone() {
         Some(n) => n,
@@ -80,6 +130,8 @@ fn serve_on<B: Backend + 'static>(mut m: LoadedModel<B>, a: &ServeArgs) -> Resul
         max_sequences: a.max_seqs,
         queue_capacity: a.queue,
     };
+    opts.http = http;
+    opts.http.max_connections = fit_connections(opts.http.max_connections);
     let addr = format!("{}:{}", a.host, a.port);
     serve::run(
         Arc::new(m),
@@ -89,6 +141,49 @@ fn serve_on<B: Backend + 'static>(mut m: LoadedModel<B>, a: &ServeArgs) -> Resul
         serve::interrupted,
     )?;
     Ok(())
+}
+
+/// Raises the open-file limit toward what `wanted` connections need, and lowers the
+/// connection limit to what the file limit allows: beyond it `accept` fails, and a new
+/// connection (a health check's among them) would wait instead of being told to retry.
+#[cfg(unix)]
+fn fit_connections(wanted: usize) -> usize {
+    // The listener, stdio, model files, the connections served past the limit (which
+    // answer /health) and a margin.
+    const SPARE: u64 = 32 + serve::OVERFLOW_CONNECTIONS as u64;
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return wanted;
+    }
+    let need = wanted as u64 + SPARE;
+    if lim.rlim_cur < need {
+        let raised = libc::rlimit {
+            rlim_cur: need.min(lim.rlim_max),
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: setrlimit reads the struct it is given.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim.rlim_cur = raised.rlim_cur;
+        }
+    }
+    let fits = lim.rlim_cur.saturating_sub(SPARE).max(1);
+    if fits < wanted as u64 {
+        eprintln!(
+            "dynmoe: the open-file limit is {}; serving at most {fits} connections instead of {wanted} (raise it with ulimit -n)",
+            lim.rlim_cur
+        );
+        return fits as usize;
+    }
+    wanted
+}
+
+#[cfg(not(unix))]
+fn fit_connections(wanted: usize) -> usize {
+    wanted
 }
 
 fn dir_name(dir: &std::path::Path) -> String {

@@ -357,6 +357,73 @@ fn serve_answers_on_the_printed_address_and_stops_on_sigterm() {
 }
 
 #[test]
+fn sigterm_ends_serve_within_its_deadline_with_a_half_sent_header_open() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dynmoe"))
+        .args(["serve", "--model", &tiny(), "--port", "0", "--name", "tiny"])
+        .args(["--header-timeout", "60", "--shutdown-timeout", "0.5"])
+        .current_dir(root())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("an address line").unwrap();
+        if let Some(rest) = line.strip_prefix("dynmoe serving tiny on http://") {
+            break rest.to_string();
+        }
+    };
+    let mut half = std::net::TcpStream::connect(&addr).unwrap();
+    half.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let started = Instant::now();
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(5) {
+            let _ = child.kill();
+            panic!("serve was still running 5 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn serve_refuses_bad_limits_before_loading() {
+    for (args, flag) in [
+        (["--header-timeout", "0"], "--header-timeout"),
+        (["--body-timeout", "inf"], "--body-timeout"),
+        (["--max-connections", "0"], "--max-connections"),
+        (["--api-key", " "], "--api-key"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_dynmoe"))
+            .args(["serve", "--model", &tiny(), "--port", "0"])
+            .args(args)
+            .current_dir(root())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
+}
+
+#[test]
 fn eval_hitrate_prints_the_grid_as_json() {
     let text = |d: &str| {
         root()

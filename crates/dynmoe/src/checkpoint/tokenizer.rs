@@ -158,6 +158,20 @@ impl Tokenizer {
         v
     }
 
+    /// The most bytes of text one token can stand for: the longest entry of the
+    /// vocabulary, added tokens included. A byte-level vocabulary spells a byte of
+    /// 0x80 or above as a two-byte character, so this is never less than the truth;
+    /// `text.len() / longest_token_bytes()` is a floor on the tokens `text` encodes to.
+    pub fn longest_token_bytes(&self) -> usize {
+        self.inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1)
+    }
+
     /// The id of a token written exactly as `text` (special tokens included).
     pub fn token_id(&self, text: &str) -> Option<u32> {
         self.inner.token_to_id(text)

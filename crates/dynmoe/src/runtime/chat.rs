@@ -23,6 +23,12 @@ const END_OF_TURN: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end|>"];
 /// which no tokenizer gives a meaning and which is replaced in content by U+FFFD.
 const MARK: char = '\u{10FFFD}';
 
+/// Template instructions one render may run before it is stopped. A template comes
+/// with the model, not from a trusted author, and a nested loop over `range` can run
+/// for hours; ChatML takes about twenty steps a message, so this leaves room for tens
+/// of thousands of messages while a runaway template stops within a second or so.
+pub const STEP_BUDGET: u64 = 5_000_000;
+
 /// One turn of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
@@ -50,6 +56,8 @@ pub struct TemplateError {
     pub origin: &'static str,
     /// What minijinja or the template said.
     pub reason: String,
+    /// The render ran past its step budget (see [`ChatTemplate::with_step_budget`]).
+    pub out_of_steps: bool,
 }
 
 /// A compiled chat template with the special tokens templates refer to.
@@ -58,6 +66,7 @@ pub struct ChatTemplate {
     origin: &'static str,
     bos_token: String,
     eos_token: String,
+    steps: u64,
 }
 
 impl ChatTemplate {
@@ -99,13 +108,29 @@ impl ChatTemplate {
             .map_err(|e| TemplateError {
                 origin,
                 reason: e.to_string(),
+                out_of_steps: false,
             })?;
+        env.set_fuel(Some(STEP_BUDGET));
         Ok(ChatTemplate {
             env,
             origin,
             bos_token,
             eos_token,
+            steps: STEP_BUDGET,
         })
+    }
+
+    /// The same template stopped after `steps` instructions a render instead of
+    /// [`STEP_BUDGET`].
+    pub fn with_step_budget(mut self, steps: u64) -> ChatTemplate {
+        self.env.set_fuel(Some(steps));
+        self.steps = steps;
+        self
+    }
+
+    /// Instructions one render may run.
+    pub fn step_budget(&self) -> u64 {
+        self.steps
     }
 
     /// Where the template came from: `tokenizer_config.json` or `default ChatML`.
@@ -160,6 +185,7 @@ impl ChatTemplate {
         let encoding = |e: crate::checkpoint::Error| TemplateError {
             origin: self.origin,
             reason: format!("encoding the prompt: {e}"),
+            out_of_steps: false,
         };
         let mut ids: Vec<u32> = tok.bos.into_iter().collect();
         let mut rest = text.as_str();
@@ -189,6 +215,16 @@ impl ChatTemplate {
     }
 
     fn error(&self, e: minijinja::Error) -> TemplateError {
+        if e.kind() == minijinja::ErrorKind::OutOfFuel {
+            return TemplateError {
+                origin: self.origin,
+                reason: format!(
+                    "rendering ran past the template's step budget of {} steps (does it loop?)",
+                    self.steps
+                ),
+                out_of_steps: true,
+            };
+        }
         let mut reason = e.to_string();
         let mut source = std::error::Error::source(&e);
         while let Some(s) = source {
@@ -198,6 +234,7 @@ impl ChatTemplate {
         TemplateError {
             origin: self.origin,
             reason,
+            out_of_steps: false,
         }
     }
 }
@@ -252,6 +289,22 @@ mod tests {
         let e = t.render(&[Message::new("user", "a")]).unwrap_err();
         assert_eq!(e.origin, "test");
         assert!(e.to_string().contains("roles must alternate"), "{e}");
+    }
+
+    #[test]
+    fn a_looping_template_stops_at_its_step_budget() {
+        let t = template(
+            "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+        )
+        .with_step_budget(100_000);
+        let started = std::time::Instant::now();
+        let e = t.render(&[Message::new("user", "a")]).unwrap_err();
+        assert!(e.out_of_steps, "{e}");
+        assert!(e.to_string().contains("step budget of 100000 steps"), "{e}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(2));
+        // ChatML over many messages stays well inside the default budget.
+        let many = vec![Message::new("user", "hello"); 20_000];
+        template(CHATML).render(&many).unwrap();
     }
 
     #[test]

@@ -2,10 +2,11 @@
 //! (streamed as server-sent events or not), `GET /v1/models`, `GET /health` and
 //! `GET /metrics` (Prometheus text).
 //!
-//! Handlers only parse, tokenize and check a request against the context; the
-//! [`engine`] generates, one scheduler thread over one shared model for every
-//! request. A bad request is answered with an OpenAI error object and a 4xx status;
-//! a full queue with 429 and `Retry-After`.
+//! Handlers read the body, then parse, render and tokenize it on a prepare thread and
+//! check it against the context; the [`engine`] generates, one scheduler thread over
+//! one shared model for every request. Connections, their limits and timeouts, the API
+//! key and CORS are `http`'s. A bad request is answered with an OpenAI error object and
+//! a 4xx status; a full queue with 429 and `Retry-After`.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -20,7 +21,10 @@
 
 pub mod api;
 pub mod engine;
+mod http;
 pub mod metrics;
+
+pub use http::{HttpOptions, OVERFLOW_CONNECTIONS};
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -32,7 +36,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, State};
 use axum::http::{header, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -40,6 +44,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::Semaphore;
 
 use crate::backend::Backend;
 use crate::model::LoadedModel;
@@ -60,6 +65,13 @@ pub struct ServeOptions {
     pub max_body_bytes: usize,
     /// Queue and concurrency.
     pub engine: EngineOptions,
+    /// Connection limits, timeouts, the API key and CORS.
+    pub http: HttpOptions,
+    /// Requests rendered and tokenized at the same time, on threads of their own so
+    /// that a slow one never holds up the threads answering `/health`; more wait.
+    pub prepare_threads: usize,
+    /// Instructions the chat template may run for one request.
+    pub template_steps: u64,
 }
 
 impl ServeOptions {
@@ -71,6 +83,9 @@ impl ServeOptions {
             default_max_tokens: 256,
             max_body_bytes: 1 << 20,
             engine: EngineOptions::default(),
+            http: HttpOptions::default(),
+            prepare_threads: std::thread::available_parallelism().map_or(2, |n| n.get().min(8)),
+            template_steps: chat::STEP_BUDGET,
         }
     }
 }
@@ -94,6 +109,11 @@ struct App<B: Backend> {
     options: ServeOptions,
     created: u64,
     next_id: AtomicU64,
+    /// Permits to render and tokenize, one per prepare thread.
+    prepare: Arc<Semaphore>,
+    /// The most bytes one token stands for: a prompt longer than the context times
+    /// this is refused without tokenizing it.
+    longest_token: usize,
 }
 
 fn unix_now() -> u64 {
@@ -104,7 +124,10 @@ fn unix_now() -> u64 {
 
 impl<B: Backend + 'static> App<B> {
     fn new(model: Arc<LoadedModel<B>>, options: ServeOptions) -> Result<App<B>, TemplateError> {
-        let template = ChatTemplate::for_tokenizer(&model.tokenizer)?;
+        let template =
+            ChatTemplate::for_tokenizer(&model.tokenizer)?.with_step_budget(options.template_steps);
+        let longest_token = model.tokenizer.longest_token_bytes();
+        let prepare = Arc::new(Semaphore::new(options.prepare_threads.max(1)));
         let config_eos = &model.model.config.eos_token_ids;
         let mut stop: Vec<u32> = model
             .tokenizer
@@ -126,6 +149,8 @@ impl<B: Backend + 'static> App<B> {
             options,
             created: unix_now(),
             next_id: AtomicU64::new(1),
+            prepare,
+            longest_token,
         })
     }
 
@@ -163,14 +188,25 @@ impl<B: Backend + 'static> App<B> {
         }
         let tok = &self.model.tokenizer;
         let ids = match prompt {
-            Prompt::Text(text) => tok.encode(text).map_err(|e| e.to_string()),
-            // The template's control tokens as tokens, the messages' text as text.
-            Prompt::Chat(messages) => self
-                .template
-                .encode(tok, messages)
-                .map_err(|e| e.to_string()),
-        }
-        .map_err(|e| ApiError::invalid(prompt_param, e))?;
+            Prompt::Text(text) => {
+                self.fits(text.len(), prompt_param)?;
+                tok.encode(text)
+                    .map_err(|e| ApiError::invalid(prompt_param, e.to_string()))?
+            }
+            Prompt::Chat(messages) => {
+                // The template may drop or repeat content, so the rendered text is
+                // what is measured; rendering is cheap next to tokenizing.
+                let text = self
+                    .template
+                    .render(messages)
+                    .map_err(|e| template_error(e, prompt_param))?;
+                self.fits(text.len(), prompt_param)?;
+                // The template's control tokens as tokens, the messages' text as text.
+                self.template
+                    .encode(tok, messages)
+                    .map_err(|e| template_error(e, prompt_param))?
+            }
+        };
         if ids.is_empty() {
             return Err(ApiError::invalid(
                 prompt_param,
@@ -210,6 +246,25 @@ impl<B: Backend + 'static> App<B> {
             stop_tokens: stop_tokens.to_vec(),
             stop_strings: params.stop.clone(),
         })
+    }
+
+    /// Refuses a prompt of `bytes` that must encode to more tokens than the context
+    /// holds, before the tokenizer spends a second on it.
+    fn fits(&self, bytes: usize, prompt_param: &str) -> Result<(), ApiError> {
+        // Normalizers can shorten text (composing accents, for one); the factor of two
+        // keeps the floor below any prompt that could fit.
+        let floor = bytes / (2 * self.longest_token);
+        let ctx = self.options.context;
+        if floor >= ctx {
+            return Err(ApiError::invalid(
+                prompt_param,
+                format!(
+                    "{prompt_param} is {bytes} bytes, at least {floor} tokens; the context holds {ctx}"
+                ),
+            )
+            .with_code("context_length_exceeded"));
+        }
+        Ok(())
     }
 
     fn submit(&self, request: Request) -> Result<UnboundedReceiver<Event>, ApiError> {
@@ -282,6 +337,16 @@ impl Reply {
     }
 }
 
+fn template_error(e: TemplateError, prompt_param: &str) -> ApiError {
+    let out_of_steps = e.out_of_steps;
+    let err = ApiError::invalid(prompt_param, e.to_string());
+    if out_of_steps {
+        err.with_code("template_step_budget_exceeded")
+    } else {
+        err
+    }
+}
+
 fn error_response(e: ApiError) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST);
     let mut resp = (status, Json(e.body())).into_response();
@@ -303,36 +368,81 @@ fn body_of(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     })
 }
 
-async fn completions<B: Backend + 'static>(
-    State(app): State<Arc<App<B>>>,
-    body: Result<Bytes, BytesRejection>,
+/// Reads the body within the body timeout.
+async fn read_body<B: Backend>(
+    app: &App<B>,
+    req: axum::extract::Request,
+) -> Result<Bytes, ApiError> {
+    match tokio::time::timeout(app.options.http.body_timeout, Bytes::from_request(req, &())).await {
+        Ok(body) => body_of(body),
+        Err(_) => Err(ApiError {
+            status: 408,
+            message: format!(
+                "the request body did not arrive within {} s",
+                app.options.http.body_timeout.as_secs_f64()
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("body_timeout"),
+        }),
+    }
+}
+
+type Started = (Reply, Params, UnboundedReceiver<Event>);
+
+/// Runs `prepare` (parsing, the template, the tokenizer) on a prepare thread once a
+/// permit is free: these take time in proportion to the prompt, or any time at all
+/// for a bad template, and the server's own threads must stay free to answer.
+async fn prepared<B: Backend + 'static>(
+    app: &Arc<App<B>>,
+    prepare: impl FnOnce(&App<B>) -> Result<Started, ApiError> + Send + 'static,
 ) -> Response {
-    let started = || -> Result<(Reply, Params, UnboundedReceiver<Event>), ApiError> {
-        let body = body_of(body)?;
-        let (prompt, params) = api::parse_completion(&body, app.fresh_seed())?;
-        let req = app.request(Prompt::Text(&prompt), &params, &app.stop, "prompt")?;
-        Ok((Reply::new(&app, false), params, app.submit(req)?))
+    let Ok(permit) = app.prepare.clone().acquire_owned().await else {
+        return error_response(server_error("the server is shutting down".into()));
     };
-    match started() {
+    let app = app.clone();
+    let started = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        prepare(&app)
+    })
+    .await
+    .unwrap_or_else(|_| Err(server_error("preparing the request failed".into())));
+    match started {
         Ok((reply, params, rx)) => respond(reply, params.stream, rx).await,
         Err(e) => error_response(e),
     }
 }
 
+async fn completions<B: Backend + 'static>(
+    State(app): State<Arc<App<B>>>,
+    req: axum::extract::Request,
+) -> Response {
+    let body = match read_body(&app, req).await {
+        Ok(b) => b,
+        Err(e) => return error_response(e),
+    };
+    prepared(&app, move |app| {
+        let (prompt, params) = api::parse_completion(&body, app.fresh_seed())?;
+        let req = app.request(Prompt::Text(&prompt), &params, &app.stop, "prompt")?;
+        Ok((Reply::new(app, false), params, app.submit(req)?))
+    })
+    .await
+}
+
 async fn chat_completions<B: Backend + 'static>(
     State(app): State<Arc<App<B>>>,
-    body: Result<Bytes, BytesRejection>,
+    req: axum::extract::Request,
 ) -> Response {
-    let started = || -> Result<(Reply, Params, UnboundedReceiver<Event>), ApiError> {
-        let body = body_of(body)?;
+    let body = match read_body(&app, req).await {
+        Ok(b) => b,
+        Err(e) => return error_response(e),
+    };
+    prepared(&app, move |app| {
         let (messages, params) = api::parse_chat(&body, app.fresh_seed())?;
         let req = app.request(Prompt::Chat(&messages), &params, &app.chat_stop, "messages")?;
-        Ok((Reply::new(&app, true), params, app.submit(req)?))
-    };
-    match started() {
-        Ok((reply, params, rx)) => respond(reply, params.stream, rx).await,
-        Err(e) => error_response(e),
-    }
+        Ok((Reply::new(app, true), params, app.submit(req)?))
+    })
+    .await
 }
 
 async fn respond(reply: Reply, stream: bool, mut rx: UnboundedReceiver<Event>) -> Response {
@@ -460,7 +570,8 @@ async fn not_found() -> Response {
 
 fn router<B: Backend + 'static>(app: Arc<App<B>>) -> Router {
     let limit = app.options.max_body_bytes;
-    Router::new()
+    let http = app.options.http.clone();
+    let router = Router::new()
         .route("/v1/completions", post(completions::<B>))
         .route("/v1/chat/completions", post(chat_completions::<B>))
         .route("/v1/models", get(models::<B>))
@@ -468,7 +579,19 @@ fn router<B: Backend + 'static>(app: Arc<App<B>>) -> Router {
         .route("/metrics", get(prometheus::<B>))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
-        .with_state(app)
+        .with_state(app);
+    http::layers(router, &http)
+}
+
+/// What connections beyond the limit are served: `/health`, and 503 for the rest.
+fn busy_router() -> Router {
+    let busy = || async {
+        let mut resp = error_response(http::busy_error());
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        resp
+    };
+    Router::new().route("/health", get(health)).fallback(busy)
 }
 
 /// Why the server could not start.
@@ -499,9 +622,11 @@ async fn bind(addr: &str) -> Result<tokio::net::TcpListener, ServeError> {
         })
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime, ServeError> {
+fn runtime(options: &ServeOptions) -> Result<tokio::runtime::Runtime, ServeError> {
     Ok(tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        // Prepare threads and a few for the runtime's own blocking work.
+        .max_blocking_threads(options.prepare_threads.max(1) + 4)
         .enable_all()
         .build()?)
 }
@@ -521,17 +646,20 @@ pub fn run<B: Backend + 'static, F>(
 where
     F: Future<Output = ()> + Send + 'static,
 {
+    let rt = runtime(&options)?;
     let app = Arc::new(App::new(model, options)?);
-    let rt = runtime()?;
-    rt.block_on(async move {
+    let http = app.options.http.clone();
+    let served = rt.block_on(async move {
         let listener = bind(addr).await?;
         let shutdown = shutdown();
         ready(listener.local_addr()?);
-        axum::serve(listener, router(app))
-            .with_graceful_shutdown(shutdown)
-            .await?;
+        http::serve(listener, router(app), busy_router(), &http, shutdown).await;
         Ok(())
-    })
+    });
+    // Connections past the shutdown deadline are dropped here, cancelling their
+    // sequences; a prepare thread still running is not waited for.
+    rt.shutdown_timeout(std::time::Duration::from_millis(100));
+    served
 }
 
 /// A future that resolves on Ctrl-C or SIGTERM: the shutdown signal of a server run from
