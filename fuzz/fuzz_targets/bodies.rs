@@ -8,6 +8,7 @@ use std::sync::Mutex;
 
 use dynmoe::checkpoint::{Checkpoint, Config, Tokenizer};
 use dynmoe::runtime::chat::{ChatTemplate, Message};
+use dynmoe::serve::api::{parse_chat, parse_completion, ApiError, Params};
 use dynmoe::store::journal::Journal;
 use dynmoe::store::plan::Plan;
 use dynmoe::store::{lowbit, vq::VqManifest, ExpertStore, Manifest};
@@ -17,13 +18,14 @@ pub type Target = fn(&[u8]);
 
 /// The targets, by name: what tools/fuzz/run.sh and the corpus directories are called.
 #[allow(dead_code)]
-pub const TARGETS: [(&str, Target); 6] = [
+pub const TARGETS: [(&str, Target); 7] = [
     ("checkpoint", checkpoint),
     ("config", config),
     ("chat", chat),
     ("store", store),
     ("plan", plan),
     ("journal", journal),
+    ("http", http),
 ];
 
 /// A directory of this process's own, emptied of `names` before each input.
@@ -196,4 +198,30 @@ pub fn journal(data: &[u8]) {
         before.len() + 1,
         "the appended line was lost"
     );
+}
+
+/// A request body of `/v1/completions` and of `/v1/chat/completions`: any bytes give
+/// settings the sampler accepts, or an OpenAI error object naming what is wrong, never a
+/// panic.
+pub fn http(data: &[u8]) {
+    let settled = |got: Result<Params, ApiError>| match got {
+        Ok(p) => {
+            if let Err(e) = p.sampling.check() {
+                panic!("a body's settings the sampler refuses: {e}");
+            }
+            assert!(p.stop.len() <= 4, "{} stop sequences", p.stop.len());
+        }
+        Err(e) => {
+            assert!((400..600).contains(&e.status), "status {}", e.status);
+            let body = e.body();
+            assert!(body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()));
+        }
+    };
+    settled(parse_completion(data, 7).map(|(_, p)| p));
+    settled(parse_chat(data, 7).map(|(messages, p)| {
+        assert!(!messages.is_empty());
+        p
+    }));
 }

@@ -6,7 +6,8 @@
 #
 # Targets: checkpoint (safetensors shards and index), config (config.json), chat
 # (tokenizer_config.json, chat templates, special tokens in messages), store (affine store
-# manifests and records, VQ manifests), plan (plan.json), journal (the probe journal).
+# manifests and records, VQ manifests), plan (plan.json), journal (the probe journal),
+# http (the server's request bodies).
 # What each does with an input is in fuzz/fuzz_targets/bodies.rs; `cargo test` replays
 # fuzz/corpus through the same functions (crates/dynmoe/tests/fuzz_corpus.rs).
 #
@@ -17,7 +18,7 @@
 # toolchain takes with RUSTC_BOOTSTRAP=1.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-TARGETS="checkpoint config chat store plan journal"
+TARGETS="checkpoint config chat store plan journal http"
 want=${1:?usage: tools/fuzz/run.sh TARGET|all [SECONDS]}
 seconds=${2:-60}
 [ "$want" = all ] && want=$TARGETS
