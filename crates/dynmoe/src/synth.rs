@@ -396,16 +396,6 @@ fn tensor_bytes(name: &str, n: usize, seed: u64) -> Vec<u8> {
     out
 }
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
-    move |source| {
-        crate::checkpoint::Error::Io {
-            path: path.to_path_buf(),
-            source,
-        }
-        .into()
-    }
-}
-
 /// Values in each independently seeded chunk of a tensor of `dense.safetensors`, so that
 /// one tensor is made on many threads, with the same bytes whatever their number.
 const CHUNK: usize = 1 << 20;
@@ -545,7 +535,7 @@ fn write_config_and_tokenizer(
     for file in ["tokenizer.json", "tokenizer_config.json"] {
         let src = tokenizer_dir.join(file);
         if src.exists() {
-            let bytes = std::fs::read(&src).map_err(io(&src))?;
+            let bytes = std::fs::read(&src).map_err(Error::io(&src))?;
             atomic::write_file(&out.join(file), &bytes)?;
         }
     }
@@ -588,7 +578,7 @@ pub fn synth_converted(
     {
         return Err(store::Error::UnsupportedBits { bits: b }.into());
     }
-    std::fs::create_dir_all(out).map_err(io(out))?;
+    std::fs::create_dir_all(out).map_err(Error::io(out))?;
     for other in [
         "model.safetensors",
         "model.safetensors.index.json",
@@ -698,7 +688,7 @@ fn check_compressed_out(out: &Path) -> Result<(), Error> {
     }
     let manifest = out.join(compressed::MANIFEST_FILE);
     if manifest.exists() {
-        let text = std::fs::read(&manifest).map_err(io(&manifest))?;
+        let text = std::fs::read(&manifest).map_err(Error::io(&manifest))?;
         let synthetic = serde_json::from_slice::<serde_json::Value>(&text)
             .is_ok_and(|v| v.get("generator").is_some_and(|g| !g.is_null()));
         if !synthetic {
@@ -732,7 +722,7 @@ pub fn synth_compressed(
 ) -> Result<CompressedReport, Error> {
     let start = Instant::now();
     let layers = layer_count(shape, layers, out)?;
-    std::fs::create_dir_all(out).map_err(io(out))?;
+    std::fs::create_dir_all(out).map_err(Error::io(out))?;
     check_compressed_out(out)?;
     let total = shape.compressed_bytes(layers, rung)? as usize;
     let plan = shape.vq_plan(layers, rung, seed)?;
@@ -759,7 +749,7 @@ pub fn synth_compressed(
         PlanError::Store(e) => Error::from(e),
         other => Error::Config(other.to_string()),
     })?;
-    let plan_bytes = std::fs::read(&plan_path).map_err(io(&plan_path))?;
+    let plan_bytes = std::fs::read(&plan_path).map_err(Error::io(&plan_path))?;
     let manifest = compressed::Manifest {
         format: compressed::FORMAT.to_string(),
         version: compressed::VERSION,
@@ -799,7 +789,7 @@ pub fn synth(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<SynthReport, Error> {
     let layers = layer_count(shape, layers, out)?;
-    std::fs::create_dir_all(out).map_err(io(out))?;
+    std::fs::create_dir_all(out).map_err(Error::io(out))?;
     let index_path = out.join("model.safetensors.index.json");
     // The index is the commit mark: gone until every shard is in place.
     atomic::remove_committed(&index_path)?;

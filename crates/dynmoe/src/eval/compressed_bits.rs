@@ -72,16 +72,6 @@ pub struct CompressedBits {
     pub codebook_bytes: u64,
 }
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
-    move |source| {
-        crate::checkpoint::Error::Io {
-            path: path.to_path_buf(),
-            source,
-        }
-        .into()
-    }
-}
-
 /// The JSON header of a safetensors file, read without its data.
 fn safetensors_header(path: &Path) -> Result<serde_json::Value, Error> {
     let bad = |reason: String| -> Error {
@@ -91,15 +81,15 @@ fn safetensors_header(path: &Path) -> Result<serde_json::Value, Error> {
         }
         .into()
     };
-    let mut f = std::fs::File::open(path).map_err(io(path))?;
+    let mut f = std::fs::File::open(path).map_err(Error::io(path))?;
     let mut len = [0u8; 8];
-    f.read_exact(&mut len).map_err(io(path))?;
+    f.read_exact(&mut len).map_err(Error::io(path))?;
     let len = u64::from_le_bytes(len);
-    if len > f.metadata().map_err(io(path))?.len() {
+    if len > f.metadata().map_err(Error::io(path))?.len() {
         return Err(bad(format!("header length {len} exceeds the file")));
     }
     let mut header = vec![0u8; len as usize];
-    f.read_exact(&mut header).map_err(io(path))?;
+    f.read_exact(&mut header).map_err(Error::io(path))?;
     serde_json::from_slice(&header).map_err(|e| bad(format!("header: {e}")))
 }
 

@@ -96,6 +96,19 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// An error of the file system on `path`, for `map_err`.
+    pub(crate) fn io(path: &std::path::Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+        move |source| {
+            crate::checkpoint::Error::Io {
+                path: path.to_path_buf(),
+                source,
+            }
+            .into()
+        }
+    }
+}
+
 /// Index of the largest logit (the lowest index on ties).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
