@@ -509,6 +509,24 @@ pub trait Backend: Send + Sync {
         self.upload_into(&o, out);
     }
 
+    /// The next token of each of several sequences decoded together: row `r` of `logits`
+    /// (`[rows, V]`) picked by `sampling[r]` for the position after `positions[r]`, the
+    /// penalties counting `held[r]` (the tokens the sequence holds), as
+    /// [`sample::sample`] defines. The default reads the logits back and picks on the
+    /// host; a backend that samples on the device reads back only the tokens.
+    fn sample_rows(
+        &self,
+        logits: &Self::Tensor,
+        vocab: usize,
+        sampling: &[Sampling],
+        positions: &[usize],
+        held: &[&[u32]],
+    ) -> Vec<u32> {
+        let mut l = vec![0.0f32; sampling.len() * vocab];
+        self.download(logits, &mut l);
+        sample::sample_rows(&l, vocab, sampling, positions, held)
+    }
+
     /// Whether [`sample_at`](Self::sample_at) and [`count_token`](Self::count_token) run
     /// without the host.
     fn samples_on_device(&self) -> bool {

@@ -195,6 +195,26 @@ pub fn sample(logits: &[f32], counts: &[u32], s: &Sampling, position: u64) -> u3
     best.1
 }
 
+/// [`sample`] of each row of `logits` (`[rows, vocab]`): row `r` by `sampling[r]` for the
+/// position after `positions[r]`, the penalties counting the tokens `held[r]`.
+pub fn sample_rows(
+    logits: &[f32],
+    vocab: usize,
+    sampling: &[Sampling],
+    positions: &[usize],
+    held: &[&[u32]],
+) -> Vec<u32> {
+    let rows = logits.chunks(vocab).zip(sampling).zip(positions).zip(held);
+    rows.map(|(((l, s), &pos), held)| {
+        let counts = match s.penalizes() {
+            true => counts(held, vocab),
+            false => Vec::new(),
+        };
+        sample(l, &counts, s, pos as u64 + 1)
+    })
+    .collect()
+}
+
 /// The kept candidates of step 4 (`cands` are those min-p keeps): the first `top_k` in
 /// the order (larger `s` first, the lower id on ties) and of those the shortest prefix
 /// whose weight reaches `top_p` of theirs. The cut is placed as a GPU places it: a

@@ -581,35 +581,66 @@ fn sequences_decoded_together_on_the_device_are_each_decoded_alone() {
         m.forward(&mut s, &p[..p.len() - 1], 0).unwrap();
         s
     };
-    let mut want = Vec::new();
-    for p in &prompts {
-        let mut s = prefill(p);
-        let mut got = Vec::new();
-        let first = p[p.len() - 1];
-        m.decode(
-            &mut [Decoding::new(&mut s, first, DecodeOptions::greedy(n))],
-            &mut |_, t| {
-                got.push(t);
-                true
-            },
-        )
+    let drawn = |seed: u64, top_k: usize, top_p: f32| Sampling {
+        temperature: 0.8,
+        top_k,
+        top_p,
+        seed,
+        ..Sampling::GREEDY
+    };
+    // Greedy; then each sequence drawn by settings of its own (picked on the device when
+    // decoded together, as alone); then one with penalties among them (picked on the host).
+    let penalized = Sampling {
+        repetition_penalty: 1.3,
+        ..drawn(9, 0, 1.0)
+    };
+    let rounds = [
+        ("greedy", [Sampling::GREEDY; 3]),
+        (
+            "sampled",
+            [drawn(1, 0, 1.0), drawn(2, 40, 1.0), drawn(3, 0, 0.9)],
+        ),
+        (
+            "penalized",
+            [drawn(4, 0, 0.95), penalized, Sampling::GREEDY],
+        ),
+    ];
+    for (label, settings) in rounds {
+        let options = |i: usize| DecodeOptions {
+            max_tokens: n,
+            sampling: settings[i],
+        };
+        let mut want = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let mut s = prefill(p);
+            let mut got = Vec::new();
+            let first = p[p.len() - 1];
+            m.decode(
+                &mut [Decoding::new(&mut s, first, options(i))],
+                &mut |_, t| {
+                    got.push(t);
+                    true
+                },
+            )
+            .unwrap();
+            want.push(got);
+        }
+        let mut states: Vec<_> = prompts.iter().map(|p| prefill(p)).collect();
+        let mut got = vec![Vec::new(); prompts.len()];
+        let mut seqs: Vec<Decoding<'_, _>> = states
+            .iter_mut()
+            .zip(&prompts)
+            .enumerate()
+            .map(|(i, (s, p))| Decoding::new(s, p[p.len() - 1], options(i)))
+            .collect();
+        m.decode(&mut seqs, &mut |i, t| {
+            got[i].push(t);
+            true
+        })
         .unwrap();
-        want.push(got);
-    }
-    let mut states: Vec<_> = prompts.iter().map(|p| prefill(p)).collect();
-    let mut got = vec![Vec::new(); prompts.len()];
-    let mut seqs: Vec<Decoding<'_, _>> = states
-        .iter_mut()
-        .zip(&prompts)
-        .map(|(s, p)| Decoding::new(s, p[p.len() - 1], DecodeOptions::greedy(n)))
-        .collect();
-    m.decode(&mut seqs, &mut |i, t| {
-        got[i].push(t);
-        true
-    })
-    .unwrap();
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        println!("rows: sequence {i} equal {}", g == w);
-        assert_eq!(g, w, "sequence {i}");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            println!("rows {label}: sequence {i} equal {}", g == w);
+            assert_eq!(g, w, "{label}: sequence {i}");
+        }
     }
 }

@@ -7,7 +7,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::launch::{kernel_args, kernel_params, Ptr};
 use super::program::{builds, Builds};
-use super::{cfg, Cuda};
+use super::{cfg, ok, Cuda};
 use crate::backend::{attention_preamble_one_by_one, AttentionShape, HeadNorm};
 
 /// Pairs of a head one thread of `attn_preamble_at` rotates (its `PRE_PAIRS`).
@@ -137,6 +137,11 @@ impl Cuda {
     }
 }
 
+/// Positions a cache of `shape`'s KV heads holds (at least 1).
+fn cache_rows(cache: &CudaSlice<f32>, shape: &AttentionShape) -> usize {
+    (cache.len() / (shape.kv_heads * shape.head_dim)).max(1)
+}
+
 /// Keys per block of the grouped decode attention over a cache of `capacity` positions
 /// with `units` blocks per chunk (KV heads times head tiles) on `sms` multiprocessors:
 /// about two blocks per multiprocessor, so a short context still fills the device and a
@@ -223,7 +228,53 @@ impl Cuda {
             shape.head_dim
         );
         let at = self.ptr(&step.slice(1..2));
-        self.attention_one_row(qkv, shape, at, self.ptr_mut(out), early);
+        let capacity = cache_rows(qkv[1], &shape);
+        self.attention_one_row(self.qkv(qkv), capacity, shape, at, self.ptr_mut(out), early);
+    }
+
+    /// [`Backend::attention_rows`](crate::backend::Backend::attention_rows): row `r` of
+    /// `q`, `k` and `v` (one row a sequence) at `positions[r]` against its own caches.
+    /// Each row's k and v are copied into its caches, then its attention runs straight
+    /// from its place in `q` into its place in `out`: no gather and no upload, so no
+    /// launch waits on the host.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_of_rows(
+        &self,
+        [q, k, v]: [&CudaSlice<f32>; 3],
+        positions: &[usize],
+        k_caches: &mut [&mut CudaSlice<f32>],
+        v_caches: &mut [&mut CudaSlice<f32>],
+        shape: AttentionShape,
+        out: &mut CudaSlice<f32>,
+    ) {
+        let (qd, kvd) = (
+            shape.heads * shape.head_dim,
+            shape.kv_heads * shape.head_dim,
+        );
+        let out = self.ptr_mut(out);
+        for (r, &pos) in positions.iter().enumerate().take(shape.rows) {
+            let row = r * kvd..(r + 1) * kvd;
+            let at = pos * kvd..(pos + 1) * kvd;
+            for (src, cache) in [(k, &mut *k_caches[r]), (v, &mut *v_caches[r])] {
+                let mut dst = cache.slice_mut(at.clone());
+                ok(
+                    self.stream.memcpy_dtod(&src.slice(row.clone()), &mut dst),
+                    "copy",
+                );
+            }
+            let one = AttentionShape {
+                rows: 1,
+                pos0: pos,
+                ..shape
+            };
+            let qkv = Qkv {
+                q: self.ptr(q).floats(r * qd),
+                k: self.ptr(&*k_caches[r]),
+                v: self.ptr(&*v_caches[r]),
+            };
+            let capacity = cache_rows(k_caches[r], &shape);
+            self.attention_one_row(qkv, capacity, one, Ptr::NULL, out.floats(r * qd), false);
+        }
     }
 
     /// Attention of one query row (position `pos0`, or the `u32` at `pos_at` where
@@ -235,14 +286,13 @@ impl Cuda {
     /// valid.
     fn attention_one_row(
         &self,
-        qkv: [&CudaSlice<f32>; 3],
+        qkv: Qkv,
+        capacity: usize,
         shape: AttentionShape,
         pos_at: Ptr,
         out: Ptr,
         early: bool,
     ) {
-        let kvw = shape.kv_heads * shape.head_dim;
-        let capacity = (qkv[1].len() / kvw).max(1);
         let group = shape.heads / shape.kv_heads;
         let tiles = group.div_ceil(ATT_GROUP);
         // The grouped kernel's float4 rows need 16-byte addresses: q and the caches are
@@ -270,7 +320,7 @@ impl Cuda {
             shared_mem_bytes: 0,
         };
         let split = AttentionSplit {
-            qkv: self.qkv(qkv),
+            qkv,
             acc,
             ml,
             heads: Heads::of(&shape),
@@ -316,7 +366,9 @@ impl Cuda {
             return;
         }
         if shape.rows == 1 {
-            self.attention_one_row(qkv, shape, Ptr::NULL, self.ptr_mut(out), false);
+            let capacity = cache_rows(qkv[1], &shape);
+            let (qkv, out) = (self.qkv(qkv), self.ptr_mut(out));
+            self.attention_one_row(qkv, capacity, shape, Ptr::NULL, out, false);
             return;
         }
         if let Some(name) = for_heads(&ATTENTION_TILED, shape.head_dim)

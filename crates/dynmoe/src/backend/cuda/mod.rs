@@ -888,6 +888,20 @@ impl Backend for Cuda {
         ok(self.stream.memcpy_dtod(&s, &mut d), "copy");
     }
 
+    fn attention_rows(
+        &self,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        positions: &[usize],
+        k_caches: &mut [&mut CudaSlice<f32>],
+        v_caches: &mut [&mut CudaSlice<f32>],
+        shape: AttentionShape,
+        out: &mut CudaSlice<f32>,
+    ) {
+        self.attention_of_rows([q, k, v], positions, k_caches, v_caches, shape, out);
+    }
+
     fn attention(
         &self,
         q: &CudaSlice<f32>,
@@ -1086,6 +1100,30 @@ impl Backend for Cuda {
 
     fn samples_on_device(&self) -> bool {
         self.samples
+    }
+
+    fn sample_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        sampling: &[Sampling],
+        positions: &[usize],
+        held: &[&[u32]],
+    ) -> Vec<u32> {
+        assert!(
+            logits.len() >= sampling.len() * vocab,
+            "sampling {} rows of {vocab} logits from {}",
+            sampling.len(),
+            logits.len()
+        );
+        // Penalties need each sequence's counts on the device, which only a sequence
+        // decoded alone keeps; such rows are picked on the host.
+        if !self.samples || sampling.iter().any(Sampling::penalizes) {
+            let mut l = vec![0.0f32; sampling.len() * vocab];
+            self.download(logits, &mut l);
+            return crate::backend::sample::sample_rows(&l, vocab, sampling, positions, held);
+        }
+        self.sample_rows_on_device(logits, vocab, sampling, positions)
     }
 
     fn count_token(

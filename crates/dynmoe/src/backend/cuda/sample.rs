@@ -7,8 +7,10 @@
 
 use cudarc::driver::LaunchConfig;
 
+use cudarc::driver::CudaSlice;
+
 use super::launch::{kernel_args, Ptr};
-use super::Cuda;
+use super::{ok, Cuda};
 use crate::backend::sample::{Sampling, BINS, BIN_SORT_MAX};
 
 /// Threads of the sampler's grid kernels (the kernels' `SAMPLE_THREADS`).
@@ -272,6 +274,37 @@ impl Cuda {
                 hist_mass: if cuts { at(l.hist_mass) } else { Ptr::NULL },
             },
         );
+    }
+
+    /// Each row of `logits` (`[rows, vocab]`) picked by its `sampling` for the position
+    /// after its `positions`, one chain of launches a row (each row's settings are its
+    /// own), the tokens read back together.
+    pub(super) fn sample_rows_on_device(
+        &self,
+        logits: &CudaSlice<f32>,
+        vocab: usize,
+        sampling: &[Sampling],
+        positions: &[usize],
+    ) -> Vec<u32> {
+        let rows = sampling.len();
+        if rows == 0 {
+            return Vec::new();
+        }
+        // Each row's step values as `launch_sample` reads them: `[token, position]`.
+        let steps: Vec<u32> = positions.iter().flat_map(|&p| [0, p as u32]).collect();
+        let steps = self.upload_u32(&steps);
+        let mut out = ok(self.stream.alloc_zeros::<u32>(rows), "alloc");
+        let (logits, steps_at, out_at) =
+            (self.ptr(logits), self.ptr(&steps), self.ptr_mut(&mut out));
+        for (r, s) in sampling.iter().enumerate() {
+            let (row, step, token) = (
+                logits.floats(r * vocab),
+                steps_at.floats(2 * r),
+                out_at.floats(r),
+            );
+            self.launch_sample(row, vocab, s, Ptr::NULL, step, token);
+        }
+        ok(self.stream.clone_dtoh(&out), "download")
     }
 
     /// `counts[t] += 1` for the token `t` whose bits are at `out`.

@@ -277,22 +277,22 @@ impl<B: Backend> Model<B> {
             b.download(&out, &mut bits);
             bits.iter().map(|x| x.to_bits()).collect()
         } else {
-            let mut host_logits = vec![0.0f32; n * v];
-            b.download(&logits, &mut host_logits);
-            let rows = host_logits.chunks(v).zip(states.iter()).zip(tokens);
-            rows.zip(sampling)
-                .map(|(((l, s), &fed), sm)| {
-                    let counts = match sm.penalizes() {
-                        true => {
-                            let mut held = s.tokens[..s.pos].to_vec();
-                            held.push(fed);
-                            sample::counts(&held, v)
-                        }
-                        false => Vec::new(),
-                    };
-                    sample::sample(l, &counts, sm, s.pos as u64 + 1)
+            // The tokens each sequence holds once this step's is in, for the penalties.
+            let held: Vec<Vec<u32>> = states
+                .iter()
+                .zip(tokens)
+                .zip(sampling)
+                .map(|((s, &fed), sm)| {
+                    if !sm.penalizes() {
+                        return Vec::new();
+                    }
+                    let mut held = s.tokens[..s.pos].to_vec();
+                    held.push(fed);
+                    held
                 })
-                .collect()
+                .collect();
+            let held: Vec<&[u32]> = held.iter().map(Vec::as_slice).collect();
+            b.sample_rows(&logits, v, sampling, &positions, &held)
         };
         // Each layer's probabilities, `[n, E]`, then each row's share to its sequence.
         let mut layer_probs = vec![Vec::new(); self.layers.len()];
