@@ -58,6 +58,10 @@
 #          GEMM and the experts one by one, decode through the matrix-vector kernels),
 #          kernels launched without programmatic dependent launch, and decode after a
 #          16-token prompt (model_variants.log)
+# batch    aggregate decode tok/s of 1 to 64 sequences at once, 4 and 2 bits
+#          (cuda_decode_batched.json), and with nsys an API and kernel summary of 8
+# serve    `dynmoe serve --backend cuda` under bench/serve_load.py, all experts resident
+#          and half (serve_load_cuda*.json)
 # compare  after `model`: the same decode and prefill benchmark and a greedy generation with
 #          $BEFORE (another build's dynmoe) and this one, ROUNDS (default 2) rounds in turn,
 #          4 and 2 bits with q4 dense layers and head: each ratio and whether the tokens
@@ -389,6 +393,43 @@ PY
             DYNMOE_CUDA="$cuda" "$BIN/dynmoe" bench decode \
                 "$m" --backend cuda --bits "$bits" --dense-codec q4 --head-codec q4 --prompt 512 \
                 --generate 64 --repeats 1 2>&1 | tee "$OUT/timeline_q$bits.log"
+            [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        done
+        ;;
+    batch)
+        # Aggregate decode of B sequences at once (128-token prompts, 128 tokens each) at
+        # 4 and 2 bits, dense layers and head q4 (cuda_decode_batched.json); where the
+        # machine has Nsight Systems, the API calls and kernels of 8 sequences' decode
+        # (batch_nsys.log).
+        m="$WORK/qwen3-30b-a3b-l$LAYERS"
+        synth_model "$m" || status=1
+        q4=(--dense-codec q4 --head-codec q4)
+        "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4,2 "${q4[@]}" --prompt 512 \
+            --generate 128 --repeats 2 --batch "${BATCHES:-1,4,8,16,32,64}" \
+            --json "$OUT/cuda_decode_batched.json" 2>&1 | tee "$OUT/batch.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+        if command -v nsys > /dev/null; then
+            nsys profile -t cuda -o "$WORK/batch8" --force-overwrite true \
+                "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 "${q4[@]}" \
+                --prompt 16 --generate 32 --repeats 1 --batch 8 > /dev/null 2>&1
+            nsys stats -q --report cuda_api_sum,cuda_gpu_kern_sum,cuda_gpu_mem_time_sum \
+                "$WORK/batch8.nsys-rep" 2>&1 | cut -c1-200 | head -150 > "$OUT/batch_nsys.log"
+        fi
+        ;;
+    serve)
+        # `dynmoe serve --backend cuda` under bench/serve_load.py: 1, 8, 32 and 64
+        # concurrent clients, 128-token prompts and completions, sampled; all experts
+        # resident, then half of each layer's (serve_load_cuda*.json).
+        m="$WORK/qwen3-30b-a3b-l$LAYERS"
+        synth_model "$m" || status=1
+        serve=(--backend cuda --expert-bits 2 --dense-codec q4 --head-codec q4 --max-seqs 64)
+        for resident in 1 0.5; do
+            extra=() name=serve_load_cuda
+            [ "$resident" != 1 ] && extra=(--resident-fraction "$resident") &&
+                name=serve_load_cuda_half
+            python3 bench/serve_load.py --binary "$BIN/dynmoe" --model "$m" \
+                --clients "${CLIENTS:-1,8,32,64}" --label "$name" --json "$OUT/$name.json" \
+                -- "${serve[@]}" ${extra[@]+"${extra[@]}"} 2>&1 | tee "$OUT/$name.log"
             [ "${PIPESTATUS[0]}" = 0 ] || status=1
         done
         ;;

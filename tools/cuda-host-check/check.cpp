@@ -717,6 +717,99 @@ double check_attention_step(int heads, int kv_heads, int head_dim, int p, int ca
     return e;
 }
 
+// ---- Several sequences' decode rows: cache_write_rows, attention_group_rows_*, combine ----
+
+// `positions.size()` rows, row r at positions[r] in caches of its own (capacities[r]
+// positions, their rows past the position NaN): each row's k and v into its caches at its
+// position, then each row's attention over its own keys, against a double-precision
+// reference. The caches' other rows must come back as they were, and no row may read
+// another's. The splits follow the largest capacity, as the backend sizes them.
+double check_attention_rows(int heads, int kv_heads, int head_dim, std::vector<int> positions,
+                            std::vector<int> capacities, int window, int chunk) {
+    int rows = (int)positions.size(), kvw = kv_heads * head_dim, group = heads / kv_heads;
+    auto fresh = [](size_t n) {
+        std::vector<float> x(n);
+        for (auto& v : x) v = normal();
+        return x;
+    };
+    std::vector<float> q = fresh((size_t)rows * heads * head_dim);
+    std::vector<float> k = fresh((size_t)rows * kvw), v = fresh((size_t)rows * kvw);
+    std::vector<std::vector<float>> kc(rows), vc(rows);
+    std::vector<unsigned long long> table(3 * rows);
+    int widest = 0;
+    for (int r = 0; r < rows; r++) {
+        int p = positions[r], cap = capacities[r];
+        widest = std::max(widest, cap);
+        kc[r] = fresh((size_t)cap * kvw);
+        vc[r] = fresh((size_t)cap * kvw);
+        for (size_t i = (size_t)p * kvw; i < (size_t)cap * kvw; i++) kc[r][i] = vc[r][i] = NAN;
+        table[3 * r] = (unsigned long long)kc[r].data();
+        table[3 * r + 1] = (unsigned long long)vc[r].data();
+        table[3 * r + 2] = (unsigned long long)p;
+    }
+    // The reference: each row's caches with its new row, then its heads' softmax.
+    std::vector<std::vector<double>> want_kc(rows), want_vc(rows);
+    std::vector<double> want_out((size_t)rows * heads * head_dim, 0.0);
+    for (int r = 0; r < rows; r++) {
+        int p = positions[r];
+        want_kc[r].assign(kc[r].begin(), kc[r].end());
+        want_vc[r].assign(vc[r].begin(), vc[r].end());
+        for (int i = 0; i < kvw; i++) {
+            want_kc[r][(size_t)p * kvw + i] = k[(size_t)r * kvw + i];
+            want_vc[r][(size_t)p * kvw + i] = v[(size_t)r * kvw + i];
+        }
+        int lo = window > 0 ? std::max(0, p + 1 - window) : 0;
+        for (int h = 0; h < heads; h++) {
+            const float* qr = &q[((size_t)r * heads + h) * head_dim];
+            int kvh = h / group;
+            std::vector<double> sc(p + 1 - lo);
+            double m = -INFINITY, l = 0.0;
+            for (int t = lo; t <= p; t++) {
+                double d = 0.0;
+                for (int i = 0; i < head_dim; i++)
+                    d += (double)qr[i] * want_kc[r][(size_t)t * kvw + kvh * head_dim + i];
+                sc[t - lo] = d / std::sqrt((double)head_dim);
+                m = std::max(m, sc[t - lo]);
+            }
+            for (auto& x : sc) l += (x = std::exp(x - m));
+            for (int t = lo; t <= p; t++)
+                for (int i = 0; i < head_dim; i++)
+                    want_out[((size_t)r * heads + h) * head_dim + i] +=
+                        sc[t - lo] / l * want_vc[r][(size_t)t * kvw + kvh * head_dim + i];
+        }
+    }
+    int tiles = (group + ATT_GROUP - 1) / ATT_GROUP, splits = (widest + chunk - 1) / chunk;
+    std::vector<float> acc((size_t)rows * heads * splits * head_dim, NAN);
+    std::vector<float> ml((size_t)rows * heads * splits * 2, NAN);
+    std::vector<float> out((size_t)rows * heads * head_dim, NAN);
+    shim::launch({(unsigned)rows, 1, 1}, {256, 1, 1}, 0,
+                 [&] { cache_write_rows(k.data(), v.data(), table.data(), kvw); });
+    auto rows_kernel = head_dim <= 64    ? attention_group_rows_64
+                       : head_dim <= 128 ? attention_group_rows_128
+                                         : attention_group_rows_256;
+    const dim3 grid{(unsigned)(kv_heads * tiles), (unsigned)splits, (unsigned)rows};
+    shim::launch(grid, {ATT_THREADS, 1, 1}, 0, [&] {
+        rows_kernel(q.data(), table.data(), acc.data(), ml.data(), heads, kv_heads, head_dim,
+                    window, chunk);
+    });
+    shim::launch({(unsigned)(rows * heads), 1, 1}, {COMBINE_THREADS, 1, 1}, 0, [&] {
+        attention_combine(acc.data(), ml.data(), out.data(), splits, head_dim);
+    });
+    double e = rel_err(out, want_out);
+    for (int r = 0; r < rows; r++) {
+        // Up to the position against the reference; past it, the NaNs left as they were.
+        size_t n = (size_t)(positions[r] + 1) * kvw;
+        std::vector<float> got_k(kc[r].begin(), kc[r].begin() + n), got_v(vc[r].begin(), vc[r].begin() + n);
+        std::vector<double> wk(want_kc[r].begin(), want_kc[r].begin() + n), wv(want_vc[r].begin(), want_vc[r].begin() + n);
+        e = std::max({e, rel_err(got_k, wk), rel_err(got_v, wv)});
+        for (size_t i = n; i < kc[r].size(); i++)
+            if (!std::isnan(kc[r][i]) || !std::isnan(vc[r][i])) e = std::max(e, 1.0);
+    }
+    std::printf("attention rows %d/%d x %d, %d rows, window %d, chunk %d: %.2e\n", heads,
+                kv_heads, head_dim, rows, window, chunk, e);
+    return e;
+}
+
 // ---- A decode step's routed affine experts (routed_mma_gate_up_q*, routed_mma_down_q*) ----
 
 using AffineGateUp = void (*)(const unsigned long long*, const float*, const unsigned char*, int,
@@ -1288,6 +1381,13 @@ int main(int argc, char** argv) {
         worst = std::max(worst, check_attention_step(24, 2, 64, 17, 48, 0, 16, true, true));
         worst = std::max(worst, check_attention_step(4, 2, 256, 5, 20, 0, 16, true, true));
         worst = std::max(worst, check_attention_step(4, 1, 96, 0, 16, 0, 16, false, true));
+        // Several sequences together: positions in different splits (the first, one
+        // chunk's last key, a later split), caches of different capacities, a window,
+        // two tiles of query heads, narrow and wide heads.
+        worst = std::max(worst, check_attention_rows(32, 4, 128, {0, 15, 40, 63}, {64, 64, 48, 64}, 0, 16));
+        worst = std::max(worst, check_attention_rows(8, 2, 128, {90, 5}, {100, 32}, 20, 32));
+        worst = std::max(worst, check_attention_rows(24, 2, 64, {17, 3, 30}, {48, 48, 48}, 0, 16));
+        worst = std::max(worst, check_attention_rows(4, 2, 256, {5, 19}, {20, 20}, 0, 16));
     }
     // The token a step picks by sampling settings: backend::sample's own cases.
     if (wanted("sample")) {

@@ -55,6 +55,7 @@ pub(super) fn for_heads(kernel: &Builds<3>, head_dim: usize) -> Option<&'static 
 
 pub(super) const ATTENTION_GROUP: Builds<3> = widths!("attention_group");
 pub(super) const ATTENTION_TILED: Builds<3> = widths!("attention_tiled");
+pub(super) const ATTENTION_GROUP_ROWS: Builds<3> = widths!("attention_group_rows");
 
 kernel_params! {
     /// Queries and the caches of keys and values they attend to.
@@ -97,6 +98,21 @@ kernel_args! {
     /// [`AttentionSplit`] a block per (KV head and tile of its query heads, chunk); with
     /// `early`, loading its keys before its launch wait.
     AttentionGroup for &ATTENTION_GROUP.names => { split: AttentionSplit, early: i32 }
+}
+
+kernel_args! {
+    /// [`AttentionGroup`] for several sequences, a row each (blockIdx.z): `rows` holds
+    /// each row's key cache, value cache and position.
+    AttentionGroupRows for &ATTENTION_GROUP_ROWS.names => {
+        q: Ptr, rows: Ptr, acc: Ptr, ml: Ptr, heads: i32, kv_heads: i32, head_dim: i32,
+        window: i32, chunk: i32,
+    }
+}
+
+pub(super) const CACHE_WRITE_ROWS: &str = "cache_write_rows";
+kernel_args! {
+    /// Row r of `k` and `v` into the caches of row r of the table `rows`, at its position.
+    CacheWriteRows for &[CACHE_WRITE_ROWS] => { k: Ptr, v: Ptr, rows: Ptr, kvw: i32 }
 }
 
 pub(super) const ATTENTION_COMBINE: &str = "attention_combine";
@@ -234,9 +250,11 @@ impl Cuda {
 
     /// [`Backend::attention_rows`](crate::backend::Backend::attention_rows): row `r` of
     /// `q`, `k` and `v` (one row a sequence) at `positions[r]` against its own caches.
-    /// Each row's k and v are copied into its caches, then its attention runs straight
-    /// from its place in `q` into its place in `out`: no gather and no upload, so no
-    /// launch waits on the host.
+    /// Where the grouped kernel takes the head width, three launches for every row: a
+    /// table of each row's caches and position goes up, one kernel writes each row's k
+    /// and v into its caches, one attends every row over its own keys, and the combine
+    /// merges all rows' heads. Otherwise a row at a time, from its place in `q` into its
+    /// place in `out`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_of_rows(
         &self,
@@ -251,6 +269,70 @@ impl Cuda {
             shape.heads * shape.head_dim,
             shape.kv_heads * shape.head_dim,
         );
+        let rows = positions.len().min(shape.rows);
+        if rows == 0 {
+            return;
+        }
+        if let Some(name) = for_heads(&ATTENTION_GROUP_ROWS, shape.head_dim) {
+            let mut table = Vec::with_capacity(3 * rows);
+            let mut capacity = 1;
+            for r in 0..rows {
+                table.push(self.ptr_mut(&mut *k_caches[r]).0);
+                table.push(self.ptr_mut(&mut *v_caches[r]).0);
+                table.push(positions[r] as u64);
+                capacity = capacity.max(cache_rows(k_caches[r], &shape));
+            }
+            let table = ok(self.stream.clone_htod(&table), "upload");
+            let at = self.ptr(&table);
+            let write = CacheWriteRows {
+                k: self.ptr(k),
+                v: self.ptr(v),
+                rows: at,
+                kvw: kvd as i32,
+            };
+            self.launch(CACHE_WRITE_ROWS, cfg(rows, 256, 0), write);
+            let tiles = (shape.heads / shape.kv_heads).div_ceil(ATT_GROUP);
+            let units = shape.kv_heads * tiles;
+            let chunk = group_chunk(capacity, units * rows, self.sms);
+            let splits = capacity.div_ceil(chunk);
+            let outputs = rows * shape.heads * splits * shape.head_dim;
+            let mut scratch = self.grown(
+                &self.attn_scratch,
+                outputs + rows * shape.heads * splits * 2,
+            );
+            let part = scratch.as_mut().expect("grown");
+            let acc = self.ptr_mut(part);
+            let ml = acc.floats(outputs);
+            let grid = LaunchConfig {
+                grid_dim: (units as u32, splits as u32, rows as u32),
+                block_dim: (ATT_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let args = AttentionGroupRows {
+                q: self.ptr(q),
+                rows: at,
+                acc,
+                ml,
+                heads: shape.heads as i32,
+                kv_heads: shape.kv_heads as i32,
+                head_dim: shape.head_dim as i32,
+                window: shape.window.map_or(0, |w| w as i32),
+                chunk: chunk as i32,
+            };
+            self.launch(name, grid, args);
+            let args = AttentionCombine {
+                acc,
+                ml,
+                out: self.ptr_mut(out),
+                splits: splits as i32,
+                head_dim: shape.head_dim as i32,
+            };
+            let blocks = rows * shape.heads;
+            self.launch(ATTENTION_COMBINE, cfg(blocks, COMBINE_THREADS, 0), args);
+            // The table is freed in stream order, after the kernels that read it.
+            drop(table);
+            return;
+        }
         let out = self.ptr_mut(out);
         for (r, &pos) in positions.iter().enumerate().take(shape.rows) {
             let row = r * kvd..(r + 1) * kvd;

@@ -98,6 +98,8 @@ pub(super) const SIGNATURES: &[Signature] = &[
     signature::<attention::AttentionGroup>(),
     signature::<attention::AttentionCombine>(),
     signature::<attention::AttentionTiled>(),
+    signature::<attention::AttentionGroupRows>(),
+    signature::<attention::CacheWriteRows>(),
     signature::<vq::VqRotate>(),
     signature::<vq::VqMatvec>(),
     signature::<vq::VqDecode>(),

@@ -272,7 +272,7 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
                                 const float* __restrict__ v, float* __restrict__ acc_out,
                                 float* __restrict__ ml, int pos0, int heads, int kv_heads,
                                 int head_dim, int window, const unsigned* pos_at, int chunk,
-                                bool early) {
+                                bool early, const unsigned long long* rows = nullptr) {
     static_assert(ATT_LANES == ATT_GROUP, "lane i of a key's lanes ends with head i's score");
     constexpr int KB = 8 / NV;  // keys a lane group loads at once
     constexpr int STEP = (ATT_THREADS / ATT_LANES) * KB;
@@ -285,6 +285,15 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
     int h0 = kvh * group + tile * ATT_GROUP, gt = min(ATT_GROUP, group - tile * ATT_GROUP);
     int s = blockIdx.y, splits = gridDim.y, tid = threadIdx.x;
     if (!early) PDL_WAIT();
+    if (rows) {
+        // Several sequences' rows (attention_group_rows_*): this block's row is
+        // blockIdx.z, its caches and position in the table the host wrote before.
+        const unsigned long long* row = rows + 3 * blockIdx.z;
+        k = reinterpret_cast<const float*>(row[0]);
+        v = reinterpret_cast<const float*>(row[1]);
+        pos0 = (int)row[2];
+        pos_at = nullptr;
+    }
     int p = pos_at ? (int)*pos_at : pos0;
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
     int t0 = max(lo, s * chunk), t1 = min(p + 1, (s + 1) * chunk);
@@ -452,6 +461,39 @@ __device__ void attention_group(const float* __restrict__ q, const float* __rest
 ATTENTION_GROUP(64, 2)
 ATTENTION_GROUP(128, 4)
 ATTENTION_GROUP(256, 8)
+
+// Several sequences decoded together, a query row each (row r of `q`), each against its
+// own caches: `rows` holds, per row, its key cache, its value cache and its position
+// (three words). Row r is blockIdx.z; its partial outputs go to its own part of `acc` and
+// `ml`, so attention_combine over rows × heads blocks merges every row at once.
+#define ATTENTION_GROUP_ROWS(W, NV)                                                             \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_group_rows_##W(       \
+        const float* q, const unsigned long long* rows, float* acc, float* ml, int heads,     \
+        int kv_heads, int head_dim, int window, int chunk) {                                  \
+        PDL_LAUNCH();                                                                          \
+        size_t r = blockIdx.z, parts = (size_t)heads * gridDim.y;                              \
+        attention_group<NV>(q + r * heads * head_dim, nullptr, nullptr,                        \
+                            acc + r * parts * head_dim, ml + r * parts * 2, 0, heads,          \
+                            kv_heads, head_dim, window, nullptr, chunk, false, rows);          \
+    }
+ATTENTION_GROUP_ROWS(64, 2)
+ATTENTION_GROUP_ROWS(128, 4)
+ATTENTION_GROUP_ROWS(256, 8)
+
+// Each row's new key and value (row r of `k` and `v`, `kvw` wide) into its own caches at
+// its position, from the table attention_group_rows_* reads: a block a row.
+extern "C" __global__ void cache_write_rows(const float* k, const float* v,
+                                            const unsigned long long* rows, int kvw) {
+    PDL_ENTRY();
+    const unsigned long long* row = rows + 3 * blockIdx.x;
+    size_t at = (size_t)row[2] * kvw, r = blockIdx.x;
+    float* kc = reinterpret_cast<float*>(row[0]) + at;
+    float* vc = reinterpret_cast<float*>(row[1]) + at;
+    for (int i = threadIdx.x; i < kvw; i += blockDim.x) {
+        kc[i] = k[r * kvw + i];
+        vc[i] = v[r * kvw + i];
+    }
+}
 
 // One block per head: out = Σ_s acc_s·e^(m_s − M) / Σ_s l_s·e^(m_s − M) over the splits,
 // M the largest m_s. A split with no keys has (m, l) = (−inf, 0) and its acc is never
