@@ -59,7 +59,7 @@
 #          kernels launched without programmatic dependent launch, and decode after a
 #          16-token prompt (model_variants.log)
 # batch    aggregate decode tok/s of 1 to 64 sequences at once, 4 and 2 bits
-#          (cuda_decode_batched.json), and with nsys an API and kernel summary of 8
+#          (cuda_decode_batched.json), and the timeline of a step of 8 sequences
 # serve    `dynmoe serve --backend cuda` under bench/serve_load.py, all experts resident
 #          and half (serve_load_cuda*.json)
 # compare  after `model`: the same decode and prefill benchmark and a greedy generation with
@@ -398,9 +398,8 @@ PY
         ;;
     batch)
         # Aggregate decode of B sequences at once (128-token prompts, 128 tokens each) at
-        # 4 and 2 bits, dense layers and head q4 (cuda_decode_batched.json); where the
-        # machine has Nsight Systems, the API calls and kernels of 8 sequences' decode
-        # (batch_nsys.log).
+        # 4 and 2 bits, dense layers and head q4 (cuda_decode_batched.json), then the
+        # timeline of a step of 8 (batch_timeline.log).
         m="$WORK/qwen3-30b-a3b-l$LAYERS"
         synth_model "$m" || status=1
         q4=(--dense-codec q4 --head-codec q4)
@@ -408,13 +407,10 @@ PY
             --generate 128 --repeats 2 --batch "${BATCHES:-1,4,8,16,32,64}" \
             --json "$OUT/cuda_decode_batched.json" 2>&1 | tee "$OUT/batch.log"
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
-        if command -v nsys > /dev/null; then
-            nsys profile -t cuda -o "$WORK/batch8" --force-overwrite true \
-                "$BIN/dynmoe" bench decode "$m" --backend cuda --bits 4 "${q4[@]}" \
-                --prompt 16 --generate 32 --repeats 1 --batch 8 > /dev/null 2>&1
-            nsys stats -q --report cuda_api_sum,cuda_gpu_kern_sum,cuda_gpu_mem_time_sum \
-                "$WORK/batch8.nsys-rep" 2>&1 | cut -c1-200 | head -150 > "$OUT/batch_nsys.log"
-        fi
+        # Each kernel's share of a step of 8 sequences (kernels built with TIMELINE).
+        DYNMOE_CUDA=define=TIMELINE=65536 "$BIN/dynmoe" bench decode "$m" --backend cuda \
+            --bits 4 "${q4[@]}" --prompt 128 --generate 32 --repeats 1 --batch 8 \
+            > "$OUT/batch_timeline.log" 2>&1 || status=1
         ;;
     serve)
         # `dynmoe serve --backend cuda` under bench/serve_load.py: 1, 8, 32 and 64

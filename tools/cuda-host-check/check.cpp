@@ -357,6 +357,11 @@ using DenseKernel = void (*)(const unsigned*, const unsigned short*, const unsig
                              const unsigned short*, float*, int, const unsigned*,
                              const unsigned short*, const unsigned short*, float*, int, int,
                              const float*, int, int, int);
+using DenseRowsKernel = void (*)(const unsigned*, const unsigned short*, const unsigned short*,
+                                 float*, int, const unsigned*, const unsigned short*,
+                                 const unsigned short*, float*, int, const unsigned*,
+                                 const unsigned short*, const unsigned short*, float*, int, int,
+                                 const float*, int, int, int, int);
 using DenseNormKernel = void (*)(const unsigned*, const unsigned short*, const unsigned short*,
                                  float*, int, const unsigned*, const unsigned short*,
                                  const unsigned short*, float*, int, const unsigned*,
@@ -398,9 +403,15 @@ struct NormedRow {
 // as zeros up to `cols`), split `parts` ways over a grid of `blocks` blocks; through the
 // residual add and norm of `mode` (with `outliers`: NormedRow's), whose sum every block
 // writes a slice of.
-// With `tiled` (4 and 2 bits), the matrices in unit tiles (dense_mma_*tiled_q*).
+// With `tiled` (4 and 2 bits), the matrices in unit tiles (dense_mma_*tiled_q*). With
+// `nrows` (1 to 4, x as it is), that many input rows at once through dense_mma_rows_*,
+// each matrix's output `[nrows, rows]`.
 double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int parts, int blocks,
-                   AddMode mode = ADD_NONE, bool outliers = false, bool tiled = false) {
+                   AddMode mode = ADD_NONE, bool outliers = false, bool tiled = false,
+                   int nrows = 0) {
+    DenseRowsKernel several = bits == 4 ? (tiled ? dense_mma_rows_tiled_q4 : dense_mma_rows_q4)
+                              : bits == 3 ? dense_mma_rows_q3
+                                          : (tiled ? dense_mma_rows_tiled_q2 : dense_mma_rows_q2);
     DenseKernel plain = bits == 4 ? dense_mma_q4 : (bits == 3 ? dense_mma_q3 : dense_mma_q2);
     DenseNormKernel normed =
         bits == 4 ? dense_mma_norm_q4 : (bits == 3 ? dense_mma_norm_q3 : dense_mma_norm_q2);
@@ -413,16 +424,25 @@ double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int pa
     std::vector<Tiles> tiles;
     for (auto& m : mats) tiles.push_back(tiled ? tile_affine(m) : Tiles{});
     NormedRow x(in_dim, mode, outliers);
+    // The input rows: x, then (with nrows) fresh ones after it.
+    std::vector<NormedRow> more;
+    std::vector<float> xs = x.x;
+    for (int r = 1; r < nrows; r++) {
+        more.emplace_back(in_dim, mode, outliers);
+        xs.insert(xs.end(), more.back().x.begin(), more.back().x.end());
+    }
+    auto input = [&](int r) -> const std::vector<double>& { return r == 0 ? x.input : more[r - 1].input; };
     std::vector<std::vector<float>> got;
     std::vector<double> want;
     std::vector<float> flat;
     for (auto& m : mats) {
-        got.emplace_back(m.rows, NAN);
-        for (int o = 0; o < m.rows; o++) {
-            double acc = 0.0;
-            for (int c = 0; c < in_dim; c++) acc += m.value(o, c) * x.input[c];
-            want.push_back(acc);
-        }
+        got.emplace_back((size_t)std::max(nrows, 1) * m.rows, NAN);
+        for (int r = 0; r < std::max(nrows, 1); r++)
+            for (int o = 0; o < m.rows; o++) {
+                double acc = 0.0;
+                for (int c = 0; c < in_dim; c++) acc += m.value(o, c) * input(r)[c];
+                want.push_back(acc);
+            }
     }
     std::vector<float> sum(in_dim, NAN);
     auto arg = [&](int i) -> const Affine& { return mats[std::min<size_t>(i, mats.size() - 1)]; };
@@ -440,13 +460,17 @@ double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int pa
     // through the norm, from the next 16-byte boundary.
     size_t shared = (size_t)(cols / 64) * (80 * 4 + 4) + 8 * 2 * 16 * 4 +
                     (mode == ADD_NONE ? 0 : (size_t)(cols / 64 + cols) * 4 + 16);
+    // dense_mma_rows_*: the rows' units, then partial sums of DMMA_ROWS rows.
+    if (nrows > 0) shared = (size_t)nrows * (cols / 64) * (80 * 4 + 4) + 8 * 4 * 16 * 4;
     shim::launch({(unsigned)blocks, 1, 1}, {256, 1, 1}, shared, [&] {
 #define DENSE_CHECK_ARGS                                                                        \
     words(0), scales(0), arg(0).biases.data(), out(0), live(0), words(1), scales(1),           \
         arg(1).biases.data(), out(1), live(1), words(2), scales(2), arg(2).biases.data(),      \
         out(2), live(2),                                                                       \
-        (int)mats.size(), x.x.data(), cols, in_dim, parts
-        if (mode == ADD_NONE)
+        (int)mats.size(), xs.data(), cols, in_dim, parts
+        if (nrows > 0)
+            several(DENSE_CHECK_ARGS, nrows);
+        else if (mode == ADD_NONE)
             plain(DENSE_CHECK_ARGS);
         else
             normed(DENSE_CHECK_ARGS, mode == ADD_SUM ? x.delta.data() : nullptr, x.w.data(),
@@ -456,9 +480,9 @@ double check_dense(int bits, std::vector<int> rows, int cols, int in_dim, int pa
     for (auto& g : got) flat.insert(flat.end(), g.begin(), g.end());
     double e = rel_err(flat, want);
     if (mode == ADD_SUM) e = std::max(e, rel_err(sum, x.sum));
-    std::printf("dense q%d%s, %zu matrices of %d..%d rows x %d (x %d wide), %d parts, %d blocks, "
-                "%s%s: %.2e\n",
-                bits, tiled ? " in tiles" : "", rows.size(), *std::min_element(rows.begin(), rows.end()),
+    std::printf("dense q%d%s, %d input row(s), %zu matrices of %d..%d rows x %d (x %d wide), %d parts, "
+                "%d blocks, %s%s: %.2e\n",
+                bits, tiled ? " in tiles" : "", std::max(nrows, 1), rows.size(), *std::min_element(rows.begin(), rows.end()),
                 *std::max_element(rows.begin(), rows.end()), cols, in_dim, parts, blocks,
                 mode == ADD_NONE ? "x as it is" : (mode == ADD_NORM ? "normed" : "added, normed"),
                 outliers ? ", outliers" : "", e);
@@ -1304,6 +1328,15 @@ int main(int argc, char** argv) {
         // Residuals past f16's range before the norm's 1/rms: each unit's scale.
         worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 4, 3, ADD_SUM, true));
         worst = std::max(worst, check_dense(bits, {40, 24}, 1024, 1000, 1, 2, ADD_NORM, true));
+        // Several input rows at once (dense_mma_rows_*): 1 to 4 rows, one part and
+        // several, a padded input, a grid that loops over rounds; in tiles too.
+        for (int n : {1, 2, 3, 4}) {
+            worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 1, 2, ADD_NONE, false, false, n));
+            worst = std::max(worst, check_dense(bits, {37}, 640, 600, 8, 3, ADD_NONE, false, false, n));
+            worst = std::max(worst, check_dense(bits, {40, 24}, 1024, 1000, 4, 1, ADD_NONE, false, false, n));
+            if (bits != 3)
+                worst = std::max(worst, check_dense(bits, {100, 40, 24}, 256, 256, 2, 3, ADD_NONE, false, true, n));
+        }
         // In unit tiles (4 and 2 bits): a ragged matrix whose grid loops over rounds, with
         // and without the norm, several jobs a warp and parts of a job.
         if (bits == 3) continue;

@@ -791,7 +791,8 @@ fn decode(a: DecodeArgs) -> Result<()> {
                     )
                 };
                 // Once the first model has freed the device.
-                let eager = eager_runs(&a.model, &codecs, a.prompt, a.generate, a.repeats)?;
+                let eager =
+                    eager_runs(&a.model, &codecs, a.prompt, a.generate, a.repeats, &a.batch)?;
                 (runs, batches, eager, dense)
             }
             other => {
@@ -882,7 +883,8 @@ fn decode(a: DecodeArgs) -> Result<()> {
 }
 
 /// The decode runs again, the model at `dir` loaded on a backend with CUDA graphs off:
-/// what recording the step buys.
+/// what recording the step buys. With the kernels built with `TIMELINE`, the timeline of
+/// one sequence's decode and of each of `batches`' several.
 #[cfg(feature = "cuda")]
 fn eager_runs(
     dir: &Path,
@@ -890,6 +892,7 @@ fn eager_runs(
     prompt: usize,
     generate: usize,
     repeats: usize,
+    batches: &[usize],
 ) -> Result<Option<Runs>> {
     use dynmoe::backend::cuda::Tuning;
     let tuning = Tuning {
@@ -899,33 +902,41 @@ fn eager_runs(
     let m = crate::load(dir, dynmoe::backend::Cuda::with_tuning(0, tuning)?, codecs)?;
     let runs = measure(&m, prompt, generate, repeats)?;
     if m.model.backend().timeline_on() {
-        print_timeline(&m, prompt, generate)?;
+        print_timeline(&m, prompt, generate, 1)?;
+        for &b in batches.iter().filter(|&&b| b > 1) {
+            print_timeline(&m, prompt, generate, b)?;
+        }
     }
     Ok(Some(runs))
 }
 
-/// With the kernels built with `TIMELINE`, one more eager decode, each launch timed from
-/// its wait's return to the next one's: what each kernel adds to a token, by kernel and
-/// the kernel before it (the same kernel plays several parts in a layer).
+/// With the kernels built with `TIMELINE`, one more eager decode of `sequences` at once,
+/// each launch timed from its wait's return to the next one's: what each kernel adds to a
+/// step, by kernel and the kernel before it (the same kernel plays several parts in a
+/// layer). A gap the host leaves between two launches counts to the first.
 #[cfg(feature = "cuda")]
 fn print_timeline(
     m: &LoadedModel<dynmoe::backend::Cuda>,
     prompt: usize,
     generate: usize,
+    sequences: usize,
 ) -> Result<()> {
     let b = m.model.backend();
     let ids = random_prompt(m, prompt);
-    let mut state = m.model.new_state(prompt + generate);
-    let first = argmax(&m.model.forward(&mut state, &ids, prompt - 1)?);
+    let mut states: Vec<_> = (0..sequences)
+        .map(|_| m.model.new_state(prompt + generate))
+        .collect();
+    let mut firsts = Vec::new();
+    for s in &mut states {
+        firsts.push(argmax(&m.model.forward(s, &ids, prompt - 1)?));
+    }
+    let mut seqs: Vec<_> = states
+        .iter_mut()
+        .zip(firsts)
+        .map(|(s, f)| Decoding::new(s, f, DecodeOptions::greedy(generate)))
+        .collect();
     b.timeline_start()?;
-    m.model.decode(
-        &mut [Decoding::new(
-            &mut state,
-            first,
-            DecodeOptions::greedy(generate),
-        )],
-        &mut |_, _| true,
-    )?;
+    m.model.decode(&mut seqs, &mut |_, _| true)?;
     let marks = b.timeline_take()?;
     // The first token's launches run while the host is still queueing them.
     let skip = marks.len() / generate.max(1);
@@ -944,9 +955,10 @@ fn print_timeline(
     }
     let tokens = generate.saturating_sub(1).max(1) as f64;
     rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+    println!("timeline of {sequences} sequence(s) decoded together, a step:");
     println!(
         "{:<60} {:>8} {:>9} {:>10}",
-        "kernel -> next", "a token", "us each", "us a token"
+        "kernel -> next", "a step", "us each", "us a step"
     );
     for (key, n, total) in &rows {
         println!(
@@ -1034,7 +1046,14 @@ fn dense_bytes<B: Backend>(_: &LoadedModel<B>) -> usize {
 
 /// Without the feature the "CUDA" model is never made (see `cuda_backend`).
 #[cfg(not(feature = "cuda"))]
-fn eager_runs(_: &Path, _: &Codecs, _: usize, _: usize, _: usize) -> Result<Option<Runs>> {
+fn eager_runs(
+    _: &Path,
+    _: &Codecs,
+    _: usize,
+    _: usize,
+    _: usize,
+    _: &[usize],
+) -> Result<Option<Runs>> {
     Ok(None)
 }
 

@@ -33,16 +33,23 @@ fn dense_affine_products_match_the_reference_every_way() {
     let Some(_) = gpu() else { return };
     // Dense layers at an affine codec: the LM head and attention shapes of Qwen3-30B-A3B
     // (one row: `dense_mma`, which splits a job of the narrow ones over warps and loops a
-    // grid over the head's 9 496 tiles), a ragged 100-row matrix with a padded input, and
-    // prompts of 9 and 300 rows (the grouped GEMM with one group). Each also the other
-    // way: one row through the matrix-vector kernel, prompts through expand-then-GEMM.
+    // grid over the head's 9 496 tiles), a ragged 100-row matrix with a padded input;
+    // several sequences' decode rows (`dense_mma_rows`, four rows a launch, two for the
+    // 4096-column output projection, whose staged rows would not fit four), and prompts
+    // of 17 and 300 rows (the grouped GEMM with one group). Each also the other way: a few
+    // rows through the matrix-vector kernel, prompts through expand-then-GEMM.
     let shapes = [
         (151936, 2048, 2048, 1),
         (4096, 2048, 2048, 1),
         (2048, 4096, 4096, 1),
         (512, 2048, 2048, 1),
         (100, 192, 150, 1),
+        (151936, 2048, 2048, 8),
         (4096, 2048, 2048, 9),
+        (2048, 4096, 4096, 5),
+        (100, 192, 150, 2),
+        (100, 192, 150, 16),
+        (512, 2048, 2048, 17),
         (512, 2048, 2048, 300),
         (100, 192, 150, 40),
     ];
@@ -65,35 +72,38 @@ fn dense_affine_products_match_the_reference_every_way() {
             }
         }
         // A layer's q, k and v at the codec in one launch (on tensor cores), and a ragged
-        // three; without tensor cores, one product after another.
-        for (case, (dims, cols)) in [([4096, 512, 512], 2048), ([37, 5, 21], 128)]
-            .into_iter()
-            .enumerate()
-        {
+        // three, for one row and for six (two launches of the rows kernel); without tensor
+        // cores, one product after another.
+        let cases = [
+            ([4096, 512, 512], 2048, 1),
+            ([37, 5, 21], 128, 1),
+            ([4096, 512, 512], 2048, 6),
+        ];
+        for (case, (dims, cols, rows)) in cases.into_iter().enumerate() {
             let ms: Vec<Affine> = (0..3)
                 .map(|j| affine(dims[j], cols, bits, 80 + 3 * case as u64 + j as u64))
                 .collect();
-            let x = fresh(cols, 85 + case as u64);
-            let total: usize = dims.iter().sum();
+            let x = fresh(rows * cols, 85 + case as u64);
+            let total: usize = rows * dims.iter().sum::<usize>();
             for tensor_cores in [true, false] {
                 both!(
                     on device(tensor_cores);
-                    &format!("linear3 q{bits} {dims:?} x {cols} mma {tensor_cores}"),
+                    &format!("linear3 q{bits} {dims:?} x {cols}, {rows} rows, mma {tensor_cores}"),
                     &[&x],
                     total,
                     1e-5,
                     |b, t, o| {
-                        let (mut q, mut k, mut v) =
-                            (b.alloc(dims[0]), b.alloc(dims[1]), b.alloc(dims[2]));
+                        let [mut q, mut k, mut v] = dims.map(|d| b.alloc(rows * d));
                         b.linear3(
                             &t[0],
                             [0, 1, 2].map(|j| Weight::Affine(ms[j].view())),
-                            1,
+                            rows,
                             cols,
                             dims,
                             [&mut q, &mut k, &mut v],
                         );
-                        concat(b, &[(&q, dims[0]), (&k, dims[1]), (&v, dims[2])], o)
+                        let parts = [(&q, rows * dims[0]), (&k, rows * dims[1]), (&v, rows * dims[2])];
+                        concat(b, &parts, o)
                     }
                 );
             }

@@ -366,10 +366,12 @@ impl Cuda {
         );
         let groups = w.cols / GROUP_SIZE;
         let one_row = rows == 1 && routed_mma_shared(groups) <= SHARED_LIMIT;
-        if one_row && self.tensor_cores() {
+        let several = rows > 1 && self.dense_mma_takes(&[Weight::Affine(*w)], rows, in_dim);
+        if (one_row || several) && self.tensor_cores() {
             let o = self.ptr_mut(out);
             let tiled = self.tiles_of(w, d).is_some();
-            self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, w.cols, in_dim, None, tiled);
+            let shape = [rows, w.cols, in_dim];
+            self.launch_dense_mma(w.bits, &[(d, w.rows, o)], x, shape, None, tiled);
             return;
         }
         if rows > AFFINE_GEMM_ROWS && self.tensor_cores() {

@@ -42,6 +42,21 @@ kernel_args! {
     }
 }
 
+/// Input rows a `dense_mma_rows_*` launch takes at most (the kernels' `DMMA_ROWS`: two
+/// columns of the B fragments a row).
+pub(super) const DMMA_ROWS: usize = 4;
+/// Most input rows a product takes through `dense_mma_rows_*`, [`DMMA_ROWS`] a launch
+/// (several sequences' decode rows); more go to the grouped GEMM.
+pub(super) const DMMA_ROWS_MAX: usize = 16;
+
+pub(super) const DENSE_MMA_ROWS: Builds<3> = bits!("dense_mma_rows");
+pub(super) const DENSE_MMA_ROWS_TILED: Builds<2> = tiled!("dense_mma_rows");
+kernel_args! {
+    /// [`DenseMma`] of `nrows` (up to [`DMMA_ROWS`]) input rows at once, `x` `[nrows,
+    /// in_dim]` and each output `[nrows, rows_i]`.
+    DenseMmaRows for &DENSE_MMA_ROWS.and(&DENSE_MMA_ROWS_TILED) => { mma: DenseMma, nrows: i32 }
+}
+
 pub(super) const DENSE_MMA_NORM: Builds<3> = bits!("dense_mma_norm");
 pub(super) const DENSE_MMA_NORM_TILED: Builds<2> = tiled!("dense_mma_norm");
 kernel_args! {
@@ -81,6 +96,21 @@ fn dense_mma_shared(groups: usize, norm: bool) -> usize {
         }
 }
 
+/// Dynamic shared memory of a `dense_mma_rows_*` block staging `nrows` rows of `groups`
+/// groups: their units and sums, then the partial sums of [`DMMA_ROWS`] rows per warp.
+fn dense_mma_rows_shared(groups: usize, nrows: usize) -> usize {
+    nrows * groups * RMMA_UNIT_BYTES + RMMA_WARPS * DMMA_ROWS * RMMA_ROWS * 4
+}
+
+/// Input rows one `dense_mma_rows_*` launch over `groups` groups takes: as many as its
+/// shared memory holds, at most [`DMMA_ROWS`] (0: not even one).
+fn dense_rows_per_launch(groups: usize) -> usize {
+    (1..=DMMA_ROWS)
+        .rev()
+        .find(|&n| dense_mma_rows_shared(groups, n) <= SHARED_LIMIT)
+        .unwrap_or(0)
+}
+
 /// The warps that split a job of the one-row dense kernels (`dense_mma`'s `parts`, a
 /// power of two up to [`RMMA_WARPS`]) and the blocks of the launch, for `tiles` tiles of
 /// [`RMMA_ROWS`] rows of `groups` 64-column groups on `sms` multiprocessors that each
@@ -100,22 +130,23 @@ fn dense_mma_layout(tiles: usize, groups: usize, sms: usize, per_sm: usize) -> (
 }
 
 impl Cuda {
-    /// One input row times up to three affine matrices of `cols` columns and the same
-    /// bits (`mats`: device copy, rows, output address) in one `dense_mma` launch, on
-    /// tensor cores. `x` is `in_dim` wide, read as zeros up to `cols`; with `norm`, the
-    /// kernel reads it through that residual add and norm.
+    /// `rows` input rows times up to three affine matrices of `cols` columns and the
+    /// same bits (`mats`: device copy, rows, output address) on tensor cores: one row in
+    /// one `dense_mma` launch, several [`DMMA_ROWS`] at a time by `dense_mma_rows`. `x`
+    /// is `[rows, in_dim]`, read as zeros up to `cols`, each output `[rows, its rows]`;
+    /// with `norm` (one row), the kernel reads it through that residual add and norm.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_dense_mma(
         &self,
         bits: u32,
         mats: &[(&DeviceAffine, usize, Ptr)],
         x: &CudaSlice<f32>,
-        cols: usize,
-        in_dim: usize,
+        [rows, cols, in_dim]: [usize; 3],
         norm: Option<&InputNorm>,
         tiled: bool,
     ) {
         debug_assert!((1..=3).contains(&mats.len()));
+        debug_assert!(rows == 1 || norm.is_none());
         let groups = cols / GROUP_SIZE;
         let tiles: usize = mats.iter().map(|m| m.1.div_ceil(RMMA_ROWS)).sum();
         let (parts, blocks) = dense_mma_layout(tiles, groups, self.sms, self.dmma_blocks);
@@ -155,6 +186,34 @@ impl Cuda {
             in_dim: in_dim as i32,
             parts: parts as i32,
         };
+        if rows > 1 {
+            let per = dense_rows_per_launch(groups);
+            assert!(
+                per > 0,
+                "{cols} columns over the rows kernel's shared memory"
+            );
+            let name = match tiled {
+                true => DENSE_MMA_ROWS_TILED.of(bits),
+                false => DENSE_MMA_ROWS.of(bits),
+            };
+            for r0 in (0..rows).step_by(per) {
+                let nrows = per.min(rows - r0);
+                let at = |out: Ptr, n: i32| out.floats(r0 * n as usize);
+                let args = DenseMmaRows {
+                    mma: DenseMma {
+                        out0: at(mma.out0, mma.rows0),
+                        out1: at(mma.out1, mma.rows1),
+                        out2: at(mma.out2, mma.rows2),
+                        x: mma.x.floats(r0 * in_dim),
+                        ..mma
+                    },
+                    nrows: nrows as i32,
+                };
+                let shared = dense_mma_rows_shared(groups, nrows);
+                self.launch(name, cfg(blocks, (RMMA_WARPS * 32) as u32, shared), args);
+            }
+            return;
+        }
         let launch = cfg(blocks, (RMMA_WARPS * 32) as u32, shared);
         let (plain, normed) = if tiled {
             (DENSE_MMA_TILED.of(bits), DENSE_MMA_NORM_TILED.of(bits))
@@ -187,10 +246,14 @@ impl Cuda {
         let Some(Weight::Affine(a)) = ws.first() else {
             return false;
         };
-        rows == 1
-            && self.tensor_cores()
+        let groups = a.cols / GROUP_SIZE;
+        let fits = match rows {
+            1 => dense_mma_shared(groups, false) <= SHARED_LIMIT,
+            2..=DMMA_ROWS_MAX => dense_rows_per_launch(groups) > 0,
+            _ => false,
+        };
+        fits && self.tensor_cores()
             && in_dim <= a.cols
-            && dense_mma_shared(a.cols / GROUP_SIZE, false) <= SHARED_LIMIT
             && ws
                 .iter()
                 .all(|w| matches!(w, Weight::Affine(b) if b.bits == a.bits && b.cols == a.cols))
@@ -208,7 +271,8 @@ impl Cuda {
         let Some(Weight::Affine(a)) = ws.first() else {
             return false;
         };
-        self.dense_mma_takes(ws, rows, in_dim)
+        rows == 1
+            && self.dense_mma_takes(ws, rows, in_dim)
             && dense_mma_shared(a.cols / GROUP_SIZE, true) <= SHARED_LIMIT
     }
 
@@ -217,7 +281,7 @@ impl Cuda {
         &self,
         x: &CudaSlice<f32>,
         ws: &[Weight<'_, DeviceMatrix>],
-        in_dim: usize,
+        [rows, in_dim]: [usize; 2],
         outs: &[Ptr],
         norm: Option<&InputNorm>,
     ) {
@@ -240,7 +304,8 @@ impl Cuda {
             .iter()
             .zip(&devs)
             .all(|(w, d)| self.tiles_of(w, d).is_some());
-        self.launch_dense_mma(views[0].bits, &mats, x, views[0].cols, in_dim, norm, tiled);
+        let shape = [rows, views[0].cols, in_dim];
+        self.launch_dense_mma(views[0].bits, &mats, x, shape, norm, tiled);
     }
 
     /// The [`InputNorm`] of `n` for a kernel that folds it in: `sum` gets `x + delta` (with

@@ -706,7 +706,7 @@ impl Backend for Cuda {
         }
         let norm = self.input_norm(n, sum);
         let outs = outs.map(|o| self.ptr_mut(o));
-        self.dense_mma_product(n.x, &ws, in_dim, &outs, Some(&norm));
+        self.dense_mma_product(n.x, &ws, [rows, in_dim], &outs, Some(&norm));
     }
 
     fn add_rms_norm_linear(
@@ -728,7 +728,7 @@ impl Backend for Cuda {
         }
         let norm = self.input_norm(n, sum);
         let out = self.ptr_mut(out);
-        self.dense_mma_product(n.x, &ws, in_dim, &[out], Some(&norm));
+        self.dense_mma_product(n.x, &ws, [rows, in_dim], &[out], Some(&norm));
     }
 
     fn matmul(
@@ -785,7 +785,7 @@ impl Backend for Cuda {
             }
             ref ws3 if self.dense_mma_takes(ws3, rows, in_dim) => {
                 let outs = outs.map(|o| self.ptr_mut(o));
-                self.dense_mma_product(x, ws3, in_dim, &outs, None);
+                self.dense_mma_product(x, ws3, [rows, in_dim], &outs, None);
             }
             _ => {
                 for ((w, d), out) in ws.into_iter().zip(out_dims).zip(outs) {

@@ -99,6 +99,7 @@ pub(super) const SIGNATURES: &[Signature] = &[
     signature::<attention::AttentionCombine>(),
     signature::<attention::AttentionTiled>(),
     signature::<attention::AttentionGroupRows>(),
+    signature::<affine_mma::DenseMmaRows>(),
     signature::<attention::CacheWriteRows>(),
     signature::<vq::VqRotate>(),
     signature::<vq::VqMatvec>(),

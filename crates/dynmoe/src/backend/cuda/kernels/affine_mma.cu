@@ -346,12 +346,33 @@ __device__ __forceinline__ void unit_fragments(const unsigned* xs, int u, int g,
     }
 }
 
-// Scale and bias of rows g and g + 8 for lanes with q = 0: lane q of each quad loads
-// one of the four (scale g, bias g, scale g + 8, bias g + 8) as `mine`.
+// The B fragments of staged unit u of input row g / 2 for lane (g, q) (hi for even g, lo
+// for odd), zeros past the `rows` staged: unit_fragments with a row in each pair of
+// columns, so that lane q of each quad ends with input row q's sums. Row r's units start
+// at r · groups.
+__device__ __forceinline__ void unit_fragments_rows(const unsigned* xs, int u, int g, int q,
+                                                    int groups, int rows,
+                                                    unsigned (&bx)[8]) {
+    int r = g >> 1;
+    const unsigned* src =
+        xs + ((size_t)r * groups + u) * RMMA_UNIT + (g & 1) * RMMA_HALF + 2 * q;
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++) {
+        uint2 v = r < rows ? *reinterpret_cast<const uint2*>(src + 8 * ks) : make_uint2(0u, 0u);
+        bx[2 * ks] = v.x;
+        bx[2 * ks + 1] = v.y;
+    }
+}
+
+// Scale and bias of rows g and g + 8 for lanes with q = 0 (with ALL, for every lane):
+// lane q of each quad loads one of the four (scale g, bias g, scale g + 8, bias g + 8) as
+// `mine`.
+template <bool ALL = false>
 __device__ __forceinline__ float4 quad_scales(unsigned short mine, int lane) {
     float v = bf16_bits(mine);
     int base = lane & ~3;
-    return make_float4(v, __shfl_sync(0xffffffffu, v, base + 1),
+    float own = ALL ? __shfl_sync(0xffffffffu, v, base) : v;
+    return make_float4(own, __shfl_sync(0xffffffffu, v, base + 1),
                        __shfl_sync(0xffffffffu, v, base + 2),
                        __shfl_sync(0xffffffffu, v, base + 3));
 }
@@ -361,13 +382,14 @@ __device__ __forceinline__ float4 quad_scales(unsigned short mine, int lane) {
 // (`sb`, quad_scales' item) with the unit's sum `s` of x. value = (a·q + o)·scale + bias,
 // so w·x = a·scale·Σ q·x + (o·scale + bias)·Σ x.
 // `xs` is the unit's xscale where stage_units scaled it.
-template <int BITS>
+// With ALL, valid on every lane (each with its own `s`: dense_mma_rows_*).
+template <int BITS, bool ALL = false>
 __device__ __forceinline__ float2 unit_dot(const unsigned (&w)[2][2], unsigned short sb,
                                            const unsigned (&bx)[8], float s, int q, int lane,
                                            float xs = 1.0f) {
     const float a = recon_a<BITS>(), off = recon_o<BITS>();
     float2 p = unit_products<BITS>(w, q, bx);
-    float4 f = quad_scales(sb, lane);
+    float4 f = quad_scales<ALL>(sb, lane);
     return make_float2(a * f.x * (p.x * xs) + (off * f.x + f.y) * s,
                        a * f.z * (p.y * xs) + (off * f.z + f.w) * s);
 }
@@ -460,17 +482,23 @@ struct NormArgs {
     float* sum;
 };
 
-template <int BITS, bool NORM, bool TILED = false>
+// R > 1 (dense_mma_rows_*): `nrows` ≤ R input rows at once, x and each output `[nrows,
+// width]`; input row r takes columns 2r and 2r + 1 of the B fragments
+// (unit_fragments_rows), so one decode of each weight unit serves every row, and lane q
+// of a quad ends with row q's sums. No norm then.
+template <int BITS, bool NORM, bool TILED = false, int R = 1>
 __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int cols,
-                          int in_dim, int parts, const NormArgs& norm) {
+                          int in_dim, int parts, const NormArgs& norm, int nrows = 1) {
+    static_assert(R == 1 || (!NORM && R <= 4), "up to 4 rows in the 8 columns, no norm");
     extern __shared__ __align__(16) unsigned smem[];
     int groups = cols / 64;
     unsigned* xs = smem;
-    float* xsum = reinterpret_cast<float*>(smem + (size_t)groups * RMMA_UNIT);
-    float* red = xsum + groups;  // [RMMA_WARPS][RMMA_ROWS]
+    // The staged units of the `nrows` rows, their sums, then the parts' sums.
+    float* xsum = reinterpret_cast<float*>(smem + (size_t)nrows * groups * RMMA_UNIT);
+    float* red = xsum + nrows * groups;  // [RMMA_WARPS][R][RMMA_ROWS]
     // With NORM: each unit's xscale (after the routed kernels' [RMMA_WARPS][2][RMMA_ROWS]
     // that routed_mma_shared counts) and the row through the norm (16-byte aligned).
-    float* xscale = red + RMMA_WARPS * 2 * RMMA_ROWS;
+    float* xscale = red + RMMA_WARPS * (R > 2 ? R : 2) * RMMA_ROWS;
     float* normed = align16(xscale + groups);
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane >> 2, q = lane & 3;
     int per_round = RMMA_WARPS / parts, slot = warp / parts, part = warp % parts;
@@ -516,9 +544,16 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
         for (int j = 0; j < DMMA_UNITS; j++) {
             if (base + j >= u1) break;
             unsigned bx[8];
-            unit_fragments(xs, base + j, g, q, bx);
-            float2 d = unit_dot<BITS>(w[j], sb[j], bx, xsum[base + j], q, lane,
-                                      NORM ? xscale[base + j] : 1.0f);
+            float s;
+            if constexpr (R == 1) {
+                unit_fragments(xs, base + j, g, q, bx);
+                s = xsum[base + j];
+            } else {
+                unit_fragments_rows(xs, base + j, g, q, groups, nrows, bx);
+                s = q < nrows ? xsum[q * groups + base + j] : 0.0f;
+            }
+            float2 d = unit_dot<BITS, (R > 1)>(w[j], sb[j], bx, s, q, lane,
+                                               NORM ? xscale[base + j] : 1.0f);
             acc[0] += d.x;
             acc[1] += d.y;
         }
@@ -541,7 +576,7 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
         stage_units<BITS>(xs, xsum, normed, [](int) { return 0; }, groups, groups, in_dim,
                           threadIdx.x, blockDim.x, InputAsIs{}, xscale);
     } else {
-        stage_units<BITS>(xs, xsum, x, [](int) { return 0; }, groups, groups, in_dim,
+        stage_units<BITS>(xs, xsum, x, [](int r) { return r; }, nrows * groups, groups, in_dim,
                           threadIdx.x, blockDim.x);
     }
     __syncthreads();
@@ -563,22 +598,25 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
             }
         }
         if (parts == 1) {
-            if (live && q == 0) {
-                if (r0 + g < cur.rows) cur.out[r0 + g] = acc[0] * inv;
-                if (r0 + g + 8 < cur.rows) cur.out[r0 + g + 8] = acc[1] * inv;
+            if (live && q < nrows) {
+                float* out = cur.out + (size_t)q * cur.rows;
+                if (r0 + g < cur.rows) out[r0 + g] = acc[0] * inv;
+                if (r0 + g + 8 < cur.rows) out[r0 + g + 8] = acc[1] * inv;
             }
             continue;
         }
-        if (q == 0) {
-            red[warp * RMMA_ROWS + g] = acc[0];
-            red[warp * RMMA_ROWS + g + 8] = acc[1];
+        if (q < R) {
+            red[(warp * R + q) * RMMA_ROWS + g] = acc[0];
+            red[(warp * R + q) * RMMA_ROWS + g + 8] = acc[1];
         }
         __syncthreads();
-        // The first part's warp adds the job's parts, in order.
-        if (live && part == 0 && lane < RMMA_ROWS && r0 + lane < cur.rows) {
+        // The first part's warp adds the job's parts, in order, for each input row.
+        for (int i = lane; live && part == 0 && i < nrows * RMMA_ROWS; i += WARP) {
+            int row = i / RMMA_ROWS, o = i % RMMA_ROWS;
+            if (r0 + o >= cur.rows) continue;
             float v = 0.0f;
-            for (int k = 0; k < parts; k++) v += red[(warp + k) * RMMA_ROWS + lane];
-            cur.out[r0 + lane] = v * inv;
+            for (int k = 0; k < parts; k++) v += red[((warp + k) * R + row) * RMMA_ROWS + o];
+            cur.out[(size_t)row * cur.rows + r0 + o] = v * inv;
         }
         __syncthreads();
     }
@@ -627,8 +665,24 @@ __device__ void dense_mma(const DenseMat (&m)[3], int mats, const float* x, int 
         dense_mma<B, true, true>(m, mats, x, cols, in_dim, parts, {delta, norm_w, eps, sum}); \
     }
 
+// Up to DMMA_ROWS input rows at once (several sequences' decode rows), x as it is, in
+// rows or (at 4 and 2 bits) in unit tiles.
+#define DMMA_ROWS 4
+#define DENSE_MMA_ROWS(B, NAME, TILED)                                                        \
+    extern "C" __global__ void __launch_bounds__(RMMA_WARPS * WARP, DMMA_BLOCKS)              \
+        dense_mma_rows_##NAME(DENSE_MMA_ARGS, int nrows) {                                    \
+        PDL_LAUNCH();                                                                         \
+        const DenseMat m[3] = DENSE_MATS;                                                     \
+        dense_mma<B, false, TILED, DMMA_ROWS>(m, mats, x, cols, in_dim, parts, {}, nrows);    \
+    }
+
 DENSE_MMA(4)
 DENSE_MMA(3)
 DENSE_MMA(2)
 DENSE_MMA_TILED(4)
 DENSE_MMA_TILED(2)
+DENSE_MMA_ROWS(4, q4, false)
+DENSE_MMA_ROWS(3, q3, false)
+DENSE_MMA_ROWS(2, q2, false)
+DENSE_MMA_ROWS(4, tiled_q4, true)
+DENSE_MMA_ROWS(2, tiled_q2, true)
