@@ -565,16 +565,25 @@ LLAMA_BATCHED = {4: {1: 763, 4: 1547, 8: 1884, 16: 1955, 32: 2319, 64: 2608},
 
 
 def decode_sampled_batched():
-    d = load("cuda_decode_sampled_batched.json")
+    d = load("cuda_decode_batched.json")
+    # The same bench on the builds before: the first batched step (attention a row at a
+    # time, dense products by the matrix-vector kernel), then with the rows' attention in
+    # one launch.
+    first = {(c["bits"], b["batch"]): b["decode_tok_s"]
+             for c in load("cuda_decode_sampled_batched.json")["cases"] for b in c["batches"]}
+    attention = {(c["bits"], b["batch"]): b["decode_tok_s"]
+                 for c in load("gpu/cuda_decode_batched_attention_rows.json")["cases"]
+                 for b in c["batches"]}
     sampled, batched = [], []
     for c in d["cases"]:
         sampled.append([f"q{c['bits']}", num(c["decode_tok_s"]), num(c["decode_sampled_tok_s"]),
                         f"{c['decode_sampled_tok_s'] / c['decode_tok_s']:.2f}"])
         anchor = LLAMA_BATCHED[c["bits"]]
         for b in c["batches"]:
-            ll = anchor.get(b["batch"])
+            key, ll = (c["bits"], b["batch"]), anchor.get(b["batch"])
             batched.append([f"q{c['bits']}", b["batch"], num(b["decode_tok_s"]),
-                            " / ".join(num(x) for x in b["decode_runs_tok_s"]), num(ll),
+                            " / ".join(num(x) for x in b["decode_runs_tok_s"]),
+                            num(attention.get(key)), num(first.get(key)), num(ll),
                             "–" if ll is None else f"{b['decode_tok_s'] / ll:.2f}×"])
     return section(
         "Sampled and batched decode on the GPU",
@@ -582,21 +591,27 @@ def decode_sampled_batched():
              Qwen3-30B-A3B shape (random weights, experts at the bits given, attention and LM
              head q4), medians of {d['repeats']} runs. Sampled is temperature 0.8 and top-p
              0.95 through the same decode entry point as greedy, the token picked on the
-             device; before the device sampler, `dynmoe run --temperature 0.8` on this model decoded at 94 tok/s (4 bits) and
-             82 (2 bits), the logits read back and sorted on the host every token."""),
+             device; before the device sampler, `dynmoe run --temperature 0.8` on this model
+             decoded at 94 tok/s (4 bits) and 82 (2 bits), the logits read back and sorted on
+             the host every token."""),
         table(["experts", "greedy tok/s", "sampled tok/s", "sampled / greedy"], sampled),
         para("""Batched: that many sequences decoded together (`--batch`), each a 128-token
-             prompt then 128 greedy tokens, aggregate tokens per second, beside llama.cpp's
+             prompt then 128 greedy tokens, aggregate tokens per second, beside the same bench
+             on two builds before (the first batched step, whose attention ran a sequence at
+             a time; then with every sequence's attention in one launch, but dense products
+             of several rows on the matrix-vector kernel) and llama.cpp's
              `llama-batched-bench` at the same batch (Q4_K_M beside 4 bits, Q2_K beside 2;
-             measured in an earlier call on the same GPU, not in this one). Every row is
-             shown: at 8 to 64 sequences dynmoe is slower than llama.cpp, and at 8 slower
-             than one sequence alone, since a batched step runs op by op (not recorded as a
-             graph) and its attention one sequence at a time."""),
-        table(["experts", "sequences", "tok/s", "runs", "llama.cpp", "× llama.cpp"], batched),
-        source(["cuda_decode_sampled_batched.json"],
+             measured in an earlier call on the same GPU, not in this one; `–` where a build
+             was not measured at that batch). Every row is shown. One sequence decodes by the
+             recorded step; several run op by op."""),
+        table(["experts", "sequences", "tok/s", "runs", "rows attention build",
+               "first batched build", "llama.cpp", "× llama.cpp"], batched),
+        source(["cuda_decode_batched.json", "gpu/cuda_decode_batched_attention_rows.json",
+                "cuda_decode_sampled_batched.json"],
                "`dynmoe bench decode DIR --backend cuda --bits 4,2 --dense-codec q4 "
-               "--head-codec q4 --batch 1,8,32,64 --repeats 2 --json FILE` on the directory of "
-               "`dynmoe synth --like qwen3-30b-a3b --layers 12 --bits 4,2`"))
+               "--head-codec q4 --batch 1,4,8,16,32,64 --repeats 2 --json FILE` on the "
+               "directory of `dynmoe synth --like qwen3-30b-a3b --layers 12 --bits 4,3,2` "
+               "(`scripts/gpu/run.sh batch`)"))
 
 
 def residency_gpu():
