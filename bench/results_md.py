@@ -188,8 +188,10 @@ def quality():
     return section(
         "ISP plans against the baselines",
         para(f"""`dynmoe bench quality` on {d['model']} (one run on 16 CPU cores). Bits are
-             resident bytes of the {d['scope']} (codebooks included, once per rung) over their
-             parameters; the probes ran on {d['calib_chunks_per_text']} calibration chunks per
+             resident bytes of the {d['scope']} over their parameters, here with the codebooks
+             included once per rung, as they were counted when this run was made (they are
+             now constants of the program, outside every budget, so a run today reports fewer
+             bits for the VQ rows); the probes ran on {d['calib_chunks_per_text']} calibration chunks per
              domain; perplexity and KL divergence to bf16 on the first
              {d['eval_chunks_per_text']} chunks of each domain's test split and of WikiText-2.
              Geomean and KLD summarise the five domains. WikiText-2 has its own columns: the

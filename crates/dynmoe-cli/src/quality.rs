@@ -14,7 +14,7 @@
 //! Bits count the resident expert bytes (codes, norms or scales, and each codebook once)
 //! over the routed experts' parameters.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -149,21 +149,16 @@ impl Bench {
         self.config.moe_layers().collect()
     }
 
-    /// Resident bits per routed-expert weight of `layers`.
+    /// Resident bits per routed-expert weight of `layers` (the codebooks, constants of
+    /// the program, aside).
     fn expert_bits(&self, layers: &[LayerSetting]) -> Result<f64> {
-        let (mut bytes, mut params, mut books) = (0u64, 0u64, BTreeSet::new());
+        let (mut bytes, mut params) = (0u64, 0u64);
         for l in layers {
             for (p, codec) in l.codecs.iter().enumerate() {
                 let [rows, cols] = self.shape.matrix(p);
                 bytes += l.resident as u64 * codec.matrix_bytes(rows, cols)?;
                 params += (self.shape.experts * rows * cols) as u64;
-                if codec.rung()?.is_some() {
-                    books.insert(*codec);
-                }
             }
-        }
-        for c in books {
-            bytes += c.codebook_bytes()?;
         }
         Ok(bytes as f64 * 8.0 / params as f64)
     }

@@ -314,7 +314,7 @@ impl Shape {
             .iter()
             .map(|t| t.2.iter().product::<usize>() as u64)
             .sum();
-        let dense_bytes = 2 * dense_params + codec.codebook_bytes().map_err(encode)?;
+        let dense_bytes = 2 * dense_params;
         let plans: Vec<LayerPlan> = (0..layers)
             .map(|layer| LayerPlan {
                 layer,

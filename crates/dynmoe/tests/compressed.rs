@@ -254,8 +254,9 @@ fn a_compressed_directory_with_affine_dense_layers() {
 }
 
 /// A budget over the whole model pays for the dense layers at their codec: the plan's
-/// resident bytes are what bits accounting prices for its assignment (dense layers and
-/// every codebook in use included), and within the budget.
+/// resident bytes are what bits accounting prices for its assignment (dense layers
+/// included, the codebooks aside: the plan reports those the plan uses on their own), and
+/// within the budget.
 #[test]
 fn a_model_scope_plan_prices_its_coded_dense_layers() {
     use dynmoe::eval::bits::{account, Assignment};
@@ -297,6 +298,8 @@ fn a_model_scope_plan_prices_its_coded_dense_layers() {
     };
     let priced = account(&config, &ckpt, &assignment, None).unwrap();
     assert_eq!(plan.resident_bytes, priced.resident_bytes);
+    assert!(priced.codebook_bytes >= dense_codec.codebook_bytes().unwrap());
+    assert_eq!(plan.rounds["codebook_bytes"], priced.codebook_bytes);
     assert_eq!(plan.params_total, priced.params_total);
     let bf16_dense = account(&config, &ckpt, &Assignment::uncompressed(), None).unwrap();
     assert!(

@@ -2,8 +2,8 @@
 //! layers by ISP, and write the plan (docs/ARCHITECTURE.md, Allocation).
 //!
 //! Candidates per layer are bf16 and every rung of the VQ ladder, times a ladder of
-//! removal levels (eighths of the experts, never fewer than top-k resident); a rung
-//! whose codebook would take more than a tenth of the budget is left out. Codec probes
+//! removal levels (eighths of the experts, never fewer than top-k resident). The VQ
+//! rungs' codebooks are constants of the program, outside every budget. Codec probes
 //! run at the 0.7-, 1.5- and 4-bit rungs (the middle one lets the cost curve bend);
 //! removal probes at 25%, 50% and the most top-k allows (at most 95%). Every probe is
 //! journalled in the output directory, so an interrupted run resumes where it stopped.
@@ -32,7 +32,7 @@ pub enum BudgetScope {
     /// Resident bytes of the whole model, every tensor priced, over all parameters
     /// (bits per weight as docs/ARCHITECTURE.md, Allocation, defines them).
     Model,
-    /// Resident bytes of the routed experts (and the codebooks they use) over the routed
+    /// Resident bytes of the routed experts (codebooks aside) over the routed
     /// experts' parameters; everything else stays as the checkpoint has it.
     Experts,
 }
@@ -164,11 +164,8 @@ pub fn compress(
     let priced = account(&config, &ckpt, &assignment, None)?;
     let expert_params = (config.moe_layers().count() * e * 3 * h * inter) as u64;
     let (dense_bytes, denominator) = match opts.scope {
-        // The dense rung's codebook is counted with the experts' below, once per rung.
         BudgetScope::Model => (
-            priced.resident_bytes
-                - priced.resident_by_kind[&TensorKind::RoutedExperts]
-                - priced.codebook_bytes,
+            priced.resident_bytes - priced.resident_by_kind[&TensorKind::RoutedExperts],
             priced.params_total,
         ),
         BudgetScope::Experts => (0, expert_params),
@@ -186,19 +183,8 @@ pub fn compress(
     if !removals.contains(&max_removed) {
         removals.push(max_removed);
     }
-    // A rung whose codebook alone would take a tenth of the budget is no candidate (it
-    // still serves as a probe): on small models the big codebooks cost more than they save.
-    let budget = budget_of(opts.bits);
-    let allowed = codecs
-        .iter()
-        .map(|c| Ok(c.codebook_bytes()? <= budget / 10))
-        .collect::<Result<Vec<bool>, CodecError>>()?;
     let price = |_layer: usize, s: Setting| {
-        if allowed[s.codec] {
-            resident_count(e, top_k, s.removed) as u64 * expert_bytes[s.codec]
-        } else {
-            u64::MAX / 1024
-        }
+        resident_count(e, top_k, s.removed) as u64 * expert_bytes[s.codec]
     };
     let probe_codecs: Vec<usize> = ["vq0.7", "vq1.5", "vq4"]
         .iter()
@@ -237,49 +223,40 @@ pub fn compress(
         notice(&line);
     }
 
-    // Codebooks are resident once per rung in use: allocate, add those the plan uses to
-    // the fixed bytes, and allocate again until they fit.
-    let mut codebook_bytes = 0u64;
-    let mut rounds: Vec<Round> = Vec::new();
-    for _ in 0..4 {
-        let problem = Problem {
-            layers: cached.inner().layers().len(),
-            codecs: options.clone(),
-            removals: removals.clone(),
-            probe_codecs: probe_codecs.clone(),
-            probe_removals: vec![0.25, 0.5, max_removed.min(0.95)],
-            bytes: &price,
-            fixed_bytes: dense_bytes + codebook_bytes,
-            start: Setting {
-                codec: 0,
-                removed: 0.0,
-            },
-        };
-        let anneal: Vec<u64> = opts.anneal.iter().map(|&b| budget_of(b)).collect();
-        let report = |round: usize, done: usize, total: usize| {
-            progress(&format!("round {}: probe {done}/{total}", round + 1))
-        };
-        rounds = isp(
-            &problem,
-            &cached,
-            budget_of(opts.bits),
-            &anneal,
-            opts.rounds,
-            &report,
-        )
-        .map_err(|e| match e {
-            IspError::Probe(p) => CompressError::Probe(p.to_string()),
-            IspError::Alloc(a) => CompressError::Plan(a.to_string()),
-        })?;
-        let used: u64 = used_codecs(&codecs, &rounds, opts.dense_codec)
-            .iter()
-            .map(|c| c.codebook_bytes())
-            .sum::<Result<u64, _>>()?;
-        if used <= codebook_bytes {
-            break;
-        }
-        codebook_bytes = used;
-    }
+    let problem = Problem {
+        layers: cached.inner().layers().len(),
+        codecs: options.clone(),
+        removals: removals.clone(),
+        probe_codecs: probe_codecs.clone(),
+        probe_removals: vec![0.25, 0.5, max_removed.min(0.95)],
+        bytes: &price,
+        fixed_bytes: dense_bytes,
+        start: Setting {
+            codec: 0,
+            removed: 0.0,
+        },
+    };
+    let anneal: Vec<u64> = opts.anneal.iter().map(|&b| budget_of(b)).collect();
+    let report = |round: usize, done: usize, total: usize| {
+        progress(&format!("round {}: probe {done}/{total}", round + 1))
+    };
+    let rounds: Vec<Round> = isp(
+        &problem,
+        &cached,
+        budget_of(opts.bits),
+        &anneal,
+        opts.rounds,
+        &report,
+    )
+    .map_err(|e| match e {
+        IspError::Probe(p) => CompressError::Probe(p.to_string()),
+        IspError::Alloc(a) => CompressError::Plan(a.to_string()),
+    })?;
+    // Reported on their own line: the codebooks of the rungs the plan runs.
+    let codebook_bytes: u64 = used_codecs(&codecs, &rounds, opts.dense_codec)
+        .iter()
+        .map(|c| c.codebook_bytes())
+        .sum::<Result<u64, _>>()?;
     let last = rounds.last().expect("ISP runs at least one round");
     let prober = cached.inner();
     let layers: Vec<LayerPlan> = prober
@@ -303,8 +280,7 @@ pub fn compress(
             }
         })
         .collect();
-    let resident_bytes =
-        dense_bytes + codebook_bytes + layers.iter().map(|l| l.resident_bytes).sum::<u64>();
+    let resident_bytes = dense_bytes + layers.iter().map(|l| l.resident_bytes).sum::<u64>();
     let budget_bytes = budget_of(opts.bits);
     let plan = Plan {
         format: FORMAT.into(),
@@ -315,7 +291,7 @@ pub fn compress(
         budget_bytes,
         params_total: denominator,
         dense_codec: opts.dense_codec,
-        dense_bytes: dense_bytes + codebook_bytes,
+        dense_bytes,
         resident_bytes,
         reservoir_bytes: layers.iter().map(|l| l.reservoir_bytes).sum(),
         unspent_bytes: budget_bytes.saturating_sub(resident_bytes),
@@ -326,7 +302,7 @@ pub fn compress(
             "probes_from_journal": cached.hits(),
             "journal_lines_not_trusted": cached.skipped().untrusted() + cached.skipped().other_contexts.values().sum::<usize>(),
             "codecs": options,
-            "candidates": codecs.iter().zip(&allowed).filter(|(_, &a)| a).map(|(c, _)| c.to_string()).collect::<Vec<_>>(),
+            "candidates": codecs.iter().map(|c| c.to_string()).collect::<Vec<_>>(),
             "removals": removals,
             "rounds": rounds,
         }),
@@ -376,7 +352,7 @@ fn journal_notices(path: &Path, context: &str, skipped: &Skipped) -> Vec<String>
 }
 
 /// The codecs a plan uses: its layers' and the dense layers' (each VQ rung's codebook
-/// is resident once).
+/// is loaded once).
 fn used_codecs(codecs: &[Codec], rounds: &[Round], dense: Codec) -> Vec<Codec> {
     let mut used: Vec<Codec> = rounds
         .last()

@@ -67,9 +67,11 @@ pub struct BitsReport {
     pub params_total: u64,
     /// Resident bytes by kind of tensor (routed experts: resident ones only).
     pub resident_by_kind: BTreeMap<TensorKind, u64>,
-    /// Codebooks of the VQ rungs in use, resident once each.
+    /// Codebooks of the VQ rungs in use: constants of the program (compiled in, as
+    /// llama.cpp's IQ grids are), resident once each, reported on their own and counted
+    /// in no model's bytes or bits.
     pub codebook_bytes: u64,
-    /// Σ resident bytes.
+    /// Σ resident bytes of the model's tensors (codebooks aside).
     pub resident_bytes: u64,
     /// Σ reservoir bytes.
     pub reservoir_bytes: u64,
@@ -175,7 +177,7 @@ pub fn account(
         .iter()
         .map(|c| c.codebook_bytes().map_err(|x| codec_err("codebook", x)))
         .sum::<Result<u64, _>>()?;
-    let resident_bytes = resident_by_kind.values().sum::<u64>() + codebook_bytes;
+    let resident_bytes = resident_by_kind.values().sum::<u64>();
     let reservoir_bytes = layers.iter().map(|l| l.reservoir_bytes).sum();
     let kv_cache_bytes = kv_context.map(|ctx| {
         (config.layers.len() * 2 * config.num_kv_heads * config.head_dim * ctx * 4) as u64
@@ -245,7 +247,7 @@ mod tests {
         assert_eq!(head.codebook_bytes, vq3.codebook_bytes().unwrap());
         assert_eq!(
             head.resident_bytes + 2 * (v * h) as u64,
-            full.resident_bytes + vq3.matrix_bytes(v, h).unwrap() + head.codebook_bytes
+            full.resident_bytes + vq3.matrix_bytes(v, h).unwrap()
         );
         assert!(q2.resident_bytes < q4.resident_bytes);
         assert_eq!(vq2.codebook_bytes, 65536 * 8 * 2);
@@ -256,10 +258,7 @@ mod tests {
         for r in [&q4, &q2, &vq2, &half] {
             let layers: u64 = r.layers.iter().map(|l| l.resident_bytes).sum();
             assert_eq!(r.resident_by_kind[&TensorKind::RoutedExperts], layers);
-            assert_eq!(
-                r.resident_bytes,
-                r.resident_by_kind.values().sum::<u64>() + r.codebook_bytes
-            );
+            assert_eq!(r.resident_bytes, r.resident_by_kind.values().sum::<u64>());
         }
     }
 }
