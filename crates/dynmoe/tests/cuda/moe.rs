@@ -235,10 +235,10 @@ impl std::fmt::Display for Codes {
 fn check_routed(g: &Cuda, hidden: usize, inter: usize, experts: usize, codes: Codes, tie: bool) {
     let keep: Vec<bool> = (0..experts).map(|e| e % 3 != 1).collect();
     let mats = Experts::new(codes, experts, hidden, inter);
-    // Past 8 rows (a prompt) pairs are grouped by expert on the device and run through
-    // the grouped GEMMs on tensor cores (VQ ones over 512 rows of top-8 in chunks of
-    // 4 096 pairs); VQ rungs of 2-value vectors, and rotation blocks under 64, through
-    // the decode kernels.
+    // Past 4 rows of affine experts (several sequences' step, a prompt) and past 8 of VQ
+    // ones, pairs are grouped by expert on the device and run through the grouped GEMMs
+    // on tensor cores (VQ ones over 512 rows of top-8 in chunks of 4 096 pairs); VQ rungs
+    // of 2-value vectors, and rotation blocks under 64, through the decode kernels.
     let mut cases = vec![
         (1, 4, true, false),
         (1, 2, false, true),

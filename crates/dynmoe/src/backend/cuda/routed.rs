@@ -31,6 +31,11 @@ pub(super) const GATE_UP_POINTERS: usize = 6;
 /// be read once per row, so more rows take the grouped GEMMs on tensor cores (without
 /// tensor cores, the host path).
 pub const ROUTED_MAX_ROWS: usize = super::affine::AFFINE_GEMM_ROWS;
+/// Most rows whose affine experts take the routed kernels on tensor cores: from five rows
+/// (40 pairs of Qwen3-30B-A3B's top-8), the grouped GEMMs, which read each expert once for
+/// all its pairs, were faster on an H200 (8 sequences a step: 3,283 to 3,403 tok/s against
+/// 2,950 to 3,092; 2 and 4 sequences slower there: docs/notes/batched-decode-2026-12-04.md).
+const ROUTED_MMA_MAX_ROWS: usize = 4;
 /// Most (row, expert) pairs one routed launch takes (a grid dimension holds 65 535).
 const ROUTED_CHUNK_PAIRS: usize = 4096;
 
@@ -455,7 +460,7 @@ impl Cuda {
                 return self.launch_routed_vq(r, shape, io);
             }
         };
-        if rows > ROUTED_MAX_ROWS
+        if rows > ROUTED_MMA_MAX_ROWS
             && self.tensor_cores()
             && gemm_grid_fits(rows * r.route.top_k, r.experts)
         {
