@@ -81,6 +81,10 @@ const COMMON: &[&str] = &[
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
     "seed",
     "stop",
     "stream",
@@ -407,12 +411,36 @@ mod tests {
     }
 
     #[test]
+    fn the_penalties_and_min_p_reach_the_sampler() {
+        let body = r#"{"prompt": "a", "min_p": 0.05, "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.25}"#;
+        let (_, p) = completion(body).unwrap();
+        assert_eq!(p.sampling.min_p, 0.05);
+        assert_eq!(p.sampling.repetition_penalty, 1.1);
+        assert_eq!(p.sampling.presence_penalty, 0.5);
+        assert_eq!(p.sampling.frequency_penalty, -0.25);
+        let chat = br#"{"messages": [{"role": "user", "content": "a"}], "presence_penalty": 1}"#;
+        assert_eq!(
+            parse_chat(chat, 5).unwrap().1.sampling.presence_penalty,
+            1.0
+        );
+    }
+
+    #[test]
     fn each_bad_field_is_named() {
         for (body, param) in [
             (r#"{"prompt": "a", "temperature": "hot"}"#, "temperature"),
             (r#"{"prompt": "a", "temperature": 2.5}"#, "temperature"),
             (r#"{"prompt": "a", "top_p": 0}"#, "top_p"),
             (r#"{"prompt": "a", "top_k": -1}"#, "top_k"),
+            (r#"{"prompt": "a", "min_p": 1.5}"#, "min_p"),
+            (
+                r#"{"prompt": "a", "presence_penalty": 3}"#,
+                "presence_penalty",
+            ),
+            (
+                r#"{"prompt": "a", "repetition_penalty": 0}"#,
+                "repetition_penalty",
+            ),
             (r#"{"prompt": "a", "max_tokens": 0}"#, "max_tokens"),
             (r#"{"prompt": "a", "max_tokens": 1.5}"#, "max_tokens"),
             (r#"{"prompt": "a", "seed": -3}"#, "seed"),
