@@ -15,6 +15,7 @@ Python 3 standard library only.
 import argparse
 import difflib
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -426,28 +427,35 @@ def expert_kernels():
         source(["expert_kernels.json"], "`cargo bench -p dynmoe --bench expert_kernels`"))
 
 
+def server_args(command):
+    """A server command line's arguments, the checkout's own paths made relative."""
+    return re.sub(r"[^ ]*/(fixtures/)", r"\1", command.split(" serve ", 1)[-1])
+
+
 def serve_load():
     d = load("serve_load.json")
-    row = [[d["requests_sent"], d["served"], d["errors"], f"{d['latency_ms_p50']:.1f} ms",
-            f"{d['latency_ms_p90']:.1f} ms", f"{d['latency_ms_p99']:.1f} ms",
-            f"{d['latency_ms_max']:.1f} ms", num(d["tokens_per_second"], 1),
-            num(d["requests_per_second"], 1),
-            f"{num(d['rss_kib_after_warmup'])} → {num(d['rss_kib_end'])} KiB"]]
-    rss_head = ["requests done"] + [num(s["requests_done"]) for s in d["rss_samples"]]
-    rss = [["server RSS, KiB"] + [num(s["rss_kib"]) for s in d["rss_samples"]]]
-    model = Path(d["model"]).name
+    rows = []
+    for r in d["rows"]:
+        rows.append([r["clients"], r["requests"], r["errors"], num(r["tokens_per_s"], 1),
+                     num(r["tokens_per_request"], 1), f"{r['ttft_ms']['p50']:.1f}",
+                     f"{r['ttft_ms']['p99']:.1f}", f"{r['itl_ms']['p50']:.1f}",
+                     f"{r['itl_ms']['p99']:.1f}",
+                     f"{r['rss_mib']['before']} → {r['rss_mib']['after']}"])
+    s = d["settings"]
     return section(
         "Serving under load",
-        para(f"""`dynmoe serve` as a second process on loopback, {model},
-             {d['server_max_sequences']} sequences at a time, {d['client_concurrency']} client
-             threads, completions of {d['max_tokens']} tokens at temperature 0.8, after
-             {d['warmup_requests']} warm-up requests, on an {d['cpu']}; then the server's
-             resident memory every 200 requests."""),
-        table(["sent", "served", "errors", "p50", "p90", "p99", "max", "tok/s", "requests/s",
-               "server RSS after warm-up → end"], row, left=0),
-        table(rss_head, rss),
-        source(["serve_load.json"], "`cargo bench -p dynmoe-cli --bench serve_load -- "
-               "--requests 2000`"))
+        para(f"""`dynmoe serve` as a second process on loopback
+             (`{server_args(d['server_command'])}`), on {d.get('cpu') or d['hostname']}:
+             at each level that many clients at once, each sending
+             {s['requests_per_client']} streamed completions one after another (prompts of about
+             {s['prompt_tokens']} tokens, up to {s['completion_tokens']} generated, temperature
+             {s['temperature']}, top-p {s['top_p']}), after a warm-up request. Tokens per second
+             are all the level's generated tokens over its wall time; time to first token and
+             the gaps between a stream's tokens are p50 and p99; resident memory is the
+             server's before and after the level."""),
+        table(["clients", "requests", "errors", "tok/s", "tokens a request", "TTFT p50 ms",
+               "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "server RSS MiB"], rows, left=0),
+        source(["serve_load.json"], "`python3 bench/serve_load.py " + d.get("args", "") + "`"))
 
 
 # -- robustness ---------------------------------------------------------------------
