@@ -482,6 +482,24 @@ def serve_load():
                "`scripts/gpu/run.sh serve`"))
 
 
+def reservoir_disk():
+    d = load("reservoir_disk.json")
+    took = "here it did" if d["file_system_direct"] else "here it did not"
+    rows = [[p["name"], num(p["median_mb_s"]), " / ".join(num(x) for x in p["mb_s"]),
+             f"{p['ms_per_record']:.3f}"] for p in d["passes"]]
+    return section(
+        "Streaming experts from a cold disk",
+        para(f"""The disk reservoir's reads against plain `pread`s of the same records, on
+             this machine's disk: {d['records']} Qwen3-30B-A3B-sized 2-bit expert records of
+             {num(d['record_bytes'])} bytes in a shuffled order, one thread, the file evicted
+             from the page cache (`posix_fadvise(DONTNEED)`) before each cold pass; medians of
+             {d['rounds']} rounds taken in turn. The reservoir reads with `O_DIRECT` where the
+             file system takes it ({took}), so a cached file does not flatter it; plain reads of a cached file are
+             what an earlier measurement of "streaming from disk" saw."""),
+        table(["pass", "MB/s", "rounds", "ms a record"], rows),
+        source(["reservoir_disk.json"], "`cargo bench -p dynmoe --bench reservoir_disk`"))
+
+
 # -- robustness ---------------------------------------------------------------------
 
 def fuzz():
@@ -743,6 +761,7 @@ PARTS = [
     ("Quality on the bundled fixtures",
      [ppl_fixtures, ppl_bits, ppl_codecs, quality, isp_rounds, residency_small]),
     ("Speed on the CPU, and the codecs", [cpu_forward, codecs, vq_kernels, expert_kernels,
+                                          reservoir_disk,
                                          serve_load]),
     ("The GPU", [model_speed, decode_sampled_batched, residency_gpu, cuda_kernels]),
     ("Robustness", [fuzz, serve_soak]),

@@ -6,12 +6,17 @@
 //! expert-store layer the whole record (affine: codes, scales, biases; VQ: header, codes,
 //! norms), copied as is.
 //! The reservoir holds every record in RAM, or reads it from the file it already lives
-//! in (the checkpoint shard, or the expert store itself) with `pread`.
+//! in (the checkpoint shard, or the expert store itself). Disk reads bypass the page
+//! cache (`O_DIRECT`, whole aligned blocks through a bounce buffer) where the file system
+//! allows it, so what streams from disk is read from the disk, not from memory a warm
+//! cache lends; elsewhere (tmpfs, say) they are plain `pread`s.
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -30,8 +35,96 @@ use crate::store::records::{words_as_bytes_mut, Buffer, LayerSource, RecordForma
 pub enum ReservoirKind {
     /// A copy of every record in host memory.
     Ram,
-    /// The files the records already live in, read with `pread`.
+    /// The files the records already live in, read past the page cache where the file
+    /// system allows it.
     Disk,
+}
+
+/// Alignment of `O_DIRECT` reads: offset, length and buffer in whole blocks of this (the
+/// largest logical block size of common devices).
+const DIRECT_ALIGN: usize = 4096;
+
+/// A buffer whose usable part starts on a [`DIRECT_ALIGN`] boundary, reused by each
+/// loader thread.
+#[derive(Default)]
+struct Bounce {
+    bytes: Vec<u8>,
+}
+
+impl Bounce {
+    /// `len` bytes starting on an aligned address.
+    fn aligned(&mut self, len: usize) -> &mut [u8] {
+        if self.bytes.len() < len + DIRECT_ALIGN {
+            self.bytes = vec![0u8; len + DIRECT_ALIGN];
+        }
+        let skip = self.bytes.as_ptr().align_offset(DIRECT_ALIGN);
+        &mut self.bytes[skip..skip + len]
+    }
+}
+
+thread_local! {
+    static BOUNCE: RefCell<Bounce> = RefCell::new(Bounce::default());
+}
+
+/// A file's second handle opened with `O_DIRECT`, while the file system takes it.
+struct Direct {
+    file: Option<File>,
+    /// Cleared at the first read the file system refuses (EINVAL): from then on, plain
+    /// reads.
+    works: AtomicBool,
+}
+
+impl Direct {
+    fn open(path: &Path) -> Direct {
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .ok();
+        Direct {
+            works: AtomicBool::new(file.is_some()),
+            file,
+        }
+    }
+
+    /// Reads `out.len()` bytes at `offset` through the aligned blocks that hold them;
+    /// `None` when this file takes no direct reads (the caller reads plainly).
+    fn read(&self, out: &mut [u8], offset: u64) -> Option<std::io::Result<()>> {
+        let file = self
+            .file
+            .as_ref()
+            .filter(|_| self.works.load(Ordering::Relaxed))?;
+        let a = DIRECT_ALIGN as u64;
+        let start = offset / a * a;
+        let end = (offset + out.len() as u64).div_ceil(a) * a;
+        let skip = (offset - start) as usize;
+        BOUNCE.with(|b| {
+            let mut b = b.borrow_mut();
+            let block = b.aligned((end - start) as usize);
+            // The last block may run past the end of the file: a short read is fine as
+            // long as it covers the bytes asked for.
+            let mut got = 0;
+            while got < skip + out.len() {
+                match file.read_at(&mut block[got..], start + got as u64) {
+                    Ok(0) => {
+                        return Some(Err(std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            "the file ends before the record",
+                        )))
+                    }
+                    Ok(n) => got += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) && got == 0 => {
+                        self.works.store(false, Ordering::Relaxed);
+                        return None;
+                    }
+                    Err(e) => return Some(Err(e)),
+                }
+            }
+            out.copy_from_slice(&block[skip..skip + out.len()]);
+            Some(Ok(()))
+        })
+    }
 }
 
 struct LayerReservoir {
@@ -48,6 +141,7 @@ struct LayerReservoir {
 struct Files {
     paths: Vec<PathBuf>,
     files: Vec<File>,
+    direct: Vec<Direct>,
 }
 
 impl Files {
@@ -61,6 +155,7 @@ impl Files {
         })?;
         self.paths.push(path.to_path_buf());
         self.files.push(file);
+        self.direct.push(Direct::open(path));
         Ok(self.files.len() - 1)
     }
 }
@@ -70,6 +165,7 @@ pub struct Reservoir {
     kind: ReservoirKind,
     layers: BTreeMap<usize, LayerReservoir>,
     files: Vec<File>,
+    direct: Vec<Direct>,
     paths: Vec<PathBuf>,
 }
 
@@ -84,6 +180,7 @@ impl Reservoir {
         let mut files = Files {
             paths: Vec::new(),
             files: Vec::new(),
+            direct: Vec::new(),
         };
         let mut layers = BTreeMap::new();
         for (&layer, src) in sources {
@@ -137,6 +234,7 @@ impl Reservoir {
             kind,
             layers,
             files: files.files,
+            direct: files.direct,
             paths: files.paths,
         };
         if kind == ReservoirKind::Ram {
@@ -161,6 +259,16 @@ impl Reservoir {
     /// The record format of `layer`.
     pub fn format(&self, layer: usize) -> RecordFormat {
         self.layers[&layer].format
+    }
+
+    /// Whether disk reads of every file bypass the page cache (false for a RAM reservoir,
+    /// or where a file system refused `O_DIRECT`).
+    pub fn reads_direct(&self) -> bool {
+        self.kind == ReservoirKind::Disk
+            && self
+                .direct
+                .iter()
+                .all(|d| d.file.is_some() && d.works.load(Ordering::Relaxed))
     }
 
     /// Bytes the reservoir holds in RAM.
@@ -204,11 +312,18 @@ impl Reservoir {
         })
     }
 
+    /// Reads `runs` into `out`, past the page cache for a disk reservoir where its file
+    /// system allows (a RAM reservoir fills itself once, through the cache).
     fn pread(&self, runs: &[(usize, u64, usize)], out: &mut [u8]) -> Result<(), Error> {
         let mut at = 0;
         for &(f, offset, len) in runs {
-            self.files[f]
-                .read_exact_at(&mut out[at..at + len], offset)
+            let dst = &mut out[at..at + len];
+            let direct = match self.kind {
+                ReservoirKind::Disk => self.direct[f].read(dst, offset),
+                ReservoirKind::Ram => None,
+            };
+            direct
+                .unwrap_or_else(|| self.files[f].read_exact_at(dst, offset))
                 .map_err(|source| Error::Io {
                     path: self.paths[f].clone(),
                     source,
@@ -363,6 +478,57 @@ impl Drop for Loader {
         self.jobs.take();
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Direct, DIRECT_ALIGN};
+    use crate::testing::TempDir;
+    use std::os::unix::fs::FileExt;
+
+    #[test]
+    fn direct_reads_give_the_bytes_plain_reads_give_at_any_offset_and_length() {
+        let dir = TempDir::new("direct");
+        let path = dir.path("records.bin");
+        // Three blocks and a ragged tail, every byte telling its place.
+        let len = 3 * DIRECT_ALIGN + 1234;
+        let bytes: Vec<u8> = (0..len).map(|i| (i * 7 + i / 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let direct = Direct::open(&path);
+        let plain = std::fs::File::open(&path).unwrap();
+        let cases = [
+            (0, DIRECT_ALIGN),
+            (0, 1),
+            (17, 4000),
+            (DIRECT_ALIGN - 3, 9),
+            (DIRECT_ALIGN, 2 * DIRECT_ALIGN),
+            (5000, len - 5000),
+            (len - 1, 1),
+        ];
+        let mut took_direct = false;
+        for (offset, n) in cases {
+            let mut got = vec![0xAAu8; n];
+            match direct.read(&mut got, offset as u64) {
+                Some(r) => {
+                    r.unwrap();
+                    took_direct = true;
+                }
+                None => plain.read_exact_at(&mut got, offset as u64).unwrap(),
+            }
+            assert_eq!(got, bytes[offset..offset + n], "{n} bytes at {offset}");
+        }
+        // On a file system that takes O_DIRECT (ext4, xfs) every read above went past the
+        // cache; tmpfs refuses it at open or at the first read, and then none does.
+        assert_eq!(
+            took_direct,
+            direct.works.load(std::sync::atomic::Ordering::Relaxed)
+        );
+        // Past the end of the file is an error, not stale bytes.
+        let mut past = vec![0u8; 10];
+        if let Some(r) = direct.read(&mut past, len as u64 - 5) {
+            assert!(r.is_err());
         }
     }
 }
