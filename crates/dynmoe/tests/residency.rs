@@ -626,3 +626,31 @@ fn vq_decode_from_a_disk_reservoir_does_not_stall() {
 fn res_bytes(m: &model::LoadedModel<Cpu>, layer: usize) -> usize {
     m.model.expert_sources()[&layer].format.record_bytes()
 }
+
+/// The checkpoint count runs across forward calls: a call past several checkpoints counts
+/// each and carries the tokens past the last one into the next call.
+#[test]
+fn checkpoints_count_routed_tokens_across_calls() {
+    let mut m = model::load(&fixture("tiny-moe"), Cpu::fast()).unwrap();
+    let reservoir = m.model.reservoir(ReservoirKind::Ram).unwrap();
+    let mut cfg = config(Mode::Dynamic, 4, ReservoirKind::Ram);
+    cfg.policy.interval = 16;
+    let res = m
+        .model
+        .new_residency(reservoir, cfg, &BTreeMap::new())
+        .unwrap();
+    m.model.set_residency(Some(res));
+    let ids: Vec<u32> = tokens(&m).into_iter().cycle().take(64).collect();
+    let mut state = m.model.new_state(128);
+    let checkpoints =
+        |m: &model::LoadedModel<Cpu>| m.model.residency().unwrap().report().counters.checkpoints;
+    // 53 tokens: three checkpoints, 5 tokens toward the fourth.
+    m.model.forward(&mut state, &ids[..53], 52).unwrap();
+    assert_eq!(checkpoints(&m), 3);
+    // 10 more: 15 toward the fourth, none reached.
+    m.model.forward(&mut state, &ids[53..63], 9).unwrap();
+    assert_eq!(checkpoints(&m), 3);
+    // One more reaches it.
+    m.model.forward(&mut state, &ids[63..64], 0).unwrap();
+    assert_eq!(checkpoints(&m), 4);
+}

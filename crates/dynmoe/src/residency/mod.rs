@@ -567,7 +567,10 @@ impl<B: Backend> Step<'_, B> {
     }
 
     /// Ends the forward call after `tokens` routed tokens: at a checkpoint, plans the
-    /// exchanges of every layer and hands their loads to the loader threads.
+    /// exchanges of every layer and hands their loads to the loader threads. The count
+    /// runs across calls, and a call that passes several checkpoints (a long prompt)
+    /// counts each and keeps the tokens past the last toward the next; it plans once, as
+    /// the loads of one plan must land before the next can.
     pub fn finish(mut self, tokens: usize) {
         let inner = &mut *self.inner;
         inner.counters.tokens += tokens as u64;
@@ -577,8 +580,8 @@ impl<B: Backend> Step<'_, B> {
         if inner.since_checkpoint < p.interval {
             return;
         }
-        inner.since_checkpoint = 0;
-        inner.counters.checkpoints += 1;
+        inner.counters.checkpoints += (inner.since_checkpoint / p.interval) as u64;
+        inner.since_checkpoint %= p.interval;
         for (&layer, set) in inner.layers.iter_mut() {
             if !set.in_flight.is_empty() {
                 // The last checkpoint's loads have not all arrived: this layer plans
