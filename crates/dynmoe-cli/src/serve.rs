@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use dynmoe::runtime::chat::{self, ChatTemplate, Message};
 use dynmoe::runtime::generate::generate_ids;
-use dynmoe::serve::engine::EngineOptions;
+use dynmoe::serve::engine::{mib, EngineOptions};
 use dynmoe::serve::{self, HttpOptions, ServeOptions};
 
 use dynmoe::backend::sample::Sampling;
@@ -38,6 +38,13 @@ pub struct ServeArgs {
     /// Requests that may wait for a free sequence; more are answered 429.
     #[arg(long, default_value_t = 64)]
     queue: usize,
+    /// MiB the KV caches of the sequences generated at the same time may take together
+    /// (each needs its prompt plus max_tokens positions); a request waits until its cache
+    /// fits, and one needing more than the whole budget is answered 400. Default: on a
+    /// GPU, 90% of the device memory free once the model has loaded; on the CPU,
+    /// unbounded.
+    #[arg(long, value_name = "MIB")]
+    kv_budget: Option<f64>,
     /// Positions per sequence (prompt and reply); default: the model's
     /// max_position_embeddings.
     #[arg(long)]
@@ -85,6 +92,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     if a.max_seqs == 0 {
         anyhow::bail!("--max-seqs must be at least 1");
     }
+    if let Some(mib) = a.kv_budget.filter(|&m| !(m.is_finite() && m > 0.0)) {
+        anyhow::bail!("--kv-budget must be a positive number of MiB, not {mib}");
+    }
     let http = http_options(&a)?;
     with_model!(a.model, |m| serve_on(m, &a, http))
 }
@@ -126,12 +136,19 @@ fn serve_on<B: Backend + 'static>(
     opts.context = a.ctx.unwrap_or(opts.context);
     opts.default_max_tokens = a.default_max_tokens;
     opts.max_body_bytes = a.max_body_bytes;
+    // After the model and its resident sets have taken their memory.
+    let kv_budget = match a.kv_budget {
+        Some(mib) => Some((mib * (1u64 << 20) as f64) as usize),
+        None => m.model.backend().memory_free().map(|free| free / 10 * 9),
+    };
     opts.engine = EngineOptions {
         max_sequences: a.max_seqs,
         queue_capacity: a.queue,
+        kv_budget,
     };
     opts.http = http;
     opts.http.max_connections = fit_connections(opts.http.max_connections);
+    eprintln!("dynmoe: {}", kv_budget_line(&m, a, opts.context, kv_budget));
     let addr = format!("{}:{}", a.host, a.port);
     serve::run(
         Arc::new(m),
@@ -141,6 +158,30 @@ fn serve_on<B: Backend + 'static>(
         serve::interrupted,
     )?;
     Ok(())
+}
+
+/// What the KV budget is and where it came from, printed as the server starts (on a line
+/// of its own: scripts read the address off the end of the line after it).
+fn kv_budget_line<B: Backend>(
+    m: &LoadedModel<B>,
+    a: &ServeArgs,
+    context: usize,
+    budget: Option<usize>,
+) -> String {
+    let Some(budget) = budget else {
+        return "KV budget: unbounded (--max-seqs bounds the sequences; --kv-budget MIB bounds their caches)".into();
+    };
+    let origin = match a.kv_budget {
+        Some(_) => "--kv-budget",
+        None => "90% of the device memory free after loading",
+    };
+    let full = m.model.state_bytes(context);
+    format!(
+        "KV budget {} MiB ({origin}), room for {} sequences of the whole {context}-position context ({} MiB each)",
+        mib(budget),
+        budget / full.max(1),
+        mib(full)
+    )
 }
 
 /// Raises the open-file limit toward what `wanted` connections need, and lowers the

@@ -543,6 +543,7 @@ fn a_full_queue_answers_429_with_retry_after() {
         o.engine = EngineOptions {
             max_sequences: 1,
             queue_capacity: 1,
+            ..EngineOptions::default()
         }
     });
     // One sequence busy with a long stream, one request waiting behind it.

@@ -40,6 +40,12 @@ pub trait Backend: Send + Sync {
     /// Short name for reports (`cpu`, `cpu-reference`, ...).
     fn name(&self) -> &'static str;
 
+    /// Bytes of the backend's memory free now, where it has memory of its own to run out
+    /// of (a device's); `None` (the default) where it allocates from the host.
+    fn memory_free(&self) -> Option<usize> {
+        None
+    }
+
     /// Copies host data into a new tensor.
     fn upload(&self, data: &[f32]) -> Self::Tensor;
     /// A weight matrix of `out_dim` rows and `in_dim` columns from its row-major values.

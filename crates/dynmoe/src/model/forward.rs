@@ -252,6 +252,14 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Bytes of KV cache a state of `capacity` positions holds: what
+    /// [`new_state`](Self::new_state) allocates for keys and values, f32, every layer.
+    /// Saturates rather than overflowing.
+    pub fn state_bytes(&self, capacity: usize) -> usize {
+        let per_position = 2 * self.layers.len() * self.config.kv_dim() * size_of::<f32>();
+        capacity.saturating_mul(per_position)
+    }
+
     /// A fresh state whose KV cache holds `capacity` positions.
     pub fn new_state(&self, capacity: usize) -> State<B> {
         let kv = self.config.kv_dim();
@@ -917,5 +925,36 @@ fn linear<B: Backend>(b: &B, x: &B::Tensor, l: &Linear<B>, rows: usize, out: &mu
     b.linear(x, l.weight(), rows, l.in_dim, l.out_dim, out);
     if let Some(bias) = &l.bias {
         b.add_bias(out, bias, rows);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::Cpu;
+    use crate::model;
+    use crate::testing::fixture_dirs;
+
+    /// `state_bytes` is what `new_state` allocates: the keys' and values' buffers of every
+    /// layer, on the CPU (where a tensor is a `Vec<f32>`), for every fixture.
+    #[test]
+    fn state_bytes_is_what_a_new_state_allocates() {
+        for dir in fixture_dirs() {
+            let m = model::load(&dir, Cpu::fast()).unwrap();
+            for capacity in [0, 1, 37, 300] {
+                let s = m.model.new_state(capacity);
+                let allocated: usize = s
+                    .k_cache
+                    .iter()
+                    .chain(&s.v_cache)
+                    .map(|t| size_of_val(t.as_slice()))
+                    .sum();
+                assert_eq!(
+                    m.model.state_bytes(capacity),
+                    allocated,
+                    "{} at {capacity} positions",
+                    dir.display()
+                );
+            }
+        }
     }
 }

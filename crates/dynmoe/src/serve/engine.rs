@@ -1,9 +1,13 @@
 //! The scheduler: one thread owns the model's compute and serves every sequence.
 //!
 //! Requests wait in a bounded queue; up to `max_sequences` of them are active at once,
-//! each with its own KV cache. Sequences join and leave between scheduler rounds, and a
-//! round runs one chunk of at most [`PREFILL_CHUNK`] prompt tokens of one new sequence
-//! (so a long prompt never stalls the others for long), then one decode step of every
+//! each with its own KV cache, and with a KV budget only as many as their caches fit in
+//! it: the request at the head of the queue joins once the caches of the active
+//! sequences and its own fit (first in, first out: a smaller one behind it waits too), and
+//! a request whose cache alone is larger than the budget is refused when submitted.
+//! Sequences join and leave between scheduler rounds, and a round runs one chunk of at
+//! most [`PREFILL_CHUNK`] prompt tokens of one new sequence (so a long prompt never
+//! stalls the others for long), then one decode step of every
 //! sequence past its prompt together: one pass over the layers with a row a sequence
 //! (`Model::decode`). All sequences share the one model object, and through it whatever
 //! resident state the model keeps, which every sequence's routing feeds.
@@ -32,6 +36,10 @@ pub struct EngineOptions {
     pub max_sequences: usize,
     /// Requests that may wait for a free sequence; one more is refused.
     pub queue_capacity: usize,
+    /// Bytes the KV caches of the active sequences may take together
+    /// ([`Model::state_bytes`](crate::model::Model::state_bytes) of each one's prompt plus
+    /// `max_tokens`); `None` bounds them only by `max_sequences`.
+    pub kv_budget: Option<usize>,
 }
 
 impl Default for EngineOptions {
@@ -39,6 +47,7 @@ impl Default for EngineOptions {
         EngineOptions {
             max_sequences: 4,
             queue_capacity: 64,
+            kv_budget: None,
         }
     }
 }
@@ -104,6 +113,46 @@ pub struct QueueFull {
     pub capacity: usize,
 }
 
+/// The request's KV cache alone is larger than the whole KV budget: it could never run,
+/// so it was not taken.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "this request's KV cache (its prompt and max_tokens, {positions} positions) needs {} MiB, more than the server's whole KV budget of {} MiB",
+    mib(*.need),
+    mib(*.budget)
+)]
+pub struct OverBudget {
+    /// Positions the request's cache holds: its prompt plus `max_tokens`.
+    pub positions: usize,
+    /// Bytes its cache takes.
+    pub need: usize,
+    /// The budget, bytes.
+    pub budget: usize,
+}
+
+/// Why [`Engine::submit`] did not take a request.
+#[derive(Debug, thiserror::Error)]
+pub enum Refused {
+    /// The queue is full: later, it may be taken.
+    #[error(transparent)]
+    QueueFull(#[from] QueueFull),
+    /// The request needs more KV cache than the budget: as it is, it never will be.
+    #[error(transparent)]
+    OverBudget(#[from] OverBudget),
+}
+
+/// `bytes` in MiB as a person reads them: whole MiB from 100 up, fewer digits the larger.
+pub fn mib(bytes: usize) -> String {
+    let m = bytes as f64 / (1u64 << 20) as f64;
+    if m >= 100.0 {
+        format!("{m:.0}")
+    } else if m >= 1.0 {
+        format!("{m:.1}")
+    } else {
+        format!("{m:.3}")
+    }
+}
+
 /// Counters since the engine started.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Counters {
@@ -127,6 +176,10 @@ pub struct Counters {
     pub queue_depth: u64,
     /// Sequences being generated now.
     pub active_sequences: u64,
+    /// Bytes of KV cache the active sequences hold now.
+    pub kv_bytes: u64,
+    /// The KV budget, bytes; `None` when unbounded.
+    pub kv_budget: Option<u64>,
 }
 
 #[derive(Default)]
@@ -141,11 +194,14 @@ struct Metrics {
     busy_nanos: AtomicU64,
     queue_depth: AtomicU64,
     active_sequences: AtomicU64,
+    kv_bytes: AtomicU64,
 }
 
 struct Pending {
     request: Request,
     events: UnboundedSender<Event>,
+    /// Bytes of its KV cache.
+    kv: usize,
 }
 
 #[derive(Default)]
@@ -159,6 +215,8 @@ struct Shared {
     wake: Condvar,
     metrics: Metrics,
     options: EngineOptions,
+    /// [`Model::state_bytes`](crate::model::Model::state_bytes) of the model served.
+    state_bytes: Box<dyn Fn(usize) -> usize + Send + Sync>,
 }
 
 /// The scheduler thread and its queue. Dropping it stops the thread once the current
@@ -178,11 +236,13 @@ impl Engine {
             max_sequences: options.max_sequences.max(1),
             ..options
         };
+        let sizer = model.clone();
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
             wake: Condvar::new(),
             metrics: Metrics::default(),
             options,
+            state_bytes: Box::new(move |capacity| sizer.model.state_bytes(capacity)),
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -196,23 +256,39 @@ impl Engine {
     }
 
     /// Queues a request; its events arrive on the returned receiver. Dropping the
-    /// receiver cancels the request.
-    pub fn submit(&self, request: Request) -> Result<UnboundedReceiver<Event>, QueueFull> {
+    /// receiver cancels the request. A request whose KV cache alone exceeds the budget is
+    /// refused ([`Refused::OverBudget`]), as is one that finds the queue full.
+    pub fn submit(&self, request: Request) -> Result<UnboundedReceiver<Event>, Refused> {
         assert!(!request.prompt.is_empty(), "a request needs a prompt");
         assert!(
             request.max_tokens > 0,
             "a request generates at least one token"
         );
+        let positions = request.prompt.len().saturating_add(request.max_tokens);
+        let kv = (self.shared.state_bytes)(positions);
+        if let Some(budget) = self.shared.options.kv_budget.filter(|&b| kv > b) {
+            return Err(OverBudget {
+                positions,
+                need: kv,
+                budget,
+            }
+            .into());
+        }
         let m = &self.shared.metrics;
         let mut q = self.shared.queue.lock().expect("queue lock");
         if q.waiting.len() >= self.shared.options.queue_capacity {
             m.rejected.fetch_add(1, Ordering::Relaxed);
             return Err(QueueFull {
                 capacity: self.shared.options.queue_capacity,
-            });
+            }
+            .into());
         }
         let (events, rx) = unbounded_channel();
-        q.waiting.push_back(Pending { request, events });
+        q.waiting.push_back(Pending {
+            request,
+            events,
+            kv,
+        });
         m.requests.fetch_add(1, Ordering::Relaxed);
         m.queue_depth
             .store(q.waiting.len() as u64, Ordering::Relaxed);
@@ -240,6 +316,8 @@ impl Engine {
             busy_seconds: get(&m.busy_nanos) as f64 * 1e-9,
             queue_depth: get(&m.queue_depth),
             active_sequences: get(&m.active_sequences),
+            kv_bytes: get(&m.kv_bytes),
+            kv_budget: self.shared.options.kv_budget.map(|b| b as u64),
         }
     }
 }
@@ -262,6 +340,8 @@ struct Sequence<B: Backend> {
     request: Request,
     events: UnboundedSender<Event>,
     state: State<B>,
+    /// Bytes of `state`'s KV cache, as the budget counts them.
+    kv: usize,
     /// The last token, which the next decode step feeds; `None` while the prompt runs.
     fed: Option<u32>,
     out: TextStream,
@@ -285,17 +365,30 @@ fn schedule<B: Backend>(model: &LoadedModel<B>, shared: &Shared) {
                 if q.shutdown {
                     return;
                 }
+                let mut kv: usize = active.iter().map(|s| s.kv).sum();
                 while active.len() < shared.options.max_sequences {
-                    let Some(p) = q.waiting.pop_front() else {
+                    let Some(p) = q.waiting.front() else {
                         break;
                     };
                     if p.events.is_closed() {
+                        q.waiting.pop_front();
                         m.cancelled.fetch_add(1, Ordering::Relaxed);
                         continue;
                     }
+                    // The head waits until its cache fits beside the active ones', and
+                    // everything behind it with it. It always fits once none is active:
+                    // `submit` refuses what could not.
+                    if let Some(budget) = shared.options.kv_budget {
+                        if kv + p.kv > budget {
+                            break;
+                        }
+                    }
+                    let p = q.waiting.pop_front().expect("the head of the queue");
                     let capacity = p.request.prompt.len() + p.request.max_tokens;
+                    kv += p.kv;
                     active.push(Sequence {
                         state: model.model.new_state(capacity),
+                        kv: p.kv,
                         fed: None,
                         out: TextStream::default(),
                         request: p.request,
@@ -306,6 +399,7 @@ fn schedule<B: Backend>(model: &LoadedModel<B>, shared: &Shared) {
                     .store(q.waiting.len() as u64, Ordering::Relaxed);
                 m.active_sequences
                     .store(active.len() as u64, Ordering::Relaxed);
+                m.kv_bytes.store(kv as u64, Ordering::Relaxed);
                 if !active.is_empty() {
                     break;
                 }
@@ -330,6 +424,8 @@ fn schedule<B: Backend>(model: &LoadedModel<B>, shared: &Shared) {
             .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         m.active_sequences
             .store(active.len() as u64, Ordering::Relaxed);
+        let kv: usize = active.iter().map(|s| s.kv).sum();
+        m.kv_bytes.store(kv as u64, Ordering::Relaxed);
     }
 }
 
@@ -459,18 +555,21 @@ fn after_token<B: Backend>(
 }
 
 /// Sends the last text and the end. The request is counted complete and its sequence
-/// inactive before the end goes out, so a client that reads `/metrics` right after its
-/// reply sees them; a client already gone is moved to the cancelled count instead.
+/// inactive (its KV cache no longer in use) before the end goes out, so a client that
+/// reads `/metrics` right after its reply sees them; a client already gone is moved to
+/// the cancelled count instead.
 fn finish<B: Backend>(s: &Sequence<B>, piece: String, done: Event, m: &Metrics) -> Step {
     if !piece.is_empty() && s.events.send(Event::Text(piece)).is_err() {
         return Step::Cancelled;
     }
     m.completed.fetch_add(1, Ordering::Relaxed);
-    let _ = m
-        .active_sequences
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-            Some(v.saturating_sub(1))
+    let release = |gauge: &AtomicU64, by: u64| {
+        let _ = gauge.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+            Some(v.saturating_sub(by))
         });
+    };
+    release(&m.active_sequences, 1);
+    release(&m.kv_bytes, s.kv as u64);
     match s.events.send(done) {
         Ok(()) => Step::Finished,
         Err(_) => {

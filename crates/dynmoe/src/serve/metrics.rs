@@ -85,6 +85,21 @@ pub fn render(c: &Counters, residency: Option<&ResidencyReport>) -> String {
         "Sequences being generated.",
         c.active_sequences as f64,
     );
+    metric(
+        "dynmoe_kv_cache_bytes",
+        "gauge",
+        "Bytes of KV cache the active sequences hold.",
+        c.kv_bytes as f64,
+    );
+    // Only with a budget: without one the caches are bounded by the sequences alone.
+    if let Some(budget) = c.kv_budget {
+        metric(
+            "dynmoe_kv_cache_budget_bytes",
+            "gauge",
+            "Bytes of KV cache the active sequences may hold together.",
+            budget as f64,
+        );
+    }
     // Only with resident sets installed: a model running every expert has no hit rate.
     if let Some(r) = residency {
         for (name, kind, help, value) in [
@@ -143,10 +158,20 @@ mod tests {
             generated_tokens: 30,
             busy_seconds: 1.5,
             active_sequences: 2,
+            kv_bytes: 3 << 20,
+            kv_budget: Some(8 << 20),
             ..Counters::default()
         };
         let text = render(&c, None);
         assert_eq!(value_of(&text, "dynmoe_hit_rate"), None);
+        assert_eq!(value_of(&text, "dynmoe_kv_cache_bytes"), Some(3145728.0));
+        assert_eq!(
+            value_of(&text, "dynmoe_kv_cache_budget_bytes"),
+            Some(8388608.0)
+        );
+        let unbounded = render(&Counters::default(), None);
+        assert_eq!(value_of(&unbounded, "dynmoe_kv_cache_budget_bytes"), None);
+        assert_eq!(value_of(&unbounded, "dynmoe_kv_cache_bytes"), Some(0.0));
         assert_eq!(value_of(&text, "dynmoe_requests_total"), Some(7.0));
         assert_eq!(value_of(&text, "dynmoe_tokens_per_second"), Some(20.0));
         assert_eq!(value_of(&text, "dynmoe_active_sequences"), Some(2.0));

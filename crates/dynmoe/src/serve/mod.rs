@@ -6,7 +6,8 @@
 //! check it against the context; the [`engine`] generates, one scheduler thread over
 //! one shared model for every request. Connections, their limits and timeouts, the API
 //! key and CORS are `http`'s. A bad request is answered with an OpenAI error object and
-//! a 4xx status; a full queue with 429 and `Retry-After`.
+//! a 4xx status; a full queue with 429 and `Retry-After`; a request whose KV cache alone
+//! is larger than the engine's KV budget with 400 (`kv_budget_exceeded`).
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -50,7 +51,7 @@ use crate::backend::Backend;
 use crate::model::LoadedModel;
 use crate::runtime::chat::{self, ChatTemplate, TemplateError};
 use api::{ApiError, Params};
-use engine::{Engine, EngineOptions, Event, FinishReason, Request};
+use engine::{Engine, EngineOptions, Event, FinishReason, Refused, Request};
 
 /// How the server is set up.
 #[derive(Debug, Clone)]
@@ -267,13 +268,27 @@ impl<B: Backend + 'static> App<B> {
         Ok(())
     }
 
-    fn submit(&self, request: Request) -> Result<UnboundedReceiver<Event>, ApiError> {
-        self.engine.submit(request).map_err(|e| ApiError {
-            status: 429,
-            message: format!("{e}; retry shortly"),
-            kind: "rate_limit_error",
-            param: None,
-            code: Some("queue_full"),
+    /// Hands `request` to the engine; `limit_param` names the request's `max_tokens`
+    /// field for an error that asks for fewer.
+    fn submit(
+        &self,
+        request: Request,
+        limit_param: &str,
+    ) -> Result<UnboundedReceiver<Event>, ApiError> {
+        self.engine.submit(request).map_err(|e| match e {
+            Refused::QueueFull(e) => ApiError {
+                status: 429,
+                message: format!("{e}; retry shortly"),
+                kind: "rate_limit_error",
+                param: None,
+                code: Some("queue_full"),
+            },
+            // Retrying would not help: the request as it is never fits.
+            Refused::OverBudget(e) => ApiError::invalid(
+                limit_param,
+                format!("{e}; lower {limit_param} or the prompt"),
+            )
+            .with_code("kv_budget_exceeded"),
         })
     }
 }
@@ -424,7 +439,8 @@ async fn completions<B: Backend + 'static>(
     prepared(&app, move |app| {
         let (prompt, params) = api::parse_completion(&body, app.fresh_seed())?;
         let req = app.request(Prompt::Text(&prompt), &params, &app.stop, "prompt")?;
-        Ok((Reply::new(app, false), params, app.submit(req)?))
+        let rx = app.submit(req, params.max_tokens_field)?;
+        Ok((Reply::new(app, false), params, rx))
     })
     .await
 }
@@ -440,7 +456,8 @@ async fn chat_completions<B: Backend + 'static>(
     prepared(&app, move |app| {
         let (messages, params) = api::parse_chat(&body, app.fresh_seed())?;
         let req = app.request(Prompt::Chat(&messages), &params, &app.chat_stop, "messages")?;
-        Ok((Reply::new(app, true), params, app.submit(req)?))
+        let rx = app.submit(req, params.max_tokens_field)?;
+        Ok((Reply::new(app, true), params, rx))
     })
     .await
 }

@@ -569,6 +569,10 @@ impl Backend for Cuda {
         "cuda"
     }
 
+    fn memory_free(&self) -> Option<usize> {
+        self.ctx.mem_get_info().ok().map(|(free, _total)| free)
+    }
+
     fn upload(&self, data: &[f32]) -> CudaSlice<f32> {
         if data.is_empty() {
             return self.alloc(0);
