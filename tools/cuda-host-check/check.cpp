@@ -630,6 +630,26 @@ double check_router_norm(int experts, int cols, AddMode mode, bool outliers = fa
 
 // ---- A decode step's attention: attn_preamble_at, attention_group_*, attention_combine ----
 
+// One query head `qr` attending over positions lo..p of the caches `kc` and `vc` (rows
+// `kvw` wide, the head's KV head `kvh`), in double precision: the softmax-weighted values
+// added into `out` (head_dim of them).
+template <typename Q>
+void reference_head(const Q* qr, const std::vector<double>& kc, const std::vector<double>& vc,
+                    int kvw, int kvh, int head_dim, int lo, int p, double* out) {
+    std::vector<double> sc(p + 1 - lo);
+    double m = -INFINITY, l = 0.0;
+    for (int t = lo; t <= p; t++) {
+        double d = 0.0;
+        for (int i = 0; i < head_dim; i++) d += (double)qr[i] * kc[(size_t)t * kvw + kvh * head_dim + i];
+        sc[t - lo] = d / std::sqrt((double)head_dim);
+        m = std::max(m, sc[t - lo]);
+    }
+    for (auto& x : sc) l += (x = std::exp(x - m));
+    for (int t = lo; t <= p; t++)
+        for (int i = 0; i < head_dim; i++)
+            out[i] += sc[t - lo] / l * vc[(size_t)t * kvw + kvh * head_dim + i];
+}
+
 // Heads of `head_dim` at position p: q and k per-head normed (when `normed`) and rotated,
 // k and v into the caches' row p, then each query head's softmax over the keys its window
 // sees, against a double-precision reference. The caches' row p starts as NaNs, and the
@@ -680,21 +700,8 @@ double check_attention_step(int heads, int kv_heads, int head_dim, int p, int ca
     std::vector<double> want_out((size_t)heads * head_dim, 0.0);
     for (int h = 0; h < heads; h++) {
         auto qr = head(&q[(size_t)h * head_dim], normed ? qn.data() : nullptr);
-        int kvh = h / group;
-        std::vector<double> sc(p + 1 - lo);
-        double m = -INFINITY, l = 0.0;
-        for (int t = lo; t <= p; t++) {
-            double d = 0.0;
-            for (int i = 0; i < head_dim; i++)
-                d += qr[i] * want_kc[(size_t)t * kvw + kvh * head_dim + i];
-            sc[t - lo] = d / std::sqrt((double)head_dim);
-            m = std::max(m, sc[t - lo]);
-        }
-        for (auto& x : sc) l += (x = std::exp(x - m));
-        for (int t = lo; t <= p; t++)
-            for (int i = 0; i < head_dim; i++)
-                want_out[(size_t)h * head_dim + i] +=
-                    sc[t - lo] / l * want_vc[(size_t)t * kvw + kvh * head_dim + i];
+        reference_head(qr.data(), want_kc, want_vc, kvw, h / group, head_dim, lo, p,
+                       &want_out[(size_t)h * head_dim]);
     }
 
     // The kernels, grid as the backend sizes it (the splits follow the capacity).
@@ -783,24 +790,10 @@ double check_attention_rows(int heads, int kv_heads, int head_dim, std::vector<i
             want_vc[r][(size_t)p * kvw + i] = v[(size_t)r * kvw + i];
         }
         int lo = window > 0 ? std::max(0, p + 1 - window) : 0;
-        for (int h = 0; h < heads; h++) {
-            const float* qr = &q[((size_t)r * heads + h) * head_dim];
-            int kvh = h / group;
-            std::vector<double> sc(p + 1 - lo);
-            double m = -INFINITY, l = 0.0;
-            for (int t = lo; t <= p; t++) {
-                double d = 0.0;
-                for (int i = 0; i < head_dim; i++)
-                    d += (double)qr[i] * want_kc[r][(size_t)t * kvw + kvh * head_dim + i];
-                sc[t - lo] = d / std::sqrt((double)head_dim);
-                m = std::max(m, sc[t - lo]);
-            }
-            for (auto& x : sc) l += (x = std::exp(x - m));
-            for (int t = lo; t <= p; t++)
-                for (int i = 0; i < head_dim; i++)
-                    want_out[((size_t)r * heads + h) * head_dim + i] +=
-                        sc[t - lo] / l * want_vc[r][(size_t)t * kvw + kvh * head_dim + i];
-        }
+        for (int h = 0; h < heads; h++)
+            reference_head(&q[((size_t)r * heads + h) * head_dim], want_kc[r], want_vc[r], kvw,
+                           h / group, head_dim, lo, p,
+                           &want_out[((size_t)r * heads + h) * head_dim]);
     }
     int tiles = (group + ATT_GROUP - 1) / ATT_GROUP, splits = (widest + chunk - 1) / chunk;
     std::vector<float> acc((size_t)rows * heads * splits * head_dim, NAN);
