@@ -307,3 +307,41 @@ fn a_model_scope_plan_prices_its_coded_dense_layers() {
             < bf16_dense.resident_by_kind[&dynmoe::checkpoint::arch::TensorKind::Attention] / 3
     );
 }
+
+/// A whole-model budget below what the allocation can reach is refused before any probe,
+/// naming the smallest bits it could make, the share it does not allocate, and what to
+/// change.
+#[test]
+fn a_budget_below_the_smallest_model_names_the_smallest_and_what_to_change() {
+    let out = TempDir::new("compress-too-small");
+    let calib = std::fs::read_to_string("../../data/corpus/en/calib.txt").unwrap();
+    let opts = CompressOptions {
+        bits: 2.0,
+        scope: BudgetScope::Model,
+        rounds: 1,
+        anneal: Vec::new(),
+        chunks: 1,
+        ctx: 512,
+        dense_codec: Codec::Bf16,
+    };
+    let err = compress(
+        &fixture("tiny-moe"),
+        &[("en".into(), calib)],
+        out.dir(),
+        &opts,
+        &|_| {},
+        &|_| {},
+    )
+    .unwrap_err();
+    let dynmoe::alloc::compress::CompressError::BudgetTooSmall { minimum, fixed, .. } = &err else {
+        panic!("{err}");
+    };
+    assert!(*minimum > 2.0 && *fixed < *minimum, "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("--scope experts") && text.contains("--dense-codec"),
+        "{text}"
+    );
+    // No probe ran: the journal was never written.
+    assert!(!out.path("probes.jsonl").exists());
+}

@@ -73,6 +73,25 @@ pub enum CompressError {
     /// No plan fits the budget, or the plan could not be written.
     #[error("{0}")]
     Plan(String),
+    /// The budget is below the smallest model the allocation can make: the tensors it
+    /// does not allocate, with the routed experts at their cheapest.
+    #[error(
+        "--bits {bits} is below the smallest model this can make: {minimum:.3} bits per weight over {scope}, of which {fixed:.3} are the tensors kept at their codecs (embeddings, LM head, attention and other dense layers{dense}); raise --bits to at least {minimum:.3}{hint}"
+    )]
+    BudgetTooSmall {
+        /// The bits asked for.
+        bits: f64,
+        /// Bits per weight of the smallest plan.
+        minimum: f64,
+        /// Of those, the bits of what the allocation does not spend.
+        fixed: f64,
+        /// What the bits are measured over.
+        scope: &'static str,
+        /// The dense layers' codec, where they are coded.
+        dense: String,
+        /// What else would help.
+        hint: &'static str,
+    },
     /// Writing failed.
     #[error(transparent)]
     Write(#[from] PlanError),
@@ -186,6 +205,33 @@ pub fn compress(
     let price = |_layer: usize, s: Setting| {
         resident_count(e, top_k, s.removed) as u64 * expert_bytes[s.codec]
     };
+    // Refused before any probe: the cheapest codec with the most experts removed in every
+    // MoE layer, beside the fixed bytes.
+    let cheapest = resident_count(e, top_k, max_removed) as u64
+        * expert_bytes.iter().copied().min().unwrap_or(0);
+    let minimum = dense_bytes + config.moe_layers().count() as u64 * cheapest;
+    if budget_of(opts.bits) < minimum {
+        let bits = |bytes: u64| bytes as f64 * 8.0 / denominator as f64;
+        return Err(CompressError::BudgetTooSmall {
+            bits: opts.bits,
+            minimum: bits(minimum),
+            fixed: bits(dense_bytes),
+            scope: match opts.scope {
+                BudgetScope::Model => "every tensor of the model",
+                BudgetScope::Experts => "the routed experts",
+            },
+            dense: match opts.dense_codec {
+                Codec::Bf16 => String::new(),
+                c => format!(", dense layers at {c}"),
+            },
+            hint: match opts.scope {
+                BudgetScope::Model => {
+                    ", spend the budget on the routed experts alone (--scope experts), or code the dense layers smaller (--dense-codec)"
+                }
+                BudgetScope::Experts => "",
+            },
+        });
+    }
     let probe_codecs: Vec<usize> = ["vq0.7", "vq1.5", "vq4"]
         .iter()
         .filter_map(|name| codecs.iter().position(|c| c.to_string() == *name))
