@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, LaunchConfig};
 use half::slice::HalfFloatSliceExt;
 
-use super::affine_mma::{routed_mma_shared, RMMA_ROWS};
+use super::affine_mma::RMMA_ROWS;
 use super::expert_gemm::{PairTiles, EXPERT_TILE_ROWS};
 use super::launch::{kernel_args, kernel_params, Ptr};
 use super::norm::{ScatterAddRows, SiluMul, SCATTER_ADD_ROWS, SILU_MUL};
@@ -364,10 +364,7 @@ impl Cuda {
             "input of {in_dim} columns for a matrix of {}",
             w.cols
         );
-        let groups = w.cols / GROUP_SIZE;
-        let one_row = rows == 1 && routed_mma_shared(groups) <= SHARED_LIMIT;
-        let several = rows > 1 && self.dense_mma_takes(&[Weight::Affine(*w)], rows, in_dim);
-        if (one_row || several) && self.tensor_cores() {
+        if self.dense_mma_takes(&[Weight::Affine(*w)], rows, in_dim) {
             let o = self.ptr_mut(out);
             let tiled = self.tiles_of(w, d).is_some();
             let shape = [rows, w.cols, in_dim];

@@ -3,6 +3,8 @@
 //! block per (row, head) where the tiled kernel does not take the width; and a decode
 //! step's preamble (head norms, RoPE and the cache write) in one kernel.
 
+use std::sync::MutexGuard;
+
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::launch::{kernel_args, kernel_params, Ptr};
@@ -295,14 +297,8 @@ impl Cuda {
             let units = shape.kv_heads * tiles;
             let chunk = group_chunk(capacity, units * rows, self.sms);
             let splits = capacity.div_ceil(chunk);
-            let outputs = rows * shape.heads * splits * shape.head_dim;
-            let mut scratch = self.grown(
-                &self.attn_scratch,
-                outputs + rows * shape.heads * splits * 2,
-            );
-            let part = scratch.as_mut().expect("grown");
-            let acc = self.ptr_mut(part);
-            let ml = acc.floats(outputs);
+            let heads = rows * shape.heads;
+            let (_scratch, acc, ml) = self.split_parts(heads, splits, shape.head_dim);
             let grid = LaunchConfig {
                 grid_dim: (units as u32, splits as u32, rows as u32),
                 block_dim: (ATT_THREADS, 1, 1),
@@ -320,21 +316,14 @@ impl Cuda {
                 chunk: chunk as i32,
             };
             self.launch(name, grid, args);
-            let args = AttentionCombine {
-                acc,
-                ml,
-                out: self.ptr_mut(out),
-                splits: splits as i32,
-                head_dim: shape.head_dim as i32,
-            };
-            let blocks = rows * shape.heads;
-            self.launch(ATTENTION_COMBINE, cfg(blocks, COMBINE_THREADS, 0), args);
+            let out = self.ptr_mut(out);
+            self.launch_combine([acc, ml, out], heads, splits, shape.head_dim);
             // The table is freed in stream order, after the kernels that read it.
             drop(table);
             return;
         }
         let out = self.ptr_mut(out);
-        for (r, &pos) in positions.iter().enumerate().take(shape.rows) {
+        for (r, &pos) in positions.iter().enumerate().take(rows) {
             let row = r * kvd..(r + 1) * kvd;
             let at = pos * kvd..(pos + 1) * kvd;
             for (src, cache) in [(k, &mut *k_caches[r]), (v, &mut *v_caches[r])] {
@@ -389,13 +378,7 @@ impl Cuda {
             None => (capacity.div_ceil(128).clamp(64, 1024), shape.heads, 128),
         };
         let splits = capacity.div_ceil(chunk);
-        // The merge reads the outputs ([heads, splits, head_dim]) and then (max, sum)
-        // ([heads, splits, 2]) from one buffer.
-        let outputs = shape.heads * splits * shape.head_dim;
-        let mut scratch = self.grown(&self.attn_scratch, outputs + shape.heads * splits * 2);
-        let part = scratch.as_mut().expect("grown");
-        let acc = self.ptr_mut(part);
-        let ml = acc.floats(outputs);
+        let (_scratch, acc, ml) = self.split_parts(shape.heads, splits, shape.head_dim);
         let grid = LaunchConfig {
             grid_dim: (blocks_x as u32, splits as u32, 1),
             block_dim: (threads, 1, 1),
@@ -416,18 +399,42 @@ impl Cuda {
             }
             None => self.launch(ATTENTION_SPLIT, grid, split),
         }
+        self.launch_combine([acc, ml, out], shape.heads, splits, shape.head_dim);
+    }
+
+    /// Where the split kernels of `heads` heads (every row's, one after another) put their
+    /// `splits` partial outputs: the outputs (`[heads, splits, head_dim]`), then their
+    /// (max, sum) (`[heads, splits, 2]`), in one buffer, as `attention_combine` reads them.
+    /// The guard holds the buffer for the launches that use it.
+    fn split_parts(
+        &self,
+        heads: usize,
+        splits: usize,
+        head_dim: usize,
+    ) -> (MutexGuard<'_, Option<CudaSlice<f32>>>, Ptr, Ptr) {
+        let outputs = heads * splits * head_dim;
+        let mut scratch = self.grown(&self.attn_scratch, outputs + heads * splits * 2);
+        let acc = self.ptr_mut(scratch.as_mut().expect("grown"));
+        (scratch, acc, acc.floats(outputs))
+    }
+
+    /// Each of `heads` heads' `splits` partial outputs (`split_parts`) merged into its
+    /// row of `out`.
+    fn launch_combine(
+        &self,
+        [acc, ml, out]: [Ptr; 3],
+        heads: usize,
+        splits: usize,
+        head_dim: usize,
+    ) {
         let args = AttentionCombine {
             acc,
             ml,
             out,
             splits: splits as i32,
-            head_dim: shape.head_dim as i32,
+            head_dim: head_dim as i32,
         };
-        self.launch(
-            ATTENTION_COMBINE,
-            cfg(shape.heads, COMBINE_THREADS, 0),
-            args,
-        );
+        self.launch(ATTENTION_COMBINE, cfg(heads, COMBINE_THREADS, 0), args);
     }
 
     /// [`Backend::attention`](crate::backend::Backend::attention): one row split over the
