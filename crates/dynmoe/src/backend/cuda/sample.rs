@@ -5,9 +5,7 @@
 //! (`sample_hist`, `sample_cut`, `sample_gather`, `sample_settle`), then the Gumbel draw
 //! (`sample_draw`); greedy with penalties ends in `argmax_rows` instead.
 
-use cudarc::driver::LaunchConfig;
-
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::launch::{kernel_args, Ptr};
 use super::{ok, Cuda};
