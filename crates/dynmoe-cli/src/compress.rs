@@ -47,9 +47,12 @@ pub struct CompressArgs {
     /// Calibration chunks of 512 tokens scored per text and probe.
     #[arg(long, default_value_t = 4)]
     chunks: usize,
-    /// Codec of the dense linear layers (attention, shared experts, dense MLPs): bf16
-    /// (default), q4, q3, q2 (kept bf16 in the directory, quantized at load) or a VQ rung
-    /// such as vq4. Under --scope model the budget pays for it.
+    /// Fix the dense linear layers (attention, shared experts, dense MLPs) at this codec
+    /// instead of allocating one per layer: bf16, q4, q3, q2 (kept bf16 in the
+    /// directory, quantized at load) or a VQ rung such as vq4. Under --scope model the
+    /// budget pays for it; left out, --scope model gives each layer's dense weights a
+    /// codec from the budget, as it does the embeddings and the LM head, and --scope
+    /// experts keeps them bf16.
     #[arg(long)]
     dense_codec: Option<Codec>,
     /// Print the plan as JSON.
@@ -79,7 +82,7 @@ pub fn compress(a: CompressArgs) -> Result<()> {
         anneal: a.anneal.clone(),
         chunks: a.chunks,
         ctx: 512,
-        dense_codec: a.dense_codec.unwrap_or(Codec::Bf16),
+        dense_codec: a.dense_codec,
     };
     let quiet = a.json;
     let progress = |msg: &str| {

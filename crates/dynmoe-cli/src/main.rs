@@ -39,6 +39,7 @@ use dynmoe::codec::Codec;
 use dynmoe::eval::{bits, inspect, ppl};
 use dynmoe::model::{self, Codecs, ExpertBits, LoadedModel};
 use dynmoe::runtime::generate;
+use dynmoe::store::dense_vq::GroupCodecs;
 
 /// Mixture-of-Experts models at 1.5-2 resident bits per weight, with a resident expert
 /// set that follows the text.
@@ -172,19 +173,24 @@ pub(crate) struct DenseCodecArgs {
     /// --dense-codec's layers.
     #[arg(long)]
     pub(crate) head_codec: Option<Codec>,
+    /// Codec of the token embeddings (and of a head tied to them): bf16, q4, q3, q2 or a
+    /// VQ rung, coded like --dense-codec's layers; a lookup decodes only its rows.
+    #[arg(long)]
+    pub(crate) embed_codec: Option<Codec>,
 }
 
 impl DenseCodecArgs {
-    /// Whether either was given.
+    /// Whether any was given.
     pub(crate) fn is_set(&self) -> bool {
-        self.dense_codec.is_some() || self.head_codec.is_some()
+        self.dense_codec.is_some() || self.head_codec.is_some() || self.embed_codec.is_some()
     }
 
-    /// `codecs` with these dense and head codecs.
+    /// `codecs` with these dense, head and embedding codecs.
     pub(crate) fn apply(&self, codecs: Codecs) -> Codecs {
         Codecs {
             dense: self.dense_codec,
             head: self.head_codec,
+            embedding: self.embed_codec,
             ..codecs
         }
     }
@@ -348,6 +354,9 @@ struct InspectArgs {
     /// Price an untied LM head in this codec.
     #[arg(long, default_value = "bf16")]
     head_codec: Codec,
+    /// Price the token embeddings (and a head tied to them) in this codec.
+    #[arg(long, default_value = "bf16")]
+    embed_codec: Codec,
     /// Share of each MoE layer's experts kept resident; the rest is reservoir.
     #[arg(long, default_value_t = 1.0)]
     resident_fraction: f64,
@@ -579,8 +588,7 @@ fn cmd_inspect(a: InspectArgs) -> Result<()> {
     let resident =
         ((e as f64 * a.resident_fraction).round() as usize).clamp(config.moe.top_k.min(e), e);
     let assignment = bits::Assignment {
-        dense: a.dense_codec,
-        head: a.head_codec,
+        tensors: GroupCodecs::uniform(a.dense_codec, a.head_codec, a.embed_codec),
         layers: config
             .moe_layers()
             .map(|l| (l, (a.codec, resident)))

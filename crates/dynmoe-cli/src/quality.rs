@@ -422,7 +422,7 @@ pub fn quality(a: QualityArgs) -> Result<()> {
                 anneal: Vec::new(),
                 chunks: a.calib_chunks,
                 ctx: 512,
-                dense_codec: dynmoe::codec::Codec::Bf16,
+                dense_codec: None,
             };
             let say = |msg: &str| eprintln!("[ISP {bits} b, {rounds} round(s)] {msg}");
             let plan = compress::compress(&dir, &calib, &out, &opts, &say, &say)

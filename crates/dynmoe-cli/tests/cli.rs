@@ -548,7 +548,7 @@ fn compress_fits_the_budget_resumes_from_its_journal_and_the_plan_runs() {
         "--model",
         &tiny(),
         "--bits",
-        "2",
+        "3",
         "--scope",
         "experts",
         "--calib",

@@ -337,6 +337,7 @@ impl Shape {
             budget_bytes: resident_bytes,
             params_total,
             dense_codec: Codec::Bf16,
+            groups: Default::default(),
             dense_bytes,
             resident_bytes,
             reservoir_bytes: 0,
@@ -758,7 +759,7 @@ pub fn synth_compressed(
         plan_checksum: compressed::checksum(&plan_bytes),
         dense_bytes,
         stores: [(rung.name(), spec.layers.clone())].into(),
-        dense_vq: None,
+        dense_vq: Vec::new(),
         generator: Some(Generator {
             name: synth_vq::GENERATOR.to_string(),
             seed,

@@ -17,7 +17,8 @@ fn logits(m: &model::LoadedModel<Cpu>) -> Vec<f32> {
     logits_of(m, "def main():\n    print('the whale and the lighthouse')")
 }
 
-/// A plan for tiny-moe at 2 bits over its experts and the directory written from it.
+/// A plan for tiny-moe at 3 bits over its experts (its VQ records are one 16 KiB page,
+/// 2.67 bits per weight of its small experts) and the directory written from it.
 fn compressed_tiny() -> (TempDir, Plan) {
     compressed_tiny_with(Codec::Bf16)
 }
@@ -28,13 +29,13 @@ fn compressed_tiny_with(dense_codec: Codec) -> (TempDir, Plan) {
     let src = fixture("tiny-moe");
     let calib = std::fs::read_to_string("../../data/corpus/code/calib.txt").unwrap();
     let opts = CompressOptions {
-        bits: 2.0,
+        bits: 3.0,
         scope: BudgetScope::Experts,
         rounds: 1,
         anneal: Vec::new(),
         chunks: 1,
         ctx: 512,
-        dense_codec,
+        dense_codec: Some(dense_codec),
     };
     let plan = compress(
         &src,
@@ -93,7 +94,7 @@ fn a_compressed_directory_runs_as_its_plan_and_refuses_damage() {
     let manifest = dir.join(compressed::MANIFEST_FILE);
     let text = std::fs::read_to_string(&manifest).unwrap();
     let edits: [(&str, &str, &str); 4] = [
-        ("\"version\": 1", "\"version\": 2", "version"),
+        ("\"version\": 2", "\"version\": 3", "version"),
         ("dynmoe-compressed-model", "something-else", "format"),
         (
             "\"dense_bytes\": ",
@@ -181,13 +182,11 @@ fn a_compressed_directory_with_coded_dense_layers() {
 
     let manifest = dir.join(compressed::MANIFEST_FILE);
     let text = std::fs::read_to_string(&manifest).unwrap();
-    std::fs::write(
-        &manifest,
-        text.replacen("\"dense_vq\": \"vq3\"", "\"dense_vq\": \"vq2\"", 1),
-    )
-    .unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["dense_vq"] = serde_json::json!(["vq2"]);
+    std::fs::write(&manifest, serde_json::to_vec(&v).unwrap()).unwrap();
     let e = err_of(dir);
-    assert!(e.contains("dense_vq"), "{e}");
+    assert!(e.contains("dense_vq") && e.contains("vq2"), "{e}");
     std::fs::write(&manifest, &text).unwrap();
 
     let bytes = std::fs::read(&coded).unwrap();
@@ -214,7 +213,7 @@ fn a_compressed_directory_with_affine_dense_layers() {
     let dir = out.dir();
     assert_eq!(plan.dense_codec, q4);
     let manifest = compressed::open(dir).unwrap().0;
-    assert_eq!(manifest.dense_vq, None);
+    assert!(manifest.dense_vq.is_empty());
     assert!(std::fs::read_dir(dir).unwrap().all(|e| !e
         .unwrap()
         .file_name()
@@ -271,7 +270,7 @@ fn a_model_scope_plan_prices_its_coded_dense_layers() {
         anneal: Vec::new(),
         chunks: 1,
         ctx: 512,
-        dense_codec,
+        dense_codec: Some(dense_codec),
     };
     let plan = compress(
         &src,
@@ -287,8 +286,7 @@ fn a_model_scope_plan_prices_its_coded_dense_layers() {
     let config = dynmoe::checkpoint::Config::from_file(&src.join("config.json")).unwrap();
     let ckpt = dynmoe::checkpoint::Checkpoint::open(&src).unwrap();
     let assignment = Assignment {
-        dense: dense_codec,
-        head: Codec::Bf16,
+        tensors: plan.group_codecs(),
         layers: plan
             .layers
             .iter()
@@ -310,38 +308,120 @@ fn a_model_scope_plan_prices_its_coded_dense_layers() {
 
 /// A whole-model budget below what the allocation can reach is refused before any probe,
 /// naming the smallest bits it could make, the share it does not allocate, and what to
-/// change.
+/// change: with every group allocated, the experts-only scope; with the dense layers
+/// fixed, leaving them to the allocator.
 #[test]
 fn a_budget_below_the_smallest_model_names_the_smallest_and_what_to_change() {
     let out = TempDir::new("compress-too-small");
     let calib = std::fs::read_to_string("../../data/corpus/en/calib.txt").unwrap();
+    for (bits, dense_codec, hint) in [
+        (0.5, None, "--scope experts"),
+        (0.5, Some(Codec::Bf16), "leave out --dense-codec"),
+    ] {
+        let opts = CompressOptions {
+            bits,
+            scope: BudgetScope::Model,
+            rounds: 1,
+            anneal: Vec::new(),
+            chunks: 1,
+            ctx: 512,
+            dense_codec,
+        };
+        let err = compress(
+            &fixture("tiny-moe"),
+            &[("en".into(), calib.clone())],
+            out.dir(),
+            &opts,
+            &|_| {},
+            &|_| {},
+        )
+        .unwrap_err();
+        let dynmoe::alloc::compress::CompressError::BudgetTooSmall { minimum, fixed, .. } = &err
+        else {
+            panic!("{err}");
+        };
+        assert!(*minimum > bits && *fixed < *minimum, "{err}");
+        let text = err.to_string();
+        assert!(text.contains(hint), "{text}");
+        // No probe ran: the journal was never written.
+        assert!(!out.path("probes.jsonl").exists());
+    }
+}
+
+/// Under a whole-model budget every tensor group is allocated: the embeddings, the
+/// untied LM head and each layer's dense weights get a codec of their own, the plan's
+/// bytes are what bits accounting prices for those codecs, the written directory runs
+/// exactly as the checkpoint under the plan, and each group's reported bits are its
+/// resident bytes × 8 / its parameters.
+#[test]
+fn a_whole_model_plan_allocates_every_tensor_group() {
+    use dynmoe::checkpoint::arch::CodedGroup;
+    use dynmoe::eval::bits::{account, Assignment};
+    use dynmoe::eval::compressed_bits::compressed_bits;
+    let out = TempDir::new("compress-groups");
+    let src = fixture("tiny-moe");
+    let calib = std::fs::read_to_string("../../data/corpus/en/calib.txt").unwrap();
     let opts = CompressOptions {
-        bits: 2.0,
+        bits: 3.0,
         scope: BudgetScope::Model,
         rounds: 1,
         anneal: Vec::new(),
         chunks: 1,
         ctx: 512,
-        dense_codec: Codec::Bf16,
+        dense_codec: None,
     };
-    let err = compress(
-        &fixture("tiny-moe"),
+    let plan = compress(
+        &src,
         &[("en".into(), calib)],
         out.dir(),
         &opts,
         &|_| {},
         &|_| {},
     )
-    .unwrap_err();
-    let dynmoe::alloc::compress::CompressError::BudgetTooSmall { minimum, fixed, .. } = &err else {
-        panic!("{err}");
-    };
-    assert!(*minimum > 2.0 && *fixed < *minimum, "{err}");
-    let text = err.to_string();
+    .unwrap();
+    let config = dynmoe::checkpoint::Config::from_file(&src.join("config.json")).unwrap();
+    let mut want = vec![CodedGroup::Embedding, CodedGroup::Head];
+    want.extend((0..config.layers.len()).map(CodedGroup::Dense));
+    want.sort();
+    assert_eq!(plan.groups.keys().copied().collect::<Vec<_>>(), want);
+    assert!(plan.resident_bytes <= plan.budget_bytes);
+    // At 3 bits of 16 nothing can stay bf16 everywhere.
     assert!(
-        text.contains("--scope experts") && text.contains("--dense-codec"),
-        "{text}"
+        plan.groups.values().any(|&c| c != Codec::Bf16),
+        "{:?}",
+        plan.groups
     );
-    // No probe ran: the journal was never written.
-    assert!(!out.path("probes.jsonl").exists());
+
+    let ckpt = dynmoe::checkpoint::Checkpoint::open(&src).unwrap();
+    let assignment = Assignment {
+        tensors: plan.group_codecs(),
+        layers: plan
+            .layers
+            .iter()
+            .map(|l| (l.layer, (l.codec, l.resident)))
+            .collect(),
+        default_experts: Codec::Bf16,
+    };
+    let priced = account(&config, &ckpt, &assignment, None).unwrap();
+    assert_eq!(plan.resident_bytes, priced.resident_bytes);
+    assert_eq!(plan.rounds["codebook_bytes"], priced.codebook_bytes);
+
+    compressed::write(&src, out.dir(), &plan, &mut |_, _| {}).unwrap();
+    let (from_dir, _) = model::load_compressed(out.dir(), Cpu::fast()).unwrap();
+    let mut from_ckpt = load_plan(&src, &plan, &mut |_, _| {}).unwrap();
+    for l in &plan.layers {
+        from_ckpt.model.set_expert_mask(l.layer, None).unwrap();
+    }
+    assert_eq!(logits(&from_dir), logits(&from_ckpt));
+
+    let bits = compressed_bits(out.dir()).unwrap();
+    let mut resident = 0;
+    for (group, g) in &bits.groups {
+        assert!(
+            (g.resident_bits - g.resident_bytes as f64 * 8.0 / g.params as f64).abs() < 1e-9,
+            "{group:?}: {g:?}"
+        );
+        resident += g.resident_bytes;
+    }
+    assert_eq!(resident, plan.resident_bytes);
 }

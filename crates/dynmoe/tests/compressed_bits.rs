@@ -62,7 +62,7 @@ fn check(dense_codec: &str, bits: f64) {
         anneal: Vec::new(),
         chunks: 1,
         ctx: 128,
-        dense_codec: dense_codec.parse::<Codec>().unwrap(),
+        dense_codec: Some(dense_codec.parse::<Codec>().unwrap()),
     };
     let calib = [("code".to_string(), calib)];
     let plan = compress(&src, &calib, out.dir(), &opts, &|_| {}, &|_| {}).unwrap();

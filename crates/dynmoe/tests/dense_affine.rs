@@ -17,6 +17,7 @@ use dynmoe::eval::bits::{account, Assignment};
 use dynmoe::eval::ppl::{perplexity, PplOptions};
 use dynmoe::model::weights::Loader;
 use dynmoe::model::{self, Codecs};
+use dynmoe::store::dense_vq::GroupCodecs;
 use dynmoe::store::{dense_vq::CodedLayers, dense_vq::CodedWeight};
 use dynmoe::testing::{
     fixture, fixture_copy, fresh, logits_of, rel_err, write_checkpoint_replacing, TempDir,
@@ -73,7 +74,11 @@ fn coded(dir: &Path, dense: Option<Codec>, head: Option<Codec>) -> CodedLayers {
         dir,
         &ckpt,
         &config,
-        [dense, head],
+        &GroupCodecs::uniform(
+            dense.unwrap_or(Codec::Bf16),
+            head.unwrap_or(Codec::Bf16),
+            Codec::Bf16,
+        ),
         converted,
         &mut |_, _| {},
     )
@@ -118,7 +123,7 @@ fn loaded_weights_are_mlx_codes_and_multiply_as_their_values() {
             dir.dir(),
             &ckpt,
             &config,
-            [Some(codec), None],
+            &GroupCodecs::uniform(codec, Codec::Bf16, Codec::Bf16),
             false,
             &mut |_, _| {},
         )
@@ -170,7 +175,7 @@ fn a_width_that_is_not_whole_groups_is_refused_by_name() {
             dir.dir(),
             &ckpt,
             &config,
-            [Some(Codec::Affine { bits }), None],
+            &GroupCodecs::uniform(Codec::Affine { bits }, Codec::Bf16, Codec::Bf16),
             false,
             &mut |_, _| {},
         )
@@ -390,8 +395,7 @@ fn bits_accounting_prices_the_coded_bytes() {
             &config,
             &ckpt,
             &Assignment {
-                dense: codec,
-                head: codec,
+                tensors: GroupCodecs::uniform(codec, codec, Codec::Bf16),
                 ..Assignment::uncompressed()
             },
             None,
@@ -428,6 +432,44 @@ fn bits_accounting_prices_the_coded_bytes() {
         assert_eq!(
             (held(false) + held(true)) * 16,
             params * (2 * bits as u64 + 1)
+        );
+    }
+}
+
+/// A coded embedding table looked up on the CPU gives exactly the rows of the whole
+/// table decoded, at every affine width and every rung of the ladder (ids repeated,
+/// first and last; the output poisoned first).
+#[test]
+fn coded_embedding_lookups_are_the_decoded_tables_rows() {
+    use dynmoe::backend::{Backend, Weight};
+    use dynmoe::codec::vq::{VqMatrix, LADDER};
+    let (vocab, dim) = (300, 256);
+    let ids = [0u32, 299, 17, 17, 150];
+    let table = dynmoe::testing::fresh(vocab * dim, 31);
+    let check = |name: &str, w: Weight<'_, Vec<f32>>, decoded: Vec<f32>| {
+        let b = Cpu::fast();
+        let mut out = b.alloc(ids.len() * dim);
+        out.fill(f32::NAN);
+        b.embed(w, dim, &ids, &mut out);
+        for (r, &id) in ids.iter().enumerate() {
+            let want = &decoded[id as usize * dim..(id as usize + 1) * dim];
+            assert_eq!(&out[r * dim..(r + 1) * dim], want, "{name}: id {id}");
+        }
+    };
+    for bits in [4, 3, 2] {
+        let m = dynmoe::codec::affine::AffineMatrix::quantize(&table, vocab, dim, bits).unwrap();
+        check(
+            &format!("q{bits}"),
+            Weight::Affine(m.view()),
+            m.dequantize(),
+        );
+    }
+    for rung in LADDER {
+        let m = VqMatrix::encode(&table, vocab, dim, rung, 9).unwrap();
+        check(
+            rung.name().as_str(),
+            Weight::Vq(m.view()),
+            m.decode().unwrap(),
         );
     }
 }

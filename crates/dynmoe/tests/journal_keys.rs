@@ -8,7 +8,6 @@ use std::sync::Mutex;
 
 use dynmoe::alloc::compress::{compress, BudgetScope, CompressOptions};
 use dynmoe::checkpoint::Checkpoint;
-use dynmoe::codec::Codec;
 use dynmoe::store::content_fingerprint;
 use dynmoe::testing::{fixture_copy, TempDir};
 
@@ -27,13 +26,13 @@ fn lines(path: &Path) -> usize {
 
 fn run(model: &Path, calib: &Path, out: &Path) -> Run {
     let opts = CompressOptions {
-        bits: 2.0,
+        bits: 3.0,
         scope: BudgetScope::Experts,
         rounds: 1,
         anneal: Vec::new(),
         chunks: 1,
         ctx: 128,
-        dense_codec: Codec::Bf16,
+        dense_codec: None,
     };
     let text = std::fs::read_to_string(calib).unwrap();
     let journal = out.join("probes.jsonl");

@@ -437,6 +437,7 @@ fn vq_model(dir: &Path, l0: Option<&str>, l1: Option<&str>) -> model::LoadedMode
             .collect(),
         dense: None,
         head: None,
+        embedding: None,
     };
     model::load_with_codecs(dir, Cpu::fast(), &codecs).unwrap()
 }

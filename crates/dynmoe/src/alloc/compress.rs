@@ -13,14 +13,16 @@ use std::path::Path;
 use serde::Serialize;
 
 use super::cache::{CacheError, CachedProber};
-use super::isp::{isp, CodecOption, IspError, Problem, Round, Setting};
-use crate::alloc::{probe::resident_count, probe::ModelProber};
-use crate::checkpoint::arch::TensorKind;
+use super::isp::{isp, CodecOption, IspError, Problem, Round, Setting, Unit};
+use crate::alloc::probe::{resident_count, ModelProber, ProbeUnit};
+use crate::checkpoint::arch::{CodedGroup, TensorKind};
+use crate::codec::affine::AffineMatrix;
 use crate::codec::vq::{codebook, VqMatrix, LADDER};
 use crate::codec::{Codec, CodecError};
 use crate::eval::bits::{account, Assignment};
 use crate::eval::ppl::{PplError, PplOptions};
 use crate::model::Error;
+use crate::store::dense_vq::GroupCodecs;
 use crate::store::journal::Skipped;
 use crate::store::manifest::Fnv64;
 use crate::store::plan::{LayerPlan, Plan, PlanError, FORMAT, PLAN_FILE, VERSION};
@@ -52,10 +54,12 @@ pub struct CompressOptions {
     pub chunks: usize,
     /// Chunk length.
     pub ctx: usize,
-    /// Codec of the dense linear layers (attention, shared experts, dense MLPs): bf16
-    /// or a VQ rung. Fixed, not allocated; probes run with it, and under
-    /// [`BudgetScope::Model`] the budget pays for it.
-    pub dense_codec: Codec,
+    /// Codec of the dense linear layers (attention, shared experts, dense MLPs), fixed
+    /// rather than allocated: probes run with it, and under [`BudgetScope::Model`] the
+    /// budget pays for it. `None`: under [`BudgetScope::Model`] each layer's dense
+    /// weights are a tensor group the allocator gives a codec, as it does the
+    /// embeddings and the LM head; under [`BudgetScope::Experts`] they stay bf16.
+    pub dense_codec: Option<Codec>,
 }
 
 /// Why compression stopped.
@@ -74,9 +78,9 @@ pub enum CompressError {
     #[error("{0}")]
     Plan(String),
     /// The budget is below the smallest model the allocation can make: the tensors it
-    /// does not allocate, with the routed experts at their cheapest.
+    /// does not allocate, with everything it allocates at its cheapest.
     #[error(
-        "--bits {bits} is below the smallest model this can make: {minimum:.3} bits per weight over {scope}, of which {fixed:.3} are the tensors kept at their codecs (embeddings, LM head, attention and other dense layers{dense}); raise --bits to at least {minimum:.3}{hint}"
+        "--bits {bits} is below the smallest model this can make: {minimum:.3} bits per weight over {scope}, of which {fixed:.3} are the tensors kept at their codecs ({dense}); raise --bits to at least {minimum:.3}{hint}"
     )]
     BudgetTooSmall {
         /// The bits asked for.
@@ -87,7 +91,7 @@ pub enum CompressError {
         fixed: f64,
         /// What the bits are measured over.
         scope: &'static str,
-        /// The dense layers' codec, where they are coded.
+        /// What those tensors are.
         dense: String,
         /// What else would help.
         hint: &'static str,
@@ -106,13 +110,13 @@ impl From<crate::checkpoint::Error> for CompressError {
 /// Relative mean squared error of `codec` on unit Gaussian data (0 for bf16): the
 /// distortion the laws interpolate through.
 pub fn gaussian_distortion(codec: Codec) -> Result<f64, CodecError> {
-    let Some(rung) = codec.rung()? else {
-        return Ok(0.0);
-    };
     let (rows, cols) = (64, 1024);
     let w = codebook::gaussian(0xD15, rows * cols);
-    let m = VqMatrix::encode(&w, rows, cols, rung, 1)?;
-    let d = m.decode()?;
+    let d = match (codec, codec.rung()?) {
+        (Codec::Affine { bits }, _) => AffineMatrix::quantize(&w, rows, cols, bits)?.dequantize(),
+        (_, Some(rung)) => VqMatrix::encode(&w, rows, cols, rung, 1)?.decode()?,
+        (_, None) => return Ok(0.0),
+    };
     let err: f64 = w
         .iter()
         .zip(&d)
@@ -134,19 +138,24 @@ pub fn compress(
     progress: &(dyn Fn(&str) + Sync),
     notice: &(dyn Fn(&str) + Sync),
 ) -> Result<Plan, CompressError> {
-    crate::store::dense_vq::rung_of(opts.dense_codec).map_err(CompressError::Plan)?;
+    if let Some(c) = opts.dense_codec {
+        crate::store::dense_vq::rung_of(c).map_err(CompressError::Plan)?;
+    }
     std::fs::create_dir_all(out).map_err(|source| {
         CompressError::Model(Error::from(crate::checkpoint::Error::Io {
             path: out.to_path_buf(),
             source,
         }))
     })?;
+    // Experts take bf16 and the VQ rungs; tensor groups the affine widths too.
+    let expert_codecs = 1 + LADDER.len();
     let codecs: Vec<Codec> = std::iter::once(Codec::Bf16)
         .chain(
             LADDER
                 .iter()
                 .map(|r| r.name().parse().expect("rung names parse")),
         )
+        .chain([4, 3, 2].map(|bits| Codec::Affine { bits }))
         .collect();
     progress("measuring codec distortions");
     let options = codecs
@@ -165,34 +174,69 @@ pub fn compress(
         max_chunks: Some(opts.chunks),
         micro_batch: None,
     };
-    let prober = ModelProber::new(model, codecs.clone(), &calib, ppl)?;
-    let prober = if opts.dense_codec == Codec::Bf16 {
-        prober
-    } else {
-        progress(&format!("coding the dense layers at {}", opts.dense_codec));
-        prober.with_dense_codec(opts.dense_codec, &mut |_, _| {})?
-    };
     let config = crate::checkpoint::Config::from_file(&model.join("config.json"))?;
     let ckpt = crate::checkpoint::Checkpoint::open(model)?;
+    let prober = ModelProber::new(model, codecs.clone(), &calib, ppl)?;
+    let prober = match opts.dense_codec {
+        None | Some(Codec::Bf16) => prober,
+        Some(c) => {
+            progress(&format!("coding the dense layers at {c}"));
+            prober.with_dense_codec(c, &mut |_, _| {})?
+        }
+    };
+    // Under a whole-model budget every tensor group that carries bytes is allocated:
+    // the embeddings, an untied head, and each layer's dense weights unless fixed.
+    let groups: Vec<CodedGroup> = match opts.scope {
+        BudgetScope::Experts => Vec::new(),
+        BudgetScope::Model => {
+            let mut present = std::collections::BTreeSet::new();
+            for name in ckpt.names() {
+                let shape = ckpt.info(name)?.shape;
+                if let Some(g) = CodedGroup::of(name, &shape, config.tie_word_embeddings) {
+                    if opts.dense_codec.is_none() || !matches!(g, CodedGroup::Dense(_)) {
+                        present.insert(g);
+                    }
+                }
+            }
+            present.into_iter().collect()
+        }
+    };
+    let prober = prober.with_groups(&groups)?;
     let (e, top_k) = (config.moe.num_experts, config.moe.top_k);
     let (h, inter) = (config.hidden_size, config.moe.expert_intermediate);
+    let fixed_dense = opts.dense_codec.unwrap_or(Codec::Bf16);
     let assignment = Assignment {
-        dense: opts.dense_codec,
+        tensors: GroupCodecs::uniform(fixed_dense, Codec::Bf16, Codec::Bf16),
         ..Assignment::uncompressed()
     };
     let priced = account(&config, &ckpt, &assignment, None)?;
+    let group_bytes = |group: CodedGroup, codec: Codec| -> Result<u64, CodecError> {
+        prober
+            .group_weights(group)
+            .iter()
+            .map(|(_, [rows, cols])| codec.matrix_bytes(*rows, *cols))
+            .sum()
+    };
     let expert_params = (config.moe_layers().count() * e * 3 * h * inter) as u64;
     let (dense_bytes, denominator) = match opts.scope {
-        BudgetScope::Model => (
-            priced.resident_bytes - priced.resident_by_kind[&TensorKind::RoutedExperts],
-            priced.params_total,
-        ),
+        BudgetScope::Model => {
+            let allocated = groups
+                .iter()
+                .map(|&g| group_bytes(g, Codec::Bf16))
+                .sum::<Result<u64, _>>()?;
+            (
+                priced.resident_bytes
+                    - priced.resident_by_kind[&TensorKind::RoutedExperts]
+                    - allocated,
+                priced.params_total,
+            )
+        }
         BudgetScope::Experts => (0, expert_params),
     };
     let budget_of = |bits: f64| (bits * denominator as f64 / 8.0).floor() as u64;
     let expert_bytes = codecs
         .iter()
-        .map(|c| Ok(2 * c.matrix_bytes(inter, h)? + c.matrix_bytes(h, inter)?))
+        .map(|&c| crate::eval::bits::expert_bytes(c, h, inter))
         .collect::<Result<Vec<u64>, CodecError>>()?;
     let max_removed = 1.0 - top_k as f64 / e as f64;
     let mut removals: Vec<f64> = (0..8)
@@ -202,14 +246,34 @@ pub fn compress(
     if !removals.contains(&max_removed) {
         removals.push(max_removed);
     }
-    let price = |_layer: usize, s: Setting| {
-        resident_count(e, top_k, s.removed) as u64 * expert_bytes[s.codec]
+    let units = prober.units().to_vec();
+    // Bytes of every unit at every codec, priced once.
+    let unit_bytes: Vec<Vec<u64>> = units
+        .iter()
+        .map(|u| match u {
+            ProbeUnit::Experts(_) => Ok(expert_bytes.clone()),
+            ProbeUnit::Group(g) => codecs.iter().map(|&c| group_bytes(*g, c)).collect(),
+        })
+        .collect::<Result<_, CodecError>>()?;
+    let price = |unit: usize, s: Setting| match units[unit] {
+        ProbeUnit::Experts(_) => {
+            resident_count(e, top_k, s.removed) as u64 * unit_bytes[unit][s.codec]
+        }
+        ProbeUnit::Group(_) => unit_bytes[unit][s.codec],
     };
-    // Refused before any probe: the cheapest codec with the most experts removed in every
-    // MoE layer, beside the fixed bytes.
-    let cheapest = resident_count(e, top_k, max_removed) as u64
-        * expert_bytes.iter().copied().min().unwrap_or(0);
-    let minimum = dense_bytes + config.moe_layers().count() as u64 * cheapest;
+    // Refused before any probe: every unit at its cheapest, beside the fixed bytes.
+    let minimum = dense_bytes
+        + units
+            .iter()
+            .enumerate()
+            .map(|(i, u)| match u {
+                ProbeUnit::Experts(_) => {
+                    resident_count(e, top_k, max_removed) as u64
+                        * unit_bytes[i][..expert_codecs].iter().min().unwrap_or(&0)
+                }
+                ProbeUnit::Group(_) => unit_bytes[i].iter().copied().min().unwrap_or(0),
+            })
+            .sum::<u64>();
     if budget_of(opts.bits) < minimum {
         let bits = |bytes: u64| bytes as f64 * 8.0 / denominator as f64;
         return Err(CompressError::BudgetTooSmall {
@@ -220,15 +284,21 @@ pub fn compress(
                 BudgetScope::Model => "every tensor of the model",
                 BudgetScope::Experts => "the routed experts",
             },
-            dense: match opts.dense_codec {
-                Codec::Bf16 => String::new(),
-                c => format!(", dense layers at {c}"),
-            },
-            hint: match opts.scope {
-                BudgetScope::Model => {
-                    ", spend the budget on the routed experts alone (--scope experts), or code the dense layers smaller (--dense-codec)"
+            dense: match (opts.scope, opts.dense_codec) {
+                (BudgetScope::Experts, _) => "none: only the routed experts count".into(),
+                (BudgetScope::Model, None) => "routers and norms".into(),
+                (BudgetScope::Model, Some(c)) => {
+                    format!("routers, norms, and the dense layers at {c}")
                 }
-                BudgetScope::Experts => "",
+            },
+            hint: match (opts.scope, opts.dense_codec) {
+                (BudgetScope::Model, Some(_)) => {
+                    ", or let the allocator code the dense layers (leave out --dense-codec)"
+                }
+                (BudgetScope::Model, None) => {
+                    ", or spend the budget on the routed experts alone (--scope experts)"
+                }
+                (BudgetScope::Experts, _) => "",
             },
         });
     }
@@ -239,15 +309,16 @@ pub fn compress(
 
     // Probes are keyed by what they measure, not by where it lies: the checkpoint's
     // bytes, each calibration text's bytes, and the settings. A file changed under the
-    // same name is probed again. The dense codec is part of the key too (bf16 adds
-    // nothing, as before it was a setting).
+    // same name is probed again. The fixed dense codec and the units a settings vector
+    // lists are part of the key too.
     progress("hashing the checkpoint and the calibration texts");
     let dense_context = match opts.dense_codec {
-        Codec::Bf16 => String::new(),
-        c => format!(" | dense {c}"),
+        None | Some(Codec::Bf16) => String::new(),
+        Some(c) => format!(" | dense {c}"),
     };
+    let unit_names: Vec<String> = units.iter().map(|u| u.to_string()).collect();
     let context = format!(
-        "checkpoint {} | calib {} | ctx {} chunks {} | {:?}{dense_context}",
+        "checkpoint {} | calib {} | ctx {} chunks {} | {:?} | units {}{dense_context}",
         crate::store::content_fingerprint(&ckpt, model).map_err(Error::from)?,
         texts
             .iter()
@@ -256,7 +327,8 @@ pub fn compress(
             .join(","),
         opts.ctx,
         opts.chunks,
-        codecs.iter().map(|c| c.to_string()).collect::<Vec<_>>()
+        codecs.iter().map(|c| c.to_string()).collect::<Vec<_>>(),
+        unit_names.join(",")
     );
     let journal = out.join("probes.jsonl");
     let cached = CachedProber::open(prober, &journal, &context).map_err(|e| match e {
@@ -269,18 +341,33 @@ pub fn compress(
         notice(&line);
     }
 
+    let start = Setting {
+        codec: 0,
+        removed: 0.0,
+    };
     let problem = Problem {
-        layers: cached.inner().layers().len(),
+        units: units
+            .iter()
+            .map(|u| match u {
+                ProbeUnit::Experts(_) => Unit {
+                    codecs: (0..expert_codecs).collect(),
+                    removals: removals.clone(),
+                    probe_codecs: probe_codecs.clone(),
+                    probe_removals: vec![0.25, 0.5, max_removed.min(0.95)],
+                    start,
+                },
+                ProbeUnit::Group(_) => Unit {
+                    codecs: (0..codecs.len()).collect(),
+                    removals: vec![0.0],
+                    probe_codecs: probe_codecs.clone(),
+                    probe_removals: Vec::new(),
+                    start,
+                },
+            })
+            .collect(),
         codecs: options.clone(),
-        removals: removals.clone(),
-        probe_codecs: probe_codecs.clone(),
-        probe_removals: vec![0.25, 0.5, max_removed.min(0.95)],
         bytes: &price,
         fixed_bytes: dense_bytes,
-        start: Setting {
-            codec: 0,
-            removed: 0.0,
-        },
     };
     let anneal: Vec<u64> = opts.anneal.iter().map(|&b| budget_of(b)).collect();
     let report = |round: usize, done: usize, total: usize| {
@@ -298,34 +385,41 @@ pub fn compress(
         IspError::Probe(p) => CompressError::Probe(p.to_string()),
         IspError::Alloc(a) => CompressError::Plan(a.to_string()),
     })?;
+    let last = rounds.last().expect("ISP runs at least one round");
+    let prober = cached.inner();
+    let mut layers: Vec<LayerPlan> = Vec::new();
+    let mut chosen_groups = std::collections::BTreeMap::new();
+    let mut group_total = 0u64;
+    for (i, (unit, s)) in units.iter().zip(&last.plan).enumerate() {
+        match *unit {
+            ProbeUnit::Experts(layer) => {
+                let resident = resident_count(e, top_k, s.removed);
+                layers.push(LayerPlan {
+                    layer,
+                    codec: codecs[s.codec],
+                    experts: e,
+                    resident,
+                    resident_bytes: resident as u64 * expert_bytes[s.codec],
+                    reservoir_bytes: (e - resident) as u64 * expert_bytes[s.codec],
+                    keep: if resident < e {
+                        prober.kept(layer, s.removed)
+                    } else {
+                        Vec::new()
+                    },
+                });
+            }
+            ProbeUnit::Group(g) => {
+                chosen_groups.insert(g, codecs[s.codec]);
+                group_total += unit_bytes[i][s.codec];
+            }
+        }
+    }
     // Reported on their own line: the codebooks of the rungs the plan runs.
     let codebook_bytes: u64 = used_codecs(&codecs, &rounds, opts.dense_codec)
         .iter()
         .map(|c| c.codebook_bytes())
         .sum::<Result<u64, _>>()?;
-    let last = rounds.last().expect("ISP runs at least one round");
-    let prober = cached.inner();
-    let layers: Vec<LayerPlan> = prober
-        .layers()
-        .iter()
-        .zip(&last.plan)
-        .map(|(&layer, s)| {
-            let resident = resident_count(e, top_k, s.removed);
-            LayerPlan {
-                layer,
-                codec: codecs[s.codec],
-                experts: e,
-                resident,
-                resident_bytes: resident as u64 * expert_bytes[s.codec],
-                reservoir_bytes: (e - resident) as u64 * expert_bytes[s.codec],
-                keep: if resident < e {
-                    prober.kept(layer, s.removed)
-                } else {
-                    Vec::new()
-                },
-            }
-        })
-        .collect();
+    let dense_bytes = dense_bytes + group_total;
     let resident_bytes = dense_bytes + layers.iter().map(|l| l.resident_bytes).sum::<u64>();
     let budget_bytes = budget_of(opts.bits);
     let plan = Plan {
@@ -336,7 +430,8 @@ pub fn compress(
         budget_bits: opts.bits,
         budget_bytes,
         params_total: denominator,
-        dense_codec: opts.dense_codec,
+        dense_codec: fixed_dense,
+        groups: chosen_groups,
         dense_bytes,
         resident_bytes,
         reservoir_bytes: layers.iter().map(|l| l.reservoir_bytes).sum(),
@@ -349,6 +444,7 @@ pub fn compress(
             "journal_lines_not_trusted": cached.skipped().untrusted() + cached.skipped().other_contexts.values().sum::<usize>(),
             "codecs": options,
             "candidates": codecs.iter().map(|c| c.to_string()).collect::<Vec<_>>(),
+            "units": unit_names,
             "removals": removals,
             "rounds": rounds,
         }),
@@ -397,14 +493,14 @@ fn journal_notices(path: &Path, context: &str, skipped: &Skipped) -> Vec<String>
     out
 }
 
-/// The codecs a plan uses: its layers' and the dense layers' (each VQ rung's codebook
-/// is loaded once).
-fn used_codecs(codecs: &[Codec], rounds: &[Round], dense: Codec) -> Vec<Codec> {
+/// The codecs a plan uses: its units' and the fixed dense layers' (each VQ rung's
+/// codebook is loaded once).
+fn used_codecs(codecs: &[Codec], rounds: &[Round], dense: Option<Codec>) -> Vec<Codec> {
     let mut used: Vec<Codec> = rounds
         .last()
         .map(|r| r.plan.iter().map(|s| codecs[s.codec]).collect())
         .unwrap_or_default();
-    used.push(dense);
+    used.extend(dense);
     used.sort();
     used.dedup();
     used

@@ -1,10 +1,12 @@
 //! Iterative Sensitivity Probing: probe, allocate, re-probe under the new allocation,
 //! re-allocate, until the plan stops changing (docs/ARCHITECTURE.md, Allocation).
 //!
-//! A probe is the calibration loss of the whole model with one layer's setting changed
-//! and every other layer left where the current plan put it. Per layer and round: each
-//! probe codec (at the layer's current resident fraction) and each probe removal level
-//! (at its current codec), plus one baseline. The laws of [`super::law`] fill in
+//! The allocator gives each *unit* a setting: a MoE layer's routed experts a codec and a
+//! resident fraction, a tensor group (embeddings, LM head, a layer's attention) a codec.
+//! A probe is the calibration loss of the whole model with one unit's setting changed
+//! and every other unit left where the current plan put it. Per unit and round: each of
+//! its probe codecs (at its current resident fraction) and each of its probe removal
+//! levels (at its current codec), plus one baseline. The laws of [`super::law`] fill in
 //! every other setting; [`super::lagrange`] spends the budget. Sensitivities measured on
 //! the uncompressed model add up only under mild compression, which is why the loop
 //! re-probes around the plan it just made.
@@ -34,24 +36,31 @@ pub struct CodecOption {
     pub distortion: f64,
 }
 
+/// What one unit may be set to and how it is probed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Unit {
+    /// Codecs it may take (indices into [`Problem::codecs`]).
+    pub codecs: Vec<usize>,
+    /// Removal fractions it may take: `[0.0]` for a tensor group.
+    pub removals: Vec<f64>,
+    /// Its probe codecs, coarse to fine (indices into [`Problem::codecs`]).
+    pub probe_codecs: Vec<usize>,
+    /// Its probe removal fractions (none for a tensor group).
+    pub probe_removals: Vec<f64>,
+    /// The setting it starts from (the uncompressed model).
+    pub start: Setting,
+}
+
 /// The allocation problem: what may be chosen and what it costs in bytes.
 pub struct Problem<'a> {
-    /// Layers allocated.
-    pub layers: usize,
+    /// The units allocated, in the order settings list them.
+    pub units: Vec<Unit>,
     /// Codecs to choose from.
     pub codecs: Vec<CodecOption>,
-    /// Removal fractions to choose from (0 must be among them).
-    pub removals: Vec<f64>,
-    /// The probe codecs, coarse to fine (indices into `codecs`).
-    pub probe_codecs: Vec<usize>,
-    /// The removal fractions probed.
-    pub probe_removals: Vec<f64>,
-    /// Resident bytes of a layer at a setting.
+    /// Resident bytes of a unit at a setting.
     pub bytes: &'a (dyn Fn(usize, Setting) -> u64 + Sync),
-    /// Resident bytes outside the allocated layers.
+    /// Resident bytes outside the allocated units.
     pub fixed_bytes: u64,
-    /// The setting every layer starts from (the uncompressed model).
-    pub start: Setting,
 }
 
 /// Evaluates the calibration loss of a whole configuration.
@@ -59,14 +68,14 @@ pub trait Prober: Sync {
     /// The error a probe may fail with.
     type Error: Send;
     /// Mean negative log-likelihood per token of the model configured by `settings`
-    /// (one per layer).
+    /// (one per unit).
     fn loss(&self, settings: &[Setting]) -> Result<f64, Self::Error>;
 }
 
 /// One probe and what it measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct ProbeResult {
-    /// The layer changed.
+    /// The unit changed.
     pub layer: usize,
     /// Its setting during the probe.
     pub setting: Setting,
@@ -83,7 +92,7 @@ pub struct Round {
     pub baseline: f64,
     /// Every probe of the round.
     pub probes: Vec<ProbeResult>,
-    /// Per layer, the codec curve's points `(distortion, loss change)`.
+    /// Per unit, the codec curve's points `(distortion, loss change)`.
     pub codec_sensitivity: Vec<Vec<(f64, f64)>>,
     /// The removal law's shared exponent.
     pub removal_exponent: f64,
@@ -121,7 +130,7 @@ pub fn isp<P: Prober>(
     rounds: usize,
     progress: &(dyn Fn(usize, usize, usize) + Sync),
 ) -> Result<Vec<Round>, IspError<P::Error>> {
-    let mut current = vec![problem.start; problem.layers];
+    let mut current: Vec<Setting> = problem.units.iter().map(|u| u.start).collect();
     let mut log: Vec<Round> = Vec::new();
     let schedule: Vec<u64> = anneal
         .iter()
@@ -145,13 +154,13 @@ pub fn isp<P: Prober>(
 /// The probes of one round around `current`.
 fn probe_settings(problem: &Problem<'_>, current: &[Setting]) -> Vec<(usize, Setting)> {
     let mut out = Vec::new();
-    for (layer, &now) in current.iter().enumerate() {
-        for &codec in &problem.probe_codecs {
+    for (layer, (&now, unit)) in current.iter().zip(&problem.units).enumerate() {
+        for &codec in &unit.probe_codecs {
             if codec != now.codec {
                 out.push((layer, Setting { codec, ..now }));
             }
         }
-        for &removed in &problem.probe_removals {
+        for &removed in &unit.probe_removals {
             if removed != now.removed {
                 out.push((layer, Setting { removed, ..now }));
             }
@@ -187,7 +196,8 @@ fn one_round<P: Prober>(
         .collect::<Result<_, IspError<P::Error>>>()?;
 
     let d = |codec: usize| problem.codecs[codec].distortion;
-    let codec_lines: Vec<CodecSensitivity> = (0..problem.layers)
+    let units = problem.units.len();
+    let codec_lines: Vec<CodecSensitivity> = (0..units)
         .map(|layer| {
             let points: Vec<(f64, f64)> = probes
                 .iter()
@@ -197,7 +207,7 @@ fn one_round<P: Prober>(
             CodecSensitivity::fit(d(current[layer].codec), &points)
         })
         .collect();
-    let removal_points: Vec<Vec<(f64, f64)>> = (0..problem.layers)
+    let removal_points: Vec<Vec<(f64, f64)>> = (0..units)
         .map(|layer| {
             probes
                 .iter()
@@ -209,22 +219,30 @@ fn one_round<P: Prober>(
     let current_removed: Vec<f64> = current.iter().map(|s| s.removed).collect();
     let removal = RemovalLaw::fit(&current_removed, &removal_points);
 
-    let settings: Vec<Setting> = (0..problem.codecs.len())
-        .flat_map(|codec| {
-            problem
-                .removals
+    let settings: Vec<Vec<Setting>> = problem
+        .units
+        .iter()
+        .map(|u| {
+            u.codecs
                 .iter()
-                .map(move |&removed| Setting { codec, removed })
+                .flat_map(|&codec| {
+                    u.removals
+                        .iter()
+                        .map(move |&removed| Setting { codec, removed })
+                })
+                .collect()
         })
         .collect();
-    let choices: Vec<Vec<Choice>> = (0..problem.layers)
-        .map(|layer| {
-            settings
+    let choices: Vec<Vec<Choice>> = settings
+        .iter()
+        .enumerate()
+        .map(|(unit, options)| {
+            options
                 .iter()
                 .map(|&s| Choice {
-                    cost: codec_lines[layer].at(d(s.codec))
-                        + removal.at(layer, s.removed, current[layer].removed),
-                    bytes: (problem.bytes)(layer, s),
+                    cost: codec_lines[unit].at(d(s.codec))
+                        + removal.at(unit, s.removed, current[unit].removed),
+                    bytes: (problem.bytes)(unit, s),
                 })
                 .collect()
         })
@@ -243,7 +261,11 @@ fn one_round<P: Prober>(
         codec_sensitivity: codec_lines.iter().map(|c| c.points.clone()).collect(),
         removal_exponent: removal.p,
         removal_amplitudes: removal.amplitudes,
-        plan: picks.iter().map(|&i| settings[i]).collect(),
+        plan: picks
+            .iter()
+            .zip(&settings)
+            .map(|(&i, options)| options[i])
+            .collect(),
         modelled_cost: cost,
         bytes,
         unspent,
@@ -289,6 +311,20 @@ mod tests {
         codec as u64 + 1
     }
 
+    /// `n` units of the same choices, starting at `start`.
+    fn units(n: usize, removals: &[f64], probe_removals: &[f64], start: Setting) -> Vec<Unit> {
+        vec![
+            Unit {
+                codecs: (0..codecs().len()).collect(),
+                removals: removals.to_vec(),
+                probe_codecs: vec![0, 3],
+                probe_removals: probe_removals.to_vec(),
+                start,
+            };
+            n
+        ]
+    }
+
     #[test]
     fn plans_fit_the_budget_and_stop_when_unchanged() {
         let layers = 6;
@@ -304,18 +340,15 @@ mod tests {
                 * bits(s.codec)
                 * ((1.0 - s.removed) * 8.0) as u64
         };
+        let start = Setting {
+            codec: 3,
+            removed: 0.0,
+        };
         let problem = Problem {
-            layers,
+            units: units(layers, &[0.0, 0.25, 0.5, 0.75], &[0.25, 0.95], start),
             codecs: codecs(),
-            removals: vec![0.0, 0.25, 0.5, 0.75],
-            probe_codecs: vec![0, 3],
-            probe_removals: vec![0.25, 0.95],
             bytes: &price,
             fixed_bytes: 500,
-            start: Setting {
-                codec: 3,
-                removed: 0.0,
-            },
         };
         let budget = 500 + 6 * 8 * 2000;
         let log = isp(&problem, &prober, budget, &[], 4, &|_, _, _| {}).unwrap();
@@ -358,18 +391,15 @@ mod tests {
             interaction: 4.0,
         };
         let price = |_l: usize, s: Setting| 100 * bits(s.codec) * ((1.0 - s.removed) * 4.0) as u64;
+        let start = Setting {
+            codec: 3,
+            removed: 0.0,
+        };
         let problem = Problem {
-            layers: 3,
+            units: units(3, &[0.0, 0.5], &[0.5], start),
             codecs: codecs(),
-            removals: vec![0.0, 0.5],
-            probe_codecs: vec![0, 3],
-            probe_removals: vec![0.5],
             bytes: &price,
             fixed_bytes: 0,
-            start: Setting {
-                codec: 3,
-                removed: 0.0,
-            },
         };
         let log = isp(&problem, &prober, 2400, &[3600, 3000], 1, &|_, _, _| {}).unwrap();
         let budgets: Vec<u64> = log.iter().map(|r| r.budget).collect();

@@ -1,6 +1,7 @@
 //! The allocator's probes on a real model: the calibration loss of a checkpoint with
-//! each MoE layer's routed experts at a chosen codec and a chosen share of them removed
-//! (docs/ARCHITECTURE.md, Allocation).
+//! each MoE layer's routed experts at a chosen codec and a chosen share of them removed,
+//! and each tensor group (embeddings, LM head, a layer's dense linear weights) at a
+//! chosen codec (docs/ARCHITECTURE.md, Allocation).
 //!
 //! Removal follows REAP: a layer keeps its most salient experts (saliency measured once,
 //! on the uncompressed model and the calibration text) and its routing is confined to
@@ -14,11 +15,31 @@ use std::sync::Mutex;
 use crate::alloc::isp::{Prober, Setting};
 use crate::backend::Cpu;
 use crate::calib::reap::{reap_saliency, Saliency};
+use crate::checkpoint::arch::CodedGroup;
 use crate::checkpoint::{Checkpoint, Config, Tokenizer};
 use crate::codec::Codec;
 use crate::eval::ppl::{perplexity_tokens, PplError, PplOptions};
 use crate::model::{Error, LoadedModel, Model};
-use crate::store::{dense_vq::CodedLayers, vq_encode::encode_experts, vq_encode::VqExperts};
+use crate::store::dense_vq::{self, CodedLayers, GroupCodecs, WeightShapes};
+use crate::store::{vq_encode::encode_experts, vq_encode::VqExperts};
+
+/// What one entry of a settings vector sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeUnit {
+    /// The routed experts of a MoE layer: codec and removal.
+    Experts(usize),
+    /// A tensor group: codec only.
+    Group(CodedGroup),
+}
+
+impl std::fmt::Display for ProbeUnit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ProbeUnit::Experts(l) => write!(f, "layers.{l}.experts"),
+            ProbeUnit::Group(g) => write!(f, "{g}"),
+        }
+    }
+}
 
 /// Probes one Hugging Face checkpoint.
 pub struct ModelProber {
@@ -27,8 +48,13 @@ pub struct ModelProber {
     ckpt: Checkpoint,
     /// The codecs a [`Setting`] indexes.
     codecs: Vec<Codec>,
-    /// The MoE layers a settings vector lists, in order.
-    layers: Vec<usize>,
+    /// What a settings vector lists, in order: every MoE layer, then the tensor groups
+    /// allocated (if any).
+    units: Vec<ProbeUnit>,
+    /// The weights of each allocated tensor group, with their shapes.
+    group_weights: BTreeMap<CodedGroup, WeightShapes>,
+    /// Tensor groups coded at a codec, made once and shared by every probe.
+    coded_groups: Mutex<HashMap<(CodedGroup, Codec), CodedLayers>>,
     /// Per MoE layer, experts by descending REAP saliency.
     ranking: BTreeMap<usize, Vec<u32>>,
     /// Calibration texts, tokenised.
@@ -85,7 +111,9 @@ impl ModelProber {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(ModelProber {
             dir: dir.to_path_buf(),
-            layers: config.moe_layers().collect(),
+            units: config.moe_layers().map(ProbeUnit::Experts).collect(),
+            group_weights: BTreeMap::new(),
+            coded_groups: Mutex::new(HashMap::new()),
             config,
             ckpt,
             codecs,
@@ -108,16 +136,57 @@ impl ModelProber {
             &self.dir,
             &self.ckpt,
             &self.config,
-            [Some(codec), None],
+            &GroupCodecs::uniform(codec, Codec::Bf16, Codec::Bf16),
             false,
             progress,
         )?;
         Ok(self)
     }
 
-    /// The MoE layers, in the order settings list them.
-    pub fn layers(&self) -> &[usize] {
-        &self.layers
+    /// Allocates `groups` too: each becomes a unit of the settings vector, after the MoE
+    /// layers, in the order given. A group the checkpoint has no tensor of is refused.
+    pub fn with_groups(mut self, groups: &[CodedGroup]) -> Result<ModelProber, Error> {
+        let tied = self.config.tie_word_embeddings;
+        for &group in groups {
+            let mut weights = WeightShapes::new();
+            for name in self.ckpt.names() {
+                let shape = self.ckpt.info(name)?.shape;
+                if CodedGroup::of(name, &shape, tied) == Some(group) {
+                    weights.push((name.to_string(), [shape[0], shape[1]]));
+                }
+            }
+            if weights.is_empty() {
+                return Err(Error::Config(format!(
+                    "{}: no tensor of group {group}",
+                    self.dir.display()
+                )));
+            }
+            weights.sort();
+            self.group_weights.insert(group, weights);
+            self.units.push(ProbeUnit::Group(group));
+        }
+        Ok(self)
+    }
+
+    /// What each entry of a settings vector sets.
+    pub fn units(&self) -> &[ProbeUnit] {
+        &self.units
+    }
+
+    /// The MoE layers, in the order settings list them (first).
+    pub fn layers(&self) -> Vec<usize> {
+        self.units
+            .iter()
+            .filter_map(|u| match u {
+                ProbeUnit::Experts(l) => Some(*l),
+                ProbeUnit::Group(_) => None,
+            })
+            .collect()
+    }
+
+    /// The weights of an allocated tensor group with their shapes (empty for others).
+    pub fn group_weights(&self, group: CodedGroup) -> &[(String, [usize; 2])] {
+        self.group_weights.get(&group).map_or(&[], |w| w)
     }
 
     /// The codecs settings index.
@@ -158,19 +227,63 @@ impl ModelProber {
         Ok(Some(e))
     }
 
-    /// The model configured by `settings` (one per MoE layer, in [`layers`] order).
+    /// Tensor group `group` coded at `codec`, in memory (made once).
+    fn group_at(&self, group: CodedGroup, codec: Codec) -> Result<CodedLayers, Error> {
+        let cache = || self.coded_groups.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = cache().get(&(group, codec)) {
+            return Ok(c.clone());
+        }
+        let weights = self.group_weights(group);
+        let quiet = &mut |_, _| {};
+        // Coding outside the lock lets other probes proceed; a race codes twice.
+        let coded = match (codec, dense_vq::rung_of(codec).map_err(Error::Config)?) {
+            (Codec::Affine { bits }, _) => {
+                dense_vq::quantize_affine(&self.ckpt, bits, weights, quiet)?
+            }
+            (_, Some(rung)) => {
+                dense_vq::vq_layers(dense_vq::encode(&self.ckpt, rung, weights, quiet)?)
+            }
+            (_, None) => CodedLayers::new(),
+        };
+        cache().insert((group, codec), coded.clone());
+        Ok(coded)
+    }
+
+    /// The model configured by `settings` (one per unit, in [`units`] order).
     ///
-    /// [`layers`]: Self::layers
+    /// [`units`]: Self::units
     pub fn model(&self, settings: &[Setting]) -> Result<LoadedModel<Cpu>, Error> {
-        if settings.len() != self.layers.len() {
+        if settings.len() != self.units.len() {
             return Err(Error::Config(format!(
-                "{} settings for {} MoE layers",
+                "{} settings for {} units",
                 settings.len(),
-                self.layers.len()
+                self.units.len()
             )));
         }
         let mut vq = BTreeMap::new();
-        for (&layer, s) in self.layers.iter().zip(settings) {
+        let mut dense = self.dense.clone();
+        let mut keep: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
+        for (&unit, s) in self.units.iter().zip(settings) {
+            let layer = match unit {
+                ProbeUnit::Experts(layer) => layer,
+                ProbeUnit::Group(group) => {
+                    let codec = self.codecs.get(s.codec).copied().ok_or_else(|| {
+                        Error::Config(format!(
+                            "{group}: codec {} of {}",
+                            s.codec,
+                            self.codecs.len()
+                        ))
+                    })?;
+                    for (name, _) in self.group_weights(group) {
+                        dense.remove(name);
+                    }
+                    dense.extend(self.group_at(group, codec)?);
+                    continue;
+                }
+            };
+            if s.removed > 0.0 {
+                keep.insert(layer, self.kept(layer, s.removed));
+            }
             match self.codecs.get(s.codec) {
                 Some(Codec::Bf16) => {}
                 Some(&c @ Codec::Vq { .. }) => {
@@ -183,19 +296,12 @@ impl ModelProber {
                 }
             }
         }
-        let keep: BTreeMap<usize, Vec<u32>> = self
-            .layers
-            .iter()
-            .zip(settings)
-            .filter(|(_, s)| s.removed > 0.0)
-            .map(|(&layer, s)| (layer, self.kept(layer, s.removed)))
-            .collect();
         assemble(
             &self.dir,
             self.config.clone(),
             &self.ckpt,
             &vq,
-            &self.dense,
+            &dense,
             &keep,
         )
     }
@@ -250,14 +356,8 @@ pub fn load_plan(
         .map(|l| (l.layer, l.keep.clone()))
         .collect();
     let vq = crate::model::stored_vq_experts(dir, &config, &ckpt, &rungs, progress)?;
-    let dense = crate::model::coded_layers(
-        dir,
-        &ckpt,
-        &config,
-        [Some(plan.dense_codec), None],
-        false,
-        progress,
-    )?;
+    let dense =
+        crate::model::coded_layers(dir, &ckpt, &config, &plan.group_codecs(), false, progress)?;
     assemble(dir, config, &ckpt, &vq, &dense, &keep)
 }
 

@@ -57,8 +57,15 @@ pub trait Backend: Send + Sync {
     /// Copies a tensor's first `out.len()` elements to the host.
     fn download(&self, t: &Self::Tensor, out: &mut [f32]);
 
-    /// `out[r] = table[ids[r]]`, rows of width `dim`.
-    fn embed(&self, table: &Self::Matrix, dim: usize, ids: &[u32], out: &mut Self::Tensor);
+    /// `out[r] = table[ids[r]]`, rows of width `dim`; a coded table decodes only the rows
+    /// looked up.
+    fn embed(
+        &self,
+        table: Weight<'_, Self::Matrix>,
+        dim: usize,
+        ids: &[u32],
+        out: &mut Self::Tensor,
+    );
 
     /// RMSNorm of each row of width `dim`: `x * rsqrt(mean(x²) + eps) * w`, for the first
     /// `rows` rows.
@@ -349,7 +356,7 @@ pub trait Backend: Send + Sync {
     /// [`embed`](Self::embed) of one token whose id is stored, as `u32` bits, in `step[0]`.
     fn embed_at(
         &self,
-        table: &Self::Matrix,
+        table: Weight<'_, Self::Matrix>,
         dim: usize,
         step: &Self::Tensor,
         out: &mut Self::Tensor,

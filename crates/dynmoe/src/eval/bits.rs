@@ -7,19 +7,18 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
-use crate::checkpoint::arch::{classify, is_dense_linear, TensorKind};
+use crate::checkpoint::arch::{classify, layer_of, TensorKind};
 use crate::checkpoint::{Checkpoint, Config};
 use crate::codec::{Codec, CodecError};
 use crate::model::Error;
+use crate::store::dense_vq::GroupCodecs;
 
 /// What each part of the model is stored as.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Assignment {
-    /// Codec of the dense linear layers: attention projections, shared experts, dense
-    /// MLPs. Embeddings, norms and routers stay bf16.
-    pub dense: Codec,
-    /// Codec of an untied LM head (a tied one is the embedding table and stays bf16).
-    pub head: Codec,
+    /// Codecs of the tensor groups outside the routed experts: embeddings, LM head, each
+    /// layer's dense linear weights. Norms and routers stay bf16.
+    pub tensors: GroupCodecs,
     /// Per MoE layer: the routed experts' codec and how many of them are resident.
     /// Layers not listed keep every expert resident at `default_experts`.
     pub layers: BTreeMap<usize, (Codec, usize)>,
@@ -31,8 +30,7 @@ impl Assignment {
     /// Everything at the checkpoint's precision, every expert resident.
     pub fn uncompressed() -> Assignment {
         Assignment {
-            dense: Codec::Bf16,
-            head: Codec::Bf16,
+            tensors: GroupCodecs::default(),
             layers: BTreeMap::new(),
             default_experts: Codec::Bf16,
         }
@@ -85,9 +83,19 @@ pub struct BitsReport {
     pub kv_cache_bytes: Option<u64>,
 }
 
-fn layer_of(name: &str) -> Option<usize> {
-    let rest = name.split("layers.").nth(1)?;
-    rest.split('.').next()?.parse().ok()
+/// Bytes one routed expert of `hidden × intermediate` takes at `codec`, resident or in
+/// the reservoir: at a VQ rung its record in the VQ store, whole pages
+/// ([`crate::store::vq::VqLayout`]), which is what a resident slot or a mapped store
+/// holds; otherwise its three matrices at the codec.
+pub fn expert_bytes(codec: Codec, hidden: usize, intermediate: usize) -> Result<u64, CodecError> {
+    match codec.rung()? {
+        // The layout refuses only a zero dimension.
+        Some(rung) => crate::store::vq::VqLayout::new(rung, hidden, intermediate)
+            .map(|l| l.record_size as u64)
+            .map_err(|_| CodecError::NoColumns { rows: intermediate }),
+        None => Ok(2 * codec.matrix_bytes(intermediate, hidden)?
+            + codec.matrix_bytes(hidden, intermediate)?),
+    }
 }
 
 /// Prices a model under `assignment`. `kv_context`, if given, adds the KV cache of one
@@ -105,6 +113,7 @@ pub fn account(
     let mut resident_by_kind: BTreeMap<TensorKind, u64> = BTreeMap::new();
     let mut params_total = 0u64;
     let mut layer_dense: BTreeMap<usize, u64> = BTreeMap::new();
+    let mut rungs = BTreeSet::new();
     for name in ckpt.names() {
         let kind = classify(name);
         if kind == TensorKind::RoutedExperts {
@@ -113,13 +122,10 @@ pub fn account(
         let shape = ckpt.info(name)?.shape.clone();
         let params: u64 = shape.iter().map(|&d| d as u64).product();
         params_total += params;
-        let coded = if is_dense_linear(name, &shape) {
-            Some(assignment.dense)
-        } else if kind == TensorKind::LmHead && shape.len() == 2 && !config.tie_word_embeddings {
-            Some(assignment.head)
-        } else {
-            None
-        };
+        let coded = assignment.tensors.of_tensor(name, &shape, config);
+        if let Some(c @ Codec::Vq { .. }) = coded {
+            rungs.insert(c);
+        }
         let bytes = if let Some(codec) = coded {
             codec
                 .matrix_bytes(shape[0], shape[1])
@@ -137,7 +143,6 @@ pub fn account(
         config.moe.expert_intermediate,
         config.moe.num_experts,
     );
-    let mut rungs = BTreeSet::new();
     let mut layers = Vec::new();
     for l in config.moe_layers() {
         let (codec, resident) = assignment
@@ -146,8 +151,7 @@ pub fn account(
             .copied()
             .unwrap_or((assignment.default_experts, e));
         let name = format!("model.layers.{l}.experts");
-        let expert_bytes = 2 * codec.matrix_bytes(i, h).map_err(|x| codec_err(&name, x))?
-            + codec.matrix_bytes(h, i).map_err(|x| codec_err(&name, x))?;
+        let expert_bytes = expert_bytes(codec, h, i).map_err(|x| codec_err(&name, x))?;
         if let Codec::Vq { .. } = codec {
             rungs.insert(codec);
         }
@@ -167,11 +171,6 @@ pub fn account(
             .entry(TensorKind::RoutedExperts)
             .or_default() += row.resident_bytes;
         layers.push(row);
-    }
-    for c in [assignment.dense, assignment.head] {
-        if let Codec::Vq { .. } = c {
-            rungs.insert(c);
-        }
     }
     let codebook_bytes = rungs
         .iter()
@@ -219,8 +218,7 @@ mod tests {
         let at = |codec: &str, resident: usize| {
             let codec: Codec = codec.parse().unwrap();
             let a = Assignment {
-                dense: Codec::Bf16,
-                head: Codec::Bf16,
+                tensors: GroupCodecs::default(),
                 layers: config
                     .moe_layers()
                     .map(|l| (l, (codec, resident)))
@@ -235,7 +233,7 @@ mod tests {
         // counted once; nothing else moves.
         let vq3: Codec = "vq3".parse().unwrap();
         let coded_head = Assignment {
-            head: vq3,
+            tensors: GroupCodecs::uniform(Codec::Bf16, vq3, Codec::Bf16),
             ..Assignment::uncompressed()
         };
         let head = account(&config, &ckpt, &coded_head, None).unwrap();

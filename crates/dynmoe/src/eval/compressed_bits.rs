@@ -10,7 +10,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::checkpoint::arch::{classify, is_dense_linear, TensorKind};
+use crate::checkpoint::arch::{classify, TensorKind};
 use crate::checkpoint::{Checkpoint, Config};
 use crate::codec::Codec;
 use crate::model::Error;
@@ -113,7 +113,7 @@ pub fn compressed_bits(dir: &Path) -> Result<CompressedBits, Error> {
         e.disk_bytes += disk;
     };
     let by_layer: BTreeMap<usize, _> = plan.layers.iter().map(|l| (l.layer, l)).collect();
-    let affine_dense = matches!(plan.dense_codec, Codec::Affine { .. });
+    let codecs = plan.group_codecs();
     for name in ckpt.names() {
         let info = ckpt.info(name)?;
         let params: u64 = info.shape.iter().map(|&d| d as u64).product();
@@ -129,10 +129,10 @@ pub fn compressed_bits(dir: &Path) -> Result<CompressedBits, Error> {
                 Some(l) => disk / l.experts as u64 * l.resident as u64,
                 None => disk,
             }
-        } else if affine_dense && is_dense_linear(name, &info.shape) {
+        } else if let Some(c @ Codec::Affine { .. }) = codecs.of_tensor(name, &info.shape, &config)
+        {
             // Kept bf16 on disk, coded at load.
-            plan.dense_codec
-                .matrix_bytes(info.shape[0], info.shape[1])
+            c.matrix_bytes(info.shape[0], info.shape[1])
                 .map_err(codec_err(name))?
         } else {
             disk
@@ -140,7 +140,7 @@ pub fn compressed_bits(dir: &Path) -> Result<CompressedBits, Error> {
         add(group_of(kind), params, resident, disk);
     }
     let mut rungs: Vec<Codec> = Vec::new();
-    if let Some(rung) = &manifest.dense_vq {
+    for rung in &manifest.dense_vq {
         let codec: Codec = rung.parse().map_err(|e| Error::Config(format!("{e}")))?;
         rungs.push(codec);
         let rung = codec

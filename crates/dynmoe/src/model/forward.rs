@@ -30,8 +30,8 @@ pub struct Model<B: Backend> {
     /// Resolved configuration.
     pub config: Config,
     backend: B,
-    /// `[V, h]`.
-    embed_tokens: B::Matrix,
+    /// `[V, h]`, possibly coded (rows decoded as they are looked up).
+    embed_tokens: Linear<B>,
     layers: Vec<Layer<B>>,
     /// `[h]`.
     norm: B::Tensor,
@@ -111,7 +111,7 @@ impl<B: Backend> Model<B> {
             backend: &backend,
             config: &config,
         };
-        let embed_tokens = ld.matrix("model.embed_tokens.weight", v, h)?;
+        let embed_tokens = ld.linear("model.embed_tokens", v, h, false)?;
         let layers = (0..config.layers.len())
             .map(|i| super::weights::load_layer(&ld, i))
             .collect::<Result<Vec<_>, _>>()?;
@@ -248,7 +248,7 @@ impl<B: Backend> Model<B> {
     fn head(&self) -> Weight<'_, B::Matrix> {
         match &self.lm_head {
             Some(l) => l.weight(),
-            None => Weight::Dense(&self.embed_tokens),
+            None => self.embed_tokens.weight(),
         }
     }
 
@@ -389,7 +389,7 @@ impl<B: Backend> Model<B> {
             host: Vec::new(),
             device_only: true,
         };
-        b.embed(&self.embed_tokens, h, tokens, &mut acts.x);
+        b.embed(self.embed_tokens.weight(), h, tokens, &mut acts.x);
         let pass = Pass::Chunk {
             pos0: state.pos,
             positions: &positions,

@@ -11,7 +11,7 @@ use crate::backend::Backend;
 use crate::checkpoint::{Checkpoint, Config, Tokenizer};
 use crate::codec::vq::Rung;
 use crate::codec::Codec;
-use crate::store::dense_vq::{self, vq_layers, CodedLayers};
+use crate::store::dense_vq::{self, vq_layers, CodedLayers, GroupCodecs};
 use crate::store::plan::Plan;
 use crate::store::vq_encode::VqExperts;
 use crate::store::{compressed, ExpertStore};
@@ -119,7 +119,7 @@ pub fn load_with_progress<B: Backend>(
         dir,
         &checkpoint,
         &config,
-        [codecs.dense, codecs.head],
+        &codecs.groups(),
         converted,
         progress,
     )?;
@@ -132,49 +132,34 @@ pub fn load_with_progress<B: Backend>(
     })
 }
 
-/// The dense linear layers (`codecs[0]`) and the untied LM head (`codecs[1]`) of the
-/// checkpoint in `dir` coded at their codecs (none coded for bf16 or unset): at a VQ rung
-/// from the coded files beside it, encoded on first use; at an affine width quantized
-/// from the checkpoint's values, which a converted directory (`converted`) keeps too.
+/// The tensors of the checkpoint in `dir` that `codecs` codes (embeddings, LM head,
+/// dense linear layers; none for bf16): at a VQ rung from the coded files beside it,
+/// encoded on first use; at an affine width quantized from the checkpoint's values, which
+/// a converted directory (`converted`) keeps too.
 pub fn coded_layers(
     dir: &Path,
     ckpt: &Checkpoint,
     config: &Config,
-    codecs: [Option<crate::codec::Codec>; 2],
+    codecs: &GroupCodecs,
     converted: bool,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<CodedLayers, Error> {
     use crate::codec::Codec;
     use crate::store::dense_vq;
-    let mut by_codec: BTreeMap<Codec, dense_vq::WeightShapes> = BTreeMap::new();
-    for (i, codec) in codecs.into_iter().enumerate() {
-        let Some(codec) = codec.filter(|&c| c != Codec::Bf16) else {
-            continue;
-        };
-        let rung = dense_vq::rung_of(codec).map_err(Error::Config)?;
-        if converted && rung.is_some() {
-            return Err(Error::Config(format!(
-                "{}: layers at {codec} are encoded from a Hugging Face checkpoint's bf16 \
-                 weights; a converted directory holds none",
-                dir.display()
-            )));
-        }
-        let weights = if i == 0 {
-            dense_vq::dense_linear_weights(ckpt)?
-        } else {
-            dense_vq::lm_head_weight(ckpt, config)?
-                .into_iter()
-                .collect()
-        };
-        by_codec.entry(codec).or_default().extend(weights);
-    }
     let mut out = CodedLayers::new();
-    for (codec, weights) in by_codec {
+    for (codec, weights) in codecs.tensors(ckpt, config)? {
         match codec {
             Codec::Affine { bits } => {
                 out.extend(dense_vq::quantize_affine(ckpt, bits, &weights, progress)?)
             }
             _ => {
+                if converted {
+                    return Err(Error::Config(format!(
+                        "{}: layers at {codec} are encoded from a Hugging Face checkpoint's \
+                         bf16 weights; a converted directory holds none",
+                        dir.display()
+                    )));
+                }
                 let rung = dense_vq::rung_of(codec)
                     .map_err(Error::Config)?
                     .expect("a VQ codec is coded into a file");
@@ -279,23 +264,64 @@ pub fn load_compressed<B: Backend>(
             );
         }
     }
-    // `open` checked that the manifest names a coded file exactly when the plan's dense
-    // codec is a VQ rung.
-    let dense = match (&manifest.dense_vq, plan.dense_codec) {
-        (Some(name), _) => {
-            let rung = Rung::parse(name).map_err(|source| Error::Encode {
-                tensor: format!("{} dense_vq {name}", dir.display()),
-                source,
-            })?;
-            let path = dir.join(dense_vq::file_name(rung));
-            vq_layers(dense_vq::read(&path, rung, &manifest.source_fingerprint)?)
+    // Groups at VQ rungs are read from their rung's coded file, and must be coded at the
+    // rung the plan gives them; groups at an affine width are quantized from the bf16
+    // copy in dense.safetensors.
+    let codecs = plan.group_codecs();
+    let mut dense = CodedLayers::new();
+    for name in &manifest.dense_vq {
+        let rung = Rung::parse(name).map_err(|source| Error::Encode {
+            tensor: format!("{} dense_vq {name}", dir.display()),
+            source,
+        })?;
+        let path = dir.join(dense_vq::file_name(rung));
+        for (tensor, m) in dense_vq::read(&path, rung, &manifest.source_fingerprint)? {
+            let planned = codecs.of_tensor(&tensor, &[m.rows, m.cols], &config);
+            if planned.and_then(|c| c.rung().ok().flatten()) != Some(rung) {
+                return Err(Error::Config(format!(
+                    "{}: {tensor} is coded at {name}, but plan.json gives it {}",
+                    path.display(),
+                    planned.map_or("bf16".to_string(), |c| c.to_string())
+                )));
+            }
+            dense.insert(tensor, dense_vq::CodedWeight::Vq(m));
         }
-        (None, Codec::Affine { bits }) => {
-            let weights = dense_vq::dense_linear_weights(&ckpt)?;
-            dense_vq::quantize_affine(&ckpt, bits, &weights, &mut |_, _| {})?
-        }
-        (None, _) => Default::default(),
+    }
+    let affine = GroupCodecs {
+        groups: codecs
+            .groups
+            .iter()
+            .map(|(&g, &c)| {
+                (
+                    g,
+                    if matches!(c, Codec::Affine { .. }) {
+                        c
+                    } else {
+                        Codec::Bf16
+                    },
+                )
+            })
+            .collect(),
+        ..GroupCodecs::uniform(
+            if matches!(codecs.dense, Codec::Affine { .. }) {
+                codecs.dense
+            } else {
+                Codec::Bf16
+            },
+            Codec::Bf16,
+            Codec::Bf16,
+        )
     };
+    for (codec, weights) in affine.tensors(&ckpt, &config)? {
+        if let Codec::Affine { bits } = codec {
+            dense.extend(dense_vq::quantize_affine(
+                &ckpt,
+                bits,
+                &weights,
+                &mut |_, _| {},
+            )?);
+        }
+    }
     let model = Model::load(config, &ckpt, None, &vq, &dense, backend)?;
     Ok((
         LoadedModel {

@@ -181,12 +181,25 @@ pub struct Codecs {
     pub dense: Option<crate::codec::Codec>,
     /// Codec of an untied LM head: bf16, an affine width or a VQ rung.
     pub head: Option<crate::codec::Codec>,
+    /// Codec of the token embeddings (and a head tied to them), decoded a row at a time
+    /// at lookup: bf16, an affine width or a VQ rung.
+    pub embedding: Option<crate::codec::Codec>,
 }
 
 impl Codecs {
     /// The codec asked for `layer`, if any.
     pub fn of(&self, layer: usize) -> Option<crate::codec::Codec> {
         self.per_layer.get(&layer).copied().or(self.default)
+    }
+
+    /// The codecs of the tensors outside the routed experts (bf16 where unset).
+    pub fn groups(&self) -> crate::store::dense_vq::GroupCodecs {
+        let or_bf16 = |c: Option<crate::codec::Codec>| c.unwrap_or(crate::codec::Codec::Bf16);
+        crate::store::dense_vq::GroupCodecs::uniform(
+            or_bf16(self.dense),
+            or_bf16(self.head),
+            or_bf16(self.embedding),
+        )
     }
 }
 
@@ -202,6 +215,7 @@ impl From<&ExpertBits> for Codecs {
                 .collect(),
             dense: None,
             head: None,
+            embedding: None,
         }
     }
 }

@@ -6,9 +6,9 @@
 //!   attention, norms, routers, and the routed experts of layers the plan leaves bf16);
 //! - one VQ expert store per rung the plan uses (`experts-vq{bits}.bin` and `.json`,
 //!   [`super::vq`]), holding the layers at that rung;
-//! - when the plan's dense codec is a VQ rung, `dense-vq{bits}.safetensors`
-//!   ([`super::dense_vq`]): the attention, shared-expert and dense-MLP weights coded
-//!   (and left out of `dense.safetensors`); at an affine width they stay in
+//! - for each VQ rung the plan codes a tensor group at (its dense layers, embeddings, LM
+//!   head), `dense-vq{bits}.safetensors` ([`super::dense_vq`]): those weights coded (and
+//!   left out of `dense.safetensors`); groups at an affine width stay in
 //!   `dense.safetensors` and are quantized at load;
 //! - `plan.json` ([`crate::store::plan`]): per layer the codec and the resident experts;
 //! - `compressed.json`, written last: what the directory holds, the source checkpoint's
@@ -42,8 +42,8 @@ pub const MANIFEST_FILE: &str = "compressed.json";
 /// `format` of the manifest.
 pub const FORMAT: &str = "dynmoe-compressed-model";
 
-/// Version this build writes and reads.
-pub const VERSION: u32 = 1;
+/// Version this build writes. It reads version 1 too, whose `dense_vq` names one rung.
+pub const VERSION: u32 = 2;
 
 /// What a compressed directory holds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -66,14 +66,32 @@ pub struct Manifest {
     /// The VQ rungs whose stores the directory holds, by name (`vq1.5`), each with the
     /// decoder layers at that rung.
     pub stores: BTreeMap<String, Vec<usize>>,
-    /// The rung of the coded dense layers (`dense-vq{bits}.safetensors`), when the plan
-    /// codes them.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dense_vq: Option<String>,
+    /// The rungs of the coded tensor groups' files (`dense-vq{bits}.safetensors`), by
+    /// name: every VQ rung the plan codes a group outside the routed experts at.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "one_or_many"
+    )]
+    pub dense_vq: Vec<String>,
     /// Present only in a synthetic directory: the generator and seed its expert records
     /// were made by (`store::synth_vq::GENERATOR`); no checkpoint was compressed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generator: Option<Generator>,
+}
+
+/// `dense_vq` as version 2 writes it (a list) or version 1 did (one name).
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(s) => vec![s],
+        OneOrMany::Many(v) => v,
+    })
 }
 
 /// Whether `dir` is a complete compressed directory (its manifest exists).
@@ -124,12 +142,14 @@ pub fn write(
     let config = Config::from_file(&src.join("config.json"))?;
     let ckpt = Checkpoint::open(src)?;
     let rungs = plan_rungs(plan, out)?;
-    let dense_rung = super::dense_vq::rung_of(plan.dense_codec)
-        .map_err(|reason| unusable(out, format!("dense_codec: {reason}")))?;
-    let dense_weights = match dense_rung {
-        Some(_) => super::dense_vq::dense_linear_weights(&ckpt)?,
-        None => Vec::new(),
-    };
+    // Tensor groups at VQ rungs go to their rung's coded file; those at an affine width
+    // stay bf16 and are quantized at load.
+    let mut coded: BTreeMap<String, (Rung, super::dense_vq::WeightShapes)> = BTreeMap::new();
+    for (codec, weights) in plan.group_codecs().tensors(&ckpt, &config)? {
+        if let Some(rung) = super::dense_vq::rung_of(codec).map_err(|r| unusable(out, r))? {
+            coded.insert(rung.name(), (rung, weights));
+        }
+    }
     {
         let _lock = atomic::lock_exclusive(out)?;
         atomic::remove_stale_temps(out)?;
@@ -140,14 +160,18 @@ pub fn write(
             let (tensors, ..) = expert_tensors(&config, &ckpt, layer)?;
             skip.extend(tensors.tensor_names(config.moe.num_experts));
         }
-        skip.extend(dense_weights.iter().map(|(name, _)| name.clone()));
+        skip.extend(
+            coded
+                .values()
+                .flat_map(|(_, w)| w.iter().map(|(name, _)| name.clone())),
+        );
         base::write_dense(&ckpt, &skip, &out.join(DENSE_FILE))?;
     }
     // The stores name the checkpoint they were encoded from; `out` now has its config.
     // A complete earlier store or coded file is kept.
     super::vq::ensure(out, &config, &ckpt, &rungs, progress)?;
-    if let Some(rung) = dense_rung {
-        super::dense_vq::ensure(out, &ckpt, rung, &dense_weights, progress)?;
+    for (rung, weights) in coded.values() {
+        super::dense_vq::ensure(out, &ckpt, *rung, weights, progress)?;
     }
     let (fingerprint, _) = tensors::fingerprint(&ckpt, &src.join("config.json"))?;
     let mut stores: BTreeMap<String, Vec<usize>> = BTreeMap::new();
@@ -165,7 +189,7 @@ pub fn write(
             .map_err(io(&dense_path))?
             .len(),
         stores,
-        dense_vq: dense_rung.map(|rung| rung.name()),
+        dense_vq: coded.keys().cloned().collect(),
         generator: None,
     };
     let _lock = atomic::lock_exclusive(out)?;
@@ -189,10 +213,10 @@ pub fn open(dir: &Path) -> Result<(Manifest, Plan), Error> {
             format!("is {:?}, expected {FORMAT:?}", m.format),
         ));
     }
-    if m.version != VERSION {
+    if !(1..=VERSION).contains(&m.version) {
         return Err(field(
             "version",
-            format!("is {}, this build reads {VERSION}", m.version),
+            format!("is {}, this build reads 1 to {VERSION}", m.version),
         ));
     }
     if let Some(g) = &m.generator {
@@ -251,14 +275,17 @@ pub fn open(dir: &Path) -> Result<(Manifest, Plan), Error> {
             format!("is {:?}, the plan's VQ layers are {want:?}", m.stores),
         ));
     }
-    let dense_rung = super::dense_vq::rung_of(plan.dense_codec)
-        .map_err(|reason| unusable(dir, format!("plan dense_codec: {reason}")))?;
-    if dense_rung.map(|r| r.name()) != m.dense_vq {
+    let codecs = plan.group_codecs();
+    let planned: BTreeSet<String> = std::iter::once(codecs.dense)
+        .chain(codecs.groups.values().copied())
+        .filter_map(|c| super::dense_vq::rung_of(c).ok().flatten())
+        .map(|rung| rung.name())
+        .collect();
+    if let Some(extra) = m.dense_vq.iter().find(|r| !planned.contains(*r)) {
         return Err(field(
             "dense_vq",
             format!(
-                "is {:?}, the plan's dense codec is {}",
-                m.dense_vq, plan.dense_codec
+                "names {extra}, at which the plan codes no tensor group (its rungs: {planned:?})"
             ),
         ));
     }

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use super::manifest::Fnv64;
 use super::{atomic, tensors, Error};
-use crate::checkpoint::arch::is_dense_linear;
+use crate::checkpoint::arch::{is_dense_linear, CodedGroup};
 use crate::checkpoint::{Checkpoint, Config};
 use crate::codec::affine::AffineMatrix;
 use crate::codec::vq::{row_bytes, Rung, VqMatrix, VqView};
@@ -128,6 +128,83 @@ pub fn lm_head_weight(
         [rows, cols] => Some((name.to_string(), [rows, cols])),
         _ => None,
     })
+}
+
+/// The codec each group of coded tensors runs at: the token embeddings, an untied LM
+/// head, each decoder layer's dense linear weights (docs/ARCHITECTURE.md, Allocation).
+/// Groups not listed in `groups` take the default of their kind.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupCodecs {
+    /// Dense linear weights of the layers `groups` does not list.
+    pub dense: Codec,
+    /// An untied LM head, unless listed.
+    pub head: Codec,
+    /// The token embeddings (and a head tied to them), unless listed.
+    pub embedding: Codec,
+    /// Groups at a codec of their own.
+    pub groups: BTreeMap<CodedGroup, Codec>,
+}
+
+impl Default for GroupCodecs {
+    fn default() -> GroupCodecs {
+        GroupCodecs::uniform(Codec::Bf16, Codec::Bf16, Codec::Bf16)
+    }
+}
+
+impl GroupCodecs {
+    /// Every dense layer at `dense`, the head at `head`, the embeddings at `embedding`.
+    pub fn uniform(dense: Codec, head: Codec, embedding: Codec) -> GroupCodecs {
+        GroupCodecs {
+            dense,
+            head,
+            embedding,
+            groups: BTreeMap::new(),
+        }
+    }
+
+    /// The codec of `group`.
+    pub fn of(&self, group: CodedGroup) -> Codec {
+        self.groups.get(&group).copied().unwrap_or(match group {
+            CodedGroup::Embedding => self.embedding,
+            CodedGroup::Head => self.head,
+            CodedGroup::Dense(_) => self.dense,
+        })
+    }
+
+    /// The codec of checkpoint tensor `name` of `shape`: `None` for a tensor in no group
+    /// (routers, norms, routed experts) or one left bf16.
+    pub fn of_tensor(&self, name: &str, shape: &[usize], config: &Config) -> Option<Codec> {
+        CodedGroup::of(name, shape, config.tie_word_embeddings)
+            .map(|g| self.of(g))
+            .filter(|&c| c != Codec::Bf16)
+    }
+
+    /// The coded tensors of `ckpt` by codec, each with its `[rows, cols]`, sorted by
+    /// name; a codec a tensor cannot take is refused, naming its group.
+    pub fn tensors(
+        &self,
+        ckpt: &Checkpoint,
+        config: &Config,
+    ) -> Result<BTreeMap<Codec, WeightShapes>, Error> {
+        let mut out: BTreeMap<Codec, WeightShapes> = BTreeMap::new();
+        for name in ckpt.names() {
+            let shape = ckpt.info(name)?.shape;
+            if let Some(codec) = self.of_tensor(name, &shape, config) {
+                rung_of(codec).map_err(|reason| Error::Codec {
+                    path: ckpt.info(name).map(|i| i.file).unwrap_or_default(),
+                    tensor: name.to_string(),
+                    reason,
+                })?;
+                out.entry(codec)
+                    .or_default()
+                    .push((name.to_string(), [shape[0], shape[1]]));
+            }
+        }
+        for weights in out.values_mut() {
+            weights.sort();
+        }
+        Ok(out)
+    }
 }
 
 /// Encodes `weights` (names and shapes, e.g. [`dense_linear_weights`]) of `ckpt` at

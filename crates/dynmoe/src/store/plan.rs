@@ -6,8 +6,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::arch::CodedGroup;
 use crate::codec::vq::Rung;
 use crate::codec::Codec;
+use crate::store::dense_vq::GroupCodecs;
 
 /// The plan file's name inside a compressed model directory.
 pub const PLAN_FILE: &str = "plan.json";
@@ -15,8 +17,9 @@ pub const PLAN_FILE: &str = "plan.json";
 /// Value of [`Plan::format`].
 pub const FORMAT: &str = "dynmoe-plan";
 
-/// Version this build writes and reads.
-pub const VERSION: u32 = 1;
+/// Version this build writes. It reads version 1 too, whose plans code no tensor group
+/// but the dense layers (no `groups`).
+pub const VERSION: u32 = 2;
 
 /// One MoE layer's setting.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -58,8 +61,14 @@ pub struct Plan {
     /// The denominator of bits per weight: every parameter of the model (or only the
     /// routed experts', for a budget scoped to the experts; see `rounds.scope`).
     pub params_total: u64,
-    /// Codec of the dense linear layers (attention, shared experts, dense MLPs).
+    /// Codec of the dense linear layers (attention, shared experts, dense MLPs) that
+    /// `groups` does not list.
     pub dense_codec: Codec,
+    /// Tensor groups outside the routed experts at a codec of their own: the token
+    /// embeddings, the LM head, a layer's dense linear weights. The embeddings and the
+    /// head stay bf16 unless listed.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub groups: BTreeMap<CodedGroup, Codec>,
     /// Resident bytes outside the routed experts: embeddings, LM head, attention,
     /// norms, routers, shared experts.
     pub dense_bytes: u64,
@@ -154,6 +163,14 @@ impl Plan {
             .collect()
     }
 
+    /// The codec of every coded tensor group outside the routed experts.
+    pub fn group_codecs(&self) -> GroupCodecs {
+        GroupCodecs {
+            groups: self.groups.clone(),
+            ..GroupCodecs::uniform(self.dense_codec, Codec::Bf16, Codec::Bf16)
+        }
+    }
+
     /// Bits per weight of what stays resident.
     pub fn resident_bits(&self) -> f64 {
         self.resident_bytes as f64 * 8.0 / self.params_total.max(1) as f64
@@ -172,14 +189,23 @@ impl Plan {
                 format!("{:?} is not {FORMAT:?}", self.format),
             ));
         }
-        if self.version != VERSION {
+        if !(1..=VERSION).contains(&self.version) {
             return Err(field(
                 "version".into(),
                 format!(
-                    "{} is not supported (this build reads {VERSION})",
+                    "{} is not supported (this build reads 1 to {VERSION})",
                     self.version
                 ),
             ));
+        }
+        let takes = crate::store::dense_vq::rung_of;
+        if let Err(why) = takes(self.dense_codec) {
+            return Err(field("dense_codec".into(), why));
+        }
+        for (group, &codec) in &self.groups {
+            if let Err(why) = takes(codec) {
+                return Err(field(format!("groups.{group}"), why));
+            }
         }
         let mut previous = None;
         let (mut resident, mut reservoir) = (self.dense_bytes, 0u64);
@@ -295,6 +321,11 @@ mod tests {
             budget_bytes: resident + 7,
             params_total: 20_000,
             dense_codec: Codec::Bf16,
+            groups: [
+                (CodedGroup::Embedding, "q3".parse().unwrap()),
+                (CodedGroup::Dense(1), "vq2".parse().unwrap()),
+            ]
+            .into(),
             dense_bytes: 500,
             resident_bytes: resident,
             reservoir_bytes: 2700,
@@ -343,6 +374,14 @@ mod tests {
             ),
             ("unspent_bytes", Box::new(|v| v["unspent_bytes"] = 8.into())),
             ("codec", Box::new(|v| v["layers"][0]["codec"] = "q9".into())),
+            (
+                "groups.embedding",
+                Box::new(|v| v["groups"]["embedding"] = "vq0.1".into()),
+            ),
+            (
+                "tensor group",
+                Box::new(|v| v["groups"]["layers.x.dense"] = "q4".into()),
+            ),
             (
                 "missing field",
                 Box::new(|v| {

@@ -122,7 +122,7 @@ fn a_step_handed_no_token_embeds_nan_not_a_read_past_the_table() {
         for id in [NOT_A_TOKEN, vocab as u32] {
             let step = g.upload(&[f32::from_bits(id), f32::from_bits(3)]);
             let mut out = g.upload(&fresh(dim, 611));
-            g.embed_at(&m, dim, &step, &mut out);
+            g.embed_at(Weight::Dense(&m), dim, &step, &mut out);
             let mut got = vec![0.0f32; dim];
             g.download(&out, &mut got);
             println!(
@@ -153,7 +153,12 @@ fn decode_step_ops_match_the_reference() {
             &[&step],
             dim,
             1e-6,
-            |b, t, o| b.embed_at(&b.upload_matrix(&table, vocab, dim), dim, &t[0], o)
+            |b, t, o| b.embed_at(
+                Weight::Dense(&b.upload_matrix(&table, vocab, dim)),
+                dim,
+                &t[0],
+                o
+            )
         );
         let x = fresh(heads * head_dim, 601 + pos as u64);
         both!(

@@ -50,7 +50,12 @@ fn elementwise_and_row_ops_match_the_reference() {
         .map(|_| (rng.next_u64() % vocab as u64) as u32)
         .collect();
     both!("embed 9 of 1000x256", &[], 9 * dim, 1e-7, |b, _t, o| b
-        .embed(&b.upload_matrix(&table, vocab, dim), dim, &ids, o));
+        .embed(
+            Weight::Dense(&b.upload_matrix(&table, vocab, dim)),
+            dim,
+            &ids,
+            o
+        ));
     let src = fresh(50 * dim, 6);
     let rows: Vec<u32> = (0..20).map(|_| (rng.next_u64() % 50) as u32).collect();
     both!(
@@ -225,7 +230,12 @@ fn bf16_matmul_matches_the_reference() {
         &[],
         ids.len() * dim,
         1e-7,
-        |b, _t, o| b.embed(&b.upload_matrix(&table, vocab, dim), dim, &ids, o)
+        |b, _t, o| b.embed(
+            Weight::Dense(&b.upload_matrix(&table, vocab, dim)),
+            dim,
+            &ids,
+            o
+        )
     );
     for tok in [0u32, 999, 321] {
         let step = [f32::from_bits(tok), f32::from_bits(3)];
@@ -234,7 +244,12 @@ fn bf16_matmul_matches_the_reference() {
             &[&step],
             dim,
             1e-7,
-            |b, t, o| b.embed_at(&b.upload_matrix(&table, vocab, dim), dim, &t[0], o)
+            |b, t, o| b.embed_at(
+                Weight::Dense(&b.upload_matrix(&table, vocab, dim)),
+                dim,
+                &t[0],
+                o
+            )
         );
     }
 }

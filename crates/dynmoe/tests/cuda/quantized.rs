@@ -240,6 +240,77 @@ fn vq_products_match_the_reference() {
 }
 
 #[test]
+fn coded_embeddings_decode_the_rows_looked_up() {
+    let Some(g) = gpu() else { return };
+    use dynmoe::codec::vq::{VqMatrix, LADDER};
+    // Tables at every affine width and every rung (a vocabulary of 300; 256 values a
+    // row, and for VQ a ragged 1500: a block of 1024 and a padded tail), looked up by
+    // host ids (repeated, first and last) and by a decode step's id on the device; an
+    // id past the table gives a row of NaN on the device.
+    let ids = [0u32, 299, 17, 17, 150];
+    let vocab = 300;
+    let mut tables: Vec<(String, usize, Box<dyn Fn() -> Coded>)> = Vec::new();
+    for bits in [4u32, 3, 2] {
+        tables.push((
+            format!("q{bits}"),
+            256,
+            Box::new(move || Coded::Affine(affine(vocab, 256, bits, 70 + bits as u64))),
+        ));
+    }
+    for (ri, rung) in LADDER.into_iter().enumerate() {
+        for dim in [256usize, 1500] {
+            tables.push((
+                format!("{} x{dim}", rung.name()),
+                dim,
+                Box::new(move || {
+                    let w = fresh(vocab * dim, 80 + ri as u64);
+                    Coded::Vq(VqMatrix::encode(&w, vocab, dim, rung, 5 + ri as u64).unwrap())
+                }),
+            ));
+        }
+    }
+    for (name, dim, make) in &tables {
+        let (table, dim) = (make(), *dim);
+        both!(
+            &format!("embed {name} ids {ids:?}"),
+            &[],
+            ids.len() * dim,
+            1e-6,
+            |b, _t, o| b.embed(table.weight(), dim, &ids, o)
+        );
+        let step = [f32::from_bits(299), f32::from_bits(0)];
+        both!(
+            &format!("embed_at {name} id 299"),
+            &[&step],
+            dim,
+            1e-6,
+            |b, t, o| b.embed_at(table.weight(), dim, &t[0], o)
+        );
+        let step = g.upload(&[f32::from_bits(vocab as u32), f32::from_bits(0)]);
+        let mut out = g.upload(&fresh(dim, 611));
+        g.embed_at(table.weight(), dim, &step, &mut out);
+        let mut got = vec![0.0f32; dim];
+        g.download(&out, &mut got);
+        assert!(got.iter().all(|v| v.is_nan()), "{name}: id past the table");
+    }
+}
+
+/// A coded embedding table of the test above.
+enum Coded {
+    Affine(Affine),
+    Vq(dynmoe::codec::vq::VqMatrix),
+}
+
+impl Coded {
+    fn weight<T>(&self) -> Weight<'_, T> {
+        match self {
+            Coded::Affine(m) => Weight::Affine(m.view()),
+            Coded::Vq(m) => Weight::Vq(m.view()),
+        }
+    }
+}
+
+#[test]
 fn vq_rotation_matches_the_cpu_rotation() {
     let Some(g) = gpu() else { return };
     use dynmoe::codec::vq::rotation::{block_size, rotate_row, signs};

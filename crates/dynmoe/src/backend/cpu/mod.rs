@@ -4,7 +4,7 @@
 pub mod fast;
 pub mod reference;
 
-use super::{AttentionShape, Backend, SwiGluGroup};
+use super::{AttentionShape, Backend, SwiGluGroup, Weight};
 use crate::codec::affine::kernels::{self, AffineView};
 use crate::codec::vq::{self, VqView};
 
@@ -62,8 +62,21 @@ impl Backend for Cpu {
         out.copy_from_slice(&t[..out.len()]);
     }
 
-    fn embed(&self, table: &Vec<f32>, dim: usize, ids: &[u32], out: &mut Vec<f32>) {
-        reference::embed(table, dim, ids, out);
+    fn embed(&self, table: Weight<'_, Vec<f32>>, dim: usize, ids: &[u32], out: &mut Vec<f32>) {
+        match table {
+            Weight::Dense(t) => reference::embed(t, dim, ids, out),
+            Weight::Affine(m) => {
+                for (dst, &id) in out.chunks_exact_mut(dim).zip(ids) {
+                    dst.copy_from_slice(&m.row(id as usize).dequantize());
+                }
+            }
+            Weight::Vq(m) => {
+                let book = vq::kernels::shipped(&m);
+                for (dst, &id) in out.chunks_exact_mut(dim).zip(ids) {
+                    dst.copy_from_slice(&m.row(id as usize).decode_with(book));
+                }
+            }
+        }
     }
 
     fn rms_norm(

@@ -65,6 +65,15 @@ kernel_args! {
     AffineDequant for &AFFINE_DEQUANT.names => { w: Codes, out: Ptr, rows: i32, cols: i32 }
 }
 
+pub(super) const AFFINE_GATHER: Builds<3> = bits!("affine_gather");
+kernel_args! {
+    /// `out[r] = W[ids[r]]` expanded to f32 for `n` ids (u32 bits), rows of `cols`; an id
+    /// of `rows` or more gives a row of NaN.
+    AffineGather for &AFFINE_GATHER.names => {
+        w: Codes, ids: Ptr, out: Ptr, n: i32, cols: i32, rows: u32,
+    }
+}
+
 pub(super) const AFFINE_GATE_UP: Builds<3> = bits!("affine_gate_up");
 kernel_args! {
     /// Each group's gate and up products of its rows (`x_rows`) of `x`, by the group
@@ -282,6 +291,35 @@ pub(super) fn routed_shared(cols: usize) -> usize {
 }
 
 impl Cuda {
+    /// `out[r] = w[ids[r]]` expanded to f32 for `n` ids in device memory (`u32` bits):
+    /// an embedding lookup of an affine-coded table.
+    pub(super) fn gather_affine<I: DevicePtr<T>, T>(
+        &self,
+        w: &AffineView<'_>,
+        ids: &I,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if n == 0 {
+            return;
+        }
+        let d = self.device_affine(w, false);
+        let args = AffineGather {
+            w: d.rows.codes(&self.stream),
+            ids: self.ptr(ids),
+            out: self.ptr_mut(out),
+            n: n as i32,
+            cols: w.cols as i32,
+            rows: w.rows.min(u32::MAX as usize) as u32,
+        };
+        let chunks = n * w.cols / 32;
+        self.launch(
+            AFFINE_GATHER.of(w.bits),
+            cfg(blocks(chunks, 256) as usize, 256, 0),
+            args,
+        );
+    }
+
     /// The device copy of `w`, made on first use; with `dense` (a dense layer's matrix,
     /// not an expert's), also in unit tiles where [`tiles_take`](Self::tiles_take) it.
     pub(super) fn device_affine(&self, w: &AffineView<'_>, dense: bool) -> Arc<DeviceAffine> {

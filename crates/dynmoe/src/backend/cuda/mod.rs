@@ -432,7 +432,13 @@ impl Backend for Cuda {
         self.synchronize();
     }
 
-    fn embed(&self, table: &DeviceMatrix, dim: usize, ids: &[u32], out: &mut CudaSlice<f32>) {
+    fn embed(
+        &self,
+        table: Weight<'_, DeviceMatrix>,
+        dim: usize,
+        ids: &[u32],
+        out: &mut CudaSlice<f32>,
+    ) {
         if ids.is_empty() {
             return;
         }
@@ -799,7 +805,7 @@ impl Backend for Cuda {
 
     fn embed_at(
         &self,
-        table: &DeviceMatrix,
+        table: Weight<'_, DeviceMatrix>,
         dim: usize,
         step: &CudaSlice<f32>,
         out: &mut CudaSlice<f32>,

@@ -6,6 +6,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 use super::launch::{kernel_args, kernel_params, Args, Ptr};
 use super::{blocks, cfg, one_d, row_threads, Cuda, DeviceMatrix};
+use crate::backend::Weight;
 
 /// Widest row a warp normalises alone (the kernels' `NORM_WARP_DIM`); wider rows take a
 /// block each.
@@ -195,15 +196,20 @@ impl Cuda {
     }
 
     /// `out[r] = table[ids[r]]` for `n` ids in device memory (`u32` bits, whatever the
-    /// buffer's element type).
+    /// buffer's element type); a coded table decodes only those rows.
     pub(super) fn embed_rows<I: DevicePtr<T>, T>(
         &self,
-        table: &DeviceMatrix,
+        table: Weight<'_, DeviceMatrix>,
         dim: usize,
         ids: &I,
         n: usize,
         out: &mut CudaSlice<f32>,
     ) {
+        let table = match table {
+            Weight::Dense(t) => t,
+            Weight::Affine(w) => return self.gather_affine(&w, ids, n, out),
+            Weight::Vq(w) => return self.gather_vq(&w, ids, n, out),
+        };
         let (name, table, len) = match table {
             DeviceMatrix::Bf16(t) => (EMBED_BF16, self.ptr(t), t.len()),
             DeviceMatrix::F32(t) => (EMBED, self.ptr(t), t.len()),

@@ -6,7 +6,7 @@
 
 use std::sync::{Arc, MutexGuard};
 
-use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 use half::slice::HalfFloatSliceExt;
 
 use super::affine::RoutePairs;
@@ -45,6 +45,7 @@ pub(super) const VQR_SHARED_BOOK: usize = 64 << 10;
 pub(super) const VQ_ROTATE: &str = "vq_rotate";
 pub(super) const VQ_MATVEC: Builds<4> = dims!("vq_matvec");
 pub(super) const VQ_DECODE: Builds<4> = dims!("vq_decode");
+pub(super) const VQ_GATHER: Builds<4> = dims!("vq_gather");
 pub(super) const ROUTED_VQ_ROTATE: &str = "routed_vq_rotate";
 pub(super) const ROUTED_VQ_GATE_UP: Builds<4> = dims!("routed_vq_gate_up");
 pub(super) const ROUTED_VQ_DOWN: Builds<4> = dims!("routed_vq_down");
@@ -98,6 +99,16 @@ kernel_args! {
 kernel_args! {
     /// The matrix decoded in the rotated domain into `out`.
     VqDecode for &VQ_DECODE.names => { w: VqCodes, out: Ptr, layout: VqRows }
+}
+
+kernel_args! {
+    /// `out[r] = W[ids[r]]` decoded to f32 for the ids (u32 bits) of the grid's rows,
+    /// `cols` a row, with the matrix's `rows`, index bits `k`, rotation `block`s,
+    /// `row_bytes`, `inv_root` = 1/√block and rotation `seed`.
+    VqGather for &VQ_GATHER.names => {
+        w: VqCodes, ids: Ptr, out: Ptr, cols: i32, rows: i32, k: i32, block: i32, blocks: i32,
+        row_bytes: u64, inv_root: f32, seed: u64,
+    }
 }
 
 kernel_args! {
@@ -309,6 +320,50 @@ impl VqRoutedShape {
 }
 
 impl Cuda {
+    /// `out[r] = w[ids[r]]` decoded to f32 for `n` ids in device memory (`u32` bits): an
+    /// embedding lookup of a VQ-coded table.
+    pub(super) fn gather_vq<I: DevicePtr<T>, T>(
+        &self,
+        w: &VqView<'_>,
+        ids: &I,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) {
+        if n == 0 {
+            return;
+        }
+        assert!(
+            w.block <= 1024 && w.block.is_multiple_of(w.rung.dim),
+            "rotation block of {} values (at most 1024, whole vectors)",
+            w.block
+        );
+        let d = self.device_vq(w);
+        let book = self.vq_book(w.rung);
+        let args = VqGather {
+            w: VqCodes {
+                codes: self.ptr(&d.codes),
+                norms: self.ptr(&d.norms),
+                book: self.ptr(&*book),
+            },
+            ids: self.ptr(ids),
+            out: self.ptr_mut(out),
+            cols: w.cols as i32,
+            rows: w.rows as i32,
+            k: w.rung.index_bits as i32,
+            block: w.block as i32,
+            blocks: w.blocks() as i32,
+            row_bytes: row_bytes(w.rung, w.cols) as u64,
+            inv_root: 1.0 / (w.block as f32).sqrt(),
+            seed: w.seed,
+        };
+        let grid = LaunchConfig {
+            grid_dim: (w.blocks() as u32, n as u32, 1),
+            block_dim: ((w.block / 2).clamp(32, 512) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(VQ_GATHER.of(w.rung.dim as u32), grid, args);
+    }
+
     /// The device copy of a VQ matrix's codes and norms, made the first time it is seen.
     pub(super) fn device_vq(&self, w: &VqView<'_>) -> Arc<DeviceVq> {
         let key = vq_key(w);

@@ -105,3 +105,81 @@ pub fn is_dense_linear(name: &str, shape: &[usize]) -> bool {
         TensorKind::Attention | TensorKind::SharedExperts | TensorKind::DenseMlp
     ) && shape.len() == 2
 }
+
+/// The decoder layer a tensor belongs to (`model.layers.{i}.…`), if any.
+pub fn layer_of(name: &str) -> Option<usize> {
+    let rest = name.split("layers.").nth(1)?;
+    rest.split('.').next()?.parse().ok()
+}
+
+/// A group of tensors outside the routed experts that takes one codec: the token
+/// embeddings, an untied LM head, or the dense linear weights of one decoder layer
+/// (attention projections, shared expert, dense MLP). Routers and norms belong to none:
+/// they stay as the checkpoint has them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum CodedGroup {
+    /// `model.embed_tokens.weight` (also the LM head when they are tied).
+    Embedding,
+    /// An untied `lm_head.weight`.
+    Head,
+    /// The dense linear weights of decoder layer `.0`.
+    Dense(usize),
+}
+
+impl CodedGroup {
+    /// The group of tensor `name` of shape `shape`, in a model whose embeddings and LM
+    /// head are tied or not.
+    pub fn of(name: &str, shape: &[usize], tied: bool) -> Option<CodedGroup> {
+        if shape.len() != 2 {
+            return None;
+        }
+        match classify(name) {
+            TensorKind::Embedding => Some(CodedGroup::Embedding),
+            TensorKind::LmHead if !tied => Some(CodedGroup::Head),
+            _ if is_dense_linear(name, shape) => layer_of(name).map(CodedGroup::Dense),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for CodedGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CodedGroup::Embedding => f.write_str("embedding"),
+            CodedGroup::Head => f.write_str("lm_head"),
+            CodedGroup::Dense(l) => write!(f, "layers.{l}.dense"),
+        }
+    }
+}
+
+// As its name, so that a map from groups is a JSON object (`plan.json`'s `groups`).
+impl Serialize for CodedGroup {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for CodedGroup {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<CodedGroup, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl std::str::FromStr for CodedGroup {
+    type Err = String;
+    fn from_str(s: &str) -> Result<CodedGroup, String> {
+        let layer = s
+            .strip_prefix("layers.")
+            .and_then(|r| r.strip_suffix(".dense"))
+            .and_then(|l| l.parse().ok());
+        match (s, layer) {
+            ("embedding", _) => Ok(CodedGroup::Embedding),
+            ("lm_head", _) => Ok(CodedGroup::Head),
+            (_, Some(l)) => Ok(CodedGroup::Dense(l)),
+            _ => Err(format!(
+                "{s:?} is not a tensor group (embedding, lm_head or layers.N.dense)"
+            )),
+        }
+    }
+}

@@ -56,6 +56,32 @@ pub struct AffineView<'a> {
     pub biases: &'a [bf16],
 }
 
+impl<'a> AffineView<'a> {
+    /// Row `r` alone, as a one-row matrix: what an embedding lookup decodes.
+    pub fn row(&self, r: usize) -> AffineView<'a> {
+        let (w, g) = (words_per_row(self.cols, self.bits), self.cols / GROUP_SIZE);
+        AffineView {
+            rows: 1,
+            words: &self.words[r * w..(r + 1) * w],
+            scales: &self.scales[r * g..(r + 1) * g],
+            biases: &self.biases[r * g..(r + 1) * g],
+            ..*self
+        }
+    }
+
+    /// The matrix expanded to row-major f32, as the kernels reconstruct it.
+    pub fn dequantize(&self) -> Vec<f32> {
+        lowbit::dequantize(
+            self.words,
+            self.scales,
+            self.biases,
+            self.rows,
+            self.cols,
+            self.bits,
+        )
+    }
+}
+
 /// Which words a kernel reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Layout {

@@ -125,14 +125,7 @@ impl AffineMatrix {
 
     /// Expands the matrix to row-major f32, as the kernels reconstruct it.
     pub fn dequantize(&self) -> Vec<f32> {
-        lowbit::dequantize(
-            &self.words,
-            &self.scales,
-            &self.biases,
-            self.rows,
-            self.cols,
-            self.bits,
-        )
+        self.view().dequantize()
     }
 }
 

@@ -569,7 +569,8 @@ fn run(
     by_rows(out, w.rows, batch, parallel, &rows_fn);
 }
 
-fn shipped(w: &VqView<'_>) -> &'static Codebook {
+/// The codebook of `w`'s rung, compiled into the program.
+pub(crate) fn shipped(w: &VqView<'_>) -> &'static Codebook {
     // The embedded codebooks are checked by the test suite; one failing to load is a
     // broken build, not bad input.
     w.rung

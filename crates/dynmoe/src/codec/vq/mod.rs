@@ -310,6 +310,18 @@ impl<'a> VqView<'a> {
         self.cols.div_ceil(self.block)
     }
 
+    /// Row `r` alone, as a one-row matrix (the rotation is the same for every row): what
+    /// an embedding lookup decodes.
+    pub fn row(&self, r: usize) -> VqView<'a> {
+        let (rb, blocks) = (row_bytes(self.rung, self.cols), self.blocks());
+        VqView {
+            rows: 1,
+            norms: &self.norms[r * blocks..(r + 1) * blocks],
+            codes: &self.codes[r * rb..(r + 1) * rb],
+            ..*self
+        }
+    }
+
     /// The weights as stored, `[rows, cols]`: codewords looked up, then the rotation
     /// undone. The reference every kernel is checked against.
     pub fn decode(&self) -> Result<Vec<f32>, CodecError> {

@@ -250,7 +250,7 @@ impl<B: Backend> Model<B> {
             host: Vec::new(),
             device_only: true,
         };
-        b.embed(&self.embed_tokens, h, tokens, &mut acts.x);
+        b.embed(self.embed_tokens.weight(), h, tokens, &mut acts.x);
         let mut caches = Caches::Rows(
             states
                 .iter_mut()
@@ -426,7 +426,7 @@ impl<B: Backend> Model<B> {
     ) -> bool {
         let (c, b) = (&self.config, &self.backend);
         let (h, e, l) = (c.hidden_size, c.moe.num_experts, self.layers.len());
-        b.embed_at(&self.embed_tokens, h, &bufs.step, &mut bufs.acts.x);
+        b.embed_at(self.embed_tokens.weight(), h, &bufs.step, &mut bufs.acts.x);
         let mut moe = MoeRun {
             sets,
             track: false,

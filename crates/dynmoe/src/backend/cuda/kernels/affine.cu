@@ -162,21 +162,17 @@ __device__ void affine_grouped(const unsigned long long* table, int proj, const 
     }
 }
 
-// The matrix expanded to f32 `[rows, cols]`, a thread per chunk: for products with
-// many rows, which then run as one dense GEMM.
+// Chunk `c` (32 values) of row `o` expanded to f32 at `dst`.
 template <int BITS>
-__device__ void affine_dequant(const unsigned* words, const unsigned short* scales,
-                               const unsigned short* biases, float* out, int rows, int cols) {
-    size_t chunks = (size_t)rows * (cols / 32);
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= chunks) return;
-    size_t o = i / (cols / 32), c = i % (cols / 32);
+__device__ __forceinline__ void affine_chunk(const unsigned* words, const unsigned short* scales,
+                                             const unsigned short* biases, size_t o, size_t c,
+                                             int cols, float* out) {
     float codes[32];
     decode_chunk<BITS>(words + o * row_words<BITS>(cols), c, codes);
     size_t g = o * (cols / 64) + c / 2;
     float s = bf16_bits(scales[g]), bias = bf16_bits(biases[g]);
     const float a = recon_a<BITS>(), off = recon_o<BITS>();
-    float4* dst = reinterpret_cast<float4*>(out + o * cols + c * 32);
+    float4* dst = reinterpret_cast<float4*>(out);
 #pragma unroll
     for (int j = 0; j < 8; j++) {
         float4 v;
@@ -186,6 +182,37 @@ __device__ void affine_dequant(const unsigned* words, const unsigned short* scal
         v.w = (a * codes[4 * j + 3] + off) * s + bias;
         dst[j] = v;
     }
+}
+
+// The matrix expanded to f32 `[rows, cols]`, a thread per chunk: for products with
+// many rows, which then run as one dense GEMM.
+template <int BITS>
+__device__ void affine_dequant(const unsigned* words, const unsigned short* scales,
+                               const unsigned short* biases, float* out, int rows, int cols) {
+    size_t chunks = (size_t)rows * (cols / 32);
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= chunks) return;
+    size_t o = i / (cols / 32), c = i % (cols / 32);
+    affine_chunk<BITS>(words, scales, biases, o, c, cols, out + o * cols + c * 32);
+}
+
+// Rows ids[r] of the matrix expanded to f32 `[n, cols]` (an embedding lookup of a coded
+// table), a thread per chunk; an id past `rows` gives a row of NaN, as `embed` does.
+template <int BITS>
+__device__ void affine_gather(const unsigned* words, const unsigned short* scales,
+                              const unsigned short* biases, const unsigned* ids, float* out, int n,
+                              int cols, unsigned rows) {
+    size_t chunks = (size_t)n * (cols / 32);
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= chunks) return;
+    size_t r = i / (cols / 32), c = i % (cols / 32);
+    unsigned id = ids[r];
+    float* dst = out + r * cols + c * 32;
+    if (id >= rows) {
+        for (int j = 0; j < 32; j++) dst[j] = __int_as_float(0x7fc00000);
+        return;
+    }
+    affine_chunk<BITS>(words, scales, biases, id, c, cols, dst);
 }
 
 #define AFFINE_ENTRY(B)                                                                       \
@@ -215,6 +242,12 @@ __device__ void affine_dequant(const unsigned* words, const unsigned short* scal
                                                    int rows, int cols) {                       \
         PDL_ENTRY();                                                                           \
         affine_dequant<B>(w, s, bi, out, rows, cols);                                          \
+    }                                                                                          \
+    extern "C" __global__ void affine_gather_q##B(const unsigned* w, const unsigned short* s,  \
+                                                  const unsigned short* bi, const unsigned* ids, \
+                                                  float* out, int n, int cols, unsigned rows) { \
+        PDL_ENTRY();                                                                           \
+        affine_gather<B>(w, s, bi, ids, out, n, cols, rows);                                   \
     }
 
 AFFINE_ENTRY(4)

@@ -189,6 +189,48 @@ __device__ void vq_decode(const unsigned char* codes, const unsigned short* norm
     for (int l = 0; l < P; l++) dst[l] = cw[l] * scale;
 }
 
+// Rows ids[r] of the matrix decoded to f32 `[n, cols]` (an embedding lookup of a coded
+// table): a block per (rotation block, row) looks up the block's codewords, applies the
+// butterfly, and scales each value by its sign, the block's norm and 1/R, in the order
+// rotation::unrotate does. An id past `rows` gives a row of NaN, as `embed` does.
+template <int P>
+__device__ void vq_gather(const unsigned char* codes, const unsigned short* norms,
+                          const unsigned short* book, const unsigned* ids, float* out, int cols,
+                          int rows, int k, int block, int blocks, size_t row_bytes,
+                          float inv_root, unsigned long long seed) {
+    __shared__ float buf[1024];
+    int b = blockIdx.x, r = blockIdx.y;
+    unsigned id = ids[r];
+    float* dst = out + (size_t)r * cols;
+    if (id >= (unsigned)rows) {
+        for (int i = threadIdx.x; i < block; i += blockDim.x)
+            if (b * block + i < cols) dst[b * block + i] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const unsigned char* row = codes + (size_t)id * row_bytes;
+    for (int j = threadIdx.x; j < block / P; j += blockDim.x) {
+        float cw[P];
+        vq_codeword<P>(book, vq_index(row, ((size_t)b * block / P + j) * k, k), cw);
+#pragma unroll
+        for (int l = 0; l < P; l++) buf[j * P + l] = cw[l];
+    }
+    __syncthreads();
+    for (int h = 1; h < block; h *= 2) {
+        for (int t = threadIdx.x; t < block / 2; t += blockDim.x) {
+            int i = (t / h) * 2 * h + t % h;
+            float p = buf[i], q = buf[i + h];
+            buf[i] = p + q;
+            buf[i + h] = p - q;
+        }
+        __syncthreads();
+    }
+    float norm = half_bits(norms[(size_t)id * blocks + b]);
+    for (int i = threadIdx.x; i < block; i += blockDim.x) {
+        int c = b * block + i;
+        if (c < cols) dst[c] = buf[i] * inv_root * inv_root * vq_sign(seed, i) * norm;
+    }
+}
+
 #define VQ_ENTRY(P)                                                                           \
     extern "C" __global__ void vq_matvec_p##P(                                                \
         const unsigned char* codes, const unsigned short* norms, const unsigned short* book,   \
@@ -204,6 +246,14 @@ __device__ void vq_decode(const unsigned char* codes, const unsigned short* norm
         float inv_root) {                                                                      \
         PDL_ENTRY();                                                                           \
         vq_decode<P>(codes, norms, book, out, rows, k, block, blocks, row_bytes, inv_root);    \
+    }                                                                                          \
+    extern "C" __global__ void vq_gather_p##P(                                                \
+        const unsigned char* codes, const unsigned short* norms, const unsigned short* book,   \
+        const unsigned* ids, float* out, int cols, int rows, int k, int block, int blocks,     \
+        unsigned long long row_bytes, float inv_root, unsigned long long seed) {               \
+        PDL_ENTRY();                                                                           \
+        vq_gather<P>(codes, norms, book, ids, out, cols, rows, k, block, blocks, row_bytes,    \
+                     inv_root, seed);                                                          \
     }
 
 VQ_ENTRY(2)
