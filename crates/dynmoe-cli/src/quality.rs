@@ -22,6 +22,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 
+use crate::compress::ScopeArg;
 use crate::read_text;
 use dynmoe::alloc::compress::{self, BudgetScope, CompressOptions};
 use dynmoe::alloc::{probe::assemble, probe::load_plan};
@@ -30,12 +31,14 @@ use dynmoe::checkpoint::experts::ExpertShape;
 use dynmoe::checkpoint::{Checkpoint, Config};
 use dynmoe::codec::vq::{Rung, LADDER};
 use dynmoe::codec::Codec;
+use dynmoe::eval::bits::{account, Assignment};
 use dynmoe::eval::kld::{kl_divergence_to, reference_logits, ReferenceLogits};
 use dynmoe::eval::plot::{Plot, Series};
 use dynmoe::eval::ppl::PplOptions;
 use dynmoe::model::{self, ExpertBits, LoadedModel};
 use dynmoe::residency::{Mode, ResidencyConfig};
 use dynmoe::runtime::residency::follow_plan;
+use dynmoe::store::dense_vq::{CodedLayers, GroupCodecs};
 use dynmoe::store::journal::Journal;
 use dynmoe::store::manifest::Fnv64;
 use dynmoe::store::plan::Plan;
@@ -83,6 +86,11 @@ pub struct QualityArgs {
     /// JSON and the plot again (with this build's summaries).
     #[arg(long)]
     from_json: Option<PathBuf>,
+    /// What the budgets count: the routed experts' bits (`experts`), or every tensor of
+    /// the model (`model`), where ISP allocates the embeddings, the LM head and each
+    /// layer's dense weights too and the uniform recipes code every tensor.
+    #[arg(long, value_enum, default_value = "experts")]
+    scope: ScopeArg,
 }
 
 /// One layer's setting in a row: codecs of gate, up and down, and resident experts.
@@ -100,6 +108,13 @@ struct Row {
     budget_bits: Option<f64>,
     /// Resident bits per routed-expert weight.
     expert_bits: f64,
+    /// Resident bits per weight of the whole model (every tensor counted, codebooks
+    /// aside), for rows of a whole-model comparison.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    model_bits: Option<f64>,
+    /// Codecs of the tensor groups outside the routed experts, where not bf16.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    groups: BTreeMap<String, Codec>,
     layers: Vec<LayerSetting>,
     ppl: BTreeMap<String, f64>,
     kld: BTreeMap<String, f64>,
@@ -165,7 +180,11 @@ impl Bench {
 
     /// The model with each layer's experts at `layers`' VQ codecs (bf16 where a layer
     /// is bf16), every expert routable.
-    fn vq_model(&mut self, layers: &[LayerSetting]) -> Result<LoadedModel<Cpu>> {
+    fn vq_model(
+        &mut self,
+        layers: &[LayerSetting],
+        dense: &CodedLayers,
+    ) -> Result<LoadedModel<Cpu>> {
         let mut vq = BTreeMap::new();
         for l in layers {
             if l.codecs.iter().all(|c| *c == Codec::Bf16) {
@@ -191,13 +210,14 @@ impl Bench {
             self.config.clone(),
             &self.ckpt,
             &vq,
-            &Default::default(),
+            dense,
             &BTreeMap::new(),
         )?)
     }
 
     /// Perplexity, KL divergence and top-1 agreement on every text; `reset` runs before
     /// each text (fresh resident sets, so no text starts from another's).
+    #[allow(clippy::too_many_arguments)]
     fn score(
         &mut self,
         m: &mut LoadedModel<Cpu>,
@@ -205,6 +225,7 @@ impl Bench {
         family: &str,
         budget_bits: Option<f64>,
         layers: Vec<LayerSetting>,
+        whole: Option<(f64, BTreeMap<String, Codec>)>,
         reset: &dyn Fn(&mut LoadedModel<Cpu>) -> Result<()>,
     ) -> Result<Row> {
         if let Some(row) = self.done.get(&method) {
@@ -230,11 +251,14 @@ impl Bench {
                 hits.push(res.report().hit_rate);
             }
         }
+        let (model_bits, groups) = whole.map_or((None, BTreeMap::new()), |(b, g)| (Some(b), g));
         let mut row = Row {
             method,
             family: family.to_string(),
             budget_bits,
             expert_bits,
+            model_bits,
+            groups,
             layers,
             geomean_ppl: f64::NAN,
             mean_kld: f64::NAN,
@@ -247,7 +271,11 @@ impl Bench {
         summarize(&mut row);
         eprintln!(
             "{:<44} {:>6.3} bits  geomean ppl {:>8.3}  KLD {:.4}  ({:.0} s)",
-            row.method, row.expert_bits, row.geomean_ppl, row.mean_kld, row.seconds
+            row.method,
+            row.model_bits.unwrap_or(row.expert_bits),
+            row.geomean_ppl,
+            row.mean_kld,
+            row.seconds
         );
         self.journal
             .append(&Measured { row: row.clone() })
@@ -400,11 +428,23 @@ pub fn quality(a: QualityArgs) -> Result<()> {
     let mut rows = Vec::new();
     let no_reset = |_: &mut LoadedModel<Cpu>| Ok(());
 
+    let whole_model = matches!(a.scope, ScopeArg::Model);
     let bf16 = b.uniform([Codec::Bf16; 3]);
     let mut m = model::load(&dir, Cpu::fast())?;
-    rows.push(b.score(&mut m, "bf16".into(), "reference", None, bf16, &no_reset)?);
+    rows.push(b.score(
+        &mut m,
+        "bf16".into(),
+        "reference",
+        None,
+        bf16,
+        Some((16.0, BTreeMap::new())).filter(|_| whole_model),
+        &no_reset,
+    )?);
 
-    for &bits in &a.budgets {
+    if whole_model {
+        whole_model_rows(&a, &mut b, &calib, &mut rows)?;
+    }
+    for &bits in a.budgets.iter().filter(|_| !whole_model) {
         let mut plans = Vec::new();
         for rounds in [2usize, 1] {
             let out = a.work.join(format!("isp-{bits}-r{rounds}"));
@@ -454,7 +494,15 @@ pub fn quality(a: QualityArgs) -> Result<()> {
                         "static",
                     ),
                 };
-                rows.push(b.score(&mut m, method, family, Some(bits), layers.clone(), &reset)?);
+                rows.push(b.score(
+                    &mut m,
+                    method,
+                    family,
+                    Some(bits),
+                    layers.clone(),
+                    None,
+                    &reset,
+                )?);
             }
         }
         // The heuristic: the richest (gate/up, down) pair within the budget.
@@ -469,20 +517,28 @@ pub fn quality(a: QualityArgs) -> Result<()> {
         }
         if let Some((_, codecs)) = best {
             let layers = b.uniform(codecs);
-            let mut m = b.vq_model(&layers)?;
+            let mut m = b.vq_model(&layers, &CodedLayers::new())?;
             let method = format!(
                 "heuristic {}/{}/{} (gate/up/down), {bits} b",
                 codecs[0], codecs[1], codecs[2]
             );
-            rows.push(b.score(&mut m, method, "heuristic", Some(bits), layers, &no_reset)?);
+            rows.push(b.score(
+                &mut m,
+                method,
+                "heuristic",
+                Some(bits),
+                layers,
+                None,
+                &no_reset,
+            )?);
         }
     }
 
     let mut converted = None;
-    for &codec in &a.uniform {
+    for &codec in a.uniform.iter().filter(|_| !whole_model) {
         let layers = b.uniform([codec; 3]);
         let mut m = match codec {
-            Codec::Vq { .. } => b.vq_model(&layers)?,
+            Codec::Vq { .. } => b.vq_model(&layers, &CodedLayers::new())?,
             Codec::Bf16 => model::load(&dir, Cpu::fast())?,
             Codec::Affine { bits } => {
                 let conv = match &converted {
@@ -508,13 +564,18 @@ pub fn quality(a: QualityArgs) -> Result<()> {
             family,
             None,
             layers,
+            None,
             &no_reset,
         )?);
     }
 
     let report = Report {
         model: dir.display().to_string(),
-        scope: "routed experts".into(),
+        scope: if whole_model {
+            "whole model".into()
+        } else {
+            "routed experts".into()
+        },
         calib_chunks_per_text: a.calib_chunks,
         eval_chunks_per_text: a.eval_chunks,
         texts: b.texts.iter().map(|(n, _)| n.clone()).collect(),
@@ -522,6 +583,109 @@ pub fn quality(a: QualityArgs) -> Result<()> {
     };
     publish(&a, &report)?;
     eprintln!("{:.0} s", start.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// The rows of a whole-model comparison: ISP under a whole-model budget (every tensor
+/// group allocated, dynamic residency from the plan's sets) at each budget, beside
+/// uniform recipes that code every tensor: everything q4, experts q2 with the rest q4,
+/// and each VQ rung of `--uniform` everywhere. Bits count every tensor, codebooks aside.
+fn whole_model_rows(
+    a: &QualityArgs,
+    b: &mut Bench,
+    calib: &[(String, String)],
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let dir = b.dir.clone();
+    let no_reset = |_: &mut LoadedModel<Cpu>| Ok(());
+    let bits_of = |b: &Bench, experts: Codec, rest: Codec| -> Result<f64> {
+        let assignment = Assignment {
+            tensors: GroupCodecs::uniform(rest, rest, rest),
+            layers: BTreeMap::new(),
+            default_experts: experts,
+        };
+        Ok(account(&b.config, &b.ckpt, &assignment, None)?.resident_bits_per_weight)
+    };
+    let names = |g: &BTreeMap<dynmoe::checkpoint::arch::CodedGroup, Codec>| {
+        g.iter()
+            .filter(|(_, c)| **c != Codec::Bf16)
+            .map(|(g, c)| (g.to_string(), *c))
+            .collect::<BTreeMap<_, _>>()
+    };
+    for &bits in &a.budgets {
+        let out = a.work.join(format!("model-isp-{bits}"));
+        std::fs::create_dir_all(&out)?;
+        let opts = CompressOptions {
+            bits,
+            scope: BudgetScope::Model,
+            rounds: 2,
+            anneal: Vec::new(),
+            chunks: a.calib_chunks,
+            ctx: 512,
+            dense_codec: None,
+        };
+        let say = |msg: &str| eprintln!("[ISP whole model {bits} b] {msg}");
+        let plan = compress::compress(&dir, calib, &out, &opts, &say, &say)
+            .with_context(|| format!("compressing to {bits} bits over the whole model"))?;
+        let layers = Bench::plan_layers(&plan);
+        let mut m = load_plan(&dir, &plan, &mut |_, _| {})?;
+        let reset = |m: &mut LoadedModel<Cpu>| -> Result<()> {
+            Ok(follow_plan(m, &plan, ResidencyConfig::default())?)
+        };
+        let whole = Some((plan.resident_bits(), names(&plan.groups)));
+        let method = format!("ISP whole model, {bits} b, dynamic");
+        rows.push(b.score(
+            &mut m,
+            method,
+            "isp-model",
+            Some(bits),
+            layers,
+            whole,
+            &reset,
+        )?);
+    }
+    let (q4, q2) = (Codec::Affine { bits: 4 }, Codec::Affine { bits: 2 });
+    let converted = convert(&dir, &a.work.join("converted"))?;
+    for (experts, rest) in [(q4, q4), (q2, q4)] {
+        let Codec::Affine { bits } = experts else {
+            unreachable!("affine recipes")
+        };
+        dynmoe::store::lowbit::ensure(&converted, bits)?;
+        let codecs = model::Codecs {
+            default: Some(experts),
+            dense: Some(rest),
+            head: Some(rest),
+            embedding: Some(rest),
+            ..model::Codecs::default()
+        };
+        let mut m = model::load_with_codecs(&converted, Cpu::fast(), &codecs)?;
+        let layers = b.uniform([experts; 3]);
+        let all = GroupCodecs::uniform(rest, rest, rest);
+        let groups = [
+            ("dense", all.dense),
+            ("lm_head", all.head),
+            ("embedding", all.embedding),
+        ]
+        .into_iter()
+        .map(|(n, c)| (n.to_string(), c))
+        .collect();
+        let whole = Some((bits_of(b, experts, rest)?, groups));
+        let method = format!("uniform experts {experts}, the rest {rest}");
+        rows.push(b.score(&mut m, method, "affine", None, layers, whole, &no_reset)?);
+    }
+    for &codec in a.uniform.iter().filter(|c| matches!(c, Codec::Vq { .. })) {
+        let layers = b.uniform([codec; 3]);
+        let all = GroupCodecs::uniform(codec, codec, codec);
+        let coded = model::coded_layers(&dir, &b.ckpt, &b.config, &all, false, &mut |_, _| {})?;
+        let mut m = b.vq_model(&layers, &coded)?;
+        let groups = [("dense", codec), ("lm_head", codec), ("embedding", codec)]
+            .into_iter()
+            .map(|(n, c)| (n.to_string(), c))
+            .collect();
+        let whole = Some((bits_of(b, codec, codec)?, groups));
+        let method = format!("uniform {codec} everywhere");
+        rows.push(b.score(&mut m, method, "vq", None, layers, whole, &no_reset)?);
+    }
     Ok(())
 }
 
@@ -551,7 +715,8 @@ fn print_table(r: &Report) {
     println!("{head}");
     println!("{}", head.replace(|c: char| c != '|', "-"));
     for row in &r.rows {
-        let mut line = format!("| {:<46} | {:>6.3} |", row.method, row.expert_bits);
+        let bits = row.model_bits.unwrap_or(row.expert_bits);
+        let mut line = format!("| {:<46} | {:>6.3} |", row.method, bits);
         for t in &r.texts {
             line += &format!(" {:>9.3} |", row.ppl[t]);
         }
@@ -574,6 +739,7 @@ fn plot(r: &Report) -> Plot {
     let families = [
         ("isp2", "ISP, 2 rounds, dynamic"),
         ("isp1", "ISP, 1 round, dynamic"),
+        ("isp-model", "ISP, every tensor allocated, dynamic"),
         ("static", "static REAP, same plan"),
         ("heuristic", "heuristic (down +0.5 b)"),
         ("vq", "uniform VQ"),
@@ -586,7 +752,7 @@ fn plot(r: &Report) -> Plot {
                 .rows
                 .iter()
                 .filter(|row| row.family == *family)
-                .map(|row| (row.expert_bits, row.geomean_ppl))
+                .map(|row| (row.model_bits.unwrap_or(row.expert_bits), row.geomean_ppl))
                 .collect();
             points.sort_by(|a, b| a.0.total_cmp(&b.0));
             Series {
@@ -604,7 +770,11 @@ fn plot(r: &Report) -> Plot {
                 .map_or(r.model.clone(), |n| n.to_string_lossy().into_owned()),
             DOMAINS.len()
         ),
-        x_label: "resident bits per routed-expert weight".into(),
+        x_label: if r.scope == "whole model" {
+            "resident bits per weight, every tensor".into()
+        } else {
+            "resident bits per routed-expert weight".into()
+        },
         y_label: "perplexity".into(),
         log_y: true,
         series,
