@@ -3,7 +3,8 @@
 # its programmatic-launch wait (`griddepcontrol.wait`, ACQBULK in SASS). ptxas may hoist a
 # load through a `const __restrict__` pointer (LDG.E.CONSTANT) above the wait, and the
 # kernel then reads what the kernel before it has not yet written. The one-row dense
-# kernels (bf16 and affine, rows and tiles) load their first weights before the wait on
+# kernels (bf16 and affine, rows and tiles, and the affine kernels of a few rows) load
+# their first weights before the wait on
 # purpose (no kernel writes weights), the grouped decode attention its position and the
 # caches' earlier rows, the routed gate/up its input and the expert table, when asked
 # (`early`: the kernel before starts them only after its own wait), and the routed down
@@ -15,7 +16,7 @@
 set -euo pipefail
 src=${1:-crates/dynmoe/src/backend/cuda/kernels/program.cu}
 arch=${2:-sm_90}
-EARLY="matvec_bf16_one matvec_bf16_3_one matvec_bf16_norm_one_late dense_mma_q4 dense_mma_q3 dense_mma_q2 dense_mma_norm_q4 dense_mma_norm_q3 dense_mma_norm_q2 attention_group_64 attention_group_128 attention_group_256 matvec_bf16_one_late routed_mma_gate_up_q3 dense_mma_tiled_q4 dense_mma_tiled_q2 dense_mma_norm_tiled_q4 dense_mma_norm_tiled_q2 routed_mma_down_q3 routed_mma_down_tiled_q4 routed_mma_down_tiled_q2"
+EARLY="matvec_bf16_one matvec_bf16_3_one matvec_bf16_norm_one_late dense_mma_q4 dense_mma_q3 dense_mma_q2 dense_mma_norm_q4 dense_mma_norm_q3 dense_mma_norm_q2 attention_group_64 attention_group_128 attention_group_256 matvec_bf16_one_late routed_mma_gate_up_q3 dense_mma_tiled_q4 dense_mma_tiled_q2 dense_mma_norm_tiled_q4 dense_mma_norm_tiled_q2 routed_mma_down_q3 routed_mma_down_tiled_q4 routed_mma_down_tiled_q2 dense_mma_rows_q4 dense_mma_rows_q3 dense_mma_rows_q2 dense_mma_rows_tiled_q4 dense_mma_rows_tiled_q2"
 PLAIN="affine_tiles_from_rows"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
