@@ -282,7 +282,7 @@ pub(crate) enum Setting {
     /// A converted directory's routed experts at this many bits.
     Affine(u32),
     /// A compressed directory at its own plan.
-    Plan(Plan),
+    Plan(Box<Plan>),
 }
 
 impl Setting {
@@ -317,16 +317,20 @@ impl Setting {
     }
 
     /// The codecs the dense linear layers and the LM head run at: `dense`'s (bf16 where
-    /// unset), or a plan's dense codec and a bf16 head.
+    /// unset), or a plan's dense and head codecs.
     pub(crate) fn dense_codecs(&self, dense: &DenseCodecArgs) -> DenseCodecs {
         match self {
             Setting::Affine(_) => DenseCodecs {
                 dense: dense.dense_codec.unwrap_or(Codec::Bf16),
                 head: dense.head_codec.unwrap_or(Codec::Bf16),
             },
+            // A plan that gives layers' dense weights codecs of their own is priced at
+            // its default here: these benches read plans of one dense codec.
             Setting::Plan(plan) => DenseCodecs {
                 dense: plan.dense_codec,
-                head: Codec::Bf16,
+                head: plan
+                    .group_codecs()
+                    .of(dynmoe::checkpoint::arch::CodedGroup::Head),
             },
         }
     }
@@ -371,7 +375,7 @@ pub(crate) fn settings(
         let (_, plan) =
             compressed::open(model).with_context(|| format!("reading {}", model.display()))?;
         let dense_codec = plan.dense_codec;
-        let plan = Setting::Plan(plan);
+        let plan = Setting::Plan(Box::new(plan));
         let refused = if !bits.is_empty() {
             "--bits picks the affine stores of a converted directory"
         } else if dense.is_set() {

@@ -249,28 +249,20 @@ fn coded_embeddings_decode_the_rows_looked_up() {
     // id past the table gives a row of NaN on the device.
     let ids = [0u32, 299, 17, 17, 150];
     let vocab = 300;
-    let mut tables: Vec<(String, usize, Box<dyn Fn() -> Coded>)> = Vec::new();
+    let mut tables: Vec<(String, usize, Coded)> = Vec::new();
     for bits in [4u32, 3, 2] {
-        tables.push((
-            format!("q{bits}"),
-            256,
-            Box::new(move || Coded::Affine(affine(vocab, 256, bits, 70 + bits as u64))),
-        ));
+        let m = affine(vocab, 256, bits, 70 + bits as u64);
+        tables.push((format!("q{bits}"), 256, Coded::Affine(m)));
     }
     for (ri, rung) in LADDER.into_iter().enumerate() {
         for dim in [256usize, 1500] {
-            tables.push((
-                format!("{} x{dim}", rung.name()),
-                dim,
-                Box::new(move || {
-                    let w = fresh(vocab * dim, 80 + ri as u64);
-                    Coded::Vq(VqMatrix::encode(&w, vocab, dim, rung, 5 + ri as u64).unwrap())
-                }),
-            ));
+            let w = fresh(vocab * dim, 80 + ri as u64);
+            let m = VqMatrix::encode(&w, vocab, dim, rung, 5 + ri as u64).unwrap();
+            tables.push((format!("{} x{dim}", rung.name()), dim, Coded::Vq(m)));
         }
     }
-    for (name, dim, make) in &tables {
-        let (table, dim) = (make(), *dim);
+    for (name, dim, table) in &tables {
+        let dim = *dim;
         both!(
             &format!("embed {name} ids {ids:?}"),
             &[],
