@@ -210,6 +210,44 @@ def quality():
                "(`bench/results/quality.svg`) and the table as text (`bench/results/quality.txt`)"))
 
 
+def quality_model():
+    d = load("quality_model.json")
+    bf16 = next(r for r in d["rows"] if r["method"] == "bf16")
+    rows = []
+    for r in d["rows"]:
+        ratio = max(r["ppl"][t] / bf16["ppl"][t] for t in DOMAINS)
+        g = r.get("groups", {})
+        dense = sorted({c for k, c in g.items() if k.startswith("layers.") or k == "dense"})
+        rows.append([r["method"], num(r["model_bits"], 3)]
+                    + [num(r["ppl"][t], 3) for t in DOMAINS]
+                    + [num(r["geomean_ppl"], 3), f"{ratio:.2f}×", num(r["mean_kld"], 3),
+                       g.get("embedding", "bf16"), g.get("lm_head", "bf16"),
+                       "/".join(dense) or "bf16", pct(r["hit_rate"])])
+    return section(
+        "Whole-model budgets: every tensor allocated",
+        para(f"""`dynmoe bench quality --scope model` on {d['model']} (one run on this
+             project's 2-core CPU machine). Bits are resident bytes of every tensor over
+             every parameter (embeddings, LM head, attention, routers, norms and routed
+             experts; a VQ expert at its store record, whole 16 KiB pages; codebooks aside,
+             as constants of the program). ISP rows allocate the embeddings, the untied LM
+             head and each layer's attention a codec (affine q4/q3/q2 or a VQ rung) beside
+             each MoE layer's expert codec and resident share, two rounds on
+             {d['calib_chunks_per_text']} calibration chunks per domain, and run with
+             dynamic residency from the plan's sets. The uniform rows code every tensor (the
+             routers and norms aside) the same way: q4 everywhere, experts q2 with the rest
+             q4, or one VQ rung everywhere. Perplexity and KL divergence to bf16 on the
+             first {d['eval_chunks_per_text']} chunks of each domain's test split; "worst" is
+             the largest ratio to bf16's perplexity over the five domains. Per-layer codecs
+             are in the JSON."""),
+        table(["method", "bits"] + DOMAINS + ["geomean", "worst", "KLD", "embedding",
+                                              "LM head", "attention", "hit rate"], rows),
+        ["![Perplexity against whole-model bits](../bench/results/quality_model.svg)"],
+        source(["quality_model.json"], "`dynmoe bench quality --scope model --budgets "
+               "1.5,2,2.5,3,4 --uniform vq1,vq1.5,vq2,vq2.5,vq3,vq4 --out "
+               "bench/results/quality_model.json --svg bench/results/quality_model.svg "
+               "--work target/bench-quality-model`"))
+
+
 def isp_rounds():
     d = load("isp_rounds.json")
     rows = []
@@ -759,7 +797,7 @@ def serve_soak():
 
 PARTS = [
     ("Quality on the bundled fixtures",
-     [ppl_fixtures, ppl_bits, ppl_codecs, quality, isp_rounds, residency_small]),
+     [ppl_fixtures, ppl_bits, ppl_codecs, quality, quality_model, isp_rounds, residency_small]),
     ("Speed on the CPU, and the codecs", [cpu_forward, codecs, vq_kernels, expert_kernels,
                                           reservoir_disk,
                                          serve_load]),

@@ -383,6 +383,49 @@ mod tests {
     }
 
     #[test]
+    fn tensor_groups_take_codecs_only() {
+        // Two expert layers and one group that may take only codecs 1 to 3 and never
+        // loses experts; the group is the most sensitive, so it keeps its best codec.
+        let prober = Synthetic {
+            codecs: codecs(),
+            kappa: vec![1.0, 1.0, 20.0],
+            amp: vec![0.2, 0.2, 50.0],
+            interaction: 0.0,
+        };
+        let price = |_l: usize, s: Setting| 100 * bits(s.codec) * ((1.0 - s.removed) * 4.0) as u64;
+        let start = Setting {
+            codec: 3,
+            removed: 0.0,
+        };
+        let mut units = units(2, &[0.0, 0.5], &[0.5], start);
+        units.push(Unit {
+            codecs: vec![1, 2, 3],
+            removals: vec![0.0],
+            probe_codecs: vec![1, 3],
+            probe_removals: Vec::new(),
+            start,
+        });
+        let problem = Problem {
+            units,
+            codecs: codecs(),
+            bytes: &price,
+            fixed_bytes: 0,
+        };
+        let log = isp(&problem, &prober, 2800, &[], 2, &|_, _, _| {}).unwrap();
+        let plan = &log.last().unwrap().plan;
+        assert_eq!(plan[2], start, "{plan:?}");
+        assert!(
+            plan[..2].iter().any(|s| s.codec < 3 || s.removed > 0.0),
+            "{plan:?}"
+        );
+        // The group was never probed at a removal.
+        assert!(log
+            .iter()
+            .flat_map(|r| &r.probes)
+            .all(|p| p.layer != 2 || p.setting.removed == 0.0));
+    }
+
+    #[test]
     fn annealing_runs_one_round_per_stepping_stone() {
         let prober = Synthetic {
             codecs: codecs(),
