@@ -548,7 +548,7 @@ fn compress_fits_the_budget_resumes_from_its_journal_and_the_plan_runs() {
         "--model",
         &tiny(),
         "--bits",
-        "3",
+        "6",
         "--scope",
         "experts",
         "--calib",

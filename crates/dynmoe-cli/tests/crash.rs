@@ -356,7 +356,7 @@ fn compress_work(n: usize) {
                     "--model",
                     tiny().to_str().unwrap(),
                     "--bits",
-                    "3",
+                    "6",
                     "--scope",
                     "experts",
                     "--calib",

@@ -321,6 +321,7 @@ impl Shape {
                 codec,
                 experts: e,
                 resident: e,
+                spare_slots: Some(0),
                 resident_bytes: e as u64 * expert,
                 reservoir_bytes: 0,
                 keep: Vec::new(),

@@ -17,8 +17,9 @@ fn logits(m: &model::LoadedModel<Cpu>) -> Vec<f32> {
     logits_of(m, "def main():\n    print('the whale and the lighthouse')")
 }
 
-/// A plan for tiny-moe at 3 bits over its experts (its VQ records are one 16 KiB page,
-/// 2.67 bits per weight of its small experts) and the directory written from it.
+/// A plan for tiny-moe at 6 bits over its experts (its experts are so small that a VQ
+/// record, one 16 KiB page, is 10.7 bits per weight; with the fewest resident and their
+/// spare slots, half the experts are held) and the directory written from it.
 fn compressed_tiny() -> (TempDir, Plan) {
     compressed_tiny_with(Codec::Bf16)
 }
@@ -29,7 +30,7 @@ fn compressed_tiny_with(dense_codec: Codec) -> (TempDir, Plan) {
     let src = fixture("tiny-moe");
     let calib = std::fs::read_to_string("../../data/corpus/code/calib.txt").unwrap();
     let opts = CompressOptions {
-        bits: 3.0,
+        bits: 6.0,
         scope: BudgetScope::Experts,
         rounds: 1,
         anneal: Vec::new(),
@@ -424,4 +425,35 @@ fn a_whole_model_plan_allocates_every_tensor_group() {
         resident += g.resident_bytes;
     }
     assert_eq!(resident, plan.resident_bytes);
+}
+
+/// What runs is what was priced: following a plan, the resident sets hold exactly the
+/// bytes the plan gives the layers that keep only some experts (their residents and the
+/// spare slots swaps land in), and a layer keeping every expert holds no set at all.
+#[test]
+fn resident_sets_hold_the_bytes_the_plan_priced() {
+    use dynmoe::residency::ResidencyConfig;
+    use dynmoe::runtime::residency::follow_plan;
+    let (out, plan) = compressed_tiny();
+    let partial: Vec<_> = plan
+        .layers
+        .iter()
+        .filter(|l| l.resident < l.experts)
+        .collect();
+    assert!(!partial.is_empty(), "{:?}", plan.layers);
+    let (mut m, _) = model::load_compressed(out.dir(), Cpu::fast()).unwrap();
+    follow_plan(&mut m, &plan, ResidencyConfig::default()).unwrap();
+    let report = m.model.residency().unwrap().report();
+    assert_eq!(
+        report.resident_by_layer.keys().copied().collect::<Vec<_>>(),
+        partial.iter().map(|l| l.layer).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        report.slot_bytes as u64,
+        partial.iter().map(|l| l.resident_bytes).sum::<u64>()
+    );
+    // Running does not grow them.
+    let _ = logits(&m);
+    let after = m.model.residency().unwrap().report();
+    assert_eq!(after.slot_bytes, report.slot_bytes);
 }

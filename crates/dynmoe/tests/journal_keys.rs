@@ -26,7 +26,7 @@ fn lines(path: &Path) -> usize {
 
 fn run(model: &Path, calib: &Path, out: &Path) -> Run {
     let opts = CompressOptions {
-        bits: 3.0,
+        bits: 6.0,
         scope: BudgetScope::Experts,
         rounds: 1,
         anneal: Vec::new(),

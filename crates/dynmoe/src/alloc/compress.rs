@@ -246,6 +246,13 @@ pub fn compress(
     if !removals.contains(&max_removed) {
         removals.push(max_removed);
     }
+    // A layer that keeps only some of its experts holds slots for the swaps in flight
+    // beside them (docs/ARCHITECTURE.md, Residency): priced with it.
+    let spare = crate::residency::policy::PolicyParams::default().max_swaps;
+    let slots = |removed: f64| {
+        let k = resident_count(e, top_k, removed);
+        k + crate::residency::spare_slots(e, k, spare)
+    };
     let units = prober.units().to_vec();
     // Bytes of every unit at every codec, priced once.
     let unit_bytes: Vec<Vec<u64>> = units
@@ -256,9 +263,7 @@ pub fn compress(
         })
         .collect::<Result<_, CodecError>>()?;
     let price = |unit: usize, s: Setting| match units[unit] {
-        ProbeUnit::Experts(_) => {
-            resident_count(e, top_k, s.removed) as u64 * unit_bytes[unit][s.codec]
-        }
+        ProbeUnit::Experts(_) => slots(s.removed) as u64 * unit_bytes[unit][s.codec],
         ProbeUnit::Group(_) => unit_bytes[unit][s.codec],
     };
     // Refused before any probe: every unit at its cheapest, beside the fixed bytes.
@@ -268,7 +273,7 @@ pub fn compress(
             .enumerate()
             .map(|(i, u)| match u {
                 ProbeUnit::Experts(_) => {
-                    resident_count(e, top_k, max_removed) as u64
+                    slots(max_removed) as u64
                         * unit_bytes[i][..expert_codecs].iter().min().unwrap_or(&0)
                 }
                 ProbeUnit::Group(_) => unit_bytes[i].iter().copied().min().unwrap_or(0),
@@ -349,16 +354,29 @@ pub fn compress(
         units: units
             .iter()
             .map(|u| match u {
+                // bf16 experts run from f32 slots when some are not resident, twice
+                // what they are priced at: a bf16 layer keeps every expert.
                 ProbeUnit::Experts(_) => Unit {
-                    codecs: (0..expert_codecs).collect(),
-                    removals: removals.clone(),
+                    settings: (0..expert_codecs)
+                        .flat_map(|codec| {
+                            let bf16 = codecs[codec] == Codec::Bf16;
+                            removals
+                                .iter()
+                                .filter(move |&&r| !bf16 || r == 0.0)
+                                .map(move |&removed| Setting { codec, removed })
+                        })
+                        .collect(),
                     probe_codecs: probe_codecs.clone(),
                     probe_removals: vec![0.25, 0.5, max_removed.min(0.95)],
                     start,
                 },
                 ProbeUnit::Group(_) => Unit {
-                    codecs: (0..codecs.len()).collect(),
-                    removals: vec![0.0],
+                    settings: (0..codecs.len())
+                        .map(|codec| Setting {
+                            codec,
+                            removed: 0.0,
+                        })
+                        .collect(),
                     probe_codecs: probe_codecs.clone(),
                     probe_removals: Vec::new(),
                     start,
@@ -399,7 +417,8 @@ pub fn compress(
                     codec: codecs[s.codec],
                     experts: e,
                     resident,
-                    resident_bytes: resident as u64 * expert_bytes[s.codec],
+                    spare_slots: Some(slots(s.removed) - resident),
+                    resident_bytes: slots(s.removed) as u64 * expert_bytes[s.codec],
                     reservoir_bytes: (e - resident) as u64 * expert_bytes[s.codec],
                     keep: if resident < e {
                         prober.kept(layer, s.removed)

@@ -39,10 +39,8 @@ pub struct CodecOption {
 /// What one unit may be set to and how it is probed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Unit {
-    /// Codecs it may take (indices into [`Problem::codecs`]).
-    pub codecs: Vec<usize>,
-    /// Removal fractions it may take: `[0.0]` for a tensor group.
-    pub removals: Vec<f64>,
+    /// The settings it may take: for a tensor group, codecs with nothing removed.
+    pub settings: Vec<Setting>,
     /// Its probe codecs, coarse to fine (indices into [`Problem::codecs`]).
     pub probe_codecs: Vec<usize>,
     /// Its probe removal fractions (none for a tensor group).
@@ -219,20 +217,7 @@ fn one_round<P: Prober>(
     let current_removed: Vec<f64> = current.iter().map(|s| s.removed).collect();
     let removal = RemovalLaw::fit(&current_removed, &removal_points);
 
-    let settings: Vec<Vec<Setting>> = problem
-        .units
-        .iter()
-        .map(|u| {
-            u.codecs
-                .iter()
-                .flat_map(|&codec| {
-                    u.removals
-                        .iter()
-                        .map(move |&removed| Setting { codec, removed })
-                })
-                .collect()
-        })
-        .collect();
+    let settings: Vec<&Vec<Setting>> = problem.units.iter().map(|u| &u.settings).collect();
     let choices: Vec<Vec<Choice>> = settings
         .iter()
         .enumerate()
@@ -311,12 +296,24 @@ mod tests {
         codec as u64 + 1
     }
 
+    /// Every codec at each of `removals`.
+    fn grid(codecs: &[usize], removals: &[f64]) -> Vec<Setting> {
+        codecs
+            .iter()
+            .flat_map(|&codec| {
+                removals
+                    .iter()
+                    .map(move |&removed| Setting { codec, removed })
+            })
+            .collect()
+    }
+
     /// `n` units of the same choices, starting at `start`.
     fn units(n: usize, removals: &[f64], probe_removals: &[f64], start: Setting) -> Vec<Unit> {
+        let all: Vec<usize> = (0..codecs().len()).collect();
         vec![
             Unit {
-                codecs: (0..codecs().len()).collect(),
-                removals: removals.to_vec(),
+                settings: grid(&all, removals),
                 probe_codecs: vec![0, 3],
                 probe_removals: probe_removals.to_vec(),
                 start,
@@ -399,8 +396,7 @@ mod tests {
         };
         let mut units = units(2, &[0.0, 0.5], &[0.5], start);
         units.push(Unit {
-            codecs: vec![1, 2, 3],
-            removals: vec![0.0],
+            settings: grid(&[1, 2, 3], &[0.0]),
             probe_codecs: vec![1, 3],
             probe_removals: Vec::new(),
             start,

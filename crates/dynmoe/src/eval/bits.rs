@@ -48,9 +48,12 @@ pub struct LayerBits {
     pub experts: usize,
     /// Of which resident.
     pub resident: usize,
+    /// Slots for swaps in flight beside them, held when some experts are not resident
+    /// (the default policy's swaps at a checkpoint).
+    pub spare_slots: usize,
     /// Bytes of one expert at the codec.
     pub expert_bytes: u64,
-    /// Resident expert bytes.
+    /// Resident expert bytes: the resident experts and the spare slots.
     pub resident_bytes: u64,
     /// Reservoir expert bytes.
     pub reservoir_bytes: u64,
@@ -144,6 +147,7 @@ pub fn account(
         config.moe.num_experts,
     );
     let mut layers = Vec::new();
+    let spare = crate::residency::policy::PolicyParams::default().max_swaps;
     for l in config.moe_layers() {
         let (codec, resident) = assignment
             .layers
@@ -157,13 +161,16 @@ pub fn account(
         }
         params_total += (e * 3 * h * i) as u64;
         let resident = resident.min(e);
+        // A layer keeping only some experts holds slots for swaps in flight beside them.
+        let spare_slots = crate::residency::spare_slots(e, resident, spare);
         let row = LayerBits {
             layer: l,
             codec,
             experts: e,
             resident,
+            spare_slots,
             expert_bytes,
-            resident_bytes: resident as u64 * expert_bytes,
+            resident_bytes: (resident + spare_slots) as u64 * expert_bytes,
             reservoir_bytes: (e - resident) as u64 * expert_bytes,
             dense_bytes: layer_dense.get(&l).copied().unwrap_or(0),
         };
@@ -249,9 +256,14 @@ mod tests {
         );
         assert!(q2.resident_bytes < q4.resident_bytes);
         assert_eq!(vq2.codebook_bytes, 65536 * 8 * 2);
+        // Half the experts in the reservoir; resident, the other half and the spare slots
+        // a partial set holds for swaps in flight.
+        let one = half.layers[0].expert_bytes;
+        let spare = half.layers[0].spare_slots as u64;
+        assert!(spare > 0 && vq2.layers[0].spare_slots == 0);
         assert_eq!(
             half.reservoir_bytes,
-            vq2.resident_bytes - half.resident_bytes
+            vq2.resident_bytes - half.resident_bytes + spare * one * half.layers.len() as u64
         );
         for r in [&q4, &q2, &vq2, &half] {
             let layers: u64 = r.layers.iter().map(|l| l.resident_bytes).sum();

@@ -183,10 +183,12 @@ pub fn compressed_bits(dir: &Path) -> Result<CompressedBits, Error> {
         let record = layout.record_size as u64;
         for l in layers.iter().filter_map(|l| by_layer.get(l)) {
             let params = (l.experts * 3 * h * inter) as u64;
+            // Resident: the experts a layer keeps and the spare slots its swaps land in.
+            let held = l.resident + l.spare_slots.unwrap_or(0);
             add(
                 Group::RoutedExperts,
                 params,
-                l.resident as u64 * record,
+                held as u64 * record,
                 l.experts as u64 * record,
             );
         }

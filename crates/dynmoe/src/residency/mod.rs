@@ -215,9 +215,11 @@ pub struct ResidencyReport {
     pub experts_per_layer: usize,
     /// Resident slots per MoE layer (the largest, when layers differ).
     pub resident_per_layer: usize,
-    /// Resident slots of each MoE layer.
+    /// Resident slots of each MoE layer that holds a set (a layer keeping every expert
+    /// holds none: it runs the model's own weights, and counts as all hits).
     pub resident_by_layer: BTreeMap<usize, usize>,
-    /// Spare slots per MoE layer, for loads in flight.
+    /// Spare slots per MoE layer that holds a set, for loads in flight (at most; see
+    /// [`spare_slots`]).
     pub spare_slots_per_layer: usize,
     /// Bytes of host memory in slot buffers over all layers: resident and spare, or only
     /// the spares (the staging of loads) where a set lives in the backend's memory.
@@ -228,7 +230,8 @@ pub struct ResidencyReport {
     pub device_bytes: usize,
     /// MoE layers whose set lives in the backend's memory, routed there.
     pub layers_on_device: usize,
-    /// Unmasked routing probability on resident experts over all of it.
+    /// Unmasked routing probability on resident experts over all of it, in the layers
+    /// that hold a set (1 when none does).
     pub hit_rate: f64,
     /// The same per MoE layer.
     pub hit_rate_per_layer: BTreeMap<usize, f64>,
@@ -256,6 +259,15 @@ struct Inner<B: Backend> {
     since_checkpoint: usize,
     counters: Counters,
     first_error: Option<String>,
+}
+
+/// Spare slots a layer of `experts` keeping `resident` holds for swaps in flight: one per
+/// swap a checkpoint may start, but no more than there are residents to swap out or
+/// experts outside to swap in (none when every expert is resident).
+pub fn spare_slots(experts: usize, resident: usize, max_swaps: usize) -> usize {
+    max_swaps
+        .min(resident)
+        .min(experts.saturating_sub(resident))
 }
 
 /// The resident sets of a model's MoE layers, and everything that changes them.
@@ -305,6 +317,11 @@ impl<B: Backend> Residency<B> {
                     Error::Config(m) => Error::Config(format!("layer {layer}: {m}")),
                     e => e,
                 })?;
+            if k >= experts {
+                // Every expert resident: nothing to swap, and slots would copy the
+                // model's own weights. The layer runs them as it does with no sets.
+                continue;
+            }
             let format = reservoir.format(layer);
             let mut chosen: Vec<u32> = Vec::with_capacity(k);
             for &e in initial.get(&layer).into_iter().flatten() {
@@ -329,7 +346,9 @@ impl<B: Backend> Residency<B> {
                     reservoir.read(layer, e as usize, &mut buf, &mut scratch)? as u64;
                 buffers.push(buf);
             }
-            let spares = (0..spare).map(|_| format.buffer()).collect();
+            let spares = (0..spare_slots(experts, k, spare))
+                .map(|_| format.buffer())
+                .collect();
             let evidence = Evidence::new(experts, config.policy.half_lives);
             sets.insert(
                 layer,
@@ -514,8 +533,9 @@ impl<B: Backend> Residency<B> {
                 .values()
                 .filter(|s| s.device_slots().is_some())
                 .count(),
-            hit_rate: hit / mass.max(f64::MIN_POSITIVE),
-            oracle_hit_rate: oracle / mass.max(f64::MIN_POSITIVE),
+            // Layers without a set miss nothing; with no set at all, nothing is missed.
+            hit_rate: if mass > 0.0 { hit / mass } else { 1.0 },
+            oracle_hit_rate: if mass > 0.0 { oracle / mass } else { 1.0 },
             hit_rate_per_layer: inner
                 .layers
                 .iter()

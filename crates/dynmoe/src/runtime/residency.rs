@@ -132,10 +132,22 @@ pub fn follow_plan<B: Backend>(
     plan: &Plan,
     config: ResidencyConfig,
 ) -> Result<(), SetupError> {
-    let config = ResidencyConfig {
+    // No more swaps in flight than the plan priced slots for: each layer holds
+    // `spare_slots(experts, resident, max_swaps)`, which the plan's own count bounds once
+    // max_swaps does not exceed the largest of them.
+    let priced = plan
+        .layers
+        .iter()
+        .filter(|l| l.resident < l.experts)
+        .filter_map(|l| l.spare_slots)
+        .max();
+    let mut config = ResidencyConfig {
         resident: ResidentCount::Initial,
         ..config
     };
+    if let Some(spare) = priced {
+        config.policy.max_swaps = config.policy.max_swaps.min(spare);
+    }
     for l in &plan.layers {
         m.model.set_expert_mask(l.layer, None)?;
     }

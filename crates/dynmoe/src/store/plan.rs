@@ -33,7 +33,11 @@ pub struct LayerPlan {
     pub experts: usize,
     /// Experts resident at any time.
     pub resident: usize,
-    /// Bytes resident: the resident experts at the layer's codec.
+    /// Slots beside the resident ones for swaps in flight, held by a layer that keeps
+    /// only some of its experts (0 when it keeps them all). Version 1 plans have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spare_slots: Option<usize>,
+    /// Bytes resident: the resident experts and the spare slots at the layer's codec.
     pub resident_bytes: u64,
     /// Bytes of its other experts, kept in the reservoir (RAM or disk).
     pub reservoir_bytes: u64,
@@ -306,6 +310,7 @@ mod tests {
                 codec: ["vq1.5", "q2", "vq2.25"][i].parse().unwrap(),
                 experts: 32,
                 resident: 16 + i,
+                spare_slots: Some(4),
                 resident_bytes: 1000 + i as u64,
                 reservoir_bytes: 900,
                 keep: (0..16 + i as u32).collect(),
