@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
 use dynmoe::backend::Backend;
+use dynmoe::codec::Codec;
 use dynmoe::eval::hitrate::{self, Domain, HitrateOptions, HitrateReport};
 use dynmoe::eval::ppl::PplOptions;
 use dynmoe::model::LoadedModel;
@@ -64,6 +65,11 @@ pub struct ResidencyArgs {
     /// Threads reading incoming experts from the reservoir.
     #[arg(long, default_value_t = 2)]
     pub loader_threads: usize,
+    /// Also hold every expert of a layer that keeps only some resident at this VQ rung
+    /// (e.g. vq1), so that a token routed outside the set runs the expert's shadow
+    /// instead of being confined to the residents. Routing then runs on the host.
+    #[arg(long)]
+    pub shadow: Option<Codec>,
     /// Calibration text for REAP saliency: the static set, and where a dynamic set
     /// starts (without it a dynamic set starts from the lowest expert ids).
     #[arg(long)]
@@ -102,6 +108,12 @@ impl ResidencyArgs {
                     half_lives: [self.half_lives[0], self.half_lives[1]],
                 },
                 loader_threads: self.loader_threads,
+                shadow: match self.shadow {
+                    None => None,
+                    Some(c) => Some(c.rung()?.ok_or_else(|| {
+                        anyhow!("--shadow takes a rung of the VQ ladder (vq0.7 … vq5), not {c}")
+                    })?),
+                },
                 ..ResidencyConfig::default()
             },
             calib: None,

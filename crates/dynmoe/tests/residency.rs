@@ -29,6 +29,7 @@ fn config(mode: Mode, k: usize, reservoir: ReservoirKind) -> ResidencyConfig {
         reservoir,
         policy: PolicyParams::default(),
         loader_threads: 2,
+        shadow: None,
     }
 }
 
@@ -647,4 +648,54 @@ fn checkpoints_count_routed_tokens_across_calls() {
     // One more reaches it.
     m.model.forward(&mut state, &ids[63..64], 0).unwrap();
     assert_eq!(checkpoints(&m), 4);
+}
+
+/// With shadows a token routed outside the resident set runs the expert's shadow instead
+/// of being confined: with 2 of 8 experts resident and shadows at vq5 the model stays
+/// close to every expert resident, where confinement alone is far off; the hit rate counts
+/// the residents only, and the shadows' bytes are reported (codes and norms of
+/// every expert's three matrices, no page padding).
+#[test]
+fn shadows_run_the_experts_outside_the_set() {
+    use dynmoe::codec::vq::{row_bytes, Rung};
+    let mut m = model::load(&fixture("tiny-moe"), Cpu::fast()).unwrap();
+    let ids = tokens(&m);
+    let want = logits(&m, &ids);
+    let run = |m: &mut model::LoadedModel<Cpu>, shadow: Option<Rung>| {
+        let reservoir = m.model.reservoir(ReservoirKind::Ram).unwrap();
+        let config = ResidencyConfig {
+            shadow,
+            ..config(Mode::Static, 2, ReservoirKind::Ram)
+        };
+        let res = m
+            .model
+            .new_residency(reservoir, config, &residents())
+            .unwrap();
+        m.model.set_residency(Some(res));
+        let err = rel_err(&logits(m, &ids), &want);
+        let report = m.model.set_residency(None).unwrap().report();
+        (err, report)
+    };
+    let (confined, plain) = run(&mut m, None);
+    let vq5 = Rung::parse("vq5").unwrap();
+    let (shadowed, report) = run(&mut m, Some(vq5));
+    println!("rel err to every expert resident: confined {confined:.3}, shadows {shadowed:.4}");
+    assert!(
+        shadowed < 0.05 && shadowed * 10.0 < confined,
+        "{shadowed} vs {confined}"
+    );
+    assert_eq!(plain.shadow_bytes, 0);
+    // Tokens did route outside the set: the shadows ran.
+    assert!(report.hit_rate < 0.99, "{}", report.hit_rate);
+    let c = &m.model.config;
+    let (h, i, e) = (c.hidden_size, c.moe.expert_intermediate, c.moe.num_experts);
+    let matrix = |rows: usize, cols: usize| {
+        let block = dynmoe::codec::vq::rotation::block_size(cols);
+        rows * row_bytes(vq5, cols) + 2 * rows * cols.div_ceil(block)
+    };
+    let layers = c.moe_layers().count();
+    assert_eq!(
+        report.shadow_bytes,
+        layers * e * (2 * matrix(i, h) + matrix(h, i))
+    );
 }

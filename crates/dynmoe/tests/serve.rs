@@ -609,6 +609,7 @@ fn a_shared_resident_set_reports_its_hit_rate_in_metrics() {
         reservoir: ReservoirKind::Ram,
         policy: PolicyParams::default(),
         loader_threads: 1,
+        shadow: None,
     };
     let res = m
         .model

@@ -101,6 +101,11 @@ pub struct HitrateReport {
     pub resident_per_layer: usize,
     /// Spare slots per MoE layer of the dynamic runs.
     pub spare_slots_per_layer: usize,
+    /// The rung of the shadows every expert outside a set ran at, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<String>,
+    /// Bytes the shadows held, over all layers (0 without).
+    pub shadow_bytes: usize,
     /// Where the dynamic runs' reservoir was.
     pub reservoir: residency::ReservoirKind,
     /// The policy of the dynamic runs.
@@ -193,7 +198,7 @@ pub fn hitrate_grid<B: Backend>(
 
     let reservoir = m.model.reservoir(opts.residency.reservoir)?;
     let mut cells = Vec::with_capacity(n * n);
-    let (mut k, mut spare) = (0, 0);
+    let (mut k, mut spare, mut shadow_bytes) = (0, 0, 0);
     for (a, ranking) in domains.iter().zip(&rankings) {
         for b in domains {
             let mut runs = Vec::with_capacity(2);
@@ -218,6 +223,7 @@ pub fn hitrate_grid<B: Backend>(
                 let r = r?;
                 let report = res.report();
                 k = report.resident_per_layer;
+                shadow_bytes = report.shadow_bytes;
                 if mode == Mode::Dynamic {
                     spare = report.spare_slots_per_layer;
                 }
@@ -237,6 +243,8 @@ pub fn hitrate_grid<B: Backend>(
         experts_per_layer: m.model.config.moe.num_experts,
         resident_per_layer: k,
         spare_slots_per_layer: spare,
+        shadow: opts.residency.shadow.map(|r| r.name()),
+        shadow_bytes,
         reservoir: opts.residency.reservoir,
         policy: opts.residency.policy,
         ctx: opts.ppl.ctx,

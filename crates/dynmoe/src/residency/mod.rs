@@ -21,6 +21,7 @@
 pub mod policy;
 pub mod reservoir;
 pub mod set;
+mod shadow;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -102,6 +103,11 @@ pub struct ResidencyConfig {
     pub policy: PolicyParams,
     /// Loader threads.
     pub loader_threads: usize,
+    /// A rung of the VQ ladder at which a layer that keeps only some experts also holds
+    /// every expert, always: a token routed outside the set runs the expert's shadow
+    /// instead of being confined to the residents. `None`: confined (the paper's
+    /// policy).
+    pub shadow: Option<crate::codec::vq::Rung>,
 }
 
 impl Default for ResidencyConfig {
@@ -112,6 +118,7 @@ impl Default for ResidencyConfig {
             reservoir: ReservoirKind::Ram,
             policy: PolicyParams::default(),
             loader_threads: 2,
+            shadow: None,
         }
     }
 }
@@ -224,6 +231,8 @@ pub struct ResidencyReport {
     /// Bytes of host memory in slot buffers over all layers: resident and spare, or only
     /// the spares (the staging of loads) where a set lives in the backend's memory.
     pub slot_bytes: usize,
+    /// Bytes of the shadows held beside the sets (0 without shadows).
+    pub shadow_bytes: usize,
     /// Bytes the reservoir holds in RAM (0 on disk).
     pub reservoir_ram_bytes: usize,
     /// Bytes of the backend's memory the sets live in (0 where they live on the host).
@@ -350,19 +359,18 @@ impl<B: Backend> Residency<B> {
                 .map(|_| format.buffer())
                 .collect();
             let evidence = Evidence::new(experts, config.policy.half_lives);
-            sets.insert(
-                layer,
-                LayerSet::new(
-                    b,
-                    format,
-                    experts,
-                    &chosen,
-                    buffers,
-                    spares,
-                    evidence,
-                    on_device.contains(&layer).then_some(top_k),
-                ),
+            let shadows = config
+                .shadow
+                .map(|rung| shadow::shadows(&reservoir, layer, experts, rung))
+                .transpose()?;
+            // The backend's routing confines to the residents: a layer with shadows
+            // routes on the host.
+            let on_device = (on_device.contains(&layer) && shadows.is_none()).then_some(top_k);
+            let mut set = LayerSet::new(
+                b, format, experts, &chosen, buffers, spares, evidence, on_device,
             );
+            set.shadows = shadows;
+            sets.insert(layer, set);
         }
         let loader = (config.mode == Mode::Dynamic)
             .then(|| Loader::new(reservoir.clone(), config.loader_threads));
@@ -526,6 +534,12 @@ impl<B: Backend> Residency<B> {
             resident_by_layer,
             spare_slots_per_layer: self.spare,
             slot_bytes: inner.layers.values().map(|s| s.slot_bytes()).sum(),
+            shadow_bytes: inner
+                .layers
+                .values()
+                .filter_map(|s| s.shadows.as_ref())
+                .map(shadow::shadow_bytes)
+                .sum(),
             reservoir_ram_bytes: self.reservoir.ram_bytes(),
             device_bytes: inner.layers.values().map(|s| s.device_bytes()).sum(),
             layers_on_device: inner

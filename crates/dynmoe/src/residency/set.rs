@@ -9,6 +9,7 @@ use crate::checkpoint::config::Router;
 use crate::store::reader::record_view;
 use crate::store::records::{words_as_bytes, Buffer, RecordFormat};
 use crate::store::vq::record_views;
+use crate::store::vq_encode::VqExperts;
 
 /// What a slot holds for the kernels: f32 tensors on the backend, a store's record
 /// (affine or VQ, as the layer's format says) in host memory, viewed in place, or the
@@ -62,6 +63,9 @@ pub struct LayerSet<B: Backend> {
     /// Probability on each token's own K most probable experts: what no set of K
     /// experts can beat.
     pub(super) oracle: f64,
+    /// Every expert at a low rung, run for a token routed outside the residents: with
+    /// shadows routing is never confined.
+    pub(super) shadows: Option<VqExperts>,
 }
 
 /// The words of a store record's buffer.
@@ -152,6 +156,7 @@ impl<B: Backend> LayerSet<B> {
             hit: 0.0,
             mass: 0.0,
             oracle: 0.0,
+            shadows: None,
         }
     }
 
@@ -302,11 +307,11 @@ impl<B: Backend> LayerSet<B> {
         let e = self.resident.len();
         (0..rows)
             .map(|r| {
-                route(
-                    &confine(&probs[r * e..(r + 1) * e], &self.resident),
-                    top_k,
-                    router,
-                )
+                let p = &probs[r * e..(r + 1) * e];
+                match self.shadows {
+                    Some(_) => route(p, top_k, router),
+                    None => route(&confine(p, &self.resident), top_k, router),
+                }
             })
             .collect()
     }
@@ -345,7 +350,13 @@ impl<B: Backend> LayerSet<B> {
         scales: &'a [f32],
     ) -> SwiGluGroup<'a, B::Matrix> {
         let s = self.slot_of[e];
-        assert!(s != usize::MAX, "expert {e} routed but not resident");
+        if s == usize::MAX {
+            let shadows = self
+                .shadows
+                .as_ref()
+                .unwrap_or_else(|| panic!("expert {e} routed but not resident"));
+            return SwiGluGroup::of_vq(shadows.expert(e), rows, scales);
+        }
         match (&self.slots[s], self.format) {
             (Slot::Dense([g, u, d]), RecordFormat::Dense { intermediate, .. }) => SwiGluGroup {
                 gate: Weight::Dense(g),

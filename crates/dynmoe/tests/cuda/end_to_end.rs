@@ -222,6 +222,7 @@ fn check_resident_sets(
                 half_lives: [4.0, 16.0],
             },
             loader_threads: 2,
+            shadow: None,
         };
         let reservoir = dev.model.reservoir(kind).unwrap();
         let res = dev
