@@ -192,7 +192,9 @@ def quality():
              resident bytes of the {d['scope']} over their parameters, here with the codebooks
              included once per rung, as they were counted when this run was made (they are
              now constants of the program, outside every budget, so a run today reports fewer
-             bits for the VQ rows); the probes ran on {d['calib_chunks_per_text']} calibration chunks per
+             bits for the VQ rows; and plans now price a VQ expert at its store record, whole
+             16 KiB pages, and a partial layer's spare slots, so a run today makes other
+             plans: see the whole-model section below); the probes ran on {d['calib_chunks_per_text']} calibration chunks per
              domain; perplexity and KL divergence to bf16 on the first
              {d['eval_chunks_per_text']} chunks of each domain's test split and of WikiText-2.
              Geomean and KLD summarise the five domains. WikiText-2 has its own columns: the
@@ -331,6 +333,25 @@ def residency_small():
              f"`{v['grid_command']}`")]:
         hit, ppl, totals = hitrate_grid(g)
         out += sub(title, hit, ppl, totals, source(files, cmd))
+    sh = load("hitrate_shadows.json")
+    hit, ppl, totals = hitrate_grid(sh)
+    per_expert = 2 * 3 * 256 * 80
+    out += sub(
+        f"Shadows: {sh['resident_per_layer']} of {sh['experts_per_layer']} bf16 experts "
+        f"resident and every expert at {sh['shadow']}",
+        para(f"""The same grid with every expert of each layer also held at {sh['shadow']}
+             ({num(sh['shadow_bytes'])} bytes over the six layers, about
+             {sh['shadow_bytes'] / 6 / per_expert:.1f} bf16 experts a layer), and
+             {sh['resident_per_layer']} resident instead of {a['resident_per_layer']}: a layer
+             holds {num(sh['resident_per_layer'] * per_expert + sh['shadow_bytes'] / 6)} bytes
+             of experts and shadows against the 50% set's
+             {num(a['resident_per_layer'] * per_expert)} (experts priced at bf16; both run
+             their slots as f32, and both hold the same spare slots). A token routed outside the set runs the expert's shadow
+             instead of being confined to the residents. Hit rate counts the residents
+             only, as above."""),
+        hit, ppl, totals,
+        source(["hitrate_shadows.json"], hit_cmd.replace("--resident-fraction 0.5",
+               "--resident-count 13 --shadow vq1").replace("hitrate.json", "hitrate_shadows.json")))
     rows = []
     for label, r, cmd in ([(x["precision"], x, x["command"]) for x in disk["runs"]]
                           + [("vq2", v["decode"], v["decode_command"])]):

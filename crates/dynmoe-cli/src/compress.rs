@@ -55,6 +55,11 @@ pub struct CompressArgs {
     /// experts keeps them bf16.
     #[arg(long)]
     dense_codec: Option<Codec>,
+    /// Give every layer that keeps only some experts shadows at this VQ rung (e.g. vq1):
+    /// every expert also held at the rung, priced in the budget, and run for a token
+    /// routed outside the set instead of confining its routing. The probes run with them.
+    #[arg(long)]
+    shadow: Option<Codec>,
     /// Print the plan as JSON.
     #[arg(long)]
     json: bool,
@@ -83,6 +88,7 @@ pub fn compress(a: CompressArgs) -> Result<()> {
         chunks: a.chunks,
         ctx: 512,
         dense_codec: a.dense_codec,
+        shadow: a.shadow,
     };
     let quiet = a.json;
     let progress = |msg: &str| {

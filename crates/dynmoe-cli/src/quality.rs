@@ -91,6 +91,10 @@ pub struct QualityArgs {
     /// layer's dense weights too and the uniform recipes code every tensor.
     #[arg(long, value_enum, default_value = "experts")]
     scope: ScopeArg,
+    /// With `--scope model`: also plan every budget with shadows at this VQ rung (priced;
+    /// the probes and the runs use them), beside the plans without.
+    #[arg(long)]
+    shadow: Option<Codec>,
 }
 
 /// One layer's setting in a row: codecs of gate, up and down, and resident experts.
@@ -463,6 +467,7 @@ pub fn quality(a: QualityArgs) -> Result<()> {
                 chunks: a.calib_chunks,
                 ctx: 512,
                 dense_codec: None,
+                shadow: None,
             };
             let say = |msg: &str| eprintln!("[ISP {bits} b, {rounds} round(s)] {msg}");
             let plan = compress::compress(&dir, &calib, &out, &opts, &say, &say)
@@ -612,8 +617,10 @@ fn whole_model_rows(
             .map(|(g, c)| (g.to_string(), *c))
             .collect::<BTreeMap<_, _>>()
     };
-    for &bits in &a.budgets {
-        let out = a.work.join(format!("model-isp-{bits}"));
+    let variants = std::iter::once(None).chain(a.shadow.map(Some));
+    for (shadow, &bits) in variants.flat_map(|s| a.budgets.iter().map(move |b| (s, b))) {
+        let tag = shadow.map_or(String::new(), |c| format!("-shadow-{c}"));
+        let out = a.work.join(format!("model-isp-{bits}{tag}"));
         std::fs::create_dir_all(&out)?;
         let opts = CompressOptions {
             bits,
@@ -623,8 +630,9 @@ fn whole_model_rows(
             chunks: a.calib_chunks,
             ctx: 512,
             dense_codec: None,
+            shadow,
         };
-        let say = |msg: &str| eprintln!("[ISP whole model {bits} b] {msg}");
+        let say = |msg: &str| eprintln!("[ISP whole model {bits} b{tag}] {msg}");
         let plan = compress::compress(&dir, calib, &out, &opts, &say, &say)
             .with_context(|| format!("compressing to {bits} bits over the whole model"))?;
         let layers = Bench::plan_layers(&plan);
@@ -633,16 +641,14 @@ fn whole_model_rows(
             Ok(follow_plan(m, &plan, ResidencyConfig::default())?)
         };
         let whole = Some((plan.resident_bits(), names(&plan.groups)));
-        let method = format!("ISP whole model, {bits} b, dynamic");
-        rows.push(b.score(
-            &mut m,
-            method,
-            "isp-model",
-            Some(bits),
-            layers,
-            whole,
-            &reset,
-        )?);
+        let (method, family) = match shadow {
+            None => (format!("ISP whole model, {bits} b, dynamic"), "isp-model"),
+            Some(c) => (
+                format!("ISP whole model + {c} shadows, {bits} b, dynamic"),
+                "isp-model-shadows",
+            ),
+        };
+        rows.push(b.score(&mut m, method, family, Some(bits), layers, whole, &reset)?);
     }
     let (q4, q2) = (Codec::Affine { bits: 4 }, Codec::Affine { bits: 2 });
     let converted = convert(&dir, &a.work.join("converted"))?;
@@ -740,6 +746,7 @@ fn plot(r: &Report) -> Plot {
         ("isp2", "ISP, 2 rounds, dynamic"),
         ("isp1", "ISP, 1 round, dynamic"),
         ("isp-model", "ISP, every tensor allocated, dynamic"),
+        ("isp-model-shadows", "the same with shadows"),
         ("static", "static REAP, same plan"),
         ("heuristic", "heuristic (down +0.5 b)"),
         ("vq", "uniform VQ"),

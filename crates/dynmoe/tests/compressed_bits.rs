@@ -65,6 +65,7 @@ fn check(dense_codec: &str, bits: f64) {
         chunks: 1,
         ctx: 128,
         dense_codec: Some(dense_codec.parse::<Codec>().unwrap()),
+        shadow: None,
     };
     let calib = [("code".to_string(), calib)];
     let plan = compress(&src, &calib, out.dir(), &opts, &|_| {}, &|_| {}).unwrap();

@@ -33,6 +33,7 @@ fn run(model: &Path, calib: &Path, out: &Path) -> Run {
         chunks: 1,
         ctx: 128,
         dense_codec: None,
+        shadow: None,
     };
     let text = std::fs::read_to_string(calib).unwrap();
     let journal = out.join("probes.jsonl");

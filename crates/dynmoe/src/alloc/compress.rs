@@ -60,6 +60,9 @@ pub struct CompressOptions {
     /// weights are a tensor group the allocator gives a codec, as it does the
     /// embeddings and the LM head; under [`BudgetScope::Experts`] they stay bf16.
     pub dense_codec: Option<Codec>,
+    /// The VQ rung of shadows: every layer that keeps only some experts also holds every
+    /// expert at this rung (priced in the budget), and its probes run with them.
+    pub shadow: Option<Codec>,
 }
 
 /// Why compression stopped.
@@ -141,6 +144,12 @@ pub fn compress(
     if let Some(c) = opts.dense_codec {
         crate::store::dense_vq::rung_of(c).map_err(CompressError::Plan)?;
     }
+    let shadow_rung = match opts.shadow {
+        None => None,
+        Some(c) => Some(c.rung()?.ok_or_else(|| {
+            CompressError::Plan(format!("shadows take a rung of the VQ ladder, not {c}"))
+        })?),
+    };
     std::fs::create_dir_all(out).map_err(|source| {
         CompressError::Model(Error::from(crate::checkpoint::Error::Io {
             path: out.to_path_buf(),
@@ -202,6 +211,10 @@ pub fn compress(
         }
     };
     let prober = prober.with_groups(&groups)?;
+    let prober = match shadow_rung {
+        Some(rung) => prober.with_shadow(rung),
+        None => prober,
+    };
     let (e, top_k) = (config.moe.num_experts, config.moe.top_k);
     let (h, inter) = (config.hidden_size, config.moe.expert_intermediate);
     let fixed_dense = opts.dense_codec.unwrap_or(Codec::Bf16);
@@ -253,6 +266,18 @@ pub fn compress(
         let k = resident_count(e, top_k, removed);
         k + crate::residency::spare_slots(e, k, spare)
     };
+    // Shadows: every expert of a layer that keeps only some, at their codes' size.
+    let shadow_expert = match opts.shadow {
+        Some(c) => 2 * c.matrix_bytes(inter, h)? + c.matrix_bytes(h, inter)?,
+        None => 0,
+    };
+    let shadow_bytes = |removed: f64| -> u64 {
+        if resident_count(e, top_k, removed) < e {
+            e as u64 * shadow_expert
+        } else {
+            0
+        }
+    };
     let units = prober.units().to_vec();
     // Bytes of every unit at every codec, priced once.
     let unit_bytes: Vec<Vec<u64>> = units
@@ -263,7 +288,9 @@ pub fn compress(
         })
         .collect::<Result<_, CodecError>>()?;
     let price = |unit: usize, s: Setting| match units[unit] {
-        ProbeUnit::Experts(_) => slots(s.removed) as u64 * unit_bytes[unit][s.codec],
+        ProbeUnit::Experts(_) => {
+            slots(s.removed) as u64 * unit_bytes[unit][s.codec] + shadow_bytes(s.removed)
+        }
         ProbeUnit::Group(_) => unit_bytes[unit][s.codec],
     };
     // Refused before any probe: every unit at its cheapest, beside the fixed bytes.
@@ -275,6 +302,7 @@ pub fn compress(
                 ProbeUnit::Experts(_) => {
                     slots(max_removed) as u64
                         * unit_bytes[i][..expert_codecs].iter().min().unwrap_or(&0)
+                        + shadow_bytes(max_removed)
                 }
                 ProbeUnit::Group(_) => unit_bytes[i].iter().copied().min().unwrap_or(0),
             })
@@ -320,7 +348,9 @@ pub fn compress(
     let dense_context = match opts.dense_codec {
         None | Some(Codec::Bf16) => String::new(),
         Some(c) => format!(" | dense {c}"),
-    };
+    } + &opts
+        .shadow
+        .map_or(String::new(), |c| format!(" | shadows {c}"));
     let unit_names: Vec<String> = units.iter().map(|u| u.to_string()).collect();
     let context = format!(
         "checkpoint {} | calib {} | ctx {} chunks {} | {:?} | units {}{dense_context}",
@@ -418,7 +448,9 @@ pub fn compress(
                     experts: e,
                     resident,
                     spare_slots: Some(slots(s.removed) - resident),
-                    resident_bytes: slots(s.removed) as u64 * expert_bytes[s.codec],
+                    shadow_bytes: shadow_bytes(s.removed),
+                    resident_bytes: slots(s.removed) as u64 * expert_bytes[s.codec]
+                        + shadow_bytes(s.removed),
                     reservoir_bytes: (e - resident) as u64 * expert_bytes[s.codec],
                     keep: if resident < e {
                         prober.kept(layer, s.removed)
@@ -451,6 +483,7 @@ pub fn compress(
         params_total: denominator,
         dense_codec: fixed_dense,
         groups: chosen_groups,
+        shadow: opts.shadow,
         dense_bytes,
         resident_bytes,
         reservoir_bytes: layers.iter().map(|l| l.reservoir_bytes).sum(),

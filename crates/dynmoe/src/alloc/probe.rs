@@ -63,6 +63,10 @@ pub struct ModelProber {
     encoded: Mutex<HashMap<(usize, Codec), VqExperts>>,
     /// The dense linear layers every probed model runs coded (none: bf16).
     dense: CodedLayers,
+    /// The rung of the shadows a layer with experts removed holds, if any.
+    shadow: Option<crate::codec::vq::Rung>,
+    /// Each MoE layer's shadows, encoded once.
+    shadows: Mutex<HashMap<usize, VqExperts>>,
 }
 
 /// Saliency over several texts: per expert, the token-weighted mean of each text's.
@@ -122,6 +126,8 @@ impl ModelProber {
             opts,
             encoded: Mutex::new(HashMap::new()),
             dense: CodedLayers::new(),
+            shadow: None,
+            shadows: Mutex::new(HashMap::new()),
         })
     }
 
@@ -166,6 +172,24 @@ impl ModelProber {
             self.units.push(ProbeUnit::Group(group));
         }
         Ok(self)
+    }
+
+    /// Probes a layer with experts removed as it runs with shadows: every expert also held
+    /// at `rung`, and a token routed outside the kept experts running its shadow.
+    pub fn with_shadow(mut self, rung: crate::codec::vq::Rung) -> ModelProber {
+        self.shadow = Some(rung);
+        self
+    }
+
+    /// The shadows of `layer` at the prober's shadow rung (encoded once).
+    fn shadows_of(&self, layer: usize, rung: crate::codec::vq::Rung) -> Result<VqExperts, Error> {
+        let cache = || self.shadows.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = cache().get(&layer) {
+            return Ok(s.clone());
+        }
+        let s = encode_experts(&self.config, &self.ckpt, layer, rung)?;
+        cache().insert(layer, s.clone());
+        Ok(s)
     }
 
     /// What each entry of a settings vector sets.
@@ -296,14 +320,21 @@ impl ModelProber {
                 }
             }
         }
-        assemble(
+        let mut m = assemble(
             &self.dir,
             self.config.clone(),
             &self.ckpt,
             &vq,
             &dense,
             &keep,
-        )
+        )?;
+        if let Some(rung) = self.shadow {
+            for &layer in keep.keys() {
+                let s = self.shadows_of(layer, rung)?;
+                m.model.set_expert_shadows(layer, Some(s))?;
+            }
+        }
+        Ok(m)
     }
 }
 
@@ -358,7 +389,22 @@ pub fn load_plan(
     let vq = crate::model::stored_vq_experts(dir, &config, &ckpt, &rungs, progress)?;
     let dense =
         crate::model::coded_layers(dir, &ckpt, &config, &plan.group_codecs(), false, progress)?;
-    assemble(dir, config, &ckpt, &vq, &dense, &keep)
+    let mut m = assemble(dir, config, &ckpt, &vq, &dense, &keep)?;
+    if let Some(rung) = plan
+        .shadow
+        .map(|c| c.rung())
+        .transpose()
+        .map_err(|source| Error::Encode {
+            tensor: "plan shadow".into(),
+            source,
+        })?
+    {
+        for &layer in keep.keys() {
+            let s = encode_experts(&m.model.config, &ckpt, layer, rung.expect("a VQ rung"))?;
+            m.model.set_expert_shadows(layer, Some(s))?;
+        }
+    }
+    Ok(m)
 }
 
 /// Resident experts of a layer of `experts` when a share `removed` goes: rounded to the

@@ -228,6 +228,7 @@ mod tests {
             shared_expert: None,
             shared_expert_gate: None,
             keep: None,
+            shadows: None,
             source: Box::new(LayerSource {
                 format: RecordFormat::Dense {
                     dtype: safetensors::Dtype::F32,

@@ -188,7 +188,7 @@ pub fn compressed_bits(dir: &Path) -> Result<CompressedBits, Error> {
             add(
                 Group::RoutedExperts,
                 params,
-                held as u64 * record,
+                held as u64 * record + l.shadow_bytes,
                 l.experts as u64 * record,
             );
         }

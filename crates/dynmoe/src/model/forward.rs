@@ -226,6 +226,24 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Gives MoE layer `layer`'s experts shadows (every expert at a low rung): with a
+    /// static mask ([`set_expert_mask`](Self::set_expert_mask)) routing is then not
+    /// confined, and an expert outside the mask runs its shadow. `None` removes them.
+    pub fn set_expert_shadows(
+        &mut self,
+        layer: usize,
+        shadows: Option<VqExperts>,
+    ) -> Result<(), Error> {
+        match self.layers.get_mut(layer).map(|l| &mut l.mlp) {
+            Some(Ffn::Moe(m)) => {
+                m.shadows = shadows;
+                self.epoch += 1;
+                Ok(())
+            }
+            _ => Err(Error::Config(format!("layer {layer} is not a MoE layer"))),
+        }
+    }
+
     /// The resident sets in use.
     pub fn residency(&self) -> Option<&Residency<B>> {
         self.residency.as_ref()

@@ -108,9 +108,9 @@ pub fn forward<B: Backend>(
         Some(ref mut s) => s.route(&probs, rows, top_k, router, track),
         None => probs
             .par_chunks(e)
-            .map(|p| match &moe.keep {
-                Some(keep) => route(&confine(p, keep), top_k, router),
-                None => route(p, top_k, router),
+            .map(|p| match (&moe.keep, &moe.shadows) {
+                (Some(keep), None) => route(&confine(p, keep), top_k, router),
+                _ => route(p, top_k, router),
             })
             .collect(),
     };
@@ -138,10 +138,15 @@ pub fn forward<B: Backend>(
         .iter()
         .enumerate()
         .filter(|(_, (tokens, _))| !tokens.is_empty())
-        .map(|(e, (tokens, scales))| match set {
-            Some(s) => s.group(e, tokens, scales),
-            None => expert_group(&moe.experts, e, tokens, scales),
-        })
+        .map(
+            |(e, (tokens, scales))| match (set, &moe.keep, &moe.shadows) {
+                (Some(s), ..) => s.group(e, tokens, scales),
+                (None, Some(keep), Some(shadows)) if !keep[e] => {
+                    SwiGluGroup::of_vq(shadows.expert(e), tokens, scales)
+                }
+                _ => expert_group(&moe.experts, e, tokens, scales),
+            },
+        )
         .collect();
     if let Some(shared) = &moe.shared_expert {
         groups.push(group(shared, &all, &shared_scales));
@@ -173,7 +178,8 @@ pub fn forward_on_device<B: Backend>(
     probs_at: usize,
     slots: Option<&B::Slots>,
 ) -> bool {
-    if !routable_on_device(moe) {
+    // The device's routing confines to `keep`; shadows run on the host.
+    if !routable_on_device(moe) || (moe.keep.is_some() && moe.shadows.is_some()) {
         return false;
     }
     let Some(gate) = moe.gate.dense() else {

@@ -116,6 +116,10 @@ pub struct Moe<B: Backend> {
     /// Experts a plan removed, without resident slots: routing is confined to the ones
     /// marked `true` (their logits kept, the others' set to −∞). `None`: every expert.
     pub keep: Option<Vec<bool>>,
+    /// Every expert at a low rung of the VQ ladder: with `keep`, routing is then not
+    /// confined, and an expert outside `keep` runs its shadow (docs/ARCHITECTURE.md,
+    /// Residency).
+    pub shadows: Option<VqExperts>,
 }
 
 /// Feed-forward block of a layer.
@@ -424,6 +428,7 @@ pub fn layer_with<B: Backend>(
                 shared_expert_gate,
                 source: Box::new(source),
                 keep: None,
+                shadows: None,
             })
         }
     };

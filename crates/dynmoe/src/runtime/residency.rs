@@ -148,6 +148,10 @@ pub fn follow_plan<B: Backend>(
     if let Some(spare) = priced {
         config.policy.max_swaps = config.policy.max_swaps.min(spare);
     }
+    // The plan's shadows, which it priced.
+    if let Some(c) = plan.shadow {
+        config.shadow = c.rung().ok().flatten();
+    }
     for l in &plan.layers {
         m.model.set_expert_mask(l.layer, None)?;
     }

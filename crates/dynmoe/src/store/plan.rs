@@ -21,6 +21,10 @@ pub const FORMAT: &str = "dynmoe-plan";
 /// but the dense layers (no `groups`).
 pub const VERSION: u32 = 2;
 
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
 /// One MoE layer's setting.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -37,7 +41,12 @@ pub struct LayerPlan {
     /// only some of its experts (0 when it keeps them all). Version 1 plans have none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spare_slots: Option<usize>,
-    /// Bytes resident: the resident experts and the spare slots at the layer's codec.
+    /// Bytes of the layer's shadows (every expert at the plan's shadow rung), held when
+    /// it keeps only some experts; part of `resident_bytes`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub shadow_bytes: u64,
+    /// Bytes resident: the resident experts and the spare slots at the layer's codec,
+    /// and its shadows.
     pub resident_bytes: u64,
     /// Bytes of its other experts, kept in the reservoir (RAM or disk).
     pub reservoir_bytes: u64,
@@ -73,6 +82,10 @@ pub struct Plan {
     /// head stay bf16 unless listed.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub groups: BTreeMap<CodedGroup, Codec>,
+    /// The VQ rung of the shadows every layer that keeps only some experts holds: a token
+    /// routed outside its set runs the expert's shadow. `None`: routing is confined.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<Codec>,
     /// Resident bytes outside the routed experts: embeddings, LM head, attention,
     /// norms, routers, shared experts.
     pub dense_bytes: u64,
@@ -206,6 +219,14 @@ impl Plan {
         if let Err(why) = takes(self.dense_codec) {
             return Err(field("dense_codec".into(), why));
         }
+        if let Some(c) = self.shadow {
+            if !matches!(c.rung(), Ok(Some(_))) {
+                return Err(field(
+                    "shadow".into(),
+                    format!("{c} is not a rung of the VQ ladder"),
+                ));
+            }
+        }
         for (group, &codec) in &self.groups {
             if let Err(why) = takes(codec) {
                 return Err(field(format!("groups.{group}"), why));
@@ -311,6 +332,7 @@ mod tests {
                 experts: 32,
                 resident: 16 + i,
                 spare_slots: Some(4),
+                shadow_bytes: 0,
                 resident_bytes: 1000 + i as u64,
                 reservoir_bytes: 900,
                 keep: (0..16 + i as u32).collect(),
@@ -331,6 +353,7 @@ mod tests {
                 (CodedGroup::Dense(1), "vq2".parse().unwrap()),
             ]
             .into(),
+            shadow: None,
             dense_bytes: 500,
             resident_bytes: resident,
             reservoir_bytes: 2700,
@@ -383,6 +406,7 @@ mod tests {
                 "groups.embedding",
                 Box::new(|v| v["groups"]["embedding"] = "vq0.1".into()),
             ),
+            ("shadow", Box::new(|v| v["shadow"] = "q4".into())),
             (
                 "tensor group",
                 Box::new(|v| v["groups"]["layers.x.dense"] = "q4".into()),
