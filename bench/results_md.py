@@ -243,9 +243,10 @@ def quality_model():
              are in the JSON."""),
         table(["method", "bits"] + DOMAINS + ["geomean", "worst", "KLD", "embedding",
                                               "LM head", "attention", "hit rate"], rows),
+        [f"Left out: {why}" for why in d.get("left_out", [])],
         ["![Perplexity against whole-model bits](../bench/results/quality_model.svg)"],
         source(["quality_model.json"], "`dynmoe bench quality --scope model --budgets "
-               "1.5,2,2.5,3,4 --uniform vq1,vq1.5,vq2,vq2.5,vq3,vq4 --out "
+               "1.5,2,2.5,3,4 --uniform vq1,vq1.5,vq2,vq2.5,vq3,vq4 --shadow vq1,vq0.7 --out "
                "bench/results/quality_model.json --svg bench/results/quality_model.svg "
                "--work target/bench-quality-model`"))
 

@@ -91,10 +91,10 @@ pub struct QualityArgs {
     /// layer's dense weights too and the uniform recipes code every tensor.
     #[arg(long, value_enum, default_value = "experts")]
     scope: ScopeArg,
-    /// With `--scope model`: also plan every budget with shadows at this VQ rung (priced;
-    /// the probes and the runs use them), beside the plans without.
-    #[arg(long)]
-    shadow: Option<Codec>,
+    /// With `--scope model`: also plan every budget with shadows at each of these VQ
+    /// rungs (priced; the probes and the runs use them), beside the plans without.
+    #[arg(long, value_delimiter = ',')]
+    shadow: Vec<Codec>,
 }
 
 /// One layer's setting in a row: codecs of gate, up and down, and resident experts.
@@ -141,6 +141,9 @@ struct Report {
     eval_chunks_per_text: usize,
     texts: Vec<String>,
     rows: Vec<Row>,
+    /// Rows that could not be made, and why (a budget below the smallest plan).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    left_out: Vec<String>,
 }
 
 /// The model under test and everything that makes its rows: the checkpoint, the
@@ -433,6 +436,7 @@ pub fn quality(a: QualityArgs) -> Result<()> {
     let no_reset = |_: &mut LoadedModel<Cpu>| Ok(());
 
     let whole_model = matches!(a.scope, ScopeArg::Model);
+    let mut left_out = Vec::new();
     let bf16 = b.uniform([Codec::Bf16; 3]);
     let mut m = model::load(&dir, Cpu::fast())?;
     rows.push(b.score(
@@ -446,7 +450,7 @@ pub fn quality(a: QualityArgs) -> Result<()> {
     )?);
 
     if whole_model {
-        whole_model_rows(&a, &mut b, &calib, &mut rows)?;
+        whole_model_rows(&a, &mut b, &calib, &mut rows, &mut left_out)?;
     }
     for &bits in a.budgets.iter().filter(|_| !whole_model) {
         let mut plans = Vec::new();
@@ -585,6 +589,7 @@ pub fn quality(a: QualityArgs) -> Result<()> {
         eval_chunks_per_text: a.eval_chunks,
         texts: b.texts.iter().map(|(n, _)| n.clone()).collect(),
         rows,
+        left_out,
     };
     publish(&a, &report)?;
     eprintln!("{:.0} s", start.elapsed().as_secs_f64());
@@ -600,6 +605,7 @@ fn whole_model_rows(
     b: &mut Bench,
     calib: &[(String, String)],
     rows: &mut Vec<Row>,
+    left_out: &mut Vec<String>,
 ) -> Result<()> {
     let dir = b.dir.clone();
     let no_reset = |_: &mut LoadedModel<Cpu>| Ok(());
@@ -617,7 +623,7 @@ fn whole_model_rows(
             .map(|(g, c)| (g.to_string(), *c))
             .collect::<BTreeMap<_, _>>()
     };
-    let variants = std::iter::once(None).chain(a.shadow.map(Some));
+    let variants = std::iter::once(None).chain(a.shadow.iter().copied().map(Some));
     for (shadow, &bits) in variants.flat_map(|s| a.budgets.iter().map(move |b| (s, b))) {
         let tag = shadow.map_or(String::new(), |c| format!("-shadow-{c}"));
         let out = a.work.join(format!("model-isp-{bits}{tag}"));
@@ -633,8 +639,15 @@ fn whole_model_rows(
             shadow,
         };
         let say = |msg: &str| eprintln!("[ISP whole model {bits} b{tag}] {msg}");
-        let plan = compress::compress(&dir, calib, &out, &opts, &say, &say)
-            .with_context(|| format!("compressing to {bits} bits over the whole model"))?;
+        let plan = match compress::compress(&dir, calib, &out, &opts, &say, &say) {
+            Err(e @ compress::CompressError::BudgetTooSmall { .. }) => {
+                let why = format!("{bits} b{tag}: {e}");
+                eprintln!("left out: {why}");
+                left_out.push(why);
+                continue;
+            }
+            r => r.with_context(|| format!("compressing to {bits} bits over the whole model"))?,
+        };
         let layers = Bench::plan_layers(&plan);
         let mut m = load_plan(&dir, &plan, &mut |_, _| {})?;
         let reset = |m: &mut LoadedModel<Cpu>| -> Result<()> {
@@ -738,6 +751,9 @@ fn print_table(r: &Report) {
             row.geomean_ppl, row.mean_kld, wiki_kld, hit
         );
         println!("{line}");
+    }
+    for why in &r.left_out {
+        println!("left out: {why}");
     }
 }
 

@@ -52,6 +52,25 @@ fn compressed_tiny_with(dense_codec: Codec) -> (TempDir, Plan) {
     (out, plan)
 }
 
+/// Bits accounting of a checkpoint under a plan's codecs and resident counts.
+fn priced(
+    plan: &Plan,
+    config: &dynmoe::checkpoint::Config,
+    ckpt: &dynmoe::checkpoint::Checkpoint,
+) -> dynmoe::eval::bits::BitsReport {
+    use dynmoe::eval::bits::{account, Assignment};
+    let assignment = Assignment {
+        tensors: plan.group_codecs(),
+        layers: plan
+            .layers
+            .iter()
+            .map(|l| (l.layer, (l.codec, l.resident)))
+            .collect(),
+        default_experts: Codec::Bf16,
+    };
+    account(config, ckpt, &assignment, None).unwrap()
+}
+
 fn err_of(dir: &Path) -> String {
     match model::load(dir, Cpu::fast()) {
         Ok(_) => panic!("{} loaded", dir.display()),
@@ -288,16 +307,7 @@ fn a_model_scope_plan_prices_its_coded_dense_layers() {
     assert!(plan.resident_bytes <= plan.budget_bytes);
     let config = dynmoe::checkpoint::Config::from_file(&src.join("config.json")).unwrap();
     let ckpt = dynmoe::checkpoint::Checkpoint::open(&src).unwrap();
-    let assignment = Assignment {
-        tensors: plan.group_codecs(),
-        layers: plan
-            .layers
-            .iter()
-            .map(|l| (l.layer, (l.codec, l.resident)))
-            .collect(),
-        default_experts: Codec::Bf16,
-    };
-    let priced = account(&config, &ckpt, &assignment, None).unwrap();
+    let priced = priced(&plan, &config, &ckpt);
     assert_eq!(plan.resident_bytes, priced.resident_bytes);
     assert!(priced.codebook_bytes >= dense_codec.codebook_bytes().unwrap());
     assert_eq!(plan.rounds["codebook_bytes"], priced.codebook_bytes);
@@ -360,7 +370,6 @@ fn a_budget_below_the_smallest_model_names_the_smallest_and_what_to_change() {
 #[test]
 fn a_whole_model_plan_allocates_every_tensor_group() {
     use dynmoe::checkpoint::arch::CodedGroup;
-    use dynmoe::eval::bits::{account, Assignment};
     use dynmoe::eval::compressed_bits::compressed_bits;
     let out = TempDir::new("compress-groups");
     let src = fixture("tiny-moe");
@@ -398,16 +407,7 @@ fn a_whole_model_plan_allocates_every_tensor_group() {
     );
 
     let ckpt = dynmoe::checkpoint::Checkpoint::open(&src).unwrap();
-    let assignment = Assignment {
-        tensors: plan.group_codecs(),
-        layers: plan
-            .layers
-            .iter()
-            .map(|l| (l.layer, (l.codec, l.resident)))
-            .collect(),
-        default_experts: Codec::Bf16,
-    };
-    let priced = account(&config, &ckpt, &assignment, None).unwrap();
+    let priced = priced(&plan, &config, &ckpt);
     assert_eq!(plan.resident_bytes, priced.resident_bytes);
     assert_eq!(plan.rounds["codebook_bytes"], priced.codebook_bytes);
 

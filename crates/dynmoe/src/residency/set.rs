@@ -234,21 +234,9 @@ impl<B: Backend> LayerSet<B> {
     /// becomes the slot itself and frees the outgoing slot's buffer.
     fn fill(&self, b: &B, buf: Buffer, old: Option<Slot<B>>) -> (Slot<B>, Option<Buffer>) {
         match (self.format, buf) {
-            (
-                RecordFormat::Dense {
-                    hidden,
-                    intermediate,
-                    ..
-                },
-                Buffer::F32(f),
-            ) => {
-                let n = hidden * intermediate;
-                let (h, i) = (hidden, intermediate);
-                let slot = Slot::Dense([
-                    b.upload_matrix(&f[..n], i, h),
-                    b.upload_matrix(&f[n..2 * n], i, h),
-                    b.upload_matrix(&f[2 * n..3 * n], h, i),
-                ]);
+            (format @ RecordFormat::Dense { .. }, Buffer::F32(f)) => {
+                let m = format.dense_matrices(&f).expect("a dense format");
+                let slot = Slot::Dense(m.map(|(w, rows, cols)| b.upload_matrix(w, rows, cols)));
                 (slot, Some(Buffer::F32(f)))
             }
             (RecordFormat::Affine(_) | RecordFormat::Vq(_), Buffer::Words(w)) => {

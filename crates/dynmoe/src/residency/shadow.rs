@@ -52,20 +52,9 @@ fn decoded(
     layer: usize,
 ) -> Result<[(Vec<f32>, usize, usize); 3], Error> {
     match (format, buf) {
-        (
-            RecordFormat::Dense {
-                hidden,
-                intermediate,
-                ..
-            },
-            Buffer::F32(f),
-        ) => {
-            let n = hidden * intermediate;
-            Ok([
-                (f[..n].to_vec(), intermediate, hidden),
-                (f[n..2 * n].to_vec(), intermediate, hidden),
-                (f[2 * n..3 * n].to_vec(), hidden, intermediate),
-            ])
+        (RecordFormat::Dense { .. }, Buffer::F32(f)) => {
+            let m = format.dense_matrices(f).expect("a dense format");
+            Ok(m.map(|(w, rows, cols)| (w.to_vec(), rows, cols)))
         }
         (RecordFormat::Vq(layout), Buffer::Words(_)) => {
             let views = record_views(&layout, buf.bytes());

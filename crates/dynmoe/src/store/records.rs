@@ -32,6 +32,25 @@ pub enum RecordFormat {
 }
 
 impl RecordFormat {
+    /// Gate, up and down of a dense record's values `f`, each with its `(rows, cols)`;
+    /// `None` for a store's formats.
+    pub fn dense_matrices<'a>(&self, f: &'a [f32]) -> Option<[(&'a [f32], usize, usize); 3]> {
+        let RecordFormat::Dense {
+            hidden: h,
+            intermediate: i,
+            ..
+        } = *self
+        else {
+            return None;
+        };
+        let n = h * i;
+        Some([
+            (&f[..n], i, h),
+            (&f[n..2 * n], i, h),
+            (&f[2 * n..3 * n], h, i),
+        ])
+    }
+
     /// Bytes of one record as stored.
     pub fn record_bytes(&self) -> usize {
         match *self {

@@ -36,6 +36,20 @@ __device__ __forceinline__ float vq_sign(unsigned long long seed, int i) {
     return ((z ^ (z >> 31)) & 1ull) == 0 ? 1.0f : -1.0f;
 }
 
+// The unnormalised Walsh–Hadamard butterflies of `block` values in shared memory, in
+// the CPU's order (rotation::fwht), by the block's threads; synchronised after each stage.
+__device__ __forceinline__ void block_butterflies(float* buf, int block) {
+    for (int h = 1; h < block; h *= 2) {
+        for (int t = threadIdx.x; t < block / 2; t += blockDim.x) {
+            int i = (t / h) * 2 * h + t % h;
+            float p = buf[i], q = buf[i + h];
+            buf[i] = p + q;
+            buf[i + h] = p - q;
+        }
+        __syncthreads();
+    }
+}
+
 // One block per (activation block, row): xr[r, b·R ..] = H D x[r, b·R ..], the ragged
 // tail block read as zeros. `block` is at most 1024; the transform runs in shared memory
 // with the CPU's butterfly order and its 1/√R, so the values match it exactly.
@@ -50,15 +64,7 @@ extern "C" __global__ void vq_rotate(const float* x, unsigned long long seed, fl
         buf[i] = c < cols ? src[c] * vq_sign(seed, i) : 0.0f;
     }
     __syncthreads();
-    for (int h = 1; h < block; h *= 2) {
-        for (int t = threadIdx.x; t < block / 2; t += blockDim.x) {
-            int i = (t / h) * 2 * h + t % h;
-            float p = buf[i], q = buf[i + h];
-            buf[i] = p + q;
-            buf[i + h] = p - q;
-        }
-        __syncthreads();
-    }
+    block_butterflies(buf, block);
     float scale = 1.0f / sqrtf((float)block);
     float* dst = xr + ((size_t)r * blocks + b) * block;
     for (int i = threadIdx.x; i < block; i += blockDim.x) dst[i] = buf[i] * scale;
@@ -215,15 +221,7 @@ __device__ void vq_gather(const unsigned char* codes, const unsigned short* norm
         for (int l = 0; l < P; l++) buf[j * P + l] = cw[l];
     }
     __syncthreads();
-    for (int h = 1; h < block; h *= 2) {
-        for (int t = threadIdx.x; t < block / 2; t += blockDim.x) {
-            int i = (t / h) * 2 * h + t % h;
-            float p = buf[i], q = buf[i + h];
-            buf[i] = p + q;
-            buf[i + h] = p - q;
-        }
-        __syncthreads();
-    }
+    block_butterflies(buf, block);
     float norm = half_bits(norms[(size_t)id * blocks + b]);
     for (int i = threadIdx.x; i < block; i += blockDim.x) {
         int c = b * block + i;
