@@ -622,11 +622,9 @@ fn compress_fits_the_budget_resumes_from_its_journal_and_the_plan_runs() {
     // A plan edited after compression no longer matches the directory.
     let plan_path = out.path("plan.json");
     let text = std::fs::read_to_string(&plan_path).unwrap();
-    std::fs::write(
-        &plan_path,
-        text.replacen("\"version\": 1", "\"version\":  1", 1),
-    )
-    .unwrap();
+    let edited = text.replacen("\"version\": 2", "\"version\":  2", 1);
+    assert_ne!(edited, text, "the edit changes the plan's bytes");
+    std::fs::write(&plan_path, edited).unwrap();
     let e = failure_of(&[
         "eval",
         "ppl",
