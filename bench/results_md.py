@@ -239,8 +239,11 @@ def quality_model():
              routers and norms aside) the same way: q4 everywhere, experts q2 with the rest
              q4, or one VQ rung everywhere. Perplexity and KL divergence to bf16 on the
              first {d['eval_chunks_per_text']} chunks of each domain's test split; "worst" is
-             the largest ratio to bf16's perplexity over the five domains. Per-layer codecs
-             are in the JSON."""),
+             the largest ratio to bf16's perplexity over the five domains; hit rate counts
+             the layers that keep only some experts. The shadow rows plan the same budgets
+             with every such layer also holding every expert at the named rung (priced in
+             the budget; the probes and the runs route unconfined through them). Per-layer
+             codecs are in the JSON."""),
         table(["method", "bits"] + DOMAINS + ["geomean", "worst", "KLD", "embedding",
                                               "LM head", "attention", "hit rate"], rows),
         [f"Left out: {why}" for why in d.get("left_out", [])],
