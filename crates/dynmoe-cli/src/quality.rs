@@ -609,13 +609,18 @@ fn whole_model_rows(
 ) -> Result<()> {
     let dir = b.dir.clone();
     let no_reset = |_: &mut LoadedModel<Cpu>| Ok(());
-    let bits_of = |b: &Bench, experts: Codec, rest: Codec| -> Result<f64> {
+    // A uniform recipe's whole-model bits and the codecs of its tensor groups.
+    let uniform_whole = |b: &Bench, experts: Codec, rest: Codec| {
         let assignment = Assignment {
             tensors: GroupCodecs::uniform(rest, rest, rest),
             layers: BTreeMap::new(),
             default_experts: experts,
         };
-        Ok(account(&b.config, &b.ckpt, &assignment, None)?.resident_bits_per_weight)
+        let bits = account(&b.config, &b.ckpt, &assignment, None)?.resident_bits_per_weight;
+        let groups = ["dense", "lm_head", "embedding"]
+            .map(|n| (n.to_string(), rest))
+            .into();
+        anyhow::Ok(Some((bits, groups)))
     };
     let names = |g: &BTreeMap<dynmoe::checkpoint::arch::CodedGroup, Codec>| {
         g.iter()
@@ -679,16 +684,7 @@ fn whole_model_rows(
         };
         let mut m = model::load_with_codecs(&converted, Cpu::fast(), &codecs)?;
         let layers = b.uniform([experts; 3]);
-        let all = GroupCodecs::uniform(rest, rest, rest);
-        let groups = [
-            ("dense", all.dense),
-            ("lm_head", all.head),
-            ("embedding", all.embedding),
-        ]
-        .into_iter()
-        .map(|(n, c)| (n.to_string(), c))
-        .collect();
-        let whole = Some((bits_of(b, experts, rest)?, groups));
+        let whole = uniform_whole(b, experts, rest)?;
         let method = format!("uniform experts {experts}, the rest {rest}");
         rows.push(b.score(&mut m, method, "affine", None, layers, whole, &no_reset)?);
     }
@@ -697,11 +693,7 @@ fn whole_model_rows(
         let all = GroupCodecs::uniform(codec, codec, codec);
         let coded = model::coded_layers(&dir, &b.ckpt, &b.config, &all, false, &mut |_, _| {})?;
         let mut m = b.vq_model(&layers, &coded)?;
-        let groups = [("dense", codec), ("lm_head", codec), ("embedding", codec)]
-            .into_iter()
-            .map(|(n, c)| (n.to_string(), c))
-            .collect();
-        let whole = Some((bits_of(b, codec, codec)?, groups));
+        let whole = uniform_whole(b, codec, codec)?;
         let method = format!("uniform {codec} everywhere");
         rows.push(b.score(&mut m, method, "vq", None, layers, whole, &no_reset)?);
     }

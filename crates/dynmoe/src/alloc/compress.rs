@@ -197,18 +197,11 @@ pub fn compress(
     // the embeddings, an untied head, and each layer's dense weights unless fixed.
     let groups: Vec<CodedGroup> = match opts.scope {
         BudgetScope::Experts => Vec::new(),
-        BudgetScope::Model => {
-            let mut present = std::collections::BTreeSet::new();
-            for name in ckpt.names() {
-                let shape = ckpt.info(name)?.shape;
-                if let Some(g) = CodedGroup::of(name, &shape, config.tie_word_embeddings) {
-                    if opts.dense_codec.is_none() || !matches!(g, CodedGroup::Dense(_)) {
-                        present.insert(g);
-                    }
-                }
-            }
-            present.into_iter().collect()
-        }
+        BudgetScope::Model => crate::store::dense_vq::group_weights(&ckpt, &config)
+            .map_err(Error::from)?
+            .into_keys()
+            .filter(|g| opts.dense_codec.is_none() || !matches!(g, CodedGroup::Dense(_)))
+            .collect(),
     };
     let prober = prober.with_groups(&groups)?;
     let prober = match shadow_rung {

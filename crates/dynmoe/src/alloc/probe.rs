@@ -152,22 +152,14 @@ impl ModelProber {
     /// Allocates `groups` too: each becomes a unit of the settings vector, after the MoE
     /// layers, in the order given. A group the checkpoint has no tensor of is refused.
     pub fn with_groups(mut self, groups: &[CodedGroup]) -> Result<ModelProber, Error> {
-        let tied = self.config.tie_word_embeddings;
+        let mut all = dense_vq::group_weights(&self.ckpt, &self.config)?;
         for &group in groups {
-            let mut weights = WeightShapes::new();
-            for name in self.ckpt.names() {
-                let shape = self.ckpt.info(name)?.shape;
-                if CodedGroup::of(name, &shape, tied) == Some(group) {
-                    weights.push((name.to_string(), [shape[0], shape[1]]));
-                }
-            }
-            if weights.is_empty() {
-                return Err(Error::Config(format!(
+            let weights = all.remove(&group).ok_or_else(|| {
+                Error::Config(format!(
                     "{}: no tensor of group {group}",
                     self.dir.display()
-                )));
-            }
-            weights.sort();
+                ))
+            })?;
             self.group_weights.insert(group, weights);
             self.units.push(ProbeUnit::Group(group));
         }
@@ -195,17 +187,6 @@ impl ModelProber {
     /// What each entry of a settings vector sets.
     pub fn units(&self) -> &[ProbeUnit] {
         &self.units
-    }
-
-    /// The MoE layers, in the order settings list them (first).
-    pub fn layers(&self) -> Vec<usize> {
-        self.units
-            .iter()
-            .filter_map(|u| match u {
-                ProbeUnit::Experts(l) => Some(*l),
-                ProbeUnit::Group(_) => None,
-            })
-            .collect()
     }
 
     /// The weights of an allocated tensor group with their shapes (empty for others).
@@ -390,17 +371,9 @@ pub fn load_plan(
     let dense =
         crate::model::coded_layers(dir, &ckpt, &config, &plan.group_codecs(), false, progress)?;
     let mut m = assemble(dir, config, &ckpt, &vq, &dense, &keep)?;
-    if let Some(rung) = plan
-        .shadow
-        .map(|c| c.rung())
-        .transpose()
-        .map_err(|source| Error::Encode {
-            tensor: "plan shadow".into(),
-            source,
-        })?
-    {
+    if let Some(rung) = plan.shadow_rung() {
         for &layer in keep.keys() {
-            let s = encode_experts(&m.model.config, &ckpt, layer, rung.expect("a VQ rung"))?;
+            let s = encode_experts(&m.model.config, &ckpt, layer, rung)?;
             m.model.set_expert_shadows(layer, Some(s))?;
         }
     }

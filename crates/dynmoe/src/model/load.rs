@@ -287,39 +287,23 @@ pub fn load_compressed<B: Backend>(
             dense.insert(tensor, dense_vq::CodedWeight::Vq(m));
         }
     }
-    let affine = GroupCodecs {
-        groups: codecs
-            .groups
-            .iter()
-            .map(|(&g, &c)| {
-                (
-                    g,
-                    if matches!(c, Codec::Affine { .. }) {
-                        c
-                    } else {
-                        Codec::Bf16
-                    },
-                )
-            })
-            .collect(),
-        ..GroupCodecs::uniform(
-            if matches!(codecs.dense, Codec::Affine { .. }) {
-                codecs.dense
-            } else {
-                Codec::Bf16
-            },
-            Codec::Bf16,
-            Codec::Bf16,
-        )
-    };
-    for (codec, weights) in affine.tensors(&ckpt, &config)? {
-        if let Codec::Affine { bits } = codec {
-            dense.extend(dense_vq::quantize_affine(
+    // What dense.safetensors still holds of a coded group is at an affine width; a group
+    // the plan puts at a VQ rung is in its rung's file, not here.
+    for (codec, weights) in codecs.tensors(&ckpt, &config)? {
+        match codec {
+            Codec::Affine { bits } => dense.extend(dense_vq::quantize_affine(
                 &ckpt,
                 bits,
                 &weights,
                 &mut |_, _| {},
-            )?);
+            )?),
+            _ => {
+                return Err(Error::Config(format!(
+                    "{}: {} is in dense.safetensors, but plan.json codes it at {codec}",
+                    dir.display(),
+                    weights[0].0
+                )))
+            }
         }
     }
     let model = Model::load(config, &ckpt, None, &vq, &dense, backend)?;

@@ -149,8 +149,8 @@ pub fn follow_plan<B: Backend>(
         config.policy.max_swaps = config.policy.max_swaps.min(spare);
     }
     // The plan's shadows, which it priced.
-    if let Some(c) = plan.shadow {
-        config.shadow = c.rung().ok().flatten();
+    if plan.shadow.is_some() {
+        config.shadow = plan.shadow_rung();
     }
     for l in &plan.layers {
         m.model.set_expert_mask(l.layer, None)?;

@@ -187,24 +187,47 @@ impl GroupCodecs {
         config: &Config,
     ) -> Result<BTreeMap<Codec, WeightShapes>, Error> {
         let mut out: BTreeMap<Codec, WeightShapes> = BTreeMap::new();
-        for name in ckpt.names() {
-            let shape = ckpt.info(name)?.shape;
-            if let Some(codec) = self.of_tensor(name, &shape, config) {
-                rung_of(codec).map_err(|reason| Error::Codec {
-                    path: ckpt.info(name).map(|i| i.file).unwrap_or_default(),
-                    tensor: name.to_string(),
-                    reason,
-                })?;
-                out.entry(codec)
-                    .or_default()
-                    .push((name.to_string(), [shape[0], shape[1]]));
+        for (group, weights) in group_weights(ckpt, config)? {
+            let codec = self.of(group);
+            if codec == Codec::Bf16 {
+                continue;
             }
+            if let Err(reason) = rung_of(codec) {
+                let name = &weights[0].0;
+                return Err(Error::Codec {
+                    path: ckpt.info(name).map(|i| i.file).unwrap_or_default(),
+                    tensor: name.clone(),
+                    reason,
+                });
+            }
+            out.entry(codec).or_default().extend(weights);
         }
         for weights in out.values_mut() {
             weights.sort();
         }
         Ok(out)
     }
+}
+
+/// The weights of every tensor group of `ckpt` (embeddings, an untied LM head, each
+/// layer's dense linear weights) with their `[rows, cols]`, sorted by name within a group.
+pub fn group_weights(
+    ckpt: &Checkpoint,
+    config: &Config,
+) -> Result<BTreeMap<CodedGroup, WeightShapes>, Error> {
+    let mut out: BTreeMap<CodedGroup, WeightShapes> = BTreeMap::new();
+    for name in ckpt.names() {
+        let shape = ckpt.info(name)?.shape;
+        if let Some(g) = CodedGroup::of(name, &shape, config.tie_word_embeddings) {
+            out.entry(g)
+                .or_default()
+                .push((name.to_string(), [shape[0], shape[1]]));
+        }
+    }
+    for weights in out.values_mut() {
+        weights.sort();
+    }
+    Ok(out)
 }
 
 /// Encodes `weights` (names and shapes, e.g. [`dense_linear_weights`]) of `ckpt` at

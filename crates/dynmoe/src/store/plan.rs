@@ -188,6 +188,12 @@ impl Plan {
         }
     }
 
+    /// The rung of the plan's shadows, if it has them (`validate` refuses anything but a
+    /// rung).
+    pub fn shadow_rung(&self) -> Option<Rung> {
+        self.shadow.and_then(|c| c.rung().ok().flatten())
+    }
+
     /// Bits per weight of what stays resident.
     pub fn resident_bits(&self) -> f64 {
         self.resident_bytes as f64 * 8.0 / self.params_total.max(1) as f64
