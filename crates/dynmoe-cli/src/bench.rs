@@ -263,6 +263,10 @@ pub struct DecodeArgs {
     /// the sequences decoded together.
     #[arg(long, value_delimiter = ',')]
     batch: Vec<usize>,
+    /// On the CPU, also decode once more with every op timed: where a token's time goes.
+    /// (On CUDA, build the kernels with `DYNMOE_CUDA=define=TIMELINE=1` instead.)
+    #[arg(long)]
+    timeline: bool,
     /// Also write the report here as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -507,6 +511,9 @@ struct Case {
     decode_floor_tok_s: Option<f64>,
     llama_cpp_decode_tok_s: Option<f64>,
     llama_cpp_prefill_tok_s: Option<f64>,
+    /// With `--timeline` on the CPU: a decode token op by op.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    timeline: Option<crate::bench_timeline::Timeline>,
 }
 
 /// Several sequences decoded at once.
@@ -783,6 +790,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
     let expert_weights = 3 * config.hidden_size * config.moe.expert_intermediate;
     for setting in &settings {
         let codecs = setting.codecs(&a.dense);
+        let mut timeline = None;
         // A backend per model, so that each precision's device weights go with it.
         let (runs, batches, eager, dense) = match a.backend {
             BackendKind::Cuda => {
@@ -802,6 +810,11 @@ fn decode(a: DecodeArgs) -> Result<()> {
             other => {
                 let m = crate::load(&a.model, other.cpu(), &codecs)?;
                 let runs = measure(&m, a.prompt, a.generate, a.repeats)?;
+                if a.timeline {
+                    let t = crate::bench_timeline::cpu_timeline(&m, a.prompt, a.generate)?;
+                    crate::bench_timeline::print(&setting.label(), &t);
+                    timeline = Some(t);
+                }
                 (runs, measure_batches(&m, &a.batch, a.repeats)?, None, 4)
             }
         };
@@ -843,6 +856,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
             decode_floor_tok_s: floor,
             llama_cpp_decode_tok_s: ll.map(|l| l.0),
             llama_cpp_prefill_tok_s: ll.map(|l| l.1),
+            timeline,
         };
         let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
         let label = setting.label();

@@ -20,6 +20,7 @@ macro_rules! with_model {
 
 mod bench;
 mod bench_residency;
+mod bench_timeline;
 mod codecs;
 mod compress;
 mod demo;

@@ -3,6 +3,7 @@
 
 pub mod fast;
 pub mod reference;
+pub mod timeline;
 
 use super::{AttentionShape, Backend, SwiGluGroup, Weight};
 use crate::codec::affine::kernels::{self, AffineView};
@@ -41,29 +42,35 @@ impl Backend for Cpu {
     }
 
     fn upload(&self, data: &[f32]) -> Vec<f32> {
-        data.to_vec()
+        timeline::timed("upload", || data.to_vec())
     }
 
     fn upload_matrix(&self, data: &[f32], out_dim: usize, in_dim: usize) -> Vec<f32> {
-        debug_assert_eq!(data.len(), out_dim * in_dim);
-        data.to_vec()
+        timeline::timed("upload_matrix", || {
+            debug_assert_eq!(data.len(), out_dim * in_dim);
+            data.to_vec()
+        })
     }
 
     fn alloc(&self, len: usize) -> Vec<f32> {
-        // NaN, not zero: a read of something no op wrote shows up in the output.
-        vec![f32::NAN; len]
+        timeline::timed("alloc", || {
+            // NaN, not zero: a read of something no op wrote shows up in the output.
+            vec![f32::NAN; len]
+        })
     }
 
     fn zeros(&self, len: usize) -> Vec<f32> {
-        vec![0.0; len]
+        timeline::timed("zeros", || vec![0.0; len])
     }
 
     fn download(&self, t: &Vec<f32>, out: &mut [f32]) {
-        out.copy_from_slice(&t[..out.len()]);
+        timeline::timed("download", || {
+            out.copy_from_slice(&t[..out.len()]);
+        })
     }
 
     fn embed(&self, table: Weight<'_, Vec<f32>>, dim: usize, ids: &[u32], out: &mut Vec<f32>) {
-        match table {
+        timeline::timed("embed", || match table {
             Weight::Dense(t) => reference::embed(t, dim, ids, out),
             Weight::Affine(m) => {
                 for (dst, &id) in out.chunks_exact_mut(dim).zip(ids) {
@@ -76,7 +83,7 @@ impl Backend for Cpu {
                     dst.copy_from_slice(&m.row(id as usize).decode_with(book));
                 }
             }
-        }
+        })
     }
 
     fn rms_norm(
@@ -88,15 +95,19 @@ impl Backend for Cpu {
         eps: f32,
         out: &mut Vec<f32>,
     ) {
-        if self.fast {
-            fast::rms_norm(x, w, rows, dim, eps, out);
-        } else {
-            reference::rms_norm(x, w, rows, dim, eps, out);
-        }
+        timeline::timed("rms_norm", || {
+            if self.fast {
+                fast::rms_norm(x, w, rows, dim, eps, out);
+            } else {
+                reference::rms_norm(x, w, rows, dim, eps, out);
+            }
+        })
     }
 
     fn rms_norm_inplace(&self, x: &mut Vec<f32>, w: &Vec<f32>, rows: usize, dim: usize, eps: f32) {
-        reference::rms_norm_inplace(x, w, rows, dim, eps);
+        timeline::timed("rms_norm_inplace", || {
+            reference::rms_norm_inplace(x, w, rows, dim, eps);
+        })
     }
 
     fn matmul(
@@ -108,11 +119,16 @@ impl Backend for Cpu {
         out_dim: usize,
         out: &mut Vec<f32>,
     ) {
-        if self.fast {
-            crate::codec::dense::matmul(x, w, rows, in_dim, out_dim, out);
-        } else {
-            reference::matmul(x, w, rows, in_dim, out_dim, out);
-        }
+        timeline::timed_as(
+            || format!("matmul {out_dim}x{in_dim} f32"),
+            || {
+                if self.fast {
+                    crate::codec::dense::matmul(x, w, rows, in_dim, out_dim, out);
+                } else {
+                    reference::matmul(x, w, rows, in_dim, out_dim, out);
+                }
+            },
+        )
     }
 
     fn matmul_affine(
@@ -123,42 +139,62 @@ impl Backend for Cpu {
         in_dim: usize,
         out: &mut Vec<f32>,
     ) {
-        if self.fast {
-            fast::matmul_affine(x, rows, in_dim, w, out, true);
-        } else {
-            with_padded_columns(x, rows, in_dim, w.cols, |x| {
-                kernels::matmul_reference(x, rows, w, &mut out[..rows * w.rows])
-            });
-        }
+        timeline::timed_as(
+            || format!("matmul {}x{} q{}", w.rows, w.cols, w.bits),
+            || {
+                if self.fast {
+                    fast::matmul_affine(x, rows, in_dim, w, out, true);
+                } else {
+                    with_padded_columns(x, rows, in_dim, w.cols, |x| {
+                        kernels::matmul_reference(x, rows, w, &mut out[..rows * w.rows])
+                    });
+                }
+            },
+        )
     }
 
     fn matmul_vq(&self, x: &Vec<f32>, w: &VqView<'_>, rows: usize, out: &mut Vec<f32>) {
-        let (x, out) = (&x[..rows * w.cols], &mut out[..rows * w.rows]);
-        if self.fast {
-            vq::kernels::matmul(x, rows, w, out);
-        } else {
-            vq::kernels::matmul_reference(x, rows, w, out);
-        }
+        timeline::timed_as(
+            || format!("matmul {}x{} vq", w.rows, w.cols),
+            || {
+                let (x, out) = (&x[..rows * w.cols], &mut out[..rows * w.rows]);
+                if self.fast {
+                    vq::kernels::matmul(x, rows, w, out);
+                } else {
+                    vq::kernels::matmul_reference(x, rows, w, out);
+                }
+            },
+        )
     }
 
     fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, rows: usize) {
-        reference::add_bias(x, bias, rows);
+        timeline::timed("add_bias", || {
+            reference::add_bias(x, bias, rows);
+        })
     }
 
     fn add(&self, x: &mut Vec<f32>, y: &Vec<f32>, n: usize) {
-        reference::add(&mut x[..n], &y[..n]);
+        timeline::timed("add", || {
+            reference::add(&mut x[..n], &y[..n]);
+        })
     }
 
     fn silu_mul(&self, gate: &mut Vec<f32>, up: &Vec<f32>, n: usize) {
-        reference::silu_mul(&mut gate[..n], &up[..n]);
+        timeline::timed("silu_mul", || {
+            reference::silu_mul(&mut gate[..n], &up[..n]);
+        })
     }
 
     fn clamp(&self, x: &mut Vec<f32>, limit: f32, n: usize) {
-        reference::clamp(&mut x[..n], limit);
+        timeline::timed("clamp", || {
+            reference::clamp(&mut x[..n], limit);
+        })
     }
 
     fn softmax_rows(&self, x: &mut Vec<f32>, rows: usize, dim: usize) {
-        reference::softmax_rows(x, rows, dim);
+        timeline::timed("softmax_rows", || {
+            reference::softmax_rows(x, rows, dim);
+        })
     }
 
     fn rope(
@@ -169,7 +205,9 @@ impl Backend for Cpu {
         head_dim: usize,
         inv_freq: &[f32],
     ) {
-        reference::rope(x, positions, heads, head_dim, inv_freq);
+        timeline::timed("rope", || {
+            reference::rope(x, positions, heads, head_dim, inv_freq);
+        })
     }
 
     fn write_rows(
@@ -180,7 +218,9 @@ impl Backend for Cpu {
         rows: usize,
         width: usize,
     ) {
-        reference::write_rows(src, dst, dst_row, rows, width);
+        timeline::timed("write_rows", || {
+            reference::write_rows(src, dst, dst_row, rows, width);
+        })
     }
 
     fn attention(
@@ -191,15 +231,19 @@ impl Backend for Cpu {
         shape: AttentionShape,
         out: &mut Vec<f32>,
     ) {
-        if self.fast {
-            fast::attention(q, k, v, &shape, out);
-        } else {
-            reference::attention(q, k, v, &shape, out);
-        }
+        timeline::timed("attention", || {
+            if self.fast {
+                fast::attention(q, k, v, &shape, out);
+            } else {
+                reference::attention(q, k, v, &shape, out);
+            }
+        })
     }
 
     fn gather_rows(&self, src: &Vec<f32>, rows: &[u32], width: usize, dst: &mut Vec<f32>) {
-        reference::gather_rows(src, rows, width, dst);
+        timeline::timed("gather_rows", || {
+            reference::gather_rows(src, rows, width, dst);
+        })
     }
 
     fn scatter_add_rows(
@@ -210,7 +254,9 @@ impl Backend for Cpu {
         width: usize,
         dst: &mut Vec<f32>,
     ) {
-        reference::scatter_add_rows(src, rows, scales, width, dst);
+        timeline::timed("scatter_add_rows", || {
+            reference::scatter_add_rows(src, rows, scales, width, dst);
+        })
     }
 
     fn swiglu_groups(
@@ -220,11 +266,16 @@ impl Backend for Cpu {
         groups: &[SwiGluGroup<'_, Vec<f32>>],
         out: &mut Vec<f32>,
     ) {
-        if self.fast {
-            fast::swiglu_groups(x, hidden, groups, out);
-        } else {
-            super::swiglu_groups_one_by_one(self, x, hidden, groups, out);
-        }
+        timeline::timed_as(
+            || format!("experts x{}", groups.len()),
+            || {
+                if self.fast {
+                    fast::swiglu_groups(x, hidden, groups, out);
+                } else {
+                    super::swiglu_groups_one_by_one(self, x, hidden, groups, out);
+                }
+            },
+        )
     }
 }
 
