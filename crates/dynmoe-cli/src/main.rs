@@ -380,7 +380,8 @@ fn main() {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
-    let result = match cli.command {
+    // A server's models run on its scheduler thread, which joins a pool of its own.
+    let result = dynmoe::backend::cpu::run_as_pool_thread(|| match cli.command {
         Command::Run(a) => cmd_run(a),
         Command::Chat(a) => serve::chat(a),
         Command::Serve(a) => serve::serve(a),
@@ -394,7 +395,7 @@ fn main() {
         Command::Codebooks(c) => codecs::codebooks(c),
         Command::Synth(a) => bench::synth(a),
         Command::Bench(c) => bench::bench(c),
-    };
+    });
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);

@@ -247,7 +247,7 @@ impl Engine {
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("dynmoe-scheduler".into())
-            .spawn(move || schedule(&model, &s))
+            .spawn(move || crate::backend::cpu::run_as_pool_thread(|| schedule(&model, &s)))
             .expect("spawning the scheduler thread");
         Engine {
             shared,

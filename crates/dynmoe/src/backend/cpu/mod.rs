@@ -9,6 +9,34 @@ use super::{AttentionShape, Backend, SwiGluGroup, Weight};
 use crate::codec::affine::kernels::{self, AffineView};
 use crate::codec::vq::{self, VqView};
 
+/// Runs `f` with the calling thread made one of the threads the CPU kernels run on, so
+/// that a forward pass from it starts each parallel op itself instead of handing it to
+/// the pool and sleeping until the pool is done: that hand-off is two thread switches an
+/// op, which at batch 1 cost more than the ops (docs/notes/cpu-decode-2026-12-04.md).
+/// For the thread that runs models (a command's main thread, a server's scheduler).
+///
+/// The thread joins the global pool where nothing has started it yet; otherwise it
+/// starts a pool of its own of the same size, itself counted, which lasts until `f`
+/// returns. A thread already in a pool just runs `f`, and so does one where no pool can
+/// be built (the hand-off path, slower but the same results).
+pub fn run_as_pool_thread<R>(f: impl FnOnce() -> R) -> R {
+    if rayon::current_thread_index().is_some() {
+        return f();
+    }
+    let joined = rayon::ThreadPoolBuilder::new()
+        .use_current_thread()
+        .build_global()
+        .is_ok();
+    // Kept until `f` returns: dropping it ends its other threads.
+    let _own = (!joined).then(|| {
+        rayon::ThreadPoolBuilder::new()
+            .use_current_thread()
+            .build()
+            .ok()
+    });
+    f()
+}
+
 /// The CPU backend. `Cpu::reference()` runs every op through the plain reference
 /// loops; `Cpu::fast()` uses the threaded kernels where they exist.
 #[derive(Debug, Clone, Copy)]

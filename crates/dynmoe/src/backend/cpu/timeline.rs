@@ -75,7 +75,7 @@ mod tests {
         let ours = ["before", "outer", "inner", "second", "after"];
         let names: Vec<&str> = marks
             .iter()
-            .map(|m| m.0)
+            .map(|m| m.0.as_str())
             .filter(|n| ours.contains(n))
             .collect();
         assert_eq!(names, ["outer", "second"]);

@@ -481,6 +481,25 @@ impl Call<'_> {
     fn rows(&self, o0: usize, dst: &mut [f32], scratch: &mut Vec<f32>) {
         let (cols, batch) = (self.w.cols, self.batch);
         let groups = cols / GROUP_SIZE;
+        #[cfg(target_arch = "x86_64")]
+        if batch == 1 && matches!(self.isa, Isa::Avx512) {
+            let (a, off) = reconstruction(self.layout.bits());
+            let b1 = x86::Batch1 {
+                words: self.w.words,
+                scales: self.w.scales,
+                biases: self.w.biases,
+                groups,
+                xp: &self.act.xp,
+                sums: &self.act.sums,
+                a,
+                off,
+            };
+            match self.layout {
+                Layout::Q4 => return b1.q4(o0, dst),
+                Layout::Q2 => return b1.q2(o0, dst),
+                Layout::Q3 | Layout::NaiveQ2 => {}
+            }
+        }
         let n = dst.len() / batch;
         let per_row = words_per_row(cols, self.layout.bits());
         let (gw, unit) = (self.layout.group_words(), self.layout.unit());

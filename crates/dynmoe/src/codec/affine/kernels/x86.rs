@@ -336,3 +336,147 @@ unsafe fn q3_vl_raw<const T: usize>(
 ) -> [f32; T] {
     q3_body!(w, mult, xp, xs, T, gather_avx512, select_avx512)
 }
+
+/// Batch-1 products on AVX-512: whole rows in one call, each group's multiplier and
+/// offset taken from the row's scales and biases as it is reached. At batch 1 a row of a
+/// narrow matrix (256 columns: four groups) costs about as much to set up through
+/// [`super::Call::rows`] as to multiply, so these run the setup inside the loop.
+///
+/// The activations are [`super::prepare`]'s (`xp` in the layout's extraction order and
+/// scaling, padded to whole units; `sums` the Σx of each group); `a` and `off` are the
+/// layout's midpoint reconstruction, so that code `q` of group `g` stands for
+/// `(a·q + off)·s_g + b_g`. Row `i` of `dst` is output row `o0 + i`.
+pub(super) struct Batch1<'a> {
+    pub words: &'a [u32],
+    pub scales: &'a [half::bf16],
+    pub biases: &'a [half::bf16],
+    pub groups: usize,
+    pub xp: &'a [f32],
+    pub sums: &'a [f32],
+    pub a: f32,
+    pub off: f32,
+}
+
+impl Batch1<'_> {
+    /// The offsets' share of row `r`: `Σ_g (off·s_g + b_g)·Σx_g`.
+    #[inline(always)]
+    fn offsets(&self, r: usize) -> f32 {
+        let g0 = r * self.groups;
+        let (s, b) = (
+            &self.scales[g0..g0 + self.groups],
+            &self.biases[g0..g0 + self.groups],
+        );
+        s.iter()
+            .zip(b)
+            .zip(self.sums)
+            .map(|((s, b), x)| (self.off * s.to_f32() + b.to_f32()) * x)
+            .sum()
+    }
+
+    /// 4-bit rows (MLX words, [`super::ORDER_Q4`]).
+    pub fn q4(&self, o0: usize, dst: &mut [f32]) {
+        let per_row = 8 * self.groups;
+        assert!(self.words.len() >= (o0 + dst.len()) * per_row);
+        assert!(self.scales.len() >= (o0 + dst.len()) * self.groups);
+        assert!(self.biases.len() >= (o0 + dst.len()) * self.groups);
+        assert!(self.xp.len() >= 64 * self.groups && self.sums.len() >= self.groups);
+        // SAFETY: `Isa::Avx512` is handed out only where `detect` found AVX-512F; the
+        // asserts above cover every word, scale, bias and activation read.
+        unsafe { self.q4_raw(o0, dst) }
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    unsafe fn q4_raw(&self, o0: usize, dst: &mut [f32]) {
+        // Nibbles n and n + 1 of every word, one 16-lane vector: in place (the
+        // activations are scaled to match), the top one shifted down to keep bit 31
+        // out of the conversion.
+        let pair = |n: i32| {
+            let lo = _mm256_set1_epi32(0xF << (4 * n));
+            let hi = _mm256_set1_epi32(if n + 1 < 7 { 0xF << (4 * (n + 1)) } else { 0xF });
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+        };
+        let masks = [pair(0), pair(2), pair(4), pair(6)];
+        let top = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi32(28));
+        let x = self.xp.as_ptr();
+        for (i, out) in dst.iter_mut().enumerate() {
+            let r = o0 + i;
+            let w = self.words.as_ptr().add(r * 8 * self.groups);
+            let s = &self.scales[r * self.groups..];
+            let mut acc = _mm512_setzero_ps();
+            for g in 0..self.groups {
+                let v = _mm512_broadcast_i64x4(_mm256_loadu_si256(w.add(8 * g).cast()));
+                let xg = x.add(64 * g);
+                let code = |k: usize, v: __m512i| _mm512_cvtepi32_ps(_mm512_and_si512(v, masks[k]));
+                let mut sum = _mm512_mul_ps(code(0, v), _mm512_loadu_ps(xg));
+                sum = _mm512_fmadd_ps(code(1, v), _mm512_loadu_ps(xg.add(16)), sum);
+                sum = _mm512_fmadd_ps(code(2, v), _mm512_loadu_ps(xg.add(32)), sum);
+                let v67 = _mm512_srlv_epi32(v, top);
+                sum = _mm512_fmadd_ps(code(3, v67), _mm512_loadu_ps(xg.add(48)), sum);
+                acc = _mm512_fmadd_ps(sum, _mm512_set1_ps(self.a * s[g].to_f32()), acc);
+            }
+            *out = _mm512_reduce_add_ps(acc) + self.offsets(r);
+        }
+    }
+
+    /// 2-bit rows (two groups a unit, [`super::ORDER_Q2`]).
+    pub fn q2(&self, o0: usize, dst: &mut [f32]) {
+        let per_row = 4 * self.groups;
+        assert!(self.words.len() >= (o0 + dst.len()) * per_row);
+        assert!(self.scales.len() >= (o0 + dst.len()) * self.groups);
+        assert!(self.biases.len() >= (o0 + dst.len()) * self.groups);
+        assert!(self.xp.len() >= 64 * self.groups.next_multiple_of(2));
+        assert!(self.sums.len() >= self.groups);
+        // SAFETY: as in `q4`; a unit cut short at a row's end is read from a padded copy.
+        unsafe { self.q2_raw(o0, dst) }
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    unsafe fn q2_raw(&self, o0: usize, dst: &mut [f32]) {
+        // Codes at bits 2k and 2k + 2 of every word (of the word's low half, or of its
+        // high half shifted down), one 16-lane vector, in place.
+        let pair = |k: i32| {
+            let lo = _mm256_set1_epi32(3 << (2 * k));
+            let hi = _mm256_set1_epi32(3 << (2 * k + 2));
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+        };
+        let masks = [pair(0), pair(2), pair(4), pair(6)];
+        let x = self.xp.as_ptr();
+        let groups = self.groups;
+        for (i, out) in dst.iter_mut().enumerate() {
+            let r = o0 + i;
+            let row = &self.words[r * 4 * groups..(r + 1) * 4 * groups];
+            let s = &self.scales[r * groups..(r + 1) * groups];
+            let mut acc = _mm512_setzero_ps();
+            for g in (0..groups).step_by(2) {
+                let words = if g + 2 <= groups {
+                    _mm256_loadu_si256(row.as_ptr().add(4 * g).cast())
+                } else {
+                    _mm256_loadu_si256(unit_words(row, g, groups, 4, 2).as_ptr().cast())
+                };
+                let xu = x.add(64 * g);
+                let mut sum = _mm512_setzero_ps();
+                for (half, v) in [words, _mm256_srli_epi32::<16>(words)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let v = _mm512_broadcast_i64x4(v);
+                    for (k, mask) in masks.iter().enumerate() {
+                        let c = _mm512_cvtepi32_ps(_mm512_and_si512(v, *mask));
+                        let xv = _mm512_loadu_ps(xu.add(64 * half + 16 * k));
+                        sum = _mm512_fmadd_ps(c, xv, sum);
+                    }
+                }
+                // Lanes 0-3 of each half are group g's words, 4-7 group g + 1's.
+                let m0 = self.a * s[g].to_f32();
+                let m1 = s.get(g + 1).map_or(0.0, |s| self.a * s.to_f32());
+                let m = _mm256_insertf128_ps::<1>(
+                    _mm256_castps128_ps256(_mm_set1_ps(m0)),
+                    _mm_set1_ps(m1),
+                );
+                let m = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(m)));
+                acc = _mm512_fmadd_ps(sum, m, acc);
+            }
+            *out = _mm512_reduce_add_ps(acc) + self.offsets(r);
+        }
+    }
+}
