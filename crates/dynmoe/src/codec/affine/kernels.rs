@@ -229,6 +229,12 @@ enum Isa {
     Avx512,
 }
 
+/// Whether the batch-1 AVX-512 rows ([`x86::Batch1`]) can run: they also need BW.
+#[cfg(target_arch = "x86_64")]
+fn x86_batch1() -> bool {
+    is_x86_feature_detected!("avx512bw")
+}
+
 fn detect() -> Isa {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
@@ -482,7 +488,7 @@ impl Call<'_> {
         let (cols, batch) = (self.w.cols, self.batch);
         let groups = cols / GROUP_SIZE;
         #[cfg(target_arch = "x86_64")]
-        if batch == 1 && matches!(self.isa, Isa::Avx512) {
+        if batch == 1 && matches!(self.isa, Isa::Avx512) && x86_batch1() {
             let (a, off) = reconstruction(self.layout.bits());
             let b1 = x86::Batch1 {
                 words: self.w.words,

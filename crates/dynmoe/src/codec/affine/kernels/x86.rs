@@ -358,34 +358,46 @@ pub(super) struct Batch1<'a> {
 }
 
 impl Batch1<'_> {
-    /// The offsets' share of row `r`: `Σ_g (off·s_g + b_g)·Σx_g`.
+    /// Row `r`'s groups `g0 .. g0 + 16` (fewer at the row's end, the rest zero): their
+    /// multipliers `a·s_g`, and their offsets' share `(off·s_g + b_g)·Σx_g`, which the
+    /// row's accumulator takes lane by lane so that one reduction serves both.
     #[inline(always)]
-    fn offsets(&self, r: usize) -> f32 {
-        let g0 = r * self.groups;
-        let (s, b) = (
-            &self.scales[g0..g0 + self.groups],
-            &self.biases[g0..g0 + self.groups],
-        );
-        s.iter()
-            .zip(b)
-            .zip(self.sums)
-            .map(|((s, b), x)| (self.off * s.to_f32() + b.to_f32()) * x)
-            .sum()
+    unsafe fn chunk(&self, r: usize, g0: usize) -> (__m512, __m512) {
+        let n = (self.groups - g0).min(16);
+        let k: __mmask16 = if n == 16 { u16::MAX } else { (1u16 << n) - 1 };
+        let at = r * self.groups + g0;
+        // bf16 is the upper half of an f32.
+        let load = |p: &[half::bf16]| {
+            let h = _mm256_maskz_loadu_epi16(k, p.as_ptr().add(at).cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        };
+        let (s, b) = (load(self.scales), load(self.biases));
+        let x = _mm512_maskz_loadu_ps(k, self.sums.as_ptr().add(g0));
+        let m = _mm512_mul_ps(_mm512_set1_ps(self.a), s);
+        let c = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_set1_ps(self.off), s, b), x);
+        (m, c)
+    }
+
+    /// Asserts that rows `o0 .. o0 + rows` and the activations, padded to whole units of
+    /// `unit` groups, are all there.
+    fn check(&self, o0: usize, rows: usize, words_per_group: usize, unit: usize) {
+        let end = o0 + rows;
+        assert!(self.words.len() >= end * words_per_group * self.groups);
+        assert!(self.scales.len() >= end * self.groups);
+        assert!(self.biases.len() >= end * self.groups);
+        assert!(self.xp.len() >= 64 * self.groups.next_multiple_of(unit));
+        assert!(self.sums.len() >= self.groups);
     }
 
     /// 4-bit rows (MLX words, [`super::ORDER_Q4`]).
     pub fn q4(&self, o0: usize, dst: &mut [f32]) {
-        let per_row = 8 * self.groups;
-        assert!(self.words.len() >= (o0 + dst.len()) * per_row);
-        assert!(self.scales.len() >= (o0 + dst.len()) * self.groups);
-        assert!(self.biases.len() >= (o0 + dst.len()) * self.groups);
-        assert!(self.xp.len() >= 64 * self.groups && self.sums.len() >= self.groups);
-        // SAFETY: `Isa::Avx512` is handed out only where `detect` found AVX-512F; the
-        // asserts above cover every word, scale, bias and activation read.
+        self.check(o0, dst.len(), 8, 1);
+        // SAFETY: `run_batch1` is used only where `detect_batch1` found AVX-512F, VL and
+        // BW; `check` covered every word, scale, bias and activation read.
         unsafe { self.q4_raw(o0, dst) }
     }
 
-    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw")]
     unsafe fn q4_raw(&self, o0: usize, dst: &mut [f32]) {
         // Nibbles n and n + 1 of every word, one 16-lane vector: in place (the
         // activations are scaled to match), the top one shifted down to keep bit 31
@@ -397,40 +409,42 @@ impl Batch1<'_> {
         };
         let masks = [pair(0), pair(2), pair(4), pair(6)];
         let top = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi32(28));
-        let x = self.xp.as_ptr();
+        let (x, groups) = (self.xp.as_ptr(), self.groups);
         for (i, out) in dst.iter_mut().enumerate() {
             let r = o0 + i;
-            let w = self.words.as_ptr().add(r * 8 * self.groups);
-            let s = &self.scales[r * self.groups..];
+            let w = self.words.as_ptr().add(r * 8 * groups);
             let mut acc = _mm512_setzero_ps();
-            for g in 0..self.groups {
-                let v = _mm512_broadcast_i64x4(_mm256_loadu_si256(w.add(8 * g).cast()));
-                let xg = x.add(64 * g);
-                let code = |k: usize, v: __m512i| _mm512_cvtepi32_ps(_mm512_and_si512(v, masks[k]));
-                let mut sum = _mm512_mul_ps(code(0, v), _mm512_loadu_ps(xg));
-                sum = _mm512_fmadd_ps(code(1, v), _mm512_loadu_ps(xg.add(16)), sum);
-                sum = _mm512_fmadd_ps(code(2, v), _mm512_loadu_ps(xg.add(32)), sum);
-                let v67 = _mm512_srlv_epi32(v, top);
-                sum = _mm512_fmadd_ps(code(3, v67), _mm512_loadu_ps(xg.add(48)), sum);
-                acc = _mm512_fmadd_ps(sum, _mm512_set1_ps(self.a * s[g].to_f32()), acc);
+            for g0 in (0..groups).step_by(16) {
+                let (m, c) = self.chunk(r, g0);
+                acc = _mm512_add_ps(acc, c);
+                for g in g0..groups.min(g0 + 16) {
+                    let v = _mm512_broadcast_i64x4(_mm256_loadu_si256(w.add(8 * g).cast()));
+                    let xg = x.add(64 * g);
+                    let code = |k: usize, v: __m512i| {
+                        _mm512_cvtepi32_ps(_mm512_and_si512(v, masks[k]))
+                    };
+                    // Two chains, so that a group's sum waits on two products, not four.
+                    let s0 = _mm512_mul_ps(code(0, v), _mm512_loadu_ps(xg));
+                    let s1 = _mm512_mul_ps(code(1, v), _mm512_loadu_ps(xg.add(16)));
+                    let s0 = _mm512_fmadd_ps(code(2, v), _mm512_loadu_ps(xg.add(32)), s0);
+                    let v67 = _mm512_srlv_epi32(v, top);
+                    let s1 = _mm512_fmadd_ps(code(3, v67), _mm512_loadu_ps(xg.add(48)), s1);
+                    let mg = _mm512_permutexvar_ps(_mm512_set1_epi32((g - g0) as i32), m);
+                    acc = _mm512_fmadd_ps(_mm512_add_ps(s0, s1), mg, acc);
+                }
             }
-            *out = _mm512_reduce_add_ps(acc) + self.offsets(r);
+            *out = _mm512_reduce_add_ps(acc);
         }
     }
 
     /// 2-bit rows (two groups a unit, [`super::ORDER_Q2`]).
     pub fn q2(&self, o0: usize, dst: &mut [f32]) {
-        let per_row = 4 * self.groups;
-        assert!(self.words.len() >= (o0 + dst.len()) * per_row);
-        assert!(self.scales.len() >= (o0 + dst.len()) * self.groups);
-        assert!(self.biases.len() >= (o0 + dst.len()) * self.groups);
-        assert!(self.xp.len() >= 64 * self.groups.next_multiple_of(2));
-        assert!(self.sums.len() >= self.groups);
+        self.check(o0, dst.len(), 4, 2);
         // SAFETY: as in `q4`; a unit cut short at a row's end is read from a padded copy.
         unsafe { self.q2_raw(o0, dst) }
     }
 
-    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw")]
     unsafe fn q2_raw(&self, o0: usize, dst: &mut [f32]) {
         // Codes at bits 2k and 2k + 2 of every word (of the word's low half, or of its
         // high half shifted down), one 16-lane vector, in place.
@@ -440,43 +454,41 @@ impl Batch1<'_> {
             _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
         };
         let masks = [pair(0), pair(2), pair(4), pair(6)];
-        let x = self.xp.as_ptr();
-        let groups = self.groups;
+        // Lanes 0-3 of each eight are the first group's words, 4-7 the second's.
+        let unit_lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+        let (x, groups) = (self.xp.as_ptr(), self.groups);
         for (i, out) in dst.iter_mut().enumerate() {
             let r = o0 + i;
             let row = &self.words[r * 4 * groups..(r + 1) * 4 * groups];
-            let s = &self.scales[r * groups..(r + 1) * groups];
             let mut acc = _mm512_setzero_ps();
-            for g in (0..groups).step_by(2) {
-                let words = if g + 2 <= groups {
-                    _mm256_loadu_si256(row.as_ptr().add(4 * g).cast())
-                } else {
-                    _mm256_loadu_si256(unit_words(row, g, groups, 4, 2).as_ptr().cast())
-                };
-                let xu = x.add(64 * g);
-                let mut sum = _mm512_setzero_ps();
-                for (half, v) in [words, _mm256_srli_epi32::<16>(words)]
-                    .into_iter()
-                    .enumerate()
-                {
-                    let v = _mm512_broadcast_i64x4(v);
-                    for (k, mask) in masks.iter().enumerate() {
-                        let c = _mm512_cvtepi32_ps(_mm512_and_si512(v, *mask));
-                        let xv = _mm512_loadu_ps(xu.add(64 * half + 16 * k));
-                        sum = _mm512_fmadd_ps(c, xv, sum);
+            for g0 in (0..groups).step_by(16) {
+                let (m, c) = self.chunk(r, g0);
+                acc = _mm512_add_ps(acc, c);
+                for g in (g0..groups.min(g0 + 16)).step_by(2) {
+                    let words = if g + 2 <= groups {
+                        _mm256_loadu_si256(row.as_ptr().add(4 * g).cast())
+                    } else {
+                        _mm256_loadu_si256(unit_words(row, g, groups, 4, 2).as_ptr().cast())
+                    };
+                    let xu = x.add(64 * g);
+                    let mut sums = [_mm512_setzero_ps(); 2];
+                    for (half, v) in [words, _mm256_srli_epi32::<16>(words)]
+                        .into_iter()
+                        .enumerate()
+                    {
+                        let v = _mm512_broadcast_i64x4(v);
+                        for (k, mask) in masks.iter().enumerate() {
+                            let c = _mm512_cvtepi32_ps(_mm512_and_si512(v, *mask));
+                            let xv = _mm512_loadu_ps(xu.add(64 * half + 16 * k));
+                            sums[half] = _mm512_fmadd_ps(c, xv, sums[half]);
+                        }
                     }
+                    let at = _mm512_add_epi32(unit_lanes, _mm512_set1_epi32((g - g0) as i32));
+                    let mg = _mm512_permutexvar_ps(at, m);
+                    acc = _mm512_fmadd_ps(_mm512_add_ps(sums[0], sums[1]), mg, acc);
                 }
-                // Lanes 0-3 of each half are group g's words, 4-7 group g + 1's.
-                let m0 = self.a * s[g].to_f32();
-                let m1 = s.get(g + 1).map_or(0.0, |s| self.a * s.to_f32());
-                let m = _mm256_insertf128_ps::<1>(
-                    _mm256_castps128_ps256(_mm_set1_ps(m0)),
-                    _mm_set1_ps(m1),
-                );
-                let m = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(m)));
-                acc = _mm512_fmadd_ps(sum, m, acc);
             }
-            *out = _mm512_reduce_add_ps(acc) + self.offsets(r);
+            *out = _mm512_reduce_add_ps(acc);
         }
     }
 }
