@@ -99,8 +99,14 @@ pub fn rms_norm(x: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32, out: &m
         .for_each(|(o, xr)| reference::rms_norm_row(xr, w, eps, o));
 }
 
-/// See [`crate::backend::Backend::attention`]: one task per (row, head).
+/// See [`crate::backend::Backend::attention`]. A few rows (decode) run one task per
+/// (row, head); a chunk of rows runs in blocks of [`QUERY_BLOCK`] queries, each block's
+/// scores and outputs two dense products (the scores of a row that may not see a key are
+/// masked before its softmax).
 pub fn attention(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape, out: &mut [f32]) {
+    if s.rows >= QUERY_BLOCK / 2 {
+        return attention_blocked(q, k, v, s, out);
+    }
     let d = s.head_dim;
     let group = s.heads / s.kv_heads;
     out[..s.rows * s.heads * d]
@@ -114,6 +120,67 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape, out: &mut 
                 attend_one(q, k, v, s, s.pos0 + r, h / group, scores, o);
             },
         );
+}
+
+/// Query rows of one block of [`attention_blocked`]: enough that the products tile well,
+/// few enough that a prompt has a block for every thread.
+const QUERY_BLOCK: usize = 64;
+
+fn attention_blocked(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape, out: &mut [f32]) {
+    let (d, heads) = (s.head_dim, s.heads);
+    let (group, kv_width, width) = (heads / s.kv_heads, s.kv_heads * d, heads * d);
+    let scale = 1.0 / (d as f32).sqrt();
+    let blocks = s.rows.div_ceil(QUERY_BLOCK);
+    let done: Vec<(usize, usize, Vec<f32>)> = (0..heads * blocks)
+        .into_par_iter()
+        .map(|t| {
+            let (h, b) = (t / blocks, t % blocks);
+            let (kv_at, r0) = ((h / group) * d, b * QUERY_BLOCK);
+            let n = QUERY_BLOCK.min(s.rows - r0);
+            // The keys any row of the block sees.
+            let (lo, hi) = (s.first_visible(s.pos0 + r0), s.pos0 + r0 + n);
+            let keys = hi - lo;
+            let head_rows = |src: &[f32], first: usize, count: usize, stride: usize, at: usize| {
+                let mut m = vec![0.0f32; count * d];
+                for (dst, j) in m.chunks_exact_mut(d).zip(first..) {
+                    dst.copy_from_slice(&src[j * stride + at..j * stride + at + d]);
+                }
+                m
+            };
+            let qs = head_rows(q, r0, n, width, h * d);
+            let ks = head_rows(k, lo, keys, kv_width, kv_at);
+            let mut scores = vec![0.0f32; n * keys];
+            matmul_serial(&qs, &ks, n, d, keys, &mut scores);
+            for (i, row) in scores.chunks_exact_mut(keys).enumerate() {
+                let p = s.pos0 + r0 + i;
+                let first = s.first_visible(p) - lo;
+                let visible = &mut row[first..p + 1 - lo];
+                visible.iter_mut().for_each(|x| *x *= scale);
+                reference::softmax(visible);
+                row[..first].fill(0.0);
+                row[p + 1 - lo..].fill(0.0);
+            }
+            // `V` transposed, `[d, keys]`, as the product's weight.
+            let mut vt = vec![0.0f32; d * keys];
+            for (j, src) in (lo..hi)
+                .map(|j| &v[j * kv_width + kv_at..j * kv_width + kv_at + d])
+                .enumerate()
+            {
+                for (c, &x) in src.iter().enumerate() {
+                    vt[c * keys + j] = x;
+                }
+            }
+            let mut o = vec![0.0f32; n * d];
+            matmul_serial(&scores, &vt, n, keys, d, &mut o);
+            (h, r0, o)
+        })
+        .collect();
+    for (h, r0, o) in done {
+        for (i, row) in o.chunks_exact(d).enumerate() {
+            let at = (r0 + i) * width + h * d;
+            out[at..at + d].copy_from_slice(row);
+        }
+    }
 }
 
 /// [`reference::attend_one`] with its products in sixteen lanes, which the compiler
@@ -302,6 +369,34 @@ mod tests {
         reference::rms_norm(&x, &w, rows, dim, 1e-6, &mut want);
         rms_norm(&x, &w, rows, dim, 1e-6, &mut got);
         assert!(rel_err(&got, &want) < 1e-6);
+    }
+
+    #[test]
+    fn blocked_attention_matches_reference() {
+        // 150 rows: two whole blocks and a short one; a window shorter than a block.
+        for (seed, (pos0, window)) in [(0, None), (7, None), (5, Some(40))]
+            .into_iter()
+            .enumerate()
+        {
+            let s = AttentionShape {
+                rows: 150,
+                pos0,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 32,
+                window,
+            };
+            let ctx = s.pos0 + s.rows;
+            let q = fresh(s.rows * s.heads * s.head_dim, 110 + seed as u64);
+            let k = fresh(ctx * s.kv_heads * s.head_dim, 120 + seed as u64);
+            let v = fresh(ctx * s.kv_heads * s.head_dim, 130 + seed as u64);
+            let mut want = poisoned(q.len());
+            let mut got = poisoned(q.len());
+            reference::attention(&q, &k, &v, &s, &mut want);
+            attention(&q, &k, &v, &s, &mut got);
+            let e = rel_err(&got, &want);
+            assert!(e < 1e-5, "pos0 {pos0} window {window:?}: rel err {e}");
+        }
     }
 
     #[test]

@@ -420,9 +420,8 @@ impl Batch1<'_> {
                 for g in g0..groups.min(g0 + 16) {
                     let v = _mm512_broadcast_i64x4(_mm256_loadu_si256(w.add(8 * g).cast()));
                     let xg = x.add(64 * g);
-                    let code = |k: usize, v: __m512i| {
-                        _mm512_cvtepi32_ps(_mm512_and_si512(v, masks[k]))
-                    };
+                    let code =
+                        |k: usize, v: __m512i| _mm512_cvtepi32_ps(_mm512_and_si512(v, masks[k]));
                     // Two chains, so that a group's sum waits on two products, not four.
                     let s0 = _mm512_mul_ps(code(0, v), _mm512_loadu_ps(xg));
                     let s1 = _mm512_mul_ps(code(1, v), _mm512_loadu_ps(xg.add(16)));
