@@ -46,6 +46,13 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// Runs `f`, a forward pass or a decode on this backend, with whatever the backend
+    /// keeps ready for the length of one (the CPU: its threads awake). The default just
+    /// runs it.
+    fn warm<R>(&self, f: impl FnOnce() -> R) -> R {
+        f()
+    }
+
     /// Copies host data into a new tensor.
     fn upload(&self, data: &[f32]) -> Self::Tensor;
     /// A weight matrix of `out_dim` rows and `in_dim` columns from its row-major values.

@@ -354,6 +354,17 @@ impl<B: Backend> Model<B> {
         logits_from: usize,
         observer: Option<&mut dyn MoeObserver<B>>,
     ) -> Result<Vec<f32>, Error> {
+        let b = &self.backend;
+        b.warm(|| self.forward_pass(state, tokens, logits_from, observer))
+    }
+
+    fn forward_pass(
+        &self,
+        state: &mut State<B>,
+        tokens: &[u32],
+        logits_from: usize,
+        observer: Option<&mut dyn MoeObserver<B>>,
+    ) -> Result<Vec<f32>, Error> {
         let c = &self.config;
         let b = &self.backend;
         let n = tokens.len();

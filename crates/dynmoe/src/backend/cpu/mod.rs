@@ -5,6 +5,8 @@ pub mod fast;
 pub mod reference;
 pub mod timeline;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use super::{AttentionShape, Backend, SwiGluGroup, Weight};
 use crate::codec::affine::kernels::{self, AffineView};
 use crate::codec::vq::{self, VqView};
@@ -37,6 +39,65 @@ pub fn run_as_pool_thread<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Empty looks for work after which a waiting thread of [`with_warm_pool`] also offers
+/// its core to the system between looks (a few microseconds of spinning).
+const IDLE_SPINS: u32 = 1000;
+
+thread_local! {
+    /// Whether this thread is inside [`with_warm_pool`] already.
+    static WARM: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` (a forward pass, a decode) with the pool's other threads looking for work
+/// the whole time instead of going to sleep between ops. A pool thread with nothing to do
+/// sleeps after a short wait, and waking it takes longer than a small op at batch 1, so a
+/// pass of many short parallel ops would otherwise pay a wake-up for most of them (docs/
+/// notes/cpu-decode-2026-12-04.md). The cost is the other cores kept busy while `f`
+/// runs, which is when the work is there to take.
+///
+/// Only where the calling thread is in the pool ([`run_as_pool_thread`]); elsewhere, and
+/// inside another call, `f` just runs.
+pub fn with_warm_pool<R>(f: impl FnOnce() -> R) -> R {
+    let me = rayon::current_thread_index();
+    if me.is_none() || rayon::current_num_threads() < 2 || WARM.with(|w| w.get()) {
+        return f();
+    }
+    /// Ends the waiting when `f` returns or unwinds: the scope waits for the waiters.
+    struct Done<'a>(&'a AtomicBool);
+    impl Drop for Done<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+            WARM.with(|w| w.set(false));
+        }
+    }
+    let done = AtomicBool::new(false);
+    rayon::in_place_scope(|s| {
+        for _ in 1..rayon::current_num_threads() {
+            s.spawn(|_| {
+                // The caller may take a waiter back while it waits on its own work.
+                if rayon::current_thread_index() == me {
+                    return;
+                }
+                let mut idle = 0u32;
+                while !done.load(Ordering::Acquire) {
+                    if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                        idle = 0;
+                    } else if idle < IDLE_SPINS {
+                        idle += 1;
+                        std::hint::spin_loop();
+                    } else {
+                        // Where there are more busy threads than cores, the others'.
+                        std::thread::yield_now();
+                    }
+                }
+            });
+        }
+        WARM.with(|w| w.set(true));
+        let _done = Done(&done);
+        f()
+    })
+}
+
 /// The CPU backend. `Cpu::reference()` runs every op through the plain reference
 /// loops; `Cpu::fast()` uses the threaded kernels where they exist.
 #[derive(Debug, Clone, Copy)]
@@ -66,6 +127,14 @@ impl Backend for Cpu {
             "cpu"
         } else {
             "cpu-reference"
+        }
+    }
+
+    fn warm<R>(&self, f: impl FnOnce() -> R) -> R {
+        if self.fast {
+            with_warm_pool(f)
+        } else {
+            f()
         }
     }
 

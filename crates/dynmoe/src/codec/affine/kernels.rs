@@ -623,6 +623,16 @@ fn share_rows(dst: &mut [f32], rows: usize, batch: usize, rows_fn: &RowsFn<'_>) 
     });
 }
 
+/// Multiply-adds below which a product runs on the calling thread even where it may
+/// thread: at batch 1 a 256 × 256 product takes about 3 µs on one core, less than
+/// sharing it costs (docs/notes/cpu-decode-2026-12-04.md).
+const THREAD_ABOVE: usize = 1 << 17;
+
+/// Whether a product of `products` multiply-adds is worth sharing between threads.
+pub(crate) fn worth_threads(products: usize) -> bool {
+    products >= THREAD_ABOVE
+}
+
 /// Runs `rows_fn` over all `rows` output rows, threaded when `parallel`, and puts the
 /// results in `out` as `[batch, rows]`.
 pub(crate) fn by_rows(
@@ -700,6 +710,7 @@ fn run(
         act: prepare(x, batch, cols, layout),
         batch,
     };
+    let parallel = parallel && worth_threads(batch * rows * cols);
     by_rows(out, rows, batch, parallel, &|o0, d, s| call.rows(o0, d, s));
 }
 

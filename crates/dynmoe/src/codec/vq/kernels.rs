@@ -33,7 +33,7 @@ use half::f16;
 use super::codebook::Codebook;
 use super::rotation::{fwht, signs};
 use super::{row_bytes, VqView};
-use crate::codec::affine::kernels::{by_rows, prefetch};
+use crate::codec::affine::kernels::{by_rows, prefetch, worth_threads};
 
 /// Above this many activation rows the weights are decoded and multiplied with gemm,
 /// as the affine path does.
@@ -566,6 +566,7 @@ fn run(
             }
         }
     };
+    let parallel = parallel && worth_threads(batch * w.rows * w.cols);
     by_rows(out, w.rows, batch, parallel, &rows_fn);
 }
 

@@ -88,6 +88,14 @@ impl<B: Backend> Model<B> {
         seqs: &mut [Decoding<'_, B>],
         on_token: &mut dyn FnMut(usize, u32) -> bool,
     ) -> Result<Vec<usize>, Error> {
+        self.backend.warm(|| self.decode_seqs(seqs, on_token))
+    }
+
+    fn decode_seqs(
+        &self,
+        seqs: &mut [Decoding<'_, B>],
+        on_token: &mut dyn FnMut(usize, u32) -> bool,
+    ) -> Result<Vec<usize>, Error> {
         for s in seqs.iter() {
             if let Err(why) = s.opts.sampling.check() {
                 return Err(Error::Config(format!("sampling: {why}")));
