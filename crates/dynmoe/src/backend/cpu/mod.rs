@@ -264,6 +264,34 @@ impl Backend for Cpu {
         )
     }
 
+    fn linear3(
+        &self,
+        x: &Vec<f32>,
+        ws: [Weight<'_, Vec<f32>>; 3],
+        rows: usize,
+        in_dim: usize,
+        out_dims: [usize; 3],
+        outs: [&mut Vec<f32>; 3],
+    ) {
+        let [wq, wk, wv] = ws;
+        let [oq, ok, ov] = outs;
+        let one = |w, d, out: &mut Vec<f32>| self.linear(x, w, rows, in_dim, d, out);
+        if self.fast {
+            // Three products too small to share one by one (q, k and v at batch 1) still
+            // keep two threads busy side by side.
+            timeline::timed("linear3", || {
+                rayon::join(
+                    || one(wq, out_dims[0], oq),
+                    || rayon::join(|| one(wk, out_dims[1], ok), || one(wv, out_dims[2], ov)),
+                );
+            })
+        } else {
+            one(wq, out_dims[0], oq);
+            one(wk, out_dims[1], ok);
+            one(wv, out_dims[2], ov);
+        }
+    }
+
     fn add_bias(&self, x: &mut Vec<f32>, bias: &Vec<f32>, rows: usize) {
         timeline::timed("add_bias", || {
             reference::add_bias(x, bias, rows);

@@ -439,7 +439,7 @@ impl Batch1<'_> {
     /// 2-bit rows (two groups a unit, [`super::ORDER_Q2`]).
     pub fn q2(&self, o0: usize, dst: &mut [f32]) {
         self.check(o0, dst.len(), 4, 2);
-        // SAFETY: as in `q4`; a unit cut short at a row's end is read from a padded copy.
+        // SAFETY: as in `q4`; a unit cut short at a row's end reads only its own words.
         unsafe { self.q2_raw(o0, dst) }
     }
 
@@ -467,7 +467,8 @@ impl Batch1<'_> {
                     let words = if g + 2 <= groups {
                         _mm256_loadu_si256(row.as_ptr().add(4 * g).cast())
                     } else {
-                        _mm256_loadu_si256(unit_words(row, g, groups, 4, 2).as_ptr().cast())
+                        // A row's last unit with one group: its four words, zeros above.
+                        _mm256_zextsi128_si256(_mm_loadu_si128(row.as_ptr().add(4 * g).cast()))
                     };
                     let xu = x.add(64 * g);
                     let mut sums = [_mm512_setzero_ps(); 2];
