@@ -124,3 +124,69 @@ pub fn matmul_with(
         );
     }
 }
+
+/// A matrix read in place from a slice: element `(i, j)` at `data[i * row_stride + j *
+/// col_stride]` (a head's slice of a cache, or a matrix read as its transpose).
+#[derive(Debug, Clone, Copy)]
+pub struct Strided<'a> {
+    /// The values, from element `(0, 0)` on.
+    pub data: &'a [f32],
+    /// Rows of the matrix.
+    pub rows: usize,
+    /// Columns of the matrix.
+    pub cols: usize,
+    /// Elements from one row to the next.
+    pub row_stride: usize,
+    /// Elements from one column to the next.
+    pub col_stride: usize,
+}
+
+impl Strided<'_> {
+    /// Panics unless every element lies inside `data`.
+    fn check(&self) {
+        if self.rows > 0 && self.cols > 0 {
+            let last = (self.rows - 1) * self.row_stride + (self.cols - 1) * self.col_stride;
+            assert!(last < self.data.len(), "strided view past its slice");
+        }
+    }
+}
+
+/// `out = a · b` on the calling thread, `out` row-major `[a.rows, b.cols]`.
+///
+/// # Panics
+/// If the inner sizes differ, a view reaches past its slice, or `out` is too short.
+pub fn matmul_strided(a: Strided<'_>, b: Strided<'_>, out: &mut [f32]) {
+    assert_eq!(a.cols, b.rows, "inner sizes");
+    a.check();
+    b.check();
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let out = &mut out[..m * n];
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: `check` put every element of both views inside their slices, and `out`
+    // holds m × n values written row-major.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.data.as_ptr(),
+            a.col_stride as isize,
+            a.row_stride as isize,
+            b.data.as_ptr(),
+            b.col_stride as isize,
+            b.row_stride as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}

@@ -10,7 +10,7 @@ use super::with_padded_columns;
 use crate::backend::{AttentionShape, SwiGluGroup, Weight};
 use crate::codec::affine::kernels::{self, AffineView};
 use crate::codec::affine::lowbit;
-use crate::codec::dense::{matmul, matmul_serial, matmul_with};
+use crate::codec::dense::{matmul, matmul_serial, matmul_strided, matmul_with, Strided};
 use crate::codec::vq;
 
 /// Above this many rows a stored matrix is expanded to f32 once and multiplied with
@@ -140,17 +140,23 @@ fn attention_blocked(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape, out: &
             // The keys any row of the block sees.
             let (lo, hi) = (s.first_visible(s.pos0 + r0), s.pos0 + r0 + n);
             let keys = hi - lo;
-            let head_rows = |src: &[f32], first: usize, count: usize, stride: usize, at: usize| {
-                let mut m = vec![0.0f32; count * d];
-                for (dst, j) in m.chunks_exact_mut(d).zip(first..) {
-                    dst.copy_from_slice(&src[j * stride + at..j * stride + at + d]);
-                }
-                m
+            // The block's queries, and the head's keys read as their transpose, in place.
+            let qs = Strided {
+                data: &q[r0 * width + h * d..],
+                rows: n,
+                cols: d,
+                row_stride: width,
+                col_stride: 1,
             };
-            let qs = head_rows(q, r0, n, width, h * d);
-            let ks = head_rows(k, lo, keys, kv_width, kv_at);
+            let kt = Strided {
+                data: &k[lo * kv_width + kv_at..],
+                rows: d,
+                cols: keys,
+                row_stride: 1,
+                col_stride: kv_width,
+            };
             let mut scores = vec![0.0f32; n * keys];
-            matmul_serial(&qs, &ks, n, d, keys, &mut scores);
+            matmul_strided(qs, kt, &mut scores);
             for (i, row) in scores.chunks_exact_mut(keys).enumerate() {
                 let p = s.pos0 + r0 + i;
                 let first = s.first_visible(p) - lo;
@@ -160,18 +166,22 @@ fn attention_blocked(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape, out: &
                 row[..first].fill(0.0);
                 row[p + 1 - lo..].fill(0.0);
             }
-            // `V` transposed, `[d, keys]`, as the product's weight.
-            let mut vt = vec![0.0f32; d * keys];
-            for (j, src) in (lo..hi)
-                .map(|j| &v[j * kv_width + kv_at..j * kv_width + kv_at + d])
-                .enumerate()
-            {
-                for (c, &x) in src.iter().enumerate() {
-                    vt[c * keys + j] = x;
-                }
-            }
+            let p = Strided {
+                data: &scores,
+                rows: n,
+                cols: keys,
+                row_stride: keys,
+                col_stride: 1,
+            };
+            let vs = Strided {
+                data: &v[lo * kv_width + kv_at..],
+                rows: keys,
+                cols: d,
+                row_stride: kv_width,
+                col_stride: 1,
+            };
             let mut o = vec![0.0f32; n * d];
-            matmul_serial(&scores, &vt, n, keys, d, &mut o);
+            matmul_strided(p, vs, &mut o);
             (h, r0, o)
         })
         .collect();
@@ -181,6 +191,32 @@ fn attention_blocked(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape, out: &
             out[at..at + d].copy_from_slice(row);
         }
     }
+}
+
+/// See [`crate::backend::Backend::rope`]: each row's angles once for all of its heads
+/// (the reference takes them per head), rows in parallel.
+pub fn rope(x: &mut [f32], positions: &[usize], heads: usize, head_dim: usize, inv_freq: &[f32]) {
+    let (width, half) = (heads * head_dim, inv_freq.len());
+    x[..positions.len() * width]
+        .par_chunks_mut(width)
+        .zip(positions.par_iter())
+        .with_min_len(16)
+        .for_each_init(
+            || vec![(0.0f32, 0.0f32); half],
+            |turns, (row, &p)| {
+                for (t, &f) in turns.iter_mut().zip(inv_freq) {
+                    // As the reference: the angle in f32, then its sine and cosine.
+                    *t = (p as f32 * f).sin_cos();
+                }
+                for head in row.chunks_exact_mut(head_dim) {
+                    for (i, &(sin, cos)) in turns.iter().enumerate() {
+                        let (a, b) = (head[i], head[i + half]);
+                        head[i] = a * cos - b * sin;
+                        head[i + half] = b * cos + a * sin;
+                    }
+                }
+            },
+        );
 }
 
 /// [`reference::attend_one`] with its products in sixteen lanes, which the compiler
@@ -369,6 +405,20 @@ mod tests {
         reference::rms_norm(&x, &w, rows, dim, 1e-6, &mut want);
         rms_norm(&x, &w, rows, dim, 1e-6, &mut got);
         assert!(rel_err(&got, &want) < 1e-6);
+    }
+
+    #[test]
+    fn rope_is_the_reference_exactly() {
+        let (heads, d) = (3, 16);
+        let inv_freq = crate::model::forward::rope_inv_freq(10000.0, d, 1.0);
+        for rows in [1usize, 40] {
+            let positions: Vec<usize> = (0..rows).map(|r| 5 + 3 * r).collect();
+            let x = fresh(rows * heads * d, 140 + rows as u64);
+            let (mut want, mut got) = (x.clone(), x);
+            reference::rope(&mut want, &positions, heads, d, &inv_freq);
+            rope(&mut got, &positions, heads, d, &inv_freq);
+            assert_eq!(got, want, "{rows} rows");
+        }
     }
 
     #[test]

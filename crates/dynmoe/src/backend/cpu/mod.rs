@@ -331,7 +331,11 @@ impl Backend for Cpu {
         inv_freq: &[f32],
     ) {
         timeline::timed("rope", || {
-            reference::rope(x, positions, heads, head_dim, inv_freq);
+            if self.fast {
+                fast::rope(x, positions, heads, head_dim, inv_freq);
+            } else {
+                reference::rope(x, positions, heads, head_dim, inv_freq);
+            }
         })
     }
 
