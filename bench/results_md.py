@@ -427,6 +427,72 @@ def cpu_forward():
         source(["cpu_forward.json"], "`cargo bench -p dynmoe --bench cpu_forward`"))
 
 
+def cpu_vs_llama_cpp():
+    d = load("cpu_vs_llama_cpp.json")
+    rows = []
+    for name, group in [("llama.cpp", d["llama_cpp"]), ("dynmoe", d["dynmoe"])]:
+        for label, v in group.items():
+            m = v["median"]
+            label = {"f32": "F32", "q4_k_m": "Q4_K_M", "q2_k": "Q2_K"}.get(label, label)
+            rows.append([name, label, num(m["prefill"]), num(m["decode_at_0"]),
+                         num(m["decode_at_512"])])
+    return section(
+        "The CPU engine beside llama.cpp",
+        para(f"""An OLMoE-shaped model of the project's own ({num(d['params'] / 1e6, 1)} M
+             parameters, random weights: 6 layers, 32 experts of width 64, top-4, hidden 256,
+             vocabulary 4 096; `bench/peers/olmoe_shape.py`) on {d['threads']} threads of an
+             {d['cpu']}, llama.cpp ({d['llama_cpp_version']}, built from the llama-cpp-python
+             sdist with `{d['llama_cpp_build_flags']}`, and dynmoe, in {d['rounds']} interleaved
+             rounds, medians, tokens per second. Prefill is a 512-token prompt; decode is 128
+             tokens from an empty context (llama-bench's tg128; dynmoe after a 1-token prompt)
+             and after 512 tokens of context (llama-bench `-d 512`). llama.cpp's F32 keeps
+             every weight in f32; its Q4_K_M and Q2_K quantize the 64-column expert
+             down-projections to q5_0/q8_0 and q4_0 (64 is not a multiple of its 256-wide
+             K-quant blocks); dynmoe's routers and norms stay bf16."""),
+        table(["engine", "weights", "prefill 512", "decode, empty context",
+               "decode at depth 512"], rows, left=2),
+        source(["cpu_vs_llama_cpp.json"], "`python3 bench/peers/cpu_compare.py` (a release "
+               "build; it builds llama.cpp's tools through `bench/peers/llama_cpp.sh`)"))
+
+
+def cpu_timeline():
+    before, after = load("cpu_timeline_before.json"), load("cpu_timeline_after.json")
+    cases = [(c["bits"], b, c) for b, c in zip(before["cases"], after["cases"])]
+    ops = []
+    for _, b, a in cases:
+        for r in b["timeline"]["ops"] + a["timeline"]["ops"]:
+            if r["op"] not in ops:
+                ops.append(r["op"])
+
+    def us(case, op):
+        r = next((r for r in case["timeline"]["ops"] if r["op"] == op), None)
+        return "–" if r is None else f"{r['us_per_token']:.1f}"
+
+    header = ["op"]
+    for bits, _, _ in cases:
+        header += [f"q{bits} before", f"q{bits} after"]
+    rows = [[op] + [us(c, op) for _, b, a in cases for c in (b, a)] for op in ops]
+    rows.append(["**a token**"] + [f"{c['timeline']['us_per_token']:.1f}"
+                                   for _, b, a in cases for c in (b, a)])
+    return section(
+        "A CPU decode token, op by op",
+        para(f"""Microseconds a decode token spends in each op of the CPU backend
+             (`bench decode --timeline`), on the model of the table above converted with its
+             attention and head at q4, after a {after['prompt']}-token prompt, experts at 4
+             and 2 bits: before the changes of
+             [notes/cpu-decode-2026-12-04.md](notes/cpu-decode-2026-12-04.md) (the caller handing every parallel op to
+             the pool and sleeping, a row of a product set up at a time, attention in one
+             lane, the pool's threads asleep between ops) and after. A product is named by
+             its shape and codec; `linear3` is q, k and v side by side; `experts x4` a MoE
+             layer's four routed experts; "between ops" is the host's routing, sampling and
+             the timing itself. Ops that are not listed in a column did not run there."""),
+        table(header, rows),
+        source(["cpu_timeline_before.json", "cpu_timeline_after.json"],
+               "`dynmoe bench decode /tmp/olmoe-13m-converted --bits 4,2 --dense-codec q4 "
+               "--head-codec q4 --timeline --json ...`, from the commit before this round "
+               "(with the timeline added) and after it"))
+
+
 def codecs():
     d = load("codecs.json")
     rows = []
@@ -852,7 +918,7 @@ def serve_soak():
 PARTS = [
     ("Quality on the bundled fixtures",
      [ppl_fixtures, ppl_bits, ppl_codecs, quality, quality_model, isp_rounds, residency_small]),
-    ("Speed on the CPU, and the codecs", [cpu_forward, codecs, vq_kernels, expert_kernels,
+    ("Speed on the CPU, and the codecs", [cpu_vs_llama_cpp, cpu_timeline, cpu_forward, codecs, vq_kernels, expert_kernels,
                                           reservoir_disk,
                                          serve_load]),
     ("The GPU", [model_speed, decode_sampled_batched, residency_gpu, cuda_kernels]),

@@ -82,6 +82,11 @@ fn measure(m: &LoadedModel<Cpu>, experts: &str, tokens: &[u32], repeats: usize) 
 }
 
 fn main() {
+    // As the commands run models: from a thread of the kernels' pool.
+    dynmoe::backend::cpu::run_as_pool_thread(run);
+}
+
+fn run() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let dir = std::env::args()
         .skip(1)
