@@ -408,6 +408,40 @@ def residency_small():
 
 # -- CPU speed and codecs -----------------------------------------------------------
 
+def cpu_model_speed_30b():
+    d = load("cpu_model_speed_30b.json")
+    c = d["cases"][0]
+    rows = [[f"q{c['bits']}", c["dense_codec"], c["head_codec"], num(c["prefill_tok_s"], 1),
+             num(c["decode_tok_s"], 1), num(c["decode_bytes_per_token"] / 1e6, 1),
+             num(d["copy_gb_s"], 1), num(c["decode_floor_tok_s"], 1),
+             pct(c["decode_tok_s"] / c["decode_floor_tok_s"], 0)]]
+    experts = next(r for r in c["timeline"]["ops"] if r["op"].startswith("experts"))
+    # top-8 experts of 3 × 768 × 2048 weights each, a layer
+    expert_gw = 8 * 3 * 768 * 2048 / experts["us_each"] / 1e3
+    ops = [[r["op"], f"{r['calls_per_token']:.0f}", f"{r['us_each']:.0f}",
+            f"{r['us_per_token'] / 1e3:.1f}"] for r in c["timeline"]["ops"][:6]]
+    return section(
+        "The 30B shape on the CPU",
+        para(f"""The 12-layer Qwen3-30B-A3B shape (`dynmoe synth --like qwen3-30b-a3b --layers
+             12 --bits 2`, random records) on {d['device']}, batch 1, a {d['prompt']}-token
+             prompt and {d['generate']} tokens decoded, medians of {d['repeats']}: decode
+             against the floor the host's read bandwidth sets for the bytes a token reads
+             (`testing::host_read_gb_s`: every thread summing a 1 GiB buffer). The products
+             here are bound by the vector ports, not by memory: the float kernels take about as
+             long a weight whatever its bits (the routed experts, top-8 of 128 a layer, run at
+             {expert_gw:.1f} G weights/s on two cores;
+             [notes/cpu-decode-2026-12-04.md](notes/cpu-decode-2026-12-04.md)). llama.cpp's
+             Q2_K of this shape was not measured on the CPU (its GGUF would be converted
+             from a 29 GB F32 file)."""),
+        table(["experts", "attention", "LM head", "prefill t/s", "decode t/s", "MB a token",
+               "read GB/s", "floor t/s", "of the floor"], rows, left=3),
+        para("Where a decode token's time goes (`--timeline`), its six costliest ops:"),
+        table(["op", "a token", "µs each", "ms a token"], ops),
+        source(["cpu_model_speed_30b.json"], "`dynmoe bench decode /tmp/q30c --bits 2 "
+               "--dense-codec q4 --head-codec q4 --prompt 64 --generate 32 --repeats 3 "
+               "--timeline --json ...`"))
+
+
 def cpu_forward():
     d = load("cpu_forward.json")
     rows = [[r["backend"], r["experts"], num(r["prefill_tok_s_median"]),
@@ -918,7 +952,8 @@ def serve_soak():
 PARTS = [
     ("Quality on the bundled fixtures",
      [ppl_fixtures, ppl_bits, ppl_codecs, quality, quality_model, isp_rounds, residency_small]),
-    ("Speed on the CPU, and the codecs", [cpu_vs_llama_cpp, cpu_timeline, cpu_forward, codecs, vq_kernels, expert_kernels,
+    ("Speed on the CPU, and the codecs", [cpu_vs_llama_cpp, cpu_timeline, cpu_model_speed_30b,
+                                          cpu_forward, codecs, vq_kernels, expert_kernels,
                                           reservoir_disk,
                                          serve_load]),
     ("The GPU", [model_speed, decode_sampled_batched, residency_gpu, cuda_kernels]),

@@ -507,7 +507,7 @@ struct Case {
     /// Bytes a dense weight takes on the backend: 2 on CUDA, which keeps a bf16
     /// checkpoint's matrices in bf16, 4 on the CPU (f32).
     dense_bytes_per_weight: usize,
-    /// Copy bandwidth over those bytes.
+    /// The device's copy bandwidth (the host's read bandwidth on the CPU) over those bytes.
     decode_floor_tok_s: Option<f64>,
     llama_cpp_decode_tok_s: Option<f64>,
     llama_cpp_prefill_tok_s: Option<f64>,
@@ -827,7 +827,14 @@ fn decode(a: DecodeArgs) -> Result<()> {
         let expert_bits_per_weight = experts.iter().sum::<usize>() as f64 * 8.0
             / (experts.len() * expert_weights).max(1) as f64;
         let (bits, plan, ll) = match setting {
-            Setting::Affine(bits) => (*bits, None, llama_cpp(&config, *bits)),
+            // Measured on the GPU: nothing to say beside a CPU run.
+            Setting::Affine(bits) => (
+                *bits,
+                None,
+                matches!(a.backend, BackendKind::Cuda)
+                    .then(|| llama_cpp(&config, *bits))
+                    .flatten(),
+            ),
             Setting::Plan(_) => (
                 expert_bits_per_weight.round() as u32,
                 Some(setting.label()),
@@ -1075,7 +1082,8 @@ fn eager_runs(
     Ok(None)
 }
 
-/// The device's name and copy bandwidth (GB/s) for the report.
+/// The device's name and copy bandwidth (GB/s) for the report; on the CPU, the host's read
+/// bandwidth.
 #[cfg(feature = "cuda")]
 fn device_info(backend: BackendKind) -> Result<(String, Option<f64>)> {
     match backend {
@@ -1083,7 +1091,10 @@ fn device_info(backend: BackendKind) -> Result<(String, Option<f64>)> {
             let g = cuda_backend()?;
             Ok((g.device_name().to_string(), Some(g.copy_bandwidth())))
         }
-        _ => Ok((dynmoe::testing::cpu_name(), None)),
+        _ => Ok((
+            dynmoe::testing::cpu_name(),
+            Some(dynmoe::testing::host_read_gb_s()),
+        )),
     }
 }
 
@@ -1093,5 +1104,8 @@ fn device_info(backend: BackendKind) -> Result<(String, Option<f64>)> {
     if let BackendKind::Cuda = backend {
         cuda_backend()?;
     }
-    Ok((dynmoe::testing::cpu_name(), None))
+    Ok((
+        dynmoe::testing::cpu_name(),
+        Some(dynmoe::testing::host_read_gb_s()),
+    ))
 }

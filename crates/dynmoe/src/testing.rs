@@ -292,3 +292,32 @@ pub fn cpu_name() -> String {
         })
         .unwrap_or_else(|| "unknown".into())
 }
+
+/// The host's read bandwidth in GB/s: the best of three passes of every thread summing a
+/// 1 GiB buffer (far past the caches), for the floor a memory-bound decode on the CPU
+/// cannot beat.
+pub fn host_read_gb_s() -> f64 {
+    use rayon::prelude::*;
+    const BYTES: usize = 1 << 30;
+    // Written first, so that the pages exist and the passes time reads only.
+    let buf = vec![1.0f32; BYTES / 4];
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        let total: f32 = buf
+            .par_chunks(1 << 18)
+            .map(|c| {
+                let mut acc = [0.0f32; 16];
+                for v in c.chunks_exact(16) {
+                    for (a, x) in acc.iter_mut().zip(v) {
+                        *a += x;
+                    }
+                }
+                acc.iter().sum::<f32>()
+            })
+            .sum();
+        std::hint::black_box(total);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    BYTES as f64 / best / 1e9
+}
