@@ -13,22 +13,29 @@ const GEMV_MAX_ROWS: usize = 4;
 /// scheduling, few enough tasks to balance.
 const GEMV_CHUNK: usize = 64;
 
-/// Dot product with eight independent accumulators, which the compiler vectorises.
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        let (xa, xb) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
-        for l in 0..8 {
-            acc[l] += xa[l] * xb[l];
+/// Dot product with `L` independent accumulators, which the compiler vectorises (a sum in
+/// order would run one lane at a time); the tail past the last whole `L` in order.
+#[inline(always)]
+pub(crate) fn dot_lanes<const L: usize>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; L];
+    let (ca, cb) = (a.chunks_exact(L), b.chunks_exact(L));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..L {
+            acc[l] += x[l] * y[l];
         }
     }
-    let mut tail = 0.0;
-    for i in chunks * 8..a.len() {
-        tail += a[i] * b[i];
-    }
     acc.iter().sum::<f32>() + tail
+}
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dot_lanes::<8>(a, b)
 }
 
 /// `out[rows, out_dim] = x[rows, in_dim] · wᵀ` with `w` as `[out_dim, in_dim]`, on every

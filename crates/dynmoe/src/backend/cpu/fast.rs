@@ -10,7 +10,7 @@ use super::with_padded_columns;
 use crate::backend::{AttentionShape, SwiGluGroup, Weight};
 use crate::codec::affine::kernels::{self, AffineView};
 use crate::codec::affine::lowbit;
-use crate::codec::dense::{matmul, matmul_serial, matmul_strided, matmul_with, Strided};
+use crate::codec::dense::{dot_lanes, matmul, matmul_serial, matmul_strided, matmul_with, Strided};
 use crate::codec::vq;
 
 /// Above this many rows a stored matrix is expanded to f32 once and multiplied with
@@ -219,9 +219,8 @@ pub fn rope(x: &mut [f32], positions: &[usize], heads: usize, head_dim: usize, i
         );
 }
 
-/// [`reference::attend_one`] with its products in sixteen lanes, which the compiler
-/// vectorises (the reference's sums run in order, one lane), compiled for AVX-512 or
-/// AVX2 where the processor has them: the crate is built for baseline x86-64, whose
+/// [`reference::attend_one`] with its q·k products in sixteen lanes, compiled for AVX-512
+/// or AVX2 where the processor has them: the crate is built for baseline x86-64, whose
 /// vectors are four lanes wide.
 #[allow(clippy::too_many_arguments)]
 fn attend_one(
@@ -234,36 +233,29 @@ fn attend_one(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
+    // The same function compiled for each instruction set.
+    macro_rules! compiled_for {
+        ($name:ident, $features:literal) => {
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            fn $name(
+                q: &[f32],
+                k: &[f32],
+                v: &[f32],
+                s: &AttentionShape,
+                p: usize,
+                kv_head: usize,
+                scores: &mut [f32],
+                out: &mut [f32],
+            ) {
+                reference::attend_one_with(dot_lanes::<16>, q, k, v, s, p, kv_head, scores, out)
+            }
+        };
+    }
     #[cfg(target_arch = "x86_64")]
     {
-        #[target_feature(enable = "avx512f,avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
-        fn avx512(
-            q: &[f32],
-            k: &[f32],
-            v: &[f32],
-            s: &AttentionShape,
-            p: usize,
-            kv_head: usize,
-            scores: &mut [f32],
-            out: &mut [f32],
-        ) {
-            attend_one_body(q, k, v, s, p, kv_head, scores, out)
-        }
-        #[target_feature(enable = "avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
-        fn avx2(
-            q: &[f32],
-            k: &[f32],
-            v: &[f32],
-            s: &AttentionShape,
-            p: usize,
-            kv_head: usize,
-            scores: &mut [f32],
-            out: &mut [f32],
-        ) {
-            attend_one_body(q, k, v, s, p, kv_head, scores, out)
-        }
+        compiled_for!(avx512, "avx512f,avx2,fma");
+        compiled_for!(avx2, "avx2,fma");
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the processor has the features it is compiled for.
             return unsafe { avx512(q, k, v, s, p, kv_head, scores, out) };
@@ -274,57 +266,7 @@ fn attend_one(
             return unsafe { avx2(q, k, v, s, p, kv_head, scores, out) };
         }
     }
-    attend_one_body(q, k, v, s, p, kv_head, scores, out)
-}
-
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn attend_one_body(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    s: &AttentionShape,
-    p: usize,
-    kv_head: usize,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
-    let d = s.head_dim;
-    let kv_width = s.kv_heads * d;
-    let scale = 1.0 / (d as f32).sqrt();
-    let lo = s.first_visible(p);
-    let scores = &mut scores[..p + 1 - lo];
-    let at = kv_head * d;
-    for (j, sc) in (lo..=p).zip(scores.iter_mut()) {
-        *sc = dot16(q, &k[j * kv_width + at..j * kv_width + at + d]) * scale;
-    }
-    reference::softmax(scores);
-    out.fill(0.0);
-    for (j, &w) in (lo..=p).zip(scores.iter()) {
-        let vj = &v[j * kv_width + at..j * kv_width + at + d];
-        for (o, &x) in out.iter_mut().zip(vj) {
-            *o += w * x;
-        }
-    }
-}
-
-/// Dot product in sixteen lanes.
-#[inline(always)]
-fn dot16(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..16 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
+    reference::attend_one_with(dot_lanes::<16>, q, k, v, s, p, kv_head, scores, out)
 }
 
 #[cfg(test)]
@@ -421,6 +363,19 @@ mod tests {
         }
     }
 
+    /// `attention` against the reference on fresh inputs of shape `s`.
+    fn attention_rel_err(s: AttentionShape, seed: u64) -> f64 {
+        let ctx = s.pos0 + s.rows;
+        let q = fresh(s.rows * s.heads * s.head_dim, seed);
+        let k = fresh(ctx * s.kv_heads * s.head_dim, seed + 1);
+        let v = fresh(ctx * s.kv_heads * s.head_dim, seed + 2);
+        let mut want = poisoned(q.len());
+        let mut got = poisoned(q.len());
+        reference::attention(&q, &k, &v, &s, &mut want);
+        attention(&q, &k, &v, &s, &mut got);
+        rel_err(&got, &want)
+    }
+
     #[test]
     fn blocked_attention_matches_reference() {
         // 150 rows: two whole blocks and a short one; a window shorter than a block.
@@ -436,15 +391,7 @@ mod tests {
                 head_dim: 32,
                 window,
             };
-            let ctx = s.pos0 + s.rows;
-            let q = fresh(s.rows * s.heads * s.head_dim, 110 + seed as u64);
-            let k = fresh(ctx * s.kv_heads * s.head_dim, 120 + seed as u64);
-            let v = fresh(ctx * s.kv_heads * s.head_dim, 130 + seed as u64);
-            let mut want = poisoned(q.len());
-            let mut got = poisoned(q.len());
-            reference::attention(&q, &k, &v, &s, &mut want);
-            attention(&q, &k, &v, &s, &mut got);
-            let e = rel_err(&got, &want);
+            let e = attention_rel_err(s, 110 + 10 * seed as u64);
             assert!(e < 1e-5, "pos0 {pos0} window {window:?}: rel err {e}");
         }
     }
@@ -460,15 +407,8 @@ mod tests {
                 head_dim: 16,
                 window,
             };
-            let ctx = s.pos0 + s.rows;
-            let q = fresh(s.rows * s.heads * s.head_dim, 10 + seed as u64);
-            let k = fresh(ctx * s.kv_heads * s.head_dim, 20 + seed as u64);
-            let v = fresh(ctx * s.kv_heads * s.head_dim, 30 + seed as u64);
-            let mut want = poisoned(q.len());
-            let mut got = poisoned(q.len());
-            reference::attention(&q, &k, &v, &s, &mut want);
-            attention(&q, &k, &v, &s, &mut got);
-            assert!(rel_err(&got, &want) < 1e-6, "window {window:?}");
+            let e = attention_rel_err(s, 10 + 10 * seed as u64);
+            assert!(e < 1e-6, "window {window:?}: rel err {e}");
         }
     }
 }

@@ -143,7 +143,27 @@ pub fn write_rows(src: &[f32], dst: &mut [f32], dst_row: usize, rows: usize, wid
 
 /// Attention for one query row and one head: softmax(q·K / sqrt(d)) · V over the visible
 /// keys. `scores` is scratch of at least `p + 1` entries.
+#[allow(clippy::too_many_arguments)]
 pub fn attend_one(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    s: &AttentionShape,
+    p: usize,
+    kv_head: usize,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let in_order = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    attend_one_with(in_order, q, k, v, s, p, kv_head, scores, out);
+}
+
+/// [`attend_one`] with its q·k products taken by `dot` (the fast backend's run in
+/// several lanes).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn attend_one_with(
+    dot: impl Fn(&[f32], &[f32]) -> f32,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -158,14 +178,14 @@ pub fn attend_one(
     let scale = 1.0 / (d as f32).sqrt();
     let lo = s.first_visible(p);
     let scores = &mut scores[..p + 1 - lo];
+    let at = kv_head * d;
     for (j, sc) in (lo..=p).zip(scores.iter_mut()) {
-        let kj = &k[j * kv_width + kv_head * d..j * kv_width + (kv_head + 1) * d];
-        *sc = q.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+        *sc = dot(q, &k[j * kv_width + at..j * kv_width + at + d]) * scale;
     }
     softmax(scores);
     out.fill(0.0);
     for (j, &w) in (lo..=p).zip(scores.iter()) {
-        let vj = &v[j * kv_width + kv_head * d..j * kv_width + (kv_head + 1) * d];
+        let vj = &v[j * kv_width + at..j * kv_width + at + d];
         for (o, &x) in out.iter_mut().zip(vj) {
             *o += w * x;
         }

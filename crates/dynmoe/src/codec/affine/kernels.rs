@@ -298,24 +298,6 @@ fn sum8(v: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// Dot product with eight lanes.
-fn dot8(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
 /// Batch rows handled per pass over a weight row: enough to reuse each decoded vector,
 /// few enough that accumulators stay in the 16 vector registers of AVX2.
 const TILE: usize = 4;
@@ -419,7 +401,7 @@ fn portable<const T: usize, const L: u8>(
         }
         for (t, tot) in tot.iter_mut().enumerate() {
             let x = &xp[t * xs + g * GROUP_SIZE..t * xs + g * GROUP_SIZE + span];
-            *tot += dot8(&codes[..span], x);
+            *tot += crate::codec::dense::dot_lanes::<8>(&codes[..span], x);
         }
     }
     tot
@@ -530,7 +512,10 @@ impl Call<'_> {
                 *c = off * s + b;
             }
             for (t, o) in out.iter_mut().enumerate() {
-                *o = dot8(offs, &self.act.sums[t * groups..(t + 1) * groups]);
+                *o = crate::codec::dense::dot_lanes::<8>(
+                    offs,
+                    &self.act.sums[t * groups..(t + 1) * groups],
+                );
             }
         }
         // Column blocks start on unit boundaries, so only a row's last block can end
