@@ -229,9 +229,9 @@ enum Isa {
     Avx512,
 }
 
-/// Whether the batch-1 AVX-512 rows ([`x86::Batch1`]) can run: they also need BW.
+/// Whether the AVX-512 whole-row kernels ([`x86::Rows`]) can run: they also need BW.
 #[cfg(target_arch = "x86_64")]
-fn x86_batch1() -> bool {
+fn x86_rows() -> bool {
     is_x86_feature_detected!("avx512bw")
 }
 
@@ -464,29 +464,49 @@ struct Call<'a> {
 const BLOCK_FLOATS: usize = 4096;
 
 impl Call<'_> {
+    /// Rows `o0 ..` through [`x86::Rows`] in tiles of up to [`TILE`] activation rows, at
+    /// 4 and 2 bits; `false` (nothing written) at other layouts.
+    #[cfg(target_arch = "x86_64")]
+    fn whole_rows(&self, o0: usize, dst: &mut [f32]) -> bool {
+        if !matches!(self.layout, Layout::Q4 | Layout::Q2) {
+            return false;
+        }
+        let (a, off) = reconstruction(self.layout.bits());
+        let rows = x86::Rows {
+            words: self.w.words,
+            scales: self.w.scales,
+            biases: self.w.biases,
+            groups: self.w.cols / GROUP_SIZE,
+            xp: &self.act.xp,
+            xs: self.act.xcols,
+            sums: &self.act.sums,
+            a,
+            off,
+            batch: self.batch,
+        };
+        for t0 in (0..self.batch).step_by(TILE) {
+            match (self.layout, (self.batch - t0).min(TILE)) {
+                (Layout::Q4, 1) => rows.q4::<1>(o0, dst, t0),
+                (Layout::Q4, 2) => rows.q4::<2>(o0, dst, t0),
+                (Layout::Q4, 3) => rows.q4::<3>(o0, dst, t0),
+                (Layout::Q4, _) => rows.q4::<4>(o0, dst, t0),
+                (_, 1) => rows.q2::<1>(o0, dst, t0),
+                (_, 2) => rows.q2::<2>(o0, dst, t0),
+                (_, 3) => rows.q2::<3>(o0, dst, t0),
+                (_, _) => rows.q2::<4>(o0, dst, t0),
+            }
+        }
+        true
+    }
+
     /// Rows `o0 ..` of the product into `dst`, `[n_rows, batch]` (one row's batch
     /// values together). `scratch` holds the rows' multipliers.
     fn rows(&self, o0: usize, dst: &mut [f32], scratch: &mut Vec<f32>) {
         let (cols, batch) = (self.w.cols, self.batch);
         let groups = cols / GROUP_SIZE;
         #[cfg(target_arch = "x86_64")]
-        if batch == 1 && matches!(self.isa, Isa::Avx512) && x86_batch1() {
-            let (a, off) = reconstruction(self.layout.bits());
-            let b1 = x86::Batch1 {
-                words: self.w.words,
-                scales: self.w.scales,
-                biases: self.w.biases,
-                groups,
-                xp: &self.act.xp,
-                sums: &self.act.sums,
-                a,
-                off,
-            };
-            match self.layout {
-                Layout::Q4 => return b1.q4(o0, dst),
-                Layout::Q2 => return b1.q2(o0, dst),
-                Layout::Q3 | Layout::NaiveQ2 => {}
-            }
+        if matches!(self.isa, Isa::Avx512) && x86_rows() && self.whole_rows(o0, dst) {
+            return;
         }
         let n = dst.len() / batch;
         let per_row = words_per_row(cols, self.layout.bits());

@@ -337,32 +337,44 @@ unsafe fn q3_vl_raw<const T: usize>(
     q3_body!(w, mult, xp, xs, T, gather_avx512, select_avx512)
 }
 
-/// Batch-1 products on AVX-512: whole rows in one call, each group's multiplier and
-/// offset taken from the row's scales and biases as it is reached. At batch 1 a row of a
-/// narrow matrix (256 columns: four groups) costs about as much to set up through
-/// [`super::Call::rows`] as to multiply, so these run the setup inside the loop.
+/// Products at small batches on AVX-512: whole rows in one call, for a tile of up to four
+/// activation rows, each group's multiplier and offset taken from the row's scales and
+/// biases as it is reached. At batch 1 a row of a narrow matrix (256 columns: four groups)
+/// costs about as much to set up through [`super::Call::rows`] as to multiply, so these
+/// run the setup inside the loop; a group's codes, decoded once, serve every row of the
+/// tile.
 ///
-/// The activations are [`super::prepare`]'s (`xp` in the layout's extraction order and
-/// scaling, padded to whole units; `sums` the Σx of each group); `a` and `off` are the
-/// layout's midpoint reconstruction, so that code `q` of group `g` stands for
-/// `(a·q + off)·s_g + b_g`. Row `i` of `dst` is output row `o0 + i`.
-pub(super) struct Batch1<'a> {
+/// The activations are [`super::prepare`]'s (`xp` rows `xs` floats apart, in the layout's
+/// extraction order and scaling, padded to whole units; `sums` the Σx of each group, a
+/// row's `groups` together); `a` and `off` are the layout's midpoint reconstruction, so
+/// that code `q` of group `g` stands for `(a·q + off)·s_g + b_g`. `dst` is
+/// `[rows, batch]`: row `i`'s value for activation row `t` is `dst[i * batch + t]`, output
+/// row `o0 + i`; a tile writes its own `T` columns from `t0`.
+pub(super) struct Rows<'a> {
     pub words: &'a [u32],
     pub scales: &'a [half::bf16],
     pub biases: &'a [half::bf16],
     pub groups: usize,
     pub xp: &'a [f32],
+    pub xs: usize,
     pub sums: &'a [f32],
     pub a: f32,
     pub off: f32,
+    pub batch: usize,
 }
 
-impl Batch1<'_> {
+impl Rows<'_> {
     /// Row `r`'s groups `g0 .. g0 + 16` (fewer at the row's end, the rest zero): their
-    /// multipliers `a·s_g`, and their offsets' share `(off·s_g + b_g)·Σx_g`, which the
-    /// row's accumulator takes lane by lane so that one reduction serves both.
+    /// multipliers `a·s_g`, and for each activation row `t0 + t` of the tile their
+    /// offsets' share `(off·s_g + b_g)·Σx_g`, which that row's accumulator takes lane by
+    /// lane so that one reduction serves both.
     #[inline(always)]
-    unsafe fn chunk(&self, r: usize, g0: usize) -> (__m512, __m512) {
+    unsafe fn chunk<const T: usize>(
+        &self,
+        r: usize,
+        g0: usize,
+        t0: usize,
+    ) -> (__m512, [__m512; T]) {
         let n = (self.groups - g0).min(16);
         let k: __mmask16 = if n == 16 { u16::MAX } else { (1u16 << n) - 1 };
         let at = r * self.groups + g0;
@@ -372,33 +384,39 @@ impl Batch1<'_> {
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
         };
         let (s, b) = (load(self.scales), load(self.biases));
-        let x = _mm512_maskz_loadu_ps(k, self.sums.as_ptr().add(g0));
         let m = _mm512_mul_ps(_mm512_set1_ps(self.a), s);
-        let c = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_set1_ps(self.off), s, b), x);
+        let o = _mm512_fmadd_ps(_mm512_set1_ps(self.off), s, b);
+        let c = std::array::from_fn(|t| {
+            let x = _mm512_maskz_loadu_ps(k, self.sums.as_ptr().add((t0 + t) * self.groups + g0));
+            _mm512_mul_ps(o, x)
+        });
         (m, c)
     }
 
-    /// Asserts that rows `o0 .. o0 + rows` and the activations, padded to whole units of
-    /// `unit` groups, are all there.
-    fn check(&self, o0: usize, rows: usize, words_per_group: usize, unit: usize) {
-        let end = o0 + rows;
-        assert!(self.words.len() >= end * words_per_group * self.groups);
+    /// Asserts that rows `o0 .. o0 + rows`, the tile's activation rows from `t0`, padded
+    /// to whole units of `unit` groups, and its columns of `dst` are all there.
+    fn check<const T: usize>(&self, o0: usize, dst: &[f32], t0: usize, wpg: usize, unit: usize) {
+        assert!(T >= 1 && t0 + T <= self.batch && dst.len().is_multiple_of(self.batch));
+        let end = o0 + dst.len() / self.batch;
+        assert!(self.words.len() >= end * wpg * self.groups);
         assert!(self.scales.len() >= end * self.groups);
         assert!(self.biases.len() >= end * self.groups);
-        assert!(self.xp.len() >= 64 * self.groups.next_multiple_of(unit));
-        assert!(self.sums.len() >= self.groups);
+        let last = (t0 + T - 1) * self.xs;
+        assert!(self.xs >= 64 * self.groups.next_multiple_of(unit));
+        assert!(self.xp.len() >= last + 64 * self.groups.next_multiple_of(unit));
+        assert!(self.sums.len() >= (t0 + T) * self.groups);
     }
 
-    /// 4-bit rows (MLX words, [`super::ORDER_Q4`]).
-    pub fn q4(&self, o0: usize, dst: &mut [f32]) {
-        self.check(o0, dst.len(), 8, 1);
-        // SAFETY: `run_batch1` is used only where `detect_batch1` found AVX-512F, VL and
-        // BW; `check` covered every word, scale, bias and activation read.
-        unsafe { self.q4_raw(o0, dst) }
+    /// 4-bit rows (MLX words, [`super::ORDER_Q4`]) for activation rows `t0 .. t0 + T`.
+    pub fn q4<const T: usize>(&self, o0: usize, dst: &mut [f32], t0: usize) {
+        self.check::<T>(o0, dst, t0, 8, 1);
+        // SAFETY: used only where `detect` found AVX-512F and VL and `x86_rows` BW;
+        // `check` covered every word, scale, bias, activation and output touched.
+        unsafe { self.q4_raw::<T>(o0, dst, t0) }
     }
 
     #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw")]
-    unsafe fn q4_raw(&self, o0: usize, dst: &mut [f32]) {
+    unsafe fn q4_raw<const T: usize>(&self, o0: usize, dst: &mut [f32], t0: usize) {
         // Nibbles n and n + 1 of every word, one 16-lane vector: in place (the
         // activations are scaled to match), the top one shifted down to keep bit 31
         // out of the conversion.
@@ -409,42 +427,55 @@ impl Batch1<'_> {
         };
         let masks = [pair(0), pair(2), pair(4), pair(6)];
         let top = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi32(28));
-        let (x, groups) = (self.xp.as_ptr(), self.groups);
-        for (i, out) in dst.iter_mut().enumerate() {
+        let groups = self.groups;
+        let x = self.xp.as_ptr().add(t0 * self.xs);
+        for (i, out) in dst.chunks_exact_mut(self.batch).enumerate() {
             let r = o0 + i;
             let w = self.words.as_ptr().add(r * 8 * groups);
-            let mut acc = _mm512_setzero_ps();
+            let mut acc = [_mm512_setzero_ps(); T];
             for g0 in (0..groups).step_by(16) {
-                let (m, c) = self.chunk(r, g0);
-                acc = _mm512_add_ps(acc, c);
+                let (m, c) = self.chunk::<T>(r, g0, t0);
+                for t in 0..T {
+                    acc[t] = _mm512_add_ps(acc[t], c[t]);
+                }
                 for g in g0..groups.min(g0 + 16) {
                     let v = _mm512_broadcast_i64x4(_mm256_loadu_si256(w.add(8 * g).cast()));
-                    let xg = x.add(64 * g);
                     let code =
                         |k: usize, v: __m512i| _mm512_cvtepi32_ps(_mm512_and_si512(v, masks[k]));
-                    // Two chains, so that a group's sum waits on two products, not four.
-                    let s0 = _mm512_mul_ps(code(0, v), _mm512_loadu_ps(xg));
-                    let s1 = _mm512_mul_ps(code(1, v), _mm512_loadu_ps(xg.add(16)));
-                    let s0 = _mm512_fmadd_ps(code(2, v), _mm512_loadu_ps(xg.add(32)), s0);
-                    let v67 = _mm512_srlv_epi32(v, top);
-                    let s1 = _mm512_fmadd_ps(code(3, v67), _mm512_loadu_ps(xg.add(48)), s1);
+                    let codes = [
+                        code(0, v),
+                        code(1, v),
+                        code(2, v),
+                        code(3, _mm512_srlv_epi32(v, top)),
+                    ];
                     let mg = _mm512_permutexvar_ps(_mm512_set1_epi32((g - g0) as i32), m);
-                    acc = _mm512_fmadd_ps(_mm512_add_ps(s0, s1), mg, acc);
+                    for t in 0..T {
+                        let xg = x.add(t * self.xs + 64 * g);
+                        // Two chains, so that a group's sum waits on two products, not four.
+                        let s0 = _mm512_mul_ps(codes[0], _mm512_loadu_ps(xg));
+                        let s1 = _mm512_mul_ps(codes[1], _mm512_loadu_ps(xg.add(16)));
+                        let s0 = _mm512_fmadd_ps(codes[2], _mm512_loadu_ps(xg.add(32)), s0);
+                        let s1 = _mm512_fmadd_ps(codes[3], _mm512_loadu_ps(xg.add(48)), s1);
+                        acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s0, s1), mg, acc[t]);
+                    }
                 }
             }
-            *out = _mm512_reduce_add_ps(acc);
+            for t in 0..T {
+                out[t0 + t] = _mm512_reduce_add_ps(acc[t]);
+            }
         }
     }
 
-    /// 2-bit rows (two groups a unit, [`super::ORDER_Q2`]).
-    pub fn q2(&self, o0: usize, dst: &mut [f32]) {
-        self.check(o0, dst.len(), 4, 2);
+    /// 2-bit rows (two groups a unit, [`super::ORDER_Q2`]) for activation rows
+    /// `t0 .. t0 + T`.
+    pub fn q2<const T: usize>(&self, o0: usize, dst: &mut [f32], t0: usize) {
+        self.check::<T>(o0, dst, t0, 4, 2);
         // SAFETY: as in `q4`; a unit cut short at a row's end reads only its own words.
-        unsafe { self.q2_raw(o0, dst) }
+        unsafe { self.q2_raw::<T>(o0, dst, t0) }
     }
 
     #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512bw")]
-    unsafe fn q2_raw(&self, o0: usize, dst: &mut [f32]) {
+    unsafe fn q2_raw<const T: usize>(&self, o0: usize, dst: &mut [f32], t0: usize) {
         // Codes at bits 2k and 2k + 2 of every word (of the word's low half, or of its
         // high half shifted down), one 16-lane vector, in place.
         let pair = |k: i32| {
@@ -455,14 +486,17 @@ impl Batch1<'_> {
         let masks = [pair(0), pair(2), pair(4), pair(6)];
         // Lanes 0-3 of each eight are the first group's words, 4-7 the second's.
         let unit_lanes = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-        let (x, groups) = (self.xp.as_ptr(), self.groups);
-        for (i, out) in dst.iter_mut().enumerate() {
+        let groups = self.groups;
+        let x = self.xp.as_ptr().add(t0 * self.xs);
+        for (i, out) in dst.chunks_exact_mut(self.batch).enumerate() {
             let r = o0 + i;
             let row = &self.words[r * 4 * groups..(r + 1) * 4 * groups];
-            let mut acc = _mm512_setzero_ps();
+            let mut acc = [_mm512_setzero_ps(); T];
             for g0 in (0..groups).step_by(16) {
-                let (m, c) = self.chunk(r, g0);
-                acc = _mm512_add_ps(acc, c);
+                let (m, c) = self.chunk::<T>(r, g0, t0);
+                for t in 0..T {
+                    acc[t] = _mm512_add_ps(acc[t], c[t]);
+                }
                 for g in (g0..groups.min(g0 + 16)).step_by(2) {
                     let words = if g + 2 <= groups {
                         _mm256_loadu_si256(row.as_ptr().add(4 * g).cast())
@@ -470,25 +504,32 @@ impl Batch1<'_> {
                         // A row's last unit with one group: its four words, zeros above.
                         _mm256_zextsi128_si256(_mm_loadu_si128(row.as_ptr().add(4 * g).cast()))
                     };
-                    let xu = x.add(64 * g);
-                    let mut sums = [_mm512_setzero_ps(); 2];
+                    let mut codes = [_mm512_setzero_ps(); 8];
                     for (half, v) in [words, _mm256_srli_epi32::<16>(words)]
                         .into_iter()
                         .enumerate()
                     {
                         let v = _mm512_broadcast_i64x4(v);
                         for (k, mask) in masks.iter().enumerate() {
-                            let c = _mm512_cvtepi32_ps(_mm512_and_si512(v, *mask));
-                            let xv = _mm512_loadu_ps(xu.add(64 * half + 16 * k));
-                            sums[half] = _mm512_fmadd_ps(c, xv, sums[half]);
+                            codes[4 * half + k] = _mm512_cvtepi32_ps(_mm512_and_si512(v, *mask));
                         }
                     }
                     let at = _mm512_add_epi32(unit_lanes, _mm512_set1_epi32((g - g0) as i32));
                     let mg = _mm512_permutexvar_ps(at, m);
-                    acc = _mm512_fmadd_ps(_mm512_add_ps(sums[0], sums[1]), mg, acc);
+                    for t in 0..T {
+                        let xu = x.add(t * self.xs + 64 * g);
+                        let mut sums = [_mm512_setzero_ps(); 2];
+                        for (j, c) in codes.iter().enumerate() {
+                            let xv = _mm512_loadu_ps(xu.add(16 * j));
+                            sums[j / 4] = _mm512_fmadd_ps(*c, xv, sums[j / 4]);
+                        }
+                        acc[t] = _mm512_fmadd_ps(_mm512_add_ps(sums[0], sums[1]), mg, acc[t]);
+                    }
                 }
             }
-            *out = _mm512_reduce_add_ps(acc);
+            for t in 0..T {
+                out[t0 + t] = _mm512_reduce_add_ps(acc[t]);
+            }
         }
     }
 }
