@@ -449,14 +449,14 @@ impl Rows<'_> {
                         code(3, _mm512_srlv_epi32(v, top)),
                     ];
                     let mg = _mm512_permutexvar_ps(_mm512_set1_epi32((g - g0) as i32), m);
-                    for t in 0..T {
+                    for (t, acc) in acc.iter_mut().enumerate() {
                         let xg = x.add(t * self.xs + 64 * g);
                         // Two chains, so that a group's sum waits on two products, not four.
                         let s0 = _mm512_mul_ps(codes[0], _mm512_loadu_ps(xg));
                         let s1 = _mm512_mul_ps(codes[1], _mm512_loadu_ps(xg.add(16)));
                         let s0 = _mm512_fmadd_ps(codes[2], _mm512_loadu_ps(xg.add(32)), s0);
                         let s1 = _mm512_fmadd_ps(codes[3], _mm512_loadu_ps(xg.add(48)), s1);
-                        acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s0, s1), mg, acc[t]);
+                        *acc = _mm512_fmadd_ps(_mm512_add_ps(s0, s1), mg, *acc);
                     }
                 }
             }
@@ -516,14 +516,14 @@ impl Rows<'_> {
                     }
                     let at = _mm512_add_epi32(unit_lanes, _mm512_set1_epi32((g - g0) as i32));
                     let mg = _mm512_permutexvar_ps(at, m);
-                    for t in 0..T {
+                    for (t, acc) in acc.iter_mut().enumerate() {
                         let xu = x.add(t * self.xs + 64 * g);
                         let mut sums = [_mm512_setzero_ps(); 2];
                         for (j, c) in codes.iter().enumerate() {
                             let xv = _mm512_loadu_ps(xu.add(16 * j));
                             sums[j / 4] = _mm512_fmadd_ps(*c, xv, sums[j / 4]);
                         }
-                        acc[t] = _mm512_fmadd_ps(_mm512_add_ps(sums[0], sums[1]), mg, acc[t]);
+                        *acc = _mm512_fmadd_ps(_mm512_add_ps(sums[0], sums[1]), mg, *acc);
                     }
                 }
             }
