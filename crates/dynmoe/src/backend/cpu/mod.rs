@@ -74,8 +74,10 @@ pub fn with_warm_pool<R>(f: impl FnOnce() -> R) -> R {
     rayon::in_place_scope(|s| {
         for _ in 1..rayon::current_num_threads() {
             s.spawn(|_| {
-                // The caller may take a waiter back while it waits on its own work.
-                if rayon::current_thread_index() == me {
+                // The caller may take a waiter back while it waits on its own work; and a
+                // thread in a pass of its own never waits on another's, or two passes on
+                // two threads could each hold the other's waiter.
+                if rayon::current_thread_index() == me || WARM.with(|w| w.get()) {
                     return;
                 }
                 let mut idle = 0u32;
@@ -430,4 +432,28 @@ pub(crate) fn with_padded_columns<R>(
         dst[..in_dim].copy_from_slice(src);
     }
     f(&padded)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rayon::prelude::*;
+
+    #[test]
+    fn warm_passes_on_several_pool_threads_finish() {
+        // Passes started on every thread of one pool at once, each with parallel work
+        // inside: none may wait on another's waiter.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let sums: Vec<u64> = pool.install(|| {
+            (0..12u64)
+                .into_par_iter()
+                .map(|i| with_warm_pool(|| (0..20_000u64).into_par_iter().map(|x| x * i).sum()))
+                .collect()
+        });
+        let each: u64 = (0..20_000u64).sum();
+        assert_eq!(sums, (0..12u64).map(|i| i * each).collect::<Vec<_>>());
+    }
 }
