@@ -196,27 +196,17 @@ fn attention_blocked(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape, out: &
 /// See [`crate::backend::Backend::rope`]: each row's angles once for all of its heads
 /// (the reference takes them per head), rows in parallel.
 pub fn rope(x: &mut [f32], positions: &[usize], heads: usize, head_dim: usize, inv_freq: &[f32]) {
-    let (width, half) = (heads * head_dim, inv_freq.len());
+    let width = heads * head_dim;
     x[..positions.len() * width]
         .par_chunks_mut(width)
         .zip(positions.par_iter())
         .with_min_len(16)
-        .for_each_init(
-            || vec![(0.0f32, 0.0f32); half],
-            |turns, (row, &p)| {
-                for (t, &f) in turns.iter_mut().zip(inv_freq) {
-                    // As the reference: the angle in f32, then its sine and cosine.
-                    *t = (p as f32 * f).sin_cos();
-                }
-                for head in row.chunks_exact_mut(head_dim) {
-                    for (i, &(sin, cos)) in turns.iter().enumerate() {
-                        let (a, b) = (head[i], head[i + half]);
-                        head[i] = a * cos - b * sin;
-                        head[i + half] = b * cos + a * sin;
-                    }
-                }
-            },
-        );
+        .for_each(|(row, &p)| {
+            let turns = reference::turns(p, inv_freq);
+            for head in row.chunks_exact_mut(head_dim) {
+                reference::rotate_half(head, &turns);
+            }
+        });
 }
 
 /// [`reference::attend_one`] with its q·k products in sixteen lanes, compiled for AVX-512

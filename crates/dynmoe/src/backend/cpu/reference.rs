@@ -114,11 +114,23 @@ pub fn softmax_rows(x: &mut [f32], rows: usize, dim: usize) {
 /// Rotary embedding of one head at one position ("rotate half": element `i` pairs
 /// with `i + head_dim / 2`).
 pub fn rope_head(x: &mut [f32], position: usize, inv_freq: &[f32]) {
-    let half = inv_freq.len();
-    for (i, &f) in inv_freq.iter().enumerate() {
-        // f32 throughout, as transformers computes cos/sin in float32.
-        let angle = position as f32 * f;
-        let (sin, cos) = angle.sin_cos();
+    rotate_half(x, &turns(position, inv_freq));
+}
+
+/// The `(sin, cos)` of each frequency's angle at `position`: f32 throughout, as
+/// transformers computes cos/sin in float32.
+pub fn turns(position: usize, inv_freq: &[f32]) -> Vec<(f32, f32)> {
+    inv_freq
+        .iter()
+        .map(|&f| (position as f32 * f).sin_cos())
+        .collect()
+}
+
+/// Rotates one head by `turns` (`(sin, cos)` a frequency): element `i` pairs with
+/// `i + turns.len()`.
+pub fn rotate_half(x: &mut [f32], turns: &[(f32, f32)]) {
+    let half = turns.len();
+    for (i, &(sin, cos)) in turns.iter().enumerate() {
         let (a, b) = (x[i], x[i + half]);
         x[i] = a * cos - b * sin;
         x[i + half] = b * cos + a * sin;

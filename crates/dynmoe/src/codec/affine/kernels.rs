@@ -629,8 +629,8 @@ fn share_rows(dst: &mut [f32], rows: usize, batch: usize, rows_fn: &RowsFn<'_>) 
 }
 
 /// Multiply-adds below which a product runs on the calling thread even where it may
-/// thread: at batch 1 a 256 × 256 product takes about 3 µs on one core, less than
-/// sharing it costs (docs/notes/cpu-decode-2026-12-04.md).
+/// thread: at batch 1 a 256 × 256 product takes about 6 µs on one core and a little more
+/// shared between two (docs/notes/cpu-decode-2026-12-04.md).
 const THREAD_ABOVE: usize = 1 << 17;
 
 /// Whether a product of `products` multiply-adds is worth sharing between threads.
