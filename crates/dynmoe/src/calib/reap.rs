@@ -43,16 +43,18 @@ impl Saliency {
 /// The observer that accumulates REAP saliency over forward calls.
 pub struct Reap {
     top_k: usize,
+    router: Router,
     sums: BTreeMap<usize, Vec<f64>>,
     counts: BTreeMap<usize, Vec<u64>>,
     tokens: usize,
 }
 
 impl Reap {
-    /// An empty accumulator for a router picking `top_k` experts.
-    pub fn new(top_k: usize) -> Reap {
+    /// An empty accumulator for `router` picking `top_k` experts.
+    pub fn new(top_k: usize, router: Router) -> Reap {
         Reap {
             top_k,
+            router,
             sums: BTreeMap::new(),
             counts: BTreeMap::new(),
             tokens: 0,
@@ -92,13 +94,16 @@ impl<B: Backend> MoeObserver<B> for Reap {
         probs: &[f32],
     ) {
         let (e, h) = (block.gate.out_dim, block.gate.in_dim);
-        // The authors' g is the top-k-renormalised weight, whatever the model's router
-        // does with its weights.
-        let renormalised = Router::SoftmaxTopK { renormalize: true };
+        // The experts the model's router chooses; the authors' g is their weight
+        // renormalised over the k chosen, whatever the router then does with it.
+        let bias = block.score_bias.as_deref();
         let mut routed: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); e];
         for r in 0..rows {
-            let chosen = route(&probs[r * e..(r + 1) * e], self.top_k, renormalised);
-            for (&j, &g) in chosen.experts.iter().zip(&chosen.weights) {
+            let p = &probs[r * e..(r + 1) * e];
+            let chosen = route(p, bias, self.top_k, self.router);
+            let sum: f32 = chosen.experts.iter().map(|&j| p[j as usize]).sum();
+            for &j in &chosen.experts {
+                let g = p[j as usize] / sum;
                 routed[j as usize].0.push(r as u32);
                 routed[j as usize].1.push(g);
             }
@@ -154,7 +159,7 @@ pub fn reap_saliency<B: Backend>(
     if let Some(max) = max_chunks {
         chunks.truncate(max);
     }
-    let mut reap = Reap::new(m.model.config.moe.top_k);
+    let mut reap = Reap::new(m.model.config.moe.top_k, m.model.config.moe.router);
     let mut state = m.model.new_state(ctx.max(tokens.len().min(ctx)));
     for (i, chunk) in chunks.iter().enumerate() {
         let mut chunk = chunk.to_vec();
@@ -227,6 +232,7 @@ mod tests {
             experts: Experts::Dense(mlps),
             shared_expert: None,
             shared_expert_gate: None,
+            score_bias: None,
             keep: None,
             shadows: None,
             source: Box::new(LayerSource {
@@ -250,7 +256,7 @@ mod tests {
             })
             .collect();
 
-        let mut reap = Reap::new(k);
+        let mut reap = Reap::new(k, Router::SoftmaxTopK { renormalize: false });
         reap.observe(&b, 3, &block, &b.upload(&x), rows, &probs);
         let got = &reap.saliency().layers[&3];
 

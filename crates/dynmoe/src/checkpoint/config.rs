@@ -21,6 +21,9 @@ pub enum Arch {
     Mixtral,
     /// OLMoE: q/k RMSNorm over the whole projection, optional qkv clipping.
     Olmoe,
+    /// GLM-4.5: DeepSeek-V3's grouped sigmoid router, a shared expert, leading dense
+    /// layers, partial rotary, q/k/v bias, optional per-head q/k norms.
+    Glm4Moe,
 }
 
 impl Arch {
@@ -31,6 +34,7 @@ impl Arch {
             Arch::Qwen2Moe => "qwen2_moe",
             Arch::Mixtral => "mixtral",
             Arch::Olmoe => "olmoe",
+            Arch::Glm4Moe => "glm4_moe",
         }
     }
 }
@@ -47,14 +51,28 @@ pub enum QkNorm {
 }
 
 /// How router logits become expert weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Router {
     /// Softmax over all experts, top-k of the probabilities, optionally renormalised over
-    /// the k chosen. Mixtral is the renormalised case. (DeepSeek's sigmoid, group-limited
-    /// router with a correction bias will be a further variant.)
+    /// the k chosen. Mixtral is the renormalised case.
     SoftmaxTopK {
         /// Divide the k chosen probabilities by their sum.
         renormalize: bool,
+    },
+    /// DeepSeek-V3's router (GLM-4.5's too): each expert scores `sigmoid(logit)`; a
+    /// per-layer correction bias is added for the choice only; the experts fall in
+    /// `groups` equal groups, each scored by the sum of its two best, and the top-k are
+    /// chosen within the `top_groups` best groups. The weights are the chosen scores
+    /// without the bias, optionally divided by their sum, times `scale`.
+    SigmoidGroups {
+        /// Equal groups the experts fall in (`n_group`).
+        groups: usize,
+        /// Groups a token's experts may come from (`topk_group`).
+        top_groups: usize,
+        /// Divide the chosen scores by their sum (`norm_topk_prob`).
+        renormalize: bool,
+        /// Multiplies every weight (`routed_scaling_factor`).
+        scale: f32,
     },
 }
 
@@ -101,6 +119,9 @@ pub struct RopeConfig {
     pub theta: f32,
     /// Positions are divided by this factor ("linear" scaling); 1 for none.
     pub linear_factor: f32,
+    /// Leading values of each head that rotate (`head_dim · partial_rotary_factor`); the
+    /// rest pass through. Equal to `head_dim` but for partial rotary (GLM-4.5).
+    pub rotary_dim: usize,
 }
 
 /// A resolved configuration: every field present, every default applied.
@@ -252,6 +273,16 @@ struct RawConfig {
     num_experts: Option<usize>,
     num_local_experts: Option<usize>,
     norm_topk_prob: Option<bool>,
+    // DeepSeek-V3 and GLM-4.5.
+    n_routed_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    first_k_dense_replace: Option<usize>,
+    routed_scaling_factor: Option<f64>,
+    n_group: Option<usize>,
+    topk_group: Option<usize>,
+    use_qk_norm: Option<bool>,
+    // 4.x: top level; 5.x: in rope_parameters.
+    partial_rotary_factor: Option<f64>,
     // 4.x: torch_dtype; 5.x: dtype.
     torch_dtype: Option<String>,
     dtype: Option<String>,
@@ -292,6 +323,12 @@ fn defaults(arch: Arch) -> Defaults {
             norm_topk_prob: false,
             qkv_bias: false,
         },
+        Arch::Glm4Moe => Defaults {
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            norm_topk_prob: true,
+            qkv_bias: false,
+        },
     }
 }
 
@@ -316,6 +353,7 @@ impl RawConfig {
             "qwen2_moe" => Arch::Qwen2Moe,
             "mixtral" => Arch::Mixtral,
             "olmoe" => Arch::Olmoe,
+            "glm4_moe" => Arch::Glm4Moe,
             _ => {
                 return Err(Error::UnsupportedArch {
                     path: path.to_path_buf(),
@@ -380,11 +418,12 @@ impl RawConfig {
             }
         }
 
-        let rope = self.resolve_rope(path, d.rope_theta)?;
+        let rope = self.resolve_rope(path, d.rope_theta, head_dim)?;
 
         let num_experts = positive(
             match arch {
                 Arch::Mixtral => self.num_local_experts.or(self.num_experts),
+                Arch::Glm4Moe => self.n_routed_experts,
                 _ => self.num_experts.or(self.num_local_experts),
             },
             "num_experts",
@@ -410,7 +449,19 @@ impl RawConfig {
                 self.shared_expert_intermediate_size,
                 "shared_expert_intermediate_size",
             )?),
+            // The shared experts run as one MLP of their summed width.
+            Arch::Glm4Moe => match self.n_shared_experts.unwrap_or(1) {
+                0 => None,
+                n => Some(positive(
+                    expert_intermediate.checked_mul(n),
+                    "n_shared_experts",
+                )?),
+            },
             _ => None,
+        };
+        let router = match arch {
+            Arch::Glm4Moe => self.sigmoid_router(num_experts, top_k, renormalize, path)?,
+            _ => Router::SoftmaxTopK { renormalize },
         };
 
         let layers = self.resolve_layers(arch, num_layers, path)?;
@@ -481,10 +532,11 @@ impl RawConfig {
             max_position_embeddings,
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             qkv_bias,
-            o_bias: arch != Arch::Qwen2Moe && attention_bias,
+            o_bias: !matches!(arch, Arch::Qwen2Moe | Arch::Glm4Moe) && attention_bias,
             qk_norm: match arch {
                 Arch::Qwen3Moe => QkNorm::PerHead,
                 Arch::Olmoe => QkNorm::Whole,
+                Arch::Glm4Moe if self.use_qk_norm.unwrap_or(false) => QkNorm::PerHead,
                 _ => QkNorm::None,
             },
             clip_qkv: match arch {
@@ -496,7 +548,7 @@ impl RawConfig {
                 num_experts,
                 top_k,
                 expert_intermediate,
-                router: Router::SoftmaxTopK { renormalize },
+                router,
                 shared_expert_intermediate,
             },
             dtype,
@@ -504,7 +556,60 @@ impl RawConfig {
         })
     }
 
-    fn resolve_rope(&self, path: &Path, default_theta: f64) -> Result<RopeConfig, Error> {
+    /// The grouped sigmoid router of `num_experts` experts choosing `top_k`.
+    fn sigmoid_router(
+        &self,
+        num_experts: usize,
+        top_k: usize,
+        renormalize: bool,
+        path: &Path,
+    ) -> Result<Router, Error> {
+        let invalid = |field: &str, reason: String| Error::InvalidField {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            reason,
+        };
+        let groups = self.n_group.unwrap_or(1);
+        if groups == 0 || !num_experts.is_multiple_of(groups) || num_experts / groups < 2 {
+            return Err(invalid(
+                "n_group",
+                format!("{groups} groups of {num_experts} experts: each group needs at least two experts and the same count"),
+            ));
+        }
+        let top_groups = self.topk_group.unwrap_or(1);
+        if top_groups == 0 || top_groups > groups {
+            return Err(invalid(
+                "topk_group",
+                format!("{top_groups} is not between 1 and n_group = {groups}"),
+            ));
+        }
+        if top_k > top_groups * (num_experts / groups) {
+            return Err(invalid(
+                "num_experts_per_tok",
+                format!("{top_k} exceeds the experts of topk_group = {top_groups} groups"),
+            ));
+        }
+        let scale = self.routed_scaling_factor.unwrap_or(1.0);
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(invalid(
+                "routed_scaling_factor",
+                format!("{scale} is not a positive finite number"),
+            ));
+        }
+        Ok(Router::SigmoidGroups {
+            groups,
+            top_groups,
+            renormalize,
+            scale: scale as f32,
+        })
+    }
+
+    fn resolve_rope(
+        &self,
+        path: &Path,
+        default_theta: f64,
+        head_dim: usize,
+    ) -> Result<RopeConfig, Error> {
         let invalid = |field: &str, reason: String| Error::InvalidField {
             path: path.to_path_buf(),
             field: field.to_string(),
@@ -518,6 +623,7 @@ impl RawConfig {
         };
         let mut theta = self.rope_theta.unwrap_or(default_theta);
         let mut linear_factor = 1.0;
+        let mut partial = self.partial_rotary_factor;
         if let Some(p) = params {
             let obj = p
                 .as_object()
@@ -526,6 +632,11 @@ impl RawConfig {
                 theta = t
                     .as_f64()
                     .ok_or_else(|| invalid(field, "rope_theta is not a number".into()))?;
+            }
+            if let Some(f) = obj.get("partial_rotary_factor") {
+                partial = Some(f.as_f64().ok_or_else(|| {
+                    invalid(field, "partial_rotary_factor is not a number".into())
+                })?);
             }
             let kind = obj
                 .get("rope_type")
@@ -560,9 +671,26 @@ impl RawConfig {
                 format!("{theta} is not positive and finite"),
             ));
         }
+        // As transformers sizes it: int(head_dim · factor), which must leave pairs.
+        let rotary_dim = match partial.unwrap_or(1.0) {
+            f if f > 0.0 && f <= 1.0 => (head_dim as f64 * f) as usize,
+            f => {
+                return Err(invalid(
+                    "partial_rotary_factor",
+                    format!("{f} is not in (0, 1]"),
+                ))
+            }
+        };
+        if rotary_dim == 0 || rotary_dim % 2 != 0 {
+            return Err(invalid(
+                "partial_rotary_factor",
+                format!("rotates {rotary_dim} of head_dim {head_dim} values; rotary embedding needs pairs"),
+            ));
+        }
         Ok(RopeConfig {
             theta: theta as f32,
             linear_factor: linear_factor as f32,
+            rotary_dim,
         })
     }
 
@@ -578,6 +706,10 @@ impl RawConfig {
             reason,
         };
         let mlp_only = self.mlp_only_layers.clone().unwrap_or_default();
+        let leading_dense = match arch {
+            Arch::Glm4Moe => self.first_k_dense_replace.unwrap_or(1),
+            _ => 0,
+        };
         if let Some(&bad) = mlp_only.iter().find(|&&l| l >= num_layers) {
             return Err(invalid(
                 "mlp_only_layers",
@@ -599,20 +731,24 @@ impl RawConfig {
         let window = self.sliding_window;
         (0..num_layers)
             .map(|i| {
-                let ffn = match arch {
-                    Arch::Qwen3Moe | Arch::Qwen2Moe
-                        if mlp_only.contains(&i) || (i + 1) % sparse_step != 0 =>
-                    {
-                        FfnKind::Dense {
-                            intermediate: self.intermediate_size.ok_or_else(|| {
-                                Error::MissingField {
-                                    path: path.to_path_buf(),
-                                    field: "intermediate_size".into(),
-                                }
-                            })?,
-                        }
+                let dense = match arch {
+                    Arch::Qwen3Moe | Arch::Qwen2Moe => {
+                        mlp_only.contains(&i) || (i + 1) % sparse_step != 0
                     }
-                    _ => FfnKind::Moe,
+                    Arch::Glm4Moe => i < leading_dense,
+                    Arch::Mixtral | Arch::Olmoe => false,
+                };
+                let ffn = if dense {
+                    FfnKind::Dense {
+                        intermediate: self.intermediate_size.ok_or_else(|| {
+                            Error::MissingField {
+                                path: path.to_path_buf(),
+                                field: "intermediate_size".into(),
+                            }
+                        })?,
+                    }
+                } else {
+                    FfnKind::Moe
                 };
                 let sliding = match (arch, &self.layer_types) {
                     (_, Some(types)) => match types[i].as_str() {
@@ -631,7 +767,7 @@ impl RawConfig {
                         self.use_sliding_window.unwrap_or(false)
                             && i >= self.max_window_layers.unwrap_or(28)
                     }
-                    (Arch::Olmoe, None) => false,
+                    (Arch::Olmoe | Arch::Glm4Moe, None) => false,
                 };
                 let sliding_window = match (sliding, window) {
                     (true, Some(w)) => Some(w),
@@ -748,5 +884,74 @@ mod tests {
         assert_eq!(c.moe.router, Router::SoftmaxTopK { renormalize: true });
         assert_eq!(c.layers[0].sliding_window, Some(8));
         assert_eq!(c.rms_norm_eps, 1e-5);
+    }
+    // GLM-4.5-Air's config.json as published (transformers 4.x style), cut down.
+    const GLM45_AIR: &str = r#"{
+        "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096,
+        "intermediate_size": 10944, "num_hidden_layers": 4, "num_attention_heads": 96,
+        "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
+        "rope_theta": 1000000, "attention_bias": true, "use_qk_norm": false,
+        "moe_intermediate_size": 1408, "n_routed_experts": 128, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "first_k_dense_replace": 1, "n_group": 1,
+        "topk_group": 1, "norm_topk_prob": true, "routed_scaling_factor": 1.0,
+        "num_nextn_predict_layers": 1, "eos_token_id": [151329, 151336, 151338]
+    }"#;
+
+    #[test]
+    fn reads_glm_4_5() {
+        let c = resolve(GLM45_AIR).unwrap();
+        assert_eq!(c.arch, Arch::Glm4Moe);
+        assert_eq!(c.rope.rotary_dim, 64);
+        assert_eq!(
+            c.layers[0].ffn,
+            FfnKind::Dense {
+                intermediate: 10944
+            }
+        );
+        assert!(c.layers[1..].iter().all(|l| l.ffn == FfnKind::Moe));
+        assert_eq!(c.moe.num_experts, 128);
+        assert_eq!(c.moe.shared_expert_intermediate, Some(1408));
+        assert_eq!(
+            c.moe.router,
+            Router::SigmoidGroups {
+                groups: 1,
+                top_groups: 1,
+                renormalize: true,
+                scale: 1.0
+            }
+        );
+        assert!(c.qkv_bias && !c.o_bias);
+        assert_eq!(c.qk_norm, QkNorm::None);
+        // transformers 5.x keeps the factor in rope_parameters.
+        let v5 = GLM45_AIR.replace(r#""partial_rotary_factor": 0.5,"#, "").replace(
+            r#""rope_theta": 1000000,"#,
+            r#""rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},"#,
+        );
+        assert_eq!(resolve(&v5).unwrap().rope.rotary_dim, 32);
+    }
+
+    #[test]
+    fn bad_expert_groups_are_named() {
+        for (from, to, field) in [
+            (r#""n_group": 1"#, r#""n_group": 3"#, "n_group"),
+            (r#""n_group": 1"#, r#""n_group": 128"#, "n_group"),
+            (r#""topk_group": 1"#, r#""topk_group": 2"#, "topk_group"),
+            (
+                r#""routed_scaling_factor": 1.0"#,
+                r#""routed_scaling_factor": -2.5"#,
+                "routed_scaling_factor",
+            ),
+            (
+                r#""partial_rotary_factor": 0.5"#,
+                r#""partial_rotary_factor": 0.0"#,
+                "partial_rotary_factor",
+            ),
+        ] {
+            let err = resolve(&GLM45_AIR.replace(from, to)).unwrap_err();
+            assert!(err.to_string().contains(field), "{to}: {err}");
+        }
+        // Eight experts from one group of four cannot be chosen.
+        let err = resolve(&GLM45_AIR.replace(r#""n_group": 1"#, r#""n_group": 32"#)).unwrap_err();
+        assert!(err.to_string().contains("num_experts_per_tok"), "{err}");
     }
 }

@@ -12,6 +12,7 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata};
 use safetensors::SafeTensors;
 
+use super::arch::partial_rotary::PartialRotary;
 use super::Error;
 
 /// One memory-mapped shard and its parsed header.
@@ -27,6 +28,9 @@ pub struct Checkpoint {
     shards: Vec<Shard>,
     /// Tensor name to index into `shards`.
     index: HashMap<String, usize>,
+    /// The head layout [`Checkpoint::f32`] gives the q and k projections of a model with
+    /// partial rotary embedding.
+    rotary: Option<PartialRotary>,
 }
 
 /// Where a tensor lives and what it is, without reading its data.
@@ -77,7 +81,11 @@ impl Checkpoint {
             }
             shards.push(shard);
         }
-        Ok(Checkpoint { shards, index })
+        Ok(Checkpoint {
+            shards,
+            index,
+            rotary: PartialRotary::of_dir(dir),
+        })
     }
 
     /// Whether the checkpoint holds a tensor of this name.
@@ -111,10 +119,16 @@ impl Checkpoint {
         })
     }
 
-    /// Reads a tensor as f32, checking that its shape is `shape`.
+    /// Reads a tensor as f32, checking that its shape is `shape`; the q and k
+    /// projections of a model with partial rotary embedding come in the layout
+    /// `arch::partial_rotary` describes.
     pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, Error> {
         let t = self.raw_checked(name, shape)?;
-        t.f32_range(name, 0, shape.iter().product())
+        let mut values = t.f32_range(name, 0, shape.iter().product())?;
+        if let Some(rotary) = self.rotary.filter(|_| PartialRotary::applies_to(name)) {
+            rotary.reorder(&mut values, shape.first().copied().unwrap_or(0));
+        }
+        Ok(values)
     }
 
     /// A tensor's bytes as stored, in place in the mapped shard.

@@ -37,7 +37,7 @@ pub struct Model<B: Backend> {
     norm: B::Tensor,
     /// `[V, h]`; `None` when tied to the embedding.
     lm_head: Option<Linear<B>>,
-    /// `[head_dim / 2]` rotary inverse frequencies.
+    /// `[head_dim / 2]` rotary inverse frequencies (zeros after `rotary_dim / 2`).
     inv_freq: Vec<f32>,
     /// The resident expert sets, shared by every sequence; `None` runs every expert.
     residency: Option<Residency<B>>,
@@ -122,11 +122,14 @@ impl<B: Backend> Model<B> {
         } else {
             Some(ld.linear("lm_head", v, h, false)?)
         };
-        let inv_freq = rope_inv_freq(
+        let mut inv_freq = rope_inv_freq(
             config.rope.theta,
-            config.head_dim,
+            config.rope.rotary_dim,
             config.rope.linear_factor,
         );
+        // Partial rotary: the pass-through pairs turn by nothing, in the head layout the
+        // checkpoint gives (`checkpoint::arch::partial_rotary`).
+        inv_freq.resize(config.head_dim / 2, 0.0);
         Ok(Model {
             config,
             backend,

@@ -98,19 +98,29 @@ pub fn forward<B: Backend>(
     let (e, h) = (moe.gate.out_dim, moe.gate.in_dim);
     let mut logits = b.alloc(rows * e);
     b.linear(x, moe.gate.weight(), rows, h, e, &mut logits);
-    b.softmax_rows(&mut logits, rows, e);
+    let sigmoid = matches!(router, Router::SigmoidGroups { .. });
+    if !sigmoid {
+        b.softmax_rows(&mut logits, rows, e);
+    }
     let mut probs = vec![0.0f32; rows * e];
     b.download(&logits, &mut probs);
+    if sigmoid {
+        // A sigmoid router's scores are made where they are routed, on the host.
+        probs
+            .iter_mut()
+            .for_each(|v| *v = 1.0 / (1.0 + (-*v).exp()));
+    }
+    let bias = moe.score_bias.as_deref();
 
     // Group tokens by expert so each expert runs once, on a matrix of its tokens.
     let mut routed: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); e];
     let routes: Vec<Route> = match set {
-        Some(ref mut s) => s.route(&probs, rows, top_k, router, track),
+        Some(ref mut s) => s.route(&probs, rows, bias, top_k, router, track),
         None => probs
             .par_chunks(e)
             .map(|p| match (&moe.keep, &moe.shadows) {
-                (Some(keep), None) => route(&confine(p, keep), top_k, router),
-                _ => route(p, top_k, router),
+                (Some(keep), None) => route(&confine(p, keep, router), bias, top_k, router),
+                _ => route(p, bias, top_k, router),
             })
             .collect(),
     };
@@ -121,7 +131,8 @@ pub fn forward<B: Backend>(
             routed[x as usize].1.push(w);
         }
     }
-    // The shared expert is one more group over every row, weighted by its sigmoid gate.
+    // The shared expert is one more group over every row, weighted by its sigmoid gate
+    // where it has one.
     let all: Vec<u32> = (0..rows as u32).collect();
     let shared_scales: Vec<f32> = match &moe.shared_expert_gate {
         Some(gate) => {
@@ -131,7 +142,7 @@ pub fn forward<B: Backend>(
             b.download(&g, &mut scales);
             scales.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect()
         }
-        None => Vec::new(),
+        None => vec![1.0; rows],
     };
 
     let mut groups: Vec<SwiGluGroup<'_, B::Matrix>> = routed
@@ -185,7 +196,10 @@ pub fn forward_on_device<B: Backend>(
     let Some(gate) = moe.gate.dense() else {
         return false;
     };
-    let Router::SoftmaxTopK { renormalize } = routing.router;
+    // A sigmoid router's grouped choice runs on the host.
+    let Router::SoftmaxTopK { renormalize } = routing.router else {
+        return false;
+    };
     let hidden = moe.gate.in_dim;
     let route = DeviceRoute {
         top_k: routing.top_k,

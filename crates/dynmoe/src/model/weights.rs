@@ -8,7 +8,7 @@ use super::Error;
 use crate::backend::{Backend, Weight};
 use crate::checkpoint::arch;
 use crate::checkpoint::config::FfnKind;
-use crate::checkpoint::config::{Config, QkNorm};
+use crate::checkpoint::config::{Config, QkNorm, Router};
 use crate::checkpoint::experts::Extent;
 use crate::checkpoint::experts::{ExpertShape, ExpertTensors};
 use crate::checkpoint::Checkpoint;
@@ -107,10 +107,14 @@ pub struct Moe<B: Backend> {
     pub gate: Linear<B>,
     /// Routed experts.
     pub experts: Experts<B>,
-    /// Shared expert, run on every token (Qwen2-MoE).
+    /// Shared expert, run on every token (Qwen2-MoE; GLM-4.5's shared experts as one).
     pub shared_expert: Option<Mlp<B>>,
-    /// Sigmoid gate of the shared expert, `[1, hidden]`.
+    /// Sigmoid gate of the shared expert, `[1, hidden]` (Qwen2-MoE); without one the
+    /// shared expert's output is added as it is.
     pub shared_expert_gate: Option<Linear<B>>,
+    /// A sigmoid router's correction bias, `[num_experts]`, added to the scores for the
+    /// choice of experts only; routing runs on the host, so it stays there.
+    pub score_bias: Option<Vec<f32>>,
     /// Where each routed expert's record lives on disk: what a resident set reads.
     pub source: Box<LayerSource>,
     /// Experts a plan removed, without resident slots: routing is confined to the ones
@@ -411,10 +415,18 @@ pub fn layer_with<B: Backend>(
                 match (names.shared, c.moe.shared_expert_intermediate) {
                     (Some((mlp, gate)), Some(width)) => (
                         Some(ld.mlp(&format!("{prefix}.{mlp}"), names.projections, width)?),
-                        Some(ld.linear(&format!("{prefix}.{gate}"), 1, c.hidden_size, false)?),
+                        gate.map(|g| ld.linear(&format!("{prefix}.{g}"), 1, c.hidden_size, false))
+                            .transpose()?,
                     ),
                     _ => (None, None),
                 };
+            let score_bias = match c.moe.router {
+                Router::SigmoidGroups { .. } => Some(ld.ckpt.f32(
+                    &format!("{prefix}.{}.e_score_correction_bias", names.router),
+                    &[c.moe.num_experts],
+                )?),
+                Router::SoftmaxTopK { .. } => None,
+            };
             let (experts, source) = ld.routed_experts(i, &prefix, names.projections)?;
             Ffn::Moe(Moe {
                 gate: ld.linear(
@@ -426,6 +438,7 @@ pub fn layer_with<B: Backend>(
                 experts,
                 shared_expert,
                 shared_expert_gate,
+                score_bias,
                 source: Box::new(source),
                 keep: None,
                 shadows: None,

@@ -281,12 +281,14 @@ impl<B: Backend> LayerSet<B> {
             .collect()
     }
 
-    /// Routes `rows` tokens from their unmasked probabilities `[rows, E]`, confined to
-    /// the residents; counts the hit rate and, when `track`, feeds the evidence.
+    /// Routes `rows` tokens from their unmasked probabilities `[rows, E]` (`bias`: a
+    /// sigmoid router's correction bias), confined to the residents; counts the hit rate
+    /// and, when `track`, feeds the evidence.
     pub fn route(
         &mut self,
         probs: &[f32],
         rows: usize,
+        bias: Option<&[f32]>,
         top_k: usize,
         router: Router,
         track: bool,
@@ -297,8 +299,8 @@ impl<B: Backend> LayerSet<B> {
             .map(|r| {
                 let p = &probs[r * e..(r + 1) * e];
                 match self.shadows {
-                    Some(_) => route(p, top_k, router),
-                    None => route(&confine(p, &self.resident), top_k, router),
+                    Some(_) => route(p, bias, top_k, router),
+                    None => route(&confine(p, &self.resident, router), bias, top_k, router),
                 }
             })
             .collect()
@@ -404,7 +406,7 @@ mod tests {
             let s: f32 = p.iter().sum();
             p.iter_mut().for_each(|v| *v /= s);
             let resident: Vec<bool> = (0..16).map(|i| i % 3 != 0 || rng.uniform() < 0.3).collect();
-            let r = route(&confine(&p, &resident), 4, router);
+            let r = route(&confine(&p, &resident, router), None, 4, router);
             assert!(r.experts.iter().all(|&e| resident[e as usize]), "{r:?}");
             // Renormalised over the residents, as a softmax over masked logits is.
             let sr: f32 = p
@@ -431,8 +433,8 @@ mod tests {
             let mut p: Vec<f32> = (0..32).map(|_| rng.uniform()).collect();
             let s: f32 = p.iter().sum();
             p.iter_mut().for_each(|v| *v /= s);
-            let a = route(&confine(&p, &[true; 32]), 4, router);
-            let b = route(&p, 4, router);
+            let a = route(&confine(&p, &[true; 32], router), None, 4, router);
+            let b = route(&p, None, 4, router);
             assert_eq!(a.experts, b.experts);
             for (x, y) in a.weights.iter().zip(&b.weights) {
                 assert!((x - y).abs() <= 1e-6 * y.abs());

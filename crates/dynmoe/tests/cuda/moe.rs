@@ -125,8 +125,8 @@ fn routed_reference<'w>(
         let p = &probs[r * experts..(r + 1) * experts];
         let router = Router::SoftmaxTopK { renormalize };
         let chosen = match keep {
-            Some(k) => route(&confine(p, k), top_k, router),
-            None => route(p, top_k, router),
+            Some(k) => route(&confine(p, k, router), None, top_k, router),
+            None => route(p, None, top_k, router),
         };
         for (&e, &w) in chosen.experts.iter().zip(&chosen.weights) {
             routed[e as usize].0.push(r as u32);

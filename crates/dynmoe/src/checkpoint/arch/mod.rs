@@ -2,8 +2,10 @@
 //! `match` on `model_type`, and the classification of a checkpoint's tensors by name.
 //! The forward pass and the MoE block are shared (`model`).
 
+pub mod glm4_moe;
 pub mod mixtral;
 pub mod olmoe;
+pub mod partial_rotary;
 pub mod qwen2_moe;
 pub mod qwen3_moe;
 
@@ -19,6 +21,7 @@ pub fn ffn_names(arch: Arch, ckpt: &Checkpoint, layer: usize) -> FfnNames {
         Arch::Qwen2Moe => qwen2_moe::ffn_names(ckpt, layer),
         Arch::Mixtral => mixtral::ffn_names(ckpt, layer),
         Arch::Olmoe => olmoe::ffn_names(ckpt, layer),
+        Arch::Glm4Moe => glm4_moe::ffn_names(ckpt, layer),
     }
 }
 
@@ -30,8 +33,9 @@ pub struct FfnNames {
     pub router: &'static str,
     /// Gate, up and down projections of an expert (or dense MLP).
     pub projections: [&'static str; 3],
-    /// Shared expert and its sigmoid gate under the block, if the architecture has one.
-    pub shared: Option<(&'static str, &'static str)>,
+    /// Shared expert under the block, if the architecture has one, and its sigmoid gate,
+    /// if it has one.
+    pub shared: Option<(&'static str, Option<&'static str>)>,
 }
 
 /// The projection names most architectures use.
@@ -82,6 +86,7 @@ pub fn classify(name: &str) -> TensorKind {
         TensorKind::Attention
     } else if name.contains("shared_expert_gate")
         || name.ends_with("mlp.gate.weight")
+        || name.ends_with("mlp.gate.e_score_correction_bias")
         || name.ends_with("block_sparse_moe.gate.weight")
     {
         TensorKind::Router

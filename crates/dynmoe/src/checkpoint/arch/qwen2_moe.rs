@@ -10,7 +10,7 @@ use crate::checkpoint::Checkpoint;
 /// `mlp.shared_expert_gate`.
 pub fn ffn_names(_: &Checkpoint, _layer: usize) -> FfnNames {
     FfnNames {
-        shared: Some(("shared_expert", "shared_expert_gate")),
+        shared: Some(("shared_expert", Some("shared_expert_gate"))),
         ..ROUTED_MLP
     }
 }
