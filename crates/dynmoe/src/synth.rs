@@ -41,94 +41,8 @@ use crate::store::manifest::{Generator, ModelInfo};
 use crate::store::{self, atomic, compressed, synth_vq, vq, DENSE_FILE};
 use crate::store::{plan::LayerPlan, plan::Plan, plan::PlanError, plan::PLAN_FILE};
 
-/// The shape of a published model.
-#[derive(Debug, Clone, Copy)]
-pub struct Shape {
-    /// Name as given to `--like`.
-    pub name: &'static str,
-    /// Residual width.
-    pub hidden: usize,
-    /// Width of each routed expert.
-    pub moe_intermediate: usize,
-    /// Decoder layers of the full model.
-    pub layers: usize,
-    /// Query heads.
-    pub heads: usize,
-    /// Key/value heads.
-    pub kv_heads: usize,
-    /// Width of a head.
-    pub head_dim: usize,
-    /// Routed experts per layer.
-    pub experts: usize,
-    /// Experts per token.
-    pub top_k: usize,
-    /// Vocabulary.
-    pub vocab: usize,
-    /// RoPE base.
-    pub rope_theta: f64,
-}
-
-/// The shapes `--like` knows (Qwen3-MoE, from the models' published configs).
-pub const SHAPES: [Shape; 3] = [
-    Shape {
-        name: "qwen3-30b-a3b",
-        hidden: 2048,
-        moe_intermediate: 768,
-        layers: 48,
-        heads: 32,
-        kv_heads: 4,
-        head_dim: 128,
-        experts: 128,
-        top_k: 8,
-        vocab: 151936,
-        rope_theta: 1e6,
-    },
-    Shape {
-        name: "qwen3-235b-a22b",
-        hidden: 4096,
-        moe_intermediate: 1536,
-        layers: 94,
-        heads: 64,
-        kv_heads: 4,
-        head_dim: 128,
-        experts: 128,
-        top_k: 8,
-        vocab: 151936,
-        rope_theta: 1e6,
-    },
-    Shape {
-        name: "qwen3-coder-480b-a35b",
-        hidden: 6144,
-        moe_intermediate: 2560,
-        layers: 62,
-        heads: 96,
-        kv_heads: 8,
-        head_dim: 128,
-        experts: 160,
-        top_k: 8,
-        vocab: 151936,
-        rope_theta: 1e7,
-    },
-];
-
-/// The shape called `name`.
-pub fn shape(name: &str) -> Result<Shape, Error> {
-    SHAPES
-        .iter()
-        .find(|s| s.name == name)
-        .copied()
-        .ok_or_else(|| {
-            crate::checkpoint::Error::InvalidField {
-                path: PathBuf::from(name),
-                field: "like".into(),
-                reason: format!(
-                    "no model shape {name:?}; known: {}",
-                    SHAPES.map(|s| s.name).join(", ")
-                ),
-            }
-            .into()
-        })
-}
+mod shapes;
+pub use shapes::{shape, Family, Shape, SHAPES};
 
 /// What [`synth`] wrote.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -144,81 +58,6 @@ pub struct SynthReport {
 }
 
 impl Shape {
-    /// `config.json` of this shape with `layers` decoder layers.
-    pub fn config_json(&self, layers: usize) -> serde_json::Value {
-        serde_json::json!({
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            "attention_bias": false,
-            "decoder_sparse_step": 1,
-            "eos_token_id": 0,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "hidden_size": self.hidden,
-            "intermediate_size": 3 * self.hidden,
-            "max_position_embeddings": 40960,
-            "mlp_only_layers": [],
-            "moe_intermediate_size": self.moe_intermediate,
-            "norm_topk_prob": true,
-            "num_attention_heads": self.heads,
-            "num_experts": self.experts,
-            "num_experts_per_tok": self.top_k,
-            "num_hidden_layers": layers,
-            "num_key_value_heads": self.kv_heads,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": self.rope_theta,
-            "sliding_window": null,
-            "tie_word_embeddings": false,
-            "torch_dtype": "bfloat16",
-            "use_sliding_window": false,
-            "vocab_size": self.vocab,
-        })
-    }
-
-    /// The tensors of decoder layer `l`, or of the rest (`None`), with their shapes.
-    fn tensors(&self, l: Option<usize>) -> Vec<(String, Vec<usize>)> {
-        let mut t = self.dense_tensors(l);
-        if let Some(l) = l {
-            let (h, i) = (self.hidden, self.moe_intermediate);
-            let p = format!("model.layers.{l}.mlp.experts");
-            for e in 0..self.experts {
-                t.push((format!("{p}.{e}.gate_proj.weight"), vec![i, h]));
-                t.push((format!("{p}.{e}.up_proj.weight"), vec![i, h]));
-                t.push((format!("{p}.{e}.down_proj.weight"), vec![h, i]));
-            }
-        }
-        t
-    }
-
-    /// The tensors of decoder layer `l`, or of the rest (`None`), that are not routed
-    /// experts, with their shapes.
-    fn dense_tensors(&self, l: Option<usize>) -> Vec<(String, Vec<usize>)> {
-        let (h, q, kv) = (
-            self.hidden,
-            self.heads * self.head_dim,
-            self.kv_heads * self.head_dim,
-        );
-        let Some(l) = l else {
-            return vec![
-                ("model.embed_tokens.weight".into(), vec![self.vocab, h]),
-                ("model.norm.weight".into(), vec![h]),
-                ("lm_head.weight".into(), vec![self.vocab, h]),
-            ];
-        };
-        let p = format!("model.layers.{l}");
-        vec![
-            (format!("{p}.input_layernorm.weight"), vec![h]),
-            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-            (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
-            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
-            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
-            (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
-            (format!("{p}.self_attn.q_norm.weight"), vec![self.head_dim]),
-            (format!("{p}.self_attn.k_norm.weight"), vec![self.head_dim]),
-            (format!("{p}.mlp.gate.weight"), vec![self.experts, h]),
-        ]
-    }
-
     /// The non-expert tensors of a `layers`-layer model in `dense.safetensors`' order
     /// (safetensors' own: all bf16, so by name), with shapes and byte counts.
     fn dense_layout(&self, layers: usize) -> Vec<(String, Dtype, Vec<usize>, usize)> {
@@ -240,10 +79,10 @@ impl Shape {
         store::synth::Spec {
             hidden: self.hidden,
             intermediate: self.moe_intermediate,
-            layers: (0..layers).collect(),
+            layers: self.moe_layers(layers),
             experts_per_layer: self.experts,
             model: ModelInfo {
-                model_type: "qwen3_moe".to_string(),
+                model_type: self.model_type().to_string(),
                 name: self.name.to_string(),
             },
             seed,
@@ -276,7 +115,8 @@ impl Shape {
     /// writes for `layers` layers (the small JSON and tokenizer files aside).
     pub fn compressed_bytes(&self, layers: usize, rung: Rung) -> Result<u64, Error> {
         let layout = vq::VqLayout::new(rung, self.hidden, self.moe_intermediate)?;
-        Ok(self.dense_bytes(layers)? + layout.file_size(layers * self.experts))
+        let moe_layers = self.moe_layers(layers).len();
+        Ok(self.dense_bytes(layers)? + layout.file_size(moe_layers * self.experts))
     }
 
     /// The most layers, up to `layers`, whose converted directory at `bits` takes at
@@ -315,8 +155,10 @@ impl Shape {
             .map(|t| t.2.iter().product::<usize>() as u64)
             .sum();
         let dense_bytes = 2 * dense_params;
-        let plans: Vec<LayerPlan> = (0..layers)
-            .map(|layer| LayerPlan {
+        let moe_layers = self.moe_layers(layers);
+        let plans: Vec<LayerPlan> = moe_layers
+            .iter()
+            .map(|&layer| LayerPlan {
                 layer,
                 codec,
                 experts: e,
@@ -329,11 +171,11 @@ impl Shape {
             })
             .collect();
         let resident_bytes = dense_bytes + plans.iter().map(|l| l.resident_bytes).sum::<u64>();
-        let params_total = dense_params + (layers * e * 3 * h * i) as u64;
+        let params_total = dense_params + (moe_layers.len() * e * 3 * h * i) as u64;
         Ok(Plan {
             format: crate::store::plan::FORMAT.to_string(),
             version: crate::store::plan::VERSION,
-            model_type: "qwen3_moe".to_string(),
+            model_type: self.model_type().to_string(),
             source: format!("synthetic {}", self.name),
             budget_bits: resident_bytes as f64 * 8.0 / params_total as f64,
             budget_bytes: resident_bytes,
@@ -864,6 +706,7 @@ mod tests {
     fn a_small_shape_round_trips_through_the_loader() {
         let s = Shape {
             name: "small",
+            family: Family::Qwen3Moe,
             hidden: 64,
             moe_intermediate: 64,
             layers: 4,
@@ -897,24 +740,77 @@ mod tests {
         assert!(logits.len() == 8192 && logits.iter().all(|v| v.is_finite()));
     }
 
+    /// A small GLM-4.5-like shape (a leading dense layer, shared experts, the grouped
+    /// sigmoid router, q/k/v bias, partial rotary) written as a checkpoint, a converted
+    /// and a compressed directory: each loads and runs.
+    #[test]
+    fn a_small_glm_shape_runs_in_every_directory_kind() {
+        let s = Shape {
+            name: "small-glm",
+            family: Family::Glm4Moe {
+                leading_dense: 1,
+                dense_intermediate: 128,
+                shared_experts: 1,
+                scale: 2.5,
+                qk_norm: true,
+            },
+            hidden: 64,
+            moe_intermediate: 64,
+            layers: 3,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            experts: 8,
+            top_k: 2,
+            vocab: 8192,
+            rope_theta: 1e6,
+        };
+        let tok = fixture("small-moe");
+        let (a, b, c) = (
+            TempDir::new("synth-glm"),
+            TempDir::new("synth-glm-converted"),
+            TempDir::new("synth-glm-compressed"),
+        );
+        synth(&s, None, &tok, a.dir(), 3, &mut |_, _| {}).unwrap();
+        let config = Config::from_file(&a.path("config.json")).unwrap();
+        assert_eq!(config.arch, crate::checkpoint::Arch::Glm4Moe);
+        assert_eq!(config.moe_layers().collect::<Vec<_>>(), vec![1, 2]);
+        synth_converted(&s, None, &[4, 2], &tok, b.dir(), 3, &mut |_, _| {}).unwrap();
+        let rung = Rung::parse("vq2").unwrap();
+        synth_compressed(&s, None, rung, &tok, c.dir(), 3, &mut |_, _| {}).unwrap();
+        for dir in [a.dir(), b.dir(), c.dir()] {
+            let m = crate::model::load(dir, crate::backend::Cpu::fast())
+                .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+            let mut state = m.model.new_state(8);
+            let logits = m.model.forward(&mut state, &[1, 2, 3], 2).unwrap();
+            assert!(logits.len() == 8192 && logits.iter().all(|v| v.is_finite()));
+        }
+    }
+
     #[test]
     fn known_shapes_have_their_published_sizes() {
         // Total and active parameters as the models' cards give them, in billions: a
-        // mistyped field of a shape moves one or the other by more than 2%.
-        for (name, total, active) in [
-            ("qwen3-30b-a3b", 30.5, 3.3),
-            ("qwen3-235b-a22b", 235.0, 22.0),
-            ("qwen3-coder-480b-a35b", 480.0, 35.0),
+        // mistyped field of a shape moves one or the other by more than 2%. Z.ai's cards
+        // count active parameters without the embedding and LM head, Qwen's with them.
+        for (name, total, active, active_counts_embeddings) in [
+            ("qwen3-30b-a3b", 30.5, 3.3, true),
+            ("qwen3-235b-a22b", 235.0, 22.0, true),
+            ("qwen3-coder-480b-a35b", 480.0, 35.0, true),
+            ("glm-4.5", 355.0, 32.0, false),
+            ("glm-4.5-air", 106.0, 12.0, false),
         ] {
             let s = shape(name).unwrap();
             let count = |t: Vec<(String, Vec<usize>)>| -> usize {
                 t.iter().map(|(_, d)| d.iter().product::<usize>()).sum()
             };
-            let layer = count(s.tensors(Some(0)));
             let experts = 3 * s.hidden * s.moe_intermediate;
+            let moe = s.moe_layers(s.layers);
+            let layers: usize = (0..s.layers).map(|l| count(s.tensors(Some(l)))).sum();
             let rest = count(s.tensors(None));
-            let all = (s.layers * layer + rest) as f64 / 1e9;
-            let on = (s.layers * (layer - (s.experts - s.top_k) * experts) + rest) as f64 / 1e9;
+            let all = (layers + rest) as f64 / 1e9;
+            let idle = moe.len() * (s.experts - s.top_k) * experts;
+            let counted_rest = if active_counts_embeddings { rest } else { 0 };
+            let on = (layers - idle + counted_rest) as f64 / 1e9;
             assert!((all / total - 1.0).abs() < 0.02, "{name}: {all:.1} B");
             assert!((on / active - 1.0).abs() < 0.02, "{name}: {on:.1} B active");
         }

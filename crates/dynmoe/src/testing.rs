@@ -102,6 +102,7 @@ pub fn mean_std(v: &[f32]) -> (f64, f64) {
 /// of 96, which is neither a multiple of 64 (affine stores pad it) nor of a rotation
 /// block (VQ rotations pad it to 128).
 pub const TINY_SHAPE: crate::synth::Shape = crate::synth::Shape {
+    family: crate::synth::Family::Qwen3Moe,
     name: "tiny-synth",
     hidden: 128,
     moe_intermediate: 96,
