@@ -119,6 +119,7 @@ fn fixtures_agree_with_the_cpu_end_to_end() {
         "tiny-qwen2-moe",
         "tiny-olmoe",
         "tiny-mixtral",
+        "tiny-glm4-moe",
     ] {
         compare_end_to_end(name, &fixture(name), &Codecs::default(), false);
     }
