@@ -51,7 +51,7 @@ pub enum CacheError<E> {
         source: std::io::Error,
     },
     /// The wrapped prober failed.
-    #[error("probe failed")]
+    #[error("{0}")]
     Probe(E),
 }
 

@@ -110,7 +110,7 @@ pub struct Round {
 #[derive(Debug, thiserror::Error)]
 pub enum IspError<E> {
     /// A probe failed.
-    #[error("probe failed")]
+    #[error("{0}")]
     Probe(E),
     /// No plan fits.
     #[error(transparent)]
