@@ -123,7 +123,14 @@ fn every_fixture_has_an_oracle_and_all_architectures_are_covered() {
     }
     assert_eq!(
         archs.into_iter().collect::<Vec<_>>(),
-        vec!["glm4_moe", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+        vec![
+            "deepseek_v3",
+            "glm4_moe",
+            "mixtral",
+            "olmoe",
+            "qwen2_moe",
+            "qwen3_moe"
+        ]
     );
 }
 

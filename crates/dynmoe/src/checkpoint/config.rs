@@ -24,6 +24,9 @@ pub enum Arch {
     /// GLM-4.5: DeepSeek-V3's grouped sigmoid router, a shared expert, leading dense
     /// layers, partial rotary, q/k/v bias, optional per-head q/k norms.
     Glm4Moe,
+    /// DeepSeek-V3 (and Kimi-K2): multi-head latent attention with YaRN, and GLM-4.5's
+    /// router, shared experts and leading dense layers.
+    DeepseekV3,
 }
 
 impl Arch {
@@ -35,6 +38,7 @@ impl Arch {
             Arch::Mixtral => "mixtral",
             Arch::Olmoe => "olmoe",
             Arch::Glm4Moe => "glm4_moe",
+            Arch::DeepseekV3 => "deepseek_v3",
         }
     }
 }
@@ -120,8 +124,51 @@ pub struct RopeConfig {
     /// Positions are divided by this factor ("linear" scaling); 1 for none.
     pub linear_factor: f32,
     /// Leading values of each head that rotate (`head_dim · partial_rotary_factor`); the
-    /// rest pass through. Equal to `head_dim` but for partial rotary (GLM-4.5).
+    /// rest pass through. Equal to `head_dim` but for partial rotary (GLM-4.5) and
+    /// latent attention (`qk_rope_head_dim`).
     pub rotary_dim: usize,
+    /// YaRN's frequency scaling (DeepSeek-V3), if configured.
+    pub yarn: Option<Yarn>,
+}
+
+/// YaRN rotary scaling, as transformers parameterises it (`rope_type: "yarn"`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Yarn {
+    /// Context extension factor.
+    pub factor: f64,
+    /// The context the model was pretrained at.
+    pub original_max_position_embeddings: f64,
+    /// Rotations beyond which frequencies are kept (extrapolated).
+    pub beta_fast: f64,
+    /// Rotations below which frequencies are divided by `factor` (interpolated).
+    pub beta_slow: f64,
+    /// Numerator of the rotary dims' scaling, with `mscale_all_dim`.
+    pub mscale: Option<f64>,
+    /// Scales every q·k product by `mscale(factor, mscale_all_dim)²` (latent attention).
+    pub mscale_all_dim: Option<f64>,
+    /// The rotary dims' scaling when given outright.
+    pub attention_factor: Option<f64>,
+    /// Round the correction range outwards.
+    pub truncate: bool,
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): queries from a low-rank path,
+/// keys and values expanded per head from one shared latent, and one rotary key shared
+/// by every head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaConfig {
+    /// Width of q's low-rank path (`q_a_proj`), or `None` for a plain `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// Width of the shared latent (`kv_lora_rank`).
+    pub kv_lora_rank: usize,
+    /// Values of each q/k head without position (`qk_nope_head_dim`).
+    pub qk_nope_head_dim: usize,
+    /// Values of each q/k head that rotate (`qk_rope_head_dim`).
+    pub qk_rope_head_dim: usize,
+    /// Values of each value head (`v_head_dim`).
+    pub v_head_dim: usize,
+    /// The rotary values come in interleaved pairs `(x0, x1), (x2, x3), …`.
+    pub interleaved: bool,
 }
 
 /// A resolved configuration: every field present, every default applied.
@@ -157,6 +204,10 @@ pub struct Config {
     pub clip_qkv: Option<f32>,
     /// Per layer: dense or MoE, sliding window.
     pub layers: Vec<LayerConfig>,
+    /// Multi-head latent attention, for DeepSeek-V3. `head_dim` is then a q/k head's
+    /// width (`qk_nope_head_dim + qk_rope_head_dim`), as the expanded keys have it, and
+    /// `num_kv_heads` equals `num_heads`.
+    pub mla: Option<MlaConfig>,
     /// The experts.
     pub moe: MoeConfig,
     /// Storage dtype named by the checkpoint (`bfloat16`, `float16`, `float32`).
@@ -281,6 +332,13 @@ struct RawConfig {
     n_group: Option<usize>,
     topk_group: Option<usize>,
     use_qk_norm: Option<bool>,
+    // DeepSeek-V3's latent attention.
+    q_lora_rank: Option<usize>,
+    kv_lora_rank: Option<usize>,
+    qk_nope_head_dim: Option<usize>,
+    qk_rope_head_dim: Option<usize>,
+    v_head_dim: Option<usize>,
+    rope_interleave: Option<bool>,
     // 4.x: top level; 5.x: in rope_parameters.
     partial_rotary_factor: Option<f64>,
     // 4.x: torch_dtype; 5.x: dtype.
@@ -329,6 +387,12 @@ fn defaults(arch: Arch) -> Defaults {
             norm_topk_prob: true,
             qkv_bias: false,
         },
+        Arch::DeepseekV3 => Defaults {
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            norm_topk_prob: true,
+            qkv_bias: false,
+        },
     }
 }
 
@@ -354,6 +418,7 @@ impl RawConfig {
             "mixtral" => Arch::Mixtral,
             "olmoe" => Arch::Olmoe,
             "glm4_moe" => Arch::Glm4Moe,
+            "deepseek_v3" => Arch::DeepseekV3,
             _ => {
                 return Err(Error::UnsupportedArch {
                     path: path.to_path_buf(),
@@ -393,10 +458,51 @@ impl RawConfig {
                 format!("{num_kv_heads} does not divide num_attention_heads = {num_heads}"),
             ));
         }
-        let head_dim = match self.head_dim {
-            Some(h) => positive(Some(h), "head_dim")?,
-            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-            None => {
+        let mla = match arch {
+            Arch::DeepseekV3 => Some(MlaConfig {
+                q_lora_rank: match self.q_lora_rank {
+                    None => None,
+                    r => Some(positive(r, "q_lora_rank")?),
+                },
+                kv_lora_rank: positive(self.kv_lora_rank, "kv_lora_rank")?,
+                qk_nope_head_dim: positive(self.qk_nope_head_dim, "qk_nope_head_dim")?,
+                qk_rope_head_dim: positive(self.qk_rope_head_dim, "qk_rope_head_dim")?,
+                v_head_dim: positive(self.v_head_dim, "v_head_dim")?,
+                interleaved: self.rope_interleave.unwrap_or(true),
+            }),
+            _ => None,
+        };
+        if let Some(m) = &mla {
+            // transformers expands the latent into one key and one value per query head.
+            if num_kv_heads != num_heads {
+                return Err(invalid(
+                    "num_key_value_heads",
+                    format!("{num_kv_heads}: latent attention expands one key per query head, {num_heads}"),
+                ));
+            }
+            if m.qk_rope_head_dim % 2 != 0 {
+                return Err(invalid(
+                    "qk_rope_head_dim",
+                    format!(
+                        "{} is odd; rotary embedding needs pairs",
+                        m.qk_rope_head_dim
+                    ),
+                ));
+            }
+            if self.attention_bias.unwrap_or(false) {
+                return Err(invalid(
+                    "attention_bias",
+                    "latent attention with biases is not supported (DeepSeek-V3 and Kimi-K2 have none)".into(),
+                ));
+            }
+        }
+        let head_dim = match (self.head_dim, &mla) {
+            // A query's and an expanded key's width; config.json's head_dim there is the
+            // rotary part's.
+            (_, Some(m)) => m.qk_nope_head_dim + m.qk_rope_head_dim,
+            (Some(h), None) => positive(Some(h), "head_dim")?,
+            (None, None) if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            (None, None) => {
                 return Err(invalid(
                     "head_dim",
                     format!("absent, and hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}"),
@@ -418,12 +524,13 @@ impl RawConfig {
             }
         }
 
-        let rope = self.resolve_rope(path, d.rope_theta, head_dim)?;
+        let rotary = mla.map_or(head_dim, |m| m.qk_rope_head_dim);
+        let rope = self.resolve_rope(path, d.rope_theta, rotary, arch == Arch::DeepseekV3)?;
 
         let num_experts = positive(
             match arch {
                 Arch::Mixtral => self.num_local_experts.or(self.num_experts),
-                Arch::Glm4Moe => self.n_routed_experts,
+                Arch::Glm4Moe | Arch::DeepseekV3 => self.n_routed_experts,
                 _ => self.num_experts.or(self.num_local_experts),
             },
             "num_experts",
@@ -450,7 +557,7 @@ impl RawConfig {
                 "shared_expert_intermediate_size",
             )?),
             // The shared experts run as one MLP of their summed width.
-            Arch::Glm4Moe => match self.n_shared_experts.unwrap_or(1) {
+            Arch::Glm4Moe | Arch::DeepseekV3 => match self.n_shared_experts.unwrap_or(1) {
                 0 => None,
                 n => Some(positive(
                     expert_intermediate.checked_mul(n),
@@ -460,7 +567,9 @@ impl RawConfig {
             _ => None,
         };
         let router = match arch {
-            Arch::Glm4Moe => self.sigmoid_router(num_experts, top_k, renormalize, path)?,
+            Arch::Glm4Moe | Arch::DeepseekV3 => {
+                self.sigmoid_router(num_experts, top_k, renormalize, path)?
+            }
             _ => Router::SoftmaxTopK { renormalize },
         };
 
@@ -544,6 +653,7 @@ impl RawConfig {
                 _ => None,
             },
             layers,
+            mla,
             moe: MoeConfig {
                 num_experts,
                 top_k,
@@ -604,11 +714,15 @@ impl RawConfig {
         })
     }
 
+    /// The rotary embedding over `head_dim` values of each head (before a partial
+    /// factor); YaRN only where `yarn_allowed`, the architectures that fold its scaling
+    /// into their weights.
     fn resolve_rope(
         &self,
         path: &Path,
         default_theta: f64,
         head_dim: usize,
+        yarn_allowed: bool,
     ) -> Result<RopeConfig, Error> {
         let invalid = |field: &str, reason: String| Error::InvalidField {
             path: path.to_path_buf(),
@@ -624,6 +738,7 @@ impl RawConfig {
         let mut theta = self.rope_theta.unwrap_or(default_theta);
         let mut linear_factor = 1.0;
         let mut partial = self.partial_rotary_factor;
+        let mut yarn = None;
         if let Some(p) = params {
             let obj = p
                 .as_object()
@@ -657,6 +772,7 @@ impl RawConfig {
                         ));
                     }
                 }
+                "yarn" if yarn_allowed => yarn = Some(yarn_of(obj, self, field, path)?),
                 other => {
                     return Err(invalid(
                         field,
@@ -691,6 +807,7 @@ impl RawConfig {
             theta: theta as f32,
             linear_factor: linear_factor as f32,
             rotary_dim,
+            yarn,
         })
     }
 
@@ -708,6 +825,7 @@ impl RawConfig {
         let mlp_only = self.mlp_only_layers.clone().unwrap_or_default();
         let leading_dense = match arch {
             Arch::Glm4Moe => self.first_k_dense_replace.unwrap_or(1),
+            Arch::DeepseekV3 => self.first_k_dense_replace.unwrap_or(3),
             _ => 0,
         };
         if let Some(&bad) = mlp_only.iter().find(|&&l| l >= num_layers) {
@@ -735,7 +853,7 @@ impl RawConfig {
                     Arch::Qwen3Moe | Arch::Qwen2Moe => {
                         mlp_only.contains(&i) || (i + 1) % sparse_step != 0
                     }
-                    Arch::Glm4Moe => i < leading_dense,
+                    Arch::Glm4Moe | Arch::DeepseekV3 => i < leading_dense,
                     Arch::Mixtral | Arch::Olmoe => false,
                 };
                 let ffn = if dense {
@@ -767,7 +885,7 @@ impl RawConfig {
                         self.use_sliding_window.unwrap_or(false)
                             && i >= self.max_window_layers.unwrap_or(28)
                     }
-                    (Arch::Olmoe | Arch::Glm4Moe, None) => false,
+                    (Arch::Olmoe | Arch::Glm4Moe | Arch::DeepseekV3, None) => false,
                 };
                 let sliding_window = match (sliding, window) {
                     (true, Some(w)) => Some(w),
@@ -788,170 +906,51 @@ impl RawConfig {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn resolve(text: &str) -> Result<Config, Error> {
-        Config::from_json(text, Path::new("config.json"))
-    }
-
-    const QWEN3_V4: &str = r#"{
-        "model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 32,
-        "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 1000000.0,
-        "rope_scaling": null, "torch_dtype": "bfloat16", "moe_intermediate_size": 8,
-        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": true,
-        "mlp_only_layers": [1], "eos_token_id": 7, "some_future_key": {"x": 1}
-    }"#;
-
-    #[test]
-    fn reads_transformers_4_style() {
-        let c = resolve(QWEN3_V4).unwrap();
-        assert_eq!(c.arch, Arch::Qwen3Moe);
-        assert_eq!(c.head_dim, 16);
-        assert_eq!(c.rope.theta, 1e6);
-        assert_eq!(c.dtype, "bfloat16");
-        assert_eq!(c.layers[1].ffn, FfnKind::Dense { intermediate: 64 });
-        assert_eq!(c.layers[0].ffn, FfnKind::Moe);
-        assert_eq!(c.moe.router, Router::SoftmaxTopK { renormalize: true });
-        assert_eq!(c.eos_token_ids, vec![7]);
-        assert_eq!(c.qk_norm, QkNorm::PerHead);
-    }
-
-    #[test]
-    fn reads_transformers_5_style() {
-        let text = QWEN3_V4
-            .replace(r#""rope_theta": 1000000.0,"#, "")
-            .replace(
-                r#""rope_scaling": null, "torch_dtype": "bfloat16""#,
-                r#""rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}, "dtype": "float32""#,
-            );
-        let c = resolve(&text).unwrap();
-        assert_eq!(c.rope.theta, 5000.0);
-        assert_eq!(c.dtype, "float32");
-    }
-
-    #[test]
-    fn unsupported_model_type_is_named() {
-        let err = resolve(&QWEN3_V4.replace("qwen3_moe", "deepseek_v3")).unwrap_err();
-        let msg = err.to_string();
-        assert!(
-            msg.contains("deepseek_v3") && msg.contains("config.json"),
-            "{msg}"
-        );
-    }
-
-    #[test]
-    fn missing_field_is_named() {
-        let err = resolve(&QWEN3_V4.replace(r#""num_experts": 8,"#, "")).unwrap_err();
-        assert!(err.to_string().contains("num_experts"), "{err}");
-    }
-
-    #[test]
-    fn malformed_json_is_an_error() {
-        let err = resolve("{\"model_type\": ").unwrap_err();
-        assert!(matches!(err, Error::Json { .. }), "{err}");
-    }
-
-    #[test]
-    fn unsupported_rope_scaling_is_refused() {
-        let text = QWEN3_V4.replace(
-            r#""rope_scaling": null"#,
-            r#""rope_scaling": {"type": "yarn", "factor": 4.0}"#,
-        );
-        let err = resolve(&text).unwrap_err();
-        assert!(err.to_string().contains("yarn"), "{err}");
-    }
-
-    #[test]
-    fn inconsistent_heads_are_refused() {
-        let err = resolve(
-            &QWEN3_V4.replace(r#""num_key_value_heads": 2"#, r#""num_key_value_heads": 3"#),
-        )
-        .unwrap_err();
-        assert!(err.to_string().contains("num_key_value_heads"), "{err}");
-    }
-
-    #[test]
-    fn mixtral_uses_local_experts_and_renormalises() {
-        let text = r#"{"model_type": "mixtral", "vocab_size": 10, "hidden_size": 16,
-            "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-            "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8}"#;
-        let c = resolve(text).unwrap();
-        assert_eq!(c.moe.num_experts, 4);
-        assert_eq!(c.moe.expert_intermediate, 32);
-        assert_eq!(c.moe.router, Router::SoftmaxTopK { renormalize: true });
-        assert_eq!(c.layers[0].sliding_window, Some(8));
-        assert_eq!(c.rms_norm_eps, 1e-5);
-    }
-    // GLM-4.5-Air's config.json as published (transformers 4.x style), cut down.
-    const GLM45_AIR: &str = r#"{
-        "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096,
-        "intermediate_size": 10944, "num_hidden_layers": 4, "num_attention_heads": 96,
-        "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
-        "rope_theta": 1000000, "attention_bias": true, "use_qk_norm": false,
-        "moe_intermediate_size": 1408, "n_routed_experts": 128, "n_shared_experts": 1,
-        "num_experts_per_tok": 8, "first_k_dense_replace": 1, "n_group": 1,
-        "topk_group": 1, "norm_topk_prob": true, "routed_scaling_factor": 1.0,
-        "num_nextn_predict_layers": 1, "eos_token_id": [151329, 151336, 151338]
-    }"#;
-
-    #[test]
-    fn reads_glm_4_5() {
-        let c = resolve(GLM45_AIR).unwrap();
-        assert_eq!(c.arch, Arch::Glm4Moe);
-        assert_eq!(c.rope.rotary_dim, 64);
-        assert_eq!(
-            c.layers[0].ffn,
-            FfnKind::Dense {
-                intermediate: 10944
-            }
-        );
-        assert!(c.layers[1..].iter().all(|l| l.ffn == FfnKind::Moe));
-        assert_eq!(c.moe.num_experts, 128);
-        assert_eq!(c.moe.shared_expert_intermediate, Some(1408));
-        assert_eq!(
-            c.moe.router,
-            Router::SigmoidGroups {
-                groups: 1,
-                top_groups: 1,
-                renormalize: true,
-                scale: 1.0
-            }
-        );
-        assert!(c.qkv_bias && !c.o_bias);
-        assert_eq!(c.qk_norm, QkNorm::None);
-        // transformers 5.x keeps the factor in rope_parameters.
-        let v5 = GLM45_AIR.replace(r#""partial_rotary_factor": 0.5,"#, "").replace(
-            r#""rope_theta": 1000000,"#,
-            r#""rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},"#,
-        );
-        assert_eq!(resolve(&v5).unwrap().rope.rotary_dim, 32);
-    }
-
-    #[test]
-    fn bad_expert_groups_are_named() {
-        for (from, to, field) in [
-            (r#""n_group": 1"#, r#""n_group": 3"#, "n_group"),
-            (r#""n_group": 1"#, r#""n_group": 128"#, "n_group"),
-            (r#""topk_group": 1"#, r#""topk_group": 2"#, "topk_group"),
-            (
-                r#""routed_scaling_factor": 1.0"#,
-                r#""routed_scaling_factor": -2.5"#,
-                "routed_scaling_factor",
-            ),
-            (
-                r#""partial_rotary_factor": 0.5"#,
-                r#""partial_rotary_factor": 0.0"#,
-                "partial_rotary_factor",
-            ),
-        ] {
-            let err = resolve(&GLM45_AIR.replace(from, to)).unwrap_err();
-            assert!(err.to_string().contains(field), "{to}: {err}");
+/// YaRN's parameters from a `rope_scaling` (or `rope_parameters`) object `obj`, with
+/// transformers' defaults; `field` names the object in errors.
+fn yarn_of(
+    obj: &serde_json::Map<String, Value>,
+    raw: &RawConfig,
+    field: &str,
+    path: &Path,
+) -> Result<Yarn, Error> {
+    let invalid = |reason: String| Error::InvalidField {
+        path: path.to_path_buf(),
+        field: field.to_string(),
+        reason,
+    };
+    let number = |key: &str| -> Result<Option<f64>, Error> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() => Ok(Some(x)),
+                _ => Err(invalid(format!("yarn {key} {v} is not a finite number"))),
+            },
         }
-        // Eight experts from one group of four cannot be chosen.
-        let err = resolve(&GLM45_AIR.replace(r#""n_group": 1"#, r#""n_group": 32"#)).unwrap_err();
-        assert!(err.to_string().contains("num_experts_per_tok"), "{err}");
+    };
+    let original = number("original_max_position_embeddings")?
+        .ok_or_else(|| invalid("yarn without original_max_position_embeddings".into()))?;
+    // As transformers: without a factor, the extension the two lengths imply.
+    let factor = match number("factor")? {
+        Some(f) => f,
+        None => raw.max_position_embeddings.unwrap_or(0) as f64 / original,
+    };
+    if !(factor > 0.0 && original >= 1.0) {
+        return Err(invalid(format!(
+            "yarn factor {factor} over {original} original positions"
+        )));
     }
+    Ok(Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast: number("beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0),
+        beta_slow: number("beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0),
+        mscale: number("mscale")?,
+        mscale_all_dim: number("mscale_all_dim")?,
+        attention_factor: number("attention_factor")?,
+        truncate: obj.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+    })
 }
+
+#[cfg(test)]
+mod tests;

@@ -9,6 +9,7 @@
 
 mod decode;
 
+pub use super::rope::rope_inv_freq;
 pub use decode::{DecodeOptions, Decoding};
 
 use crate::checkpoint::config::{Config, QkNorm};
@@ -81,14 +82,6 @@ impl<B: Backend> State<B> {
     }
 }
 
-/// Inverse frequencies as transformers computes them in float32:
-/// `1 / theta^(2i / d)`, divided by the linear scaling factor.
-pub fn rope_inv_freq(theta: f32, head_dim: usize, linear_factor: f32) -> Vec<f32> {
-    (0..head_dim / 2)
-        .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32) / linear_factor)
-        .collect()
-}
-
 impl<B: Backend> Model<B> {
     /// Builds the model from a checkpoint (and, for a converted directory, the expert
     /// store of each MoE layer), checking every tensor's shape. The MoE layers in `vq`
@@ -122,14 +115,7 @@ impl<B: Backend> Model<B> {
         } else {
             Some(ld.linear("lm_head", v, h, false)?)
         };
-        let mut inv_freq = rope_inv_freq(
-            config.rope.theta,
-            config.rope.rotary_dim,
-            config.rope.linear_factor,
-        );
-        // Partial rotary: the pass-through pairs turn by nothing, in the head layout the
-        // checkpoint gives (`checkpoint::arch::partial_rotary`).
-        inv_freq.resize(config.head_dim / 2, 0.0);
+        let inv_freq = super::rope::model_inv_freq(&config);
         Ok(Model {
             config,
             backend,
@@ -532,10 +518,16 @@ impl<B: Backend> Model<B> {
                     0 => b.rms_norm(x, self.norm_before(0), rows, h, eps, xn),
                     _ => b.add_rms_norm(x, delta, self.norm_before(i), rows, h, eps, xn),
                 }
-                let ws = ls.map(|l| l.weight());
-                let dims = ls.map(|l| l.out_dim);
-                b.linear3(xn, ws, rows, h, dims, [&mut *qs, &mut *ks, &mut *vs]);
-                qkv_biases(b, a, rows, [&mut *qs, &mut *ks, &mut *vs]);
+                let outs = [&mut *qs, &mut *ks, &mut *vs];
+                match &a.mla {
+                    Some(mla) => super::mla::project(b, a, mla, eps, xn, rows, outs),
+                    None => {
+                        let ws = ls.map(|l| l.weight());
+                        let dims = ls.map(|l| l.out_dim);
+                        b.linear3(xn, ws, rows, h, dims, outs);
+                        qkv_biases(b, a, rows, [&mut *qs, &mut *ks, &mut *vs]);
+                    }
+                }
                 self.qk_norm_and_clip(layer, qs, ks, vs, rows);
                 b.rope(qs, positions, c.num_heads, c.head_dim, &self.inv_freq);
                 b.rope(ks, positions, c.num_kv_heads, c.head_dim, &self.inv_freq);
@@ -574,11 +566,19 @@ impl<B: Backend> Model<B> {
                     w: self.norm_before(i),
                     eps,
                 };
-                let ws = ls.map(|l| l.weight());
-                let dims = ls.map(|l| l.out_dim);
                 let outs = [&mut *qs, &mut *ks, &mut *vs];
-                b.add_rms_norm_linear3(n, x_next, xn, ws, rows, h, dims, outs);
-                qkv_biases(b, a, rows, [&mut *qs, &mut *ks, &mut *vs]);
+                match &a.mla {
+                    Some(mla) => {
+                        b.add_rms_norm_to(n, rows, h, x_next, xn);
+                        super::mla::project(b, a, mla, eps, xn, rows, outs);
+                    }
+                    None => {
+                        let ws = ls.map(|l| l.weight());
+                        let dims = ls.map(|l| l.out_dim);
+                        b.add_rms_norm_linear3(n, x_next, xn, ws, rows, h, dims, outs);
+                        qkv_biases(b, a, rows, [&mut *qs, &mut *ks, &mut *vs]);
+                    }
+                }
                 if i > 0 {
                     std::mem::swap(x, x_next);
                 }

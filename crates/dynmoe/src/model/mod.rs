@@ -7,7 +7,9 @@
 //! mixture-of-experts block is shared ([`moe`]).
 
 pub mod forward;
+pub mod mla;
 pub mod moe;
+pub mod rope;
 pub mod weights;
 
 use std::collections::BTreeMap;

@@ -80,6 +80,9 @@ pub struct Attention<B: Backend> {
     pub o_proj: Linear<B>,
     /// q and k RMSNorm weights: `[head_dim]` each (per head) or `[q_dim]`/`[kv_dim]` (whole).
     pub qk_norm: Option<(B::Tensor, B::Tensor)>,
+    /// Latent attention's other parts (DeepSeek-V3): q, k and v then read what
+    /// `model::mla` says, not the layer's input.
+    pub mla: Option<Box<super::mla::Mla<B>>>,
 }
 
 /// The routed experts of one MoE layer.
@@ -354,6 +357,9 @@ impl<B: Backend> Loader<'_, B> {
     /// Attention of layer `layer` under `model.layers.{layer}.self_attn`.
     pub fn attention(&self, layer: usize) -> Result<Attention<B>, Error> {
         let c = self.config;
+        if let Some(m) = &c.mla {
+            return super::mla::load(self, layer, m);
+        }
         let p = format!("model.layers.{layer}.self_attn");
         let (h, q, kv) = (c.hidden_size, c.q_dim(), c.kv_dim());
         let qk_norm = match c.qk_norm {
@@ -373,6 +379,7 @@ impl<B: Backend> Loader<'_, B> {
             v_proj: self.linear(&format!("{p}.v_proj"), kv, h, c.qkv_bias)?,
             o_proj: self.linear(&format!("{p}.o_proj"), h, q, c.o_bias)?,
             qk_norm,
+            mla: None,
         })
     }
 

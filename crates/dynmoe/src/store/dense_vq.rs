@@ -174,7 +174,7 @@ impl GroupCodecs {
     /// The codec of checkpoint tensor `name` of `shape`: `None` for a tensor in no group
     /// (routers, norms, routed experts) or one left bf16.
     pub fn of_tensor(&self, name: &str, shape: &[usize], config: &Config) -> Option<Codec> {
-        CodedGroup::of(name, shape, config.tie_word_embeddings)
+        CodedGroup::of(name, shape, config)
             .map(|g| self.of(g))
             .filter(|&c| c != Codec::Bf16)
     }
@@ -218,7 +218,7 @@ pub fn group_weights(
     let mut out: BTreeMap<CodedGroup, WeightShapes> = BTreeMap::new();
     for name in ckpt.names() {
         let shape = ckpt.info(name)?.shape;
-        if let Some(g) = CodedGroup::of(name, &shape, config.tie_word_embeddings) {
+        if let Some(g) = CodedGroup::of(name, &shape, config) {
             out.entry(g)
                 .or_default()
                 .push((name.to_string(), [shape[0], shape[1]]));

@@ -120,6 +120,7 @@ fn fixtures_agree_with_the_cpu_end_to_end() {
         "tiny-olmoe",
         "tiny-mixtral",
         "tiny-glm4-moe",
+        "tiny-deepseek-v3",
     ] {
         compare_end_to_end(name, &fixture(name), &Codecs::default(), false);
     }

@@ -2,6 +2,7 @@
 //! `match` on `model_type`, and the classification of a checkpoint's tensors by name.
 //! The forward pass and the MoE block are shared (`model`).
 
+pub mod deepseek_v3;
 pub mod glm4_moe;
 pub mod mixtral;
 pub mod olmoe;
@@ -11,7 +12,7 @@ pub mod qwen3_moe;
 
 use serde::Serialize;
 
-use super::config::Arch;
+use super::config::{Arch, Config};
 use super::Checkpoint;
 
 /// How the configured architecture names layer `layer`'s feed-forward tensors.
@@ -22,6 +23,7 @@ pub fn ffn_names(arch: Arch, ckpt: &Checkpoint, layer: usize) -> FfnNames {
         Arch::Mixtral => mixtral::ffn_names(ckpt, layer),
         Arch::Olmoe => olmoe::ffn_names(ckpt, layer),
         Arch::Glm4Moe => glm4_moe::ffn_names(ckpt, layer),
+        Arch::DeepseekV3 => deepseek_v3::ffn_names(ckpt, layer),
     }
 }
 
@@ -132,12 +134,17 @@ pub enum CodedGroup {
 }
 
 impl CodedGroup {
-    /// The group of tensor `name` of shape `shape`, in a model whose embeddings and LM
-    /// head are tied or not.
-    pub fn of(name: &str, shape: &[usize], tied: bool) -> Option<CodedGroup> {
+    /// The group of tensor `name` of shape `shape` in a model of configuration `config`.
+    pub fn of(name: &str, shape: &[usize], config: &Config) -> Option<CodedGroup> {
         if shape.len() != 2 {
             return None;
         }
+        // Latent attention's projections are laid out at load from the checkpoint's
+        // values (`model::mla`): they stay at its precision, as routers do.
+        if config.mla.is_some() && classify(name) == TensorKind::Attention {
+            return None;
+        }
+        let tied = config.tie_word_embeddings;
         match classify(name) {
             TensorKind::Embedding => Some(CodedGroup::Embedding),
             TensorKind::LmHead if !tied => Some(CodedGroup::Head),

@@ -24,9 +24,11 @@ pub struct PartialRotary {
 }
 
 impl PartialRotary {
-    /// The layout `config` implies, if its rotary embedding is partial.
+    /// The layout `config` implies, if its rotary embedding is partial. Latent attention
+    /// lays out its heads itself (`model::mla`).
     pub fn of(config: &Config) -> Option<PartialRotary> {
-        (config.rope.rotary_dim < config.head_dim).then_some(PartialRotary {
+        let partial = config.mla.is_none() && config.rope.rotary_dim < config.head_dim;
+        partial.then_some(PartialRotary {
             head_dim: config.head_dim,
             rotary_dim: config.rope.rotary_dim,
         })
