@@ -77,13 +77,13 @@ fn assert_mentions(e: &Error, parts: &[&str]) {
 #[test]
 fn unsupported_model_type() {
     let s = Scratch::copy_of("tiny-moe");
-    edit_config(&s, "\"qwen3_moe\"", "\"deepseek_v3\"");
+    edit_config(&s, "\"qwen3_moe\"", "\"qwen3_next\"");
     let e = s.load_err();
     assert!(matches!(
         e,
         Error::Checkpoint(CkError::UnsupportedArch { .. })
     ));
-    assert_mentions(&e, &["config.json", "deepseek_v3"]);
+    assert_mentions(&e, &["config.json", "qwen3_next"]);
 }
 
 #[test]

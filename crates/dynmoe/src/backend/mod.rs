@@ -143,6 +143,31 @@ pub trait Backend: Send + Sync {
         }
     }
 
+    /// A product per head: `out[r, h·n + o] = Σ_i x[r, h·k + i] · ws[h][o, i]` for `rows`
+    /// rows of `ws.len()` heads, each weight `[n, k]` (latent attention's absorbed
+    /// up-projections). The default gathers each head's rows (a row of `x` read as
+    /// `heads` rows of `k`) and runs one [`matmul`](Self::matmul) per head.
+    fn matmul_heads(
+        &self,
+        x: &Self::Tensor,
+        ws: &[Self::Matrix],
+        rows: usize,
+        k: usize,
+        n: usize,
+        out: &mut Self::Tensor,
+    ) {
+        let heads = ws.len();
+        let (mut xh, mut yh) = (self.alloc(rows * k), self.alloc(rows * n));
+        self.write_rows(&self.zeros(rows * heads * n), out, 0, rows * heads, n);
+        let ones = vec![1.0f32; rows];
+        for (h, w) in ws.iter().enumerate() {
+            let at: Vec<u32> = (0..rows).map(|r| (r * heads + h) as u32).collect();
+            self.gather_rows(x, &at, k, &mut xh);
+            self.matmul(&xh, w, rows, k, n, &mut yh);
+            self.scatter_add_rows(&yh, &at, &ones, n, out);
+        }
+    }
+
     /// Three products of the same `x` (a layer's q, k and v projections):
     /// `outs[j] = x ws[j]ᵀ`, `out_dims[j]` wide. The default is three
     /// [`linear`](Self::linear) calls; a backend may run them as one launch.

@@ -204,9 +204,9 @@ pub struct Config {
     pub clip_qkv: Option<f32>,
     /// Per layer: dense or MoE, sliding window.
     pub layers: Vec<LayerConfig>,
-    /// Multi-head latent attention, for DeepSeek-V3. `head_dim` is then a q/k head's
-    /// width (`qk_nope_head_dim + qk_rope_head_dim`), as the expanded keys have it, and
-    /// `num_kv_heads` equals `num_heads`.
+    /// Multi-head latent attention, for DeepSeek-V3. It runs over a latent cache of one
+    /// key head (`model::mla`): `head_dim` is then `kv_lora_rank + qk_rope_head_dim`
+    /// and `num_kv_heads` is 1.
     pub mla: Option<MlaConfig>,
     /// The experts.
     pub moe: MoeConfig,
@@ -496,10 +496,12 @@ impl RawConfig {
                 ));
             }
         }
+        // Latent attention runs as multi-query attention over its latent cache
+        // (`model::mla`): one key head of the latent and the rotary key, which every
+        // query head, as wide, reads.
+        let num_kv_heads = if mla.is_some() { 1 } else { num_kv_heads };
         let head_dim = match (self.head_dim, &mla) {
-            // A query's and an expanded key's width; config.json's head_dim there is the
-            // rotary part's.
-            (_, Some(m)) => m.qk_nope_head_dim + m.qk_rope_head_dim,
+            (_, Some(m)) => m.kv_lora_rank + m.qk_rope_head_dim,
             (Some(h), None) => positive(Some(h), "head_dim")?,
             (None, None) if hidden_size % num_heads == 0 => hidden_size / num_heads,
             (None, None) => {

@@ -595,7 +595,10 @@ impl<B: Backend> Model<B> {
                 b.attention_step_at(qs, ks, vs, norm, shape, freqs, step, k_cache, v_cache, attn);
             }
         }
-        linear(b, attn, &a.o_proj, rows, attn_out);
+        match &a.mla {
+            Some(mla) => super::mla::output(b, a, mla, attn, rows, attn_out),
+            None => linear(b, attn, &a.o_proj, rows, attn_out),
+        }
     }
 
     /// Decoder layer `i`'s feed-forward block: the residual add of the attention output

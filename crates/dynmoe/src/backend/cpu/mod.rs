@@ -456,4 +456,27 @@ mod tests {
         let each: u64 = (0..20_000u64).sum();
         assert_eq!(sums, (0..12u64).map(|i| i * each).collect::<Vec<_>>());
     }
+    #[test]
+    fn matmul_heads_is_each_heads_product() {
+        use crate::testing::{fresh, poisoned, rel_err};
+        let (rows, heads, k, n) = (5, 3, 24, 40);
+        let x = fresh(rows * heads * k, 1);
+        let ws: Vec<Vec<f32>> = (0..heads as u64).map(|h| fresh(n * k, 10 + h)).collect();
+        let mut want = vec![0.0f32; rows * heads * n];
+        for r in 0..rows {
+            for (h, w) in ws.iter().enumerate() {
+                let xr = &x[(r * heads + h) * k..(r * heads + h + 1) * k];
+                for o in 0..n {
+                    let dot: f64 = (0..k).map(|i| xr[i] as f64 * w[o * k + i] as f64).sum();
+                    want[(r * heads + h) * n + o] = dot as f32;
+                }
+            }
+        }
+        for b in [Cpu::reference(), Cpu::fast()] {
+            let mut got = poisoned(rows * heads * n);
+            b.matmul_heads(&x, &ws, rows, k, n, &mut got);
+            let e = rel_err(&got, &want);
+            assert!(e < 1e-5, "{}: rel err {e}", b.name());
+        }
+    }
 }

@@ -189,7 +189,7 @@ fn reads_deepseek_v3() {
     assert!(m.interleaved);
     assert_eq!(
         (c.head_dim, c.num_kv_heads, c.rope.rotary_dim),
-        (192, 128, 64)
+        (576, 1, 64)
     );
     let y = c.rope.yarn.unwrap();
     assert_eq!(
