@@ -25,7 +25,47 @@ pub enum Family {
         /// Per-head q/k RMSNorm (`use_qk_norm`).
         qk_norm: bool,
     },
+    /// DeepSeek-V3 (Kimi-K2 alike): multi-head latent attention with YaRN, and GLM-4.5's
+    /// leading dense layers, shared expert and grouped sigmoid router.
+    DeepseekV3 {
+        /// Dense layers before the first MoE layer (`first_k_dense_replace`).
+        leading_dense: usize,
+        /// Width of their MLPs (`intermediate_size`).
+        dense_intermediate: usize,
+        /// Expert groups (`n_group`) and the groups a token's experts come from.
+        groups: [usize; 2],
+        /// `routed_scaling_factor`.
+        scale: f64,
+        /// The latent attention's widths.
+        mla: MlaShape,
+        /// YaRN: factor, original context, beta_fast, beta_slow.
+        yarn: [f64; 4],
+    },
 }
+
+/// The widths of multi-head latent attention.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MlaShape {
+    /// `q_lora_rank`.
+    pub q_lora: usize,
+    /// `kv_lora_rank`.
+    pub kv_lora: usize,
+    /// `qk_nope_head_dim`.
+    pub nope: usize,
+    /// `qk_rope_head_dim`.
+    pub rope: usize,
+    /// `v_head_dim`.
+    pub v: usize,
+}
+
+/// DeepSeek-V3's and Kimi-K2's latent attention.
+const DEEPSEEK_MLA: MlaShape = MlaShape {
+    q_lora: 1536,
+    kv_lora: 512,
+    nope: 128,
+    rope: 64,
+    v: 128,
+};
 
 /// The shape of a published model.
 #[derive(Debug, Clone, Copy)]
@@ -57,7 +97,7 @@ pub struct Shape {
 }
 
 /// The shapes `--like` knows, from the models' published configs.
-pub const SHAPES: [Shape; 5] = [
+pub const SHAPES: [Shape; 7] = [
     Shape {
         name: "qwen3-30b-a3b",
         family: Family::Qwen3Moe,
@@ -140,6 +180,48 @@ pub const SHAPES: [Shape; 5] = [
         vocab: 151552,
         rope_theta: 1e6,
     },
+    Shape {
+        name: "deepseek-v3",
+        family: Family::DeepseekV3 {
+            leading_dense: 3,
+            dense_intermediate: 18432,
+            groups: [8, 4],
+            scale: 2.5,
+            mla: DEEPSEEK_MLA,
+            yarn: [40.0, 4096.0, 32.0, 1.0],
+        },
+        hidden: 7168,
+        moe_intermediate: 2048,
+        layers: 61,
+        heads: 128,
+        kv_heads: 128,
+        head_dim: 192,
+        experts: 256,
+        top_k: 8,
+        vocab: 129280,
+        rope_theta: 10000.0,
+    },
+    Shape {
+        name: "kimi-k2",
+        family: Family::DeepseekV3 {
+            leading_dense: 1,
+            dense_intermediate: 18432,
+            groups: [1, 1],
+            scale: 2.827,
+            mla: DEEPSEEK_MLA,
+            yarn: [32.0, 4096.0, 1.0, 1.0],
+        },
+        hidden: 7168,
+        moe_intermediate: 2048,
+        layers: 61,
+        heads: 64,
+        kv_heads: 64,
+        head_dim: 192,
+        experts: 384,
+        top_k: 8,
+        vocab: 163840,
+        rope_theta: 50000.0,
+    },
 ];
 
 /// The shape called `name`.
@@ -167,6 +249,7 @@ impl Shape {
         match self.family {
             Family::Qwen3Moe => "qwen3_moe",
             Family::Glm4Moe { .. } => "glm4_moe",
+            Family::DeepseekV3 { .. } => "deepseek_v3",
         }
     }
 
@@ -174,7 +257,9 @@ impl Shape {
     fn first_moe_layer(&self) -> usize {
         match self.family {
             Family::Qwen3Moe => 0,
-            Family::Glm4Moe { leading_dense, .. } => leading_dense,
+            Family::Glm4Moe { leading_dense, .. } | Family::DeepseekV3 { leading_dense, .. } => {
+                leading_dense
+            }
         }
     }
 
@@ -237,6 +322,42 @@ impl Shape {
                 "topk_group": 1,
                 "use_qk_norm": qk_norm,
             }),
+            Family::DeepseekV3 {
+                leading_dense,
+                dense_intermediate,
+                groups,
+                scale,
+                mla,
+                yarn,
+            } => serde_json::json!({
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "model_type": "deepseek_v3",
+                "attention_bias": false,
+                "first_k_dense_replace": leading_dense,
+                "intermediate_size": dense_intermediate,
+                "kv_lora_rank": mla.kv_lora,
+                "max_position_embeddings": 163840,
+                "n_group": groups[0],
+                "n_routed_experts": self.experts,
+                "n_shared_experts": 1,
+                "q_lora_rank": mla.q_lora,
+                "qk_nope_head_dim": mla.nope,
+                "qk_rope_head_dim": mla.rope,
+                "rms_norm_eps": 1e-6,
+                "rope_interleave": true,
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": yarn[0],
+                    "original_max_position_embeddings": yarn[1],
+                    "beta_fast": yarn[2],
+                    "beta_slow": yarn[3],
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                },
+                "routed_scaling_factor": scale,
+                "topk_group": groups[1],
+                "v_head_dim": mla.v,
+            }),
         };
         let mut config = common;
         let map = config.as_object_mut().expect("an object");
@@ -278,11 +399,34 @@ impl Shape {
         let mut t = vec![
             (format!("{p}.input_layernorm.weight"), vec![h]),
             (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-            (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
-            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
-            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
-            (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
         ];
+        let a = format!("{p}.self_attn");
+        match self.family {
+            Family::DeepseekV3 { mla: m, .. } => t.extend([
+                (format!("{a}.q_a_proj.weight"), vec![m.q_lora, h]),
+                (format!("{a}.q_a_layernorm.weight"), vec![m.q_lora]),
+                (
+                    format!("{a}.q_b_proj.weight"),
+                    vec![self.heads * (m.nope + m.rope), m.q_lora],
+                ),
+                (
+                    format!("{a}.kv_a_proj_with_mqa.weight"),
+                    vec![m.kv_lora + m.rope, h],
+                ),
+                (format!("{a}.kv_a_layernorm.weight"), vec![m.kv_lora]),
+                (
+                    format!("{a}.kv_b_proj.weight"),
+                    vec![self.heads * (m.nope + m.v), m.kv_lora],
+                ),
+                (format!("{a}.o_proj.weight"), vec![h, self.heads * m.v]),
+            ]),
+            _ => t.extend([
+                (format!("{a}.q_proj.weight"), vec![q, h]),
+                (format!("{a}.k_proj.weight"), vec![kv, h]),
+                (format!("{a}.v_proj.weight"), vec![kv, h]),
+                (format!("{a}.o_proj.weight"), vec![h, q]),
+            ]),
+        }
         let head_norms = [
             (format!("{p}.self_attn.q_norm.weight"), vec![self.head_dim]),
             (format!("{p}.self_attn.k_norm.weight"), vec![self.head_dim]),
@@ -299,31 +443,41 @@ impl Shape {
                 t.extend(head_norms);
                 t.push((format!("{p}.mlp.gate.weight"), vec![self.experts, h]));
             }
-            Family::Glm4Moe {
-                leading_dense,
-                dense_intermediate,
-                shared_experts,
-                qk_norm,
-                ..
-            } => {
+            Family::Glm4Moe { qk_norm, .. } => {
                 for (proj, width) in [("q", q), ("k", kv), ("v", kv)] {
                     t.push((format!("{p}.self_attn.{proj}_proj.bias"), vec![width]));
                 }
                 if qk_norm {
                     t.extend(head_norms);
                 }
-                if l < leading_dense {
-                    t.extend(mlp(format!("{p}.mlp"), dense_intermediate));
-                } else {
-                    t.push((format!("{p}.mlp.gate.weight"), vec![self.experts, h]));
-                    t.push((
-                        format!("{p}.mlp.gate.e_score_correction_bias"),
-                        vec![self.experts],
-                    ));
-                    let width = shared_experts * self.moe_intermediate;
-                    t.extend(mlp(format!("{p}.mlp.shared_experts"), width));
-                }
             }
+            Family::DeepseekV3 { .. } => {}
+        }
+        // GLM-4.5's and DeepSeek-V3's feed-forward blocks.
+        let (leading_dense, dense_intermediate, shared_experts) = match self.family {
+            Family::Qwen3Moe => return t,
+            Family::Glm4Moe {
+                leading_dense,
+                dense_intermediate,
+                shared_experts,
+                ..
+            } => (leading_dense, dense_intermediate, shared_experts),
+            Family::DeepseekV3 {
+                leading_dense,
+                dense_intermediate,
+                ..
+            } => (leading_dense, dense_intermediate, 1),
+        };
+        if l < leading_dense {
+            t.extend(mlp(format!("{p}.mlp"), dense_intermediate));
+        } else {
+            t.push((format!("{p}.mlp.gate.weight"), vec![self.experts, h]));
+            t.push((
+                format!("{p}.mlp.gate.e_score_correction_bias"),
+                vec![self.experts],
+            ));
+            let width = shared_experts * self.moe_intermediate;
+            t.extend(mlp(format!("{p}.mlp.shared_experts"), width));
         }
         t
     }
