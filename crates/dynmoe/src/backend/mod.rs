@@ -156,16 +156,7 @@ pub trait Backend: Send + Sync {
         n: usize,
         out: &mut Self::Tensor,
     ) {
-        let heads = ws.len();
-        let (mut xh, mut yh) = (self.alloc(rows * k), self.alloc(rows * n));
-        self.write_rows(&self.zeros(rows * heads * n), out, 0, rows * heads, n);
-        let ones = vec![1.0f32; rows];
-        for (h, w) in ws.iter().enumerate() {
-            let at: Vec<u32> = (0..rows).map(|r| (r * heads + h) as u32).collect();
-            self.gather_rows(x, &at, k, &mut xh);
-            self.matmul(&xh, w, rows, k, n, &mut yh);
-            self.scatter_add_rows(&yh, &at, &ones, n, out);
-        }
+        matmul_heads_one_by_one(self, x, ws, rows, k, n, out);
     }
 
     /// Three products of the same `x` (a layer's q, k and v projections):
@@ -861,6 +852,29 @@ pub enum MoeInput<'a, T> {
         /// Gets the normed row (see above).
         xn: &'a mut T,
     },
+}
+
+/// [`Backend::matmul_heads`] from single ops: each head's rows gathered, multiplied
+/// and scattered back.
+pub fn matmul_heads_one_by_one<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Tensor,
+    ws: &[B::Matrix],
+    rows: usize,
+    k: usize,
+    n: usize,
+    out: &mut B::Tensor,
+) {
+    let heads = ws.len();
+    let (mut xh, mut yh) = (b.alloc(rows * k), b.alloc(rows * n));
+    b.write_rows(&b.zeros(rows * heads * n), out, 0, rows * heads, n);
+    let ones = vec![1.0f32; rows];
+    for (h, w) in ws.iter().enumerate() {
+        let at: Vec<u32> = (0..rows).map(|r| (r * heads + h) as u32).collect();
+        b.gather_rows(x, &at, k, &mut xh);
+        b.matmul(&xh, w, rows, k, n, &mut yh);
+        b.scatter_add_rows(&yh, &at, &ones, n, out);
+    }
 }
 
 /// The weights of a per-head q/k RMSNorm, for [`Backend::attention_preamble_at`] and
