@@ -628,6 +628,16 @@ fn cmd_inspect(a: InspectArgs) -> Result<()> {
         println!("bytes {dtype:<10} {bytes:>14}");
     }
     println!("{:<16} {:>14}", "file bytes", inv.file_bytes);
+    match inv.expanded_kv_bytes_per_position {
+        Some(expanded) => println!(
+            "KV cache: {} bytes per position of context (latent; {expanded} with each head's key and value expanded)",
+            inv.kv_cache_bytes_per_position
+        ),
+        None => println!(
+            "KV cache: {} bytes per position of context",
+            inv.kv_cache_bytes_per_position
+        ),
+    }
     for st in &inv.expert_stores {
         println!(
             "{:<16} {:>14} bytes, {}-bit codes, {:.3} bits per expert weight",

@@ -236,6 +236,19 @@ impl Config {
         self.num_kv_heads * self.head_dim
     }
 
+    /// Bytes of KV cache a position takes: f32 keys and values of every layer.
+    pub fn kv_cache_bytes_per_position(&self) -> usize {
+        2 * self.layers.len() * self.kv_dim() * size_of::<f32>()
+    }
+
+    /// For latent attention, what a position would take with each head's key and value
+    /// expanded from the latent, as transformers caches them after expanding (f32 too).
+    pub fn expanded_kv_bytes_per_position(&self) -> Option<usize> {
+        let m = self.mla?;
+        let per_head = m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim;
+        Some(self.layers.len() * self.num_heads * per_head * size_of::<f32>())
+    }
+
     /// Reads and resolves `config.json`.
     pub fn from_file(path: &Path) -> Result<Config, Error> {
         let bytes = super::read_regular(path)?;

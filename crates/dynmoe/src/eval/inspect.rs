@@ -36,6 +36,10 @@ pub struct Inventory {
     pub params_active_per_token: u64,
     /// Bytes of the checkpoint files.
     pub file_bytes: u64,
+    /// Bytes of KV cache one position of context takes (f32, every layer).
+    pub kv_cache_bytes_per_position: u64,
+    /// For latent attention: the same with each head's key and value expanded.
+    pub expanded_kv_bytes_per_position: Option<u64>,
     /// Expert stores of a converted directory (`experts.bin`, `experts3.bin`, `experts2.bin`).
     pub expert_stores: Vec<StoreInfo>,
 }
@@ -116,6 +120,8 @@ pub fn inventory(config: &Config, ckpt: &Checkpoint) -> Result<Inventory, Error>
         params_per_expert: per_expert,
         params_active_per_token: active,
         file_bytes,
+        kv_cache_bytes_per_position: config.kv_cache_bytes_per_position() as u64,
+        expanded_kv_bytes_per_position: config.expanded_kv_bytes_per_position().map(|b| b as u64),
         expert_stores,
     })
 }

@@ -263,8 +263,7 @@ impl<B: Backend> Model<B> {
     /// [`new_state`](Self::new_state) allocates for keys and values, f32, every layer.
     /// Saturates rather than overflowing.
     pub fn state_bytes(&self, capacity: usize) -> usize {
-        let per_position = 2 * self.layers.len() * self.config.kv_dim() * size_of::<f32>();
-        capacity.saturating_mul(per_position)
+        capacity.saturating_mul(self.config.kv_cache_bytes_per_position())
     }
 
     /// A fresh state whose KV cache holds `capacity` positions.

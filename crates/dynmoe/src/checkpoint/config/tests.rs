@@ -207,6 +207,9 @@ fn reads_deepseek_v3() {
         }
     );
     assert_eq!(c.moe.shared_expert_intermediate, Some(2048));
+    // The latent cache: 2 × 576 f32 a layer, against 128 heads × (192 + 128) expanded.
+    assert_eq!(c.kv_cache_bytes_per_position(), 5 * 2 * 576 * 4);
+    assert_eq!(c.expanded_kv_bytes_per_position(), Some(5 * 128 * 320 * 4));
     // Latent attention expands one key per query head; biases are not supported.
     for (from, to, field) in [
         (
