@@ -86,7 +86,7 @@ fn check_model(dir: &Path, backend: Cpu) -> usize {
         dir.display(),
         cases.len()
     );
-    let mut rows = 0;
+    let (mut rows, mut worst) = (0, 0.0f64);
     for case in &cases {
         for stepwise in [false, true] {
             let got = run(&m, &case.tokens, stepwise);
@@ -103,9 +103,15 @@ fn check_model(dir: &Path, backend: Cpu) -> usize {
                     m.model.config.arch.model_type()
                 );
                 rows += 1;
+                worst = worst.max(e);
             }
         }
     }
+    println!(
+        "{} on {}: {rows} rows, worst relative error {worst:.2e}",
+        dir.file_name().unwrap().to_string_lossy(),
+        backend.name()
+    );
     rows
 }
 
