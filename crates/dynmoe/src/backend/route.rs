@@ -2,6 +2,8 @@
 //! probabilities confined to a resident set. The CPU backends route with these, and they
 //! are the reference every backend's on-device routing is checked against.
 
+use std::borrow::Cow;
+
 use crate::checkpoint::config::Router;
 
 /// The experts chosen for one token and their weights.
@@ -123,6 +125,25 @@ pub fn confine(scores: &[f32], resident: &[bool], router: Router) -> Vec<f32> {
         .zip(resident)
         .map(|(&p, &r)| if r { p / s } else { f32::NEG_INFINITY })
         .collect()
+}
+
+/// The router's scores of `rows` tokens (`[rows, E]`) as a distribution over the experts
+/// per token, what hit rates and a resident set's evidence weigh: a softmax router's
+/// probabilities as they are, a sigmoid router's scores divided by their sum (each is the
+/// expert's own, so a token's scores do not sum to one).
+pub fn as_distribution(scores: &[f32], experts: usize, router: Router) -> Cow<'_, [f32]> {
+    match router {
+        Router::SoftmaxTopK { .. } => Cow::Borrowed(scores),
+        Router::SigmoidGroups { .. } => Cow::Owned(
+            scores
+                .chunks(experts)
+                .flat_map(|t| {
+                    let sum: f32 = t.iter().sum();
+                    t.iter().map(move |s| s / sum)
+                })
+                .collect(),
+        ),
+    }
 }
 
 #[cfg(test)]
@@ -256,5 +277,19 @@ mod tests {
             );
             assert!(r.weights.iter().all(|w| w.is_finite()));
         }
+    }
+    #[test]
+    fn a_sigmoid_routers_scores_become_a_distribution_per_token() {
+        let scores = [0.9, 0.9, 0.1, 0.1, 0.01, 0.01, 0.19, 0.19];
+        let d = as_distribution(&scores, 4, GROUPED);
+        for t in d.chunks(4) {
+            assert!((t.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        }
+        assert!((d[0] - 0.45).abs() < 1e-6 && (d[6] - 0.475).abs() < 1e-6);
+        let soft = Router::SoftmaxTopK { renormalize: true };
+        assert!(matches!(
+            as_distribution(&scores, 4, soft),
+            Cow::Borrowed(_)
+        ));
     }
 }

@@ -2,7 +2,7 @@
 //! them from, the spare buffers loads land in, and routing confined to the residents.
 
 use super::policy::Evidence;
-use crate::backend::route::confine;
+use crate::backend::route::{as_distribution, confine};
 use crate::backend::{route::route, route::Route};
 use crate::backend::{Backend, ExpertSlots, SwiGluGroup, Weight};
 use crate::checkpoint::config::Router;
@@ -283,7 +283,8 @@ impl<B: Backend> LayerSet<B> {
 
     /// Routes `rows` tokens from their unmasked probabilities `[rows, E]` (`bias`: a
     /// sigmoid router's correction bias), confined to the residents; counts the hit rate
-    /// and, when `track`, feeds the evidence.
+    /// and, when `track`, feeds the evidence, both over the scores as a distribution per
+    /// token ([`as_distribution`]).
     pub fn route(
         &mut self,
         probs: &[f32],
@@ -293,8 +294,8 @@ impl<B: Backend> LayerSet<B> {
         router: Router,
         track: bool,
     ) -> Vec<Route> {
-        self.observe(probs, rows, track);
         let e = self.resident.len();
+        self.observe(&as_distribution(probs, e, router), rows, track);
         (0..rows)
             .map(|r| {
                 let p = &probs[r * e..(r + 1) * e];
