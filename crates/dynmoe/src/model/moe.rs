@@ -30,6 +30,11 @@ pub trait MoeObserver<B: Backend> {
     );
 }
 
+/// The logistic function, `1 / (1 + e^-v)`.
+fn sigmoid(v: f32) -> f32 {
+    1.0 / (1.0 + (-v).exp())
+}
+
 /// The group that runs `mlp` on `rows` with output weights `scales`.
 fn group<'a, B: Backend>(
     mlp: &'a Mlp<B>,
@@ -98,17 +103,15 @@ pub fn forward<B: Backend>(
     let (e, h) = (moe.gate.out_dim, moe.gate.in_dim);
     let mut logits = b.alloc(rows * e);
     b.linear(x, moe.gate.weight(), rows, h, e, &mut logits);
-    let sigmoid = matches!(router, Router::SigmoidGroups { .. });
-    if !sigmoid {
+    let scored = matches!(router, Router::SigmoidGroups { .. });
+    if !scored {
         b.softmax_rows(&mut logits, rows, e);
     }
     let mut probs = vec![0.0f32; rows * e];
     b.download(&logits, &mut probs);
-    if sigmoid {
+    if scored {
         // A sigmoid router's scores are made where they are routed, on the host.
-        probs
-            .iter_mut()
-            .for_each(|v| *v = 1.0 / (1.0 + (-*v).exp()));
+        probs.iter_mut().for_each(|v| *v = sigmoid(*v));
     }
     let bias = moe.score_bias.as_deref();
 
@@ -140,7 +143,7 @@ pub fn forward<B: Backend>(
             b.linear(x, gate.weight(), rows, h, 1, &mut g);
             let mut scales = vec![0.0f32; rows];
             b.download(&g, &mut scales);
-            scales.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect()
+            scales.into_iter().map(sigmoid).collect()
         }
         None => vec![1.0; rows],
     };
