@@ -700,24 +700,27 @@ mod tests {
     use crate::checkpoint::Checkpoint;
     use crate::testing::{fixture, TempDir};
 
-    /// A two-layer checkpoint of a shrunken Qwen3-30B-A3B shape loads, runs, and is the
-    /// same bytes when written twice.
+    /// A shrunken Qwen3-30B-A3B shape, which the other families' small shapes start from.
+    const SMALL: Shape = Shape {
+        name: "small",
+        family: Family::Qwen3Moe,
+        hidden: 64,
+        moe_intermediate: 64,
+        layers: 4,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        experts: 8,
+        top_k: 2,
+        vocab: 8192,
+        rope_theta: 1e6,
+    };
+
+    /// A two-layer checkpoint of [`SMALL`] loads, runs, and is the same bytes when
+    /// written twice.
     #[test]
     fn a_small_shape_round_trips_through_the_loader() {
-        let s = Shape {
-            name: "small",
-            family: Family::Qwen3Moe,
-            hidden: 64,
-            moe_intermediate: 64,
-            layers: 4,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            experts: 8,
-            top_k: 2,
-            vocab: 8192,
-            rope_theta: 1e6,
-        };
+        let s = SMALL;
         let (a, b) = (TempDir::new("synth-a"), TempDir::new("synth-b"));
         let tok = fixture("small-moe");
         let r = synth(&s, Some(2), &tok, a.dir(), 7, &mut |_, _| {}).unwrap();
@@ -755,16 +758,8 @@ mod tests {
                 scale: 2.5,
                 qk_norm: true,
             },
-            hidden: 64,
-            moe_intermediate: 64,
             layers: 3,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            experts: 8,
-            top_k: 2,
-            vocab: 8192,
-            rope_theta: 1e6,
+            ..SMALL
         };
         let deepseek = Shape {
             name: "small-deepseek",
